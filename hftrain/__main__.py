@@ -1,0 +1,5 @@
+import sys
+
+from hftrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,81 @@
+"""The ``hftrain`` command: the only place that reads argv and the environment.
+
+Heavy libraries are imported inside the subcommands so that ``hftrain --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hftrain.errors import HFTrainError
+
+DESCRIPTION = "Distributed fine-tuning over Hugging Face Accelerate and DeepSpeed."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(prog="hftrain", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="fine-tune a sequence classifier (no config: MiniLM on Rotten Tomatoes, both embedded)",
+        description="Fine-tune a sequence classifier. Config fields may be overridden as --field value "
+        "or --section.field=value (e.g. --learning_rate 1e-4 --training.max_steps=100).",
+    )
+    train.add_argument("--config", help="YAML config with sections model, data, training, strategy")
+    commands.add_parser("env", help="versions, devices, backend, and which strategies can run here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; a user error prints one line to stderr and returns exit code 2."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "train" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return COMMANDS[args.command](args, extra)
+    except HFTrainError as error:
+        print(f"hftrain: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hftrain.config import load_config
+    from hftrain.job import run_training
+    from hftrain.log import log_main
+
+    config = load_config(args.config, overrides)
+    result = run_training(config, launch_info_from_environ())
+    accuracy = result.metrics.get("eval_accuracy", float("nan"))
+    log_main(
+        f"validation accuracy {accuracy:.4f} (f1 {result.metrics.get('eval_f1', float('nan')):.4f}, "
+        f"{int(result.metrics.get('eval_samples', 0))} examples) after {result.global_step} steps; "
+        f"took {result.seconds:.1f} s; model saved to {result.model_dir}"
+    )
+    return 0
+
+
+def _env(args: argparse.Namespace, extra: list[str]) -> int:
+    from hftrain.env import report
+
+    print(report())
+    return 0
+
+
+def launch_info_from_environ(environ: dict[str, str] | None = None):  # -> LaunchInfo
+    """What the launcher (torchrun / accelerate launch / deepspeed) put in the environment."""
+    from hftrain.strategies import LaunchInfo
+
+    env = dict(os.environ if environ is None else environ)
+    world = int(env.get("WORLD_SIZE", "1"))
+    return LaunchInfo(world_size=world, local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))))
+
+
+COMMANDS = {"train": _train, "env": _env}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""Strict dataclass configs: loaded from YAML, overridden from the command line, validated at load.
+
+A config file has one section per dataclass (``model``, ``data``, ``training``, ``strategy``, ``lora``).
+Field names follow transformers' ``TrainingArguments`` where the concept is the same, and Accelerate's
+``mixed_precision``/``log_with``. Every field name is unique across sections, so a command-line override
+may name the field alone (``--learning_rate 1e-4``) or with its section (``--training.learning_rate=1e-4``).
+Unknown keys and wrong types are errors that name the key and the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from hftrain.errors import ConfigError
+
+CONFIG_FILENAME = "hftrain_config.yaml"
+
+
+@dataclass
+class ModelConfig:
+    """What model is fine-tuned."""
+
+    model_name_or_path: str = "embedded:minilm"
+    """A local model folder, or an embedded model (``embedded:minilm``, ``embedded:smollm2``)."""
+    num_labels: int = 2
+    """Number of classes of the sequence-classification head."""
+
+    def validate(self) -> None:
+        _require(self.num_labels >= 2, "model.num_labels", "must be at least 2")
+
+
+@dataclass
+class DataConfig:
+    """Where the labelled text comes from and how it is cut."""
+
+    dataset_name: str | None = None
+    """An embedded dataset (``embedded:rotten_tomatoes``, ``embedded:chinese_reviews``); the default
+    when no ``train_file`` is given is ``embedded:rotten_tomatoes``."""
+    train_file: str | None = None
+    """A local CSV / JSON(L) / Parquet file with a text and an integer label column."""
+    validation_file: str | None = None
+    """Optional; without it ``validation_split_percentage`` of the training rows are held out."""
+    text_column: str = "text"
+    label_column: str = "label"
+    validation_split_percentage: float = 10.0
+    """Percent of training rows held out for validation (seeded, identical on every process)."""
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    max_seq_length: int = 128
+    """Texts are truncated to this many tokens; batches are padded only to their longest text."""
+
+    def validate(self) -> None:
+        _require(
+            not (self.dataset_name and self.train_file),
+            "data.dataset_name",
+            "and data.train_file are both set; set one (dataset_name: null to use your files)",
+        )
+        if not self.train_file and not self.dataset_name:
+            self.dataset_name = "embedded:rotten_tomatoes"
+        _require(0 < self.validation_split_percentage < 100, "data.validation_split_percentage", "must be in (0, 100)")
+        _require(self.max_seq_length > 0, "data.max_seq_length", "must be positive")
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"data.{name}", "must be positive or null")
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop, with transformers' ``TrainingArguments`` names."""
+
+    output_dir: str = "outputs/minilm-rotten-tomatoes"
+    overwrite_output_dir: bool = False
+    """Allow reusing an ``output_dir`` that holds a run with a different config."""
+    per_device_train_batch_size: int = 32
+    per_device_eval_batch_size: int = 64
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    """Optimizer steps to run; overrides ``num_train_epochs`` when positive."""
+    warmup_steps: int | float = 0
+    """Warmup optimizer steps (int), or a ratio of the total steps (float < 1), as in transformers 5."""
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
+    ] = "linear"
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 42
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Accelerate's mixed precision."""
+    train_sampling_strategy: Literal["group_by_length", "random", "sequential"] = "group_by_length"
+    """``group_by_length`` batches texts of similar length (less padding), shuffled per epoch."""
+    logging_steps: int = 10
+    eval_steps: int | None = None
+    """Evaluate every N optimizer steps; null evaluates at the end of each epoch."""
+    save_steps: int | None = None
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None
+    log_with: Literal["tensorboard", "none"] = "tensorboard"
+    """Accelerate tracker; tensorboard writes to ``output_dir/runs``."""
+    dataloader_num_workers: int = 0
+    torch_num_threads: int | None = None
+    """Intra-op CPU threads per process; null divides the machine's cores among the local processes."""
+
+    def validate(self) -> None:
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+        ):
+            _require(getattr(self, name) > 0, f"training.{name}", "must be positive")
+        _require(self.learning_rate > 0, "training.learning_rate", "must be positive")
+        _require(self.max_steps > 0 or self.num_train_epochs > 0, "training.num_train_epochs", "must be positive")
+        _require(self.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0 (0 disables clipping)")
+        if isinstance(self.warmup_steps, float):
+            _require(0 <= self.warmup_steps < 1, "training.warmup_steps", "as a float is a ratio in [0, 1)")
+        _require(self.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
+        for name in ("eval_steps", "save_steps", "save_total_limit", "torch_num_threads"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"training.{name}", "must be positive or null")
+
+
+@dataclass
+class StrategyConfig:
+    """How the model is distributed; see ``hftrain.strategies``."""
+
+    name: str | None = None
+    """``ddp`` (also one process), ...; null takes it from ``accelerate launch`` or uses ``ddp``."""
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class TrainConfig:
+    """The whole job: one field per config-file section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+
+    def validate(self) -> TrainConfig:
+        for section in _sections(self):
+            getattr(self, section).validate()
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """``{"section.field": value}`` for trackers and comparisons."""
+        return {f"{s}.{k}": v for s, values in self.to_dict().items() for k, v in values.items()}
+
+
+# Fields that may differ between runs sharing one output_dir (a resumed or re-run job).
+RUN_INVARIANT_EXEMPT = frozenset(
+    {"training.resume_from_checkpoint", "training.overwrite_output_dir", "training.torch_num_threads"}
+)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Build a validated config from an optional YAML file and command-line overrides.
+
+    Args:
+        path: YAML file with sections ``model``, ``data``, ``training``, ``strategy``; None for defaults.
+        overrides: ``["--learning_rate", "1e-4", "--training.seed=3", ...]``.
+    """
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    config = from_dict(raw, source=str(path) if path else "defaults")
+    for key, value in _parse_overrides(overrides or []):
+        set_field(config, key, value, source="command line")
+    return config.validate()
+
+
+def from_dict(raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
+    """Build a config from ``{section: {field: value}}``, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(_sections(TrainConfig))})")
+    config = TrainConfig()
+    for section, values in raw.items():
+        _check_key(section, _sections(TrainConfig), f"{source}: unknown section", "")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of fields")
+        for key, value in values.items():
+            set_field(config, f"{section}.{key}", value, source=source)
+    return config
+
+
+def set_field(config: TrainConfig, key: str, value: Any, *, source: str) -> None:
+    """Set ``section.field`` (or a unique bare ``field``) with type checking."""
+    section, name = _resolve_key(key, source)
+    target = getattr(config, section)
+    hint = typing.get_type_hints(type(target))[name]
+    setattr(target, name, coerce(value, hint, f"{section}.{name}"))
+
+
+def save_config(config: TrainConfig, directory: str | Path) -> Path:
+    """Write the resolved config as YAML into ``directory``."""
+    import yaml
+
+    path = Path(directory) / CONFIG_FILENAME
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    return path
+
+
+def config_differences(config: TrainConfig, other: TrainConfig) -> list[str]:
+    """Keys whose values differ between two configs, ignoring run-invariant-exempt fields."""
+    mine, theirs = config.flat(), other.flat()
+    return sorted(k for k in mine if k not in RUN_INVARIANT_EXEMPT and mine[k] != theirs.get(k))
+
+
+def coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check ``value`` against a type hint, converting strings from YAML/CLI where unambiguous."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return _coerce_union(value, typing.get_args(hint), key)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint_text = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{key}: '{value}' is not one of {', '.join(map(str, choices))}{hint_text}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(hint)
+        return [coerce(v, item, key) for v in value]
+    scalar = _SCALARS.get(hint)
+    if scalar is None:
+        raise TypeError(f"unsupported config type {hint} for {key}")
+    return scalar(value, key)
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], key: str) -> Any:
+    if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{key}: may not be null")
+    errors = []
+    for arg in (a for a in args if a is not type(None)):
+        try:
+            return coerce(value, arg, key)
+        except ConfigError as error:
+            errors.append(error)
+    raise errors[-1]
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+
+
+def _to_float(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):  # PyYAML reads '5e-5' (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+
+
+def _to_str(value: Any, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def _sections(config: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(config)]
+
+
+def _field_owners() -> dict[str, str]:
+    owners: dict[str, str] = {}
+    for section in dataclasses.fields(TrainConfig):
+        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            owners[f.name] = section.name
+    return owners
+
+
+def _resolve_key(key: str, source: str) -> tuple[str, str]:
+    owners = _field_owners()
+    if "." in key:
+        section, name = key.split(".", 1)
+        _check_key(section, _sections(TrainConfig), f"{source}: unknown section", "")
+        fields = [k for k, s in owners.items() if s == section]
+        _check_key(name, fields, f"{source}: unknown key", f"{section}.")
+        return section, name
+    _check_key(key, list(owners), f"{source}: unknown key", "")
+    return owners[key], key
+
+
+def _check_key(key: str, valid: list[str], prefix: str, qualifier: str) -> None:
+    if key in valid:
+        return
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{qualifier}{close[0]}'?" if close else f"; valid: {', '.join(valid)}"
+    raise ConfigError(f"{prefix} '{qualifier}{key}'{hint}")
+
+
+def _parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"command line: expected '--key value' or '--key=value', got '{arg}'")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"command line: '{arg}' needs a value")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file to --config")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}; fix its syntax") from None
+    return raw or {}
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {message}")

@@ -1,0 +1,7 @@
+"""Data loading for hftrain: local files and embedded datasets as text/label splits."""
+
+from __future__ import annotations
+
+from hftrain.data.loading import EMBEDDED_DATASETS, load_classification_splits
+
+__all__ = ["EMBEDDED_DATASETS", "load_classification_splits"]

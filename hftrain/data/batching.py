@@ -1,0 +1,106 @@
+"""Tokenization, samplers and data loaders: dynamic padding and length-aware batching.
+
+Every process builds the same index order from ``(seed, epoch)``; Accelerate then hands process ``r`` every
+``r``-th micro-batch, so a global batch is the same examples whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict
+    from transformers import PreTrainedTokenizerBase
+
+
+def tokenize_splits(splits: DatasetDict, tokenizer: PreTrainedTokenizerBase, *, max_seq_length: int) -> DatasetDict:
+    """Tokenize ``text`` without padding (padding happens per batch) and rename ``label`` to ``labels``.
+
+    Args:
+        splits: splits with ``text`` and ``label`` columns.
+        tokenizer: the model's tokenizer.
+        max_seq_length: truncation length in tokens.
+    """
+
+    def encode(batch: dict) -> dict:
+        encoded = tokenizer(batch["text"], truncation=True, max_length=max_seq_length)
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
+
+    # keep_in_memory: no cache files, so concurrent processes never race on the datasets cache.
+    tokenized = splits.map(encode, batched=True, keep_in_memory=True, remove_columns=["text"])
+    return tokenized.rename_column("label", "labels")
+
+
+class EpochSampler(Sampler[int]):
+    """Indices in an order fixed by ``(seed, epoch)``: sequential, random, or grouped by length.
+
+    Args:
+        lengths: token length of each example.
+        order: ``"sequential"``, ``"random"`` or ``"group_by_length"``.
+        group_size: examples per global batch; length groups are cut in multiples of it, so the order does
+            not depend on how the global batch is split across processes.
+        seed: base seed; epoch ``e`` shuffles with ``seed + e``.
+    """
+
+    def __init__(self, lengths: Sequence[int], *, order: str, group_size: int, seed: int) -> None:
+        self.lengths = list(lengths)
+        self.order = order
+        self.group_size = group_size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self) -> Iterator[int]:
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.order == "sequential":
+            return iter(range(len(self.lengths)))
+        if self.order == "random":
+            return iter(torch.randperm(len(self.lengths), generator=generator).tolist())
+        return iter(get_length_grouped_indices(self.lengths, self.group_size, generator=generator))
+
+
+class SortedSampler(Sampler[int]):
+    """Evaluation order: longest first, so batches pad little; metrics are order-independent."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+
+def build_dataloader(
+    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, *, batch_size: int, sampler: Sampler, num_workers: int = 0
+) -> DataLoader:
+    """A loader that pads each batch to its longest example.
+
+    Args:
+        dataset: tokenized examples with a ``length`` column.
+        tokenizer: supplies the pad token.
+        batch_size: examples per process per micro-batch.
+        sampler: the index order.
+        num_workers: loader worker processes.
+    """
+    from transformers import DataCollatorWithPadding
+
+    return DataLoader(
+        dataset.remove_columns([c for c in dataset.column_names if c == "length"]),
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=DataCollatorWithPadding(tokenizer),
+        num_workers=num_workers,
+    )

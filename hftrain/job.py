@@ -1,0 +1,114 @@
+"""The fine-tuning job behind ``hftrain train``: config in, trained and exported model out.
+
+Every check that can fail on bad input runs before anything is written to ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hftrain.config import CONFIG_FILENAME, TrainConfig, config_differences, from_dict, save_config
+from hftrain.errors import ConfigError
+from hftrain.log import get_logger, is_main_process
+
+if TYPE_CHECKING:
+    from hftrain.strategies import LaunchInfo
+
+
+@dataclass
+class JobResult:
+    """The headline numbers of a finished job."""
+
+    metrics: dict[str, float]
+    seconds: float
+    model_dir: str
+    global_step: int
+    log_history: list[dict[str, float]]
+
+
+def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
+    """Load data and model, train with the configured strategy, export, and report.
+
+    Args:
+        config: the validated job config.
+        launch: what the launcher set up (world size, accelerate strategy).
+    """
+    from hftrain.checkpoint.export import export_pretrained
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.data.loading import load_classification_splits
+    from hftrain.models import build_tokenizer, model_init_fn
+    from hftrain.strategies import build_strategy
+    from hftrain.trainers import SequenceClassificationTrainer
+
+    start = time.perf_counter()
+    log = get_logger()
+    strategy = build_strategy(config.strategy, launch=launch)
+    check_output_dir(config)
+    tokenizer = build_tokenizer(config.model)
+    data = config.data
+    splits = load_classification_splits(
+        dataset_name=data.dataset_name,
+        train_file=data.train_file,
+        validation_file=data.validation_file,
+        text_column=data.text_column,
+        label_column=data.label_column,
+        num_labels=config.model.num_labels,
+        validation_split_percentage=data.validation_split_percentage,
+        max_train_samples=data.max_train_samples,
+        max_eval_samples=data.max_eval_samples,
+        seed=config.training.seed,
+        log=log.info if is_main_process() else (lambda _: None),
+    )
+    tokenized = tokenize_splits(splits, tokenizer, max_seq_length=data.max_seq_length)
+    # Inputs are valid: from here on the run may write into output_dir.
+    output_dir = Path(config.training.output_dir)
+    if is_main_process():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, output_dir)
+    trainer = SequenceClassificationTrainer(
+        config.training,
+        strategy=strategy,
+        model_init=model_init_fn(config.model, tokenizer),
+        tokenizer=tokenizer,
+        train_dataset=tokenized["train"],
+        eval_dataset=tokenized["validation"],
+        run_config=config.flat(),
+    )
+    result = trainer.fit()
+    model_dir = export_pretrained(trainer.accelerator, trainer.model, tokenizer, output_dir / "model")
+    return JobResult(
+        metrics=result.metrics,
+        seconds=time.perf_counter() - start,
+        model_dir=str(model_dir),
+        global_step=result.global_step,
+        log_history=trainer.state.log_history,
+    )
+
+
+def check_output_dir(config: TrainConfig) -> None:
+    """Refuse an ``output_dir`` that holds another run (a different config), unless overwriting is allowed."""
+    import yaml
+
+    output_dir = Path(config.training.output_dir)
+    if not output_dir.exists() or config.training.overwrite_output_dir:
+        return
+    if output_dir.is_file():
+        raise ConfigError(f"training.output_dir '{output_dir}' is a file; choose a directory path")
+    saved = output_dir / CONFIG_FILENAME
+    if not saved.is_file():
+        if any(output_dir.iterdir()):
+            raise ConfigError(
+                f"training.output_dir '{output_dir}' is not empty and holds no hftrain run; choose a new "
+                "output_dir or set overwrite_output_dir: true"
+            )
+        return
+    previous = from_dict(yaml.safe_load(saved.read_text()) or {}, source=str(saved))
+    differences = config_differences(config, previous)
+    if differences:
+        raise ConfigError(
+            f"training.output_dir '{output_dir}' already holds a different run (differs in {', '.join(differences[:5])}); "
+            "choose a new output_dir or set overwrite_output_dir: true"
+        )

@@ -1,0 +1,34 @@
+"""A rank-aware logger: only the main process prints unless asked otherwise."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_LOGGER_NAME = "hftrain"
+
+
+def get_logger() -> logging.Logger:
+    """hftrain's logger; lines are prefixed with the rank when more than one process runs."""
+    logger = logging.getLogger(_LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+        handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (or without a launcher)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def log_main(message: str) -> None:
+    """Log ``message`` on the main process only."""
+    if is_main_process():
+        get_logger().info(message)

@@ -1,0 +1,61 @@
+"""Strategy registry: a new strategy is one file and one line in ``_REGISTRY``."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import TYPE_CHECKING
+
+from hftrain.errors import ConfigError
+from hftrain.strategies.base import LaunchInfo, Strategy
+
+if TYPE_CHECKING:
+    from hftrain.config import StrategyConfig
+    from hftrain.strategies.platform import Platform
+
+# name -> "module:Class", imported only when chosen so that heavy backends stay lazy.
+_REGISTRY: dict[str, str] = {
+    "ddp": "hftrain.strategies.ddp:DDPStrategy",
+}
+
+
+def available_strategies() -> list[str]:
+    """Names a config may give in ``strategy.name``."""
+    return list(_REGISTRY)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The registered class for ``name``; an unknown name is a ``ConfigError`` naming the closest one."""
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"choose one of {', '.join(_REGISTRY)}"
+        raise ConfigError(f"strategy.name: unknown strategy '{name}'; {hint}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_strategy(config: StrategyConfig, *, launch: LaunchInfo, platform: Platform | None = None) -> Strategy:
+    """Resolve the strategy from the config and the launcher, and construct it.
+
+    Args:
+        config: the ``strategy`` config section.
+        launch: what the launcher said (world size, the accelerate config's strategy).
+        platform: device/backend; detected when None.
+    """
+    from hftrain.strategies.platform import Platform
+
+    name = resolve_strategy_name(config.name, launch.accelerate_strategy)
+    return strategy_class(name)(config, platform=platform or Platform.detect(), launch=launch)
+
+
+def resolve_strategy_name(configured: str | None, launched: str | None) -> str:
+    """The config's strategy, else the launcher's, else ``ddp``; a disagreement is an error."""
+    if configured and launched and configured != launched:
+        raise ConfigError(
+            f"strategy.name is '{configured}' but accelerate launch's config selects '{launched}'; "
+            "make them agree or drop one of them"
+        )
+    return configured or launched or "ddp"
+
+
+__all__ = ["LaunchInfo", "Strategy", "available_strategies", "build_strategy", "strategy_class"]

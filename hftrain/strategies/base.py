@@ -1,0 +1,117 @@
+"""The strategy interface: how a job's model, optimizer and data are distributed.
+
+The trainer only talks to this interface; it never asks which strategy it runs. A strategy turns hftrain's
+config into Accelerate plugin/handler objects, fixes up the Accelerate state where the platform needs it,
+and owns the context in which the model is constructed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from hftrain.errors import HFTrainError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.strategies.platform import Platform
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher (torchrun / accelerate launch / deepspeed) told this process.
+
+    Args:
+        world_size: processes in the job (``WORLD_SIZE``, 1 without a launcher).
+        local_world_size: processes on this machine.
+        accelerate_strategy: the strategy named by ``accelerate launch --config_file`` (None when absent).
+        accelerate_settings: the launcher's strategy settings (e.g. a DeepSpeed config file, FSDP options).
+    """
+
+    world_size: int = 1
+    local_world_size: int = 1
+    accelerate_strategy: str | None = None
+    accelerate_settings: dict[str, str] | None = None
+
+
+class Strategy(ABC):
+    """One way to distribute training; subclasses live one per file and register by ``name``.
+
+    Args:
+        config: the ``strategy`` config section.
+        platform: device and backend of this machine.
+        launch: what the launcher set up.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
+        self.config = config
+        self.platform = platform
+        self.launch = launch
+
+    @abstractmethod
+    def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
+        """Keyword arguments for ``Accelerator`` (plugins, kwargs handlers, cpu flag) for this strategy."""
+
+    def configure_accelerator(self, accelerator: Accelerator) -> None:
+        """Adjust the freshly built Accelerate state where the platform needs it (default: nothing)."""
+
+    def model_init_context(self) -> contextlib.AbstractContextManager:
+        """The context the model must be constructed in (default: none)."""
+        return contextlib.nullcontext()
+
+    def describe(self) -> dict[str, Any]:
+        """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""
+        return {}
+
+    def build_accelerator(self, training: TrainingConfig, *, project_dir: str | None = None) -> Accelerator:
+        """Construct the ``Accelerator`` for this strategy and refuse a silently unsynchronised job.
+
+        Args:
+            training: the ``training`` config section (precision, accumulation, trackers).
+            project_dir: where trackers write (``output_dir``).
+        """
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration
+
+        accelerator = Accelerator(
+            mixed_precision=training.mixed_precision,
+            gradient_accumulation_steps=training.gradient_accumulation_steps,
+            log_with=None if training.log_with == "none" else training.log_with,
+            project_dir=project_dir,
+            # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself (pitfall #15).
+            step_scheduler_with_optimizer=False,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            **self.accelerator_kwargs(training),
+        )
+        self.configure_accelerator(accelerator)
+        check_synchronised(accelerator, self.launch, strategy=self.name)
+        return accelerator
+
+
+def check_synchronised(accelerator: Accelerator, launch: LaunchInfo, *, strategy: str) -> None:
+    """Refuse a multi-process launch whose Accelerate state resolved to no distributed type.
+
+    Args:
+        accelerator: the constructed accelerator.
+        launch: the launcher's world size.
+        strategy: the strategy name, for the message.
+    """
+    from accelerate.utils import DistributedType
+
+    if launch.world_size > 1 and accelerator.distributed_type == DistributedType.NO:
+        raise HFTrainError(
+            f"strategy '{strategy}': {launch.world_size} processes were launched but Accelerate resolved no "
+            "distributed type, so each would train alone without gradient sync; launch with an "
+            "accelerate_configs/ file or set strategy.name"
+        )
+    if accelerator.num_processes != launch.world_size:
+        raise HFTrainError(
+            f"strategy '{strategy}': Accelerate sees {accelerator.num_processes} processes but the launcher "
+            f"started {launch.world_size}; check the launcher's --num_processes and the strategy config"
+        )

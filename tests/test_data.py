@@ -1,0 +1,313 @@
+"""Tests for hftrain.data.loading: local files, validation errors, splits and embedded datasets."""
+
+from __future__ import annotations
+
+import bz2
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hftrain.data import EMBEDDED_DATASETS, load_classification_splits
+from hftrain.errors import ConfigError, DataError
+
+
+def _rows(n: int) -> list[dict[str, Any]]:
+    """Return n rows with distinct texts and alternating 0/1 labels."""
+    return [{"text": f"example number {i}", "label": i % 2} for i in range(n)]
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...] = ("text", "label")) -> Path:
+    """Write rows as CSV with a header; None becomes an empty cell."""
+    import pandas as pd
+
+    pd.DataFrame(rows, columns=list(columns)).to_csv(path, index=False)
+    return path
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Write rows as JSON lines."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _load(
+    train_file: Path | None = None,
+    *,
+    dataset_name: str | None = None,
+    validation_file: Path | None = None,
+    text_column: str = "text",
+    label_column: str = "label",
+    num_labels: int = 2,
+    validation_split_percentage: float = 20,
+    max_train_samples: int | None = None,
+    max_eval_samples: int | None = None,
+    seed: int = 0,
+    log: Any = None,
+):
+    """Call load_classification_splits with test defaults."""
+    return load_classification_splits(
+        dataset_name=dataset_name,
+        train_file=str(train_file) if train_file is not None else None,
+        validation_file=str(validation_file) if validation_file is not None else None,
+        text_column=text_column,
+        label_column=label_column,
+        num_labels=num_labels,
+        validation_split_percentage=validation_split_percentage,
+        max_train_samples=max_train_samples,
+        max_eval_samples=max_eval_samples,
+        seed=seed,
+        log=log if log is not None else (lambda message: None),
+    )
+
+
+def _check_splits(splits, total: int) -> None:
+    """Assert the splits have the expected schema and together hold `total` rows."""
+    assert set(splits) == {"train", "validation"}
+    for split in splits.values():
+        assert split.column_names == ["text", "label"]
+        assert split.features["text"].dtype == "string"
+        assert split.features["label"].dtype == "int64"
+    assert len(splits["train"]) + len(splits["validation"]) == total
+
+
+# ---------------------------------------------------------------------------
+# File formats
+# ---------------------------------------------------------------------------
+
+
+def test_csv(tmp_path: Path) -> None:
+    splits = _load(_write_csv(tmp_path / "train.csv", _rows(20)))
+    _check_splits(splits, 20)
+    assert len(splits["validation"]) == 4
+
+
+def test_csv_bz2(tmp_path: Path) -> None:
+    plain = _write_csv(tmp_path / "plain.csv", _rows(10))
+    packed = tmp_path / "train.csv.bz2"
+    packed.write_bytes(bz2.compress(plain.read_bytes()))
+    _check_splits(_load(packed), 10)
+
+
+def test_json_array(tmp_path: Path) -> None:
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(_rows(10)), encoding="utf-8")
+    _check_splits(_load(path), 10)
+
+
+def test_jsonl(tmp_path: Path) -> None:
+    _check_splits(_load(_write_jsonl(tmp_path / "train.jsonl", _rows(10))), 10)
+
+
+def test_parquet(tmp_path: Path) -> None:
+    import pandas as pd
+
+    path = tmp_path / "train.parquet"
+    pd.DataFrame(_rows(10)).to_parquet(path, index=False)
+    _check_splits(_load(path), 10)
+
+
+def test_custom_columns_are_renamed_and_extra_columns_dropped(tmp_path: Path) -> None:
+    rows = [{"review": f"r{i}", "stars": i % 3, "id": i} for i in range(10)]
+    path = _write_csv(tmp_path / "train.csv", rows, columns=("id", "review", "stars"))
+    splits = _load(path, text_column="review", label_column="stars", num_labels=3)
+    _check_splits(splits, 10)
+    all_rows = splits["train"].to_list() + splits["validation"].to_list()
+    assert sorted(row["text"] for row in all_rows) == sorted(f"r{i}" for i in range(10))
+
+
+def test_numeric_text_and_whole_float_labels(tmp_path: Path) -> None:
+    rows = [{"text": 100 + i, "label": float(i % 2)} for i in range(10)]
+    splits = _load(_write_jsonl(tmp_path / "train.jsonl", rows))
+    assert isinstance(splits["train"][0]["text"], str)
+    assert set(splits["train"]["label"]) <= {0, 1}
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="data.train_file") as err:
+        _load(tmp_path / "nope.csv")
+    assert "nope.csv" in str(err.value)
+
+
+def test_missing_validation_file(tmp_path: Path) -> None:
+    train = _write_csv(tmp_path / "train.csv", _rows(10))
+    with pytest.raises(DataError, match="data.validation_file") as err:
+        _load(train, validation_file=tmp_path / "dev.csv")
+    assert "dev.csv" in str(err.value)
+
+
+def test_unknown_extension(tmp_path: Path) -> None:
+    path = tmp_path / "train.txt"
+    path.write_text("hello\n", encoding="utf-8")
+    with pytest.raises(DataError, match="data.train_file") as err:
+        _load(path)
+    assert "train.txt" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "missing", "field"),
+    [({"text_column": "review"}, "review", "data.text_column"), ({"label_column": "y"}, "y", "data.label_column")],
+)
+def test_missing_column(tmp_path: Path, kwargs: dict[str, str], missing: str, field: str) -> None:
+    path = _write_csv(tmp_path / "train.csv", _rows(10))
+    with pytest.raises(DataError) as err:
+        _load(path, **kwargs)
+    message = str(err.value)
+    assert f"'{missing}'" in message and field in message
+    assert "train.csv" in message and "text, label" in message
+
+
+def test_dropped_rows_are_logged(tmp_path: Path) -> None:
+    rows = _rows(10) + [
+        {"text": None, "label": 1},
+        {"text": "   ", "label": 0},
+        {"text": "no label", "label": None},
+    ]
+    messages: list[str] = []
+    splits = _load(_write_jsonl(tmp_path / "train.jsonl", rows), log=messages.append)
+    _check_splits(splits, 10)
+    assert any("dropped 3 of 13 rows" in m and "train.jsonl" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("bad", ["pos", 0.5])
+def test_non_integer_labels(tmp_path: Path, bad: Any) -> None:
+    rows = _rows(5) + [{"text": "bad", "label": bad}]
+    with pytest.raises(DataError) as err:
+        _load(_write_jsonl(tmp_path / "train.jsonl", rows))
+    message = str(err.value)
+    assert "train.jsonl" in message and "'label'" in message and repr(bad) in message
+
+
+def test_string_labels_in_csv(tmp_path: Path) -> None:
+    rows = [{"text": f"t{i}", "label": "pos" if i % 2 else "neg"} for i in range(6)]
+    with pytest.raises(DataError, match="'neg'") as err:
+        _load(_write_csv(tmp_path / "train.csv", rows))
+    assert "train.csv" in str(err.value) and "data.label_column" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [2, -1])
+def test_out_of_range_labels(tmp_path: Path, bad: int) -> None:
+    rows = _rows(5) + [{"text": "bad", "label": bad}]
+    with pytest.raises(DataError) as err:
+        _load(_write_csv(tmp_path / "train.csv", rows), num_labels=2)
+    message = str(err.value)
+    assert "model.num_labels" in message and f"label {bad} " in message and "train.csv" in message
+
+
+def test_empty_after_dropping(tmp_path: Path) -> None:
+    rows = [{"text": None, "label": 1}, {"text": "x", "label": None}]
+    with pytest.raises(DataError) as err:
+        _load(_write_jsonl(tmp_path / "train.jsonl", rows))
+    assert "train.jsonl" in str(err.value) and "data.train_file" in str(err.value)
+
+
+@pytest.mark.parametrize("content", ["", "text,label\n"])
+def test_empty_file(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        _load(path)
+    assert "data.train_file" in str(err.value) and "train.csv" in str(err.value)
+
+
+def test_unparsable_file(tmp_path: Path) -> None:
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="could not read") as err:
+        _load(path)
+    assert "data.train_file" in str(err.value) and "train.parquet" in str(err.value)
+
+
+def test_exactly_one_source(tmp_path: Path) -> None:
+    path = _write_csv(tmp_path / "train.csv", _rows(10))
+    for kwargs in ({}, {"train_file": path, "dataset_name": "embedded:rotten_tomatoes"}):
+        with pytest.raises(ConfigError) as err:
+            _load(**kwargs)
+        assert "data.dataset_name" in str(err.value) and "data.train_file" in str(err.value)
+
+
+def test_unknown_dataset_name() -> None:
+    with pytest.raises(ConfigError, match="data.dataset_name") as err:
+        _load(dataset_name="imdb")
+    message = str(err.value)
+    assert all(name in message for name in EMBEDDED_DATASETS) and "data.train_file" in message
+
+
+def test_bad_split_percentage(tmp_path: Path) -> None:
+    path = _write_csv(tmp_path / "train.csv", _rows(10))
+    with pytest.raises(ConfigError, match="data.validation_split_percentage"):
+        _load(path, validation_split_percentage=0)
+
+
+def test_bad_max_samples(tmp_path: Path) -> None:
+    path = _write_csv(tmp_path / "train.csv", _rows(10))
+    with pytest.raises(ConfigError, match="data.max_train_samples"):
+        _load(path, max_train_samples=0)
+
+
+# ---------------------------------------------------------------------------
+# Splits
+# ---------------------------------------------------------------------------
+
+
+def test_split_is_deterministic(tmp_path: Path) -> None:
+    path = _write_csv(tmp_path / "train.csv", _rows(50))
+    first, second = _load(path, seed=7), _load(path, seed=7)
+    for name in ("train", "validation"):
+        assert first[name].to_list() == second[name].to_list()
+    texts = set(first["train"]["text"]) | set(first["validation"]["text"])
+    assert len(texts) == 50 and not set(first["train"]["text"]) & set(first["validation"]["text"])
+    assert list(_load(path, seed=8)["validation"]["text"]) != list(first["validation"]["text"])
+
+
+def test_validation_file_is_used(tmp_path: Path) -> None:
+    train = _write_csv(tmp_path / "train.csv", _rows(10))
+    dev_rows = [{"text": f"dev {i}", "label": 1} for i in range(3)]
+    dev = _write_jsonl(tmp_path / "dev.jsonl", dev_rows)
+    splits = _load(train, validation_file=dev)
+    assert len(splits["train"]) == 10
+    assert splits["validation"].to_list() == dev_rows
+
+
+def test_max_samples_take_first_rows(tmp_path: Path) -> None:
+    path = _write_csv(tmp_path / "train.csv", _rows(50))
+    full = _load(path)
+    limited = _load(path, max_train_samples=5, max_eval_samples=3)
+    assert limited["train"].to_list() == full["train"].to_list()[:5]
+    assert limited["validation"].to_list() == full["validation"].to_list()[:3]
+    assert len(_load(path, max_train_samples=1000)["train"]) == len(full["train"])
+
+
+# ---------------------------------------------------------------------------
+# Embedded datasets (read real files from installed packages)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "positives", "negatives"),
+    [("embedded:rotten_tomatoes", 7368, 5384), ("embedded:chinese_reviews", 8332, 9031)],
+)
+def test_embedded_dataset(name: str, positives: int, negatives: int) -> None:
+    splits = _load(dataset_name=name, text_column="ignored", label_column="ignored", validation_split_percentage=10)
+    _check_splits(splits, positives + negatives)
+    labels = list(splits["train"]["label"]) + list(splits["validation"]["label"])
+    assert labels.count(1) == positives and labels.count(0) == negatives
+    texts = list(splits["train"]["text"]) + list(splits["validation"]["text"])
+    assert len(set(texts)) == len(texts) and all(text.strip() for text in texts)
+    assert abs(len(splits["validation"]) - (positives + negatives) / 10) <= 1
+    # Same seed, same order: every process of a distributed run sees the same split.
+    again = _load(dataset_name=name, validation_split_percentage=10, max_eval_samples=20)
+    assert list(again["validation"]["text"]) == list(splits["validation"]["text"])[:20]
+
+
+def test_embedded_dataset_rejects_validation_file(tmp_path: Path) -> None:
+    dev = _write_csv(tmp_path / "dev.csv", _rows(4))
+    with pytest.raises(ConfigError, match="data.validation_file"):
+        _load(dataset_name="embedded:chinese_reviews", validation_file=dev)
+

@@ -1,0 +1,66 @@
+"""Tests for hftrain.metrics: offline evaluate modules and classification metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.metrics import accuracy_score, f1_score
+
+from hftrain.errors import ConfigError
+from hftrain.metrics import compute_classification_metrics, load_metric
+
+BINARY_PREDICTIONS = [0, 1, 1, 0, 1, 1, 0, 0]
+BINARY_REFERENCES = [0, 1, 0, 0, 1, 0, 1, 0]
+MULTI_PREDICTIONS = [0, 1, 2, 2, 1, 0, 2, 1]
+MULTI_REFERENCES = [0, 2, 2, 1, 1, 0, 2, 0]
+
+
+def test_load_metric_accuracy_matches_sklearn() -> None:
+    result = load_metric("accuracy").compute(predictions=BINARY_PREDICTIONS, references=BINARY_REFERENCES)
+    assert result == {"accuracy": pytest.approx(accuracy_score(BINARY_REFERENCES, BINARY_PREDICTIONS))}
+
+
+@pytest.mark.parametrize("average", ["binary", "macro", "micro", "weighted"])
+def test_load_metric_f1_matches_sklearn(average: str) -> None:
+    predictions, references = (
+        (BINARY_PREDICTIONS, BINARY_REFERENCES) if average == "binary" else (MULTI_PREDICTIONS, MULTI_REFERENCES)
+    )
+    result = load_metric("f1").compute(predictions=predictions, references=references, average=average)
+    assert result["f1"] == pytest.approx(f1_score(references, predictions, average=average))
+
+
+def test_f1_pos_label_and_per_class() -> None:
+    f1 = load_metric("f1")
+    result = f1.compute(predictions=BINARY_PREDICTIONS, references=BINARY_REFERENCES, pos_label=0)
+    assert result["f1"] == pytest.approx(f1_score(BINARY_REFERENCES, BINARY_PREDICTIONS, pos_label=0))
+    per_class = f1.compute(predictions=MULTI_PREDICTIONS, references=MULTI_REFERENCES, average=None)["f1"]
+    assert per_class == pytest.approx(list(f1_score(MULTI_REFERENCES, MULTI_PREDICTIONS, average=None)))
+
+
+def test_unknown_metric() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_metric("bleu")
+    message = str(err.value)
+    assert "'bleu'" in message and "accuracy" in message and "f1" in message
+
+
+def test_compute_binary() -> None:
+    metrics = compute_classification_metrics(BINARY_PREDICTIONS, BINARY_REFERENCES, num_labels=2)
+    assert metrics == {
+        "accuracy": pytest.approx(accuracy_score(BINARY_REFERENCES, BINARY_PREDICTIONS)),
+        "f1": pytest.approx(f1_score(BINARY_REFERENCES, BINARY_PREDICTIONS, average="binary")),
+    }
+    assert all(type(value) is float for value in metrics.values())
+
+
+def test_compute_multiclass_uses_macro_f1() -> None:
+    metrics = compute_classification_metrics(np.array(MULTI_PREDICTIONS), np.array(MULTI_REFERENCES), num_labels=3)
+    assert metrics["accuracy"] == pytest.approx(accuracy_score(MULTI_REFERENCES, MULTI_PREDICTIONS))
+    assert metrics["f1"] == pytest.approx(f1_score(MULTI_REFERENCES, MULTI_PREDICTIONS, average="macro"))
+
+
+def test_compute_accepts_logits_and_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    logits = torch.nn.functional.one_hot(torch.tensor(MULTI_PREDICTIONS), 3).float() * 5.0
+    metrics = compute_classification_metrics(logits, torch.tensor(MULTI_REFERENCES), num_labels=3)
+    assert metrics == compute_classification_metrics(MULTI_PREDICTIONS, MULTI_REFERENCES, num_labels=3)
