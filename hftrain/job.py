@@ -79,6 +79,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     )
     result = trainer.fit()
     model_dir = export_pretrained(trainer.accelerator, trainer.model, tokenizer, output_dir / "model")
+    trainer.close()
     return JobResult(
         metrics=result.metrics,
         seconds=time.perf_counter() - start,

@@ -205,7 +205,8 @@ class Trainer:
             metrics = self.evaluate()
         progress.close()
         runtime = time.perf_counter() - start
-        acc.end_training()
+        for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
+            tracker.finish()
         return TrainResult(
             global_step=self.state.global_step,
             train_loss=_mean([h["loss"] for h in self.state.log_history if "loss" in h]),
@@ -274,6 +275,10 @@ class Trainer:
         self._last_eval_step = self.state.global_step
         self.log.info(f"step {self.state.global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         return metrics
+
+    def close(self) -> None:
+        """End the run: flush trackers and destroy the process group (after any export)."""
+        self.accelerator.end_training()
 
     def state_dict(self) -> dict[str, Any]:
         """The trainer state as plain data."""

@@ -1,0 +1,61 @@
+"""The one helper that starts real gloo processes for distributed tests.
+
+Test bodies are plain module-level functions; ``run_distributed`` runs one in ``nprocs`` spawned processes
+with the usual launcher environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and returns each rank's result.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., Any], kwargs: dict, nprocs: int, port: int, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    result = fn(**kwargs)
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_distributed(fn: Callable[..., Any], nprocs: int = 2, *, timeout: float = 600, **kwargs: Any) -> list[Any]:
+    """Run ``fn(**kwargs)`` in ``nprocs`` processes (spawned, gloo-ready) and return their results by rank.
+
+    Args:
+        fn: a module-level function (spawn pickles it by name).
+        nprocs: number of processes.
+        timeout: seconds before all processes are killed and the test fails.
+        kwargs: passed to ``fn`` in every process.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _worker, args=(fn, kwargs, nprocs, free_port(), out_dir), nprocs=nprocs, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish in {timeout} s on {nprocs} processes")
+        return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(nprocs)]

@@ -1,0 +1,132 @@
+"""Tiny models, a tokenizer and learnable synthetic data, built locally (no hub) for fast tests."""
+
+from __future__ import annotations
+
+import random
+
+WORDS = [f"w{i}" for i in range(40)]
+POSITIVE = set(WORDS[:20])
+
+
+def tiny_tokenizer(kind: str = "bert"):
+    """A word-level fast tokenizer over ``WORDS``; GPT-style has no pad token (as real GPT models)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]"] if kind == "bert" else ["<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[1]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if kind == "bert":
+        return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64):
+    """A 2-layer config with dropout off (so per-rank dropout masks cannot differ from the reference)."""
+    from transformers import BertConfig, GPT2Config
+
+    if kind == "bert":
+        return BertConfig(
+            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
+        )
+    return GPT2Config(
+        vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64, num_labels=num_labels,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, pad_token_id=0,
+    )
+
+
+def tiny_model_init(kind: str = "bert", num_labels: int = 2):
+    """A ``model_init`` for the trainer: a fresh tiny ``*ForSequenceClassification``."""
+
+    def build():
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification.from_config(tiny_config(kind, num_labels))
+
+    return build
+
+
+def synthetic_texts(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
+    """Texts of 3..20 words; label 1 when most words are 'positive' ones: learnable, varied lengths."""
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 20))]
+        texts.append(" ".join(words))
+        labels.append(int(sum(w in POSITIVE for w in words) * 2 > len(words)))
+    return texts, labels
+
+
+def tiny_splits(n_train: int = 96, n_eval: int = 25, seed: int = 0):
+    """A DatasetDict with ``train``/``validation`` splits of synthetic text."""
+    from datasets import Dataset, DatasetDict
+
+    texts, labels = synthetic_texts(n_train + n_eval, seed)
+    return DatasetDict(
+        train=Dataset.from_dict({"text": texts[:n_train], "label": labels[:n_train]}),
+        validation=Dataset.from_dict({"text": texts[n_train:], "label": labels[n_train:]}),
+    )
+
+
+def reset_accelerate_state() -> None:
+    """Forget the Accelerate singletons (not the process group) so a process can build a new Accelerator."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+def run_tiny_training(
+    *,
+    kind: str = "bert",
+    strategy: str = "ddp",
+    micro: int = 4,
+    gas: int = 1,
+    steps: int = 10,
+    order: str = "group_by_length",
+    n_train: int = 96,
+    n_eval: int = 25,
+    output_dir: str = "/tmp/hftrain-test",
+    **training_overrides,
+) -> dict:
+    """Train a tiny model in this process group; returns losses, learning rates and final eval metrics."""
+    import torch
+
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import build_strategy
+    from hftrain.trainers import SequenceClassificationTrainer
+
+    reset_accelerate_state()
+    tokenizer = tiny_tokenizer(kind)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    splits = tokenize_splits(tiny_splits(n_train, n_eval), tokenizer, max_seq_length=32)
+    args = TrainingConfig(
+        output_dir=output_dir, per_device_train_batch_size=micro, per_device_eval_batch_size=5,
+        gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-3, warmup_steps=2,
+        logging_steps=1, log_with="none", train_sampling_strategy=order, **training_overrides,
+    )
+    trainer = SequenceClassificationTrainer(
+        args,
+        strategy=build_strategy(StrategyConfig(name=strategy), launch=launch_info_from_environ()),
+        model_init=tiny_model_init(kind),
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+    )
+    result = trainer.fit()
+    history = trainer.state.log_history
+    return {
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "lrs": [h["learning_rate"] for h in history if "loss" in h],
+        "metrics": result.metrics,
+        "samples_seen": trainer.state.samples_seen,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "num_processes": trainer.accelerator.num_processes,
+        "threads": torch.get_num_threads(),
+    }
