@@ -45,6 +45,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
 
     start = time.perf_counter()
     log = get_logger()
+    quiet_libraries()
     strategy = build_strategy(config.strategy, launch=launch)
     check_output_dir(config)
     tokenizer = build_tokenizer(config.model)
@@ -87,6 +88,16 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         global_step=result.global_step,
         log_history=trainer.state.log_history,
     )
+
+
+def quiet_libraries() -> None:
+    """Keep one progress bar (the trainer's) and the warnings; drop per-step library chatter."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_warning()
 
 
 def check_output_dir(config: TrainConfig) -> None:

@@ -9,11 +9,23 @@ import sys
 _LOGGER_NAME = "hftrain"
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is now (notebooks and test capture replace it)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def get_logger() -> logging.Logger:
     """hftrain's logger; lines are prefixed with the rank when more than one process runs."""
     logger = logging.getLogger(_LOGGER_NAME)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
         handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
