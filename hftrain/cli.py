@@ -71,7 +71,38 @@ def launch_info_from_environ(environ: dict[str, str] | None = None):  # -> Launc
 
     env = dict(os.environ if environ is None else environ)
     world = int(env.get("WORLD_SIZE", "1"))
-    return LaunchInfo(world_size=world, local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))))
+    settings = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_DEEPSPEED_", "FSDP_"))}
+    return LaunchInfo(
+        world_size=world,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        accelerate_strategy=_accelerate_strategy(env),
+        accelerate_settings=settings,
+    )
+
+
+def _accelerate_strategy(env: dict[str, str]) -> str | None:
+    """The strategy an ``accelerate launch --config_file`` selected, in hftrain's names."""
+    import json
+
+    from hftrain.errors import ConfigError
+
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp"
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return None
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if config_file and config_file != "none":
+        try:
+            stage = str(json.loads(open(config_file).read())["zero_optimization"]["stage"])
+        except (OSError, ValueError, KeyError) as error:
+            raise ConfigError(
+                f"deepspeed_config_file '{config_file}' (from the accelerate config) has no readable "
+                f"zero_optimization.stage ({type(error).__name__}); fix the file or its path"
+            ) from None
+    if stage not in ("1", "2", "3"):
+        raise ConfigError(f"accelerate config: zero_stage '{stage}' is not 1, 2 or 3; hftrain runs ZeRO-1/2/3")
+    return f"zero{stage}"
 
 
 COMMANDS = {"train": _train, "env": _env}

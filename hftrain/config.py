@@ -133,10 +133,21 @@ class StrategyConfig:
     """How the model is distributed; see ``hftrain.strategies``."""
 
     name: str | None = None
-    """``ddp`` (also one process), ...; null takes it from ``accelerate launch`` or uses ``ddp``."""
+    """``ddp`` (also one process), ``fsdp``, ``zero1``, ``zero2``, ``zero3``; null takes it from
+    ``accelerate launch --config_file`` or uses ``ddp``."""
+    fsdp_version: int = 2
+    """FSDP only: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """FSDP only: what is sharded (parameters+gradients+optimizer state, or gradients+optimizer state)."""
+    offload_params: bool = False
+    """FSDP and ZeRO-3: keep parameters in CPU memory."""
+    offload_optimizer: bool = False
+    """ZeRO-2/3: keep optimizer state (and the optimizer step) on the CPU (DeepSpeed's CPU Adam)."""
+    deepspeed_config: str | None = None
+    """ZeRO only: a DeepSpeed JSON (``"auto"`` values are filled by hftrain); null builds one from these fields."""
 
     def validate(self) -> None:
-        pass
+        _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
 
 
 @dataclass
