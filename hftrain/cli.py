@@ -90,7 +90,7 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
         return "fsdp"
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
         return None
-    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # Accelerate's own default stage
     config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if config_file and config_file != "none":
         try:

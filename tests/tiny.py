@@ -73,7 +73,13 @@ def tiny_splits(n_train: int = 96, n_eval: int = 25, seed: int = 0):
 
 def reset_accelerate_state() -> None:
     """Forget the Accelerate singletons (not the process group) so a process can build a new Accelerator."""
+    import os
+
     from accelerate.state import AcceleratorState, GradientState
+
+    # Accelerate exports these when it builds a DeepSpeed/FSDP state; a later run in this process would inherit them.
+    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        os.environ.pop(key, None)
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
@@ -90,6 +96,7 @@ def run_tiny_training(
     n_train: int = 96,
     n_eval: int = 25,
     output_dir: str = "/tmp/hftrain-test",
+    strategy_options: dict | None = None,
     **training_overrides,
 ) -> dict:
     """Train a tiny model in this process group; returns losses, learning rates and final eval metrics."""
@@ -111,9 +118,10 @@ def run_tiny_training(
         gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-3, warmup_steps=2,
         logging_steps=1, log_with="none", train_sampling_strategy=order, **training_overrides,
     )
+    strategy_config = StrategyConfig(name=strategy, **(strategy_options or {}))
     trainer = SequenceClassificationTrainer(
         args,
-        strategy=build_strategy(StrategyConfig(name=strategy), launch=launch_info_from_environ()),
+        strategy=build_strategy(strategy_config, launch=launch_info_from_environ()),
         model_init=tiny_model_init(kind),
         tokenizer=tokenizer,
         train_dataset=splits["train"],

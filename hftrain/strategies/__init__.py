@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 # name -> "module:Class", imported only when chosen so that heavy backends stay lazy.
 _REGISTRY: dict[str, str] = {
     "ddp": "hftrain.strategies.ddp:DDPStrategy",
+    "fsdp": "hftrain.strategies.fsdp:FSDPStrategy",
+    "zero1": "hftrain.strategies.deepspeed:Zero1Strategy",
+    "zero2": "hftrain.strategies.deepspeed:Zero2Strategy",
+    "zero3": "hftrain.strategies.deepspeed:Zero3Strategy",
 }
 
 

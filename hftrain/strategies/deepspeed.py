@@ -1,0 +1,250 @@
+"""DeepSpeed ZeRO stages 1-3, with optimizer (stage 2/3) and parameter (stage 3) offload to CPU.
+
+ZeRO partitions over the ``N`` data-parallel ranks (Ψ parameters, mixed-precision Adam, per rank):
+stage 1 shards the optimizer state (4Ψ + 12Ψ/N bytes), stage 2 also the gradients (2Ψ + 14Ψ/N), stage 3
+also the parameters (16Ψ/N). Collectives: stage 1/2 reduce-scatter gradients and all-gather updated
+parameters after the step; stage 3 all-gathers each layer's parameters before its forward and backward.
+
+The DeepSpeed JSON is the one source of batch truth: hftrain writes ``train_micro_batch_size_per_gpu``,
+``gradient_accumulation_steps`` and ``train_batch_size = micro × accumulation × dp size`` into it, so
+DeepSpeed's batch assertion cannot fire (pitfall #14), and rejects a JSON whose numbers contradict them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+
+from hftrain.errors import ConfigError
+from hftrain.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from hftrain.config import TrainingConfig
+
+
+def default_ds_config(stage: int, *, offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON hftrain ships for a stage (``ds_configs/zero*.json`` are these, written out).
+
+    Args:
+        stage: ZeRO stage 1, 2 or 3.
+        offload_optimizer: optimizer state and step on the CPU (stage 2/3).
+        offload_params: parameters in CPU memory (stage 3).
+    """
+    zero: dict[str, Any] = {"stage": stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if stage == 3:
+        # Without it save_pretrained under ZeRO-3 writes each rank's empty partition (pitfall #1).
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": zero,
+    }
+
+
+class ZeroStrategy(Strategy):
+    """DeepSpeed ZeRO at ``stage`` through Accelerate's ``DeepSpeedPlugin``."""
+
+    stage: ClassVar[int]
+
+    def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
+        from accelerate.utils import DeepSpeedPlugin
+
+        config = self.ds_config(training)
+        if self._offloads_optimizer(config):
+            check_cpu_adam()
+        plugin = DeepSpeedPlugin(
+            hf_ds_config=config,
+            zero3_init_flag=self.stage == 3,
+            zero3_save_16bit_model=self.stage == 3,
+        )
+        self._plugin = plugin
+        kwargs: dict[str, Any] = {"deepspeed_plugin": plugin}
+        if self.platform.is_cpu:
+            # DeepSpeed on CPU: gloo, and *not* cpu=True (which would bypass DeepSpeed altogether).
+            kwargs["kwargs_handlers"] = self.platform.process_group_handlers()
+        return kwargs
+
+    def ds_config(self, training: TrainingConfig) -> dict[str, Any]:
+        """The DeepSpeed config for this run: the user's or launcher's JSON, or the shipped default, filled."""
+        config = self._base_config()
+        self._check_zero_section(config)
+        fill_batch_settings(config, training, dp_size=self.dp_size)
+        return config
+
+    @property
+    def dp_size(self) -> int:
+        return self.launch.world_size
+
+    def describe(self) -> dict[str, Any]:
+        zero = self._base_config().get("zero_optimization", {})
+        return {
+            "type": "deepspeed",
+            "zero_stage": self.stage,
+            "offload_optimizer": _device(zero, "offload_optimizer"),
+            "offload_params": _device(zero, "offload_param"),
+            "sharded": ["optimizer state", "gradients", "parameters"][: self.stage],
+        }
+
+    def _base_config(self) -> dict[str, Any]:
+        path = self._config_path()
+        if path is None:
+            return default_ds_config(
+                self.stage, offload_optimizer=self.config.offload_optimizer, offload_params=self.config.offload_params
+            )
+        try:
+            config = json.loads(Path(path).read_text())
+        except OSError:
+            raise ConfigError(f"strategy.deepspeed_config: cannot read '{path}'; give an existing DeepSpeed JSON") from None
+        except ValueError as error:
+            raise ConfigError(f"strategy.deepspeed_config: '{path}' is not valid JSON ({error}); fix the file") from None
+        if not isinstance(config.get("zero_optimization"), dict):
+            raise ConfigError(f"strategy.deepspeed_config: '{path}' has no zero_optimization section; add one")
+        if self.config.offload_optimizer and not _device(config["zero_optimization"], "offload_optimizer"):
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if self.config.offload_params and not _device(config["zero_optimization"], "offload_param"):
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        return config
+
+    def _config_path(self) -> str | None:
+        launched = (self.launch.accelerate_settings or {}).get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        launched = None if launched in (None, "none") else launched
+        mine = self.config.deepspeed_config
+        if mine and launched and Path(mine).resolve() != Path(launched).resolve():
+            raise ConfigError(
+                f"strategy.deepspeed_config is '{mine}' but the accelerate config's deepspeed_config_file is "
+                f"'{launched}'; make them the same file or drop one"
+            )
+        return mine or launched
+
+    def _check_zero_section(self, config: dict[str, Any]) -> None:
+        zero = config["zero_optimization"]
+        if zero.get("stage", self.stage) != self.stage:
+            raise ConfigError(
+                f"strategy '{self.name}' runs ZeRO stage {self.stage} but the DeepSpeed JSON sets "
+                f"zero_optimization.stage {zero.get('stage')}; make them agree"
+            )
+        zero["stage"] = self.stage
+        if _device(zero, "offload_optimizer") and self.stage < 2:
+            raise ConfigError(
+                f"strategy '{self.name}': optimizer offload needs ZeRO stage 2 or 3; use zero2/zero3 or set offload_optimizer: false"
+            )
+        if _device(zero, "offload_param") and self.stage < 3:
+            raise ConfigError(
+                f"strategy '{self.name}': parameter offload needs ZeRO stage 3; use zero3 or set offload_params: false"
+            )
+        if self.stage == 3:
+            zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+            if zero["stage3_gather_16bit_weights_on_model_save"] is not True:
+                raise ConfigError(
+                    "DeepSpeed JSON: zero_optimization.stage3_gather_16bit_weights_on_model_save must be true under "
+                    "ZeRO-3, or save_pretrained writes empty weights; set it to true"
+                )
+
+    def _offloads_optimizer(self, config: dict[str, Any]) -> bool:
+        return bool(_device(config["zero_optimization"], "offload_optimizer"))
+
+
+def fill_batch_settings(config: dict[str, Any], training: TrainingConfig, *, dp_size: int) -> None:
+    """Write hftrain's batch, clipping and precision settings into a DeepSpeed config ("auto" or equal only).
+
+    Args:
+        config: the DeepSpeed config, modified in place.
+        training: the ``training`` config section.
+        dp_size: data-parallel processes.
+    """
+    micro, gas = training.per_device_train_batch_size, training.gradient_accumulation_steps
+    wanted = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * gas * dp_size,
+        "gradient_clipping": training.max_grad_norm,
+    }
+    for key, value in wanted.items():
+        _fill(config, key, value, f"training settings give {value}")
+    for precision in ("bf16", "fp16"):
+        section = config.setdefault(precision, {})
+        _fill(section, "enabled", training.mixed_precision == precision, f"training.mixed_precision is '{training.mixed_precision}'",
+              label=f"{precision}.enabled")
+
+
+def _fill(section: dict[str, Any], key: str, value: Any, reason: str, *, label: str | None = None) -> None:
+    current = section.get(key, "auto")
+    if current != "auto" and current != value:
+        raise ConfigError(
+            f"DeepSpeed JSON: {label or key} is {current!r} but {reason}; set it to \"auto\" (hftrain fills it) or make them agree"
+        )
+    section[key] = value
+
+
+def _device(zero: dict[str, Any], key: str) -> str | None:
+    device = (zero.get(key) or {}).get("device", "none")
+    return None if device in (None, "none") else device
+
+
+def check_cpu_adam() -> None:
+    """Build (or load the cached) DeepSpeed CPU Adam op now, so a broken toolchain fails before training."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as error:  # the JIT build raises many types: compiler, ninja, headers
+        reason = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"strategy.offload_optimizer: DeepSpeed's CPU Adam op cannot be built ({reason}); install a C++ compiler, "
+            "ninja and the Python headers, or set offload_optimizer: false"
+        ) from None
+
+
+class Zero1Strategy(ZeroStrategy):
+    """ZeRO-1: optimizer state sharded."""
+
+    name = "zero1"
+    stage = 1
+
+
+class Zero2Strategy(ZeroStrategy):
+    """ZeRO-2: optimizer state and gradients sharded."""
+
+    name = "zero2"
+    stage = 2
+
+
+class Zero3Strategy(ZeroStrategy):
+    """ZeRO-3: optimizer state, gradients and parameters sharded."""
+
+    name = "zero3"
+    stage = 3
+
+    def model_init_context(self) -> contextlib.AbstractContextManager:
+        """Build the model outside ``deepspeed.zero.Init``; DeepSpeed partitions it in ``prepare``.
+
+        Under ``zero.Init`` transformers initialises new parameters (the classification head) on partitions,
+        and they come out different from a single-process run (pitfall #6, transformers#28244). Building
+        the full model once per process and letting ``deepspeed.initialize`` partition it gives exactly the
+        reference initialisation; it costs one full copy of the model in host memory during construction.
+        """
+        return _without_hf_zero3(self._plugin)
+
+
+@contextlib.contextmanager
+def _without_hf_zero3(plugin: Any) -> Iterator[None]:
+    # transformers decides on zero.Init from a global weak reference to the DeepSpeed config; Accelerate's
+    # zero3_init_context_manager(enable=False) leaves that reference in place, so unset it and restore it.
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
