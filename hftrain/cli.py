@@ -86,7 +86,10 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
 
     from hftrain.errors import ConfigError
 
-    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+    use_fsdp = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if use_fsdp and env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        raise ConfigError("accelerate config: FSDP and DeepSpeed are both enabled; choose one distributed_type")
+    if use_fsdp:
         return "fsdp"
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
         return None

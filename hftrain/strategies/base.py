@@ -69,6 +69,22 @@ class Strategy(ABC):
         """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""
         return {}
 
+    def summary(self, training: TrainingConfig, accelerator: Accelerator) -> dict[str, Any]:
+        """The resolved strategy and batch geometry, logged at start and saved with the run."""
+        dp_size = accelerator.num_processes
+        micro, gas = training.per_device_train_batch_size, training.gradient_accumulation_steps
+        return {
+            "strategy": self.name,
+            **self.describe(),
+            "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+            "backend": self.platform.backend,
+            "world_size": accelerator.num_processes,
+            "dp_size": dp_size,
+            "micro_batch": micro,
+            "gradient_accumulation_steps": gas,
+            "global_batch": micro * gas * dp_size,
+        }
+
     def build_accelerator(self, training: TrainingConfig, *, project_dir: str | None = None) -> Accelerator:
         """Construct the ``Accelerator`` for this strategy and refuse a silently unsynchronised job.
 

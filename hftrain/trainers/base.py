@@ -85,6 +85,8 @@ class Trainer:
         self._last_eval_step = -1
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
+        self.strategy_summary = strategy.summary(args, self.accelerator)
+        self._log("strategy: " + ", ".join(f"{k}={v}" for k, v in self.strategy_summary.items()))
         # Same seed on every rank: identical head initialisation and identical data order.
         set_seed(args.seed)
         with strategy.model_init_context():
@@ -174,6 +176,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         acc = self.accelerator
+        self._save_run_info()
         acc.init_trackers("hftrain", config=_scalars(self.run_config))
         progress = tqdm(total=self.max_steps, disable=not acc.is_local_main_process, desc="train", unit="step")
         start, metrics = time.perf_counter(), {}
@@ -273,8 +276,21 @@ class Trainer:
         self.state.log_history.append({"step": self.state.global_step, **metrics})
         acc.log({k.replace("eval_", "eval/"): v for k, v in metrics.items()}, step=self.state.global_step)
         self._last_eval_step = self.state.global_step
-        self.log.info(f"step {self.state.global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        self._log(f"step {self.state.global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         return metrics
+
+    def _log(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            self.log.info(message)
+
+    def _save_run_info(self) -> None:
+        import json
+        from pathlib import Path
+
+        if self.accelerator.is_main_process:
+            directory = Path(self.args.output_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "hftrain_strategy.json").write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
 
     def close(self) -> None:
         """End the run: flush trackers and destroy the process group (after any export)."""
