@@ -71,7 +71,9 @@ def launch_info_from_environ(environ: dict[str, str] | None = None):  # -> Launc
 
     env = dict(os.environ if environ is None else environ)
     world = int(env.get("WORLD_SIZE", "1"))
-    settings = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_DEEPSPEED_", "FSDP_"))}
+    settings = {
+        k: v for k, v in env.items() if k.startswith(("ACCELERATE_DEEPSPEED_", "FSDP_", "ACCELERATE_MIXED_PRECISION"))
+    }
     return LaunchInfo(
         world_size=world,
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),

@@ -95,6 +95,7 @@ class Strategy(ABC):
         from accelerate import Accelerator
         from accelerate.utils import DataLoaderConfiguration
 
+        check_launcher_precision(training, self.launch)
         accelerator = Accelerator(
             mixed_precision=training.mixed_precision,
             gradient_accumulation_steps=training.gradient_accumulation_steps,
@@ -108,6 +109,16 @@ class Strategy(ABC):
         self.configure_accelerator(accelerator)
         check_synchronised(accelerator, self.launch, strategy=self.name)
         return accelerator
+
+
+def check_launcher_precision(training: TrainingConfig, launch: LaunchInfo) -> None:
+    """Refuse an accelerate config whose mixed_precision contradicts the job's (its default 'no' defers)."""
+    launched = (launch.accelerate_settings or {}).get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched != "no" and launched != training.mixed_precision:
+        raise HFTrainError(
+            f"training.mixed_precision is '{training.mixed_precision}' but the accelerate config sets "
+            f"mixed_precision '{launched}'; make them agree"
+        )
 
 
 def check_synchronised(accelerator: Accelerator, launch: LaunchInfo, *, strategy: str) -> None:

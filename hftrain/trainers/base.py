@@ -210,6 +210,7 @@ class Trainer:
         runtime = time.perf_counter() - start
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
+        self._save_trainer_state()
         return TrainResult(
             global_step=self.state.global_step,
             train_loss=_mean([h["loss"] for h in self.state.log_history if "loss" in h]),
@@ -291,6 +292,14 @@ class Trainer:
             directory = Path(self.args.output_dir)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "hftrain_strategy.json").write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
+
+    def _save_trainer_state(self) -> None:
+        import json
+        from pathlib import Path
+
+        if self.accelerator.is_main_process:
+            path = Path(self.args.output_dir) / "trainer_state.json"
+            path.write_text(json.dumps(self.state_dict(), indent=2) + "\n")
 
     def close(self) -> None:
         """End the run: flush trackers and destroy the process group (after any export)."""

@@ -1,0 +1,192 @@
+"""FSDP: parameters, gradients and optimizer state sharded across processes, gathered layer by layer.
+
+FSDP1 (``FullyShardedDataParallel``) keeps each wrapped layer as one flat parameter; FSDP2 (``fully_shard``)
+keeps every parameter as a DTensor sharded on dim 0. Both wrap each transformer layer (the model's
+``_no_split_modules``) as its own unit, so only one layer is gathered at a time.
+
+Fixed by hftrain whatever the launcher says: ``use_orig_params=True`` for FSDP1 (real parameter names for the
+optimizer groups and PEFT, pitfall #4) and sharded resume checkpoints (``SHARDED_STATE_DICT``, pitfall #7;
+the ``save_pretrained`` export always gathers the full state). On CPU, Accelerate never selects FSDP by
+itself; ``Platform.force_fsdp`` sets the state after construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from accelerate.utils import FullyShardedDataParallelPlugin
+
+from hftrain.errors import ConfigError
+from hftrain.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.strategies.base import LaunchInfo
+    from hftrain.strategies.platform import Platform
+
+# FSDP2 has one knob: reshard parameters after forward (FULL_SHARD) or keep them until backward (SHARD_GRAD_OP).
+# NO_SHARD maps to False as in Accelerate's ``to_fsdp2``: FSDP2 still shards between steps (use ddp for none).
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False}
+# torch's ShardingStrategy order (enum value - 1), as Accelerate's config files may give numbers.
+ACCELERATE_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """The FSDP settings a run uses: hftrain's config merged with ``accelerate launch``'s."""
+
+    fsdp_version: int
+    sharding_strategy: str
+    offload_params: bool
+
+
+class FSDPStrategy(Strategy):
+    """FSDP1 or FSDP2 through Accelerate's ``FullyShardedDataParallelPlugin``; every check runs at construction.
+
+    Args:
+        config: the ``strategy`` config section.
+        platform: device and backend of this machine.
+        launch: what the launcher set up (its ``FSDP_*`` settings must agree with ``config``).
+    """
+
+    name = "fsdp"
+
+    def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
+        super().__init__(config, platform=platform, launch=launch)
+        launched = (launch.accelerate_settings or {}) if launch.accelerate_strategy == "fsdp" else {}
+        self.settings = resolve_settings(config, launched)
+        self.single_node = launch.local_world_size == launch.world_size
+        s = self.settings
+        if launch.world_size < 2:
+            raise ConfigError("strategy 'fsdp' shards across processes but 1 was launched; launch 2 or more or use ddp")
+        if s.sharding_strategy == "HYBRID_SHARD" and s.fsdp_version == 2 and not self.single_node:
+            raise ConfigError("strategy.sharding_strategy HYBRID_SHARD across nodes needs fsdp_version 1 in hftrain")
+        if platform.is_cpu and launched.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":
+            raise ConfigError("fsdp_cpu_ram_efficient_loading needs a GPU; set it to false in the accelerate config")
+        self.plugin: FullyShardedDataParallelPlugin | None = None
+
+    def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
+        # No cpu=True: on CPU that would make MULTI_CPU (DDP); the gloo group comes from the handler instead.
+        self.plugin = self.build_plugin()
+        return {"fsdp_plugin": self.plugin, "kwargs_handlers": self.platform.process_group_handlers()}
+
+    def configure_accelerator(self, accelerator: Accelerator) -> None:
+        self.platform.force_fsdp(accelerator, self.plugin)
+
+    def build_plugin(self) -> FullyShardedDataParallelPlugin:
+        """Accelerate's plugin for these settings (fields not set here come from the launcher's ``FSDP_*``)."""
+        s = self.settings
+        # On one node, hybrid (shard inside a node, replicate across nodes) is exactly full sharding.
+        sharding = "FULL_SHARD" if s.sharding_strategy == "HYBRID_SHARD" and self.single_node else s.sharding_strategy
+        common = {
+            "fsdp_version": s.fsdp_version,
+            "auto_wrap_policy": "transformer_based_wrap",
+            "cpu_offload": s.offload_params,
+            "state_dict_type": "SHARDED_STATE_DICT",
+        }
+        if s.fsdp_version == 2:
+            return LayerWrapPlugin(reshard_after_forward=RESHARD_AFTER_FORWARD[sharding], **common)
+        # FSDP1 reads sharding_strategy before reshard_after_forward (and the launcher always exports one), so it
+        # is given explicitly despite Accelerate's deprecation warning. Every rank builds the same weights (same
+        # seed), so no broadcast from rank 0 is needed; Accelerate's broadcast needs a GPU.
+        return FullyShardedDataParallelPlugin(
+            sharding_strategy=sharding, use_orig_params=True, sync_module_states=False, **common
+        )
+
+    def describe(self) -> dict[str, Any]:
+        s = self.settings
+        facts: dict[str, Any] = {
+            "fsdp_version": s.fsdp_version,
+            "sharding_strategy": s.sharding_strategy,
+            "offload_params": s.offload_params,
+            "state_dict_type": "SHARDED_STATE_DICT",
+        }
+        if s.sharding_strategy == "HYBRID_SHARD" and self.single_node:
+            facts["note"] = "HYBRID_SHARD on one node is FULL_SHARD"
+        elif s.sharding_strategy == "NO_SHARD" and s.fsdp_version == 2:
+            facts["note"] = "FSDP2 has no NO_SHARD; runs as SHARD_GRAD_OP (reshard_after_forward=false)"
+        return facts
+
+
+class LayerWrapPlugin(FullyShardedDataParallelPlugin):
+    """Accelerate's plugin, wrapping no layer class that contains the input embeddings under FSDP2.
+
+    Accelerate's FSDP2 preparation (1.15) wraps the ``_no_split_modules`` classes, then shards the input
+    embeddings as a unit of their own; when a wrapped class contains them (BERT's ``BertEmbeddings``) they are
+    sharded twice and ``fully_shard`` fails. Such a class is left to the root unit instead.
+    """
+
+    def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
+        if self.fsdp_version == 2 and self.transformer_cls_names_to_wrap is None:
+            embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            holders = {type(m).__name__ for m in model.modules() if m is not embeddings and embeddings in m.modules()}
+            self.transformer_cls_names_to_wrap = sorted(set(getattr(model, "_no_split_modules", None) or ()) - holders)
+        super().set_auto_wrap_policy(model)
+
+
+def resolve_settings(config: StrategyConfig, launched: dict[str, str]) -> FSDPSettings:
+    """Merge hftrain's FSDP fields with ``accelerate launch``'s ``FSDP_*`` settings.
+
+    A field hftrain leaves at its default takes the launcher's value; a field it sets must agree with the
+    launcher (compared as FSDP2 would run it where that is coarser), else ``ConfigError``.
+
+    Args:
+        config: the ``strategy`` section.
+        launched: the launcher's ``FSDP_*`` environment (empty without ``accelerate launch``).
+    """
+    from hftrain.config import StrategyConfig
+
+    default = StrategyConfig()
+    version = _merge("fsdp_version", config.fsdp_version, default.fsdp_version, _launched_version(launched))
+    if version not in (1, 2):
+        raise ConfigError(f"strategy.fsdp_version: {version} is not 1 or 2")
+    same_sharding = (lambda a, b: RESHARD_AFTER_FORWARD[a] == RESHARD_AFTER_FORWARD[b]) if version == 2 else None
+    sharding = _merge(
+        "sharding_strategy", config.sharding_strategy, default.sharding_strategy,
+        _launched_sharding(launched, version), same=same_sharding,
+    )
+    offload = launched.get("FSDP_OFFLOAD_PARAMS")
+    offload = _merge("offload_params", config.offload_params, default.offload_params,
+                     None if offload is None else offload.lower() == "true")
+    return FSDPSettings(fsdp_version=version, sharding_strategy=sharding, offload_params=offload)
+
+
+def _merge(key: str, mine: Any, default: Any, launched: Any, *, same: Any = None) -> Any:
+    if launched is None:
+        return mine
+    if mine == default:
+        return launched
+    if not (same or (lambda a, b: a == b))(mine, launched):
+        raise ConfigError(
+            f"strategy.{key} is {mine!r} but accelerate launch's config sets {launched!r}; make them agree or drop one"
+        )
+    return mine
+
+
+def _launched_version(launched: dict[str, str]) -> int | None:
+    value = launched.get("FSDP_VERSION")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"accelerate config: fsdp_version '{value}' is not 1 or 2")
+    return int(value)
+
+
+def _launched_sharding(launched: dict[str, str], version: int) -> str | None:
+    """The launcher's sharding in hftrain's names (FSDP2: its reshard_after_forward flag)."""
+    if "FSDP_VERSION" not in launched:
+        return None
+    reshard = launched.get("FSDP_RESHARD_AFTER_FORWARD", "true").upper()
+    if version == 2:
+        return "FULL_SHARD" if RESHARD_AFTER_FORWARD.get(reshard, reshard == "TRUE") else "SHARD_GRAD_OP"
+    # FSDP1 files written by `accelerate config` name the strategy in fsdp_reshard_after_forward.
+    name = reshard if reshard in RESHARD_AFTER_FORWARD else launched.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    if name.isdigit() and 1 <= int(name) <= len(ACCELERATE_SHARDINGS):  # Accelerate also accepts enum values
+        name = ACCELERATE_SHARDINGS[int(name) - 1]
+    if name not in RESHARD_AFTER_FORWARD:
+        raise ConfigError(f"accelerate config: fsdp sharding '{name}' is not one of {', '.join(RESHARD_AFTER_FORWARD)}")
+    return name

@@ -1,0 +1,99 @@
+"""Every shipped accelerate config starts a real short run; both ways of choosing a strategy agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml") if not p.name.startswith("multinode"))
+EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp": "FSDP"}
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory) -> dict[str, str]:
+    """A tiny BERT saved as a model folder, and a small labelled CSV."""
+    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
+
+    from transformers import AutoModelForSequenceClassification
+
+    root = tmp_path_factory.mktemp("tiny_job")
+    model_dir = root / "model"
+    AutoModelForSequenceClassification.from_config(tiny_config("bert")).save_pretrained(model_dir)
+    tiny_tokenizer("bert").save_pretrained(model_dir)
+    texts, labels = synthetic_texts(80, seed=1)
+    csv = root / "train.csv"
+    csv.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels)))
+    return {"model": str(model_dir), "data": str(csv), "root": str(root)}
+
+
+def _job_args(job: dict[str, str], output_dir: Path) -> list[str]:
+    return [
+        "--model_name_or_path", job["model"], "--train_file", job["data"], "--output_dir", str(output_dir),
+        "--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+        "--logging_steps", "1", "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3",
+    ]
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _accelerate(config: str, args: list[str]) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}"]
+    return _run([*launcher, "scripts/train.py", *args])
+
+
+def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/train.py", *args])
+
+
+def _losses(output_dir: Path) -> list[float]:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_shipped_accelerate_config_runs(tiny_job, tmp_path, config):
+    out = tmp_path / "out"
+    _accelerate(config, _job_args(tiny_job, out))
+    summary = json.loads((out / "hftrain_strategy.json").read_text())
+    name = config.removesuffix(".yaml")
+    strategy = "fsdp" if name.startswith("fsdp") else name.split("_")[0]
+    assert summary["strategy"] == strategy
+    assert summary["distributed_type"] == EXPECTED_TYPE.get(strategy, "DEEPSPEED")
+    assert summary["world_size"] == summary["dp_size"] == 2
+    assert summary["global_batch"] == 4 * 2 * 2
+    if name.endswith("offload"):
+        assert summary["offload_optimizer"] == "cpu"
+    assert len(_losses(out)) == 4
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_config_named_strategy_agrees_with_accelerate_config(tiny_job, tmp_path, strategy):
+    via_accelerate, via_config = tmp_path / "accelerate", tmp_path / "config"
+    _accelerate(f"{strategy}.yaml", _job_args(tiny_job, via_accelerate))
+    _torchrun([*_job_args(tiny_job, via_config), "--strategy.name", strategy])
+    assert _losses(via_config) == pytest.approx(_losses(via_accelerate), rel=1e-6)
+    summary = json.loads((via_config / "hftrain_strategy.json").read_text())
+    assert summary["strategy"] == strategy and summary["world_size"] == 2
+
+
+def test_disagreeing_launcher_and_config_is_refused(tiny_job, tmp_path):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/zero2.yaml",
+               "scripts/train.py", *_job_args(tiny_job, tmp_path / "out"), "--strategy.name", "zero3"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "strategy.name is 'zero3' but accelerate launch's config selects 'zero2'" in done.stderr
+    assert not (tmp_path / "out").exists()
