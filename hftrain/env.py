@@ -19,13 +19,27 @@ def versions() -> dict[str, str]:
     return found
 
 
-def report() -> str:
-    """A human-readable environment report."""
-    from hftrain.strategies import available_strategies
+def report(*, check_ops: bool = True) -> str:
+    """A human-readable environment report.
+
+    Args:
+        check_ops: also load (building once, ~1 min) DeepSpeed's CPU Adam op that optimizer offload needs.
+    """
+    import os
+
+    from hftrain.strategies import available_strategies, strategy_class
     from hftrain.strategies.platform import Platform
 
     plat = Platform.detect()
     lines = [f"{k}: {v}" for k, v in versions().items()]
-    lines.append(f"device: {plat.device}  backend: {plat.backend}")
-    lines.append(f"strategies: {', '.join(available_strategies())}")
+    lines.append(f"device: {plat.device}  backend: {plat.backend}  cores: {os.cpu_count()}")
+    lines.append("strategies:")
+    for name in available_strategies():
+        reason = strategy_class(name).unavailable_reason()
+        lines.append(f"  {name}: {'can run' if reason is None else 'cannot run: ' + reason}")
+    if check_ops and strategy_class("zero2").unavailable_reason() is None:
+        from hftrain.strategies.deepspeed import cpu_adam_status
+
+        reason = cpu_adam_status()
+        lines.append(f"  zero2/zero3 offload_optimizer: {'can run' if reason is None else 'cannot run: ' + reason}")
     return "\n".join(lines)

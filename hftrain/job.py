@@ -47,6 +47,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     log = get_logger()
     quiet_libraries()
     strategy = build_strategy(config.strategy, launch=launch)
+    strategy.preflight(config.training)
     check_output_dir(config)
     tokenizer = build_tokenizer(config.model)
     data = config.data

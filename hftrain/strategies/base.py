@@ -54,6 +54,14 @@ class Strategy(ABC):
         self.platform = platform
         self.launch = launch
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this strategy cannot run on this machine, or None when it can (for ``hftrain env``)."""
+        return None
+
+    def preflight(self, training: TrainingConfig) -> None:
+        """Check everything that can be checked before processes talk or files are written (default: nothing)."""
+
     @abstractmethod
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         """Keyword arguments for ``Accelerator`` (plugins, kwargs handlers, cpu flag) for this strategy."""
@@ -96,6 +104,7 @@ class Strategy(ABC):
         from accelerate.utils import DataLoaderConfiguration
 
         check_launcher_precision(training, self.launch)
+        self.preflight(training)
         accelerator = Accelerator(
             mixed_precision=training.mixed_precision,
             gradient_accumulation_steps=training.gradient_accumulation_steps,

@@ -56,12 +56,23 @@ class ZeroStrategy(Strategy):
 
     stage: ClassVar[int]
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as error:  # a broken install raises more than ImportError
+            return f"deepspeed does not import ({type(error).__name__}: {error})"
+        return None
+
+    def preflight(self, training: TrainingConfig) -> None:
+        """Validate the DeepSpeed JSON against the job and build the CPU Adam op if offload needs it."""
+        if self._offloads_optimizer(self.ds_config(training)):
+            check_cpu_adam()
+
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         from accelerate.utils import DeepSpeedPlugin
 
         config = self.ds_config(training)
-        if self._offloads_optimizer(config):
-            check_cpu_adam()
         plugin = DeepSpeedPlugin(
             hf_ds_config=config,
             zero3_init_flag=self.stage == 3,
@@ -189,6 +200,15 @@ def _fill(section: dict[str, Any], key: str, value: Any, reason: str, *, label: 
 def _device(zero: dict[str, Any], key: str) -> str | None:
     device = (zero.get(key) or {}).get("device", "none")
     return None if device in (None, "none") else device
+
+
+def cpu_adam_status() -> str | None:
+    """None when DeepSpeed's CPU Adam op loads (building it once if needed), else why not."""
+    try:
+        check_cpu_adam()
+    except ConfigError as error:
+        return str(error).split(": ", 1)[1]
+    return None
 
 
 def check_cpu_adam() -> None:
