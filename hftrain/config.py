@@ -103,6 +103,10 @@ class TrainingConfig:
     save_steps: int | None = None
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None
+    """``latest`` or ``auto`` (latest complete checkpoint in ``output_dir``, ``auto`` also when there is none),
+    or a checkpoint folder."""
+    trust_external_checkpoint: bool = False
+    """Allow resuming from a checkpoint outside ``output_dir`` (its optimizer/RNG files are unpickled)."""
     log_with: Literal["tensorboard", "none"] = "tensorboard"
     """Accelerate tracker; tensorboard writes to ``output_dir/runs``."""
     dataloader_num_workers: int = 0
@@ -151,6 +155,25 @@ class StrategyConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Parameter-efficient fine-tuning with PEFT's LoRA; the classification head is trained and saved in full."""
+
+    use_lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
+    """Module names to adapt; null uses PEFT's default for the architecture."""
+    merge_lora_on_export: bool = False
+    """Also write the adapter merged into a full model (``output_dir/model_merged``)."""
+
+    def validate(self) -> None:
+        _require(self.lora_r > 0, "lora.lora_r", "must be positive")
+        _require(self.lora_alpha > 0, "lora.lora_alpha", "must be positive")
+        _require(0 <= self.lora_dropout < 1, "lora.lora_dropout", "must be in [0, 1)")
+
+
+@dataclass
 class TrainConfig:
     """The whole job: one field per config-file section."""
 
@@ -158,6 +181,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> TrainConfig:
         for section in _sections(self):
@@ -174,7 +198,12 @@ class TrainConfig:
 
 # Fields that may differ between runs sharing one output_dir (a resumed or re-run job).
 RUN_INVARIANT_EXEMPT = frozenset(
-    {"training.resume_from_checkpoint", "training.overwrite_output_dir", "training.torch_num_threads"}
+    {
+        "training.resume_from_checkpoint",
+        "training.overwrite_output_dir",
+        "training.torch_num_threads",
+        "training.trust_external_checkpoint",
+    }
 )
 
 
