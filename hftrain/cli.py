@@ -49,6 +49,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(args.config, overrides)
     result = run_training(config, launch_info_from_environ())
+    if result.preempted:
+        from hftrain.checkpoint.preemption import PREEMPTED_EXIT_CODE
+
+        log_main(
+            f"preempted ({result.preempted}) at step {result.global_step}; checkpoint {result.checkpoint}; run the "
+            f"same command with --resume_from_checkpoint auto to continue (exit code {PREEMPTED_EXIT_CODE})"
+        )
+        return PREEMPTED_EXIT_CODE
     accuracy = result.metrics.get("eval_accuracy", float("nan"))
     log_main(
         f"validation accuracy {accuracy:.4f} (f1 {result.metrics.get('eval_f1', float('nan')):.4f}, "

@@ -24,9 +24,11 @@ class JobResult:
 
     metrics: dict[str, float]
     seconds: float
-    model_dir: str
+    model_dir: str | None
     global_step: int
     log_history: list[dict[str, float]]
+    preempted: str | None = None
+    checkpoint: str | None = None
 
 
 def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
@@ -80,14 +82,18 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         run_config=config.flat(),
     )
     result = trainer.fit()
-    model_dir = export_pretrained(trainer.accelerator, trainer.model, tokenizer, output_dir / "model")
+    model_dir = None
+    if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
+        model_dir = export_pretrained(trainer.accelerator, trainer.model, tokenizer, output_dir / "model")
     trainer.close()
     return JobResult(
         metrics=result.metrics,
         seconds=time.perf_counter() - start,
-        model_dir=str(model_dir),
+        model_dir=str(model_dir) if model_dir else None,
         global_step=result.global_step,
         log_history=trainer.state.log_history,
+        preempted=result.preempted,
+        checkpoint=result.checkpoint,
     )
 
 

@@ -71,6 +71,17 @@ def tiny_splits(n_train: int = 96, n_eval: int = 25, seed: int = 0):
     )
 
 
+_RUNS = iter(range(10**6))
+
+
+def _fresh_output_dir() -> str:
+    """A new folder per call, the same on every rank of a launch (named by its rendezvous port)."""
+    import os
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"hftrain-test-{os.environ.get('MASTER_PORT', os.getpid())}-{next(_RUNS)}")
+
+
 def reset_accelerate_state() -> None:
     """Forget the Accelerate singletons (not the process group) so a process can build a new Accelerator."""
     import os
@@ -95,11 +106,16 @@ def run_tiny_training(
     order: str = "group_by_length",
     n_train: int = 96,
     n_eval: int = 25,
-    output_dir: str = "/tmp/hftrain-test",
+    output_dir: str | None = None,
     strategy_options: dict | None = None,
+    stop_at_step: int | None = None,
+    return_weights: bool = False,
     **training_overrides,
 ) -> dict:
-    """Train a tiny model in this process group; returns losses, learning rates and final eval metrics."""
+    """Train a tiny model in this process group; returns losses, learning rates and final eval metrics.
+
+    ``output_dir`` defaults to a fresh folder that every rank of this launch agrees on.
+    """
     import torch
 
     from hftrain.cli import launch_info_from_environ
@@ -109,6 +125,7 @@ def run_tiny_training(
     from hftrain.trainers import SequenceClassificationTrainer
 
     reset_accelerate_state()
+    output_dir = output_dir or _fresh_output_dir()
     tokenizer = tiny_tokenizer(kind)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -127,9 +144,16 @@ def run_tiny_training(
         train_dataset=splits["train"],
         eval_dataset=splits["validation"],
     )
-    result = trainer.fit()
+    result = trainer.fit(stop_at_step=stop_at_step)
     history = trainer.state.log_history
+    weights = None
+    if return_weights:
+        weights = {k: v.detach().clone() for k, v in trainer.accelerator.get_state_dict(trainer.model).items()}
     return {
+        "weights": weights if trainer.accelerator.is_main_process else None,
+        "checkpoint": result.checkpoint,
+        "preempted": result.preempted,
+        "global_step": result.global_step,
         "losses": [h["loss"] for h in history if "loss" in h],
         "lrs": [h["learning_rate"] for h in history if "loss" in h],
         "metrics": result.metrics,

@@ -48,6 +48,8 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    reshardable_checkpoints: ClassVar[bool] = False
+    """Whether this strategy's checkpoints load on a different number of processes."""
 
     def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
         self.config = config

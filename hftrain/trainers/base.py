@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, read_checkpoint
+from hftrain.checkpoint.preemption import PreemptionFlag
+from hftrain.checkpoint.resume import batches_to_skip, check_resumable, check_trusted
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 
@@ -36,6 +40,7 @@ class TrainerState:
     """Micro-batches consumed in the current epoch (per process)."""
     samples_seen: int = 0
     """Training examples consumed, over all processes."""
+    last_eval_step: int = -1
     log_history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -47,7 +52,10 @@ class TrainResult:
     train_loss: float
     metrics: dict[str, float]
     train_runtime: float
-    model_dir: str | None
+    preempted: str | None = None
+    """The signal that stopped the run after its checkpoint (None when it ran to ``max_steps``)."""
+    checkpoint: str | None = None
+    """The last checkpoint written."""
 
 
 class Trainer:
@@ -82,7 +90,7 @@ class Trainer:
         self.log = get_logger()
         self.state = TrainerState()
         self.run_config = run_config or {}
-        self._last_eval_step = -1
+        self._skip_batches = 0
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
         self.strategy_summary = strategy.summary(args, self.accelerator)
@@ -94,7 +102,8 @@ class Trainer:
         self.train_sampler = EpochSampler(
             train_dataset["length"],
             order=args.train_sampling_strategy,
-            group_size=args.per_device_train_batch_size * self.accelerator.num_processes,
+            # The global batch: the order is then the same however it is split across processes.
+            group_size=self.strategy_summary["global_batch"],
             seed=args.seed,
         )
         train_loader = build_dataloader(
@@ -112,6 +121,10 @@ class Trainer:
         self.max_steps = self._total_steps()
         self.lr_scheduler = self.create_scheduler(self.optimizer)
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
+        self.checkpoints = CheckpointManager(Path(args.output_dir) / "checkpoints", keep=args.save_total_limit)
+        self.last_checkpoint: Path | None = None
+        if args.resume_from_checkpoint:
+            self.resume(args.resume_from_checkpoint)
 
     # ----------------------------------------------------------------- task hooks (override per task)
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -171,43 +184,28 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------- the loop
-    def fit(self) -> TrainResult:
-        """Train for ``max_steps`` optimizer steps, evaluating and logging on schedule."""
+    def fit(self, *, stop_at_step: int | None = None) -> TrainResult:
+        """Train to ``max_steps`` optimizer steps, evaluating, logging and checkpointing on schedule.
+
+        SIGTERM/SIGUSR1 (or reaching ``stop_at_step``, for time-sliced jobs) stop the run at the next step
+        boundary after a checkpoint, which the same command resumes with ``resume_from_checkpoint: auto``.
+        """
         from tqdm.auto import tqdm
 
         acc = self.accelerator
         self._save_run_info()
         acc.init_trackers("hftrain", config=_scalars(self.run_config))
-        progress = tqdm(total=self.max_steps, disable=not acc.is_local_main_process, desc="train", unit="step")
-        start, metrics = time.perf_counter(), {}
-        window_losses: list[torch.Tensor] = []
-        epochs = math.ceil(self.max_steps / self.steps_per_epoch)
-        for epoch in range(self.state.epoch, epochs):
-            self.state.epoch = epoch
-            self.train_loader.set_epoch(epoch)
-            self.model.train()
-            for batch in self.train_loader:
-                window_losses.append(self.train_step(batch))
-                self.state.micro_step += 1
-                if not acc.sync_gradients:
-                    continue
-                # An optimizer step happened: the accumulation window closed here.
-                self.state.global_step += 1
-                self._record_step(torch.stack(window_losses).mean(), progress)
-                window_losses = []
-                if self._eval_due():
-                    metrics = self.evaluate()
-                if self.state.global_step >= self.max_steps:
-                    break
-            self.state.micro_step = 0
-            if self.state.global_step >= self.max_steps:
-                break
-            if self.args.eval_steps is None:
-                metrics = self.evaluate()
-        if self._last_eval_step != self.state.global_step:
-            metrics = self.evaluate()
+        progress = tqdm(
+            total=self.max_steps, initial=self.state.global_step, disable=not acc.is_local_main_process, unit="step"
+        )
+        start, stopped = time.perf_counter(), None
+        with PreemptionFlag() as preemption:
+            while self.state.global_step < self.max_steps and stopped is None:
+                stopped = self._run_epoch(progress, preemption, stop_at_step)
+        metrics = self._final_evaluation(stopped)
         progress.close()
-        runtime = time.perf_counter() - start
+        if self.state.global_step > (self._checkpointed_step() or 0):
+            self.save_checkpoint()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
         self._save_trainer_state()
@@ -215,9 +213,126 @@ class Trainer:
             global_step=self.state.global_step,
             train_loss=_mean([h["loss"] for h in self.state.log_history if "loss" in h]),
             metrics=metrics,
-            train_runtime=runtime,
-            model_dir=None,
+            train_runtime=time.perf_counter() - start,
+            preempted=stopped,
+            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
         )
+
+    def _run_epoch(self, progress: Any, preemption: PreemptionFlag, stop_at_step: int | None) -> str | None:
+        """One pass over the (remaining) training data; returns why the run must stop, if it must."""
+        acc = self.accelerator
+        self.train_loader.set_epoch(self.state.epoch)
+        loader = self.train_loader
+        if self._skip_batches:
+            # Resume mid-epoch: skip at the batch-sampler level, without loading the skipped data (pitfall #20).
+            loader = acc.skip_first_batches(self.train_loader, self._skip_batches)
+            self._skip_batches = 0
+        self.model.train()
+        window_losses: list[torch.Tensor] = []
+        for batch in loader:
+            window_losses.append(self.train_step(batch))
+            self.state.micro_step += 1
+            if not acc.sync_gradients:
+                continue
+            # An optimizer step happened: the accumulation window closed here.
+            self.state.global_step += 1
+            self._record_step(torch.stack(window_losses).mean(), progress)
+            window_losses = []
+            stopped = self._on_step_end(preemption, stop_at_step)
+            if stopped or self.state.global_step >= self.max_steps:
+                return stopped
+        if self.args.eval_steps is None:
+            self.evaluate()
+        self.state.epoch += 1
+        self.state.micro_step = 0
+        return None
+
+    def _on_step_end(self, preemption: PreemptionFlag, stop_at_step: int | None) -> str | None:
+        """Evaluate and checkpoint on schedule; checkpoint and stop when all ranks agree to."""
+        if self._eval_due():
+            self.evaluate()
+        save_every = self.args.save_steps
+        if save_every and self.state.global_step % save_every == 0:
+            self.save_checkpoint()
+        reason = preemption.received or ("stop_at_step" if self.state.global_step == stop_at_step else None)
+        if not self._any_rank(reason is not None):
+            return None
+        if self._checkpointed_step() != self.state.global_step:
+            self.save_checkpoint()
+        self._log(f"stopping at step {self.state.global_step} ({reason or 'another rank was signalled'}); "
+                  f"checkpoint {self.last_checkpoint}")
+        return reason or "signal on another rank"
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (one all-reduce; free in one process)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        return self.accelerator.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0
+
+    def _final_evaluation(self, stopped: str | None) -> dict[str, float]:
+        if stopped is None and self.state.last_eval_step != self.state.global_step:
+            self.evaluate()
+        evals = [h for h in self.state.log_history if "eval_loss" in h]
+        return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write a complete checkpoint of the current step (collective: every rank calls it)."""
+        meta = {
+            "trainer_state": self.state_dict(),
+            "topology": self.strategy_summary,
+            "config": self.run_config,
+            "versions": _versions(),
+        }
+        self.last_checkpoint = self.checkpoints.save(self.accelerator, step=self.state.global_step, meta=meta)
+        return self.last_checkpoint
+
+    def _checkpointed_step(self) -> int | None:
+        if self.last_checkpoint is None:
+            return None
+        return int(self.last_checkpoint.name.split("_")[1])
+
+    def resume(self, spec: str) -> None:
+        """Restore model, optimizer, scheduler, RNG and data position from a checkpoint (after ``prepare``).
+
+        Args:
+            spec: ``latest``, ``auto`` or a checkpoint folder.
+        """
+        path = self.checkpoints.resolve(spec)
+        if path is None:
+            self._log(f"resume_from_checkpoint: {spec}: no checkpoint yet, starting fresh")
+            return
+        check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
+        meta = self._read_verified(path)
+        notes = check_resumable(
+            meta, path=path, run_config=self.run_config, topology=self.strategy_summary,
+            can_reshard=self.strategy.reshardable_checkpoints,
+        )
+        # load_state only after prepare, so the scheduler and optimizer it restores are the live ones (pitfall #12).
+        self.accelerator.load_state(str(path / STATE_DIR))
+        self.state = TrainerState(**meta["trainer_state"])
+        self._skip_batches = batches_to_skip(meta, self.strategy_summary)
+        self.state.micro_step = self._skip_batches
+        self.last_checkpoint = path
+        for note in notes:
+            self._log(note)
+        self._log(f"resumed from {path} at step {self.state.global_step} (epoch {self.state.epoch}, "
+                  f"{self._skip_batches} batches into it)")
+
+    def _read_verified(self, path: Path) -> dict[str, Any]:
+        # The main process checks every checksum; the others wait for its verdict instead of re-hashing.
+        error = None
+        if self.accelerator.is_main_process:
+            try:
+                read_checkpoint(path, verify_files=True)
+            except CheckpointError as raised:
+                error = raised
+        failed = self._any_rank(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"checkpoint '{path}' failed verification on the main process; see its error")
+        return read_checkpoint(path, verify_files=False)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward one micro-batch; step the optimizer when the window closes.
@@ -258,7 +373,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Loss and metrics on the evaluation set, every example counted exactly once across processes."""
         if self.eval_loader is None:
-            self._last_eval_step = self.state.global_step
+            self.state.last_eval_step = self.state.global_step
             return {}
         acc = self.accelerator
         self.model.eval()
@@ -276,7 +391,7 @@ class Trainer:
         metrics.update({f"eval_{k}": v for k, v in self.compute_metrics(predictions_all, labels_all).items()})
         self.state.log_history.append({"step": self.state.global_step, **metrics})
         acc.log({k.replace("eval_", "eval/"): v for k, v in metrics.items()}, step=self.state.global_step)
-        self._last_eval_step = self.state.global_step
+        self.state.last_eval_step = self.state.global_step
         self._log(f"step {self.state.global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         return metrics
 
@@ -325,6 +440,12 @@ def configure_threads(requested: int | None, local_world_size: int) -> int:
 def _scalars(config: dict[str, Any]) -> dict[str, Any]:
     # TensorBoard's hparams take only scalars.
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
+
+
+def _versions() -> dict[str, str]:
+    from hftrain.env import versions
+
+    return versions()
 
 
 def _mean(values: list[float]) -> float:

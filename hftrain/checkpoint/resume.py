@@ -1,0 +1,83 @@
+"""What a checkpoint must match to be resumed, and where in the data a resumed run continues."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hftrain.checkpoint.manager import CheckpointError
+
+# Config keys that define the model and task: a checkpoint of another model or task cannot be resumed.
+IDENTITY_KEYS = ("model.model_name_or_path", "model.num_labels", "lora.use_lora", "lora.lora_r", "lora.lora_target_modules")
+
+
+def check_resumable(
+    meta: dict[str, Any], *, path: Path, run_config: dict[str, Any], topology: dict[str, Any], can_reshard: bool
+) -> list[str]:
+    """Refuse a checkpoint of another model, task or strategy, or an unsupported topology change.
+
+    Args:
+        meta: the checkpoint's metadata.
+        path: the checkpoint folder, for messages.
+        run_config: this run's flat config.
+        topology: this run's strategy summary (strategy, world size, batch geometry).
+        can_reshard: whether this strategy's checkpoints load on another number of processes.
+
+    Returns notes to log about accepted differences.
+    """
+    saved_config, saved = meta.get("config", {}), meta.get("topology", {})
+    for key in IDENTITY_KEYS:
+        if key in run_config and saved_config.get(key) != run_config[key]:
+            raise CheckpointError(
+                f"checkpoint '{path}' is of a different model or task ({key}: {saved_config.get(key)!r} there, "
+                f"{run_config[key]!r} here); resume it with its own config or start fresh"
+            )
+    if saved.get("strategy") != topology["strategy"]:
+        raise CheckpointError(
+            f"checkpoint '{path}' was written by strategy '{saved.get('strategy')}', this run uses "
+            f"'{topology['strategy']}'; resume with strategy.name: {saved.get('strategy')}, or export it "
+            "(hftrain export) and fine-tune from the exported model"
+        )
+    if saved.get("world_size") == topology["world_size"]:
+        return []
+    if not can_reshard:
+        raise CheckpointError(
+            f"checkpoint '{path}' was written by {saved.get('world_size')} processes and '{topology['strategy']}' "
+            f"checkpoints are partitioned by process count; resume on {saved.get('world_size')} processes, or "
+            "export it (hftrain export) and fine-tune from the exported model"
+        )
+    if saved.get("global_batch") != topology["global_batch"]:
+        raise CheckpointError(
+            f"resuming '{path}' on {topology['world_size']} processes would change the global batch from "
+            f"{saved.get('global_batch')} to {topology['global_batch']}; set per_device_train_batch_size and "
+            "gradient_accumulation_steps so that micro x accumulation x processes stays the same"
+        )
+    return [
+        f"resharding checkpoint from {saved.get('world_size')} to {topology['world_size']} processes; "
+        f"global batch kept at {topology['global_batch']}"
+    ]
+
+
+def batches_to_skip(meta: dict[str, Any], topology: dict[str, Any]) -> int:
+    """Micro-batches of the current epoch this process already consumed, in this run's topology."""
+    saved = meta["topology"]
+    consumed = meta["trainer_state"]["micro_step"] * saved["micro_batch"] * saved["world_size"]
+    per_batch = topology["micro_batch"] * topology["world_size"]
+    if consumed % per_batch:
+        raise CheckpointError(
+            f"the checkpoint's data position ({consumed} examples into the epoch) is not a whole number of "
+            f"micro-batches of {per_batch}; resume with the original per_device_train_batch_size"
+        )
+    return consumed // per_batch
+
+
+def check_trusted(path: Path, output_dir: Path, *, trusted: bool) -> None:
+    """Refuse to unpickle a checkpoint from outside the run's own folder unless the user allows it."""
+    try:
+        path.resolve().relative_to(output_dir.resolve())
+    except ValueError:
+        if not trusted:
+            raise CheckpointError(
+                f"checkpoint '{path}' is outside output_dir '{output_dir}'; its optimizer and RNG files are "
+                "unpickled on load, so set trust_external_checkpoint: true if you trust it"
+            ) from None
