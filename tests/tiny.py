@@ -22,29 +22,36 @@ def tiny_tokenizer(kind: str = "bert"):
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64):
-    """A 2-layer config with dropout off (so per-rank dropout masks cannot differ from the reference)."""
+def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, dropout: float = 0.0):
+    """A 2-layer config; dropout is off by default (per-rank dropout masks cannot match a 1-process reference)."""
     from transformers import BertConfig, GPT2Config
 
     if kind == "bert":
         return BertConfig(
             vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
             intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
+            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout,
         )
     return GPT2Config(
         vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64, num_labels=num_labels,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, pad_token_id=0,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, summary_first_dropout=dropout, pad_token_id=0,
     )
 
 
-def tiny_model_init(kind: str = "bert", num_labels: int = 2):
-    """A ``model_init`` for the trainer: a fresh tiny ``*ForSequenceClassification``."""
+def tiny_model_init(kind: str = "bert", num_labels: int = 2, dropout: float = 0.0, lora_options: dict | None = None):
+    """A ``model_init`` for the trainer: a fresh tiny ``*ForSequenceClassification``, in LoRA adapters when
+    ``lora_options`` (``hftrain.config.LoraConfig`` fields) is given."""
 
     def build():
         from transformers import AutoModelForSequenceClassification
 
-        return AutoModelForSequenceClassification.from_config(tiny_config(kind, num_labels))
+        model = AutoModelForSequenceClassification.from_config(tiny_config(kind, num_labels, dropout=dropout))
+        if lora_options is None:
+            return model
+        from hftrain.config import LoraConfig
+        from hftrain.models.lora import apply_lora
+
+        return apply_lora(model, LoraConfig(use_lora=True, **lora_options))
 
     return build
 
@@ -110,11 +117,14 @@ def run_tiny_training(
     strategy_options: dict | None = None,
     stop_at_step: int | None = None,
     return_weights: bool = False,
+    dropout: float = 0.0,
+    lora_options: dict | None = None,
     **training_overrides,
 ) -> dict:
     """Train a tiny model in this process group; returns losses, learning rates and final eval metrics.
 
-    ``output_dir`` defaults to a fresh folder that every rank of this launch agrees on.
+    ``output_dir`` defaults to a fresh folder that every rank of this launch agrees on. ``lora_options``
+    (``hftrain.config.LoraConfig`` fields) trains LoRA adapters and the head instead of the full model.
     """
     import torch
 
@@ -139,7 +149,7 @@ def run_tiny_training(
     trainer = SequenceClassificationTrainer(
         args,
         strategy=build_strategy(strategy_config, launch=launch_info_from_environ()),
-        model_init=tiny_model_init(kind),
+        model_init=tiny_model_init(kind, dropout=dropout, lora_options=lora_options),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
         eval_dataset=splits["validation"],

@@ -1,0 +1,282 @@
+"""Checkpoints: interrupted-then-resumed equals uninterrupted under every strategy; topology changes;
+atomicity under SIGKILL; a real SIGTERM to a 2-process job; bad checkpoints refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hftrain.checkpoint.manager import CheckpointError, CheckpointManager, read_checkpoint
+from tests.distributed import run_distributed
+from tests.tiny import run_tiny_training
+
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = {
+    "ddp": ("ddp", {}),
+    "zero1": ("zero1", {}),
+    "zero2": ("zero2", {}),
+    "zero3": ("zero3", {}),
+    "zero3+offload": ("zero3", {"offload_optimizer": True, "offload_params": True}),
+    "fsdp1": ("fsdp", {"fsdp_version": 1}),
+    "fsdp2": ("fsdp", {"fsdp_version": 2}),
+}
+# 96 examples, global batch 4 x 2 processes x accumulation 2 = 16: 6 steps per epoch; step 8 is mid-epoch 1.
+COMMON = {"micro": 4, "gas": 2, "steps": 12, "save_steps": 5, "return_weights": True}
+
+
+def _interrupted_and_uninterrupted(root: str) -> dict:
+    runs = {}
+    for label, (strategy, options) in STRATEGIES.items():
+        kwargs = {**COMMON, "strategy": strategy, "strategy_options": options}
+        try:
+            full = run_tiny_training(output_dir=f"{root}/{label}/full", **kwargs)
+            part = run_tiny_training(output_dir=f"{root}/{label}/part", stop_at_step=8, **kwargs)
+            resumed = run_tiny_training(output_dir=f"{root}/{label}/part", resume_from_checkpoint="latest", **kwargs)
+        except Exception as error:  # reported per strategy so one failure does not hide the others
+            runs[label] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        runs[label] = {"full": full, "part": part, "resumed": resumed}
+    # epoch boundary (step 6 ends epoch 0) and RNG restore (dropout on, random order) under DDP
+    for label, extra in {"ddp-epoch-boundary": {"stop": 6}, "ddp-dropout-random": {"dropout": 0.1, "order": "random"}}.items():
+        kwargs = {**COMMON, "dropout": extra.get("dropout", 0.0), "order": extra.get("order", "group_by_length")}
+        full = run_tiny_training(output_dir=f"{root}/{label}/full", **kwargs)
+        run_tiny_training(output_dir=f"{root}/{label}/part", stop_at_step=extra.get("stop", 8), **kwargs)
+        resumed = run_tiny_training(output_dir=f"{root}/{label}/part", resume_from_checkpoint="latest", **kwargs)
+        runs[label] = {"full": full, "resumed": resumed}
+    return runs
+
+
+def _resume_on_one_process(root: str) -> dict:
+    """Resume 2-process checkpoints on 1 process: DDP reshards (micro doubled keeps the global batch)."""
+    outcomes = {}
+    cases = {
+        "ddp": dict(strategy="ddp", micro=8),
+        "ddp-batch-changed": dict(strategy="ddp", micro=4),
+        "zero2": dict(strategy="zero2", micro=8),
+    }
+    for label, kwargs in cases.items():
+        source = label.split("-")[0]
+        try:
+            outcomes[label] = run_tiny_training(
+                **{**COMMON, **kwargs}, output_dir=f"{root}/{source}/part", resume_from_checkpoint="latest"
+            )
+        except CheckpointError as error:
+            outcomes[label] = {"error": str(error)}
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("resume"))
+    two = run_distributed(_interrupted_and_uninterrupted, nprocs=2, root=root)[0]
+    one = run_distributed(_resume_on_one_process, nprocs=1, root=root)[0]
+    return {"two": two, "one": one, "root": root}
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", list(STRATEGIES))
+def test_resumed_equals_uninterrupted(runs, label):
+    run = runs["two"][label]
+    assert "error" not in run, run.get("error")
+    full, part, resumed = run["full"], run["part"], run["resumed"]
+    assert part["preempted"] == "stop_at_step" and part["global_step"] == 8
+    assert resumed["global_step"] == full["global_step"] == 12
+    assert resumed["losses"] == full["losses"]  # restored log history + identical continuation
+    assert resumed["lrs"] == full["lrs"]  # the LR schedule continues, it does not restart (pitfall #12)
+    _assert_same_weights(resumed["weights"], full["weights"])
+    assert resumed["metrics"] == pytest.approx(full["metrics"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", ["ddp-epoch-boundary", "ddp-dropout-random"])
+def test_resume_at_epoch_boundary_and_with_rng(runs, label):
+    # dropout and per-epoch shuffles only replay exactly if RNG and sampler epoch are restored (pitfall #11)
+    run = runs["two"][label]
+    assert run["resumed"]["losses"] == run["full"]["losses"]
+    _assert_same_weights(run["resumed"]["weights"], run["full"]["weights"])
+
+
+@pytest.mark.distributed
+def test_ddp_checkpoint_reshards_to_one_process_keeping_the_global_batch(runs):
+    resumed, full = runs["one"]["ddp"], runs["two"]["ddp"]["full"]
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-5)
+    for key, value in full["weights"].items():
+        torch.testing.assert_close(resumed["weights"][key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_topology_changes_that_cannot_work_are_refused(runs):
+    assert "would change the global batch from 16 to 8" in runs["one"]["ddp-batch-changed"]["error"]
+    assert "partitioned by process count; resume on 2 processes" in runs["one"]["zero2"]["error"]
+
+
+@pytest.mark.distributed
+def test_checkpoint_layout_and_rotation(runs):
+    root = Path(runs["root"]) / "zero3" / "full" / "checkpoints"
+    steps = sorted(p.name for p in root.iterdir())
+    assert steps == ["step_00000005", "step_00000010", "step_00000012"]
+    meta = read_checkpoint(root / "step_00000012")
+    assert meta["trainer_state"]["global_step"] == 12 and meta["topology"]["world_size"] == 2
+    assert meta["topology"]["strategy"] == "zero3" and "torch" in meta["versions"]
+    # ZeRO writes one optimizer partition per rank (sharded checkpoints by default, pitfall #8)
+    partitions = list((root / "step_00000012" / "state").rglob("*zero_pp_rank_1*"))
+    assert partitions
+
+
+# ----------------------------------------------------------------- bad checkpoints (one process, no launch)
+def _fake_checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "checkpoints" / "step_00000003"
+    (path / "state").mkdir(parents=True)
+    (path / "state" / "model.safetensors").write_bytes(b"weights" * 100)
+    from hftrain.checkpoint.manager import _sha256
+
+    marker = {"format_version": 1, "step": 3, "files": {"state/model.safetensors": _sha256(path / "state" / "model.safetensors")}}
+    (path / "checkpoint.json").write_text(json.dumps(marker))
+    return path
+
+
+def test_bad_checkpoints_are_refused(tmp_path):
+    good = _fake_checkpoint(tmp_path)
+    assert read_checkpoint(good)["step"] == 3
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="not a complete hftrain checkpoint"):
+        read_checkpoint(tmp_path)
+    weights = good / "state" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])  # truncated
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        read_checkpoint(good)
+    weights.unlink()
+    with pytest.raises(CheckpointError, match="is missing"):
+        read_checkpoint(good)
+
+
+def test_latest_ignores_staging_and_unmarked_folders(tmp_path):
+    _fake_checkpoint(tmp_path)
+    (tmp_path / "checkpoints" / ".staging-step_00000009").mkdir()
+    (tmp_path / "checkpoints" / "step_00000008").mkdir()  # no marker: an interrupted non-atomic write
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert manager.resolve("latest").name == "step_00000003"
+    assert CheckpointManager(tmp_path / "empty").resolve("auto") is None
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        CheckpointManager(tmp_path / "empty").resolve("latest")
+
+
+def test_resume_checks_model_task_strategy_and_trust(tmp_path):
+    from hftrain.checkpoint.resume import check_resumable, check_trusted
+
+    meta = {"config": {"model.num_labels": 2}, "topology": {"strategy": "zero2", "world_size": 2, "global_batch": 16}}
+    here = {"strategy": "zero2", "world_size": 2, "global_batch": 16}
+    with pytest.raises(CheckpointError, match="different model or task"):
+        check_resumable(meta, path=tmp_path, run_config={"model.num_labels": 3}, topology=here, can_reshard=False)
+    with pytest.raises(CheckpointError, match="written by strategy 'zero2'"):
+        check_resumable(meta, path=tmp_path, run_config={}, topology={**here, "strategy": "ddp"}, can_reshard=True)
+    with pytest.raises(CheckpointError, match="trust_external_checkpoint"):
+        check_trusted(tmp_path / "elsewhere", tmp_path / "run", trusted=False)
+    check_trusted(tmp_path / "run" / "checkpoints" / "step_1", tmp_path / "run", trusted=False)
+
+
+# ----------------------------------------------------------------- real processes and signals
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory) -> dict[str, str]:
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("signal_job")
+    AutoModelForSequenceClassification.from_config(tiny_config("bert")).save_pretrained(root / "model")
+    tiny_tokenizer("bert").save_pretrained(root / "model")
+    texts, labels = synthetic_texts(400, seed=2)
+    (root / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels)))
+    return {"model": str(root / "model"), "data": str(root / "train.csv")}
+
+
+def _args(job: dict[str, str], out: Path, steps: int, save_steps: int | None = None) -> list[str]:
+    args = ["--model_name_or_path", job["model"], "--train_file", job["data"], "--output_dir", str(out),
+            "--max_steps", str(steps), "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+            "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3", "--logging_steps", "1"]
+    return args + (["--save_steps", str(save_steps)] if save_steps else [])
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _wait_for(predicate, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "timed out waiting for the job"
+        time.sleep(0.02)
+
+
+@pytest.mark.distributed
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "hftrain", "train", *_args(tiny_job, out, steps=40, save_steps=1),
+               "--save_total_limit", "3"]
+    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    checkpoints = out / "checkpoints"
+    try:
+        _wait_for(lambda: len(list(checkpoints.glob("step_*"))) >= 2, process)
+        _wait_for(lambda: any(checkpoints.glob(".staging-*/state/*")), process)
+        process.kill()  # SIGKILL in the middle of writing
+    finally:
+        process.kill()
+        process.wait()
+    manager = CheckpointManager(checkpoints)
+    latest = manager.resolve("latest")
+    assert list(checkpoints.glob(".staging-*")), "the kill should have hit a write in progress"
+    meta = read_checkpoint(latest)  # complete and uncorrupted
+    assert meta["step"] >= 2
+    again = subprocess.run([*command, "--resume_from_checkpoint", "latest"], cwd=ROOT, env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert f"resumed from {latest}" in again.stdout
+    assert not list(checkpoints.glob(".staging-*"))
+
+
+@pytest.mark.distributed
+def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job, tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/train.py"]
+    reference, preempted = tmp_path / "reference", tmp_path / "preempted"
+    done = subprocess.run([*torchrun, *_args(tiny_job, reference, steps=30)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = [*torchrun, *_args(tiny_job, preempted, steps=30), "--resume_from_checkpoint", "auto"]
+    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: (preempted / "hftrain_strategy.json").is_file(), process)
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: the whole job gets SIGTERM
+        output = process.communicate(timeout=300)[0]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "preempted (SIGTERM)" in output, output[-3000:]
+    stopped_at = CheckpointManager(preempted / "checkpoints").resolve("latest")
+    assert 0 < read_checkpoint(stopped_at)["step"] < 30
+    rerun = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {stopped_at}" in rerun.stdout
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(preempted / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6, msg=key)
