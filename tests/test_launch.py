@@ -97,3 +97,22 @@ def test_disagreeing_launcher_and_config_is_refused(tiny_job, tmp_path):
     assert done.returncode != 0
     assert "strategy.name is 'zero3' but accelerate launch's config selects 'zero2'" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml")))
+def test_every_shipped_accelerate_config_loads(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(ROOT / "accelerate_configs" / config))
+    assert loaded.num_processes >= 2
+    ds_file = (loaded.deepspeed_config or {}).get("deepspeed_config_file")
+    if ds_file:
+        assert (ROOT / ds_file).is_file()
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_job_configs_load(config):
+    from hftrain.config import load_config
+
+    job = load_config(config)
+    assert job.model.model_name_or_path.startswith("embedded:")
