@@ -158,7 +158,9 @@ def run_tiny_training(
     history = trainer.state.log_history
     weights = None
     if return_weights:
-        weights = {k: v.detach().clone() for k, v in trainer.accelerator.get_state_dict(trainer.model).items()}
+        # collective; ZeRO-3 returns the gathered dict on rank 0 only (None elsewhere)
+        state_dict = trainer.accelerator.get_state_dict(trainer.model) or {}
+        weights = {k: v.detach().clone() for k, v in state_dict.items()}
     return {
         "weights": weights if trainer.accelerator.is_main_process else None,
         "checkpoint": result.checkpoint,
