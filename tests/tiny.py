@@ -90,7 +90,7 @@ def _fresh_output_dir() -> str:
 
 
 def reset_accelerate_state() -> None:
-    """Forget the Accelerate singletons (not the process group) so a process can build a new Accelerator."""
+    """Forget the Accelerate singletons (the process group stays) so a process can build another Accelerator."""
     import os
 
     from accelerate.state import AcceleratorState, GradientState
@@ -99,7 +99,7 @@ def reset_accelerate_state() -> None:
     for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
         os.environ.pop(key, None)
 
-    AcceleratorState._reset_state(reset_partial_state=False)
+    AcceleratorState._reset_state(reset_partial_state=True)  # the process group itself stays up
     GradientState._reset_state()
 
 

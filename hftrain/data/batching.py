@@ -103,4 +103,7 @@ def build_dataloader(
         sampler=sampler,
         collate_fn=DataCollatorWithPadding(tokenizer),
         num_workers=num_workers,
+        # A loader without its own generator draws worker seeds from the global torch RNG each time an
+        # epoch starts, so a resumed run (which starts its iterator later) would see shifted dropout masks.
+        generator=torch.Generator().manual_seed(0),
     )
