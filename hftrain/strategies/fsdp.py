@@ -12,6 +12,7 @@ itself; ``Platform.force_fsdp`` sets the state after construction.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,8 @@ class FSDPStrategy(Strategy):
             raise ConfigError("strategy 'fsdp' shards across processes but 1 was launched; launch 2 or more or use ddp")
         if s.sharding_strategy == "HYBRID_SHARD" and s.fsdp_version == 2 and not self.single_node:
             raise ConfigError("strategy.sharding_strategy HYBRID_SHARD across nodes needs fsdp_version 1 in hftrain")
+        if platform.is_cpu and s.offload_params:  # torch pins the offloaded memory, which needs an accelerator
+            raise ConfigError("strategy.offload_params needs a GPU (on CPU the parameters are in CPU memory already)")
         if platform.is_cpu and launched.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":
             raise ConfigError("fsdp_cpu_ram_efficient_loading needs a GPU; set it to false in the accelerate config")
         self.plugin: FullyShardedDataParallelPlugin | None = None
@@ -72,7 +75,8 @@ class FSDPStrategy(Strategy):
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         # No cpu=True: on CPU that would make MULTI_CPU (DDP); the gloo group comes from the handler instead.
         self.plugin = self.build_plugin()
-        return {"fsdp_plugin": self.plugin, "kwargs_handlers": self.platform.process_group_handlers()}
+        handlers = self.platform.process_group_handlers(cpu_collectives=self.settings.offload_params)
+        return {"fsdp_plugin": self.plugin, "kwargs_handlers": handlers}
 
     def configure_accelerator(self, accelerator: Accelerator) -> None:
         self.platform.force_fsdp(accelerator, self.plugin)
@@ -146,12 +150,19 @@ def resolve_settings(config: StrategyConfig, launched: dict[str, str]) -> FSDPSe
         raise ConfigError(f"strategy.fsdp_version: {version} is not 1 or 2")
     same_sharding = (lambda a, b: RESHARD_AFTER_FORWARD[a] == RESHARD_AFTER_FORWARD[b]) if version == 2 else None
     sharding = _merge(
-        "sharding_strategy", config.sharding_strategy, default.sharding_strategy,
-        _launched_sharding(launched, version), same=same_sharding,
+        "sharding_strategy",
+        config.sharding_strategy,
+        default.sharding_strategy,
+        _launched_sharding(launched, version),
+        same=same_sharding,
     )
     offload = launched.get("FSDP_OFFLOAD_PARAMS")
-    offload = _merge("offload_params", config.offload_params, default.offload_params,
-                     None if offload is None else offload.lower() == "true")
+    offload = _merge(
+        "offload_params",
+        config.offload_params,
+        default.offload_params,
+        None if offload is None else offload.lower() == "true",
+    )
     return FSDPSettings(fsdp_version=version, sharding_strategy=sharding, offload_params=offload)
 
 
@@ -160,7 +171,7 @@ def _merge(key: str, mine: Any, default: Any, launched: Any, *, same: Any = None
         return mine
     if mine == default:
         return launched
-    if not (same or (lambda a, b: a == b))(mine, launched):
+    if not (same or operator.eq)(mine, launched):
         raise ConfigError(
             f"strategy.{key} is {mine!r} but accelerate launch's config sets {launched!r}; make them agree or drop one"
         )

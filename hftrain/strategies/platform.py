@@ -48,11 +48,17 @@ class Platform:
             return cls(device="cuda", backend="nccl")
         return cls(device="cpu", backend="gloo")
 
-    def process_group_handlers(self) -> list:
-        """Accelerate kwargs handlers that pin the process-group backend for this platform."""
+    def process_group_handlers(self, *, cpu_collectives: bool = False) -> list:
+        """Accelerate kwargs handlers that pin the process-group backend for this platform.
+
+        Args:
+            cpu_collectives: some collectives run on CPU tensors (FSDP's parameter offload); on CUDA this adds
+                gloo beside nccl, as Accelerate itself does when ``accelerate launch`` asks for FSDP offload.
+        """
         from accelerate.utils import InitProcessGroupKwargs
 
-        return [InitProcessGroupKwargs(backend=self.backend)]
+        backend = f"{self.device}:{self.backend},cpu:gloo" if cpu_collectives and not self.is_cpu else self.backend
+        return [InitProcessGroupKwargs(backend=backend)]
 
     def force_fsdp(self, accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
         """Make a freshly built accelerator's state FSDP where stock Accelerate does not select it (CPU).
