@@ -75,6 +75,9 @@ class Strategy(ABC):
         """The context the model must be constructed in (default: none)."""
         return contextlib.nullcontext()
 
+    def before_load_state(self, model: Any, optimizer: Any) -> None:
+        """Prepare the live model/optimizer for ``accelerator.load_state`` (default: nothing)."""
+
     def describe(self) -> dict[str, Any]:
         """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""
         return {}

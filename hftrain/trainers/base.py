@@ -309,6 +309,7 @@ class Trainer:
             can_reshard=self.strategy.reshardable_checkpoints,
         )
         # load_state only after prepare, so the scheduler and optimizer it restores are the live ones (pitfall #12).
+        self.strategy.before_load_state(self.model, self.optimizer.optimizer)
         self.accelerator.load_state(str(path / STATE_DIR))
         self.state = TrainerState(**meta["trainer_state"])
         self._skip_batches = batches_to_skip(meta, self.strategy_summary)
