@@ -69,7 +69,9 @@ class CheckpointManager:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             files = {str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
-            _write_json_durably(staging / MARKER, {"format_version": FORMAT_VERSION, "step": step, **meta, "files": files})
+            _write_json_durably(
+                staging / MARKER, {"format_version": FORMAT_VERSION, "step": step, **meta, "files": files}
+            )
             if final.exists():  # a re-save of the same step (e.g. preempted right after a periodic save)
                 shutil.rmtree(final)
             os.replace(staging, final)
@@ -122,7 +124,9 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
     path = Path(path)
     marker = path / MARKER
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint '{path}' does not exist; give a step_<N> folder under output_dir/checkpoints")
+        raise CheckpointError(
+            f"checkpoint '{path}' does not exist; give a step_<N> folder under output_dir/checkpoints"
+        )
     if not marker.is_file():
         raise CheckpointError(
             f"'{path}' is not a complete hftrain checkpoint (no {MARKER}); it may be a partial write: "
@@ -145,7 +149,9 @@ def _verify_files(path: Path, files: dict[str, str]) -> None:
     for name, digest in files.items():
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"checkpoint '{path}' is incomplete: {name} is missing; resume from another checkpoint")
+            raise CheckpointError(
+                f"checkpoint '{path}' is incomplete: {name} is missing; resume from another checkpoint"
+            )
         if _sha256(file) != digest:
             raise CheckpointError(
                 f"checkpoint '{path}' is corrupted: {name} does not match its checksum (truncated or modified); "

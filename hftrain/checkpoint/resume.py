@@ -8,7 +8,13 @@ from typing import Any
 from hftrain.checkpoint.manager import CheckpointError
 
 # Config keys that define the model and task: a checkpoint of another model or task cannot be resumed.
-IDENTITY_KEYS = ("model.model_name_or_path", "model.num_labels", "lora.use_lora", "lora.lora_r", "lora.lora_target_modules")
+IDENTITY_KEYS = (
+    "model.model_name_or_path",
+    "model.num_labels",
+    "lora.use_lora",
+    "lora.lora_r",
+    "lora.lora_target_modules",
+)
 
 
 def check_resumable(

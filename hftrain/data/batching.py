@@ -6,7 +6,8 @@ Every process builds the same index order from ``(seed, epoch)``; Accelerate the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, Sampler

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from hftrain.errors import ConfigError, DataError
 
@@ -170,9 +171,7 @@ def _file_format(path: Path, field: str) -> str:
     for suffix in sorted(_FILE_FORMATS, key=len, reverse=True):
         if name.endswith(suffix):
             return _FILE_FORMATS[suffix]
-    raise DataError(
-        f"{field}: unsupported file type for {path}; use one of {', '.join(_FILE_FORMATS)}"
-    )
+    raise DataError(f"{field}: unsupported file type for {path}; use one of {', '.join(_FILE_FORMATS)}")
 
 
 def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
@@ -456,6 +455,6 @@ def _chinese_reviews(log: Callable[[str], None]) -> pd.DataFrame:
         log(f"embedded:chinese_reviews: dropped {len(both)} texts found in both pos.txt and neg.txt")
     positive = [text for text in positive if text not in both]
     negative = [text for text in negative if text not in both]
-    return pd.DataFrame(
-        {"text": positive + negative, "label": [1] * len(positive) + [0] * len(negative)}
-    ).astype({"label": "int64"})
+    return pd.DataFrame({"text": positive + negative, "label": [1] * len(positive) + [0] * len(negative)}).astype(
+        {"label": "int64"}
+    )

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
@@ -115,9 +116,13 @@ class ZeroStrategy(Strategy):
         try:
             config = json.loads(Path(path).read_text())
         except OSError:
-            raise ConfigError(f"strategy.deepspeed_config: cannot read '{path}'; give an existing DeepSpeed JSON") from None
+            raise ConfigError(
+                f"strategy.deepspeed_config: cannot read '{path}'; give an existing DeepSpeed JSON"
+            ) from None
         except ValueError as error:
-            raise ConfigError(f"strategy.deepspeed_config: '{path}' is not valid JSON ({error}); fix the file") from None
+            raise ConfigError(
+                f"strategy.deepspeed_config: '{path}' is not valid JSON ({error}); fix the file"
+            ) from None
         if not isinstance(config.get("zero_optimization"), dict):
             raise ConfigError(f"strategy.deepspeed_config: '{path}' has no zero_optimization section; add one")
         if self.config.offload_optimizer and not _device(config["zero_optimization"], "offload_optimizer"):
@@ -147,7 +152,8 @@ class ZeroStrategy(Strategy):
         zero["stage"] = self.stage
         if _device(zero, "offload_optimizer") and self.stage < 2:
             raise ConfigError(
-                f"strategy '{self.name}': optimizer offload needs ZeRO stage 2 or 3; use zero2/zero3 or set offload_optimizer: false"
+                f"strategy '{self.name}': optimizer offload needs ZeRO stage 2 or 3; "
+                "use zero2/zero3 or set offload_optimizer: false"
             )
         if _device(zero, "offload_param") and self.stage < 3:
             raise ConfigError(
@@ -184,15 +190,21 @@ def fill_batch_settings(config: dict[str, Any], training: TrainingConfig, *, dp_
         _fill(config, key, value, f"training settings give {value}")
     for precision in ("bf16", "fp16"):
         section = config.setdefault(precision, {})
-        _fill(section, "enabled", training.mixed_precision == precision, f"training.mixed_precision is '{training.mixed_precision}'",
-              label=f"{precision}.enabled")
+        _fill(
+            section,
+            "enabled",
+            training.mixed_precision == precision,
+            f"training.mixed_precision is '{training.mixed_precision}'",
+            label=f"{precision}.enabled",
+        )
 
 
 def _fill(section: dict[str, Any], key: str, value: Any, reason: str, *, label: str | None = None) -> None:
     current = section.get(key, "auto")
     if current != "auto" and current != value:
         raise ConfigError(
-            f"DeepSpeed JSON: {label or key} is {current!r} but {reason}; set it to \"auto\" (hftrain fills it) or make them agree"
+            f"DeepSpeed JSON: {label or key} is {current!r} but {reason}; "
+            'set it to "auto" (hftrain fills it) or make them agree'
         )
     section[key] = value
 
@@ -267,4 +279,3 @@ def _without_hf_zero3(plugin: Any) -> Iterator[None]:
         yield
     finally:
         plugin.set_deepspeed_weakref()
-

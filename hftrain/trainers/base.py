@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -145,7 +146,7 @@ class Trainer:
     def create_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """AdamW with no weight decay on biases and norms, as the HF Trainer does."""
         decay, no_decay = [], []
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.requires_grad:
                 (no_decay if param.ndim < 2 else decay).append(param)
         groups = [
@@ -259,8 +260,10 @@ class Trainer:
             return None
         if self._checkpointed_step() != self.state.global_step:
             self.save_checkpoint()
-        self._log(f"stopping at step {self.state.global_step} ({reason or 'another rank was signalled'}); "
-                  f"checkpoint {self.last_checkpoint}")
+        self._log(
+            f"stopping at step {self.state.global_step} ({reason or 'another rank was signalled'}); "
+            f"checkpoint {self.last_checkpoint}"
+        )
         return reason or "signal on another rank"
 
     def _any_rank(self, flag: bool) -> bool:
@@ -305,7 +308,10 @@ class Trainer:
         check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
         meta = self._read_verified(path)
         notes = check_resumable(
-            meta, path=path, run_config=self.run_config, topology=self.strategy_summary,
+            meta,
+            path=path,
+            run_config=self.run_config,
+            topology=self.strategy_summary,
             can_reshard=self.strategy.reshardable_checkpoints,
         )
         # load_state only after prepare, so the scheduler and optimizer it restores are the live ones (pitfall #12).
@@ -317,8 +323,10 @@ class Trainer:
         self.last_checkpoint = path
         for note in notes:
             self._log(note)
-        self._log(f"resumed from {path} at step {self.state.global_step} (epoch {self.state.epoch}, "
-                  f"{self._skip_batches} batches into it)")
+        self._log(
+            f"resumed from {path} at step {self.state.global_step} (epoch {self.state.epoch}, "
+            f"{self._skip_batches} batches into it)"
+        )
 
     def _read_verified(self, path: Path) -> dict[str, Any]:
         # The main process checks every checksum; the others wait for its verdict instead of re-hashing.
@@ -364,7 +372,9 @@ class Trainer:
         progress.update(1)
         if self.state.global_step % self.args.logging_steps == 0:
             progress.set_postfix(loss=f"{loss:.4f}")
-            self.accelerator.log({"train/loss": loss, "train/learning_rate": entry["learning_rate"]}, step=entry["step"])
+            self.accelerator.log(
+                {"train/loss": loss, "train/learning_rate": entry["learning_rate"]}, step=entry["step"]
+            )
 
     def _eval_due(self) -> bool:
         every = self.args.eval_steps
