@@ -38,7 +38,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         config: the validated job config.
         launch: what the launcher set up (world size, accelerate strategy).
     """
-    from hftrain.checkpoint.export import export_pretrained
+    from hftrain.checkpoint.export import export_pretrained, verification_batch
     from hftrain.data.batching import tokenize_splits
     from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer, model_init_fn
@@ -75,7 +75,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     trainer = SequenceClassificationTrainer(
         config.training,
         strategy=strategy,
-        model_init=model_init_fn(config.model, tokenizer),
+        model_init=model_init_fn(config.model, tokenizer, config.lora),
         tokenizer=tokenizer,
         train_dataset=tokenized["train"],
         eval_dataset=tokenized["validation"],
@@ -84,7 +84,19 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     result = trainer.fit()
     model_dir = None
     if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
-        model_dir = export_pretrained(trainer.accelerator, trainer.model, tokenizer, output_dir / "model")
+        # The saved folder is reloaded and must reproduce the trained model's logits on a few validation texts.
+        export = export_pretrained(
+            trainer.accelerator, trainer.model, tokenizer, output_dir / "model",
+            merge_lora=config.lora.merge_lora_on_export,
+            verify_inputs=verification_batch(tokenized["validation"], tokenizer),
+        )  # fmt: skip
+        model_dir = export.model_dir
+        if is_main_process():
+            log.info(
+                f"exported the {'LoRA adapter' if export.is_adapter else 'model'} to {export.model_dir}"
+                + (f" and the merged model to {export.merged_dir}" if export.merged_dir else "")
+                + f"; reloaded it: max logit difference {export.max_logit_diff:.2e}"
+            )
     trainer.close()
     return JobResult(
         metrics=result.metrics,

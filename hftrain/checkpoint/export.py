@@ -1,34 +1,362 @@
-"""Export a trained model as a standard ``save_pretrained`` folder under any strategy."""
+"""Export a trained model as a standard ``save_pretrained`` folder under any strategy, and prove it reloads.
+
+The export is a collective call (pitfall #9): every rank gathers, the main process writes and checks.
+
+- Gather: ``accelerator.get_state_dict`` assembles the *full* state on the main process whatever the strategy
+  (ZeRO-3 partitions with ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall #1).
+- LoRA: PEFT filters the adapter out of that full state dict, so the adapter is complete even where each rank
+  holds only a slice of it (pitfalls #2, #3); ``merge_lora`` also writes ``<directory>_merged``, a plain
+  model with the adapter merged in (beside the adapter folder, so each folder is one loadable model).
+- Check: every gathered tensor must have the shape of a freshly built model's (pitfall #1); with
+  ``verify_inputs`` the main process reloads what it wrote with plain transformers/peft, outside DeepSpeed's
+  ``zero.Init``, and compares its logits with the trained model's.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hftrain.errors import HFTrainError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedTokenizerBase
 
+# Largest |logit difference| accepted between the trained and the reloaded model, relative to the largest logit
+# when that exceeds 1. Under mixed precision the trained forward runs in autocast (or in 16-bit weights under
+# DeepSpeed) and the reload need not round the same way, so the bound is one of 16-bit rounding.
+LOGIT_TOLERANCE = {"no": 1e-5, "bf16": 3e-2, "fp16": 4e-3}
+# Prefixes wrappers put on parameter names (FSDP1 units, activation checkpointing, torch.compile) (pitfall #4).
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_pretrained`` wrote and how well it reloaded (the same on every rank).
+
+    Args:
+        model_dir: the export folder (full model, or the LoRA adapter).
+        merged_dir: the merged full model of a LoRA run, when ``merge_lora`` was set.
+        is_adapter: whether ``model_dir`` holds a PEFT adapter rather than a full model.
+        tensors: tensors in the gathered full state dict.
+        logit_diffs: max |logit difference| per reloaded folder (``"model"``, ``"merged"``); empty unverified.
+    """
+
+    model_dir: str
+    merged_dir: str | None = None
+    is_adapter: bool = False
+    tensors: int = 0
+    logit_diffs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def max_logit_diff(self) -> float | None:
+        """The largest difference over every reloaded folder; None when nothing was verified."""
+        return max(self.logit_diffs.values()) if self.logit_diffs else None
+
 
 def export_pretrained(
-    accelerator: Accelerator, model: object, tokenizer: PreTrainedTokenizerBase, directory: str | Path
-) -> Path:
-    """Write config, tokenizer and safetensors weights; a collective call: every rank must enter it.
-
-    ``get_state_dict`` gathers the full state (ZeRO-3 partitions, FSDP shards) before rank 0 writes it.
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: str | Path,
+    *,
+    merge_lora: bool = False,
+    verify_inputs: dict[str, torch.Tensor] | None = None,
+) -> ExportResult:
+    """Write config, tokenizer and safetensors weights (or a LoRA adapter); every rank must call it.
 
     Args:
         accelerator: the run's accelerator.
         model: the prepared (wrapped) model.
         tokenizer: saved beside the weights.
         directory: the export folder.
+        merge_lora: for a LoRA model, also write the merged full model into ``<directory>_merged``.
+        verify_inputs: a fixed batch (``input_ids``, ``attention_mask``...); when given, the written folders
+            are reloaded and must give the trained model's logits, else ``HFTrainError``.
     """
     directory = Path(directory)
     accelerator.wait_for_everyone()
+    # Collective: under ZeRO-3/FSDP every rank takes part in the forward and in the gather.
+    expected = _trained_logits(accelerator, model, verify_inputs) if verify_inputs is not None else None
     state_dict = accelerator.get_state_dict(model)
+    outcome: ExportResult | str | None = None
+    failure: Exception | None = None
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(directory)
-    accelerator.wait_for_everyone()
-    return directory
+        try:
+            with outside_zero3_init(accelerator):
+                outcome = _write_and_verify(
+                    accelerator.unwrap_model(model),
+                    _strip_wrapper_prefixes(state_dict),
+                    tokenizer,
+                    directory,
+                    merge_lora=merge_lora,
+                    verify_inputs=verify_inputs,
+                    expected=expected,
+                    tolerance=LOGIT_TOLERANCE.get(accelerator.mixed_precision, 1e-5),
+                )
+        except Exception as error:  # the other ranks must learn of it, or they would wait for a result forever
+            failure, outcome = error, _one_line(error)
+    outcome = _broadcast(accelerator, outcome)
+    if failure is not None:
+        raise failure
+    if isinstance(outcome, str):
+        raise HFTrainError(f"export to '{directory}' failed on the main process: {outcome}")
+    return outcome
+
+
+def verify_export(
+    directory: str | Path,
+    inputs: dict[str, torch.Tensor],
+    expected: torch.Tensor,
+    *,
+    base_model: torch.nn.Module | None = None,
+    tolerance: float = 1e-5,
+) -> float:
+    """Reload an export with plain transformers (or peft onto ``base_model``) and compare its logits.
+
+    Returns the max |logit difference|; raises ``HFTrainError`` (one line) when it exceeds ``tolerance``.
+
+    Args:
+        directory: a ``save_pretrained`` folder: a full model, or a PEFT adapter when ``base_model`` is given.
+        inputs: the batch the expected logits were computed on.
+        expected: the trained model's logits on ``inputs``.
+        base_model: the frozen base weights the adapter applies to (it is modified); None for a full model.
+        tolerance: the largest accepted difference (times the largest expected logit when that exceeds 1).
+    """
+    reloaded = _reload(Path(directory), base_model)
+    logits = _logits(reloaded, inputs)
+    if logits.shape != expected.shape:
+        raise HFTrainError(
+            f"export '{directory}' gives logits of shape {tuple(logits.shape)}, the trained model "
+            f"{tuple(expected.shape)}; the written model is not the trained one"
+        )
+    diff = (logits - expected.float()).abs().max().item()
+    bound = tolerance * max(1.0, expected.abs().max().item())
+    if not diff <= bound:  # also catches NaN
+        raise HFTrainError(
+            f"export '{directory}' does not reproduce the trained model: max logit difference {diff:.3g} > "
+            f"{bound:.3g}; the written weights are incomplete or wrong, do not use this folder"
+        )
+    return diff
+
+
+def verification_batch(dataset: Any, tokenizer: PreTrainedTokenizerBase, *, size: int = 4) -> dict[str, torch.Tensor]:
+    """The first ``size`` examples of a tokenized dataset, padded into one batch (without labels).
+
+    Args:
+        dataset: tokenized examples (``input_ids``...; ``labels`` and ``length`` columns are dropped).
+        tokenizer: pads the batch.
+        size: examples in the batch.
+    """
+    from transformers import DataCollatorWithPadding
+
+    rows = dataset.select(range(min(size, len(dataset))))
+    rows = rows.remove_columns([c for c in rows.column_names if c in ("labels", "label", "length")])
+    return DataCollatorWithPadding(tokenizer)([rows[i] for i in range(len(rows))])
+
+
+@contextlib.contextmanager
+def outside_zero3_init(accelerator: Accelerator) -> Iterator[None]:
+    """Build and load models normally even while a ZeRO-3 job runs.
+
+    transformers routes ``from_pretrained``/``from_config`` through ``deepspeed.zero.Init`` while a ZeRO-3
+    config is registered; on the main process alone that starts a collective the other ranks never join.
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    from hftrain.strategies.deepspeed import _without_hf_zero3
+
+    with _without_hf_zero3(accelerator.state.deepspeed_plugin):
+        yield
+
+
+# ----------------------------------------------------------------- main process: check, write, reload
+def _write_and_verify(
+    unwrapped: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    *,
+    merge_lora: bool,
+    verify_inputs: dict[str, torch.Tensor] | None,
+    expected: torch.Tensor | None,
+    tolerance: float,
+) -> ExportResult:
+    from hftrain.models.lora import is_peft_model
+
+    is_adapter = is_peft_model(unwrapped)
+    with torch.device("meta"):  # the model's layout with clean parameter names, at no memory cost
+        layout = _fresh_like(unwrapped)
+    shapes = {k: v.shape for k, v in layout.state_dict().items()}
+    _check_complete(state_dict, shapes, _tied_keys(layout), directory)
+    # PEFT picks the adapter's entries by walking the model's LoRA layers; under FSDP1 the trained model's layer
+    # names carry wrapper prefixes and PEFT silently drops every LoRA weight (pitfalls #3, #4), so the layout
+    # filters the full state dict instead. A copy, as save_pretrained pops entries from the dict it is given.
+    writer = layout if is_adapter else unwrapped
+    writer.save_pretrained(directory, state_dict=dict(state_dict), safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    if is_adapter:
+        _check_adapter_written(directory, layout, state_dict)
+    merged_dir = directory.with_name(directory.name + "_merged") if is_adapter and merge_lora else None
+    trained = _rebuild_on_cpu(unwrapped, state_dict) if is_adapter and (merged_dir or expected is not None) else None
+    if merged_dir is not None:
+        copy.deepcopy(trained).merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)
+        tokenizer.save_pretrained(merged_dir)
+    diffs: dict[str, float] = {}
+    if expected is not None:
+        base = trained.unload() if trained is not None else None
+        diffs["model"] = verify_export(directory, verify_inputs, expected, base_model=base, tolerance=tolerance)
+        if merged_dir is not None:
+            diffs["merged"] = verify_export(merged_dir, verify_inputs, expected, tolerance=tolerance)
+    return ExportResult(
+        model_dir=str(directory),
+        merged_dir=str(merged_dir) if merged_dir else None,
+        is_adapter=is_adapter,
+        tensors=len(state_dict),
+        logit_diffs=diffs,
+    )
+
+
+def _check_complete(
+    state_dict: dict[str, torch.Tensor], shapes: dict[str, torch.Size], tied: set[str], directory: Path
+) -> None:
+    """Every tensor of a freshly built model is there (a tied copy may be gathered once), with its full shape
+    (not a rank's empty partition)."""
+    missing = sorted(set(shapes) - set(state_dict) - tied)
+    wrong = [k for k in shapes if k in state_dict and tuple(state_dict[k].shape) != tuple(shapes[k])]
+    extra = sorted(set(state_dict) - set(shapes))
+    if missing or wrong or extra:
+        what = (
+            f"{len(missing)} missing (e.g. {missing[0]})" if missing
+            else f"{len(wrong)} of the wrong shape (e.g. {wrong[0]}: {tuple(state_dict[wrong[0]].shape)}, "
+                 f"expected {tuple(shapes[wrong[0]])})" if wrong
+            else f"{len(extra)} unexpected (e.g. {extra[0]})"
+        )  # fmt: skip
+        raise HFTrainError(
+            f"export to '{directory}': the gathered state dict has {what} tensors; the gather is incomplete "
+            "(for ZeRO-3 set stage3_gather_16bit_weights_on_model_save: true), nothing was written"
+        )
+
+
+def _check_adapter_written(directory: Path, layout: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """The adapter file holds one tensor per trained parameter (LoRA and head), equal to the gathered one.
+
+    Exact in any precision, unlike the logits: it catches PEFT dropping entries it did not recognise (#2-#5).
+    """
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    trained = [name for name, param in layout.named_parameters() if param.requires_grad]
+    expected = get_peft_model_state_dict(layout, state_dict=state_dict)
+    written = load_file(directory / "adapter_model.safetensors")
+    wrong = [k for k in expected if k not in written or not torch.equal(written[k], expected[k])]
+    if len(written) != len(trained) or wrong:
+        raise HFTrainError(
+            f"export to '{directory}': the adapter holds {len(written)} tensors for {len(trained)} trained "
+            f"parameters{f' and differs from the trained model in {wrong[0]}' if wrong else ''}; do not use this folder"
+        )
+
+
+def _tied_keys(layout: torch.nn.Module) -> set[str]:
+    """State-dict names the model declares tied to another tensor (save_pretrained writes one of each, #22)."""
+    base = _base_of(layout)
+    prefix = "base_model.model." if base is not layout else ""
+    return {prefix + key for key in getattr(base, "all_tied_weights_keys", None) or {}}
+
+
+def _rebuild_on_cpu(unwrapped: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A CPU copy of the trained model from the gathered state dict (ZeRO-3/FSDP parameters are not whole)."""
+    fresh = _fresh_like(unwrapped)
+    # Not strict: tied copies may be absent; _check_complete has already vouched for every other key.
+    fresh.load_state_dict(state_dict, strict=False)
+    return fresh.eval()
+
+
+def _fresh_like(unwrapped: torch.nn.Module) -> torch.nn.Module:
+    """A newly built model of the same class and config (and the same LoRA layout), randomly initialised."""
+    base = _base_of(unwrapped)
+    fresh = type(base)(copy.deepcopy(base.config))
+    if unwrapped is not base:
+        from peft import get_peft_model
+
+        return get_peft_model(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
+    return fresh
+
+
+def _base_of(model: torch.nn.Module) -> torch.nn.Module:
+    from hftrain.models.lora import is_peft_model
+
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def _reload(directory: Path, base_model: torch.nn.Module | None) -> torch.nn.Module:
+    if base_model is None:
+        import transformers
+
+        # The class save_pretrained recorded (a *ForSequenceClassification for hftrain's own runs).
+        architectures = transformers.AutoConfig.from_pretrained(directory).architectures or []
+        model_class = getattr(transformers, architectures[0], None) if architectures else None
+        model_class = model_class or transformers.AutoModelForSequenceClassification
+        model, info = model_class.from_pretrained(directory, output_loading_info=True)
+        problems = {k: v for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if (v := info.get(k))}
+        if problems:  # a missing tensor would be silently initialised at random
+            kind, keys = next(iter(problems.items()))
+            raise HFTrainError(
+                f"export '{directory}' does not load strictly: {len(keys)} {kind.replace('_', ' ')} "
+                f"(e.g. {sorted(keys, key=str)[0]}); do not use this folder"
+            )
+        return model.eval()
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_model, directory).eval()
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(**{k: v.to(device) for k, v in inputs.items()}).logits.float().cpu()
+
+
+# ----------------------------------------------------------------- all ranks
+@torch.no_grad()
+def _trained_logits(accelerator: Accelerator, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The prepared model's logits on ``inputs`` in eval mode (a collective forward under ZeRO-3/FSDP)."""
+    was_training = model.training
+    model.eval()
+    try:
+        output = model(**{k: v.to(accelerator.device) for k, v in inputs.items() if k != "labels"})
+    finally:
+        model.train(was_training)
+    return output.logits.float().cpu()
+
+
+def _strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def clean(key: str) -> str:
+        for prefix in _WRAPPER_PREFIXES:
+            key = key.replace(prefix, "")
+        return key
+
+    return {clean(k): v for k, v in state_dict.items()}
+
+
+def _broadcast(accelerator: Accelerator, value: Any) -> Any:
+    from accelerate.utils import broadcast_object_list
+
+    if accelerator.num_processes == 1:
+        return value
+    return broadcast_object_list([value], from_process=0)[0]
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]

@@ -6,15 +6,17 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from hftrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from hftrain.config import ModelConfig
+    from hftrain.config import LoraConfig, ModelConfig
 
 # name -> (package, folder inside it, gguf file or None, one-line description)
 EMBEDDED_MODELS: dict[str, tuple[str, str, str | None, str]] = {
@@ -102,16 +104,28 @@ def build_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def model_init_fn(config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[[], PreTrainedModel]:
-    """A callable that builds the classification model (called by the trainer inside the strategy's context)."""
+def model_init_fn(
+    config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora: LoraConfig | None = None
+) -> Callable[[], PreTrainedModel | PeftModel]:
+    """A callable that builds the classification model (called by the trainer inside the strategy's context).
+
+    Args:
+        config: the ``model`` config section.
+        tokenizer: supplies the pad id GPT-style heads pool on.
+        lora: the ``lora`` section; with ``use_lora`` the model is wrapped in LoRA adapters (``hftrain.models.lora``).
+    """
     path = resolve_model_path(config.model_name_or_path)
 
-    def build() -> PreTrainedModel:
+    def build() -> PreTrainedModel | PeftModel:
         from transformers import AutoModelForSequenceClassification
 
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.num_labels)
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id
+        if lora is not None and lora.use_lora:
+            from hftrain.models.lora import apply_lora
+
+            return apply_lora(model, lora)
         return model
 
     return build

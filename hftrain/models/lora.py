@@ -1,0 +1,79 @@
+"""LoRA with PEFT: low-rank adapters on chosen linear layers, the classification head trained in full.
+
+A LoRA layer computes ``y = W x + (alpha / r) · B A x`` with ``W`` frozen, ``A`` (r × in) random and ``B``
+(out × r) zero at start, so the adapted model starts equal to the base model. PEFT's ``SEQ_CLS`` task type
+adds the head (``classifier`` for BERT-style, ``score`` for GPT-style models) to ``modules_to_save``: a full
+trainable copy that is written into the adapter, or the freshly initialised head would be lost on reload
+(pitfall #5). The trainer's optimizer takes only parameters with ``requires_grad``, so nothing else changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hftrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    from hftrain.config import LoraConfig
+
+# PEFT's SEQ_CLS task type marks these head names as modules_to_save.
+HEAD_MODULES = ("classifier", "score")
+
+
+def apply_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
+    """Wrap a ``*ForSequenceClassification`` model in LoRA adapters; only adapters and head stay trainable.
+
+    Args:
+        model: the base classification model (full weights, not yet prepared).
+        config: the ``lora`` config section; null ``lora_target_modules`` takes PEFT's default for the
+            architecture (BERT ``query``/``value``, GPT-2 ``c_attn``, Llama ``q_proj``/``v_proj``).
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType, get_peft_model
+
+    targets = config.lora_target_modules or None
+    if targets is None and not _has_default_targets(model):
+        raise ConfigError(
+            f"lora.lora_target_modules: PEFT has no default for model type '{model.config.model_type}'; "
+            "list the linear layers to adapt (e.g. [q_proj, v_proj])"
+        )
+    peft_config = PeftLoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        # GPT-2 stores Conv1D weights transposed (in × out); PEFT would flip this itself, with a warning.
+        fan_in_fan_out=_uses_conv1d(model),
+    )
+    peft_model = get_peft_model(model, peft_config)
+    head = [n for n in HEAD_MODULES if hasattr(model, n)]
+    if not head or not any(p.requires_grad for p in getattr(model, head[0]).parameters()):
+        raise ConfigError(
+            f"lora: {type(model).__name__} has no trainable '{'/'.join(HEAD_MODULES)}' head under PEFT's SEQ_CLS task; "
+            "use a *ForSequenceClassification model"
+        )
+    return peft_model
+
+
+def is_peft_model(model: object) -> bool:
+    """True for a ``peft.PeftModel`` (without importing peft for full models)."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _has_default_targets(model: PreTrainedModel) -> bool:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    return model.config.model_type in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+
+def _uses_conv1d(model: PreTrainedModel) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return any(isinstance(m, Conv1D) for m in model.modules())
