@@ -101,6 +101,10 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the process group itself stays up
     GradientState._reset_state()
+    # A ZeRO-3 run leaves transformers pointing at its DeepSpeed config: the next model would build in zero.Init.
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
 
 
 def run_tiny_training(

@@ -174,9 +174,9 @@ def outside_zero3_init(accelerator: Accelerator) -> Iterator[None]:
     if not is_deepspeed_zero3_enabled():
         yield
         return
-    from hftrain.strategies.deepspeed import _without_hf_zero3
+    from hftrain.strategies.deepspeed import without_hf_zero3
 
-    with _without_hf_zero3(accelerator.state.deepspeed_plugin):
+    with without_hf_zero3(accelerator.state.deepspeed_plugin):
         yield
 
 

@@ -265,11 +265,11 @@ class Zero3Strategy(ZeroStrategy):
         the full model once per process and letting ``deepspeed.initialize`` partition it gives exactly the
         reference initialisation; it costs one full copy of the model in host memory during construction.
         """
-        return _without_hf_zero3(self._plugin)
+        return without_hf_zero3(self._plugin)
 
 
 @contextlib.contextmanager
-def _without_hf_zero3(plugin: Any) -> Iterator[None]:
+def without_hf_zero3(plugin: Any) -> Iterator[None]:
     # transformers decides on zero.Init from a global weak reference to the DeepSpeed config; Accelerate's
     # zero3_init_context_manager(enable=False) leaves that reference in place, so unset it and restore it.
     from transformers.integrations import unset_hf_deepspeed_config
