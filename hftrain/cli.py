@@ -26,6 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", help="YAML config with sections model, data, training, strategy")
     commands.add_parser("env", help="versions, devices, backend, and which strategies can run here")
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a verified save_pretrained folder (LoRA: a PEFT adapter)",
+        description="Export a checkpoint. Launch it like the run that wrote it, e.g. "
+        "torchrun --nproc_per_node 2 -m hftrain export CKPT DIR for a 2-process ZeRO checkpoint.",
+    )
+    export.add_argument("checkpoint", help="a checkpoint folder: output_dir/checkpoints/step_<N>")
+    export.add_argument("directory", help="a new folder for the export")
+    export.add_argument("--merge_lora", action="store_true", help="also write the adapter merged into the model")
+    export.add_argument(
+        "--trust_external_checkpoint", action="store_true", help="allow a checkpoint outside its run's output_dir"
+    )
     return parser
 
 
@@ -63,6 +75,21 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         f"{int(result.metrics.get('eval_samples', 0))} examples) after {result.global_step} steps; "
         f"took {result.seconds:.1f} s; model saved to {result.model_dir}"
     )
+    return 0
+
+
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    from hftrain.job import run_export
+    from hftrain.log import log_main
+
+    model_dir = run_export(
+        args.checkpoint,
+        args.directory,
+        launch_info_from_environ(),
+        merge_lora=args.merge_lora,
+        trust=args.trust_external_checkpoint,
+    )
+    log_main(f"exported {args.checkpoint} to {model_dir}")
     return 0
 
 
@@ -118,7 +145,7 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
     return f"zero{stage}"
 
 
-COMMANDS = {"train": _train, "env": _env}
+COMMANDS = {"train": _train, "env": _env, "export": _export}
 
 
 if __name__ == "__main__":

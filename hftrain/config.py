@@ -237,6 +237,15 @@ def from_dict(raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
     return config
 
 
+def config_from_flat(flat: dict[str, Any], *, source: str) -> TrainConfig:
+    """The config stored flat (``{"section.field": value}``, as checkpoints keep it)."""
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, name = key.split(".", 1)
+        nested.setdefault(section, {})[name] = value
+    return from_dict(nested, source=source)
+
+
 def set_field(config: TrainConfig, key: str, value: Any, *, source: str) -> None:
     """Set ``section.field`` (or a unique bare ``field``) with type checking."""
     section, name = _resolve_key(key, source)

@@ -8,9 +8,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from hftrain.config import CONFIG_FILENAME, TrainConfig, config_differences, from_dict, save_config
+from hftrain.config import (
+    CONFIG_FILENAME,
+    TrainConfig,
+    config_differences,
+    config_from_flat,
+    from_dict,
+    save_config,
+)
 from hftrain.errors import ConfigError
 from hftrain.log import get_logger, is_main_process
 
@@ -31,26 +38,26 @@ class JobResult:
     checkpoint: str | None = None
 
 
-def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
-    """Load data and model, train with the configured strategy, export, and report.
+def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) -> tuple[Any, Any, Any]:
+    """Validate everything, then build the trainer: ``(trainer, tokenizer, tokenized splits)``.
 
     Args:
         config: the validated job config.
         launch: what the launcher set up (world size, accelerate strategy).
+        write: create ``output_dir`` and save the config (a training run); an export writes nothing there.
     """
-    from hftrain.checkpoint.export import export_pretrained, verification_batch
     from hftrain.data.batching import tokenize_splits
     from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer, model_init_fn
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
 
-    start = time.perf_counter()
     log = get_logger()
     quiet_libraries()
     strategy = build_strategy(config.strategy, launch=launch)
     strategy.preflight(config.training)
-    check_output_dir(config)
+    if write:
+        check_output_dir(config)
     tokenizer = build_tokenizer(config.model)
     data = config.data
     splits = load_classification_splits(
@@ -69,7 +76,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     tokenized = tokenize_splits(splits, tokenizer, max_seq_length=data.max_seq_length)
     # Inputs are valid: from here on the run may write into output_dir.
     output_dir = Path(config.training.output_dir)
-    if is_main_process():
+    if write and is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir)
     trainer = SequenceClassificationTrainer(
@@ -81,22 +88,22 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         eval_dataset=tokenized["validation"],
         run_config=config.flat(),
     )
+    return trainer, tokenizer, tokenized
+
+
+def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
+    """Load data and model, train with the configured strategy, export, and report.
+
+    Args:
+        config: the validated job config.
+        launch: what the launcher set up (world size, accelerate strategy).
+    """
+    start = time.perf_counter()
+    trainer, tokenizer, tokenized = prepare_job(config, launch)
     result = trainer.fit()
     model_dir = None
     if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
-        # The saved folder is reloaded and must reproduce the trained model's logits on a few validation texts.
-        export = export_pretrained(
-            trainer.accelerator, trainer.model, tokenizer, output_dir / "model",
-            merge_lora=config.lora.merge_lora_on_export,
-            verify_inputs=verification_batch(tokenized["validation"], tokenizer),
-        )  # fmt: skip
-        model_dir = export.model_dir
-        if is_main_process():
-            log.info(
-                f"exported the {'LoRA adapter' if export.is_adapter else 'model'} to {export.model_dir}"
-                + (f" and the merged model to {export.merged_dir}" if export.merged_dir else "")
-                + f"; reloaded it: max logit difference {export.max_logit_diff:.2e}"
-            )
+        model_dir = export_model(trainer, tokenizer, tokenized, Path(config.training.output_dir) / "model", config)
     trainer.close()
     return JobResult(
         metrics=result.metrics,
@@ -107,6 +114,65 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         preempted=result.preempted,
         checkpoint=result.checkpoint,
     )
+
+
+def run_export(checkpoint: str, directory: str, launch: LaunchInfo, *, merge_lora: bool, trust: bool) -> str:
+    """Export a checkpoint as a verified ``save_pretrained`` folder (launched like the run that wrote it).
+
+    Args:
+        checkpoint: a ``step_<N>`` folder.
+        directory: the export folder; must not exist yet or be empty.
+        launch: what the launcher set up; ZeRO checkpoints need the process count that wrote them.
+        merge_lora: also write the adapter merged into a full model.
+        trust: allow a checkpoint outside its run's ``output_dir``.
+    """
+    from hftrain.checkpoint.manager import CheckpointError, read_checkpoint
+    from hftrain.strategies import strategy_class
+
+    target = Path(directory)
+    if target.exists() and any(target.iterdir()):
+        raise ConfigError(f"export directory '{target}' is not empty; give a new folder (nothing is overwritten)")
+    meta = read_checkpoint(checkpoint)
+    saved = meta["topology"]
+    if saved["world_size"] != launch.world_size and not strategy_class(saved["strategy"]).reshardable_checkpoints:
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}' was written by {saved['world_size']} processes and '{saved['strategy']}' "
+            f"checkpoints are partitioned by process count; resume on {saved['world_size']} processes: launch the "
+            f"export like the run (e.g. torchrun --nproc_per_node {saved['world_size']} -m hftrain export ...)"
+        )
+    config = config_from_flat(meta["config"], source=f"{checkpoint}/checkpoint.json")
+    config.strategy.name = meta["topology"]["strategy"]
+    config.training.resume_from_checkpoint = str(checkpoint)
+    config.training.trust_external_checkpoint = trust
+    config.training.log_with = "none"
+    trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
+    model_dir = export_model(trainer, tokenizer, tokenized, target, config, merge_lora=merge_lora)
+    trainer.close()
+    return str(model_dir)
+
+
+def export_model(
+    trainer: Any, tokenizer: Any, tokenized: Any, directory: Path, config: TrainConfig, *, merge_lora: bool | None = None
+) -> Path:
+    """Export and reload-verify the trained model (collective: every rank calls it)."""
+    from hftrain.checkpoint.export import export_pretrained, verification_batch
+
+    # The saved folder is reloaded and must reproduce the trained model's logits on a few validation texts.
+    export = export_pretrained(
+        trainer.accelerator,
+        trainer.model,
+        tokenizer,
+        directory,
+        merge_lora=config.lora.merge_lora_on_export if merge_lora is None else merge_lora,
+        verify_inputs=verification_batch(tokenized["validation"], tokenizer),
+    )
+    if is_main_process():
+        get_logger().info(
+            f"exported the {'LoRA adapter' if export.is_adapter else 'model'} to {export.model_dir}"
+            + (f" and the merged model to {export.merged_dir}" if export.merged_dir else "")
+            + f"; reloaded it: max logit difference {export.max_logit_diff:.2e}"
+        )
+    return Path(export.model_dir)
 
 
 def quiet_libraries() -> None:

@@ -280,3 +280,29 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
     assert ours.keys() == theirs.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
+def test_export_command_from_a_zero_checkpoint(tiny_job, tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    out = tmp_path / "run"
+    done = subprocess.run([*torchrun, "scripts/train.py", *_args(tiny_job, out, steps=4), "--strategy.name", "zero2"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = str(out / "checkpoints" / "step_00000004")
+    one = subprocess.run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "one")],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert one.returncode == 2 and "partitioned by process count; resume on 2 processes" in one.stderr
+    assert not (tmp_path / "one").exists()
+    two = subprocess.run([*torchrun, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    exported, final = load_file(tmp_path / "two" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert exported.keys() == final.keys()
+    for key in final:
+        torch.testing.assert_close(exported[key], final[key], rtol=0, atol=0, msg=key)
+    again = subprocess.run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "is not empty" in again.stderr

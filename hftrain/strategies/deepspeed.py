@@ -69,6 +69,11 @@ class ZeroStrategy(Strategy):
         """Validate the DeepSpeed JSON against the job and build the CPU Adam op if offload needs it."""
         if self._offloads_optimizer(self.ds_config(training)):
             check_cpu_adam()
+        if self.launch.world_size < 2:
+            raise ConfigError(
+                f"strategy '{self.name}' partitions across processes but 1 was launched; start 2 or more "
+                "(torchrun --nproc_per_node N / accelerate launch) or use ddp"
+            )
 
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         from accelerate.utils import DeepSpeedPlugin
