@@ -152,7 +152,13 @@ def run_export(checkpoint: str, directory: str, launch: LaunchInfo, *, merge_lor
 
 
 def export_model(
-    trainer: Any, tokenizer: Any, tokenized: Any, directory: Path, config: TrainConfig, *, merge_lora: bool | None = None
+    trainer: Any,
+    tokenizer: Any,
+    tokenized: Any,
+    directory: Path,
+    config: TrainConfig,
+    *,
+    merge_lora: bool | None = None,
 ) -> Path:
     """Export and reload-verify the trained model (collective: every rank calls it)."""
     from hftrain.checkpoint.export import export_pretrained, verification_batch
@@ -206,6 +212,7 @@ def check_output_dir(config: TrainConfig) -> None:
     differences = config_differences(config, previous)
     if differences:
         raise ConfigError(
-            f"training.output_dir '{output_dir}' already holds a different run (differs in {', '.join(differences[:5])}); "
+            f"training.output_dir '{output_dir}' already holds a different run "
+            f"(differs in {', '.join(differences[:5])}); "
             "choose a new output_dir or set overwrite_output_dir: true"
         )

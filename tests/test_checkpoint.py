@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hftrain.checkpoint.manager import CheckpointError, CheckpointManager, read_checkpoint
+from hftrain.errors import HFTrainError
 from tests.distributed import run_distributed
 from tests.tiny import run_tiny_training
 
@@ -45,7 +46,10 @@ def _interrupted_and_uninterrupted(root: str) -> dict:
             continue
         runs[label] = {"full": full, "part": part, "resumed": resumed}
     # epoch boundary (step 6 ends epoch 0) and RNG restore (dropout on, random order) under DDP
-    for label, extra in {"ddp-epoch-boundary": {"stop": 6}, "ddp-dropout-random": {"dropout": 0.1, "order": "random"}}.items():
+    for label, extra in {
+        "ddp-epoch-boundary": {"stop": 6},
+        "ddp-dropout-random": {"dropout": 0.1, "order": "random"},
+    }.items():
         kwargs = {**COMMON, "dropout": extra.get("dropout", 0.0), "order": extra.get("order", "group_by_length")}
         full = run_tiny_training(output_dir=f"{root}/{label}/full", **kwargs)
         run_tiny_training(output_dir=f"{root}/{label}/part", stop_at_step=extra.get("stop", 8), **kwargs)
@@ -68,7 +72,7 @@ def _resume_on_one_process(root: str) -> dict:
             outcomes[label] = run_tiny_training(
                 **{**COMMON, **kwargs}, output_dir=f"{root}/{source}/part", resume_from_checkpoint="latest"
             )
-        except CheckpointError as error:
+        except HFTrainError as error:
             outcomes[label] = {"error": str(error)}
     return outcomes
 
@@ -121,7 +125,9 @@ def test_ddp_checkpoint_reshards_to_one_process_keeping_the_global_batch(runs):
 @pytest.mark.distributed
 def test_topology_changes_that_cannot_work_are_refused(runs):
     assert "would change the global batch from 16 to 8" in runs["one"]["ddp-batch-changed"]["error"]
-    assert "partitioned by process count; resume on 2 processes" in runs["one"]["zero2"]["error"]
+    # ZeRO on one process is refused before anything is built; between two counts > 1 the topology check
+    # refuses it (test_resume_checks_model_task_strategy_and_trust).
+    assert "partitions across processes but 1 was launched" in runs["one"]["zero2"]["error"]
 
 
 @pytest.mark.distributed
@@ -144,7 +150,11 @@ def _fake_checkpoint(tmp_path: Path) -> Path:
     (path / "state" / "model.safetensors").write_bytes(b"weights" * 100)
     from hftrain.checkpoint.manager import _sha256
 
-    marker = {"format_version": 1, "step": 3, "files": {"state/model.safetensors": _sha256(path / "state" / "model.safetensors")}}
+    marker = {
+        "format_version": 1,
+        "step": 3,
+        "files": {"state/model.safetensors": _sha256(path / "state" / "model.safetensors")},
+    }
     (path / "checkpoint.json").write_text(json.dumps(marker))
     return path
 
@@ -185,6 +195,8 @@ def test_resume_checks_model_task_strategy_and_trust(tmp_path):
         check_resumable(meta, path=tmp_path, run_config={"model.num_labels": 3}, topology=here, can_reshard=False)
     with pytest.raises(CheckpointError, match="written by strategy 'zero2'"):
         check_resumable(meta, path=tmp_path, run_config={}, topology={**here, "strategy": "ddp"}, can_reshard=True)
+    with pytest.raises(CheckpointError, match="partitioned by process count; resume on 2 processes"):
+        check_resumable(meta, path=tmp_path, run_config={}, topology={**here, "world_size": 4}, can_reshard=False)
     with pytest.raises(CheckpointError, match="trust_external_checkpoint"):
         check_trusted(tmp_path / "elsewhere", tmp_path / "run", trusted=False)
     check_trusted(tmp_path / "run" / "checkpoints" / "step_1", tmp_path / "run", trusted=False)
@@ -201,14 +213,33 @@ def tiny_job(tmp_path_factory) -> dict[str, str]:
     AutoModelForSequenceClassification.from_config(tiny_config("bert")).save_pretrained(root / "model")
     tiny_tokenizer("bert").save_pretrained(root / "model")
     texts, labels = synthetic_texts(400, seed=2)
-    (root / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels)))
+    (root / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels, strict=False)))
     return {"model": str(root / "model"), "data": str(root / "train.csv")}
 
 
 def _args(job: dict[str, str], out: Path, steps: int, save_steps: int | None = None) -> list[str]:
-    args = ["--model_name_or_path", job["model"], "--train_file", job["data"], "--output_dir", str(out),
-            "--max_steps", str(steps), "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-            "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3", "--logging_steps", "1"]
+    args = [
+        "--model_name_or_path",
+        job["model"],
+        "--train_file",
+        job["data"],
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--log_with",
+        "none",
+        "--max_seq_length",
+        "32",
+        "--learning_rate",
+        "1e-3",
+        "--logging_steps",
+        "1",
+    ]
     return args + (["--save_steps", str(save_steps)] if save_steps else [])
 
 
@@ -227,9 +258,18 @@ def _wait_for(predicate, process: subprocess.Popen, timeout: float = 300) -> Non
 @pytest.mark.distributed
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "hftrain", "train", *_args(tiny_job, out, steps=40, save_steps=1),
-               "--save_total_limit", "3"]
-    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "hftrain",
+        "train",
+        *_args(tiny_job, out, steps=40, save_steps=1),
+        "--save_total_limit",
+        "3",
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     checkpoints = out / "checkpoints"
     try:
         _wait_for(lambda: len(list(checkpoints.glob("step_*"))) >= 2, process)
@@ -243,8 +283,15 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp
     assert list(checkpoints.glob(".staging-*")), "the kill should have hit a write in progress"
     meta = read_checkpoint(latest)  # complete and uncorrupted
     assert meta["step"] >= 2
-    again = subprocess.run([*command, "--resume_from_checkpoint", "latest"], cwd=ROOT, env=_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    again = subprocess.run(
+        [*command, "--resume_from_checkpoint", "latest"],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stdout[-3000:]
     assert f"resumed from {latest}" in again.stdout
     assert not list(checkpoints.glob(".staging-*"))
@@ -254,12 +301,25 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp
 def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/train.py"]
     reference, preempted = tmp_path / "reference", tmp_path / "preempted"
-    done = subprocess.run([*torchrun, *_args(tiny_job, reference, steps=30)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [*torchrun, *_args(tiny_job, reference, steps=30)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     command = [*torchrun, *_args(tiny_job, preempted, steps=30), "--resume_from_checkpoint", "auto"]
-    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for(lambda: (preempted / "hftrain_strategy.json").is_file(), process)
         time.sleep(1.0)
@@ -276,7 +336,10 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
     assert f"resumed from {stopped_at}" in rerun.stdout
     from safetensors.torch import load_file
 
-    ours, theirs = load_file(preempted / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+    ours, theirs = (
+        load_file(preempted / "model" / "model.safetensors"),
+        load_file(reference / "model" / "model.safetensors"),
+    )
     assert ours.keys() == theirs.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6, msg=key)
@@ -286,16 +349,34 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
 def test_export_command_from_a_zero_checkpoint(tiny_job, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     out = tmp_path / "run"
-    done = subprocess.run([*torchrun, "scripts/train.py", *_args(tiny_job, out, steps=4), "--strategy.name", "zero2"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [*torchrun, "scripts/train.py", *_args(tiny_job, out, steps=4), "--strategy.name", "zero2"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoint = str(out / "checkpoints" / "step_00000004")
-    one = subprocess.run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "one")],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    one = subprocess.run(
+        [sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "one")],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 2 and "partitioned by process count; resume on 2 processes" in one.stderr
     assert not (tmp_path / "one").exists()
-    two = subprocess.run([*torchrun, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    two = subprocess.run(
+        [*torchrun, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     from safetensors.torch import load_file
 
@@ -303,6 +384,12 @@ def test_export_command_from_a_zero_checkpoint(tiny_job, tmp_path):
     assert exported.keys() == final.keys()
     for key in final:
         torch.testing.assert_close(exported[key], final[key], rtol=0, atol=0, msg=key)
-    again = subprocess.run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 2 and "is not empty" in again.stderr

@@ -18,8 +18,14 @@ def test_help_is_fast():
     assert done.returncode == 0 and "train" in done.stdout
     assert elapsed < 1.0, f"hftrain --help took {elapsed:.2f} s"
     modules = subprocess.run(
-        [sys.executable, "-c", "import sys, hftrain.cli; print(sorted(m for m in ('torch','accelerate','transformers') if m in sys.modules))"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, hftrain.cli; "
+            "print(sorted(m for m in ('torch','accelerate','transformers') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert modules.stdout.strip() == "[]"
 
@@ -27,7 +33,8 @@ def test_help_is_fast():
 def test_console_script_exits_2_on_bad_key(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "hftrain", "train", "--learnin_rate", "1", "--output_dir", str(tmp_path / "out")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0

@@ -35,7 +35,11 @@ def test_yaml_and_overrides(tmp_path):
     [
         ("training:\n  learnig_rate: 1e-4\n", [], "did you mean 'training.learning_rate'"),
         ("trainig:\n  seed: 1\n", [], "did you mean 'training'"),
-        ("training:\n  per_device_train_batch_size: abc\n", [], "training.per_device_train_batch_size: expected an integer"),
+        (
+            "training:\n  per_device_train_batch_size: abc\n",
+            [],
+            "training.per_device_train_batch_size: expected an integer",
+        ),
         ("training:\n  mixed_precision: bf61\n", [], "did you mean 'bf16'"),
         ("training:\n  overwrite_output_dir: maybe\n", [], "expected true or false"),
         ("", ["--per_device_train_batchsize", "8"], "did you mean 'per_device_train_batch_size'"),
@@ -73,10 +77,27 @@ def test_training_names_match_transformers_training_arguments():
     from transformers import TrainingArguments
 
     hf = {f.name for f in dataclasses.fields(TrainingArguments)}
-    ours = {"output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
-            "num_train_epochs", "max_steps", "warmup_steps", "weight_decay", "lr_scheduler_type", "max_grad_norm",
-            "seed", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "resume_from_checkpoint",
-            "train_sampling_strategy", "per_device_eval_batch_size", "dataloader_num_workers"}
+    ours = {
+        "output_dir",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "num_train_epochs",
+        "max_steps",
+        "warmup_steps",
+        "weight_decay",
+        "lr_scheduler_type",
+        "max_grad_norm",
+        "seed",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "save_total_limit",
+        "resume_from_checkpoint",
+        "train_sampling_strategy",
+        "per_device_eval_batch_size",
+        "dataloader_num_workers",
+    }
     assert ours <= hf, ours - hf
 
 

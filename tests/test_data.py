@@ -310,4 +310,3 @@ def test_embedded_dataset_rejects_validation_file(tmp_path: Path) -> None:
     dev = _write_csv(tmp_path / "dev.csv", _rows(4))
     with pytest.raises(ConfigError, match="data.validation_file"):
         _load(dataset_name="embedded:chinese_reviews", validation_file=dev)
-

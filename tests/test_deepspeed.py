@@ -108,11 +108,20 @@ def _json(tmp_path, config: dict) -> str:
     ("name", "options", "json_config", "fragment"),
     [
         ("zero2", {}, {"train_batch_size": 64, "zero_optimization": {"stage": 2}}, "train_batch_size is 64"),
-        ("zero2", {}, {"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}, "gradient_accumulation_steps"),
+        (
+            "zero2",
+            {},
+            {"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}},
+            "gradient_accumulation_steps",
+        ),
         ("zero2", {}, {"zero_optimization": {"stage": 3}}, "zero_optimization.stage 3"),
         ("zero2", {}, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "training.mixed_precision"),
-        ("zero3", {}, {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}},
-         "stage3_gather_16bit_weights_on_model_save"),
+        (
+            "zero3",
+            {},
+            {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}},
+            "stage3_gather_16bit_weights_on_model_save",
+        ),
         ("zero2", {}, {"train_batch_size": 8}, "no zero_optimization"),
         ("zero1", {"offload_optimizer": True}, None, "optimizer offload needs ZeRO stage 2 or 3"),
         ("zero2", {"offload_params": True}, None, "parameter offload needs ZeRO stage 3"),

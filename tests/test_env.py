@@ -18,12 +18,34 @@ def test_env_reports_versions_and_strategies():
 
 def test_cpu_adam_that_cannot_build_is_one_actionable_line(tmp_path):
     # A real failed build: an empty extensions cache and a compiler that does not exist.
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "/nonexistent/c++", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+        "CXX": "/nonexistent/c++",
+        "HF_HUB_OFFLINE": "1",
+    }
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "hftrain", "train", "--strategy.name", "zero2", "--offload_optimizer", "true",
-         "--max_train_samples", "64", "--max_eval_samples", "16", "--output_dir", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "hftrain",
+            "train",
+            "--strategy.name",
+            "zero2",
+            "--offload_optimizer",
+            "true",
+            "--max_train_samples",
+            "64",
+            "--max_eval_samples",
+            "16",
+            "--output_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("hftrain: error:")]

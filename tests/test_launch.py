@@ -20,9 +20,9 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def tiny_job(tmp_path_factory) -> dict[str, str]:
     """A tiny BERT saved as a model folder, and a small labelled CSV."""
-    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
-
     from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_job")
     model_dir = root / "model"
@@ -30,15 +30,32 @@ def tiny_job(tmp_path_factory) -> dict[str, str]:
     tiny_tokenizer("bert").save_pretrained(model_dir)
     texts, labels = synthetic_texts(80, seed=1)
     csv = root / "train.csv"
-    csv.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels)))
+    csv.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels, strict=False)))
     return {"model": str(model_dir), "data": str(csv), "root": str(root)}
 
 
 def _job_args(job: dict[str, str], output_dir: Path) -> list[str]:
     return [
-        "--model_name_or_path", job["model"], "--train_file", job["data"], "--output_dir", str(output_dir),
-        "--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--logging_steps", "1", "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3",
+        "--model_name_or_path",
+        job["model"],
+        "--train_file",
+        job["data"],
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--log_with",
+        "none",
+        "--max_seq_length",
+        "32",
+        "--learning_rate",
+        "1e-3",
     ]
 
 
@@ -91,8 +108,17 @@ def test_config_named_strategy_agrees_with_accelerate_config(tiny_job, tmp_path,
 
 
 def test_disagreeing_launcher_and_config_is_refused(tiny_job, tmp_path):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/zero2.yaml",
-               "scripts/train.py", *_job_args(tiny_job, tmp_path / "out"), "--strategy.name", "zero3"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "accelerate_configs/zero2.yaml",
+        "scripts/train.py",
+        *_job_args(tiny_job, tmp_path / "out"),
+        "--strategy.name",
+        "zero3",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     assert "strategy.name is 'zero3' but accelerate launch's config selects 'zero2'" in done.stderr

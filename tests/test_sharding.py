@@ -46,7 +46,8 @@ import collections
 import gc
 import os
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 
@@ -191,8 +192,9 @@ def measure(trainer: Any) -> dict[str, int]:
                 total += size
         result[category] = total
     roots = [trainer.model, trainer.optimizer, getattr(trainer.model, "optimizer", None)]
-    result["unclassified"] = sum(size for a, size in reachable_storages(r for r in roots if r is not None).items()
-                                 if a not in counted)
+    result["unclassified"] = sum(
+        size for a, size in reachable_storages(r for r in roots if r is not None).items() if a not in counted
+    )
     return result
 
 
@@ -227,8 +229,15 @@ def model_init_for(model: dict[str, Any] | str):
     return build
 
 
-def build_trainer(strategy: str, options: dict | None, model_init: Any, *, micro: int = 4,
-                  mixed_precision: str = "no", output_dir: str = "/tmp/hftrain-sharding") -> Any:
+def build_trainer(
+    strategy: str,
+    options: dict | None,
+    model_init: Any,
+    *,
+    micro: int = 4,
+    mixed_precision: str = "no",
+    output_dir: str = "/tmp/hftrain-sharding",
+) -> Any:
     """An hftrain ``SequenceClassificationTrainer`` for ``strategy`` on tiny synthetic data, gradient accumulation 2."""
     from accelerate.state import AcceleratorState
     from transformers.integrations import unset_hf_deepspeed_config
@@ -251,13 +260,22 @@ def build_trainer(strategy: str, options: dict | None, model_init: Any, *, micro
     world = int(os.environ.get("WORLD_SIZE", "1"))
     train = tokenize_splits(tiny_splits(n_train=4 * micro * world, n_eval=1), tokenizer, max_seq_length=32)["train"]
     args = TrainingConfig(
-        output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=2, max_steps=2,
-        learning_rate=1e-3, warmup_steps=0, log_with="none", mixed_precision=mixed_precision,
+        output_dir=output_dir,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        log_with="none",
+        mixed_precision=mixed_precision,
     )
     launch = launch_info_from_environ()
     return SequenceClassificationTrainer(
-        args, strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch),
-        model_init=model_init, tokenizer=tokenizer, train_dataset=train,
+        args,
+        strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch),
+        model_init=model_init,
+        tokenizer=tokenizer,
+        train_dataset=train,
     )
 
 
@@ -392,8 +410,14 @@ def _fractions(runs: list[dict], label: str, point: str, category: str) -> list[
 
 
 def test_every_strategy_ran_distributed(runs):
-    expected = {"ddp": "MULTI_CPU", "zero1": "DEEPSPEED", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED",
-                "fsdp1": "FSDP", "fsdp2": "FSDP"}
+    expected = {
+        "ddp": "MULTI_CPU",
+        "zero1": "DEEPSPEED",
+        "zero2": "DEEPSPEED",
+        "zero3": "DEEPSPEED",
+        "fsdp1": "FSDP",
+        "fsdp2": "FSDP",
+    }
     for label, distributed_type in expected.items():
         if label.startswith("fsdp") and any("error" in r[label] for r in runs):
             continue  # reported by its own tests
@@ -415,7 +439,7 @@ def test_parameters_and_optimizer_state(runs, label):
 @pytest.mark.parametrize("label", list(STRATEGIES))
 def test_gradients(runs, label):
     _skip_or_fail(runs, label)
-    for point, sharded in zip(("accumulating", "at_step"), SHARDS[label]["grads"]):
+    for point, sharded in zip(("accumulating", "at_step"), SHARDS[label]["grads"], strict=False):
         fractions = _fractions(runs, label, point, "grads")
         print(f"{label} grads ({point}): {[round(f, 3) for f in fractions]}")
         _check(fractions, sharded, f"{label} grads ({point})")

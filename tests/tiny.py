@@ -28,13 +28,29 @@ def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, d
 
     if kind == "bert":
         return BertConfig(
-            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
-            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout,
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            classifier_dropout=dropout,
         )
     return GPT2Config(
-        vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64, num_labels=num_labels,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, summary_first_dropout=dropout, pad_token_id=0,
+        vocab_size=vocab_size,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        num_labels=num_labels,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        summary_first_dropout=dropout,
+        pad_token_id=0,
     )
 
 
@@ -86,7 +102,9 @@ def _fresh_output_dir() -> str:
     import os
     import tempfile
 
-    return os.path.join(tempfile.gettempdir(), f"hftrain-test-{os.environ.get('MASTER_PORT', os.getpid())}-{next(_RUNS)}")
+    return os.path.join(
+        tempfile.gettempdir(), f"hftrain-test-{os.environ.get('MASTER_PORT', os.getpid())}-{next(_RUNS)}"
+    )
 
 
 def reset_accelerate_state() -> None:
@@ -145,9 +163,17 @@ def run_tiny_training(
         tokenizer.pad_token = tokenizer.eos_token
     splits = tokenize_splits(tiny_splits(n_train, n_eval), tokenizer, max_seq_length=32)
     args = TrainingConfig(
-        output_dir=output_dir, per_device_train_batch_size=micro, per_device_eval_batch_size=5,
-        gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-3, warmup_steps=2,
-        logging_steps=1, log_with="none", train_sampling_strategy=order, **training_overrides,
+        output_dir=output_dir,
+        per_device_train_batch_size=micro,
+        per_device_eval_batch_size=5,
+        gradient_accumulation_steps=gas,
+        max_steps=steps,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        logging_steps=1,
+        log_with="none",
+        train_sampling_strategy=order,
+        **training_overrides,
     )
     strategy_config = StrategyConfig(name=strategy, **(strategy_options or {}))
     trainer = SequenceClassificationTrainer(

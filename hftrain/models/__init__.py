@@ -60,7 +60,9 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 def _embedded_path(name: str) -> Path:
     if name not in EMBEDDED_MODELS:
-        raise ConfigError(f"model.model_name_or_path: unknown embedded model '{name}'; use one of {', '.join(EMBEDDED_MODELS)}")
+        raise ConfigError(
+            f"model.model_name_or_path: unknown embedded model '{name}'; use one of {', '.join(EMBEDDED_MODELS)}"
+        )
     package, folder, gguf_file, description = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
