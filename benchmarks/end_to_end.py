@@ -10,7 +10,9 @@ held out), for one epoch, batch 32, learning rate 5e-5, linear schedule without 
   (b) transformers: ``dataset.map`` tokenization, ``DataCollatorWithPadding``, ``TrainingArguments``
       (per_device_train_batch_size 32, learning_rate 5e-5, num_train_epochs 1, use_cpu, report_to none,
       save_strategy no, per_device_eval_batch_size 64), ``trainer.train()``, ``trainer.evaluate()`` with
-      accuracy, then ``trainer.save_model()`` since hftrain's job exports the model too.
+      accuracy, then ``trainer.save_model()`` since hftrain's job exports the model too;
+  (c) optional (``--jobs hftrain,transformers,hftrain_fused``): (a) with ``AdamW(fused=True)``, a preview of a
+      proposed hftrain change (transformers' default optimizer; torch's default on CPU is a per-tensor loop).
 
 Each job runs in its own process (Accelerate keeps process-global state), jobs alternate A, B, A, B.
 Wall time is from just before the process is started to the end of the job (imports, data loading,
