@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from hftrain.errors import HFTrainError
 
@@ -134,7 +135,7 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
     config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if config_file and config_file != "none":
         try:
-            stage = str(json.loads(open(config_file).read())["zero_optimization"]["stage"])
+            stage = str(json.loads(Path(config_file).read_text())["zero_optimization"]["stage"])
         except (OSError, ValueError, KeyError) as error:
             raise ConfigError(
                 f"deepspeed_config_file '{config_file}' (from the accelerate config) has no readable "

@@ -85,10 +85,10 @@ def runs(tmp_path_factory) -> dict:
     return {"two": two, "one": one, "root": root}
 
 
-def _assert_same_weights(a: dict, b: dict) -> None:
+def _assert_same_weights(a: dict, b: dict, *, atol: float = 1e-6) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
 @pytest.mark.distributed
@@ -247,6 +247,16 @@ def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _assert_same_exports(ours: Path, theirs: Path, *, atol: float) -> None:
+    from safetensors.torch import load_file
+
+    _assert_same_weights(load_file(ours / "model.safetensors"), load_file(theirs / "model.safetensors"), atol=atol)
+
+
 def _wait_for(predicate, process: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -283,16 +293,8 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp
     assert list(checkpoints.glob(".staging-*")), "the kill should have hit a write in progress"
     meta = read_checkpoint(latest)  # complete and uncorrupted
     assert meta["step"] >= 2
-    again = subprocess.run(
-        [*command, "--resume_from_checkpoint", "latest"],
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    assert again.returncode == 0, again.stdout[-3000:]
+    again = _run([*command, "--resume_from_checkpoint", "latest"])
+    assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {latest}" in again.stdout
     assert not list(checkpoints.glob(".staging-*"))
 
@@ -301,14 +303,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp
 def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/train.py"]
     reference, preempted = tmp_path / "reference", tmp_path / "preempted"
-    done = subprocess.run(
-        [*torchrun, *_args(tiny_job, reference, steps=30)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _run([*torchrun, *_args(tiny_job, reference, steps=30)])
     assert done.returncode == 0, done.stderr[-3000:]
     command = [*torchrun, *_args(tiny_job, preempted, steps=30), "--resume_from_checkpoint", "auto"]
     process = subprocess.Popen(
@@ -331,65 +326,24 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
     assert "preempted (SIGTERM)" in output, output[-3000:]
     stopped_at = CheckpointManager(preempted / "checkpoints").resolve("latest")
     assert 0 < read_checkpoint(stopped_at)["step"] < 30
-    rerun = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    rerun = _run(command)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resumed from {stopped_at}" in rerun.stdout
-    from safetensors.torch import load_file
-
-    ours, theirs = (
-        load_file(preempted / "model" / "model.safetensors"),
-        load_file(reference / "model" / "model.safetensors"),
-    )
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6, msg=key)
+    _assert_same_exports(preempted / "model", reference / "model", atol=1e-6)
 
 
 @pytest.mark.distributed
 def test_export_command_from_a_zero_checkpoint(tiny_job, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     out = tmp_path / "run"
-    done = subprocess.run(
-        [*torchrun, "scripts/train.py", *_args(tiny_job, out, steps=4), "--strategy.name", "zero2"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _run([*torchrun, "scripts/train.py", *_args(tiny_job, out, steps=4), "--strategy.name", "zero2"])
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoint = str(out / "checkpoints" / "step_00000004")
-    one = subprocess.run(
-        [sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "one")],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    one = _run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "one")])
     assert one.returncode == 2 and "partitioned by process count; resume on 2 processes" in one.stderr
     assert not (tmp_path / "one").exists()
-    two = subprocess.run(
-        [*torchrun, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    two = _run([*torchrun, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")])
     assert two.returncode == 0, two.stderr[-3000:]
-    from safetensors.torch import load_file
-
-    exported, final = load_file(tmp_path / "two" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
-    assert exported.keys() == final.keys()
-    for key in final:
-        torch.testing.assert_close(exported[key], final[key], rtol=0, atol=0, msg=key)
-    again = subprocess.run(
-        [sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    _assert_same_exports(tmp_path / "two", out / "model", atol=0)
+    again = _run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")])
     assert again.returncode == 2 and "is not empty" in again.stderr

@@ -225,13 +225,14 @@ def test_agreeing_or_default_config_takes_the_launchers_settings(launcher_env):
     assert _strategy(launcher_env["fsdp1"]).settings.fsdp_version == 1  # hftrain's default 2 yields
     assert _strategy(launcher_env["fsdp1"], fsdp_version=1, sharding_strategy="FULL_SHARD").settings.fsdp_version == 1
     env = {**launcher_env["fsdp2"], "FSDP_RESHARD_AFTER_FORWARD": "false"}
-    assert _strategy(env, sharding_strategy="NO_SHARD").settings.sharding_strategy == "NO_SHARD"  # both: no reshard
+    assert _strategy(env, sharding_strategy="SHARD_GRAD_OP").settings.sharding_strategy == "SHARD_GRAD_OP"
 
 
 REFUSED = {
     "one process": ({"world": (1, 1)}, "1 was launched"),
     "offload on CPU": ({"offload_params": True}, "needs a GPU"),
     "FSDP2 hybrid across nodes": ({"world": (4, 2), "sharding_strategy": "HYBRID_SHARD"}, "fsdp_version 1"),
+    "FSDP2 NO_SHARD": ({"sharding_strategy": "NO_SHARD"}, "no FSDP2 form"),
 }
 
 
@@ -247,7 +248,7 @@ def test_unsupported_combinations_are_refused_before_any_process_group(case):
 def test_sharding_names_map_as_accelerate_does():
     assert _strategy(sharding_strategy="HYBRID_SHARD").build_plugin().reshard_after_forward is True  # one node
     assert "FULL_SHARD" in _strategy(sharding_strategy="HYBRID_SHARD").describe()["note"]
-    assert _strategy(sharding_strategy="NO_SHARD").build_plugin().reshard_after_forward is False
+    assert _strategy(sharding_strategy="SHARD_GRAD_OP").build_plugin().reshard_after_forward is False
     hybrid_v1 = _strategy(world=(4, 2), fsdp_version=1, sharding_strategy="HYBRID_SHARD").build_plugin()
     assert hybrid_v1.sharding_strategy.name == "HYBRID_SHARD"
 

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from hftrain.strategies.platform import Platform
 
 # FSDP2 has one knob: reshard parameters after forward (FULL_SHARD) or keep them until backward (SHARD_GRAD_OP).
-# NO_SHARD maps to False as in Accelerate's ``to_fsdp2``: FSDP2 still shards between steps (use ddp for none).
+# NO_SHARD maps to False as in Accelerate's ``to_fsdp2`` (used to compare with a launcher's setting); a job that
+# asks FSDP2 for NO_SHARD is refused, since FSDP2 would still shard between steps.
 RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False}
 # torch's ShardingStrategy order (enum value - 1), as Accelerate's config files may give numbers.
 ACCELERATE_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -66,6 +67,8 @@ class FSDPStrategy(Strategy):
             raise ConfigError("strategy 'fsdp' shards across processes but 1 was launched; launch 2 or more or use ddp")
         if s.sharding_strategy == "HYBRID_SHARD" and s.fsdp_version == 2 and not self.single_node:
             raise ConfigError("strategy.sharding_strategy HYBRID_SHARD across nodes needs fsdp_version 1 in hftrain")
+        if s.sharding_strategy == "NO_SHARD" and s.fsdp_version == 2:  # FSDP2 would still shard: no silent swap
+            raise ConfigError("strategy.sharding_strategy NO_SHARD has no FSDP2 form; use ddp, or fsdp_version 1")
         if platform.is_cpu and s.offload_params:  # torch pins the offloaded memory, which needs an accelerator
             raise ConfigError("strategy.offload_params needs a GPU (on CPU the parameters are in CPU memory already)")
         if platform.is_cpu and launched.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":
@@ -124,8 +127,6 @@ class FSDPStrategy(Strategy):
         }
         if s.sharding_strategy == "HYBRID_SHARD" and self.single_node:
             facts["note"] = "HYBRID_SHARD on one node is FULL_SHARD"
-        elif s.sharding_strategy == "NO_SHARD" and s.fsdp_version == 2:
-            facts["note"] = "FSDP2 has no NO_SHARD; runs as SHARD_GRAD_OP (reshard_after_forward=false)"
         return facts
 
 
