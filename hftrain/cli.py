@@ -1,6 +1,9 @@
 """The ``hftrain`` command: the only place that reads argv and the environment.
 
-Heavy libraries are imported inside the subcommands so that ``hftrain --help`` answers at once.
+Heavy libraries are imported inside the subcommands so that ``hftrain --help`` answers at once. Every
+subcommand runs through ``main``, which applies the bad-input rule of ``hftrain.errors``: an ``HFTrainError``
+(including a malformed command line) is one ``hftrain: error: ...`` line on stderr and exit code 2; any other
+exception is a bug and keeps its traceback. A new subcommand is a parser entry and a line in ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -8,17 +11,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from pathlib import Path
 
-from hftrain.errors import HFTrainError
+from hftrain.errors import HFTrainError, UsageError
 
 DESCRIPTION = "Distributed fine-tuning over Hugging Face Accelerate and DeepSpeed."
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as ``UsageError`` (one line) instead of usage text and ``exit(2)``."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UsageError(f"{self.prog}: {message}; see {self.prog} --help")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its subcommands."""
-    parser = argparse.ArgumentParser(prog="hftrain", description=DESCRIPTION)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hftrain", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser(
         "train",
         help="fine-tune a sequence classifier (no config: MiniLM on Rotten Tomatoes, both embedded)",
@@ -43,15 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; a user error prints one line to stderr and returns exit code 2."""
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command != "train" and extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    """Run a subcommand; a user error prints one line to stderr and returns exit code 2.
+
+    Args:
+        argv: the arguments after ``hftrain`` (``sys.argv[1:]`` when None).
+    """
     try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if args.command != "train" and extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return COMMANDS[args.command](args, extra)
     except HFTrainError as error:
-        print(f"hftrain: error: {error}", file=sys.stderr)
+        message = " ".join(str(error).split())  # one line, whatever a library put into it
+        print(f"hftrain: error: {message}", file=sys.stderr)
         return error.exit_code
 
 

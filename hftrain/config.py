@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -122,6 +123,8 @@ class TrainingConfig:
         ):
             _require(getattr(self, name) > 0, f"training.{name}", "must be positive")
         _require(self.learning_rate > 0, "training.learning_rate", "must be positive")
+        # numpy's and Python's generators take seeds in [0, 2**32); Accelerate's set_seed seeds all of them.
+        _require(0 <= self.seed < 2**32, "training.seed", "must be in [0, 4294967295]")
         _require(self.max_steps > 0 or self.num_train_epochs > 0, "training.num_train_epochs", "must be positive")
         _require(self.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0 (0 disables clipping)")
         if isinstance(self.warmup_steps, float):
@@ -196,13 +199,28 @@ class TrainConfig:
         return {f"{s}.{k}": v for s, values in self.to_dict().items() for k, v in values.items()}
 
 
-# Fields that may differ between runs sharing one output_dir (a resumed or re-run job).
+# Fields that may differ between invocations of one run (resuming, extending, moving it): they do not change
+# what is trained. Everything else (model, data, optimisation, strategy, LoRA) defines the run. The global batch
+# (micro-batch x accumulation x processes) is checked against the checkpoint, where the process count is known.
 RUN_INVARIANT_EXEMPT = frozenset(
     {
+        "training.output_dir",  # a moved or copied run directory resumes where it now lives
+        "training.max_steps",  # extending a finished or interrupted run
+        "training.num_train_epochs",
+        "training.logging_steps",
+        "training.eval_steps",
+        "training.save_steps",
+        "training.save_total_limit",
+        "training.log_with",
+        "training.per_device_train_batch_size",
+        "training.gradient_accumulation_steps",
+        "training.per_device_eval_batch_size",
+        "training.dataloader_num_workers",
         "training.resume_from_checkpoint",
         "training.overwrite_output_dir",
         "training.torch_num_threads",
         "training.trust_external_checkpoint",
+        "lora.merge_lora_on_export",
     }
 )
 
@@ -216,8 +234,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     raw = _read_yaml(Path(path)) if path is not None else {}
     config = from_dict(raw, source=str(path) if path else "defaults")
-    for key, value in _parse_overrides(overrides or []):
-        set_field(config, key, value, source="command line")
+    for key, values in _parse_overrides(overrides or []):
+        set_field(config, key, _override_value(key, values), source="command line")
     return config.validate()
 
 
@@ -227,12 +245,16 @@ def from_dict(raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
         raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(_sections(TrainConfig))})")
     config = TrainConfig()
     for section, values in raw.items():
+        if not isinstance(section, str):  # YAML reads `1:` as an int key
+            raise ConfigError(f"{source}: section name {section!r} is not a name; use {', '.join(_sections(config))}")
         _check_key(section, _sections(TrainConfig), f"{source}: unknown section", "")
         if values is None:
             continue
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of fields")
         for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{source}: key {key!r} in section '{section}' is not a field name")
             set_field(config, f"{section}.{key}", value, source=source)
     return config
 
@@ -250,16 +272,25 @@ def set_field(config: TrainConfig, key: str, value: Any, *, source: str) -> None
     """Set ``section.field`` (or a unique bare ``field``) with type checking."""
     section, name = _resolve_key(key, source)
     target = getattr(config, section)
-    hint = typing.get_type_hints(type(target))[name]
+    hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
     setattr(target, name, coerce(value, hint, f"{section}.{name}"))
 
 
 def save_config(config: TrainConfig, directory: str | Path) -> Path:
-    """Write the resolved config as YAML into ``directory``."""
+    """Write the resolved config as YAML into ``directory``, atomically (a reader sees the old or the new file).
+
+    Args:
+        config: the resolved config.
+        directory: the run's ``output_dir`` (it must exist).
+    """
+    import os
+
     import yaml
 
     path = Path(directory) / CONFIG_FILENAME
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    staging = path.with_name(f".{CONFIG_FILENAME}.tmp")
+    staging.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(staging, path)
     return path
 
 
@@ -328,14 +359,19 @@ def _to_int(value: Any, key: str) -> int:
 
 
 def _to_float(value: Any, key: str) -> float:
+    number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):  # PyYAML reads '5e-5' (no dot) as a string
+        number = float(value)
+    elif isinstance(value, str):  # PyYAML reads '5e-5' (no dot) as a string
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+    if number is None:
+        raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(number):  # inf/nan train on NaN from the first step
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    return number
 
 
 def _to_str(value: Any, key: str) -> str:
@@ -381,38 +417,87 @@ def _check_key(key: str, valid: list[str], prefix: str, qualifier: str) -> None:
     raise ConfigError(f"{prefix} '{qualifier}{key}'{hint}")
 
 
-def _parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+def _parse_overrides(args: list[str]) -> list[tuple[str, list[str]]]:
+    """``[(key, values)]`` from ``--key v``, ``--key=v`` and, for list fields, ``--key a b`` / ``--key a,b``."""
     pairs, i = [], 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"command line: expected '--key value' or '--key=value', got '{arg}'")
+        i += 1
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
+            pairs.append((key, [value]))
+            continue
+        values = []
+        while i < len(args) and not args[i].startswith("--"):  # '-1' is a value, '--seed' the next key
+            values.append(args[i])
             i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"command line: '{arg}' needs a value")
-            key, value = arg[2:], args[i + 1]
-            i += 2
-        pairs.append((key, value))
+        if not values:
+            raise ConfigError(f"command line: '{arg}' needs a value")
+        pairs.append((arg[2:], values))
     return pairs
+
+
+def _override_value(key: str, values: list[str]) -> Any:
+    """One command-line value, or a list for a list field (``a b`` and ``a,b`` both; ``null`` for none)."""
+    section, name = _resolve_key(key, "command line")
+    hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
+    takes_list = any(typing.get_origin(arg) is list for arg in (hint, *typing.get_args(hint)))
+    if takes_list and values != ["null"] and values != ["none"]:
+        return [piece for value in values for piece in value.split(",") if piece]
+    if len(values) != 1:
+        raise ConfigError(
+            f"command line: {section}.{name} takes one value, got {len(values)} ({' '.join(values)}); "
+            "quote a value that contains spaces"
+        )
+    return values[0]
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
+    if path.is_dir():
+        raise ConfigError(f"--config '{path}' is a directory; pass the YAML file itself")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file to --config")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text; pass a YAML file") from None
+    except OSError as error:
+        raise ConfigError(f"config file '{path}' cannot be read ({error.strerror}); fix its permissions") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config file '{path}' is not valid YAML{where}; fix its syntax") from None
-    return raw or {}
+        problem = getattr(error, "problem", None) or ""
+        detail = f" ({problem})" if "duplicate" in problem else ""
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}{detail}; fix its syntax") from None
+    if raw is None:  # an empty file (or only comments) is almost always the wrong file
+        raise ConfigError(f"config file '{path}' is empty; give at least one section, or drop --config for defaults")
+    return raw
+
+
+def _strict_loader() -> type:
+    """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key}'", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
 
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key} {message}")
+
+
+_SECTION_TYPES = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}  # type: ignore[misc]

@@ -1,6 +1,24 @@
-"""Errors that hftrain reports to users as one line and exit code 2."""
+"""Errors hftrain reports to users as one line and exit code 2, and the rule that decides which those are.
+
+The rule (every subcommand inherits it; a new one needs nothing but to be registered in ``hftrain.cli``):
+
+1. Bad input raises an ``HFTrainError`` subclass whose message is one line naming the field or file at fault
+   and the fix for that fault. ``hftrain.cli.main``, the one wrapper every subcommand runs through, prints it
+   as ``hftrain: error: <message>`` on stderr and returns exit code 2; command-line syntax errors too.
+2. A library exception that bad input causes becomes an ``HFTrainError`` *where the input is read or written*:
+   config, model folder, tokenizer, data, ``output_dir``, checkpoints, disk writes. ``reading`` and
+   ``writing`` below are those boundaries; nothing else catches broadly. Anywhere else an exception is a bug
+   and keeps its traceback (exit 1).
+3. Everything that can be checked runs in one validation pass (``hftrain.validate``) before anything is
+   written; a refused command leaves every file as it was, and creates no ``output_dir``.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class HFTrainError(Exception):
@@ -19,3 +37,90 @@ class ConfigError(HFTrainError):
 
 class DataError(HFTrainError):
     """A data file, column or label is invalid."""
+
+
+class UsageError(HFTrainError):
+    """The command line itself is malformed (unknown subcommand, missing argument)."""
+
+
+class WriteError(HFTrainError):
+    """A file of the run could not be written (disk full, read-only, permission denied)."""
+
+
+# errno values that mean "this location cannot take the write", not "hftrain has a bug".
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+_BAD_PATH = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), for embedding in a message.
+
+    Args:
+        error: the library exception.
+    """
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
+@contextlib.contextmanager
+def reading(
+    what: str,
+    fix: str,
+    *,
+    catch: tuple[type[BaseException], ...] = (OSError, ValueError),
+    error_class: type[HFTrainError] = ConfigError,
+) -> Iterator[None]:
+    """The boundary where a library reads user input: its exceptions become one ``HFTrainError`` line.
+
+    Args:
+        what: the field and file being read, e.g. ``"model.model_name_or_path: /m/config.json"``.
+        fix: what the user should do about it.
+        catch: the library exceptions that mean the input is bad (anything else stays a bug).
+        error_class: the ``HFTrainError`` subclass to raise.
+    """
+    try:
+        yield
+    except HFTrainError:
+        raise
+    except catch as error:
+        raise error_class(f"{what}: {one_line(error)}; {fix}") from error
+
+
+@contextlib.contextmanager
+def writing(what: str, *, last_checkpoint: Callable[[], Any] | None = None) -> Iterator[None]:
+    """The boundary where hftrain writes the run's files: a full, read-only or misnamed target is one line.
+
+    Other ``OSError``s pass through unchanged: they are not the user's location at fault.
+
+    Args:
+        what: what was being written and where, e.g. ``"checkpoint step 40 (out/checkpoints/step_00000040)"``.
+        last_checkpoint: returns the last complete checkpoint (None when there is none), named in the message
+            so the user knows what survived.
+    """
+    try:
+        yield
+    except OSError as error:
+        raise write_error(error, what, last_checkpoint) from error
+
+
+def write_error(error: OSError, what: str, last_checkpoint: Callable[[], Any] | None = None) -> Exception:
+    """The ``WriteError`` for an ``OSError`` raised while writing ``what`` (the error itself when not ours).
+
+    Args:
+        error: the ``OSError``.
+        what: what was being written and where.
+        last_checkpoint: returns the last complete checkpoint, or None.
+    """
+    if error.errno in _NO_SPACE:
+        last = last_checkpoint() if last_checkpoint is not None else None
+        survived = f"the last complete checkpoint is {last}" if last else "there is no complete checkpoint yet"
+        return WriteError(f"no space left on device while writing {what}; {survived}; free space and rerun")
+    if error.errno in _NOT_WRITABLE:
+        return WriteError(
+            f"cannot write {what}: {error.strerror} ({error.filename}); choose a writable output_dir or fix "
+            "its permissions"
+        )
+    if error.errno in _BAD_PATH:
+        return WriteError(f"cannot write {what}: {error.strerror} ({error.filename}); fix the path")
+    return error

@@ -1,6 +1,8 @@
 """The fine-tuning job behind ``hftrain train``: config in, trained and exported model out.
 
-Every check that can fail on bad input runs before anything is written to ``output_dir``.
+Every check that can fail on bad input runs before anything is written to ``output_dir``: the strategy's
+preflight, ``hftrain.validate`` (output_dir, resume request), the model folder, the data, and the trainer's
+resume checks. The config is written last, once the run is certain to start.
 """
 
 from __future__ import annotations
@@ -10,15 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.config import (
-    CONFIG_FILENAME,
-    TrainConfig,
-    config_differences,
-    config_from_flat,
-    from_dict,
-    save_config,
-)
-from hftrain.errors import ConfigError
+from hftrain.config import TrainConfig, config_from_flat, save_config
+from hftrain.errors import writing
 from hftrain.log import get_logger, is_main_process
 
 if TYPE_CHECKING:
@@ -49,16 +44,23 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     from hftrain.data.batching import tokenize_splits
     from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer, model_init_fn
+    from hftrain.models.checks import check_model_folder, check_tokenizer, effective_max_length
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
+    from hftrain.validate import check_output_dir, check_resume_request
 
     log = get_logger()
+    note = log.info if is_main_process() else (lambda _: None)
     quiet_libraries()
     strategy = build_strategy(config.strategy, launch=launch)
+    strategy.platform.check_precision(config.training.mixed_precision)
     strategy.preflight(config.training)
     if write:
         check_output_dir(config)
+    check_resume_request(config.training)
+    model_facts = check_model_folder(config.model)
     tokenizer = build_tokenizer(config.model)
+    check_tokenizer(tokenizer, model_facts)
     data = config.data
     splits = load_classification_splits(
         dataset_name=data.dataset_name,
@@ -71,14 +73,10 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         max_train_samples=data.max_train_samples,
         max_eval_samples=data.max_eval_samples,
         seed=config.training.seed,
-        log=log.info if is_main_process() else (lambda _: None),
+        log=note,
     )
-    tokenized = tokenize_splits(splits, tokenizer, max_seq_length=data.max_seq_length)
-    # Inputs are valid: from here on the run may write into output_dir.
-    output_dir = Path(config.training.output_dir)
-    if write and is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, output_dir)
+    max_length = effective_max_length(data.max_seq_length, model_facts, tokenizer, note)
+    tokenized = tokenize_splits(splits, tokenizer, max_seq_length=max_length)
     trainer = SequenceClassificationTrainer(
         config.training,
         strategy=strategy,
@@ -88,7 +86,22 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         eval_dataset=tokenized["validation"],
         run_config=config.flat(),
     )
+    # The trainer accepted the resume checkpoint: the run is certain to start, and may now write.
+    if write and is_main_process():
+        write_run_config(config)
     return trainer, tokenizer, tokenized
+
+
+def write_run_config(config: TrainConfig) -> None:
+    """Create ``output_dir`` and write the resolved config into it (atomically).
+
+    Args:
+        config: the job config, accepted by every check.
+    """
+    output_dir = Path(config.training.output_dir)
+    with writing(f"the run config into training.output_dir '{output_dir}'"):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, output_dir)
 
 
 def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
@@ -100,10 +113,13 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     """
     start = time.perf_counter()
     trainer, tokenizer, tokenized = prepare_job(config, launch)
-    result = trainer.fit()
+    output_dir = Path(config.training.output_dir)
+    # A full or read-only disk during training (trackers, state files) is one line naming what survived.
+    with writing(f"the run in training.output_dir '{output_dir}'", last_checkpoint=trainer.checkpoints.latest):
+        result = trainer.fit()
     model_dir = None
     if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
-        model_dir = export_model(trainer, tokenizer, tokenized, Path(config.training.output_dir) / "model", config)
+        model_dir = export_model(trainer, tokenizer, tokenized, output_dir / "model", config)
     trainer.close()
     return JobResult(
         metrics=result.metrics,
@@ -128,10 +144,10 @@ def run_export(checkpoint: str, directory: str, launch: LaunchInfo, *, merge_lor
     """
     from hftrain.checkpoint.manager import CheckpointError, read_checkpoint
     from hftrain.strategies import strategy_class
+    from hftrain.validate import check_export_dir
 
     target = Path(directory)
-    if target.exists() and any(target.iterdir()):
-        raise ConfigError(f"export directory '{target}' is not empty; give a new folder (nothing is overwritten)")
+    check_export_dir(target)
     meta = read_checkpoint(checkpoint)
     saved = meta["topology"]
     if saved["world_size"] != launch.world_size and not strategy_class(saved["strategy"]).reshardable_checkpoints:
@@ -171,6 +187,7 @@ def export_model(
         directory,
         merge_lora=config.lora.merge_lora_on_export if merge_lora is None else merge_lora,
         verify_inputs=verification_batch(tokenized["validation"], tokenizer),
+        last_checkpoint=trainer.last_checkpoint,
     )
     if is_main_process():
         get_logger().info(
@@ -189,30 +206,3 @@ def quiet_libraries() -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning()
-
-
-def check_output_dir(config: TrainConfig) -> None:
-    """Refuse an ``output_dir`` that holds another run (a different config), unless overwriting is allowed."""
-    import yaml
-
-    output_dir = Path(config.training.output_dir)
-    if not output_dir.exists() or config.training.overwrite_output_dir:
-        return
-    if output_dir.is_file():
-        raise ConfigError(f"training.output_dir '{output_dir}' is a file; choose a directory path")
-    saved = output_dir / CONFIG_FILENAME
-    if not saved.is_file():
-        if any(output_dir.iterdir()):
-            raise ConfigError(
-                f"training.output_dir '{output_dir}' is not empty and holds no hftrain run; choose a new "
-                "output_dir or set overwrite_output_dir: true"
-            )
-        return
-    previous = from_dict(yaml.safe_load(saved.read_text()) or {}, source=str(saved))
-    differences = config_differences(config, previous)
-    if differences:
-        raise ConfigError(
-            f"training.output_dir '{output_dir}' already holds a different run "
-            f"(differs in {', '.join(differences[:5])}); "
-            "choose a new output_dir or set overwrite_output_dir: true"
-        )

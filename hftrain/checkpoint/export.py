@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hftrain.errors import HFTrainError
+from hftrain.errors import HFTrainError, writing
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -69,8 +72,12 @@ def export_pretrained(
     *,
     merge_lora: bool = False,
     verify_inputs: dict[str, torch.Tensor] | None = None,
+    last_checkpoint: str | Path | None = None,
 ) -> ExportResult:
     """Write config, tokenizer and safetensors weights (or a LoRA adapter); every rank must call it.
+
+    The folders are written and verified under a staging name and renamed into place only when complete, so
+    ``directory`` never looks finished when it is not (a full disk leaves the previous export, or nothing).
 
     Args:
         accelerator: the run's accelerator.
@@ -80,6 +87,7 @@ def export_pretrained(
         merge_lora: for a LoRA model, also write the merged full model into ``<directory>_merged``.
         verify_inputs: a fixed batch (``input_ids``, ``attention_mask``...); when given, the written folders
             are reloaded and must give the trained model's logits, else ``HFTrainError``.
+        last_checkpoint: named in the error when the disk is full (what the user still has).
     """
     directory = Path(directory)
     accelerator.wait_for_everyone()
@@ -90,8 +98,11 @@ def export_pretrained(
     failure: Exception | None = None
     if accelerator.is_main_process:
         try:
-            with outside_zero3_init(accelerator):
-                outcome = _write_and_verify(
+            with (
+                outside_zero3_init(accelerator),
+                writing(f"the export {directory}", last_checkpoint=lambda: last_checkpoint),
+            ):
+                outcome = _staged_export(
                     accelerator.unwrap_model(model),
                     _strip_wrapper_prefixes(state_dict),
                     tokenizer,
@@ -181,13 +192,54 @@ def outside_zero3_init(accelerator: Accelerator) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------- main process: check, write, reload
+def _staged_export(
+    unwrapped: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: Any,
+    directory: Path,
+    *,
+    merge_lora: bool,
+    **options: Any,
+) -> ExportResult:
+    """``_write_and_verify`` into staging folders beside the targets, then rename them into place."""
+    from hftrain.models.lora import is_peft_model
+
+    merged = directory.with_name(directory.name + "_merged") if is_peft_model(unwrapped) and merge_lora else None
+    targets = [t for t in (directory, merged) if t is not None]
+    stages = [t.with_name(f".staging-{t.name}") for t in targets]
+    try:
+        for stage in stages:
+            shutil.rmtree(stage, ignore_errors=True)  # left by a killed export
+        result = _write_and_verify(
+            unwrapped, state_dict, tokenizer, stages[0], merged_dir=stages[-1] if merged else None, **options
+        )
+        for stage, target in zip(stages, targets, strict=True):
+            _publish(stage, target)
+    finally:
+        for stage in stages:
+            shutil.rmtree(stage, ignore_errors=True)
+    return dataclasses.replace(result, model_dir=str(directory), merged_dir=str(merged) if merged else None)
+
+
+def _publish(stage: Path, target: Path) -> None:
+    """Rename a finished staging folder to ``target``; a previous export there is replaced only now."""
+    if not target.exists():
+        os.replace(stage, target)
+        return
+    previous = target.with_name(f".previous-{target.name}")
+    shutil.rmtree(previous, ignore_errors=True)
+    os.replace(target, previous)
+    os.replace(stage, target)
+    shutil.rmtree(previous)
+
+
 def _write_and_verify(
     unwrapped: torch.nn.Module,
     state_dict: dict[str, torch.Tensor],
     tokenizer: PreTrainedTokenizerBase,
     directory: Path,
     *,
-    merge_lora: bool,
+    merged_dir: Path | None,
     verify_inputs: dict[str, torch.Tensor] | None,
     expected: torch.Tensor | None,
     tolerance: float,
@@ -207,7 +259,6 @@ def _write_and_verify(
     tokenizer.save_pretrained(directory)
     if is_adapter:
         _check_adapter_written(directory, layout, state_dict)
-    merged_dir = directory.with_name(directory.name + "_merged") if is_adapter and merge_lora else None
     trained = _rebuild_on_cpu(unwrapped, state_dict) if is_adapter and (merged_dir or expected is not None) else None
     if merged_dir is not None:
         copy.deepcopy(trained).merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)

@@ -20,10 +20,11 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.errors import HFTrainError
+from hftrain.errors import HFTrainError, WriteError, write_error
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -61,24 +62,27 @@ class CheckpointManager:
         """
         final = self.root / f"step_{step:08d}"
         staging = self.root / f".staging-{final.name}"
-        if accelerator.is_main_process:
-            self._clear_staging()
-            staging.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(staging / STATE_DIR), safe_serialization=True)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            files = {str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
-            _write_json_durably(
-                staging / MARKER, {"format_version": FORMAT_VERSION, "step": step, **meta, "files": files}
-            )
-            if final.exists():  # a re-save of the same step (e.g. preempted right after a periodic save)
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            _fsync_dir(self.root)
-            self._rotate()
-        accelerator.wait_for_everyone()
+        main = accelerator.is_main_process
+        # Each phase ends in an agreement instead of a barrier: a rank that cannot write (disk full, read-only)
+        # makes every rank raise the same one-line error, and the previous checkpoints stay as they were.
+        failed = _WriteFailure(accelerator, f"checkpoint step {step} ({final})", staging, last=self.latest())
+        failed.check(self._begin if main else None, staging)
+        failed.check(accelerator.save_state, str(staging / STATE_DIR), safe_serialization=True)
+        failed.check(self._finish if main else None, staging, final, {"step": step, **meta})
         return final
+
+    def _begin(self, staging: Path) -> None:
+        self._clear_staging()
+        staging.mkdir(parents=True)
+
+    def _finish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
+        files = {str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+        _write_json_durably(staging / MARKER, {"format_version": FORMAT_VERSION, **meta, "files": files})
+        if final.exists():  # a re-save of the same step (e.g. preempted right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _fsync_dir(self.root)
+        self._rotate()
 
     def _clear_staging(self) -> None:
         if self.root.is_dir():
@@ -99,6 +103,11 @@ class CheckpointManager:
         found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name))]
         return [p for _, p in sorted(found) if (p / MARKER).is_file()]
 
+    def latest(self) -> Path | None:
+        """The complete checkpoint with the highest step, or None."""
+        found = self.complete()
+        return found[-1] if found else None
+
     def resolve(self, spec: str) -> Path | None:
         """The checkpoint ``spec`` names: ``latest``, ``auto`` (None when there is none yet) or a folder."""
         if spec in ("latest", "auto"):
@@ -112,6 +121,53 @@ class CheckpointManager:
                 "use 'auto' to start fresh when there is none"
             )
         return Path(spec)
+
+
+class _WriteFailure:
+    """Runs the phases of a collective write and makes every rank raise when any rank could not write.
+
+    Args:
+        accelerator: the run's accelerator (its processes agree through one all-reduce per phase).
+        what: what is written, for the message.
+        staging: removed on failure, so no half-written folder remains.
+        last: the last complete checkpoint, named in the message.
+    """
+
+    def __init__(self, accelerator: Accelerator, what: str, staging: Path, *, last: Path | None) -> None:
+        self.accelerator = accelerator
+        self.what = what
+        self.staging = staging
+        self.last = last
+
+    def check(self, action: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> None:
+        """Run ``action`` (None: nothing on this rank), then agree with the other ranks on the outcome."""
+        error: Exception | None = None
+        if action is not None:
+            try:
+                action(*args, **kwargs)
+            except OSError as raised:
+                error = write_error(raised, self.what, lambda: self.last)
+        if not any_rank(self.accelerator, error is not None):
+            return
+        if self.accelerator.is_main_process:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        if error is None:
+            error = WriteError(f"another process could not write {self.what}; see its error")
+        raise error
+
+
+def any_rank(accelerator: Accelerator, flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any; a synchronisation point like a barrier.
+
+    Args:
+        accelerator: the run's accelerator.
+        flag: this rank's condition.
+    """
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    return accelerator.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0
 
 
 def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str, Any]:
@@ -134,15 +190,38 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
         )
     try:
         meta = json.loads(marker.read_text())
-    except ValueError:
+    except (ValueError, OSError):
         raise CheckpointError(f"checkpoint '{path}': {MARKER} is corrupted; resume from another checkpoint") from None
-    if meta.get("format_version") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
         raise CheckpointError(
-            f"checkpoint '{path}' has format version {meta.get('format_version')}, this hftrain reads {FORMAT_VERSION}"
+            f"checkpoint '{path}' has format version {version}, this hftrain reads {FORMAT_VERSION}; "
+            "resume it with the hftrain that wrote it, or from another checkpoint"
         )
+    _check_keys(path, meta)
     if verify_files:
         _verify_files(path, meta["files"])
     return meta
+
+
+# What checkpoint.json must hold, per section: a missing key is a damaged or foreign file, not a KeyError later.
+REQUIRED_KEYS = {
+    "": ("step", "trainer_state", "topology", "config", "files"),
+    "trainer_state": ("epoch", "global_step", "micro_step", "samples_seen"),
+    "topology": ("strategy", "world_size", "micro_batch", "global_batch"),
+}
+
+
+def _check_keys(path: Path, meta: dict[str, Any]) -> None:
+    for section, keys in REQUIRED_KEYS.items():
+        values = meta.get(section) if section else meta
+        where = f"{section}." if section else ""
+        missing = [k for k in keys if not isinstance(values, dict) or k not in values]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint '{path}': {MARKER} lacks '{where}{missing[0]}'; it is damaged or not hftrain's: "
+                "resume from another checkpoint"
+            )
 
 
 def _verify_files(path: Path, files: dict[str, str]) -> None:

@@ -44,20 +44,22 @@ def check_resumable(
             f"'{topology['strategy']}'; resume with strategy.name: {saved.get('strategy')}, or export it "
             "(hftrain export) and fine-tune from the exported model"
         )
-    if saved.get("world_size") == topology["world_size"]:
-        return []
-    if not can_reshard:
+    same_world = saved.get("world_size") == topology["world_size"]
+    if not same_world and not can_reshard:
         raise CheckpointError(
             f"checkpoint '{path}' was written by {saved.get('world_size')} processes and '{topology['strategy']}' "
             f"checkpoints are partitioned by process count; resume on {saved.get('world_size')} processes, or "
             "export it (hftrain export) and fine-tune from the exported model"
         )
+    # The global batch defines the run (its steps, its schedule); how it is split may change.
     if saved.get("global_batch") != topology["global_batch"]:
         raise CheckpointError(
             f"resuming '{path}' on {topology['world_size']} processes would change the global batch from "
-            f"{saved.get('global_batch')} to {topology['global_batch']}; set per_device_train_batch_size and "
-            "gradient_accumulation_steps so that micro x accumulation x processes stays the same"
+            f"{saved.get('global_batch')} to {topology['global_batch']}; set training.per_device_train_batch_size "
+            "and gradient_accumulation_steps so that micro x accumulation x processes stays the same"
         )
+    if same_world:
+        return []
     return [
         f"resharding checkpoint from {saved.get('world_size')} to {topology['world_size']} processes; "
         f"global batch kept at {topology['global_batch']}"

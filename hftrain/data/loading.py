@@ -184,6 +184,8 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
     import datasets
 
     file = Path(path)
+    if file.is_dir():
+        raise DataError(f"{field}: {path} is a directory; give the data file itself (CSV, JSON/JSONL or Parquet)")
     if not file.is_file():
         raise DataError(
             f"{field}: file not found: {path} (relative paths are resolved from {Path.cwd()}); fix the path"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hftrain.errors import ConfigError
+from hftrain.errors import ConfigError, reading
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -99,7 +99,13 @@ def build_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with a pad token for GPT-style models that have none."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model_name_or_path))
+    path = resolve_model_path(config.model_name_or_path)
+    with reading(
+        f"model.model_name_or_path: the tokenizer in '{path}' does not load",
+        "save the model's tokenizer there again (tokenizer.save_pretrained)",
+        catch=(OSError, ValueError, KeyError, TypeError),
+    ):
+        tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         # Decoder-only models ship no pad token; padding with EOS is the standard choice for classification.
         tokenizer.pad_token = tokenizer.eos_token
@@ -121,7 +127,12 @@ def model_init_fn(
     def build() -> PreTrainedModel | PeftModel:
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.num_labels)
+        with reading(
+            f"model.model_name_or_path: the weights in '{path}' do not load",
+            "save the model there again (save_pretrained) or point to a complete model folder",
+            catch=_weight_errors(),
+        ):
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.num_labels)
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id
         if lora is not None and lora.use_lora:
@@ -131,3 +142,10 @@ def model_init_fn(
         return model
 
     return build
+
+
+def _weight_errors() -> tuple[type[BaseException], ...]:
+    """What loading a truncated or foreign weights file raises (safetensors has its own error type)."""
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, SafetensorError)

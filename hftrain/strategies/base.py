@@ -109,6 +109,7 @@ class Strategy(ABC):
         from accelerate.utils import DataLoaderConfiguration
 
         check_launcher_precision(training, self.launch)
+        self.platform.check_precision(training.mixed_precision)
         self.preflight(training)
         accelerator = Accelerator(
             mixed_precision=training.mixed_precision,

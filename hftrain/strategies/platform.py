@@ -48,6 +48,20 @@ class Platform:
             return cls(device="cuda", backend="nccl")
         return cls(device="cpu", backend="gloo")
 
+    def check_precision(self, mixed_precision: str) -> None:
+        """Refuse a mixed precision this device cannot train in, instead of Accelerate's silent fp32 fallback.
+
+        Args:
+            mixed_precision: ``training.mixed_precision``.
+        """
+        if self.is_cpu and mixed_precision == "fp16":
+            from hftrain.errors import ConfigError
+
+            raise ConfigError(
+                "training.mixed_precision: fp16 needs a CUDA GPU and this machine has none (Accelerate would "
+                "silently train in fp32); use bf16 on CPU, or no"
+            )
+
     def process_group_handlers(self, *, cpu_collectives: bool = False) -> list:
         """Accelerate kwargs handlers that pin the process-group backend for this platform.
 

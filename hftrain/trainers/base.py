@@ -21,6 +21,7 @@ from hftrain.checkpoint.preemption import PreemptionFlag
 from hftrain.checkpoint.resume import batches_to_skip, check_resumable, check_trusted
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
+from hftrain.trainers.guards import check_finite_loss
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -367,6 +368,7 @@ class Trainer:
         # The logged loss is the mean over the window and over processes: what one process with the
         # whole global batch would report.
         loss = self.accelerator.reduce(local_loss, reduction="mean").item()
+        check_finite_loss(loss, step=self.state.global_step, last_checkpoint=self.last_checkpoint)
         entry = {"step": self.state.global_step, "loss": loss, "learning_rate": self.lr_scheduler.get_last_lr()[0]}
         self.state.log_history.append(entry)
         progress.update(1)

@@ -1,0 +1,184 @@
+"""Checks of a model folder and its tokenizer, run before anything is written.
+
+A folder passes when its ``config.json`` parses and builds the classification model (on the meta device: no
+memory, no weights read), it holds weights and tokenizer files, a trained classification head in it has
+``model.num_labels`` classes, and its tokenizer's ids fit the model's embedding. What a model cannot take
+(texts longer than its position embeddings) is clamped here with a logged note, never a shape error at step N.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hftrain.errors import ConfigError, reading
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from hftrain.config import ModelConfig
+
+FIELD = "model.model_name_or_path"
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+# Architectures whose position ids start after the padding index (RoBERTa-style): they take fewer tokens.
+_PADDING_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet", "ibert", "data2vec-text")
+# Exceptions transformers raises when a config describes a model it cannot build (the user's config.json).
+_BUILD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, RuntimeError, AssertionError)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checks learned about a model folder.
+
+    Args:
+        path: the folder ``from_pretrained`` loads.
+        max_length: the most tokens the model takes in one text (None when it declares no limit).
+        vocab_size: rows of its input embedding (None when it declares none).
+    """
+
+    path: Path
+    max_length: int | None
+    vocab_size: int | None
+
+
+def check_model_folder(config: ModelConfig) -> ModelFacts:
+    """Check that the folder loads as a ``num_labels``-class classifier, reading no weights.
+
+    Args:
+        config: the ``model`` config section.
+    """
+    from hftrain.models import resolve_model_path
+
+    path = resolve_model_path(config.model_name_or_path)
+    _read_config_json(path)
+    present = {p.name for p in path.iterdir()}
+    if not present & set(WEIGHT_FILES):
+        raise ConfigError(
+            f"{FIELD}: '{path}' has no weights file ({' or '.join(WEIGHT_FILES[::2])}); save the model there with "
+            "save_pretrained, or point to a complete model folder"
+        )
+    if not present & set(TOKENIZER_FILES):
+        raise ConfigError(
+            f"{FIELD}: '{path}' has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}...); a default tokenizer "
+            "would turn every text into unknown tokens: save the model's tokenizer there (tokenizer.save_pretrained)"
+        )
+    model_config = _auto_config(path)
+    _check_head(path, model_config, config.num_labels)
+    _build_on_meta(path, model_config, config.num_labels)
+    return ModelFacts(path=path, max_length=_max_positions(model_config), vocab_size=_vocab_size(model_config))
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, facts: ModelFacts) -> None:
+    """Refuse a tokenizer whose ids do not fit the model's embedding (an index error at the first step).
+
+    Args:
+        tokenizer: the loaded tokenizer.
+        facts: what ``check_model_folder`` found.
+    """
+    if facts.vocab_size is not None and len(tokenizer) > facts.vocab_size:
+        raise ConfigError(
+            f"{FIELD}: the tokenizer in '{facts.path}' has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{facts.vocab_size}; ids above it would crash training: save the model's own tokenizer there"
+        )
+
+
+def effective_max_length(requested: int, facts: ModelFacts, tokenizer: Any, log: Callable[[str], None]) -> int:
+    """``data.max_seq_length``, clamped to what the model (and its tokenizer) can take, with a logged note.
+
+    Args:
+        requested: ``data.max_seq_length``.
+        facts: what ``check_model_folder`` found.
+        tokenizer: its ``model_max_length`` also bounds the length when it is a real limit.
+        log: receives the note when the length is clamped.
+    """
+    limits = [n for n in (facts.max_length, getattr(tokenizer, "model_max_length", None)) if n and n < 10**6]
+    limit = min(limits, default=requested)
+    if requested <= limit:
+        return requested
+    log(f"data.max_seq_length {requested} exceeds what the model takes ({limit} tokens); truncating texts to {limit}")
+    return limit
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    with reading(f"{FIELD}: {file}", "fix the file or save the model again with save_pretrained"):
+        try:
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"{FIELD}: {file} is not valid JSON (line {error.lineno}: {error.msg}); fix the file or save "
+                "the model again with save_pretrained"
+            ) from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ConfigError(
+            f"{FIELD}: {file} has no model_type; it is not a transformers model config: save the model with "
+            "save_pretrained"
+        )
+    return raw
+
+
+def _auto_config(path: Path) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    with reading(
+        f"{FIELD}: {path / 'config.json'}",
+        "fix the config or save the model again with save_pretrained",
+        catch=(OSError, ValueError, KeyError, TypeError),
+    ):
+        return AutoConfig.from_pretrained(path)
+
+
+def _check_head(path: Path, model_config: PretrainedConfig, num_labels: int) -> None:
+    """A trained classification head must have ``num_labels`` outputs (loading would fail on its shape)."""
+    trained_head = any(a.endswith("ForSequenceClassification") for a in model_config.architectures or [])
+    if trained_head and model_config.num_labels != num_labels:
+        raise ConfigError(
+            f"model.num_labels is {num_labels} but '{path}' holds a trained {model_config.num_labels}-class "
+            f"classification head; set model.num_labels: {model_config.num_labels}, or start from the base model"
+        )
+
+
+def _build_on_meta(path: Path, model_config: PretrainedConfig, num_labels: int) -> None:
+    """Construct the classifier on the meta device: the architecture's own checks of its sizes, at no cost."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model_config = copy.deepcopy(model_config)
+    model_config.num_labels = num_labels
+    with reading(
+        f"{FIELD}: {path / 'config.json'} does not describe a buildable sequence classifier",
+        "fix its sizes (e.g. hidden_size divisible by num_attention_heads) or choose another model",
+        catch=_BUILD_ERRORS,
+    ):
+        with torch.device("meta"):
+            AutoModelForSequenceClassification.from_config(model_config)
+
+
+def _max_positions(model_config: PretrainedConfig) -> int | None:
+    positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    if positions and model_config.model_type in _PADDING_OFFSET_TYPES:
+        positions -= (model_config.pad_token_id or 0) + 1
+    return positions
+
+
+def _vocab_size(model_config: PretrainedConfig) -> int | None:
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return getattr(text_config, "vocab_size", None)
