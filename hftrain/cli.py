@@ -66,9 +66,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return COMMANDS[args.command](args, extra)
     except HFTrainError as error:
+        _close_progress_bars()
         message = " ".join(str(error).split())  # one line, whatever a library put into it
         print(f"hftrain: error: {message}", file=sys.stderr)
         return error.exit_code
+
+
+def _close_progress_bars() -> None:
+    """End the progress bars a raising loop left open, so that the error starts a line of its own."""
+    std = sys.modules.get("tqdm.std")
+    for bar in list(getattr(std.tqdm, "_instances", ()) if std else ()):
+        bar.close()
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -51,6 +53,8 @@ class WriteError(HFTrainError):
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 _NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 _BAD_PATH = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG}
+# A write that failed on a file system with less free space than this failed for want of space.
+_FULL_BELOW_BYTES = 1 << 20
 
 
 def one_line(error: BaseException) -> str:
@@ -88,39 +92,70 @@ def reading(
 
 
 @contextlib.contextmanager
-def writing(what: str, *, last_checkpoint: Callable[[], Any] | None = None) -> Iterator[None]:
+def writing(
+    what: str,
+    *,
+    location: str | os.PathLike[str],
+    last_checkpoint: Callable[[], Any] | None = None,
+    catch: tuple[type[Exception], ...] = (OSError,),
+) -> Iterator[None]:
     """The boundary where hftrain writes the run's files: a full, read-only or misnamed target is one line.
 
-    Other ``OSError``s pass through unchanged: they are not the user's location at fault.
+    Anything that is not such a failure is re-raised unchanged: it is not the user's location at fault.
 
     Args:
         what: what was being written and where, e.g. ``"checkpoint step 40 (out/checkpoints/step_00000040)"``.
+        location: the file or folder being written (its file system is checked for free space).
         last_checkpoint: returns the last complete checkpoint (None when there is none), named in the message
             so the user knows what survived.
+        catch: the exceptions the writers in the block raise on failure; torch and safetensors report a full
+            disk as ``RuntimeError`` / ``SafetensorError``, so collective checkpoint writes pass ``(Exception,)``.
     """
     try:
         yield
-    except OSError as error:
-        raise write_error(error, what, last_checkpoint) from error
+    except HFTrainError:
+        raise
+    except catch as error:
+        converted = write_error(error, what, location, last_checkpoint)
+        if converted is error:
+            raise
+        raise converted from error
 
 
-def write_error(error: OSError, what: str, last_checkpoint: Callable[[], Any] | None = None) -> Exception:
-    """The ``WriteError`` for an ``OSError`` raised while writing ``what`` (the error itself when not ours).
+def write_error(
+    error: Exception, what: str, location: str | os.PathLike[str], last_checkpoint: Callable[[], Any] | None = None
+) -> Exception:
+    """The ``WriteError`` for an exception raised while writing ``what``, or the exception itself when not ours.
 
     Args:
-        error: the ``OSError``.
+        error: what the writer raised.
         what: what was being written and where.
+        location: the file or folder being written.
         last_checkpoint: returns the last complete checkpoint, or None.
     """
-    if error.errno in _NO_SPACE:
+    code = getattr(error, "errno", None)
+    text = str(error)
+    # torch.save reports ENOSPC as "unexpected pos ..." and safetensors as "(os error 28)": ask the disk itself.
+    if code in _NO_SPACE or "os error 28" in text or "No space left" in text or _nearly_full(location):
         last = last_checkpoint() if last_checkpoint is not None else None
         survived = f"the last complete checkpoint is {last}" if last else "there is no complete checkpoint yet"
         return WriteError(f"no space left on device while writing {what}; {survived}; free space and rerun")
-    if error.errno in _NOT_WRITABLE:
+    if code in _NOT_WRITABLE:
         return WriteError(
             f"cannot write {what}: {error.strerror} ({error.filename}); choose a writable output_dir or fix "
             "its permissions"
         )
-    if error.errno in _BAD_PATH:
+    if code in _BAD_PATH:
         return WriteError(f"cannot write {what}: {error.strerror} ({error.filename}); fix the path")
     return error
+
+
+def _nearly_full(location: str | os.PathLike[str]) -> bool:
+    path = Path(location)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < _FULL_BELOW_BYTES

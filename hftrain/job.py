@@ -99,7 +99,7 @@ def write_run_config(config: TrainConfig) -> None:
         config: the job config, accepted by every check.
     """
     output_dir = Path(config.training.output_dir)
-    with writing(f"the run config into training.output_dir '{output_dir}'"):
+    with writing(f"the run config into training.output_dir '{output_dir}'", location=output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir)
 
@@ -115,7 +115,11 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     trainer, tokenizer, tokenized = prepare_job(config, launch)
     output_dir = Path(config.training.output_dir)
     # A full or read-only disk during training (trackers, state files) is one line naming what survived.
-    with writing(f"the run in training.output_dir '{output_dir}'", last_checkpoint=trainer.checkpoints.latest):
+    with writing(
+        f"the run in training.output_dir '{output_dir}'",
+        location=output_dir,
+        last_checkpoint=trainer.checkpoints.latest,
+    ):
         result = trainer.fit()
     model_dir = None
     if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed

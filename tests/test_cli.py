@@ -80,9 +80,12 @@ def test_output_dir_with_a_different_run_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     save_config(load_config(None, ["--learning_rate", "1e-3", "--output_dir", str(out)]), out)
+    marker = out / "checkpoints" / "step_00000001" / "checkpoint.json"  # a run with results, not a failed start
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
     before = (out / "hftrain_config.yaml").read_text()
     code = main(["train", "--output_dir", str(out), "--train_file", _csv(tmp_path, GOOD)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "already holds a different run" in err and "training.learning_rate" in err
     assert (out / "hftrain_config.yaml").read_text() == before
-    assert sorted(p.name for p in out.iterdir()) == ["hftrain_config.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "hftrain_config.yaml"]

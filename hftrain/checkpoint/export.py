@@ -100,7 +100,12 @@ def export_pretrained(
         try:
             with (
                 outside_zero3_init(accelerator),
-                writing(f"the export {directory}", last_checkpoint=lambda: last_checkpoint),
+                writing(
+                    f"the export {directory}",
+                    location=directory,
+                    last_checkpoint=lambda: last_checkpoint,
+                    catch=(Exception,),  # torch/safetensors report a full disk as RuntimeError/SafetensorError
+                ),
             ):
                 outcome = _staged_export(
                     accelerator.unwrap_model(model),

@@ -145,8 +145,10 @@ class _WriteFailure:
         if action is not None:
             try:
                 action(*args, **kwargs)
-            except OSError as raised:
-                error = write_error(raised, self.what, lambda: self.last)
+            except HFTrainError as raised:
+                error = raised
+            except Exception as raised:  # torch/safetensors report a full disk as RuntimeError/SafetensorError
+                error = write_error(raised, self.what, self.staging, lambda: self.last)
         if not any_rank(self.accelerator, error is not None):
             return
         if self.accelerator.is_main_process:

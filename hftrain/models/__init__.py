@@ -129,7 +129,8 @@ def model_init_fn(
 
         with reading(
             f"model.model_name_or_path: the weights in '{path}' do not load",
-            "save the model there again (save_pretrained) or point to a complete model folder",
+            "they are damaged or do not match its config.json (sizes): save the model there again "
+            "(save_pretrained) or point to a complete model folder",
             catch=_weight_errors(),
         ):
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.num_labels)
@@ -148,4 +149,5 @@ def _weight_errors() -> tuple[type[BaseException], ...]:
     """What loading a truncated or foreign weights file raises (safetensors has its own error type)."""
     from safetensors import SafetensorError
 
-    return (OSError, ValueError, SafetensorError)
+    # transformers raises RuntimeError when the weights' shapes contradict config.json.
+    return (OSError, ValueError, RuntimeError, SafetensorError)

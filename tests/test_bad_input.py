@@ -1,0 +1,563 @@
+"""Every bad input is one ``hftrain: error:`` line, exit code 2, no traceback, and nothing written.
+
+One good run (a tiny BERT folder, a small CSV, 4 steps, checkpoints at steps 2 and 4, an export) is trained
+once; every case of the table then runs ``hftrain.cli.main`` in-process and must leave each file of that run
+byte-identical (SHA-256), create no new ``output_dir``, and leave any run directory it was given unchanged. A
+few cases run as real subprocesses, where the process exit code itself matters. The other tests cover what
+users expect to work: extending, moving and resuming runs, list fields on the command line, the non-finite
+loss stop, and a full or read-only disk (a real tmpfs; skipped with the reason where it cannot be mounted).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from hftrain.cli import main
+from tests.tiny import reset_accelerate_state, synthetic_texts, tiny_config, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
+
+
+def save_model_folder(path: Path, **config_changes) -> Path:
+    """A tiny BERT classifier saved with its tokenizer, as a user's model folder."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_config("bert")
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    tiny_tokenizer("bert").save_pretrained(path)
+    return path
+
+
+def write_csv(path: Path, rows: int = 60) -> Path:
+    texts, labels = synthetic_texts(rows)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        writer.writerows(zip(texts, labels, strict=True))
+    return path
+
+
+def checksums(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``directory`` (empty when it does not exist)."""
+    if not directory.exists():
+        return {}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@dataclass
+class Ctx:
+    """What a case builds its command from; ``watch`` collects extra directories that must not change."""
+
+    model: Path
+    data: Path
+    run: Path
+    scratch: Path
+    new: Path
+    watched: list[Path] = field(default_factory=list)
+
+    def base(self, output_dir: Path | None = None) -> list[str]:
+        """The good run's command line (same config), into ``output_dir`` (default: a new folder)."""
+        return [
+            "train",
+            "--model_name_or_path",
+            str(self.model),
+            "--dataset_name",
+            "null",
+            "--train_file",
+            str(self.data),
+            "--log_with",
+            "none",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "2",
+            "--output_dir",
+            str(output_dir or self.new),
+        ]
+
+    def file(self, name: str, text: str) -> str:
+        path = self.scratch / name
+        path.write_text(text)
+        return str(path)
+
+    def model_variant(self, name: str, edit: Callable[[Path], None]) -> str:
+        path = self.scratch / name
+        shutil.copytree(self.model, path)
+        edit(path)
+        return str(path)
+
+    def run_copy(self, edit: Callable[[Path], None] | None = None) -> Path:
+        """A copy of the good run (to damage), watched: a refused command must leave it as it was."""
+        path = self.scratch / "run-copy"
+        shutil.copytree(self.run, path)
+        if edit is not None:
+            edit(path)
+        self.watched.append(path)
+        return path
+
+    def config(self, text: str) -> list[str]:
+        return ["train", "--config", self.file("job.yaml", text), "--output_dir", str(self.new)]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Ctx:
+    root = tmp_path_factory.mktemp("good")
+    ctx = Ctx(
+        model=save_model_folder(root / "model"),
+        data=write_csv(root / "train.csv"),
+        run=root / "run",
+        scratch=root,
+        new=root / "unused",
+    )
+    reset_accelerate_state()
+    assert main(ctx.base(ctx.run)) == 0
+    assert (ctx.run / STEP4 / "checkpoint.json").is_file() and (ctx.run / "model" / "model.safetensors").is_file()
+    return ctx
+
+
+def _edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _drop_topology(run: Path) -> None:
+    _edit_json(run / STEP4 / "checkpoint.json", lambda d: d.pop("topology"))
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:100])
+
+
+# id -> (command builder, a fragment the one error line must contain)
+CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
+    # ------------------------------------------------------------------ config file
+    "config: integer section name": (lambda c: c.config("1: {max_steps: 2}\n"), "section name 1"),
+    "config: empty file": (lambda c: c.config(""), "is empty"),
+    "config: only comments": (lambda c: c.config("# nothing\n"), "is empty"),
+    "config: duplicated key": (lambda c: c.config("training:\n  seed: 1\n  seed: 2\n"), "duplicate key 'seed'"),
+    "config: invalid YAML": (lambda c: c.config("training: [1\n"), "not valid YAML"),
+    "config: a directory": (lambda c: ["train", "--config", str(c.scratch), "--output_dir", str(c.new)], "directory"),
+    "config: missing file": (
+        lambda c: ["train", "--config", str(c.scratch / "nope.yaml"), "--output_dir", str(c.new)],
+        "does not exist",
+    ),
+    "config: unknown section": (lambda c: c.config("trainig: {seed: 1}\n"), "did you mean 'training'"),
+    "config: unknown key": (lambda c: c.config("training: {learnig_rate: 1}\n"), "training.learning_rate"),
+    "config: not a mapping": (lambda c: c.config("- a\n- b\n"), "expected a mapping"),
+    "config: section not a mapping": (lambda c: c.config("training: 5\n"), "must be a mapping"),
+    "config: integer key in a section": (lambda c: c.config("training: {1: 2}\n"), "not a field name"),
+    "config: infinite learning rate": (lambda c: c.config("training: {learning_rate: .inf}\n"), "finite"),
+    "config: NaN weight decay": (lambda c: c.config("training: {weight_decay: .nan}\n"), "training.weight_decay"),
+    "config: wrong type": (lambda c: c.config("training: {max_steps: many}\n"), "training.max_steps"),
+    # ------------------------------------------------------------------ command line
+    "cli: infinite learning rate": (lambda c: [*c.base(), "--learning_rate", "inf"], "must be a finite number"),
+    "cli: negative seed": (lambda c: [*c.base(), "--seed", "-1"], "training.seed"),
+    "cli: key without value": (lambda c: [*c.base(), "--max_steps"], "needs a value"),
+    "cli: two values for a scalar": (lambda c: [*c.base(), "--learning_rate", "1", "2"], "takes one value"),
+    "cli: unknown subcommand": (lambda c: ["bogus"], "invalid choice"),
+    "cli: export without arguments": (lambda c: ["export"], "required"),
+    "cli: export with unknown option": (lambda c: ["export", "a", "b", "--fast"], "unrecognized arguments"),
+    "cli: not an integer": (lambda c: [*c.base(), "--per_device_train_batch_size", "big"], "expected an integer"),
+    "cli: misspelt choice": (lambda c: [*c.base(), "--mixed_precision", "bf61"], "did you mean 'bf16'"),
+    "cli: misspelt key": (lambda c: [*c.base(), "--learnin_rate", "1"], "did you mean 'learning_rate'"),
+    "cli: stray word": (lambda c: ["train", "fast", *c.base()[1:]], "expected '--key value'"),
+    "cli: stray word after a value": (lambda c: [*c.base(), "fast"], "takes one value"),
+    "cli: warmup ratio above 1": (lambda c: [*c.base(), "--warmup_steps", "1.5"], "ratio"),
+    "cli: zero epochs": (lambda c: [*c.base(), "--max_steps", "-1", "--num_train_epochs", "0"], "num_train_epochs"),
+    "cli: LoRA rank 0": (lambda c: [*c.base(), "--lora_r", "0"], "lora.lora_r"),
+    # ------------------------------------------------------------------ strategy and platform
+    "strategy: fp16 on CPU": (lambda c: [*c.base(), "--mixed_precision", "fp16"], "use bf16 on CPU"),
+    "strategy: unknown name": (lambda c: [*c.base(), "--strategy.name", "zero9"], "strategy.name"),
+    "strategy: FSDP version 3": (lambda c: [*c.base(), "--fsdp_version", "3"], "strategy.fsdp_version"),
+    # ------------------------------------------------------------------ data
+    "data: train_file is a directory": (lambda c: [*c.base(), "--train_file", str(c.scratch)], "is a directory"),
+    "data: missing train_file": (lambda c: [*c.base(), "--train_file", str(c.scratch / "no.csv")], "file not found"),
+    "data: missing text column": (lambda c: [*c.base(), "--text_column", "review"], "data.text_column"),
+    "data: labels out of range": (
+        lambda c: [*c.base(), "--train_file", c.file("t.csv", "text,label\nw1,0\nw2,7\n")],
+        "model.num_labels",
+    ),
+    "data: label names": (lambda c: [*c.base(), "--train_file", c.file("t.csv", "text,label\nw1,pos\n")], "integer"),
+    "data: empty file": (lambda c: [*c.base(), "--train_file", c.file("t.csv", "")], "is empty"),
+    "data: header only": (lambda c: [*c.base(), "--train_file", c.file("t.csv", "text,label\n")], "no data rows"),
+    "data: unsupported type": (lambda c: [*c.base(), "--train_file", c.file("t.txt", "w1 1\n")], "unsupported file"),
+    "data: split 100 percent": (lambda c: [*c.base(), "--validation_split_percentage", "100"], "(0, 100)"),
+    # ------------------------------------------------------------------ model folder
+    "model: config.json not JSON": (
+        lambda c: [*c.base(), "--model_name_or_path", c.model_variant("m", lambda p: _truncate(p / "config.json"))],
+        "not valid JSON",
+    ),
+    "model: no weights": (
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            c.model_variant("m", lambda p: (p / "model.safetensors").unlink()),
+        ],
+        "no weights file",
+    ),
+    "model: no tokenizer": (
+        lambda c: [*c.base(), "--model_name_or_path", c.model_variant("m", lambda p: (p / "tokenizer.json").unlink())],
+        "no tokenizer files",
+    ),
+    "model: num_labels against a trained head": (lambda c: [*c.base(), "--num_labels", "3"], "model.num_labels: 2"),
+    "model: sizes the architecture rejects": (
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            c.model_variant("m", lambda p: _edit_json(p / "config.json", lambda d: d.update(num_attention_heads=3))),
+        ],
+        "buildable",
+    ),
+    "model: config sizes that do not match the weights": (
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            c.model_variant("m", lambda p: _edit_json(p / "config.json", lambda d: d.update(hidden_size=30))),
+        ],
+        "do not match",
+    ),
+    "model: no model_type": (
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            c.model_variant("m", lambda p: _edit_json(p / "config.json", lambda d: d.pop("model_type"))),
+        ],
+        "no model_type",
+    ),
+    "model: tokenizer larger than the vocabulary": (
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            str(save_model_folder(c.scratch / "small-vocab", vocab_size=20)),
+        ],
+        "vocab_size is 20",
+    ),
+    "model: truncated weights": (
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            c.model_variant("m", lambda p: _truncate(p / "model.safetensors")),
+        ],
+        "weights in",
+    ),
+    "model: not a model folder": (lambda c: [*c.base(), "--model_name_or_path", str(c.scratch)], "config.json"),
+    "model: unknown embedded model": (lambda c: [*c.base(), "--model_name_or_path", "embedded:nope"], "embedded"),
+    # ------------------------------------------------------------------ output_dir
+    "output_dir: parent is a file": (
+        lambda c: [*c.base(Path(c.file("f", "x")) / "out")],
+        "is a file, not a directory",
+    ),
+    "output_dir: a file, with overwrite": (
+        lambda c: [*c.base(Path(c.file("f", "x"))), "--overwrite_output_dir", "true"],
+        "is a file",
+    ),
+    "output_dir: holds a different run": (lambda c: [*c.base(c.run), "--learning_rate", "1e-3"], "differs in"),
+    "output_dir: holds a different model task": (
+        lambda c: [*c.base(c.run), "--max_seq_length", "16"],
+        "data.max_seq_length",
+    ),
+    "strategy: ZeRO on one process": (lambda c: [*c.base(c.run), "--strategy.name", "zero1"], "zero1"),
+    "output_dir: not a run": (
+        lambda c: [*c.base(Path(c.file("x", "x")).parent)],
+        "holds no hftrain run",
+    ),
+    # ------------------------------------------------------------------ checkpoints and resume
+    "resume: path that does not exist": (
+        lambda c: [*c.base(c.run), "--resume_from_checkpoint", str(c.scratch / "nope")],
+        "does not exist",
+    ),
+    "resume: external checkpoint": (
+        lambda c: [*c.base(c.run), "--resume_from_checkpoint", str(c.run_copy() / STEP4)],
+        "trust_external_checkpoint",
+    ),
+    "resume: latest with none": (lambda c: [*c.base(), "--resume_from_checkpoint", "latest"], "no complete"),
+    "resume: checkpoint.json lacks a key": (
+        lambda c: [*c.base(c.run_copy(_drop_topology)), "--resume_from_checkpoint", "latest"],
+        "lacks 'topology'",
+    ),
+    "resume: checkpoint.json corrupted": (
+        lambda c: [
+            *c.base(c.run_copy(lambda r: _truncate(r / STEP4 / "checkpoint.json"))),
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        "corrupted",
+    ),
+    "resume: truncated state file": (
+        lambda c: [
+            *c.base(c.run_copy(lambda r: _truncate(r / STEP4 / "state" / "optimizer.bin"))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "does not match its checksum",
+    ),
+    "resume: missing state file": (
+        lambda c: [
+            *c.base(c.run_copy(lambda r: (r / STEP4 / "state" / "model.safetensors").unlink())),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "is missing",
+    ),
+    "resume: folder that is not a checkpoint": (
+        lambda c: [*c.base(c.run), "--resume_from_checkpoint", str(c.run / "model")],
+        "not a complete hftrain checkpoint",
+    ),
+    "resume: changed global batch": (
+        lambda c: [*c.base(c.run), "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "auto"],
+        "global batch from 8 to 4",
+    ),
+    "resume: another model after overwrite_output_dir": (
+        lambda c: [
+            *c.base(c.run),
+            "--overwrite_output_dir",
+            "true",
+            "--use_lora",
+            "true",
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "lora.use_lora",
+    ),
+    # ------------------------------------------------------------------ export
+    "export: into a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x")], "is a file"),
+    "export: under a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x") + "/out"], "not a directory"),
+    "export: into a non-empty folder": (lambda c: ["export", str(c.run / STEP4), str(c.run)], "not empty"),
+    "export: checkpoint that does not exist": (
+        lambda c: ["export", str(c.scratch / "nope"), str(c.new)],
+        "does not exist",
+    ),
+    "export: checkpoint lacking a key": (
+        lambda c: ["export", str(c.run_copy(_drop_topology) / STEP4), str(c.new)],
+        "lacks 'topology'",
+    ),
+}
+
+
+def _refused(ctx: Ctx, argv: list[str], fragment: str, stderr: str, code: int) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("hftrain: error:")]
+    assert code == 2, (code, stderr[-2000:])
+    assert len(errors) == 1, lines
+    assert "Traceback" not in stderr
+    assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_exit_2_and_nothing_written(good, tmp_path, capsys, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)  # anything written to a relative default path would land here
+    ctx = Ctx(model=good.model, data=good.data, run=good.run, scratch=tmp_path, new=tmp_path / "new-run")
+    build, fragment = CASES[case]
+    argv = build(ctx)
+    before = {d: checksums(d) for d in [ctx.run, *ctx.watched]}
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    reset_accelerate_state()
+    capsys.readouterr()
+    code = main(argv)
+    _refused(ctx, argv, fragment, capsys.readouterr().err, code)
+    assert {d: checksums(d) for d in before} == before
+    assert not ctx.new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing  # nothing new beside the inputs either
+
+
+def test_at_least_40_bad_inputs_in_every_category():
+    assert len(CASES) >= 40
+    categories = {case.split(":")[0] for case in CASES}
+    assert categories >= {"config", "cli", "strategy", "data", "model", "output_dir", "resume", "export"}
+
+
+# ---------------------------------------------------------------------- the real process: exit code 2, one line
+SUBPROCESS_CASES = {
+    "config is a directory": (lambda c: ["train", "--config", str(c.scratch)], "is a directory"),
+    "export into a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x")], "is a file"),
+    "resume refused after the model is built": (
+        lambda c: [*c.base(c.run), "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "auto"],
+        "global batch",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBPROCESS_CASES))
+def test_bad_input_exits_2_from_the_console_entry(good, tmp_path, case):
+    ctx = Ctx(model=good.model, data=good.data, run=good.run, scratch=tmp_path, new=tmp_path / "new-run")
+    build, fragment = SUBPROCESS_CASES[case]
+    argv = build(ctx)
+    before = checksums(ctx.run)
+    done = subprocess.run(
+        [sys.executable, "-m", "hftrain", *argv], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    _refused(ctx, argv, fragment, done.stderr, done.returncode)
+    assert checksums(ctx.run) == before
+    assert not ctx.new.exists()
+
+
+# ---------------------------------------------------------------------- what users expect to work
+def _train(argv: list[str]) -> int:
+    reset_accelerate_state()
+    return main(argv)
+
+
+def _trainer_state(run: Path) -> dict:
+    return json.loads((run / "trainer_state.json").read_text())
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def test_extending_a_finished_run_equals_training_longer(good, tmp_path, capsys):
+    """4 steps then extended to 6 (resume auto) gives the weights of 6 steps in one go (constant LR)."""
+    import torch
+
+    ctx = Ctx(model=good.model, data=good.data, run=tmp_path / "run", scratch=tmp_path, new=tmp_path / "straight")
+    constant = ["--lr_scheduler_type", "constant", "--eval_steps", "2", "--logging_steps", "1"]
+    assert _train([*ctx.base(ctx.run), *constant]) == 0
+    extended = [*ctx.base(ctx.run), *constant, "--max_steps", "6", "--resume_from_checkpoint", "auto"]
+    assert _train([*extended, "--save_steps", "3", "--eval_steps", "3"]) == 0  # cadence may change too
+    assert "resumed from" in capsys.readouterr().out
+    assert _train([*ctx.base(ctx.new), *constant, "--max_steps", "6"]) == 0
+    assert _trainer_state(ctx.run)["global_step"] == 6
+    a, b = _weights(ctx.run / "model"), _weights(ctx.new / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (ctx.run / "checkpoints/step_00000006/checkpoint.json").is_file()
+    assert not list(ctx.run.glob(".staging-*")) and not list(ctx.run.glob(".previous-*"))
+
+
+def test_a_moved_run_resumes_where_it_now_lives(good, tmp_path, capsys):
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(good.run, moved)
+    ctx = Ctx(model=good.model, data=good.data, run=good.run, scratch=tmp_path, new=tmp_path / "unused")
+    before = checksums(good.run)
+    assert _train([*ctx.base(moved), "--max_steps", "6", "--resume_from_checkpoint", "auto"]) == 0
+    assert f"resumed from {moved}/{STEP4}" in capsys.readouterr().out
+    assert _trainer_state(moved)["global_step"] == 6
+    assert checksums(good.run) == before  # the original is untouched
+
+
+def test_list_fields_from_the_command_line():
+    from hftrain.config import load_config
+
+    for args in (["query", "value"], ["query,value"], ["query,", "value"]):
+        assert load_config(None, ["--lora_target_modules", *args]).lora.lora_target_modules == ["query", "value"]
+    assert load_config(None, ["--lora.lora_target_modules=query,value"]).lora.lora_target_modules == [
+        "query",
+        "value",
+    ]
+    assert load_config(None, ["--lora_target_modules", "null"]).lora.lora_target_modules is None
+    # the README's own example, then a scalar after it
+    config = load_config(None, ["--use_lora", "true", "--lora_target_modules", "query", "value", "--lora_r", "4"])
+    assert config.lora.lora_target_modules == ["query", "value"] and config.lora.lora_r == 4
+
+
+def test_a_non_finite_loss_stops_at_its_step_without_a_checkpoint(good, tmp_path, capsys):
+    """A finite but absurd learning rate: the loss is fine at step 1, infinite or NaN from step 2."""
+    ctx = Ctx(model=good.model, data=good.data, run=tmp_path / "run", scratch=tmp_path, new=tmp_path / "unused")
+    argv = [*ctx.base(ctx.run), "--learning_rate", "1e30", "--save_steps", "1", "--max_grad_norm", "0"]
+    code = _train(argv)
+    err = capsys.readouterr().err
+    _refused(ctx, argv, "training loss is", err, code)
+    step = int(err.split(" at step ")[1].split(";")[0])
+    kept = sorted(p.name for p in (ctx.run / "checkpoints").iterdir())
+    assert kept == [f"step_{s:08d}" for s in range(1, step)], (step, kept)  # every checkpoint before, none at it
+    assert f"the last complete checkpoint is {ctx.run / 'checkpoints' / f'step_{step - 1:08d}'}" in err
+    assert not (ctx.run / "model").exists()
+
+
+def test_lr_inf_is_refused_before_anything_is_written(good, tmp_path, capsys):
+    ctx = Ctx(model=good.model, data=good.data, run=tmp_path / "run", scratch=tmp_path, new=tmp_path / "unused")
+    assert _train([*ctx.base(ctx.run), "--learning_rate", "inf"]) == 2
+    assert "training.learning_rate: must be a finite number" in capsys.readouterr().err
+    assert not ctx.run.exists()
+
+
+def test_a_failed_start_does_not_block_the_corrected_command(good, tmp_path, capsys):
+    """A start that died before its first checkpoint leaves a config; the corrected command must still run."""
+    ctx = Ctx(model=good.model, data=good.data, run=tmp_path / "run", scratch=tmp_path, new=tmp_path / "unused")
+    argv = [*ctx.base(ctx.run), "--learning_rate", "1e30", "--max_grad_norm", "0"]
+    assert _train(argv) == 2  # non-finite loss at step 2, before the first save (step 2 is never written)
+    assert (ctx.run / "hftrain_config.yaml").is_file() and not (ctx.run / "checkpoints").exists()
+    assert _train(ctx.base(ctx.run)) == 0
+
+
+# ---------------------------------------------------------------------- a real full / read-only disk
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a small tmpfs (root only); yields a function that mounts one at a path with given options."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or done.returncode})")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def _fill(disk: Path, leave_bytes: int) -> None:
+    """Fill ``disk`` until about ``leave_bytes`` stay free."""
+    import os
+
+    stat = os.statvfs(disk)
+    free = stat.f_bavail * stat.f_frsize
+    filler = disk / f"filler-{len(list(disk.glob('filler-*')))}"
+    filler.write_bytes(b"\0" * max(0, free - leave_bytes))
+
+
+def test_disk_full_keeps_the_last_checkpoint_and_stages_the_export(good, tmp_path, tmpfs, capsys):
+    disk = tmpfs("disk", "size=4m")
+    run = disk / "run"
+    ctx = Ctx(model=good.model, data=good.data, run=run, scratch=tmp_path, new=tmp_path / "unused")
+    assert _train([*ctx.base(run), "--max_steps", "2"]) == 0
+    _fill(disk, 120_000)  # a checkpoint takes ~340 kB, the export ~100 kB
+    before = checksums(run / STEP2)
+    argv = [*ctx.base(run), "--max_steps", "4", "--resume_from_checkpoint", "auto"]
+    code = _train(argv)
+    err = capsys.readouterr().err
+    _refused(ctx, argv, "no space left on device while writing checkpoint step 4", err, code)
+    assert f"the last complete checkpoint is {run / STEP2}" in err
+    assert checksums(run / STEP2) == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]  # no staging left
+    # The export: staged, so a full disk leaves no folder that looks complete.
+    _fill(disk, 40_000)
+    reset_accelerate_state()
+    code = main(["export", str(run / STEP2), str(disk / "exported")])
+    err = capsys.readouterr().err
+    _refused(ctx, [], "no space left on device while writing the export", err, code)
+    assert not (disk / "exported").exists() and not list(disk.glob(".staging-*"))
+
+
+def test_read_only_output_dir_is_refused_up_front(good, tmp_path, tmpfs, capsys):
+    disk = tmpfs("ro", "size=1m,ro")
+    ctx = Ctx(model=good.model, data=good.data, run=disk / "run", scratch=tmp_path, new=tmp_path / "unused")
+    for argv in (ctx.base(disk / "run"), ctx.base(disk), ["export", str(good.run / STEP4), str(disk / "exported")]):
+        code = _train(argv)
+        _refused(ctx, argv, "is not writable", capsys.readouterr().err, code)
+    assert list(disk.iterdir()) == []
