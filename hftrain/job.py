@@ -165,6 +165,9 @@ def run_export(checkpoint: str, directory: str, launch: LaunchInfo, *, merge_lor
     config.training.resume_from_checkpoint = str(checkpoint)
     config.training.trust_external_checkpoint = trust
     config.training.log_with = "none"
+    run_dir = Path(checkpoint).parent.parent
+    if Path(checkpoint).parent.name == "checkpoints":  # the run may have been moved since it was written
+        config.training.output_dir = str(run_dir)
     trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
     model_dir = export_model(trainer, tokenizer, tokenized, target, config, merge_lora=merge_lora)
     trainer.close()

@@ -453,7 +453,38 @@ def test_a_moved_run_resumes_where_it_now_lives(good, tmp_path, capsys):
     assert _train([*ctx.base(moved), "--max_steps", "6", "--resume_from_checkpoint", "auto"]) == 0
     assert f"resumed from {moved}/{STEP4}" in capsys.readouterr().out
     assert _trainer_state(moved)["global_step"] == 6
+    reset_accelerate_state()
+    assert main(["export", str(moved / "checkpoints/step_00000006"), str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
     assert checksums(good.run) == before  # the original is untouched
+
+
+def test_texts_longer_than_the_model_takes_are_truncated_to_its_limit(good, tmp_path, capsys):
+    """The default max_seq_length (128) is above the tiny model's 64 positions: clamped with a note, no crash."""
+    texts, labels = synthetic_texts(40)
+    data = tmp_path / "long.csv"
+    with data.open("w", newline="") as handle:
+        csv.writer(handle).writerows(
+            [("text", "label"), *((" ".join([t] * 12), y) for t, y in zip(texts, labels, strict=True))]
+        )
+    ctx = Ctx(model=good.model, data=data, run=tmp_path / "run", scratch=tmp_path, new=tmp_path / "unused")
+    assert _train([*ctx.base(ctx.run), "--max_steps", "2"]) == 0
+    assert "data.max_seq_length 128 exceeds what the model takes (64 tokens); truncating texts to 64" in (
+        capsys.readouterr().out
+    )
+    # the config keeps what the user asked for, so rerunning the same command is the same run
+    assert "max_seq_length: 128" in (ctx.run / "hftrain_config.yaml").read_text()
+
+
+def test_fp16_is_refused_on_cpu_only():
+    from hftrain.errors import ConfigError
+    from hftrain.strategies.platform import Platform
+
+    with pytest.raises(ConfigError, match="use bf16 on CPU"):
+        Platform(device="cpu", backend="gloo").check_precision("fp16")
+    for precision in ("no", "bf16"):
+        Platform(device="cpu", backend="gloo").check_precision(precision)
+    Platform(device="cuda", backend="nccl").check_precision("fp16")
 
 
 def test_list_fields_from_the_command_line():
