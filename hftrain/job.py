@@ -44,21 +44,16 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     from hftrain.data.batching import tokenize_splits
     from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer, model_init_fn
-    from hftrain.models.checks import check_model_folder, check_tokenizer, effective_max_length
+    from hftrain.models.checks import check_tokenizer, effective_max_length
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
-    from hftrain.validate import check_output_dir, check_resume_request
+    from hftrain.validate import validate_job
 
     log = get_logger()
     note = log.info if is_main_process() else (lambda _: None)
     quiet_libraries()
     strategy = build_strategy(config.strategy, launch=launch)
-    strategy.platform.check_precision(config.training.mixed_precision)
-    strategy.preflight(config.training)
-    if write:
-        check_output_dir(config)
-    check_resume_request(config.training)
-    model_facts = check_model_folder(config.model)
+    model_facts = validate_job(config, strategy, write=write)
     tokenizer = build_tokenizer(config.model)
     check_tokenizer(tokenizer, model_facts)
     data = config.data

@@ -1,8 +1,10 @@
-"""The checks of where a job writes and what it resumes, run before anything is written.
+"""The one validation pass of a job, run before anything is written.
 
-``hftrain.job.prepare_job`` runs them, with the model-folder checks (``hftrain.models.checks``) and data loading,
-before the trainer is built; the run's config is written only once the trainer has been built and its resume
-checkpoint accepted. A refused command therefore leaves a run directory exactly as it was and creates none.
+``validate_job`` checks the platform and strategy, ``output_dir``, the resume request and the model folder
+(``hftrain.models.checks``); ``hftrain.job.prepare_job`` runs it, then loads and checks the data, builds the
+trainer (which verifies the resume checkpoint against the live topology) and only then writes the run's config.
+A refused command therefore leaves a run directory exactly as it was and creates none. A new command or
+strategy gets all of this by calling ``validate_job`` (or ``prepare_job``) first.
 
 What a run directory may be asked to do by a later command:
 - resume, extend (more ``max_steps``/``num_train_epochs``), change its logging/eval/save cadence, or move
@@ -23,6 +25,26 @@ from hftrain.errors import ConfigError, reading
 
 if TYPE_CHECKING:
     from hftrain.config import TrainConfig, TrainingConfig
+    from hftrain.models.checks import ModelFacts
+    from hftrain.strategies import Strategy
+
+
+def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> ModelFacts:
+    """Every check of a job's inputs that needs no data and no process group; returns what the model takes.
+
+    Args:
+        config: the validated job config.
+        strategy: the resolved strategy (its platform and preflight).
+        write: the command will write into ``output_dir`` (a training run; an export writes elsewhere).
+    """
+    from hftrain.models.checks import check_model_folder
+
+    strategy.platform.check_precision(config.training.mixed_precision)
+    strategy.preflight(config.training)
+    if write:
+        check_output_dir(config)
+    check_resume_request(config.training)
+    return check_model_folder(config.model)
 
 
 def check_writable_dir(path: Path, field: str) -> None:
