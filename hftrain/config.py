@@ -130,6 +130,7 @@ class TrainingConfig:
         if isinstance(self.warmup_steps, float):
             _require(0 <= self.warmup_steps < 1, "training.warmup_steps", "as a float is a ratio in [0, 1)")
         _require(self.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
+        _require(self.dataloader_num_workers >= 0, "training.dataloader_num_workers", "must be >= 0")
         for name in ("eval_steps", "save_steps", "save_total_limit", "torch_num_threads"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"training.{name}", "must be positive or null")

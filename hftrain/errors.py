@@ -63,6 +63,8 @@ def one_line(error: BaseException) -> str:
     Args:
         error: the library exception.
     """
+    if isinstance(error, KeyError) and error.args:  # str(KeyError) is only the quoted key
+        return f"missing key {error.args[0]!r}"
     lines = str(error).strip().splitlines()
     return (lines[0] if lines else type(error).__name__)[:300]
 

@@ -185,6 +185,11 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     "cli: warmup ratio above 1": (lambda c: [*c.base(), "--warmup_steps", "1.5"], "ratio"),
     "cli: zero epochs": (lambda c: [*c.base(), "--max_steps", "-1", "--num_train_epochs", "0"], "num_train_epochs"),
     "cli: LoRA rank 0": (lambda c: [*c.base(), "--lora_r", "0"], "lora.lora_r"),
+    "cli: negative loader workers": (lambda c: [*c.base(), "--dataloader_num_workers", "-1"], "dataloader_num_workers"),
+    "cli: LoRA on modules the model lacks": (
+        lambda c: [*c.base(), "--use_lora", "true", "--lora_target_modules", "nothing,else"],
+        "lora.lora_target_modules",
+    ),
     # ------------------------------------------------------------------ strategy and platform
     "strategy: fp16 on CPU": (lambda c: [*c.base(), "--mixed_precision", "fp16"], "use bf16 on CPU"),
     "strategy: unknown name": (lambda c: [*c.base(), "--strategy.name", "zero9"], "strategy.name"),
@@ -218,6 +223,14 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     "model: no tokenizer": (
         lambda c: [*c.base(), "--model_name_or_path", c.model_variant("m", lambda p: (p / "tokenizer.json").unlink())],
         "no tokenizer files",
+    ),
+    "model: damaged tokenizer.json": (
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            c.model_variant("m", lambda p: (p / "tokenizer.json").write_text('{"a": 1}')),
+        ],
+        "the tokenizer in",
     ),
     "model: num_labels against a trained head": (lambda c: [*c.base(), "--num_labels", "3"], "model.num_labels: 2"),
     "model: sizes the architecture rejects": (

@@ -153,6 +153,9 @@ def _fake_checkpoint(tmp_path: Path) -> Path:
     marker = {
         "format_version": 1,
         "step": 3,
+        "trainer_state": {"epoch": 0, "global_step": 3, "micro_step": 3, "samples_seen": 12},
+        "topology": {"strategy": "ddp", "world_size": 1, "micro_batch": 4, "global_batch": 4},
+        "config": {},
         "files": {"state/model.safetensors": _sha256(path / "state" / "model.safetensors")},
     }
     (path / "checkpoint.json").write_text(json.dumps(marker))

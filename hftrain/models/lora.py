@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hftrain.errors import ConfigError
+from hftrain.errors import ConfigError, reading
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -49,7 +49,12 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
         # GPT-2 stores Conv1D weights transposed (in × out); PEFT would flip this itself, with a warning.
         fan_in_fan_out=_uses_conv1d(model),
     )
-    peft_model = get_peft_model(model, peft_config)
+    with reading(
+        f"lora.lora_target_modules {targets}",
+        "name linear layers of the model (e.g. query value for BERT, q_proj v_proj for Llama)",
+        catch=(ValueError,),  # PEFT: "Target modules ... not found in the base model"
+    ):
+        peft_model = get_peft_model(model, peft_config)
     head = [n for n in HEAD_MODULES if hasattr(model, n)]
     if not head or not any(p.requires_grad for p in getattr(model, head[0]).parameters()):
         raise ConfigError(
