@@ -605,3 +605,48 @@ def test_read_only_output_dir_is_refused_up_front(good, tmp_path, tmpfs, capsys)
         code = _train(argv)
         _refused(ctx, argv, "is not writable", capsys.readouterr().err, code)
     assert list(disk.iterdir()) == []
+
+
+def _cli_in_process(argv: list[str]) -> tuple[int, str]:
+    """Run ``hftrain`` in this (spawned) process; its exit code and what it printed on stderr."""
+    import contextlib
+    import io
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    return code, stderr.getvalue()
+
+
+@pytest.mark.distributed
+def test_disk_full_on_two_processes_stops_both_with_one_message(good, tmp_path, tmpfs):
+    """Rank 0 cannot write the checkpoint; rank 1 learns of it at the next agreement instead of hanging."""
+    from tests.distributed import run_distributed
+
+    disk = tmpfs("disk", "size=4m")
+    run = disk / "run"
+    ctx = Ctx(model=good.model, data=good.data, run=run, scratch=tmp_path, new=tmp_path / "unused")
+    assert _train([*ctx.base(run), "--max_steps", "2"]) == 0  # 1 process x micro 8
+    _fill(disk, 120_000)
+    before = checksums(run / STEP2)
+    # 2 processes x micro 4: the same global batch, so the DDP checkpoint reshards.
+    argv = [
+        *ctx.base(run),
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--resume_from_checkpoint",
+        "auto",
+    ]
+    results = run_distributed(_cli_in_process, nprocs=2, timeout=300, argv=argv)
+    for code, err in results:
+        _refused(
+            ctx, argv, "write checkpoint step 4" if "another process" in err else "writing checkpoint step 4", err, code
+        )
+    assert (
+        f"no space left on device while writing checkpoint step 4 ({run / 'checkpoints/step_00000004'}); "
+        in (results[0][1])
+    )
+    assert checksums(run / STEP2) == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
