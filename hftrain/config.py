@@ -4,7 +4,8 @@ A config file has one section per dataclass (``model``, ``data``, ``training``, 
 Field names follow transformers' ``TrainingArguments`` where the concept is the same, and Accelerate's
 ``mixed_precision``/``log_with``. Every field name is unique across sections, so a command-line override
 may name the field alone (``--learning_rate 1e-4``) or with its section (``--training.learning_rate=1e-4``).
-Unknown keys and wrong types are errors that name the key and the closest valid one.
+Unknown keys and wrong types are errors that name the key and the closest valid one; so are an empty file, a key
+given twice, and non-finite numbers. A list field takes ``--field a b`` or ``--field a,b`` on the command line.
 """
 
 from __future__ import annotations
