@@ -65,10 +65,10 @@ class CheckpointManager:
         main = accelerator.is_main_process
         # Each phase ends in an agreement instead of a barrier: a rank that cannot write (disk full, read-only)
         # makes every rank raise the same one-line error, and the previous checkpoints stay as they were.
-        failed = _WriteFailure(accelerator, f"checkpoint step {step} ({final})", staging, last=self.latest())
-        failed.check(self._begin if main else None, staging)
-        failed.check(accelerator.save_state, str(staging / STATE_DIR), safe_serialization=True)
-        failed.check(self._finish if main else None, staging, final, {"step": step, **meta})
+        write = _AgreedWrite(accelerator, f"checkpoint step {step} ({final})", staging, last=self.latest())
+        write.phase(self._begin if main else None, staging)
+        write.phase(accelerator.save_state, str(staging / STATE_DIR), safe_serialization=True)
+        write.phase(self._finish if main else None, staging, final, {"step": step, **meta})
         return final
 
     def _begin(self, staging: Path) -> None:
@@ -123,7 +123,7 @@ class CheckpointManager:
         return Path(spec)
 
 
-class _WriteFailure:
+class _AgreedWrite:
     """Runs the phases of a collective write and makes every rank raise when any rank could not write.
 
     Args:
@@ -139,8 +139,14 @@ class _WriteFailure:
         self.staging = staging
         self.last = last
 
-    def check(self, action: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> None:
-        """Run ``action`` (None: nothing on this rank), then agree with the other ranks on the outcome."""
+    def phase(self, action: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> None:
+        """Run ``action`` on this rank, then agree with the other ranks on whether every rank succeeded.
+
+        Args:
+            action: what this rank writes in this phase (None: nothing, it only takes part in the agreement).
+            args: positional arguments of ``action``.
+            kwargs: keyword arguments of ``action``.
+        """
         error: Exception | None = None
         if action is not None:
             try:
