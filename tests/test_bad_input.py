@@ -648,3 +648,34 @@ def test_disk_full_on_two_processes_stops_both_with_one_message(good, tmp_path, 
     )
     assert checksums(run / STEP2) == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+# ---------------------------------------------------------------------- the rule itself
+def test_boundaries_convert_input_failures_and_nothing_else(tmp_path):
+    import errno
+
+    from hftrain.errors import ConfigError, WriteError, reading, writing
+
+    with pytest.raises(ConfigError, match=r"^data.x: file f: missing key 'k'; fix it$"):
+        with reading("data.x: file f", "fix it", catch=(KeyError,)):
+            raise KeyError("k")
+    with pytest.raises(ZeroDivisionError):  # not an input failure: a bug keeps its type and traceback
+        with reading("data.x", "fix it"):
+            _ = 1 / 0
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(WriteError, match="no space left on device while writing x; the last complete checkpoint is c"):
+        with writing("x", location=tmp_path, last_checkpoint=lambda: "c"):
+            raise full
+    with pytest.raises(WriteError, match="cannot write x: Read-only file system"):
+        with writing("x", location=tmp_path):
+            raise OSError(errno.EROFS, "Read-only file system", str(tmp_path))
+    with pytest.raises(RuntimeError, match="a bug"):  # plenty of space here: not a write failure
+        with writing("x", location=tmp_path, catch=(Exception,)):
+            raise RuntimeError("a bug")
+
+
+def test_a_bug_still_shows_its_traceback():
+    code = "from hftrain import cli; cli.COMMANDS['env'] = lambda args, extra: 1 / 0; cli.main(['env'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "ZeroDivisionError" in done.stderr and "hftrain: error" not in done.stderr
