@@ -16,7 +16,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +119,7 @@ class Ctx:
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Ctx:
+def good(tmp_path_factory) -> Iterator[Ctx]:
     root = tmp_path_factory.mktemp("good")
     ctx = Ctx(
         model=save_model_folder(root / "model"),
@@ -131,7 +131,8 @@ def good(tmp_path_factory) -> Ctx:
     reset_accelerate_state()
     assert main(ctx.base(ctx.run)) == 0
     assert (ctx.run / STEP4 / "checkpoint.json").is_file() and (ctx.run / "model" / "model.safetensors").is_file()
-    return ctx
+    yield ctx
+    reset_accelerate_state()  # the in-process runs leave Accelerate's singletons set; later modules start clean
 
 
 def _edit_json(path: Path, change: Callable[[dict], None]) -> None:
