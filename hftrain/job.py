@@ -48,7 +48,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     """
     from hftrain.data.batching import tokenize_splits
     from hftrain.data.loading import load_classification_splits
-    from hftrain.models import build_tokenizer, model_init_fn
+    from hftrain.models import build_tokenizer, model_config, model_init_fn
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
 
@@ -59,6 +59,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     if write:
         check_output_dir(config)
     tokenizer = build_tokenizer(config.model)
+    strategy.check_model(model_config(config.model), use_lora=config.lora.use_lora)
     data = config.data
     splits = load_classification_splits(
         dataset_name=data.dataset_name,
