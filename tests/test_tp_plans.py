@@ -1,0 +1,195 @@
+"""TP plans on tiny BERT, GPT-2 and Llama: a TP=2 model on 2 gloo processes equals the unsharded model.
+
+Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
+three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
+attention head counts; ``full_state_dict`` loading strictly into the plain HF class with identical logits;
+``load_full_state_dict`` / ``shard_full_tensor`` as its inverse.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hftrain.errors import ConfigError
+from tests.distributed import run_distributed
+
+# split parameters per family in the tiny 2-layer models: per layer (BERT: q, k, v weights and biases, attention
+# output weight, intermediate weight and bias, output weight; GPT-2: c_attn w+b, attn c_proj w, c_fc w+b, mlp
+# c_proj w; Llama: q, k, v, o, gate, up, down) + the word embeddings
+SPLIT_COUNTS = {"bert": 2 * 10 + 1, "gpt2": 2 * 6 + 1, "llama": 2 * 7 + 1}
+HEAD_ATTRIBUTES = {
+    "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
+    "gpt2": ("transformer.h.0.attn", {"num_heads": 1, "embed_dim": 16, "split_size": 16}),
+    "llama": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+}
+
+
+def _batch(kind: str):
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 64, (4, 8), generator=generator)
+    ids[1, 5:] = 0  # right padding (pad id 0 in every tiny config)
+    ids[3, 3:] = 0
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([0, 1, 1, 0])}
+
+
+def _build(kind: str, seed: int = 0):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(tiny_config(kind))
+
+
+def _check_family(kind: str, sequence_parallel: bool, group) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.testing import assert_close
+
+    from hftrain.parallel import (
+        apply_tensor_parallel,
+        finalize_tp_grads,
+        full_state_dict,
+        gather_full_tensors,
+        load_full_state_dict,
+        shard_full_tensor,
+        sharded_parameters,
+    )
+
+    tp = dist.get_world_size(group)
+    ref, model = _build(kind), _build(kind)
+    apply_tensor_parallel(model, tp_group=group, sequence_parallel=sequence_parallel)
+    batch = _batch(kind)
+
+    # each rank holds 1/tp of every split weight, read from the live modules
+    shards = sharded_parameters(model)
+    assert len(shards) == SPLIT_COUNTS[kind], sorted(shards)
+    local_numel = full_numel = 0
+    for name, shard in shards.items():
+        live = model.get_parameter(name)
+        expected = list(shard.full_shape)
+        expected[shard.dim] //= tp
+        assert list(live.shape) == expected, name
+        assert_close(live.detach(), shard_full_tensor(name, ref.get_parameter(name).detach(), model))
+        local_numel, full_numel = local_numel + live.numel(), full_numel + ref.get_parameter(name).numel()
+    assert local_numel * tp == full_numel
+    path, attributes = HEAD_ATTRIBUTES[kind]
+    attention = model.get_submodule(path)
+    assert {a: getattr(attention, a) for a in attributes} == attributes
+
+    # AdamW steps: logits, loss and full gradients equal the unsharded model's at every step
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    losses = []
+    for _step in range(3):
+        expected_out, out = ref(**batch), model(**batch)
+        assert_close(out.logits, expected_out.logits)
+        assert_close(out.loss, expected_out.loss)
+        expected_out.loss.backward()
+        out.loss.backward()
+        finalize_tp_grads(model, tp_group=group)
+        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=group)
+        for name, param in ref.named_parameters():
+            assert_close(grads[name], param.grad, msg=lambda m, name=name: f"{kind} grad {name}: {m}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(out.loss.item())
+
+    # the unsharded state dict loads strictly into the plain HF class and gives the same logits
+    full = full_state_dict(model, tp_group=group)
+    plain = _build(kind, seed=123)
+    plain.load_state_dict(full, strict=True)
+    with torch.no_grad():
+        assert_close(plain(**batch).logits, ref(**batch).logits)
+        # and back: a fresh TP model loads the trained full weights
+        fresh = apply_tensor_parallel(_build(kind), tp_group=group, sequence_parallel=sequence_parallel)
+        load_full_state_dict(fresh, ref.state_dict())
+        assert_close(fresh(**batch).logits, ref(**batch).logits)
+    return {"losses": losses, "decreased": losses[-1] < losses[0]}
+
+
+def _all_plan_checks() -> dict:
+    import torch.distributed as dist
+
+    from hftrain.errors import HFTrainError
+    from hftrain.parallel import ParallelDims, apply_tensor_parallel, build_groups
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = build_groups(ParallelDims(dist.get_world_size(), tp=dist.get_world_size()), rank).tp_group
+    report = {(kind, sp): _check_family(kind, sp, group) for kind in ("bert", "gpt2", "llama") for sp in (False, True)}
+    try:  # different weights per rank (no common seed) are refused, not silently mixed
+        apply_tensor_parallel(_build("bert", seed=rank), tp_group=group)
+    except HFTrainError as error:
+        report["unseeded"] = str(error)
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.distributed
+def test_tp_plans_match_unsharded_models():
+    results = run_distributed(_all_plan_checks, nprocs=2, timeout=600)
+    for report in results:  # the comparisons are asserted inside every rank
+        for kind in ("bert", "gpt2", "llama"):
+            assert report[(kind, False)]["decreased"] and report[(kind, True)]["decreased"]
+        assert "same seed" in report["unseeded"]
+    assert results[0][("gpt2", True)]["losses"] == results[1][("gpt2", True)]["losses"]
+
+
+def _config(kind: str, **sizes):
+    from tests.tiny import tiny_config
+
+    config = tiny_config(kind)
+    for name, value in sizes.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("kind", "sizes", "tp", "named"),
+    [
+        ("bert", {}, 4, "num_attention_heads=2"),
+        ("bert", {"vocab_size": 63}, 2, "vocab_size=63"),
+        ("bert", {"intermediate_size": 66}, 4, "intermediate_size=66"),
+        ("gpt2", {"n_head": 4, "n_embd": 36}, 8, "n_head=4, n_embd=36"),
+        ("llama", {}, 4, "num_key_value_heads=2"),
+        # SmolLM2-135M's sizes: 9 heads, 3 key/value heads
+        (
+            "llama",
+            {
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "vocab_size": 49152,
+            },
+            2,
+            "valid strategy.tp values for it: 1, 3",
+        ),
+    ],
+)
+def test_check_tensor_parallel_names_the_size(kind, sizes, tp, named):
+    from hftrain.parallel import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match=named):
+        check_tensor_parallel(_config(kind, **sizes), tp)
+    check_tensor_parallel(_config(kind, **sizes), 1)
+
+
+def test_check_tensor_parallel_refuses_unknown_family():
+    from transformers import DistilBertConfig
+
+    from hftrain.parallel import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match="no plan for model type 'distilbert'; supported: bert, gpt2, llama"):
+        check_tensor_parallel(DistilBertConfig(), 2)
+
+
+def test_sequence_multiple():
+    from hftrain.parallel import sequence_multiple
+
+    assert sequence_multiple(4, sequence_parallel=True) == 4
+    assert sequence_multiple(4, sequence_parallel=False) == 1
