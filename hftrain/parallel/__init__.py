@@ -22,6 +22,7 @@ _EXPORTS = {
     "RowParallelLinear": "layers",
     "VocabParallelEmbedding": "layers",
     "apply_tensor_parallel": "tensor_parallel",
+    "parallelize_layer": "tensor_parallel",
     "sharded_parameters": "tensor_parallel",
     "gather_full_tensors": "tensor_parallel",
     "full_state_dict": "tensor_parallel",

@@ -31,7 +31,7 @@ from hftrain.parallel.layers import (
     TPShard,
     VocabParallelEmbedding,
 )
-from hftrain.parallel.plans import check_tensor_parallel, plan_for
+from hftrain.parallel.plans import PLANS, TensorParallelPlan, check_tensor_parallel, plan_for
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
 
@@ -140,10 +140,36 @@ def _check_replicated(model: nn.Module, tp_group: Any) -> None:
         )
 
 
-def _entries(model: nn.Module, plan) -> list[tuple[str, str]]:
-    layers = model.get_submodule(plan.layers)
-    per_layer = [(f"{plan.layers}.{i}.{path}", style) for i in range(len(layers)) for path, style in plan.layer]
-    return per_layer + list(plan.model)
+def _apply_entries(root: nn.Module, entries, ctx: _Context) -> None:
+    for path, style in entries:
+        parent_path, _, name = path.rpartition(".")
+        STYLES[style](root.get_submodule(parent_path), name, root.get_submodule(path), ctx)
+
+
+def _apply_to_layer(layer: nn.Module, plan: TensorParallelPlan, ctx: _Context) -> None:
+    _apply_entries(layer, plan.layer, ctx)
+    for path, attributes in plan.heads.items():
+        attention = layer.get_submodule(path)
+        for attribute in attributes:
+            setattr(attention, attribute, getattr(attention, attribute) // ctx.tp_size)
+
+
+def parallelize_layer(
+    layer: nn.Module, model_type: str, *, tp_group: Any, sequence_parallel: bool = False
+) -> nn.Module:
+    """Split one transformer layer in place with its family's plan (what apply_tensor_parallel does per layer).
+
+    For benchmarks and tests of a single layer; the caller owns the model-level entries (embedding, sequence
+    scatter/gather) and the size checks.
+
+    Args:
+        layer: e.g. a ``LlamaDecoderLayer`` with full weights identical on every rank.
+        model_type: the plan's key (``"bert"``, ``"gpt2"``, ``"llama"``).
+        tp_group: the tensor-parallel group.
+        sequence_parallel: the layer's input and output are sequence chunks.
+    """
+    _apply_to_layer(layer, PLANS[model_type], _Context(tp_group, dist.get_world_size(tp_group), sequence_parallel))
+    return layer
 
 
 def apply_tensor_parallel(model: nn.Module, *, tp_group: Any, sequence_parallel: bool = False) -> nn.Module:
@@ -165,14 +191,9 @@ def apply_tensor_parallel(model: nn.Module, *, tp_group: Any, sequence_parallel:
     _refuse_unsupported(model)
     _check_replicated(model, tp_group)
     ctx = _Context(tp_group, tp_size, sequence_parallel)
-    for path, style in _entries(model, plan):
-        parent_path, _, name = path.rpartition(".")
-        STYLES[style](model.get_submodule(parent_path), name, model.get_submodule(path), ctx)
-    for i in range(len(model.get_submodule(plan.layers))):
-        for path, attributes in plan.heads.items():
-            attention = model.get_submodule(f"{plan.layers}.{i}.{path}")
-            for attribute in attributes:
-                setattr(attention, attribute, getattr(attention, attribute) // tp_size)
+    for layer in model.get_submodule(plan.layers):
+        _apply_to_layer(layer, plan, ctx)
+    _apply_entries(model, plan.model, ctx)
     return model
 
 
