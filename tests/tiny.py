@@ -205,7 +205,7 @@ def run_tiny_training(
     weights = None
     if return_weights:
         # collective; ZeRO-3 returns the gathered dict on rank 0 only (None elsewhere)
-        state_dict = trainer.accelerator.get_state_dict(trainer.model) or {}
+        state_dict = trainer.runtime.get_state_dict(trainer.model) or {}
         weights = {k: v.detach().clone() for k, v in state_dict.items()}
     return {
         "weights": weights if trainer.accelerator.is_main_process else None,

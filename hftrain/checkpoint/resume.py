@@ -67,8 +67,9 @@ def check_resumable(
 def batches_to_skip(meta: dict[str, Any], topology: dict[str, Any]) -> int:
     """Micro-batches of the current epoch this process already consumed, in this run's topology."""
     saved = meta["topology"]
-    consumed = meta["trainer_state"]["micro_step"] * saved["micro_batch"] * saved["world_size"]
-    per_batch = topology["micro_batch"] * topology["world_size"]
+    # Data-parallel replicas consume different batches; tensor-parallel ranks of one replica share them.
+    consumed = meta["trainer_state"]["micro_step"] * saved["micro_batch"] * saved.get("dp_size", saved["world_size"])
+    per_batch = topology["micro_batch"] * topology["dp_size"]
     if consumed % per_batch:
         raise CheckpointError(
             f"the checkpoint's data position ({consumed} examples into the epoch) is not a whole number of "
