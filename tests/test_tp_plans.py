@@ -1,4 +1,4 @@
-"""TP plans on tiny BERT, GPT-2 and Llama: a TP=2 model on 2 gloo processes equals the unsharded model.
+"""TP plans on tiny BERT, GPT-2 and Llama: TP=2 (2 gloo processes) and TP2×DP2 (4) equal the unsharded model.
 
 Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
 three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
@@ -44,7 +44,8 @@ def _build(kind: str, seed: int = 0):
     return AutoModelForSequenceClassification.from_config(tiny_config(kind))
 
 
-def _check_family(kind: str, sequence_parallel: bool, group) -> dict:
+def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
+    """TP over ``groups.tp_group``; each dp replica takes its rows of the batch and gradients are averaged over dp."""
     import torch
     import torch.distributed as dist
     from torch.testing import assert_close
@@ -58,11 +59,13 @@ def _check_family(kind: str, sequence_parallel: bool, group) -> dict:
         shard_full_tensor,
         sharded_parameters,
     )
+    from hftrain.parallel.collectives import all_reduce_coalesced
 
-    tp = dist.get_world_size(group)
+    group, tp = groups.tp_group, groups.tp_size
     ref, model = _build(kind), _build(kind)
     apply_tensor_parallel(model, tp_group=group, sequence_parallel=sequence_parallel)
     batch = _batch(kind)
+    local_batch = {k: v.chunk(groups.dp_size)[groups.dp_rank] for k, v in batch.items()}  # sharded by dp rank
 
     # each rank holds 1/tp of every split weight, read from the live modules
     shards = sharded_parameters(model)
@@ -84,19 +87,25 @@ def _check_family(kind: str, sequence_parallel: bool, group) -> dict:
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
     losses = []
     for _step in range(3):
-        expected_out, out = ref(**batch), model(**batch)
-        assert_close(out.logits, expected_out.logits)
-        assert_close(out.loss, expected_out.loss)
+        expected_out, out = ref(**batch), model(**local_batch)
+        assert_close(out.logits, expected_out.logits.chunk(groups.dp_size)[groups.dp_rank])
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=groups.dp_group)
+        assert_close(loss / groups.dp_size, expected_out.loss.detach())
         expected_out.loss.backward()
         out.loss.backward()
         finalize_tp_grads(model, tp_group=group)
+        # data parallel over the dp group only: the mean of the replicas' gradients (equal row counts)
+        all_reduce_coalesced([p.grad for p in model.parameters()], groups.dp_group)
+        for param in model.parameters():
+            param.grad /= groups.dp_size
         grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=group)
         for name, param in ref.named_parameters():
             assert_close(grads[name], param.grad, msg=lambda m, name=name: f"{kind} grad {name}: {m}")
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(out.loss.item())
+        losses.append(loss.item() / groups.dp_size)
 
     # the unsharded state dict loads strictly into the plain HF class and gives the same logits
     full = full_state_dict(model, tp_group=group)
@@ -119,10 +128,10 @@ def _all_plan_checks() -> dict:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    group = build_groups(ParallelDims(dist.get_world_size(), tp=dist.get_world_size()), rank).tp_group
-    report = {(kind, sp): _check_family(kind, sp, group) for kind in ("bert", "gpt2", "llama") for sp in (False, True)}
+    groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), rank)
+    report = {(kind, sp): _check_family(kind, sp, groups) for kind in ("bert", "gpt2", "llama") for sp in (False, True)}
     try:  # different weights per rank (no common seed) are refused, not silently mixed
-        apply_tensor_parallel(_build("bert", seed=rank), tp_group=group)
+        apply_tensor_parallel(_build("bert", seed=rank), tp_group=groups.tp_group)
     except HFTrainError as error:
         report["unseeded"] = str(error)
     dist.destroy_process_group()
@@ -130,13 +139,14 @@ def _all_plan_checks() -> dict:
 
 
 @pytest.mark.distributed
-def test_tp_plans_match_unsharded_models():
-    results = run_distributed(_all_plan_checks, nprocs=2, timeout=600)
+@pytest.mark.parametrize("nprocs", [2, 4], ids=["tp2", "tp2xdp2"])
+def test_tp_plans_match_unsharded_models(nprocs):
+    results = run_distributed(_all_plan_checks, nprocs=nprocs, timeout=900)
     for report in results:  # the comparisons are asserted inside every rank
         for kind in ("bert", "gpt2", "llama"):
             assert report[(kind, False)]["decreased"] and report[(kind, True)]["decreased"]
         assert "same seed" in report["unseeded"]
-    assert results[0][("gpt2", True)]["losses"] == results[1][("gpt2", True)]["losses"]
+    assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
 
 
 def _config(kind: str, **sizes):
