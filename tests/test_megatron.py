@@ -61,8 +61,51 @@ def _parity_runs(micro: int, strategy: str, options: dict | None, extras: dict) 
     return runs
 
 
+def _hand_written_loop(tp: int | None) -> list[float]:
+    """The README's own-Accelerate-loop example on a tiny GPT-2; ``tp=None`` is the plain Accelerate loop."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.parallel.plugin import MegatronPlugin
+    from tests.tiny import reset_accelerate_state, tiny_splits
+
+    reset_accelerate_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    set_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("gpt2"))
+    tokenizer = tiny_tokenizer("gpt2")
+    tokenizer.pad_token = tokenizer.eos_token
+    data = tokenize_splits(tiny_splits(32, 1), tokenizer, max_seq_length=32)["train"].remove_columns(["length"])
+    loader = DataLoader(data, batch_size=4, collate_fn=DataCollatorWithPadding(tokenizer))
+    plugin = MegatronPlugin(tp=tp).setup() if tp else None
+    if plugin is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model = plugin.prepare_model(model)
+        optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        loader = plugin.prepare_data_loader(loader)
+    losses = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and plugin is not None:
+                plugin.finalize_grads(model)
+                plugin.clip_grad_norm_(model, 1.0)
+            elif accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _two(root: str) -> dict:
-    return {"parity": _parity_runs(GLOBAL_MICRO, "megatron", TP2, EXTRAS_TP2)}
+    return {"parity": _parity_runs(GLOBAL_MICRO, "megatron", TP2, EXTRAS_TP2), "plugin": _hand_written_loop(2)}
 
 
 def _four(root: str) -> dict:
@@ -79,6 +122,10 @@ def _four(root: str) -> dict:
     resumed = run_tiny_training(
         output_dir=f"{root}/part", micro=4, strategy_options=TP2, resume_from_checkpoint="latest", **common
     )
+    # ZeRO-1: the optimizer state consolidated over dp for the save, re-partitioned on load
+    zero = {**common, "micro": 4, "strategy_options": {"tp": 2, "shard_optimizer": True}}
+    run_tiny_training(output_dir=f"{root}/zero1", stop_at_step=8, **zero)
+    zero_resumed = run_tiny_training(output_dir=f"{root}/zero1", resume_from_checkpoint="latest", **zero)
     try:  # micro 4 at tp=1 × dp=4 would double the global batch
         run_tiny_training(
             output_dir=f"{root}/refused", micro=4, strategy_options={"tp": 1}, resume_from_checkpoint=step8,
@@ -89,17 +136,18 @@ def _four(root: str) -> dict:
         refused = f"{type(error).__name__}: {error}"
     layout = json.loads(Path(step8, "state", "layout.json").read_text())
     return {"parity": parity, "full": full, "part": part, "resumed": resumed, "resharded": resharded,
-            "refused": refused, "layout": layout}  # fmt: skip
+            "refused": refused, "layout": layout, "zero1_resumed": zero_resumed}  # fmt: skip
 
 
 def _one(root: str) -> dict:
     reference = _parity_runs(GLOBAL_MICRO, "ddp", None, {**EXTRAS_TP2, **EXTRAS_TP2_DP2})
+    plain_loop = _hand_written_loop(None)
     # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
     on_one = run_tiny_training(
         output_dir=f"{root}/tp1dp1", micro=8, strategy="megatron", strategy_options={"tp": 1},
         resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", trust_external_checkpoint=True, **RESUME,
     )  # fmt: skip
-    return {"reference": reference, "tp1dp1": on_one}
+    return {"reference": reference, "tp1dp1": on_one, "plugin": plain_loop}
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +220,12 @@ def test_resumed_equals_uninterrupted_under_tp2_dp2(runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("label", ["resharded", "tp1dp1"], ids=["tp1xdp4", "tp1-one-process"])
+@pytest.mark.parametrize(
+    "label", ["resharded", "tp1dp1", "zero1_resumed"], ids=["tp1xdp4", "tp1-one-process", "zero1-resumed"]
+)
 def test_tp2_checkpoint_resumes_at_tp1_equal_to_continuing_at_tp2(runs, label):
     full = runs["four"][0]["full"]
-    resumed = runs["four"][0][label] if label == "resharded" else runs["one"][label]
+    resumed = runs["one"][label] if label == "tp1dp1" else runs["four"][0][label]
     assert resumed["global_step"] == 12
     assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-5)
     assert resumed["lrs"] == pytest.approx(full["lrs"], rel=1e-9)
@@ -186,7 +236,17 @@ def test_tp2_checkpoint_resumes_at_tp1_equal_to_continuing_at_tp2(runs, label):
 def test_a_resume_that_changes_the_global_batch_is_refused(runs):
     refused = runs["four"][0]["refused"]
     assert refused is not None and "CheckpointError" in refused
+    assert "tp=2 × pp=1 × dp=2" in refused and "tp=1 × pp=1 × dp=4" in refused  # both layouts named
     assert "global batch from 16 to 32" in refused
+
+
+@pytest.mark.distributed
+def test_plugin_in_a_hand_written_accelerate_loop_matches_plain_accelerate(runs):
+    # 8 micro-batches of 4, accumulation 2, clipping: the README's loop at tp=2 against Accelerate on one process
+    reference = runs["one"]["plugin"]
+    assert len(reference) == 8
+    for rank in runs["two"]:
+        assert rank["plugin"] == pytest.approx(reference, rel=1e-5)
 
 
 # ----------------------------------------------------------------- a real job: torchrun, export, bad input

@@ -15,6 +15,8 @@ IDENTITY_KEYS = (
     "lora.lora_r",
     "lora.lora_target_modules",
 )
+# Topology keys that together say how a checkpoint's state is laid out over processes.
+LAYOUT_KEYS = ("world_size", "tp", "pp")
 
 
 def check_resumable(
@@ -44,7 +46,8 @@ def check_resumable(
             f"'{topology['strategy']}'; resume with strategy.name: {saved.get('strategy')}, or export it "
             "(hftrain export) and fine-tune from the exported model"
         )
-    if saved.get("world_size") == topology["world_size"]:
+    # The layout: process count and, for model-parallel strategies, how the processes split the model.
+    if all(saved.get(key) == topology.get(key) for key in LAYOUT_KEYS):
         return []
     if not can_reshard:
         raise CheckpointError(
@@ -54,14 +57,22 @@ def check_resumable(
         )
     if saved.get("global_batch") != topology["global_batch"]:
         raise CheckpointError(
-            f"resuming '{path}' on {topology['world_size']} processes would change the global batch from "
+            f"resuming '{path}' ({_layout(saved)}) on {_layout(topology)} would change the global batch from "
             f"{saved.get('global_batch')} to {topology['global_batch']}; set per_device_train_batch_size and "
-            "gradient_accumulation_steps so that micro x accumulation x processes stays the same"
+            "gradient_accumulation_steps so that micro x accumulation x data-parallel size stays the same"
         )
     return [
-        f"resharding checkpoint from {saved.get('world_size')} to {topology['world_size']} processes; "
+        f"resharding checkpoint from {_layout(saved)} to {_layout(topology)}; "
         f"global batch kept at {topology['global_batch']}"
     ]
+
+
+def _layout(topology: dict[str, Any]) -> str:
+    """``4 processes`` or, under tensor/pipeline parallelism, ``4 processes (tp=2 × pp=1 × dp=2)``."""
+    processes = f"{topology.get('world_size')} processes"
+    if "tp" not in topology:
+        return processes
+    return f"{processes} (tp={topology['tp']} × pp={topology.get('pp', 1)} × dp={topology.get('dp_size')})"
 
 
 def batches_to_skip(meta: dict[str, Any], topology: dict[str, Any]) -> int:

@@ -98,9 +98,9 @@ class MegatronPlugin:
 
         layout = self.layout
         check_tensor_parallel(model.config, self.tp)
-        model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=self.sequence_parallel)
-        if device is not None:
+        if device is not None:  # first: splitting runs a collective on the weights, on the group's device
             model = model.to(device)
+        model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=self.sequence_parallel)
         if layout.dp_size == 1:
             return model
         # Gradients are averaged over the ranks holding the same shard only; DDP's no_sync serves accumulation.

@@ -63,11 +63,6 @@ class MegatronStrategy(Strategy):
                     f"strategy.{key} is not a megatron option (megatron composes tp with plain data parallelism; "
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
-        if launch.accelerate_strategy is not None:
-            raise ConfigError(
-                f"strategy.name is megatron but the accelerate config selects '{launch.accelerate_strategy}'; "
-                "launch megatron with torchrun or an accelerate config without FSDP/DeepSpeed"
-            )
         self.dims = ParallelDims(launch.world_size, tp=config.tp).validate()
 
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
