@@ -194,7 +194,7 @@ class _LlamaLayer:
     def hftrain(module, group):
         from hftrain.parallel import parallelize_layer
 
-        return parallelize_layer(module, "llama", tp_group=group)
+        return parallelize_layer(module, module.self_attn.config, tp_group=group)
 
     @staticmethod
     def dtensor(module, mesh):

@@ -16,12 +16,17 @@ from tests.distributed import run_distributed
 # split parameters per family in the tiny 2-layer models: per layer (BERT: q, k, v weights and biases, attention
 # output weight, intermediate weight and bias, output weight; GPT-2: c_attn w+b, attn c_proj w, c_fc w+b, mlp
 # c_proj w; Llama: q, k, v, o, gate, up, down) + the word embeddings
-SPLIT_COUNTS = {"bert": 2 * 10 + 1, "gpt2": 2 * 6 + 1, "llama": 2 * 7 + 1}
+SPLIT_COUNTS = {"bert": 2 * 10 + 1, "gpt2": 2 * 6 + 1, "llama": 2 * 7 + 1, "llama_kv3": 2 * 7 + 1}
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
     "gpt2": ("transformer.h.0.attn", {"num_heads": 1, "embed_dim": 16, "split_size": 16}),
     "llama": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+    "llama_kv3": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
 }
+KINDS = ("bert", "gpt2", "llama", "llama_kv3")
+# "llama_kv3": 6 query / 3 key-value heads of 8 (SmolLM2's 9 / 3 in small): tp=2 does not divide the key/value
+# heads, so the ranks hold whole groups, 2 + 1 key/value and 4 + 2 query heads (q/k/v/o rows [32, 16] / [16, 8])
+UNEQUAL = {"q_proj": [32, 16], "o_proj": [32, 16], "k_proj": [16, 8], "v_proj": [16, 8]}
 
 
 def _batch(kind: str):
@@ -40,8 +45,11 @@ def _build(kind: str, seed: int = 0):
 
     from tests.tiny import tiny_config
 
+    config = tiny_config(kind.removesuffix("_kv3"))
+    if kind == "llama_kv3":
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 48, 6, 3, 8
     torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_config(tiny_config(kind))
+    return AutoModelForSequenceClassification.from_config(config)
 
 
 def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
@@ -67,18 +75,26 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
     batch = _batch(kind)
     local_batch = {k: v.chunk(groups.dp_size)[groups.dp_rank] for k, v in batch.items()}  # sharded by dp rank
 
-    # each rank holds 1/tp of every split weight, read from the live modules
+    # each rank holds 1/tp of every split weight (whole key/value groups when tp does not divide them), read
+    # from the live modules
     shards = sharded_parameters(model)
     assert len(shards) == SPLIT_COUNTS[kind], sorted(shards)
     local_numel = full_numel = 0
     for name, shard in shards.items():
-        live = model.get_parameter(name)
+        live, full = model.get_parameter(name), ref.get_parameter(name)
+        module = name.split(".")[-2]
         expected = list(shard.full_shape)
-        expected[shard.dim] //= tp
+        expected[shard.dim] = (
+            UNEQUAL[module][groups.tp_rank] if kind == "llama_kv3" and module in UNEQUAL else expected[shard.dim] // tp
+        )
         assert list(live.shape) == expected, name
-        assert_close(live.detach(), shard_full_tensor(name, ref.get_parameter(name).detach(), model))
-        local_numel, full_numel = local_numel + live.numel(), full_numel + ref.get_parameter(name).numel()
-    assert local_numel * tp == full_numel
+        assert_close(live.detach(), shard_full_tensor(name, full.detach(), model))
+        local_numel, full_numel = local_numel + live.numel(), full_numel + full.numel()
+    total = torch.tensor(float(local_numel))
+    dist.all_reduce(total, group=group)
+    assert total.item() == full_numel  # the shards partition the split weights
+    if kind != "llama_kv3":
+        assert local_numel * tp == full_numel
     path, attributes = HEAD_ATTRIBUTES[kind]
     attention = model.get_submodule(path)
     assert {a: getattr(attention, a) for a in attributes} == attributes
@@ -120,7 +136,7 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
     return {"losses": losses, "decreased": losses[-1] < losses[0]}
 
 
-def _all_plan_checks() -> dict:
+def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
     import torch.distributed as dist
 
     from hftrain.errors import HFTrainError
@@ -129,7 +145,7 @@ def _all_plan_checks() -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), rank)
-    report = {(kind, sp): _check_family(kind, sp, groups) for kind in ("bert", "gpt2", "llama") for sp in (False, True)}
+    report = {(kind, sp): _check_family(kind, sp, groups) for kind in KINDS for sp in sequence_parallel}
     try:  # different weights per rank (no common seed) are refused, not silently mixed
         apply_tensor_parallel(_build("bert", seed=rank), tp_group=groups.tp_group)
     except HFTrainError as error:
@@ -139,12 +155,13 @@ def _all_plan_checks() -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("nprocs", [2, 4], ids=["tp2", "tp2xdp2"])
-def test_tp_plans_match_unsharded_models(nprocs):
-    results = run_distributed(_all_plan_checks, nprocs=nprocs, timeout=900)
+# TP2×DP2 runs the sequence-parallel variant only (the harder path) to keep the 4-process launch short
+@pytest.mark.parametrize(("nprocs", "sequence_parallel"), [(2, (False, True)), (4, (True,))], ids=["tp2", "tp2xdp2"])
+def test_tp_plans_match_unsharded_models(nprocs, sequence_parallel):
+    results = run_distributed(_all_plan_checks, nprocs=nprocs, timeout=900, sequence_parallel=sequence_parallel)
     for report in results:  # the comparisons are asserted inside every rank
-        for kind in ("bert", "gpt2", "llama"):
-            assert report[(kind, False)]["decreased"] and report[(kind, True)]["decreased"]
+        for kind in KINDS:
+            assert all(report[(kind, sp)]["decreased"] for sp in sequence_parallel)
         assert "same seed" in report["unseeded"]
     assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
 
@@ -166,7 +183,13 @@ def _config(kind: str, **sizes):
         ("bert", {"intermediate_size": 66}, 4, "intermediate_size=66"),
         ("gpt2", {"n_head": 4, "n_embd": 36}, 8, "n_head=4, n_embd=36"),
         ("llama", {}, 4, "num_key_value_heads=2"),
-        # SmolLM2-135M's sizes: 9 heads, 3 key/value heads
+        (
+            "llama",
+            {"intermediate_size": 66},
+            4,
+            "does not divide intermediate_size=66 and exceeds num_key_value_heads=2",
+        ),
+        # SmolLM2-135M's sizes: 9 heads, 3 key/value heads: tp=2 splits whole groups (see llama_kv3), tp=4 cannot
         (
             "llama",
             {
@@ -176,8 +199,9 @@ def _config(kind: str, **sizes):
                 "intermediate_size": 1536,
                 "vocab_size": 49152,
             },
-            2,
-            "valid strategy.tp values for it: 1, 3",
+            4,
+            r"exceeds num_key_value_heads=3 \(each rank needs one\) of this llama model; "
+            r"valid strategy.tp values for it: 1, 2, 3",
         ),
     ],
 )
@@ -187,6 +211,26 @@ def test_check_tensor_parallel_names_the_size(kind, sizes, tp, named):
     with pytest.raises(ConfigError, match=named):
         check_tensor_parallel(_config(kind, **sizes), tp)
     check_tensor_parallel(_config(kind, **sizes), 1)
+
+
+def test_smollm2_sizes_run_at_tp_2_and_3():
+    from hftrain.parallel import check_tensor_parallel
+    from hftrain.parallel.plans import PLANS
+
+    config = _config(
+        "llama",
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+    )
+    for tp in (1, 2, 3):
+        check_tensor_parallel(config, tp)
+    counts = PLANS["llama"].counts(config, 2)
+    assert counts["self_attn.q_proj"] == (6 * 64, 3 * 64) and counts["self_attn.k_proj"] == (2 * 64, 64)
+    assert PLANS["llama"].counts(config, 3)["self_attn.q_proj"] == (192, 192, 192)
 
 
 def test_check_tensor_parallel_refuses_unknown_family():

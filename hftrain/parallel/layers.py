@@ -37,8 +37,10 @@ class TPShard:
     """How one parameter is split over the tensor-parallel ranks.
 
     The full tensor's dimension ``dim`` is viewed as ``parts`` equal blocks (GPT-2's ``c_attn``: 3 blocks,
-    query, key and value, each ``hidden`` wide); every block is cut into ``size`` equal slices and rank ``r``
-    holds slice ``r`` of every block, concatenated in block order (so its q, k and v are its own heads').
+    query, key and value, each ``hidden`` wide); every block is cut into ``size`` slices and rank ``r`` holds
+    slice ``r`` of every block, concatenated in block order (so its q, k and v are its own heads'). Slices are
+    equal unless ``counts`` gives their lengths (grouped-query attention whose key/value heads tp does not
+    divide: whole key/value groups per rank, as balanced as possible).
 
     Args:
         dim: the split dimension of the full (HF-layout) tensor.
@@ -46,6 +48,7 @@ class TPShard:
         size: tensor-parallel size.
         full_shape: shape of the unsharded tensor.
         parts: packed blocks along ``dim`` that are split separately (1 for a plain split).
+        counts: length of each rank's slice of a block, by rank (``None``: ``block / size`` each).
     """
 
     dim: int
@@ -53,6 +56,22 @@ class TPShard:
     size: int
     full_shape: tuple[int, ...]
     parts: int = 1
+    counts: tuple[int, ...] | None = None
+
+    def slice_lengths(self) -> tuple[int, ...]:
+        """Every rank's slice length within one block."""
+        block = self.full_shape[self.dim] // self.parts
+        return self.counts or (block // self.size,) * self.size
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """Shape of a rank's shard (this rank's by default).
+
+        Args:
+            rank: a tensor-parallel rank.
+        """
+        shape = list(self.full_shape)
+        shape[self.dim] = self.parts * self.slice_lengths()[self.rank if rank is None else rank]
+        return tuple(shape)
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``full`` (a copy).
@@ -62,7 +81,10 @@ class TPShard:
         """
         if tuple(full.shape) != tuple(self.full_shape):
             raise ValueError(f"expected a full tensor of shape {tuple(self.full_shape)}, got {tuple(full.shape)}")
-        blocks = full.unflatten(self.dim, (self.parts, self.size, -1)).select(self.dim + 1, self.rank)
+        lengths = self.slice_lengths()
+        blocks = full.unflatten(self.dim, (self.parts, -1)).narrow(
+            self.dim + 1, sum(lengths[: self.rank]), lengths[self.rank]
+        )
         return blocks.flatten(self.dim, self.dim + 1).contiguous().clone()
 
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -72,11 +94,13 @@ class TPShard:
             shards: ``size`` tensors, one per tensor-parallel rank.
         """
         blocks = [shard.unflatten(self.dim, (self.parts, -1)) for shard in shards]
-        return torch.stack(blocks, self.dim + 1).flatten(self.dim, self.dim + 2)
+        return torch.cat(blocks, self.dim + 1).flatten(self.dim, self.dim + 1)
 
 
-def _split_parameter(tensor: torch.Tensor, dim: int, group: Any, parts: int = 1) -> tuple[nn.Parameter, TPShard]:
-    shard = TPShard(dim, dist.get_rank(group), dist.get_world_size(group), tuple(tensor.shape), parts)
+def _split_parameter(
+    tensor: torch.Tensor, dim: int, group: Any, parts: int = 1, counts: tuple[int, ...] | None = None
+) -> tuple[nn.Parameter, TPShard]:
+    shard = TPShard(dim, dist.get_rank(group), dist.get_world_size(group), tuple(tensor.shape), parts, counts)
     return nn.Parameter(shard.local(tensor.detach()), requires_grad=tensor.requires_grad), shard
 
 
@@ -89,7 +113,9 @@ def _is_conv1d(module: nn.Module) -> bool:
 class _ShardedLinear(nn.Module):
     """A linear map on a weight slice, in the replaced module's layout (``transposed``: Conv1D's ``(in, out)``)."""
 
-    def __init__(self, module: nn.Module, *, tp_group: Any, split: str, parts: int = 1) -> None:
+    def __init__(
+        self, module: nn.Module, *, tp_group: Any, split: str, parts: int = 1, counts: tuple[int, ...] | None = None
+    ) -> None:
         super().__init__()
         if not isinstance(module, nn.Linear) and not _is_conv1d(module):
             raise TypeError(f"tensor parallelism splits nn.Linear or transformers Conv1D, not {type(module).__name__}")
@@ -97,12 +123,12 @@ class _ShardedLinear(nn.Module):
         self.transposed = _is_conv1d(module)
         out_dim = 1 if self.transposed else 0
         weight_dim = out_dim if split == "out" else 1 - out_dim
-        self.weight, weight_shard = _split_parameter(module.weight, weight_dim, tp_group, parts)
+        self.weight, weight_shard = _split_parameter(module.weight, weight_dim, tp_group, parts, counts)
         self.shards: dict[str, TPShard] = {"weight": weight_shard}
         if module.bias is None:
             self.bias = None
         elif split == "out":
-            self.bias, self.shards["bias"] = _split_parameter(module.bias, 0, tp_group, parts)
+            self.bias, self.shards["bias"] = _split_parameter(module.bias, 0, tp_group, parts, counts)
         else:  # the input dimension is split: every rank adds the full bias once, after the reduction
             self.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
 
@@ -125,10 +151,13 @@ class ColumnParallelLinear(_ShardedLinear):
         module: the ``nn.Linear`` or ``Conv1D`` to split (its full weights, identical on every rank).
         tp_group: the tensor-parallel group.
         parts: packed blocks in the output (3 for GPT-2's ``c_attn``: each of q, k, v is split per head).
+        counts: output features per rank when they are not equal (see :class:`TPShard`).
     """
 
-    def __init__(self, module: nn.Module, *, tp_group: Any, parts: int = 1) -> None:
-        super().__init__(module, tp_group=tp_group, split="out", parts=parts)
+    def __init__(
+        self, module: nn.Module, *, tp_group: Any, parts: int = 1, counts: tuple[int, ...] | None = None
+    ) -> None:
+        super().__init__(module, tp_group=tp_group, split="out", parts=parts, counts=counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
@@ -148,10 +177,18 @@ class RowParallelLinear(_ShardedLinear):
         module: the ``nn.Linear`` or ``Conv1D`` to split.
         tp_group: the tensor-parallel group.
         sequence_parallel: reduce-scatter along the sequence instead of all-reduce.
+        counts: input features per rank when they are not equal (see :class:`TPShard`).
     """
 
-    def __init__(self, module: nn.Module, *, tp_group: Any, sequence_parallel: bool = False) -> None:
-        super().__init__(module, tp_group=tp_group, split="in")
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        tp_group: Any,
+        sequence_parallel: bool = False,
+        counts: tuple[int, ...] | None = None,
+    ) -> None:
+        super().__init__(module, tp_group=tp_group, split="in", counts=counts)
         self.sequence_parallel = sequence_parallel
         if sequence_parallel and self.bias is not None:
             setattr(self, SEQUENCE_PARALLEL_PARAMS, ("bias",))

@@ -13,6 +13,9 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 
 ``layer`` entries apply to every transformer layer (paths relative to it); ``model`` entries to the model.
 ``heads`` lists attention attributes holding per-rank sizes (head counts, widths) that must be divided by tp.
+``sizes`` are the config sizes tp must divide, ``minimums`` those it must not exceed, and ``counts`` gives
+unequal per-rank widths where a family allows them (Llama's grouped-query attention: whole key/value groups
+per rank, as balanced as possible, so SmolLM2-135M's 9 query / 3 key-value heads run at tp=2 as 6+3 / 2+1).
 A new family is one more entry in :data:`PLANS`.
 """
 
@@ -35,6 +38,8 @@ class TensorParallelPlan:
         model: ``(path in the model, style)`` entries.
         heads: ``path in the layer -> attribute names`` divided by tp on the attention module.
         sizes: the config sizes that tp must divide, as ``{name: value}`` for a config.
+        minimums: the config sizes that tp must not exceed (every rank needs at least one).
+        counts: ``(config, tp) -> {path in the layer: per-rank widths}`` for unequal splits.
     """
 
     layers: str
@@ -42,6 +47,18 @@ class TensorParallelPlan:
     model: tuple[tuple[str, str], ...]
     heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sizes: Callable[[Any], dict[str, int]] = lambda config: {}
+    minimums: Callable[[Any], dict[str, int]] = lambda config: {}
+    counts: Callable[[Any, int], dict[str, tuple[int, ...]]] = lambda config, tp: {}
+
+
+def _grouped_query_counts(config: Any, tp: int) -> dict[str, tuple[int, ...]]:
+    """Per-rank widths of q/k/v/o: whole key/value groups per rank (rank r gets one more while some are left)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_per_rank = [kv_heads // tp + (r < kv_heads % tp) for r in range(tp)]
+    q = tuple(n * (heads // kv_heads) * head_dim for n in kv_per_rank)
+    kv = tuple(n * head_dim for n in kv_per_rank)
+    return {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": q}
 
 
 PLANS: dict[str, TensorParallelPlan] = {
@@ -121,12 +138,9 @@ PLANS: dict[str, TensorParallelPlan] = {
         ),
         # LlamaAttention reads no head count at run time (views use -1; q/kv groups per rank stay the same ratio)
         heads={},
-        sizes=lambda c: {
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "intermediate_size": c.intermediate_size,
-            "vocab_size": c.vocab_size,
-        },
+        sizes=lambda c: {"intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size},
+        minimums=lambda c: {"num_key_value_heads": c.num_key_value_heads},
+        counts=_grouped_query_counts,
     ),
 }
 
@@ -153,15 +167,26 @@ def check_tensor_parallel(config: Any, tp: int) -> None:
         config: the model's ``transformers.PretrainedConfig``.
         tp: the tensor-parallel size (``strategy.tp``).
     """
-    sizes = plan_for(config).sizes(config)
+    plan = plan_for(config)
+    sizes, minimums = plan.sizes(config), plan.minimums(config)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"strategy.tp must be a positive integer, got {tp!r}")
-    bad = {name: value for name, value in sizes.items() if value % tp}
+    indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
+    too_few = ", ".join(f"{name}={value}" for name, value in minimums.items() if value < tp)
+    bad = []
+    if indivisible:
+        bad.append(f"does not divide {indivisible}")
+    if too_few:
+        bad.append(f"exceeds {too_few} (each rank needs one)")
     if bad:
-        valid = [d for d in range(1, min(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]
-        named = ", ".join(f"{name}={value}" for name, value in bad.items())
+        largest = min([*sizes.values(), *minimums.values()])
+        valid = [
+            d
+            for d in range(1, largest + 1)
+            if all(v % d == 0 for v in sizes.values()) and all(v >= d for v in minimums.values())
+        ]
         raise ConfigError(
-            f"strategy.tp={tp} does not divide {named} of this {config.model_type} model; "
+            f"strategy.tp={tp} {' and '.join(bad)} of this {config.model_type} model; "
             f"valid strategy.tp values for it: {', '.join(map(str, valid))}"
         )
 

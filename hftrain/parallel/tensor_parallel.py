@@ -8,8 +8,9 @@ state dict the plain HF class loads with ``strict=True``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,9 +32,12 @@ from hftrain.parallel.layers import (
     TPShard,
     VocabParallelEmbedding,
 )
-from hftrain.parallel.plans import PLANS, TensorParallelPlan, check_tensor_parallel, plan_for
+from hftrain.parallel.plans import TensorParallelPlan, check_tensor_parallel, plan_for
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
+
+
+Counts = tuple[int, ...] | None  # unequal per-rank widths of a split (TPShard.counts)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class _Context:
     tp_group: Any
     tp_size: int
     sequence_parallel: bool
+    counts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # layer path -> per-rank widths
 
 
 def _map_hidden_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -69,43 +74,44 @@ def _map_hidden_output(module: nn.Module, fn: Callable[[torch.Tensor], torch.Ten
     module.register_forward_hook(hook)
 
 
-def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
-    setattr(parent, name, ColumnParallelLinear(module, tp_group=ctx.tp_group))
+def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    setattr(parent, name, ColumnParallelLinear(module, tp_group=ctx.tp_group, counts=counts))
 
 
-def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     setattr(parent, name, ColumnParallelLinear(module, tp_group=ctx.tp_group, parts=3))
 
 
-def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
-    setattr(parent, name, RowParallelLinear(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel))
+def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    row = RowParallelLinear(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, counts=counts)
+    setattr(parent, name, row)
 
 
-def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     setattr(parent, name, VocabParallelEmbedding(module, tp_group=ctx.tp_group))
 
 
-def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     enter = gather_from_sequence if ctx.sequence_parallel else copy_to_tp
     _map_hidden_input(module, lambda x: enter(x, ctx.tp_group))
 
 
-def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     if ctx.sequence_parallel:
         setattr(module, SEQUENCE_PARALLEL_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
 
 
-def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     if ctx.sequence_parallel:
         _map_hidden_input(module, lambda x: scatter_to_sequence(x, ctx.tp_group))
 
 
-def _gather(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+def _gather(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     if ctx.sequence_parallel:
         _map_hidden_output(module, lambda x: gather_to_replicated(x, ctx.tp_group))
 
 
-STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
+STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context, Counts], None]] = {
     "column": _column,
     "column_qkv": _column_qkv,
     "row": _row,
@@ -143,7 +149,7 @@ def _check_replicated(model: nn.Module, tp_group: Any) -> None:
 def _apply_entries(root: nn.Module, entries, ctx: _Context) -> None:
     for path, style in entries:
         parent_path, _, name = path.rpartition(".")
-        STYLES[style](root.get_submodule(parent_path), name, root.get_submodule(path), ctx)
+        STYLES[style](root.get_submodule(parent_path), name, root.get_submodule(path), ctx, ctx.counts.get(path))
 
 
 def _apply_to_layer(layer: nn.Module, plan: TensorParallelPlan, ctx: _Context) -> None:
@@ -154,21 +160,21 @@ def _apply_to_layer(layer: nn.Module, plan: TensorParallelPlan, ctx: _Context) -
             setattr(attention, attribute, getattr(attention, attribute) // ctx.tp_size)
 
 
-def parallelize_layer(
-    layer: nn.Module, model_type: str, *, tp_group: Any, sequence_parallel: bool = False
-) -> nn.Module:
+def parallelize_layer(layer: nn.Module, config: Any, *, tp_group: Any, sequence_parallel: bool = False) -> nn.Module:
     """Split one transformer layer in place with its family's plan (what apply_tensor_parallel does per layer).
 
     For benchmarks and tests of a single layer; the caller owns the model-level entries (embedding, sequence
-    scatter/gather) and the size checks.
+    scatter/gather).
 
     Args:
         layer: e.g. a ``LlamaDecoderLayer`` with full weights identical on every rank.
-        model_type: the plan's key (``"bert"``, ``"gpt2"``, ``"llama"``).
+        config: the model config the layer was built from (selects the plan; its sizes are checked).
         tp_group: the tensor-parallel group.
         sequence_parallel: the layer's input and output are sequence chunks.
     """
-    _apply_to_layer(layer, PLANS[model_type], _Context(tp_group, dist.get_world_size(tp_group), sequence_parallel))
+    plan, tp_size = plan_for(config), dist.get_world_size(tp_group)
+    check_tensor_parallel(config, tp_size)
+    _apply_to_layer(layer, plan, _Context(tp_group, tp_size, sequence_parallel, plan.counts(config, tp_size)))
     return layer
 
 
@@ -190,7 +196,7 @@ def apply_tensor_parallel(model: nn.Module, *, tp_group: Any, sequence_parallel:
     check_tensor_parallel(model.config, tp_size)
     _refuse_unsupported(model)
     _check_replicated(model, tp_group)
-    ctx = _Context(tp_group, tp_size, sequence_parallel)
+    ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(model.config, tp_size))
     for layer in model.get_submodule(plan.layers):
         _apply_to_layer(layer, plan, ctx)
     _apply_entries(model, plan.model, ctx)
@@ -240,13 +246,17 @@ def gather_full_tensors(local: dict[str, torch.Tensor], model: nn.Module, *, tp_
     for name in split:
         by_dtype.setdefault(local[name].dtype, []).append(name)
     for names in by_dtype.values():
-        # one all-gather per dtype: every rank's shards have the same shapes (even splits)
+        # one all-gather per dtype; every rank knows every rank's shard shapes, so unequal splits are padded
+        shapes = [[shards[name].local_shape(r) for name in names] for r in range(size)]
+        lengths = [[math.prod(shape) for shape in rank_shapes] for rank_shapes in shapes]
+        longest = max(sum(rank_lengths) for rank_lengths in lengths)
         flat = torch.cat([local[name].detach().reshape(-1) for name in names])
+        flat = torch.nn.functional.pad(flat, (0, longest - flat.numel()))
         gathered = [torch.empty_like(flat) for _ in range(size)]
         dist.all_gather(gathered, flat, group=tp_group)
-        pieces = [g.split([local[name].numel() for name in names]) for g in gathered]
+        pieces = [g[: sum(lengths[r])].split(lengths[r]) for r, g in enumerate(gathered)]
         for i, name in enumerate(names):
-            full[name] = shards[name].assemble([p[i].view_as(local[name]) for p in pieces])
+            full[name] = shards[name].assemble([pieces[r][i].view(shapes[r][i]) for r in range(size)])
     return full
 
 
