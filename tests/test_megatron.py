@@ -348,27 +348,17 @@ SMOLLM2 = [
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_smollm2_fine_tunes_with_tensor_parallelism(tmp_path, capsys, monkeypatch):
-    from hftrain.cli import main
-
-    # SmolLM2-135M has 9 attention heads and 3 key/value heads: tp=2 cannot split them (refused, naming the
-    # valid values), tp=3 can.
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["train", *SMOLLM2, "--tp", "2", "--output_dir", str(tmp_path / "refused")]) == 2
-    refusal = capsys.readouterr().err.strip()
-    assert "num_attention_heads=9" in refusal and not (tmp_path / "refused").exists()
-    monkeypatch.delenv("WORLD_SIZE")
+def test_smollm2_fine_tunes_with_tp2(tmp_path):
+    # SmolLM2-135M has 9 query and 3 key/value heads: tp=2 splits whole key/value groups unevenly (6+3 / 2+1).
     output_dir = tmp_path / "smollm2"
-    done = _torchrun(3, ["scripts/train.py", *SMOLLM2, "--tp", "3", "--output_dir", str(output_dir)])
+    done = _torchrun(2, ["scripts/train.py", *SMOLLM2, "--tp", "2", "--output_dir", str(output_dir)])
     log = done.stdout + done.stderr
     state = json.loads((output_dir / "trainer_state.json").read_text())
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     seconds = float(re.search(r"took (\S+) s", log).group(1))
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))
-    print(
-        f"\n{refusal}\nSmolLM2-135M tp=3: losses {[round(x, 4) for x in losses]}; {seconds:.1f} s; export diff {diff}"
-    )
-    print(log.strip().splitlines()[-1])
+    print(f"\nSmolLM2-135M tp=2: losses {[round(x, 4) for x in losses]}; {seconds:.1f} s; export diff {diff}")
+    print(*[line for line in log.splitlines() if "validation accuracy" in line], sep="\n")
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     # the job exits non-zero unless the reload is within 1e-5 × max(1, largest logit) (export.verify_export)
     assert math.isfinite(diff)

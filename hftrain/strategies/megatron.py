@@ -117,6 +117,8 @@ class MegatronRuntime(AccelerateRuntime):
     def __init__(self, accelerator: Accelerator, strategy: Strategy, plugin: MegatronPlugin) -> None:
         super().__init__(accelerator, strategy)
         self.plugin = plugin
+        self._model: torch.nn.Module | None = None
+        self._optimizer: Any = None
 
     @property
     def dp_size(self) -> int:
@@ -130,19 +132,11 @@ class MegatronRuntime(AccelerateRuntime):
         eval_loader: torch.utils.data.DataLoader | None,
     ) -> tuple[torch.nn.Module, Any, Any, Any]:
         plugin, device = self.plugin, self.accelerator.device
-        # The optimizer was built over the full parameters; rebuild it over the shards, group by group.
         names = {id(p): n for n, p in model.named_parameters()}
-        group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         model = plugin.prepare_model(model, device=device)
         if self.mixed_precision != "no":
             _autocast_forward(model, self.accelerator)
-        shards = dict(_unwrap(model).named_parameters())
-        rebuilt = type(optimizer)(
-            [
-                {**{k: v for k, v in group.items() if k != "params"}, "params": [shards[n] for n in group_names[i]]}
-                for i, group in enumerate(optimizer.param_groups)
-            ]
-        )
+        rebuilt = _rebuilt_over_shards(optimizer, names, _unwrap(model))
         train_loader = plugin.prepare_data_loader(train_loader, device=device)
         eval_loader = plugin.prepare_data_loader(eval_loader, device=device) if eval_loader is not None else None
         prepared = plugin.prepare_optimizer(rebuilt)
@@ -200,6 +194,27 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     from hftrain.parallel.plugin import unwrap
 
     return unwrap(model)
+
+
+def _rebuilt_over_shards(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], model: torch.nn.Module
+) -> torch.optim.Optimizer:
+    """The same optimizer (class, groups, hyper-parameters) over the split model's parameters.
+
+    The Trainer builds the optimizer over the full model before the strategy splits it (as Accelerate expects);
+    the split layers hold new parameters with the same names.
+
+    Args:
+        optimizer: the optimizer over the unsplit parameters (no state yet).
+        names: ``id(parameter) -> name`` of the unsplit model.
+        model: the split model (unwrapped).
+    """
+    shards = dict(model.named_parameters())
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [shards[names[id(p)]] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return type(optimizer)(groups)
 
 
 def _autocast_forward(model: torch.nn.Module, accelerator: Accelerator) -> None:
