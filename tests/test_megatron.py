@@ -252,17 +252,19 @@ def test_plugin_in_a_hand_written_accelerate_loop_matches_plain_accelerate(runs)
 # ----------------------------------------------------------------- a real job: torchrun, export, bad input
 @pytest.fixture(scope="module")
 def tiny_job(tmp_path_factory) -> dict[str, str]:
-    """Tiny GPT-2 and BERT model folders and a small labelled CSV."""
-    from transformers import AutoModelForSequenceClassification
+    """Tiny GPT-2, BERT and DistilBERT (no TP plan) model folders and a small labelled CSV."""
+    from transformers import AutoModelForSequenceClassification, DistilBertConfig
 
     root = tmp_path_factory.mktemp("megatron_job")
-    for kind in ("gpt2", "bert"):
-        AutoModelForSequenceClassification.from_config(tiny_config(kind)).save_pretrained(root / kind)
-        tiny_tokenizer(kind).save_pretrained(root / kind)
+    configs = {kind: tiny_config(kind) for kind in ("gpt2", "bert")}
+    configs["distilbert"] = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    for kind, config in configs.items():
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(root / kind)
+        tiny_tokenizer("gpt2" if kind == "gpt2" else "bert").save_pretrained(root / kind)
     texts, labels = synthetic_texts(80, seed=1)
     csv = root / "train.csv"
     csv.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels, strict=True)))
-    return {"gpt2": str(root / "gpt2"), "bert": str(root / "bert"), "data": str(csv), "root": str(root)}
+    return {**{kind: str(root / kind) for kind in configs}, "data": str(csv), "root": str(root)}
 
 
 def _job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]:
@@ -319,11 +321,16 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         "lora": (["--use_lora", "true"], {"WORLD_SIZE": "1"}, "lora.use_lora with strategy megatron"),
         "foreign-option": (["--offload_optimizer", "true"], {"WORLD_SIZE": "1"}, "not a megatron option"),
         "tp-with-ddp": (["--tp", "2", "--strategy.name", "ddp"], {"WORLD_SIZE": "2"}, "strategy.tp is a megatron"),
+        "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16 is not supported with strategy megatron"),
+        "unsupported-family": (["--model_name_or_path", job["distilbert"]], {"WORLD_SIZE": "1"}, "distilbert"),
     }
 
 
-@pytest.mark.parametrize("label", ["tp-not-dividing-world", "tp-not-dividing-heads", "lora", "foreign-option",
-                                   "tp-with-ddp"])  # fmt: skip
+BAD_INPUT = ["tp-not-dividing-world", "tp-not-dividing-heads", "lora", "foreign-option", "tp-with-ddp", "fp16",
+             "unsupported-family"]  # fmt: skip
+
+
+@pytest.mark.parametrize("label", BAD_INPUT)
 def test_bad_input_is_one_line_exit_2_nothing_written(tiny_job, tmp_path, capsys, monkeypatch, label):
     from hftrain.cli import main
 

@@ -65,6 +65,13 @@ class MegatronStrategy(Strategy):
                 )
         self.dims = ParallelDims(launch.world_size, tp=config.tp).validate()
 
+    def preflight(self, training: TrainingConfig) -> None:
+        if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
+            raise ConfigError(
+                "training.mixed_precision fp16 is not supported with strategy megatron (no gradient scaler); "
+                "use bf16 or no"
+            )
+
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel
 
