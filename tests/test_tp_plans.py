@@ -39,13 +39,13 @@ def _batch(kind: str):
     return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([0, 1, 1, 0])}
 
 
-def _build(kind: str, seed: int = 0):
+def _build(kind: str, seed: int = 0, dropout: float = 0.0):
     import torch
     from transformers import AutoModelForSequenceClassification
 
     from tests.tiny import tiny_config
 
-    config = tiny_config(kind.removesuffix("_kv3"))
+    config = tiny_config(kind.removesuffix("_kv3"), dropout=dropout)
     if kind == "llama_kv3":
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 48, 6, 3, 8
     torch.manual_seed(seed)
@@ -136,6 +136,31 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
     return {"losses": losses, "decreased": losses[-1] < losses[0]}
 
 
+def _dropout_stays_replicated(kind: str, groups) -> str:
+    """With dropout on, the tp ranks' replicated activations and gradients must stay identical (same streams)."""
+    import torch
+    import torch.distributed as dist
+
+    from hftrain.errors import ConfigError
+    from hftrain.parallel import apply_tensor_parallel, finalize_tp_grads, sharded_parameters
+
+    try:
+        model = apply_tensor_parallel(_build(kind, dropout=0.1), tp_group=groups.tp_group).train()
+    except ConfigError as error:
+        return str(error)
+    torch.manual_seed(7)  # as the Trainer seeds every rank
+    out = model(**_batch(kind))
+    out.loss.backward()
+    finalize_tp_grads(model, tp_group=groups.tp_group)
+    split = sharded_parameters(model)
+    mine = torch.cat(
+        [out.logits.detach().reshape(-1)] + [p.grad.reshape(-1) for n, p in model.named_parameters() if n not in split]
+    )
+    every = [torch.empty_like(mine) for _ in range(groups.tp_size)]
+    dist.all_gather(every, mine, group=groups.tp_group)
+    return "identical" if all(torch.equal(every[0], other) for other in every) else "diverged"
+
+
 def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
     import torch.distributed as dist
 
@@ -146,6 +171,7 @@ def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
     rank = dist.get_rank()
     groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), rank)
     report = {(kind, sp): _check_family(kind, sp, groups) for kind in KINDS for sp in sequence_parallel}
+    report |= {(kind, "dropout"): _dropout_stays_replicated(kind, groups) for kind in KINDS}
     try:  # different weights per rank (no common seed) are refused, not silently mixed
         apply_tensor_parallel(_build("bert", seed=rank), tp_group=groups.tp_group)
     except HFTrainError as error:
@@ -162,6 +188,12 @@ def test_tp_plans_match_unsharded_models(nprocs, sequence_parallel):
     for report in results:  # the comparisons are asserted inside every rank
         for kind in KINDS:
             assert all(report[(kind, sp)]["decreased"] for sp in sequence_parallel)
+        for kind in ("bert", "gpt2", "llama"):
+            assert report[(kind, "dropout")] == "identical", kind
+        assert (
+            "splits this model's key/value heads unequally, which needs attention_dropout=0"
+            in report[("llama_kv3", "dropout")]
+        )
         assert "same seed" in report["unseeded"]
     assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
 

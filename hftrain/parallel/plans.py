@@ -189,6 +189,15 @@ def check_tensor_parallel(config: Any, tp: int) -> None:
             f"strategy.tp={tp} {' and '.join(bad)} of this {config.model_type} model; "
             f"valid strategy.tp values for it: {', '.join(map(str, valid))}"
         )
+    unequal = any(len(set(widths)) > 1 for widths in plan.counts(config, tp).values())
+    if unequal and getattr(config, "attention_dropout", 0.0):
+        # ranks holding different numbers of heads draw different amounts of randomness in attention dropout,
+        # after which the replicated dropouts (same stream on every tp rank) would no longer agree
+        raise ConfigError(
+            f"strategy.tp={tp} splits this model's key/value heads unequally, which needs attention_dropout=0 "
+            f"(it is {config.attention_dropout}); set model attention_dropout to 0 or use a tp that divides the "
+            f"key/value heads"
+        )
 
 
 def sequence_multiple(tp: int, *, sequence_parallel: bool) -> int:
