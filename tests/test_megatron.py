@@ -61,8 +61,11 @@ def _parity_runs(micro: int, strategy: str, options: dict | None, extras: dict) 
     return runs
 
 
-def _hand_written_loop(tp: int | None) -> list[float]:
-    """The README's own-Accelerate-loop example on a tiny GPT-2; ``tp=None`` is the plain Accelerate loop."""
+def _hand_written_loop(tp: int | None, shard_optimizer: bool = False) -> dict:
+    """The README's own-Accelerate-loop example on a tiny GPT-2; ``tp=None`` is the plain Accelerate loop.
+
+    Returns the micro-batch losses and this rank's optimizer-state and parameter element counts.
+    """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
@@ -80,7 +83,7 @@ def _hand_written_loop(tp: int | None) -> list[float]:
     tokenizer.pad_token = tokenizer.eos_token
     data = tokenize_splits(tiny_splits(32, 1), tokenizer, max_seq_length=32)["train"].remove_columns(["length"])
     loader = DataLoader(data, batch_size=4, collate_fn=DataCollatorWithPadding(tokenizer))
-    plugin = MegatronPlugin(tp=tp).setup() if tp else None
+    plugin = MegatronPlugin(tp=tp, shard_optimizer=shard_optimizer).setup() if tp else None
     if plugin is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -101,7 +104,9 @@ def _hand_written_loop(tp: int | None) -> list[float]:
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    local = getattr(optimizer.optimizer, "optim", optimizer.optimizer)  # ZeroRedundancyOptimizer's own shard
+    state = sum(v.numel() for s in local.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return {"losses": losses, "state_numel": state, "param_numel": sum(p.numel() for p in model.parameters())}
 
 
 def _two(root: str) -> dict:
@@ -110,6 +115,7 @@ def _two(root: str) -> dict:
 
 def _four(root: str) -> dict:
     parity = _parity_runs(GLOBAL_MICRO // 2, "megatron", TP2, EXTRAS_TP2_DP2)
+    zero1_loop = _hand_written_loop(2, shard_optimizer=True)
     common = {**RESUME, "strategy": "megatron"}
     full = run_tiny_training(output_dir=f"{root}/full", micro=4, strategy_options=TP2, **common)
     part = run_tiny_training(output_dir=f"{root}/part", micro=4, strategy_options=TP2, stop_at_step=8, **common)
@@ -136,7 +142,7 @@ def _four(root: str) -> dict:
         refused = f"{type(error).__name__}: {error}"
     layout = json.loads(Path(step8, "state", "layout.json").read_text())
     return {"parity": parity, "full": full, "part": part, "resumed": resumed, "resharded": resharded,
-            "refused": refused, "layout": layout, "zero1_resumed": zero_resumed}  # fmt: skip
+            "refused": refused, "layout": layout, "zero1_resumed": zero_resumed, "zero1_loop": zero1_loop}  # fmt: skip
 
 
 def _one(root: str) -> dict:
@@ -243,10 +249,33 @@ def test_a_resume_that_changes_the_global_batch_is_refused(runs):
 @pytest.mark.distributed
 def test_plugin_in_a_hand_written_accelerate_loop_matches_plain_accelerate(runs):
     # 8 micro-batches of 4, accumulation 2, clipping: the README's loop at tp=2 against Accelerate on one process
-    reference = runs["one"]["plugin"]
+    reference = runs["one"]["plugin"]["losses"]
     assert len(reference) == 8
     for rank in runs["two"]:
-        assert rank["plugin"] == pytest.approx(reference, rel=1e-5)
+        assert rank["plugin"]["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_zero1_shards_the_optimizer_state_over_dp(runs):
+    # tp=2 × dp=2: ranks 0 and 2 (tp rank 0) hold the same parameter shards and split their Adam state
+    loops = [rank["zero1_loop"] for rank in runs["four"]]
+    for tp_rank in (0, 1):
+        first, second = loops[tp_rank], loops[tp_rank + 2]
+        assert first["param_numel"] == second["param_numel"]
+        assert first["state_numel"] + second["state_numel"] == 2 * first["param_numel"]  # exp_avg, exp_avg_sq
+        assert max(first["state_numel"], second["state_numel"]) < 0.75 * 2 * first["param_numel"]
+
+
+def test_a_checkpoint_of_another_pipeline_layout_is_refused_naming_both(tmp_path):
+    from hftrain.checkpoint.logical import LAYOUT_FILE, check_layout
+    from hftrain.checkpoint.manager import CheckpointError
+
+    state = tmp_path / "step_00000008" / "state"
+    state.mkdir(parents=True)
+    (state / LAYOUT_FILE).write_text(json.dumps({"format": "hftrain-logical-full-v1", "tp": 2, "pp": 2, "dp": 1}))
+    with pytest.raises(CheckpointError, match=r"layout tp=2 × pp=2 × dp=1 .* this run tp=2 × pp=1 × dp=2"):
+        check_layout(state, {"tp": 2, "pp": 1, "dp": 2, "world_size": 4})
+    check_layout(state, {"tp": 1, "pp": 2, "dp": 2, "world_size": 4})  # tp and dp reshard
 
 
 # ----------------------------------------------------------------- a real job: torchrun, export, bad input

@@ -168,21 +168,19 @@ class MegatronPlugin:
 
         module = unwrap(model)
         split = set(sharded_parameters(module))
-        sums = torch.zeros(2, dtype=torch.float64)  # (split, replicated) sums of squares
-        grads = []
-        for name, param in module.named_parameters():
-            if param.grad is None:
-                continue
-            grads.append(param.grad)
-            sums[0 if name in split else 1] += param.grad.detach().double().pow(2).sum().cpu()
-        split_sq = sums[0].clone()
+        grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
+        device = next(iter(grads.values())).device if grads else None
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # (split, replicated) sums of squares
+        for name, grad in grads.items():
+            squares[0 if name in split else 1] += grad.detach().double().pow(2).sum()
+        split_sq = squares[:1].clone()
         if self.tp > 1:
             dist.all_reduce(split_sq, group=self.layout.tp_group)
-        total = (split_sq + sums[1]).sqrt().float()
+        total = (split_sq + squares[1:]).sqrt().float().squeeze(0)
         # torch.nn.utils.clip_grad_norm_'s coefficient, so tp=1 matches a single process exactly.
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.device, grad.dtype))
+        for grad in grads.values():
+            grad.mul_(coefficient.to(grad.dtype))
         return total
 
     # ----------------------------------------------------------------- evaluation and state
