@@ -27,7 +27,7 @@ def _weight_grad_in_layout(ref, tp_layer):
     return tp_layer.shards["weight"].local(ref.weight.grad)
 
 
-def _column_case(kind: str, parts: int, sequence_parallel: bool, group) -> dict:
+def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts: tuple[int, ...] | None = None) -> dict:
     import torch
     from torch.testing import assert_close
 
@@ -40,9 +40,9 @@ def _column_case(kind: str, parts: int, sequence_parallel: bool, group) -> dict:
     probe = torch.randn(BATCH, SEQ, OUT * parts)
     (ref(x) * probe).sum().backward()
 
-    layer = ColumnParallelLinear(ref, tp_group=group, parts=parts)
+    layer = ColumnParallelLinear(ref, tp_group=group, parts=parts, counts=counts)
     shard_out = layer.shards["weight"]
-    out_shard = type(shard_out)(2, shard_out.rank, shard_out.size, tuple(probe.shape), parts)  # output features
+    out_shard = type(shard_out)(2, shard_out.rank, shard_out.size, tuple(probe.shape), parts, counts)  # features
     rank, size = shard_out.rank, shard_out.size
     x_local = x.detach().chunk(size, 1)[rank] if sequence_parallel else x.detach()
     x_local.requires_grad_(True)
@@ -54,11 +54,12 @@ def _column_case(kind: str, parts: int, sequence_parallel: bool, group) -> dict:
     assert_close(x_local.grad, expected_dx)
     assert_close(layer.weight.grad, _weight_grad_in_layout(ref, layer))
     assert_close(layer.bias.grad, layer.shards["bias"].local(ref.bias.grad))
-    assert layer.weight.numel() * size == ref.weight.numel()
+    expected_numel = ref.weight.numel() // (OUT * parts) * parts * (counts[rank] if counts else OUT // size)
+    assert layer.weight.numel() == expected_numel
     return {"max_dx": (x_local.grad - expected_dx).abs().max().item()}
 
 
-def _row_case(kind: str, sequence_parallel: bool, group) -> dict:
+def _row_case(kind: str, sequence_parallel: bool, group, counts: tuple[int, ...] | None = None) -> dict:
     import torch
     from torch.testing import assert_close
 
@@ -70,14 +71,15 @@ def _row_case(kind: str, sequence_parallel: bool, group) -> dict:
     probe = torch.randn(BATCH, SEQ, HIDDEN)
     (ref(x) * probe).sum().backward()
 
-    layer = RowParallelLinear(ref, tp_group=group, sequence_parallel=sequence_parallel)
+    layer = RowParallelLinear(ref, tp_group=group, sequence_parallel=sequence_parallel, counts=counts)
     rank, size = layer.shards["weight"].rank, layer.shards["weight"].size
-    x_local = x.detach().chunk(size, 2)[rank].clone().requires_grad_(True)  # input features are split
+    widths = list(counts or [OUT // size] * size)
+    x_local = x.detach().split(widths, 2)[rank].clone().requires_grad_(True)  # input features are split
     y = layer(x_local)
     seq_part = (lambda t: t.chunk(size, 1)[rank]) if sequence_parallel else (lambda t: t)
     assert_close(y, seq_part(ref(x).detach()))
     (y * seq_part(probe)).sum().backward()
-    assert_close(x_local.grad, x.grad.chunk(size, 2)[rank])
+    assert_close(x_local.grad, x.grad.split(widths, 2)[rank])
     assert_close(layer.weight.grad, _weight_grad_in_layout(ref, layer))
     partial_bias = layer.bias.grad.clone()
     finalize_tp_grads(layer, tp_group=group)  # sequence parallel: the replicated bias saw only its chunk
@@ -129,6 +131,11 @@ def _all_layer_checks() -> dict:
                 report[("column", kind, sequence_parallel)] = _column_case(kind, 1, sequence_parallel, group)
             report[("column counts", kind, sequence_parallel)] = dict(counts)
             report[("column_qkv", kind, sequence_parallel)] = _column_case(kind, 3, sequence_parallel, group)
+            # unequal widths (grouped-query heads that tp does not divide): 8 + 4 of 12 features
+            report[("column_unequal", kind, sequence_parallel)] = _column_case(
+                kind, 1, sequence_parallel, group, (8, 4)
+            )
+            report[("row_unequal", kind, sequence_parallel)] = _row_case(kind, sequence_parallel, group, (8, 4))
             with record_collectives() as counts:
                 report[("row", kind, sequence_parallel)] = _row_case(kind, sequence_parallel, group)
             report[("row counts", kind, sequence_parallel)] = dict(counts)

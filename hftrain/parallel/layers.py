@@ -132,8 +132,8 @@ class _ShardedLinear(nn.Module):
         else:  # the input dimension is split: every rank adds the full bias once, after the reduction
             self.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.t() if self.transposed else self.weight)
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
 
     def extra_repr(self) -> str:
         full = self.shards["weight"].full_shape
@@ -160,8 +160,7 @@ class ColumnParallelLinear(_ShardedLinear):
         super().__init__(module, tp_group=tp_group, split="out", parts=parts, counts=counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
-        return y if self.bias is None else y + self.bias
+        return self._matmul(x, self.bias)  # the bias is split like the output: fused into the matmul
 
 
 class RowParallelLinear(_ShardedLinear):
