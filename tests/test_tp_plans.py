@@ -279,3 +279,68 @@ def test_sequence_multiple():
 
     assert sequence_multiple(4, sequence_parallel=True) == 4
     assert sequence_multiple(4, sequence_parallel=False) == 1
+
+
+def _smollm2_matches(model_dir: str) -> dict:
+    """The real SmolLM2-135M (9 query / 3 key-value heads, 30 layers) split 2:1 at tp=2 equals the whole model."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing import assert_close
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hftrain.parallel import (
+        ParallelDims,
+        apply_tensor_parallel,
+        build_groups,
+        finalize_tp_grads,
+        gather_full_tensors,
+        sharded_parameters,
+    )
+
+    dist.init_process_group("gloo")
+    groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), dist.get_rank())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["a gripping, beautifully acted film", "dull and far too long; I left early"]
+    batch = dict(tokenizer(texts, padding="max_length", max_length=12, return_tensors="pt"))
+    batch["labels"] = torch.tensor([1, 0])
+
+    def build():
+        torch.manual_seed(0)  # the new classification head: same initial weights on every rank
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+        model.config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+        return model
+
+    ref = build()
+    expected = ref(**batch)
+    expected.loss.backward()
+    report = {}
+    for sequence_parallel in (False, True):
+        model = apply_tensor_parallel(build(), tp_group=groups.tp_group, sequence_parallel=sequence_parallel)
+        out = model(**batch)
+        out.loss.backward()
+        finalize_tp_grads(model, tp_group=groups.tp_group)
+        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=groups.tp_group)
+        assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+        for name, param in ref.named_parameters():
+            assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        q = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+        report[sequence_parallel] = {
+            "q_rows": q.shape[0],
+            "logit_diff": (out.logits - expected.logits).abs().max().item(),
+            "split": len(sharded_parameters(model)),
+        }
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_smollm2_tp2_matches_unsharded():
+    from hftrain.models import resolve_model_path
+
+    model_dir = str(resolve_model_path("embedded:smollm2"))  # converts the GGUF once, before the launch
+    results = run_distributed(_smollm2_matches, nprocs=2, timeout=1200, model_dir=model_dir)
+    assert [r[False]["q_rows"] for r in results] == [6 * 64, 3 * 64]  # rank 0: 6 query heads, rank 1: 3
+    assert all(r[sp]["split"] == 30 * 7 + 1 for r in results for sp in (False, True))
+    largest = max(r[sp]["logit_diff"] for r in results for sp in (False, True))
+    print(f"\nSmolLM2-135M tp=2 vs unsharded: max logit difference {largest:.2e}")
