@@ -217,6 +217,18 @@ def _config(kind: str, **sizes):
         ("llama", {}, 4, "num_key_value_heads=2"),
         (
             "llama",
+            {
+                "hidden_size": 48,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 3,
+                "head_dim": 8,
+                "attention_dropout": 0.1,
+            },
+            2,
+            "splits this model's key/value heads unequally, which needs attention_dropout=0",
+        ),
+        (
+            "llama",
             {"intermediate_size": 66},
             4,
             "does not divide intermediate_size=66 and exceeds num_key_value_heads=2",

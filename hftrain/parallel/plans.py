@@ -160,34 +160,34 @@ def plan_for(config: Any) -> TensorParallelPlan:
     return PLANS[model_type]
 
 
+def _valid_tp(sizes: dict[str, int], minimums: dict[str, int]) -> list[int]:
+    largest = min([*sizes.values(), *minimums.values()])
+    return [
+        d
+        for d in range(1, largest + 1)
+        if all(v % d == 0 for v in sizes.values()) and all(v >= d for v in minimums.values())
+    ]
+
+
 def check_tensor_parallel(config: Any, tp: int) -> None:
-    """Refuse a model whose split sizes ``tp`` does not divide, naming the size and the valid tp values.
+    """Refuse a model that ``tp`` cannot split, naming the size and the valid tp values (no processes needed).
 
     Args:
         config: the model's ``transformers.PretrainedConfig``.
         tp: the tensor-parallel size (``strategy.tp``).
     """
     plan = plan_for(config)
-    sizes, minimums = plan.sizes(config), plan.minimums(config)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"strategy.tp must be a positive integer, got {tp!r}")
+    sizes, minimums = plan.sizes(config), plan.minimums(config)
     indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
     too_few = ", ".join(f"{name}={value}" for name, value in minimums.items() if value < tp)
-    bad = []
-    if indivisible:
-        bad.append(f"does not divide {indivisible}")
-    if too_few:
-        bad.append(f"exceeds {too_few} (each rank needs one)")
-    if bad:
-        largest = min([*sizes.values(), *minimums.values()])
-        valid = [
-            d
-            for d in range(1, largest + 1)
-            if all(v % d == 0 for v in sizes.values()) and all(v >= d for v in minimums.values())
-        ]
+    problems = [f"does not divide {indivisible}"] if indivisible else []
+    problems += [f"exceeds {too_few} (each rank needs one)"] if too_few else []
+    if problems:
         raise ConfigError(
-            f"strategy.tp={tp} {' and '.join(bad)} of this {config.model_type} model; "
-            f"valid strategy.tp values for it: {', '.join(map(str, valid))}"
+            f"strategy.tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
+            f"valid strategy.tp values for it: {', '.join(map(str, _valid_tp(sizes, minimums)))}"
         )
     unequal = any(len(set(widths)) > 1 for widths in plan.counts(config, tp).values())
     if unequal and getattr(config, "attention_dropout", 0.0):
