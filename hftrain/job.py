@@ -74,11 +74,6 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         log=log.info if is_main_process() else (lambda _: None),
     )
     tokenized = tokenize_splits(splits, tokenizer, max_seq_length=data.max_seq_length)
-    # Inputs are valid: from here on the run may write into output_dir.
-    output_dir = Path(config.training.output_dir)
-    if write and is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, output_dir)
     trainer = SequenceClassificationTrainer(
         config.training,
         strategy=strategy,
@@ -88,6 +83,16 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         eval_dataset=tokenized["validation"],
         run_config=config.flat(),
     )
+    if write and launch.world_size > launch.local_world_size:
+        from hftrain.launch.storage import check_shared_output_dir
+
+        # Several machines: a checkpoint is only resumable when all their ranks write into one folder.
+        check_shared_output_dir(trainer.accelerator, config.training.output_dir)
+    # Inputs are valid: from here on the run may write into output_dir.
+    output_dir = Path(config.training.output_dir)
+    if write and is_main_process():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, output_dir)
     return trainer, tokenizer, tokenized
 
 
