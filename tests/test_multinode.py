@@ -1,0 +1,170 @@
+"""Two simulated machines (network namespaces + veth): torchrun, accelerate launch and deepspeed across them.
+
+Each case trains a tiny BERT for a few steps with DDP or ZeRO-3, 1 process per machine (one case 2), and
+checks that every rank ends with the same parameters and that the losses and weights equal one process
+training on the same global batch. Also: a node-local ``output_dir`` is refused at start, and a failing
+rank fails the launch with its error visible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.netns import run_on_nodes, two_nodes
+from tests.test_launch import _job_args, tiny_job  # noqa: F401  (tiny_job is a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = "tests/launch_worker.py"
+MICRO, GAS = 4, 2  # _job_args: 4 optimizer steps of micro-batch 4, accumulation 2
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    with two_nodes() as found:
+        if isinstance(found, str):
+            pytest.skip(found)
+        yield found
+
+
+@pytest.fixture(scope="module")
+def references(tiny_job):  # noqa: F811
+    """Single-process runs with the same global batch, by world size (computed when first asked for)."""
+    cache: dict[int, Path] = {}
+
+    def reference(world: int) -> Path:
+        if world not in cache:
+            out = Path(tiny_job["root"]) / f"reference-{world}"
+            command = [sys.executable, "-m", "hftrain", "train", *_job_args(tiny_job, out)]
+            command += ["--per_device_train_batch_size", str(MICRO * world)]
+            done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+            cache[world] = out
+        return cache[world]
+
+    return reference
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+    for key in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)  # hftrain must derive the interface itself; nothing leaks in from the test runner
+    return env
+
+
+def _launcher(kind: str, strategy: str, *, node_rank: int, per_node: int, master: str, port: int, hostfile: Path):
+    """The launcher's command line for one machine, as its docs (and hftrain's README) give it."""
+    python = [sys.executable, "-m"]
+    if kind == "torchrun":
+        return [*python, "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
+                "--nproc_per_node", str(per_node), "--master_addr", master, "--master_port", str(port), WORKER,
+                "--strategy.name", strategy]  # fmt: skip
+    if kind == "accelerate":
+        config = f"accelerate_configs/multinode_{strategy}.yaml"
+        return [*python, "accelerate.commands.launch", "--config_file", config, "--machine_rank", str(node_rank),
+                "--main_process_ip", master, "--main_process_port", str(port),
+                "--num_processes", str(2 * per_node), WORKER]  # fmt: skip
+    ds = ["--deepspeed", "ds_configs/zero3.json"] if strategy == "zero3" else []
+    return [*python, "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
+            str(node_rank), "--master_addr", master, "--master_port", str(port), WORKER, *ds]  # fmt: skip
+
+
+def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=None):  # noqa: F811
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{n.address} slots={per_node}\n" for n in nodes))
+    port = random.randrange(20000, 30000)
+    outs = output_dirs or [tmp_path / "out"] * 2
+    commands = [
+        node.command(
+            _launcher(
+                kind, strategy, node_rank=i, per_node=per_node, master=nodes[0].address, port=port, hostfile=hostfile
+            )
+            + _job_args(tiny_job, outs[i])
+        )  # fmt: skip
+        for i, node in enumerate(nodes)
+    ]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    codes = run_on_nodes(commands, logs, env=_env(HFTRAIN_TEST_DIGESTS=str(tmp_path / "digests")), timeout=500)
+    return codes, [log.read_text() for log in logs]
+
+
+def _losses(output_dir: Path) -> list[float]:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def _weights(output_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(output_dir / "model" / "model.safetensors"))
+
+
+CASES = [  # (launcher, strategy, processes per machine); the default suite runs three, the rest are slow
+    ("torchrun", "ddp", 1),
+    ("deepspeed", "zero3", 1),
+    ("accelerate", "ddp", 1),
+    pytest.param("torchrun", "zero3", 2, marks=pytest.mark.slow),
+    pytest.param("accelerate", "zero3", 1, marks=pytest.mark.slow),
+    pytest.param("deepspeed", "ddp", 1, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("kind", "strategy", "per_node"), CASES)
+def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_path, kind, strategy, per_node):  # noqa: F811
+    codes, logs = _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node)
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    world = 2 * per_node
+    out = tmp_path / "out"
+    summary = json.loads((out / "hftrain_strategy.json").read_text())
+    assert summary["strategy"] == strategy and summary["world_size"] == world
+    assert summary["distributed_type"] == ("DEEPSPEED" if strategy == "zero3" else "MULTI_CPU")
+    assert summary["global_batch"] == MICRO * GAS * world
+    # hftrain found the veth itself on each machine (gloo would otherwise bind to loopback)
+    for node, log in zip(nodes, logs, strict=True):
+        assert f"GLOO_SOCKET_IFNAME was unset; set it to {node.interface} ({node.address})" in log
+    digests = {p.name: p.read_text() for p in (tmp_path / "digests").iterdir()}
+    assert sorted(digests) == [f"rank{r}.txt" for r in range(world)]
+    assert len(set(digests.values())) == 1, digests  # every rank holds the same parameters
+    reference = references(world)
+    assert _losses(out) == pytest.approx(_losses(reference), rel=1e-5)
+    assert len(_losses(out)) == 4 and _losses(reference)[-1] != pytest.approx(_losses(reference)[0], rel=1e-4)
+    mine, theirs = _weights(out), _weights(reference)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert (tensor - theirs[name]).abs().max().item() < 1e-5, name
+
+
+def test_node_local_output_dir_is_refused_at_start(nodes, tiny_job, tmp_path):  # noqa: F811
+    disks = [tmp_path / "disk0", tmp_path / "disk1"]  # each machine's own disk: the same path on neither
+    for disk in disks:
+        disk.mkdir()
+    codes, logs = _launch(nodes, tiny_job, tmp_path, "torchrun", "ddp", 1, output_dirs=[d / "out" for d in disks])
+    assert codes[0] != 0 and codes[1] != 0
+    for log in logs:
+        assert "hftrain: error: training.output_dir" in log and "is not shared by all machines" in log
+    for disk in disks:
+        assert list(disk.iterdir()) == []  # nothing written, markers removed
+
+
+@pytest.mark.parametrize("kind", ["torchrun", "deepspeed"])
+def test_a_failing_rank_fails_the_launch_with_its_error(tiny_job, tmp_path, kind):  # noqa: F811
+    # Every rank is told --local_rank=0: rank 1's own launcher environment contradicts it, so rank 1 stops.
+    if kind == "torchrun":
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER]
+    else:
+        launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", WORKER]
+    command = [*launcher, *_job_args(tiny_job, tmp_path / "out"), "--local_rank=0"]
+    env = _env(HFTRAIN_TEST_DIGESTS=str(tmp_path / "digests"), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "hftrain: error: command line: --local_rank=0 but LOCAL_RANK=1 in the environment" in output
+    assert not (tmp_path / "out").exists()
