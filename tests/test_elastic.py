@@ -1,0 +1,131 @@
+"""Elastic restarts: under ``torchrun --max-restarts 3`` a worker SIGKILLed three times, at random steps, costs
+nothing: torchrun restarts the group, which resumes from the last complete checkpoint
+(``--resume_from_checkpoint auto``), and the run ends with the weights of an uninterrupted run.
+
+The test watches progress from the outside only (complete checkpoint folders appearing in ``output_dir``)
+and finds the workers as children of the torchrun agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.netns import kill_tree
+from tests.test_launch import tiny_job  # noqa: F401  (a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, SAVE_EVERY, KILLS = 30, 2, 3
+
+pytestmark = pytest.mark.distributed
+
+
+def _command(job: dict, out: Path) -> list[str]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    torchrun += ["--max-restarts", str(KILLS), "--monitor-interval", "0.5"]
+    args = {
+        "model_name_or_path": job["model"],
+        "train_file": job["data"],
+        "output_dir": out,
+        "max_steps": STEPS,
+        "save_steps": SAVE_EVERY,
+        "save_total_limit": 3,
+        "resume_from_checkpoint": "auto",
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "log_with": "none",
+        "max_seq_length": 32,
+        "learning_rate": 1e-3,
+        "train_sampling_strategy": "random",
+    }
+    return [*torchrun, "scripts/train.py", *(x for k, v in args.items() for x in (f"--{k}", str(v)))]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _latest_step(out: Path) -> int:
+    """The newest complete checkpoint's step (a folder counts once its checkpoint.json is there)."""
+    steps = [int(p.parent.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*/checkpoint.json")]
+    return max(steps, default=0)
+
+
+def _workers(agent: subprocess.Popen) -> list:
+    import psutil
+
+    children = psutil.Process(agent.pid).children(recursive=True)
+    return [c for c in children if any("train.py" in part for part in c.cmdline())]
+
+
+def _wait_for(condition, agent: subprocess.Popen, timeout: float, what: str, output: list[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if agent.poll() is not None:
+            raise AssertionError(f"torchrun exited ({agent.returncode}) while waiting for {what}: {output[-40:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout} s: {output[-40:]}")
+        time.sleep(0.05)
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+def _losses(out: Path) -> list[float]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, tmp_path):  # noqa: F811
+    rng = random.Random()
+    uninterrupted = tmp_path / "uninterrupted"
+    done = subprocess.run(_command(tiny_job, uninterrupted), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "chaos"
+    agent = subprocess.Popen(
+        _command(tiny_job, out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(agent.stdout), daemon=True)
+    reader.start()
+    kills = []
+    try:
+        for _ in range(KILLS):
+            # a random step a little ahead of the newest checkpoint, then a random moment within that step
+            target = _latest_step(out) + SAVE_EVERY * rng.randint(1, 3)
+            _wait_for(lambda t=target: _latest_step(out) >= t, agent, 300, f"checkpoint of step {target}", output)
+            time.sleep(rng.uniform(0, 0.5))
+            victim = rng.choice(_workers(agent))
+            victim.send_signal(signal.SIGKILL)
+            kills.append((_latest_step(out), victim.pid))
+            _wait_for(lambda v=victim: not v.is_running() or v.status() == "zombie", agent, 60, "the kill", output)
+        agent.wait(timeout=600)
+    finally:
+        kill_tree(agent)
+        reader.join(timeout=10)
+    log = "".join(output)
+    assert agent.returncode == 0, log[-4000:]
+    assert len(kills) == KILLS
+    resumed = re.findall(r"resumed from \S+ at step (\d+)", log)
+    assert len(resumed) == KILLS, (kills, resumed, log[-4000:])
+    assert all(0 < int(step) < STEPS for step in resumed)
+    assert _losses(out) == pytest.approx(_losses(uninterrupted), rel=1e-6)
+    mine, theirs = _weights(out), _weights(uninterrupted)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert (tensor - theirs[name]).abs().max().item() <= 1e-6, name
