@@ -51,8 +51,10 @@ def _command(job: dict, out: Path) -> list[str]:
     return [*torchrun, "scripts/train.py", *(x for k, v in args.items() for x in (f"--{k}", str(v)))]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _env(share_store: bool = False) -> dict[str, str]:
+    # torchrun shares its TCPStore with the workers unless told not to; restarts need their own (pytorch#135712)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return env if share_store else {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def _latest_step(out: Path) -> int:
@@ -101,7 +103,14 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
         _command(tiny_job, out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(agent.stdout), daemon=True)
+
+    def read() -> None:
+        with (tmp_path / "chaos.log").open("w") as log:
+            for line in agent.stdout:
+                output.append(line)
+                log.write(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     kills = []
     try:
@@ -129,3 +138,13 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
     assert mine.keys() == theirs.keys()
     for name, tensor in mine.items():
         assert (tensor - theirs[name]).abs().max().item() <= 1e-6, name
+
+
+def test_restarts_with_a_shared_store_are_refused_with_the_fix(tiny_job, tmp_path):  # noqa: F811
+    command = _command(tiny_job, tmp_path / "out")
+    command[command.index("--max-restarts") + 1] = "1"
+    done = subprocess.run(command, cwd=ROOT, env=_env(share_store=True), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "hftrain: error: torchrun --max-restarts 1 with its shared TCPStore" in done.stdout + done.stderr
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in done.stdout + done.stderr
+    assert not (tmp_path / "out").exists()

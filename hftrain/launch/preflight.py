@@ -68,6 +68,7 @@ def preflight_launch(environ: MutableMapping[str, str], *, backend: str) -> Laun
             f"launcher environment: RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world}, local processes "
             f"{local} are inconsistent (each machine must run the same number of processes); start with one launcher"
         )
+    check_elastic(environ)
     report = LaunchPreflight(world, local, parse_rendezvous(environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")))
     if report.num_machines > 1:
         report.notes += check_interface(environ, report.rendezvous, backend=backend, machines=report.num_machines)
@@ -111,6 +112,26 @@ def check_interface(
     if interface not in current.split(","):
         return [f"warning: {variable}={current}, but {rendezvous} is reached over {interface}"]
     return [f"{variable}={current} (reaches {rendezvous})"]
+
+
+def check_elastic(environ: MutableMapping[str, str]) -> None:
+    """Refuse ``torchrun --max-restarts N`` whose workers share the agent's TCPStore across restarts.
+
+    With the shared store (torchrun's default since torch 2.5), restarted workers can read the previous
+    round's addresses and fail to connect (pytorch#135712, seen here as gloo's "connectFullMesh failed:
+    Connection refused"), which spends every restart. torchrun gives each round its own store when
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set in its environment.
+
+    Args:
+        environ: the worker's environment, as torchrun set it.
+    """
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts.isdigit() and int(restarts) > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(
+            f"torchrun --max-restarts {restarts} with its shared TCPStore: restarted workers would read the previous "
+            "round's addresses and fail to connect (pytorch#135712); start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+        )
 
 
 def _int(environ: MutableMapping[str, str], name: str, *, default: str | None = None, minimum: int) -> int:
