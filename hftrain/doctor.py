@@ -24,6 +24,7 @@ from hftrain.launch.rendezvous import (
     interface_addresses,
     interface_for,
     is_local,
+    is_loopback,
     parse_rendezvous,
 )
 
@@ -102,7 +103,8 @@ def run_doctor(settings: DoctorSettings, environ: dict[str, str] | None = None) 
     report = DoctorReport()
     hosts = _check_hostfile(settings, report)
     rendezvous = _rendezvous(settings, env, hosts, report)
-    backend = _check_backend(rendezvous, env, report)
+    machines = settings.nnodes or (len(hosts) if hosts else None)
+    backend = _check_backend(rendezvous, env, report, machines=machines)
     mine = versions()
     report.add("info", "versions", ", ".join(f"{k} {v}" for k, v in mine.items()))
     if rendezvous is not None:
@@ -149,7 +151,9 @@ def _rendezvous(
         return None
 
 
-def _check_backend(rendezvous: Rendezvous | None, env: dict[str, str], report: DoctorReport) -> str:
+def _check_backend(
+    rendezvous: Rendezvous | None, env: dict[str, str], report: DoctorReport, *, machines: int | None
+) -> str:
     from hftrain.strategies.platform import Platform
 
     backend = Platform.detect().backend
@@ -160,6 +164,13 @@ def _check_backend(rendezvous: Rendezvous | None, env: dict[str, str], report: D
         interface, source = interface_for(rendezvous.addr)
     except HFTrainError as error:
         report.add("FAIL", "interface", str(error))
+        return backend
+    if is_loopback(interface, interface_addresses()):
+        if machines and machines > 1:
+            report.add("FAIL", "interface", f"{rendezvous} is loopback but the job spans {machines} machines; give "
+                       "the main machine's address on the network the machines share")  # fmt: skip
+        else:
+            report.add("info", "interface", f"{rendezvous} is loopback: one machine only, no {variable} needed")
         return backend
     current = env.get(variable)
     if current and any(name not in interface_addresses() for name in current.split(",")):

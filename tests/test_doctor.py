@@ -136,6 +136,8 @@ def test_doctor_fails_on_bad_hostfile_count_mismatch_and_unreachable_rendezvous(
     assert done.returncode == 1 and "cannot listen on" in done.stdout
     done = _doctor()
     assert done.returncode == 1 and "rendezvous address and port are not set" in done.stdout
+    done = _doctor("--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--nnodes", "2")
+    assert done.returncode == 1 and "is loopback but the job spans 2 machines" in done.stdout
 
 
 def _hftrain_copy_with_version(tmp_path: Path, version: str) -> Path:
@@ -158,7 +160,12 @@ def test_doctor_compares_versions_across_machines(tmp_path):
         main_out, _ = main_node.communicate(timeout=120)
     finally:
         main_node.kill()
-    assert peer.returncode == 0 and main_node.returncode == 0, peer.stdout + main_out
+    # two "machines" on loopback: the only failure is that loopback cannot carry a real 2-machine job
+    for out in (peer.stdout, main_out):
+        assert [line for line in out.splitlines() if line.startswith("FAIL")] == [
+            f"FAIL  interface: 127.0.0.1:{port} is loopback but the job spans 2 machines; give the main machine's "
+            "address on the network the machines share"
+        ]
     assert "the rendezvous machine has the same versions" in peer.stdout
     assert "node 1 (127.0.0.1) has the same versions" in main_out and "all 1 other machines reported" in main_out
     # the second machine runs another hftrain: both sides say so and fail

@@ -157,13 +157,17 @@ def test_node_local_output_dir_is_refused_at_start(nodes, tiny_job, tmp_path):  
         assert list(disk.iterdir()) == []  # nothing written, markers removed
 
 
-@pytest.mark.parametrize("kind", ["torchrun", "deepspeed"])
+SINGLE_MACHINE = {
+    "torchrun": ["torch.distributed.run", "--nproc_per_node", "2"],
+    "deepspeed": ["deepspeed.launcher.runner", "--num_gpus", "2"],
+    "accelerate": ["accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"],
+}
+
+
+@pytest.mark.parametrize("kind", list(SINGLE_MACHINE))
 def test_a_failing_rank_fails_the_launch_with_its_error(tiny_job, tmp_path, kind):  # noqa: F811
     # Every rank is told --local_rank=0: rank 1's own launcher environment contradicts it, so rank 1 stops.
-    if kind == "torchrun":
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER]
-    else:
-        launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", WORKER]
+    launcher = [sys.executable, "-m", *SINGLE_MACHINE[kind], WORKER]
     command = [*launcher, *_job_args(tiny_job, tmp_path / "out"), "--local_rank=0"]
     env = _env(HFTRAIN_TEST_DIGESTS=str(tmp_path / "digests"), CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -171,3 +175,30 @@ def test_a_failing_rank_fails_the_launch_with_its_error(tiny_job, tmp_path, kind
     assert done.returncode != 0
     assert "hftrain: error: command line: --local_rank=0 but LOCAL_RANK=1 in the environment" in output
     assert not (tmp_path / "out").exists()
+
+
+def test_doctor_across_machines(nodes, tmp_path):
+    """The doctor on each machine: hostfile, rendezvous over the veth, interface, versions compared."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{n.address} slots=1\n" for n in nodes))
+    port = str(random.randrange(20000, 30000))
+    doctor = [sys.executable, "-m", "hftrain", "doctor", "--hostfile", str(hostfile), "--master_port", port]
+    doctor += ["--nproc_per_node", "1", "--timeout", "30"]
+    logs = [tmp_path / "doctor0.log", tmp_path / "doctor1.log"]
+    commands = [
+        nodes[0].command([*doctor, "--node_rank", "0", "--wait", "60"]),
+        nodes[1].command([*doctor, "--node_rank", "1"]),
+    ]
+    codes = run_on_nodes(commands, logs, env=_env(), timeout=200)
+    main_log, peer_log = (log.read_text() for log in logs)
+    assert codes == [0, 0], main_log + peer_log
+    master = f"{nodes[0].address}:{port}"
+    assert f"this machine hosts {master}: port opened and reachable" in main_log
+    assert f"node 1 ({nodes[1].address}) has the same versions" in main_log
+    assert f"ok    rendezvous: {master} reachable" in peer_log
+    for node, log in zip(nodes, (main_log, peer_log), strict=True):
+        assert f"GLOO_SOCKET_IFNAME={node.interface} ({node.address} reaches {master})" in log
+    # no doctor on the main machine any more: the rendezvous cannot be reached from the other one
+    done = subprocess.run(nodes[1].command([*doctor, "--node_rank", "1", "--timeout", "1"]), capture_output=True,
+                          text=True, env=_env(), timeout=120)  # fmt: skip
+    assert done.returncode == 1 and f"cannot connect to {master}" in done.stdout
