@@ -8,7 +8,6 @@ and finds the workers as children of the torchrun agent.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.netns import kill_tree
-from tests.test_launch import tiny_job  # noqa: F401  (a fixture)
+from tests.test_launch import _losses, tiny_job  # noqa: F401  (a fixture)
+from tests.test_multinode import assert_same_exports
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, KILLS = 30, 2, 3
@@ -80,17 +80,6 @@ def _wait_for(condition, agent: subprocess.Popen, timeout: float, what: str, out
         time.sleep(0.05)
 
 
-def _weights(out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(out / "model" / "model.safetensors"))
-
-
-def _losses(out: Path) -> list[float]:
-    state = json.loads((out / "trainer_state.json").read_text())
-    return [h["loss"] for h in state["log_history"] if "loss" in h]
-
-
 def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, tmp_path):  # noqa: F811
     rng = random.Random()
     uninterrupted = tmp_path / "uninterrupted"
@@ -134,10 +123,7 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
     assert len(resumed) == KILLS, (kills, resumed, log[-4000:])
     assert all(0 < int(step) < STEPS for step in resumed)
     assert _losses(out) == pytest.approx(_losses(uninterrupted), rel=1e-6)
-    mine, theirs = _weights(out), _weights(uninterrupted)
-    assert mine.keys() == theirs.keys()
-    for name, tensor in mine.items():
-        assert (tensor - theirs[name]).abs().max().item() <= 1e-6, name
+    assert_same_exports(out, uninterrupted, atol=1e-6)
 
 
 def test_restarts_with_a_shared_store_are_refused_with_the_fix(tiny_job, tmp_path):  # noqa: F811

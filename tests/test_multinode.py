@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.netns import run_on_nodes, two_nodes
-from tests.test_launch import _job_args, tiny_job  # noqa: F401  (tiny_job is a fixture)
+from tests.test_launch import _job_args, _losses, tiny_job  # noqa: F401  (tiny_job is a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "tests/launch_worker.py"
@@ -99,15 +99,14 @@ def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=
     return codes, [log.read_text() for log in logs]
 
 
-def _losses(output_dir: Path) -> list[float]:
-    state = json.loads((output_dir / "trainer_state.json").read_text())
-    return [h["loss"] for h in state["log_history"] if "loss" in h]
-
-
-def _weights(output_dir: Path) -> dict:
+def assert_same_exports(run: Path, reference: Path, *, atol: float) -> None:
+    """The two runs' ``save_pretrained`` exports hold the same tensors, within ``atol``."""
     from safetensors.torch import load_file
 
-    return load_file(str(output_dir / "model" / "model.safetensors"))
+    mine, theirs = (load_file(str(out / "model" / "model.safetensors")) for out in (run, reference))
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert (tensor - theirs[name]).abs().max().item() <= atol, name
 
 
 CASES = [  # (launcher, strategy, processes per machine); the default suite runs two, the rest are slow
@@ -139,10 +138,7 @@ def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_pa
     reference = references(world)
     assert _losses(out) == pytest.approx(_losses(reference), rel=1e-5)
     assert len(_losses(out)) == 4 and _losses(reference)[-1] != pytest.approx(_losses(reference)[0], rel=1e-4)
-    mine, theirs = _weights(out), _weights(reference)
-    assert mine.keys() == theirs.keys()
-    for name, tensor in mine.items():
-        assert (tensor - theirs[name]).abs().max().item() < 1e-5, name
+    assert_same_exports(out, reference, atol=1e-5)
 
 
 def test_node_local_output_dir_is_refused_at_start(nodes, tiny_job, tmp_path):  # noqa: F811
