@@ -120,7 +120,8 @@ def check_elastic(environ: MutableMapping[str, str]) -> None:
     With the shared store (torchrun's default since torch 2.5), restarted workers can read the previous
     round's addresses and fail to connect (pytorch#135712, seen here as gloo's "connectFullMesh failed:
     Connection refused"), which spends every restart. torchrun gives each round its own store when
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set in its environment.
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set in its environment and the rendezvous is c10d (the static
+    rendezvous, torchrun's default with ``--master_addr``, always shares its store).
 
     Args:
         environ: the worker's environment, as torchrun set it.
@@ -130,7 +131,8 @@ def check_elastic(environ: MutableMapping[str, str]) -> None:
         raise ConfigError(
             f"torchrun --max-restarts {restarts} with its shared TCPStore: restarted workers would read the previous "
             "round's addresses and fail to connect (pytorch#135712); start torchrun with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment and the c10d rendezvous (--standalone, or "
+            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT; the static one always shares)"
         )
 
 
