@@ -9,6 +9,7 @@ Every problem is a ``FAIL`` line and makes the exit code 1; a launch with the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -103,8 +104,9 @@ def run_doctor(settings: DoctorSettings, environ: dict[str, str] | None = None) 
     report = DoctorReport()
     hosts = _check_hostfile(settings, report)
     rendezvous = _rendezvous(settings, env, hosts, report)
-    machines = settings.nnodes or (len(hosts) if hosts else None)
-    backend = _check_backend(rendezvous, env, report, machines=machines)
+    if settings.nnodes is None and hosts:
+        settings = dataclasses.replace(settings, nnodes=len(hosts))  # the hostfile says how many machines
+    backend = _check_backend(rendezvous, env, report, machines=settings.nnodes)
     mine = versions()
     report.add("info", "versions", ", ".join(f"{k} {v}" for k, v in mine.items()))
     if rendezvous is not None:
