@@ -85,15 +85,13 @@ def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=
     hostfile.write_text("".join(f"{n.address} slots={per_node}\n" for n in nodes))
     port = random.randrange(20000, 30000)
     outs = output_dirs or [tmp_path / "out"] * 2
-    commands = [
-        node.command(
-            _launcher(
-                kind, strategy, node_rank=i, per_node=per_node, master=nodes[0].address, port=port, hostfile=hostfile
-            )
-            + _job_args(tiny_job, outs[i])
-        )  # fmt: skip
-        for i, node in enumerate(nodes)
-    ]
+    micro = ["--per_device_train_batch_size", str(MICRO[2 * per_node])]
+    commands = []
+    for i, node in enumerate(nodes):
+        launcher = _launcher(
+            kind, strategy, node_rank=i, per_node=per_node, master=nodes[0].address, port=port, hostfile=hostfile
+        )
+        commands.append(node.command([*launcher, *_job_args(tiny_job, outs[i]), *micro]))
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     codes = run_on_nodes(commands, logs, env=_env(HFTRAIN_TEST_DIGESTS=str(tmp_path / "digests")), timeout=500)
     return codes, [log.read_text() for log in logs]
