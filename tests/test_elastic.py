@@ -70,6 +70,15 @@ def _workers(agent: subprocess.Popen) -> list:
     return [c for c in children if any("train.py" in part for part in c.cmdline())]
 
 
+def _alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_for(condition, agent: subprocess.Popen, timeout: float, what: str, output: list[str]) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -103,15 +112,19 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
     reader.start()
     kills = []
     try:
-        for _ in range(KILLS):
-            # a random step a little ahead of the newest checkpoint, then a random moment within that step
-            target = _latest_step(out) + SAVE_EVERY * rng.randint(1, 3)
-            _wait_for(lambda t=target: _latest_step(out) >= t, agent, 300, f"checkpoint of step {target}", output)
-            time.sleep(rng.uniform(0, 0.5))
+        # three random steps, early enough that training is still running when the kill lands
+        targets = sorted(rng.sample(range(SAVE_EVERY, STEPS - 3 * SAVE_EVERY + 1, SAVE_EVERY), KILLS))
+        seen = 0
+        for target in targets:
+            # past the target, and past the last kill: the restarted group is training again
+            goal = max(target, seen + SAVE_EVERY)
+            _wait_for(lambda g=goal: _latest_step(out) >= g, agent, 300, f"checkpoint of step {goal}", output)
+            time.sleep(rng.uniform(0, 0.5))  # a random moment within the following steps
             victim = rng.choice(_workers(agent))
             victim.send_signal(signal.SIGKILL)
-            kills.append((_latest_step(out), victim.pid))
-            _wait_for(lambda v=victim: not v.is_running() or v.status() == "zombie", agent, 60, "the kill", output)
+            seen = _latest_step(out)
+            kills.append((seen, victim.pid))
+            _wait_for(lambda v=victim: not _alive(v), agent, 60, "the kill", output)
         agent.wait(timeout=600)
     finally:
         kill_tree(agent)
