@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from hftrain.launch.slurm import training_processes
 from tests.netns import kill_tree
 from tests.test_launch import _losses, tiny_job  # noqa: F401  (a fixture)
 from tests.test_multinode import assert_same_exports
@@ -61,13 +62,6 @@ def _latest_step(out: Path) -> int:
     """The newest complete checkpoint's step (a folder counts once its checkpoint.json is there)."""
     steps = [int(p.parent.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*/checkpoint.json")]
     return max(steps, default=0)
-
-
-def _workers(agent: subprocess.Popen) -> list:
-    import psutil
-
-    children = psutil.Process(agent.pid).children(recursive=True)
-    return [c for c in children if any("train.py" in part for part in c.cmdline())]
 
 
 def _alive(process) -> bool:
@@ -120,7 +114,7 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
             goal = max(target, seen + SAVE_EVERY)
             _wait_for(lambda g=goal: _latest_step(out) >= g, agent, 300, f"checkpoint of step {goal}", output)
             time.sleep(rng.uniform(0, 0.5))  # a random moment within the following steps
-            victim = rng.choice(_workers(agent))
+            victim = rng.choice(training_processes(agent.pid, "scripts/train.py"))
             victim.send_signal(signal.SIGKILL)
             seen = _latest_step(out)
             kills.append((seen, victim.pid))

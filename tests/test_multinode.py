@@ -196,3 +196,50 @@ def test_doctor_across_machines(nodes, tmp_path):
     done = subprocess.run(nodes[1].command([*doctor, "--node_rank", "1", "--timeout", "1"]), capture_output=True,
                           text=True, env=_env(), timeout=120)  # fmt: skip
     assert done.returncode == 1 and f"cannot connect to {master}" in done.stdout
+
+
+@pytest.mark.slow
+def test_elastic_restart_across_machines(nodes, tiny_job, tmp_path):  # noqa: F811
+    """c10d rendezvous over the veth, ``--max-restarts``: a worker SIGKILLed on machine 1 restarts both groups,
+    which resume from the last checkpoint and end with the losses of one process on the same global batch."""
+    import signal
+    import time
+
+    from hftrain.launch.slurm import training_processes
+    from tests.netns import kill_tree
+
+    args = [*_job_args(tiny_job, tmp_path / "out"), "--max_steps", "16", "--save_steps", "2"]
+    args += ["--resume_from_checkpoint", "auto", "--per_device_train_batch_size", str(MICRO[2])]
+    endpoint = f"{nodes[0].address}:{random.randrange(20000, 30000)}"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "hftrain-test"]
+    torchrun += ["--max-restarts", "3"]
+    env = _env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    agents = []
+    for node, log in zip(nodes, logs, strict=True):
+        command = node.command([*torchrun, "--local-addr", node.address, "scripts/train.py", *args])
+        with log.open("w") as handle:
+            agents.append(subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    try:
+        deadline = time.monotonic() + 400
+        while not list((tmp_path / "out" / "checkpoints").glob("step_*/checkpoint.json")):
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), logs[0].read_text()[-3000:]
+            time.sleep(0.1)
+        workers = training_processes(agents[1].pid, "scripts/train.py")
+        assert len(workers) == 1
+        workers[0].send_signal(signal.SIGKILL)
+        codes = [agent.wait(timeout=600) for agent in agents]
+    finally:
+        for agent in agents:
+            kill_tree(agent)
+    main_log = logs[0].read_text()
+    assert codes == [0, 0], main_log[-3000:] + logs[1].read_text()[-3000:]
+    assert "resumed from" in main_log
+    reference = tmp_path / "reference"
+    command = [sys.executable, "-m", "hftrain", "train", *_job_args(tiny_job, reference), "--max_steps", "16"]
+    command += ["--per_device_train_batch_size", str(MICRO[2] * 2)]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _losses(tmp_path / "out") == pytest.approx(_losses(reference), rel=1e-5)
+    assert_same_exports(tmp_path / "out", reference, atol=1e-5)

@@ -210,7 +210,7 @@ def run_launcher(command: list[str], script: str) -> int:
 
     def forward(signum: int, frame: object) -> None:
         preempted.append(signum)
-        for process in _training_processes(child.pid, script):
+        for process in training_processes(child.pid, script):
             process.send_signal(signal.SIGUSR1)  # hftrain's preemption signal; launchers are not signalled
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR1, signal.SIGTERM)}
@@ -224,7 +224,13 @@ def run_launcher(command: list[str], script: str) -> int:
     return code
 
 
-def _training_processes(pid: int, script: str) -> list:
+def training_processes(pid: int, script: str) -> list:
+    """The processes under ``pid`` that run ``script`` (the training processes), not the launchers between.
+
+    Args:
+        pid: the launcher's process id.
+        script: the training script as given on the command line.
+    """
     import psutil
 
     try:
