@@ -217,8 +217,10 @@ def test_elastic_restart_across_machines(nodes, tiny_job, tmp_path):  # noqa: F8
     env = _env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     agents = []
-    for node, log in zip(nodes, logs, strict=True):
-        command = node.command([*torchrun, "--local-addr", node.address, "scripts/train.py", *args])
+    for i, (node, log) in enumerate(zip(nodes, logs, strict=True)):
+        # which machine hosts the rendezvous store: its host name does not resolve to the veth address here
+        host = ["--rdzv-conf", f"is_host={str(i == 0).lower()}", "--local-addr", node.address]
+        command = node.command([*torchrun, *host, "scripts/train.py", *args])
         with log.open("w") as handle:
             agents.append(subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
     try:
