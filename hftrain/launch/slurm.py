@@ -14,6 +14,7 @@ requeues the job, which continues with ``--resume_from_checkpoint auto``.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import signal
@@ -255,12 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=LAUNCHERS, default="torchrun")
     parser.add_argument("--nproc_per_node", type=int, help="processes per node (default SLURM_GPUS_ON_NODE)")
     parser.add_argument("--accelerate_config", help="accelerate launch --config_file (launcher accelerate)")
-    parser.add_argument("--print", action="store_true", help="print the launcher command instead of running it")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- the training script and its arguments")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
-    import os
-
     try:
         if not script:
             raise SlurmError("no training script given; end the options with -- scripts/train.py --config job.yaml")
@@ -276,9 +274,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"master {launch.master_addr}:{launch.master_port}, launcher {args.launcher}",
                 flush=True,
             )
-            if args.print:
-                print(" ".join(command))
-                return 0
             return run_launcher(command, script[0])
     except HFTrainError as error:
         print(f"hftrain: error: {error}", file=sys.stderr)
