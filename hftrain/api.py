@@ -209,7 +209,9 @@ def _show_errors_as_one_line() -> None:
     if shell is None or shell.custom_exceptions:
         return
 
-    def one_line(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> list[str]:
-        return [f"hftrain: error: {value}"]  # IPython shows this in place of the traceback
+    def one_line(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
+        # IPython discards a custom handler's return value; _showtraceback is the hook through which IPython and
+        # ipykernel show a formatted traceback (as the cell's error output), here given one line instead.
+        shell._showtraceback(etype, value, [f"hftrain: error: {value}"])
 
     shell.set_custom_exc((HFTrainError,), one_line)
