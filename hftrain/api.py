@@ -86,24 +86,11 @@ def load_splits(config: TrainConfig | str | Path | None = None, **fields: Any) -
         config: a ``TrainConfig``, a job YAML path, or None for the default job.
         **fields: config fields to change, as in ``train``.
     """
-    from hftrain.data.loading import load_classification_splits
+    from hftrain import job
 
     _show_errors_as_one_line()
     config = with_fields(config if isinstance(config, TrainConfig) else make_config(config), **fields)
-    data = config.data
-    return load_classification_splits(
-        dataset_name=data.dataset_name,
-        train_file=data.train_file,
-        validation_file=data.validation_file,
-        text_column=data.text_column,
-        label_column=data.label_column,
-        num_labels=config.model.num_labels,
-        validation_split_percentage=data.validation_split_percentage,
-        max_train_samples=data.max_train_samples,
-        max_eval_samples=data.max_eval_samples,
-        seed=config.training.seed,
-        log=lambda _: None,
-    )
+    return job.load_splits(config, log=lambda _: None)
 
 
 def _train_here(config: TrainConfig) -> JobResult:
