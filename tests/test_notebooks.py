@@ -7,9 +7,14 @@ The notebooks run in a temporary folder so the repository copies stay free of ou
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
+
+import hftrain
+from hftrain.api import run_rank
+from hftrain.errors import ConfigError
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -38,6 +43,23 @@ def stdout_of(notebook: nbformat.NotebookNode) -> str:
         for output in cell.outputs
         if output.output_type == "stream"
     )
+
+
+def test_api_configs_are_checked_copies() -> None:
+    base = hftrain.make_config(Path(__file__).parent.parent / "configs" / "smollm2_chinese_reviews.yaml", max_steps=5)
+    changed = hftrain.with_fields(base, learning_rate=1e-3, use_lora="true")
+    assert (base.model.model_name_or_path, base.training.max_steps) == ("embedded:smollm2", 5)
+    assert base.training.learning_rate == 3e-5 and not base.lora.use_lora  # the original is left as it was
+    assert changed.training.learning_rate == 1e-3 and changed.lora.use_lora is True
+    with pytest.raises(ConfigError, match="unknown key 'learning_rat'; did you mean 'learning_rate'"):
+        hftrain.make_config(learning_rat=1e-4)
+    with pytest.raises(ConfigError, match="training.max_steps: expected an integer"):
+        hftrain.train(base, max_steps="many")
+    with pytest.raises(ConfigError, match="num_processes: expected a positive integer"):
+        hftrain.train(base, num_processes=0)
+    # notebook_launcher forks run_rank (or pickles it with its arguments where it must spawn).
+    assert pickle.loads(pickle.dumps(run_rank)) is run_rank
+    assert pickle.loads(pickle.dumps(changed)) == changed
 
 
 @pytest.mark.parametrize("name", NAMES)
