@@ -141,10 +141,11 @@ def run_rank(config: TrainConfig, outbox: str) -> None:
     from hftrain.job import run_training
 
     rank = os.environ.get("RANK", "0")
-    # notebook_launcher marks forked ranks FORK_LAUNCHED, and Accelerate then skips destroy_process_group at
-    # end_training; the gloo group is freed when the DDP reducer is, holding the GIL while it joins a gloo thread
-    # that needs the GIL: a deadlock at exit (seen in a Jupyter kernel). Unmarked, the rank ends as under torchrun.
-    os.environ.pop("FORK_LAUNCHED", None)
+    # Leave the gloo group alive to the forked rank's os._exit, as Accelerate's own fork launch (PrepareForLaunch,
+    # which notebook_launcher's elastic path skips) does with FORK_LAUNCHED. Destroyed at end_training, the group
+    # dies with the DDP reducer when run_training returns; its destructor joins a gloo thread while holding the
+    # GIL, and that thread may need the GIL to free a finished collective's tensors: a deadlock, seen in a kernel.
+    os.environ["FORK_LAUNCHED"] = "1"
     try:
         result = run_training(config, launch_info_from_environ())
     except HFTrainError as error:
