@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from hftrain.job import JobResult
 
 _RESULT_FILE = "result.pkl"
+# The data-section fields that decide the splits (what hftrain.job gives load_classification_splits).
+_SPLIT_FIELDS = (
+    "dataset_name",
+    "train_file",
+    "validation_file",
+    "text_column",
+    "label_column",
+    "validation_split_percentage",
+    "max_train_samples",
+    "max_eval_samples",
+)
 
 
 def make_config(path: str | Path | None = None, **fields: Any) -> TrainConfig:
@@ -86,11 +97,14 @@ def load_splits(config: TrainConfig | str | Path | None = None, **fields: Any) -
         config: a ``TrainConfig``, a job YAML path, or None for the default job.
         **fields: config fields to change, as in ``train``.
     """
-    from hftrain import job
+    from hftrain.data.loading import load_classification_splits
 
     _show_errors_as_one_line()
     config = with_fields(config if isinstance(config, TrainConfig) else make_config(config), **fields)
-    return job.load_splits(config, log=lambda _: None)
+    sources = {name: getattr(config.data, name) for name in _SPLIT_FIELDS}
+    return load_classification_splits(
+        **sources, num_labels=config.model.num_labels, seed=config.training.seed, log=lambda _: None
+    )
 
 
 def _train_here(config: TrainConfig) -> JobResult:

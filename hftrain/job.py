@@ -22,10 +22,6 @@ from hftrain.errors import ConfigError
 from hftrain.log import get_logger, is_main_process
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    import datasets
-
     from hftrain.strategies import LaunchInfo
 
 
@@ -51,6 +47,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         write: create ``output_dir`` and save the config (a training run); an export writes nothing there.
     """
     from hftrain.data.batching import tokenize_splits
+    from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer, model_init_fn
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
@@ -62,8 +59,21 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     if write:
         check_output_dir(config)
     tokenizer = build_tokenizer(config.model)
-    splits = load_splits(config, log=log.info if is_main_process() else (lambda _: None))
-    tokenized = tokenize_splits(splits, tokenizer, max_seq_length=config.data.max_seq_length)
+    data = config.data
+    splits = load_classification_splits(
+        dataset_name=data.dataset_name,
+        train_file=data.train_file,
+        validation_file=data.validation_file,
+        text_column=data.text_column,
+        label_column=data.label_column,
+        num_labels=config.model.num_labels,
+        validation_split_percentage=data.validation_split_percentage,
+        max_train_samples=data.max_train_samples,
+        max_eval_samples=data.max_eval_samples,
+        seed=config.training.seed,
+        log=log.info if is_main_process() else (lambda _: None),
+    )
+    tokenized = tokenize_splits(splits, tokenizer, max_seq_length=data.max_seq_length)
     # Inputs are valid: from here on the run may write into output_dir.
     output_dir = Path(config.training.output_dir)
     if write and is_main_process():
@@ -79,31 +89,6 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         run_config=config.flat(),
     )
     return trainer, tokenizer, tokenized
-
-
-def load_splits(config: TrainConfig, *, log: Callable[[str], None]) -> datasets.DatasetDict:
-    """The job's ``train`` and ``validation`` splits (columns ``text``, ``label``), validated.
-
-    Args:
-        config: the validated job config.
-        log: receives one-line progress messages (e.g. dropped-row counts).
-    """
-    from hftrain.data.loading import load_classification_splits
-
-    data = config.data
-    return load_classification_splits(
-        dataset_name=data.dataset_name,
-        train_file=data.train_file,
-        validation_file=data.validation_file,
-        text_column=data.text_column,
-        label_column=data.label_column,
-        num_labels=config.model.num_labels,
-        validation_split_percentage=data.validation_split_percentage,
-        max_train_samples=data.max_train_samples,
-        max_eval_samples=data.max_eval_samples,
-        seed=config.training.seed,
-        log=log,
-    )
 
 
 def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
