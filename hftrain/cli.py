@@ -50,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--trust_external_checkpoint", action="store_true", help="allow a checkpoint outside its run's output_dir"
     )
+    groups = commands.add_parser(
+        "groups",
+        help="print the tensor-, pipeline- and data-parallel rank groups of a layout (starts no process)",
+        description="Print the tp/pp/dp groups of tp × pp × dp = world size in Megatron-LM's rank order.",
+    )
+    groups.add_argument("--world-size", type=int, required=True, help="number of processes")
+    groups.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    groups.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    groups.add_argument("--json", action="store_true", help='print {"tp": [...], "pp": [...], "dp": [...]}')
     return parser
 
 
@@ -118,6 +127,16 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _groups(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from hftrain.parallel.dims import ParallelDims, format_groups
+
+    dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp).validate()
+    print(json.dumps(dims.rank_groups()) if args.json else format_groups(dims))
+    return 0
+
+
 def _env(args: argparse.Namespace, extra: list[str]) -> int:
     from hftrain.env import report
 
@@ -170,7 +189,7 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
     return f"zero{stage}"
 
 
-COMMANDS = {"train": _train, "env": _env, "export": _export}
+COMMANDS = {"train": _train, "env": _env, "export": _export, "groups": _groups}
 
 
 if __name__ == "__main__":

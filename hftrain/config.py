@@ -142,7 +142,7 @@ class StrategyConfig:
     """How the model is distributed; see ``hftrain.strategies``."""
 
     name: str | None = None
-    """``ddp`` (also one process), ``fsdp``, ``zero1``, ``zero2``, ``zero3``; null takes it from
+    """``ddp`` (also one process), ``fsdp``, ``zero1``, ``zero2``, ``zero3``, ``megatron``; null takes it from
     ``accelerate launch --config_file`` or uses ``ddp``."""
     fsdp_version: int = 2
     """FSDP only: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
@@ -154,9 +154,27 @@ class StrategyConfig:
     """ZeRO-2/3: keep optimizer state (and the optimizer step) on the CPU (DeepSpeed's CPU Adam)."""
     deepspeed_config: str | None = None
     """ZeRO only: a DeepSpeed JSON (``"auto"`` values are filled by hftrain); null builds one from these fields."""
+    tp: int = 1
+    """megatron only: tensor-parallel size (ranks that split each layer); must divide the world size and the
+    model's heads, key/value heads, hidden, intermediate and vocabulary sizes."""
+    sequence_parallel: bool = False
+    """megatron only: Megatron sequence parallelism (norm/dropout regions split along the sequence, which is
+    padded to a multiple of ``tp``)."""
+    shard_optimizer: bool = False
+    """megatron only: ZeRO-1-style sharding of the optimizer state over the data-parallel ranks
+    (``torch.distributed.optim.ZeroRedundancyOptimizer``)."""
 
     def validate(self) -> None:
         _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
+        _require(self.tp >= 1, "strategy.tp", "must be at least 1")
+        if self.name != "megatron":
+            for key in ("tp", "sequence_parallel", "shard_optimizer"):
+                _require(
+                    getattr(self, key) == getattr(StrategyConfig, key),
+                    f"strategy.{key}",
+                    f"is a megatron option but strategy.name is {self.name or 'unset'}; "
+                    "set strategy.name: megatron or drop it",
+                )
 
 
 @dataclass

@@ -183,7 +183,7 @@ def export_model(
 
     # The saved folder is reloaded and must reproduce the trained model's logits on a few validation texts.
     export = export_pretrained(
-        trainer.accelerator,
+        trainer.runtime,
         trainer.model,
         tokenizer,
         directory,

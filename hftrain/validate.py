@@ -37,6 +37,7 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> Mod
         strategy: the resolved strategy (its platform and preflight).
         write: the command will write into ``output_dir`` (a training run; an export writes elsewhere).
     """
+    from hftrain.models import model_config
     from hftrain.models.checks import check_model_folder
 
     strategy.platform.check_precision(config.training.mixed_precision)
@@ -44,7 +45,10 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> Mod
     if write:
         check_output_dir(config)
     check_resume_request(config.training)
-    return check_model_folder(config.model)
+    facts = check_model_folder(config.model)
+    # Model-parallel strategies split the model's sizes: refused here, before any process group exists.
+    strategy.check_model(model_config(config.model), use_lora=config.lora.use_lora)
+    return facts
 
 
 def check_writable_dir(path: Path, field: str) -> None:

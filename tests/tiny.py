@@ -23,8 +23,11 @@ def tiny_tokenizer(kind: str = "bert"):
 
 
 def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, dropout: float = 0.0):
-    """A 2-layer config; dropout is off by default (per-rank dropout masks cannot match a 1-process reference)."""
-    from transformers import BertConfig, GPT2Config
+    """A 2-layer config; dropout is off by default (per-rank dropout masks cannot match a 1-process reference).
+
+    ``kind`` is ``"bert"``, ``"gpt2"`` or ``"llama"`` (grouped-query attention: 4 heads, 2 key/value heads).
+    """
+    from transformers import BertConfig, GPT2Config, LlamaConfig
 
     if kind == "bert":
         return BertConfig(
@@ -38,6 +41,19 @@ def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, d
             hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
             classifier_dropout=dropout,
+        )
+    if kind == "llama":
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+            attention_dropout=dropout,
+            pad_token_id=0,
         )
     return GPT2Config(
         vocab_size=vocab_size,
@@ -189,7 +205,7 @@ def run_tiny_training(
     weights = None
     if return_weights:
         # collective; ZeRO-3 returns the gathered dict on rank 0 only (None elsewhere)
-        state_dict = trainer.accelerator.get_state_dict(trainer.model) or {}
+        state_dict = trainer.runtime.get_state_dict(trainer.model) or {}
         weights = {k: v.detach().clone() for k, v in state_dict.items()}
     return {
         "weights": weights if trainer.accelerator.is_main_process else None,

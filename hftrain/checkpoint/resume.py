@@ -15,6 +15,8 @@ IDENTITY_KEYS = (
     "lora.lora_r",
     "lora.lora_target_modules",
 )
+# Topology keys that together say how a checkpoint's state is laid out over processes.
+LAYOUT_KEYS = ("world_size", "tp", "pp")
 
 
 def check_resumable(
@@ -44,8 +46,9 @@ def check_resumable(
             f"'{topology['strategy']}'; resume with strategy.name: {saved.get('strategy')}, or export it "
             "(hftrain export) and fine-tune from the exported model"
         )
-    same_world = saved.get("world_size") == topology["world_size"]
-    if not same_world and not can_reshard:
+    # The layout: process count and, for model-parallel strategies, how the processes split the model.
+    same_layout = all(saved.get(key) == topology.get(key) for key in LAYOUT_KEYS)
+    if not same_layout and not can_reshard:
         raise CheckpointError(
             f"checkpoint '{path}' was written by {saved.get('world_size')} processes and '{topology['strategy']}' "
             f"checkpoints are partitioned by process count; resume on {saved.get('world_size')} processes, or "
@@ -54,23 +57,32 @@ def check_resumable(
     # The global batch defines the run (its steps, its schedule); how it is split may change.
     if saved.get("global_batch") != topology["global_batch"]:
         raise CheckpointError(
-            f"resuming '{path}' on {topology['world_size']} processes would change the global batch from "
+            f"resuming '{path}' ({_layout(saved)}) on {_layout(topology)} would change the global batch from "
             f"{saved.get('global_batch')} to {topology['global_batch']}; set training.per_device_train_batch_size "
-            "and gradient_accumulation_steps so that micro x accumulation x processes stays the same"
+            "and gradient_accumulation_steps so that micro x accumulation x data-parallel size stays the same"
         )
-    if same_world:
+    if same_layout:
         return []
     return [
-        f"resharding checkpoint from {saved.get('world_size')} to {topology['world_size']} processes; "
+        f"resharding checkpoint from {_layout(saved)} to {_layout(topology)}; "
         f"global batch kept at {topology['global_batch']}"
     ]
+
+
+def _layout(topology: dict[str, Any]) -> str:
+    """``4 processes`` or, under tensor/pipeline parallelism, ``4 processes (tp=2 × pp=1 × dp=2)``."""
+    processes = f"{topology.get('world_size')} processes"
+    if "tp" not in topology:
+        return processes
+    return f"{processes} (tp={topology['tp']} × pp={topology.get('pp', 1)} × dp={topology.get('dp_size')})"
 
 
 def batches_to_skip(meta: dict[str, Any], topology: dict[str, Any]) -> int:
     """Micro-batches of the current epoch this process already consumed, in this run's topology."""
     saved = meta["topology"]
-    consumed = meta["trainer_state"]["micro_step"] * saved["micro_batch"] * saved["world_size"]
-    per_batch = topology["micro_batch"] * topology["world_size"]
+    # Data-parallel replicas consume different batches; tensor-parallel ranks of one replica share them.
+    consumed = meta["trainer_state"]["micro_step"] * saved["micro_batch"] * saved.get("dp_size", saved["world_size"])
+    per_batch = topology["micro_batch"] * topology["dp_size"]
     if consumed % per_batch:
         raise CheckpointError(
             f"the checkpoint's data position ({consumed} examples into the epoch) is not a whole number of "

@@ -14,7 +14,7 @@ from hftrain.errors import ConfigError, reading
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from hftrain.config import LoraConfig, ModelConfig
 
@@ -110,6 +110,13 @@ def build_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
         # Decoder-only models ship no pad token; padding with EOS is the standard choice for classification.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def model_config(config: ModelConfig) -> PretrainedConfig:
+    """The model's ``transformers`` config (read before any weights, for the strategy's checks)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_path(config.model_name_or_path), num_labels=config.num_labels)
 
 
 def model_init_fn(

@@ -20,6 +20,7 @@ _REGISTRY: dict[str, str] = {
     "zero1": "hftrain.strategies.deepspeed:Zero1Strategy",
     "zero2": "hftrain.strategies.deepspeed:Zero2Strategy",
     "zero3": "hftrain.strategies.deepspeed:Zero3Strategy",
+    "megatron": "hftrain.strategies.megatron:MegatronStrategy",
 }
 
 

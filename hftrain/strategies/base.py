@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from hftrain.config import StrategyConfig, TrainingConfig
     from hftrain.strategies.platform import Platform
+    from hftrain.strategies.runtime import AccelerateRuntime
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,24 @@ class Strategy(ABC):
 
     def before_load_state(self, model: Any, optimizer: Any) -> None:
         """Prepare the live model/optimizer for ``accelerator.load_state`` (default: nothing)."""
+
+    def check_model(self, model_config: Any, *, use_lora: bool) -> None:
+        """Refuse a model this strategy cannot distribute, before any process group exists (default: any).
+
+        Args:
+            model_config: the model's ``transformers`` config.
+            use_lora: whether LoRA adapters are trained.
+        """
+
+    def build_runtime(self, accelerator: Accelerator) -> AccelerateRuntime:
+        """The object the Trainer runs every distributed operation through (see ``hftrain.strategies.runtime``).
+
+        The default delegates to Accelerate; a strategy that owns wrapping, data sharding or the backward pass
+        (tensor/pipeline parallelism) returns its own subclass.
+        """
+        from hftrain.strategies.runtime import AccelerateRuntime
+
+        return AccelerateRuntime(accelerator, self)
 
     def describe(self) -> dict[str, Any]:
         """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""

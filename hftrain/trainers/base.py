@@ -1,8 +1,9 @@
 """The strategy-agnostic training loop over ``accelerate.Accelerator``.
 
-The trainer is given a ``Strategy``; it asks it for the ``Accelerator`` and the model-construction context
-and never branches on which strategy it runs. Everything distributed (DDP/FSDP/DeepSpeed wrapping, data
-sharding, gradient sync, accumulation) goes through ``accelerator.prepare`` / ``accumulate`` / ``backward``.
+The trainer is given a ``Strategy``; it asks it for the ``Accelerator`` (trackers), the model-construction
+context and the runtime, and never branches on which strategy it runs. Everything distributed (wrapping, data
+sharding, forward/backward, gradient sync, accumulation, clipping, gathering, checkpoint state) goes through the
+runtime (``hftrain.strategies.runtime``): Accelerate for DDP/FSDP/ZeRO, the strategy's own where Accelerate cannot.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Trainer:
         self._skip_batches = 0
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
+        self.runtime = strategy.build_runtime(self.accelerator)
         self.strategy_summary = strategy.summary(args, self.accelerator)
         self._log("strategy: " + ", ".join(f"{k}={v}" for k, v in self.strategy_summary.items()))
         # Same seed on every rank: identical head initialisation and identical data order.
@@ -117,12 +119,13 @@ class Trainer:
         )
         eval_loader = self._eval_loader(eval_dataset)
         optimizer = self.create_optimizer(model)
-        self.model, self.optimizer, self.train_loader = self.accelerator.prepare(model, optimizer, train_loader)
-        self.eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
+        self.model, self.optimizer, self.train_loader, self.eval_loader = self.runtime.prepare(
+            model, optimizer, train_loader, eval_loader
+        )
         self.steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
         self.max_steps = self._total_steps()
         self.lr_scheduler = self.create_scheduler(self.optimizer)
-        self.accelerator.register_for_checkpointing(self.lr_scheduler)
+        self.runtime.register_for_checkpointing(self.lr_scheduler)
         self.checkpoints = CheckpointManager(Path(args.output_dir) / "checkpoints", keep=args.save_total_limit)
         self.last_checkpoint: Path | None = None
         if args.resume_from_checkpoint:
@@ -222,19 +225,19 @@ class Trainer:
 
     def _run_epoch(self, progress: Any, preemption: PreemptionFlag, stop_at_step: int | None) -> str | None:
         """One pass over the (remaining) training data; returns why the run must stop, if it must."""
-        acc = self.accelerator
+        runtime = self.runtime
         self.train_loader.set_epoch(self.state.epoch)
         loader = self.train_loader
         if self._skip_batches:
             # Resume mid-epoch: skip at the batch-sampler level, without loading the skipped data (pitfall #20).
-            loader = acc.skip_first_batches(self.train_loader, self._skip_batches)
+            loader = runtime.skip_first_batches(self.train_loader, self._skip_batches)
             self._skip_batches = 0
         self.model.train()
         window_losses: list[torch.Tensor] = []
         for batch in loader:
             window_losses.append(self.train_step(batch))
             self.state.micro_step += 1
-            if not acc.sync_gradients:
+            if not runtime.sync_gradients:
                 continue
             # An optimizer step happened: the accumulation window closed here.
             self.state.global_step += 1
@@ -269,9 +272,7 @@ class Trainer:
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (one all-reduce; free in one process)."""
-        if self.accelerator.num_processes == 1:
-            return flag
-        return self.accelerator.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0
+        return self.runtime.any_rank(flag)
 
     def _final_evaluation(self, stopped: str | None) -> dict[str, float]:
         if stopped is None and self.state.last_eval_step != self.state.global_step:
@@ -288,7 +289,7 @@ class Trainer:
             "config": self.run_config,
             "versions": _versions(),
         }
-        self.last_checkpoint = self.checkpoints.save(self.accelerator, step=self.state.global_step, meta=meta)
+        self.last_checkpoint = self.checkpoints.save(self.runtime, step=self.state.global_step, meta=meta)
         return self.last_checkpoint
 
     def _checkpointed_step(self) -> int | None:
@@ -316,8 +317,7 @@ class Trainer:
             can_reshard=self.strategy.reshardable_checkpoints,
         )
         # load_state only after prepare, so the scheduler and optimizer it restores are the live ones (pitfall #12).
-        self.strategy.before_load_state(self.model, self.optimizer.optimizer)
-        self.accelerator.load_state(str(path / STATE_DIR))
+        self.runtime.load_state(str(path / STATE_DIR), model=self.model, optimizer=self.optimizer)
         self.state = TrainerState(**meta["trainer_state"])
         self._skip_batches = batches_to_skip(meta, self.strategy_summary)
         self.state.micro_step = self._skip_batches
@@ -349,25 +349,24 @@ class Trainer:
 
         Returns the micro-batch loss (detached, this process's mean).
         """
-        acc = self.accelerator
-        # accumulate() decides whether this micro-batch closes the window (sync_gradients) and skips
-        # DDP's all-reduce otherwise; backward() divides the loss by gradient_accumulation_steps.
-        with acc.accumulate(self.model):
-            loss = self.compute_loss(self.model, batch)
-            acc.backward(loss)
-            if acc.sync_gradients and self.args.max_grad_norm > 0:
-                acc.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-            self.optimizer.step()  # a no-op inside the window: Accelerate skips it until sync_gradients
-            if acc.sync_gradients:
+        runtime = self.runtime
+        # accumulate() decides whether this micro-batch closes the window (sync_gradients) and skips the
+        # data-parallel all-reduce otherwise; the backward divides the loss by gradient_accumulation_steps.
+        with runtime.accumulate(self.model):
+            loss = runtime.forward_backward(self.model, batch, self.compute_loss)
+            if runtime.sync_gradients and self.args.max_grad_norm > 0:
+                runtime.clip_grad_norm_(self.model, self.args.max_grad_norm)
+            self.optimizer.step()  # a no-op inside the window: the prepared optimizer skips it until sync_gradients
+            if runtime.sync_gradients:
                 self.lr_scheduler.step()
             self.optimizer.zero_grad()
-        self.state.samples_seen += batch["labels"].shape[0] * acc.num_processes
-        return loss.detach()
+        self.state.samples_seen += batch["labels"].shape[0] * runtime.dp_size
+        return loss
 
     def _record_step(self, local_loss: torch.Tensor, progress: Any) -> None:
         # The logged loss is the mean over the window and over processes: what one process with the
         # whole global batch would report.
-        loss = self.accelerator.reduce(local_loss, reduction="mean").item()
+        loss = self.runtime.reduce_mean(local_loss).item()
         check_finite_loss(loss, step=self.state.global_step, last_checkpoint=self.last_checkpoint)
         entry = {"step": self.state.global_step, "loss": loss, "learning_rate": self.lr_scheduler.get_last_lr()[0]}
         self.state.log_history.append(entry)
@@ -392,9 +391,8 @@ class Trainer:
         self.model.eval()
         losses, predictions, labels = [], [], []
         for batch in self.eval_loader:
-            loss, preds, refs = self.prediction_step(self.model, batch)
-            # gather_for_metrics drops the duplicates Accelerate adds to even out the last batch (pitfall #16).
-            loss, preds, refs = acc.gather_for_metrics((loss, preds, refs))
+            # Gathered over the data-parallel ranks, each example once (pitfall #16).
+            loss, preds, refs = self.runtime.evaluation_step(self.model, batch, self.prediction_step)
             losses.append(loss)
             predictions.append(preds)
             labels.append(refs)

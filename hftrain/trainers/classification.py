@@ -25,5 +25,5 @@ class SequenceClassificationTrainer(Trainer):
     def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         from hftrain.metrics import compute_classification_metrics
 
-        num_labels = self.accelerator.unwrap_model(self.model).config.num_labels
+        num_labels = self.runtime.unwrap_model(self.model).config.num_labels
         return compute_classification_metrics(predictions.tolist(), labels.tolist(), num_labels=num_labels)

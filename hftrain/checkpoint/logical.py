@@ -1,0 +1,158 @@
+"""Tensor-parallel checkpoint state in logical, unsharded form, so that it reshards to any ``tp`` and ``dp``.
+
+Choice: the model and the optimizer state are saved as *full* tensors under the model's HF parameter names
+(``state/model.safetensors``, ``state/optimizer.pt``: per parameter name its Adam ``exp_avg``/``exp_avg_sq``
+and ``step``, and the parameter groups' hyper-parameters with names instead of indices). Loading slices each
+full tensor into this rank's shard with the same plan that split the model (``shard_full_tensor``), so a
+checkpoint written at tp=2 × dp=2 loads at tp=1, at another dp size, with or without optimizer sharding.
+Scheduler and per-rank RNG go through ``accelerator.save_state`` beside these files.
+
+Cost, stated because it is the price of the simplicity: at save, the ranks of data-parallel replica 0 gather
+the full model and the full optimizer state over their tp group, and global rank 0 holds
+``(1 + number of optimizer state tensors) x model size`` (Adam: 3x the fp32 model) while it writes; the write
+is serial on one rank. At load, every rank reads the full files and keeps its slices. That is right for the
+models hftrain fine-tunes on CPU (up to a few hundred million parameters: SmolLM2-135M is 0.5 GB of weights,
+1.6 GB with Adam); for multi-billion-parameter models ``torch.distributed.checkpoint`` with DTensor shards
+(each rank writing its own slice) is the scalable form of the same logical layout.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftrain.checkpoint.manager import CheckpointError
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+LAYOUT_FILE = "layout.json"
+FORMAT = "hftrain-logical-full-v1"
+
+
+def save_logical_state(
+    directory: str | Path, model: torch.nn.Module, optimizer: Any, *, groups: Any, layout: dict[str, int]
+) -> None:
+    """Write the full model and optimizer state (collective over dp for a sharded optimizer, over tp).
+
+    Args:
+        directory: the checkpoint's ``state/`` folder (exists on the main process).
+        model: the TP model (unwrapped from DDP).
+        optimizer: the inner optimizer (``torch.optim`` or ``ZeroRedundancyOptimizer``).
+        groups: the run's ``ParallelGroups``.
+        layout: ``{"tp", "dp", "pp", "world_size"}``, recorded for the refusal of impossible layout changes.
+    """
+    from hftrain.parallel import full_state_dict
+
+    consolidate = getattr(optimizer, "consolidate_state_dict", None)
+    if consolidate is not None:  # ZeRO-1: dp rank 0 of each replica set collects the partitions
+        consolidate(to=0)
+    if groups.dp_rank != 0:  # the other replicas hold the same shards
+        return
+    weights = full_state_dict(model, tp_group=groups.tp_group)
+    optimizer_state = _full_optimizer_state(model, optimizer, groups)
+    if groups.tp_rank == 0:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / MODEL_FILE))
+        torch.save(optimizer_state, directory / OPTIMIZER_FILE)
+        (directory / LAYOUT_FILE).write_text(json.dumps({"format": FORMAT, **layout}) + "\n")
+
+
+def load_logical_state(
+    directory: str | Path, model: torch.nn.Module, optimizer: Any, *, layout: dict[str, int]
+) -> None:
+    """Load the full state into this rank's shards of ``model`` and its optimizer (no collective).
+
+    Args:
+        directory: the checkpoint's ``state/`` folder.
+        model: the TP model (unwrapped from DDP).
+        optimizer: the inner optimizer.
+        layout: this run's ``{"tp", "dp", "pp", "world_size"}``.
+    """
+    from safetensors.torch import load_file
+
+    from hftrain.parallel import load_full_state_dict
+
+    directory = Path(directory)
+    check_layout(directory, layout)
+    load_full_state_dict(model, load_file(str(directory / MODEL_FILE)))
+    saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(_local_optimizer_state(model, optimizer, saved))
+
+
+def check_layout(directory: Path, layout: dict[str, int]) -> None:
+    """Refuse a checkpoint whose layout cannot be resharded to this one, naming both layouts."""
+    path = directory / LAYOUT_FILE
+    if not path.is_file():
+        raise CheckpointError(f"'{directory}' holds no {LAYOUT_FILE}: it is not a megatron checkpoint")
+    saved = json.loads(path.read_text())
+
+    def describe(values: dict[str, Any]) -> str:
+        return " × ".join(f"{axis}={values.get(axis, 1)}" for axis in ("tp", "pp", "dp"))
+
+    if saved.get("format") != FORMAT or saved.get("pp", 1) != layout.get("pp", 1):
+        raise CheckpointError(
+            f"checkpoint '{directory.parent}' has layout {describe(saved)} ({saved.get('format')}), this run "
+            f"{describe(layout)}: only tp and dp reshard (full logical tensors); resume with pp={saved.get('pp', 1)}"
+        )
+
+
+# ----------------------------------------------------------------- optimizer state <-> logical names
+def _flat_params(optimizer: Any) -> list[torch.nn.Parameter]:
+    """Parameters in the order optimizer state dicts index them (group by group)."""
+    return list(chain.from_iterable(group["params"] for group in optimizer.param_groups))
+
+
+def _full_optimizer_state(model: torch.nn.Module, optimizer: Any, groups: Any) -> dict[str, Any]:
+    """``{"state": {name: {key: full tensor}}, "param_groups": [...with names]}`` (collective over tp)."""
+    from hftrain.parallel import gather_full_tensors
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = _flat_params(optimizer)
+    local = optimizer.state_dict()  # a ZeroRedundancyOptimizer's, consolidated on dp rank 0, indexes the same way
+    state = {names[id(params[i])]: values for i, values in local["state"].items()}
+    full: dict[str, dict[str, Any]] = {name: {} for name in state}
+    keys = sorted({k for values in state.values() for k, v in values.items() if torch.is_tensor(v) and v.dim() > 0})
+    for key in keys:  # state shaped like its parameter (Adam's moments) is split, and gathered, like it
+        shaped = {name: values[key] for name, values in state.items() if key in values}
+        for name, tensor in gather_full_tensors(shaped, model, tp_group=groups.tp_group).items():
+            full[name][key] = tensor
+    for name, values in state.items():  # scalars (Adam's step) are the same on every shard
+        full[name].update({k: v for k, v in values.items() if k not in keys})
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(params[i])] for i in group["params"]]}
+        for group in local["param_groups"]
+    ]
+    return {"state": full, "param_groups": param_groups}
+
+
+def _local_optimizer_state(model: torch.nn.Module, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved logical state as this optimizer's own state dict, each tensor sliced to this rank's shard."""
+    from hftrain.parallel import shard_full_tensor
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = _flat_params(optimizer)
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    live_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    saved_names = [group["params"] for group in saved["param_groups"]]
+    if sorted(map(sorted, live_names)) != sorted(map(sorted, saved_names)):
+        raise CheckpointError(
+            "the checkpoint's optimizer parameter groups do not match this model's; resume with the same model "
+            "and trainable parameters"
+        )
+    state = {}
+    for name, values in saved["state"].items():
+        # Tensors shaped like the parameter are sliced like it; scalars (Adam's step) are kept.
+        state[index[name]] = {
+            k: shard_full_tensor(name, v, model) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in values.items()
+        }
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [index[n] for n in group["params"]]}
+        for group in saved["param_groups"]
+    ]
+    return {"state": state, "param_groups": param_groups}

@@ -1,0 +1,41 @@
+"""hftrain's Megatron-style parallelism: the PTD rank layout, tensor-parallel layers, plans and state conversion.
+
+Names are imported lazily so that ``hftrain groups`` and ``hftrain --help`` do not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ParallelDims": "dims",
+    "ParallelGroups": "dims",
+    "build_groups": "dims",
+    "format_groups": "dims",
+    "TensorParallelPlan": "plans",
+    "PLANS": "plans",
+    "check_tensor_parallel": "plans",
+    "sequence_multiple": "plans",
+    "TPShard": "layers",
+    "ColumnParallelLinear": "layers",
+    "RowParallelLinear": "layers",
+    "VocabParallelEmbedding": "layers",
+    "apply_tensor_parallel": "tensor_parallel",
+    "parallelize_layer": "tensor_parallel",
+    "sharded_parameters": "tensor_parallel",
+    "gather_full_tensors": "tensor_parallel",
+    "full_state_dict": "tensor_parallel",
+    "shard_full_tensor": "tensor_parallel",
+    "load_full_state_dict": "tensor_parallel",
+    "finalize_tp_grads": "tensor_parallel",
+    "record_collectives": "collectives",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hftrain.parallel' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"hftrain.parallel.{_EXPORTS[name]}"), name)

@@ -1,0 +1,180 @@
+"""The PTD rank layout: ``tp × dp × pp = world size`` in Megatron-LM's order, and its process groups.
+
+A global rank is ``pp_rank · (dp · tp) + dp_rank · tp + tp_rank``: tensor-parallel ranks are adjacent (they
+talk every layer, so they should share a node), data parallel next, pipeline outermost. This is the order of
+Megatron-LM's ``initialize_model_parallel`` and also the row-major order of a ``DeviceMesh`` shaped
+``(pp, dp, tp)``, which is how the groups are built. Nothing here holds a group in a module global: the groups
+live in the :class:`ParallelGroups` returned by :func:`build_groups` and are passed on explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hftrain.errors import ConfigError
+
+AXES = ("pp", "dp", "tp")  # outermost first: the mesh's dimension order
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the tensor-, pipeline- and data-parallel dimensions of one job.
+
+    Args:
+        world_size: number of processes in the job.
+        tp: tensor-parallel size (ranks that split every layer's weights).
+        pp: pipeline-parallel size (stages); accepted for the layout, the stages arrive with the pipeline plugin.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the world divided by ``tp · pp``."""
+        return self.world_size // (self.tp * self.pp)
+
+    def validate(self) -> ParallelDims:
+        """Return ``self`` if ``tp · pp`` divides the world size, else raise a ConfigError naming the valid values."""
+        for field, value in (("world size", self.world_size), ("strategy.tp", self.tp), ("strategy.pp", self.pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+        if self.world_size % (self.tp * self.pp):
+            valid_tp = [d for d in _divisors(self.world_size) if (self.world_size // d) % self.pp == 0]
+            raise ConfigError(
+                f"strategy.tp={self.tp} × strategy.pp={self.pp} does not divide the world size {self.world_size}; "
+                f"valid strategy.tp values with pp={self.pp}: {', '.join(map(str, valid_tp)) or 'none'} "
+                f"(or change the number of processes)"
+            )
+        return self
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of a global rank.
+
+        Args:
+            rank: a global rank in ``[0, world_size)``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {self.world_size}")
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """The global rank at these coordinates (inverse of :meth:`coords`).
+
+        Args:
+            pp_rank: pipeline stage.
+            dp_rank: data-parallel replica.
+            tp_rank: tensor-parallel rank.
+        """
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def rank_groups(self) -> dict[str, list[list[int]]]:
+        """Every tp, pp and dp group as lists of global ranks (pure: starts no process).
+
+        Ordered like Megatron-LM: tp groups by first rank; pp groups by their first-stage rank; dp groups by
+        pipeline stage, then tp rank.
+        """
+        self.validate()
+        pp_range, dp_range, tp_range = range(self.pp), range(self.dp), range(self.tp)
+        return {
+            "tp": [[self.rank(p, d, t) for t in tp_range] for p in pp_range for d in dp_range],
+            "pp": [[self.rank(p, d, t) for p in pp_range] for d in dp_range for t in tp_range],
+            "dp": [[self.rank(p, d, t) for d in dp_range] for p in pp_range for t in tp_range],
+        }
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's process groups and coordinates in a :class:`ParallelDims` layout.
+
+    Args:
+        dims: the validated layout.
+        mesh: the ``DeviceMesh`` shaped ``(pp, dp, tp)`` with those dimension names (usable by DTensor).
+        tp_group: ranks that split this rank's layers.
+        dp_group: ranks holding the same shards of the same stage (gradients are averaged over it).
+        pp_group: ranks holding the other stages of the same replica and shard.
+        tp_rank: position in ``tp_group``.
+        dp_rank: position in ``dp_group`` (shard the data by this, not by the global rank).
+        pp_rank: pipeline stage.
+    """
+
+    dims: ParallelDims
+    mesh: Any
+    tp_group: Any
+    dp_group: Any
+    pp_group: Any
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+
+def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> ParallelGroups:
+    """Create the tp/dp/pp groups (collective: every rank of the default group calls it in the same order).
+
+    Args:
+        dims: the layout; validated here, before any group is created.
+        rank: this process's global rank (checked against ``torch.distributed``).
+        device_type: the mesh's device type (``"cpu"`` for gloo, ``"cuda"`` for NCCL).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims.validate()
+    if not dist.is_initialized():
+        raise RuntimeError("build_groups needs an initialized default process group (torch.distributed)")
+    if dist.get_world_size() != dims.world_size or dist.get_rank() != rank:
+        raise ConfigError(
+            f"layout world size {dims.world_size} / rank {rank} do not match the running job "
+            f"(world size {dist.get_world_size()}, rank {dist.get_rank()}); launch {dims.world_size} processes"
+        )
+    # Row-major (pp, dp, tp) is exactly Megatron's rank rule, so the mesh's per-dimension groups are its groups.
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+    pp_rank, dp_rank, tp_rank = dims.coords(rank)
+    return ParallelGroups(
+        dims=dims,
+        mesh=mesh,
+        tp_group=mesh.get_group("tp"),
+        dp_group=mesh.get_group("dp"),
+        pp_group=mesh.get_group("pp"),
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        pp_rank=pp_rank,
+    )
+
+
+def format_groups(dims: ParallelDims) -> str:
+    """A readable table of the groups of a layout (for ``hftrain groups``).
+
+    Args:
+        dims: the layout.
+    """
+    groups = dims.rank_groups()
+    names = {"tp": "tensor parallel", "pp": "pipeline parallel", "dp": "data parallel"}
+    lines = [
+        f"world size {dims.world_size} = tp {dims.tp} × dp {dims.dp} × pp {dims.pp} "
+        "(Megatron-LM order: tp ranks adjacent, then dp, pp outermost)"
+    ]
+    for axis in ("tp", "pp", "dp"):
+        lines.append(f"{names[axis]} groups ({len(groups[axis])} groups of {getattr(dims, axis)} ranks):")
+        lines.extend(f"  {axis}{i}: {group}" for i, group in enumerate(groups[axis]))
+    lines.append("rank  pp_rank  dp_rank  tp_rank")
+    lines.extend(f"{r:>4}  {p:>7}  {d:>7}  {t:>7}" for r in range(dims.world_size) for p, d, t in [dims.coords(r)])
+    return "\n".join(lines)

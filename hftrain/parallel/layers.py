@@ -1,0 +1,237 @@
+"""Megatron tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding.
+
+Hand-written rather than DTensor (``parallelize_module``), because: (1) GPT-2's ``Conv1D`` (transposed
+weight) and its packed q/k/v are not handled by DTensor's Colwise/RowwiseParallel styles; (2) the parameters
+stay plain tensors with the HF names, so optimizers, clipping, ``state_dict`` and checkpoints need no DTensor
+awareness; (3) measured on this machine kind (``benchmarks/tensor_parallel.py``, tp=2, 2 cores) they ran a
+``d -> 4d -> d`` MLP and a Llama decoder layer forward+backward 1.3-2.3x faster than DTensor at d=64-256
+(DTensor's per-op dispatch dominates small layers) and within noise of it at d=1024; the README's "Tensor
+parallelism" section has the table.
+
+The layers split the weight of the module they replace and keep its layout (``nn.Linear``: ``(out, in)``;
+``Conv1D``: ``(in, out)``) and its parameter names, so a plan only changes *which slice* a rank holds.
+A column-parallel layer does not enter the tensor-parallel region itself: the region (Megatron's f, or the
+sequence all-gather) is entered once per block whose projections share an input (q, k, v; gate and up), so
+a transformer layer runs exactly 2 collectives forward and 2 backward, as Megatron's fused layers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hftrain.parallel.collectives import reduce_from_tp, reduce_scatter_to_sequence
+
+# Name of the attribute listing a module's own parameters that see sequence-sharded activations under sequence
+# parallelism (replicated weights with partial gradients: finalize_tp_grads all-reduces them over tp).
+SEQUENCE_PARALLEL_PARAMS = "hftrain_sequence_parallel_params"
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How one parameter is split over the tensor-parallel ranks.
+
+    The full tensor's dimension ``dim`` is viewed as ``parts`` equal blocks (GPT-2's ``c_attn``: 3 blocks,
+    query, key and value, each ``hidden`` wide); every block is cut into ``size`` slices and rank ``r`` holds
+    slice ``r`` of every block, concatenated in block order (so its q, k and v are its own heads'). Slices are
+    equal unless ``counts`` gives their lengths (grouped-query attention whose key/value heads tp does not
+    divide: whole key/value groups per rank, as balanced as possible).
+
+    Args:
+        dim: the split dimension of the full (HF-layout) tensor.
+        rank: this rank's tensor-parallel rank.
+        size: tensor-parallel size.
+        full_shape: shape of the unsharded tensor.
+        parts: packed blocks along ``dim`` that are split separately (1 for a plain split).
+        counts: length of each rank's slice of a block, by rank (``None``: ``block / size`` each).
+    """
+
+    dim: int
+    rank: int
+    size: int
+    full_shape: tuple[int, ...]
+    parts: int = 1
+    counts: tuple[int, ...] | None = None
+
+    def slice_lengths(self) -> tuple[int, ...]:
+        """Every rank's slice length within one block."""
+        block = self.full_shape[self.dim] // self.parts
+        return self.counts or (block // self.size,) * self.size
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """Shape of a rank's shard (this rank's by default).
+
+        Args:
+            rank: a tensor-parallel rank.
+        """
+        shape = list(self.full_shape)
+        shape[self.dim] = self.parts * self.slice_lengths()[self.rank if rank is None else rank]
+        return tuple(shape)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``full`` (a copy).
+
+        Args:
+            full: a tensor of ``full_shape`` (a weight, its gradient or its optimizer state).
+        """
+        if tuple(full.shape) != tuple(self.full_shape):
+            raise ValueError(f"expected a full tensor of shape {tuple(self.full_shape)}, got {tuple(full.shape)}")
+        lengths = self.slice_lengths()
+        blocks = full.unflatten(self.dim, (self.parts, -1)).narrow(
+            self.dim + 1, sum(lengths[: self.rank]), lengths[self.rank]
+        )
+        return blocks.flatten(self.dim, self.dim + 1).contiguous().clone()
+
+    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's slice (in tp-rank order).
+
+        Args:
+            shards: ``size`` tensors, one per tensor-parallel rank.
+        """
+        blocks = [shard.unflatten(self.dim, (self.parts, -1)) for shard in shards]
+        return torch.cat(blocks, self.dim + 1).flatten(self.dim, self.dim + 1)
+
+
+def _split_parameter(
+    tensor: torch.Tensor, dim: int, group: Any, parts: int = 1, counts: tuple[int, ...] | None = None
+) -> tuple[nn.Parameter, TPShard]:
+    shard = TPShard(dim, dist.get_rank(group), dist.get_world_size(group), tuple(tensor.shape), parts, counts)
+    return nn.Parameter(shard.local(tensor.detach()), requires_grad=tensor.requires_grad), shard
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+class _ShardedLinear(nn.Module):
+    """A linear map on a weight slice, in the replaced module's layout (``transposed``: Conv1D's ``(in, out)``)."""
+
+    def __init__(
+        self, module: nn.Module, *, tp_group: Any, split: str, parts: int = 1, counts: tuple[int, ...] | None = None
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Linear) and not _is_conv1d(module):
+            raise TypeError(f"tensor parallelism splits nn.Linear or transformers Conv1D, not {type(module).__name__}")
+        self.tp_group = tp_group
+        self.transposed = _is_conv1d(module)
+        out_dim = 1 if self.transposed else 0
+        weight_dim = out_dim if split == "out" else 1 - out_dim
+        self.weight, weight_shard = _split_parameter(module.weight, weight_dim, tp_group, parts, counts)
+        self.shards: dict[str, TPShard] = {"weight": weight_shard}
+        if module.bias is None:
+            self.bias = None
+        elif split == "out":
+            self.bias, self.shards["bias"] = _split_parameter(module.bias, 0, tp_group, parts, counts)
+        else:  # the input dimension is split: every rank adds the full bias once, after the reduction
+            self.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
+
+    def extra_repr(self) -> str:
+        full = self.shards["weight"].full_shape
+        return f"local weight {tuple(self.weight.shape)}, full {full}, conv1d={self.transposed}"
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``Y = XA + b`` with ``A = [A_1 ... A_p]`` split by columns (output features): rank i has ``Y_i = XA_i + b_i``.
+
+    Forward: no collective (``X`` has entered the region through f / the sequence all-gather upstream, and
+    ``Y_i`` stays split for the row-parallel layer that follows). Backward: none in the layer; the partial input
+    gradients ``dY_i A_i^T`` are summed by the region's f (all-reduce) or reduce-scatter (sequence parallel).
+
+    Args:
+        module: the ``nn.Linear`` or ``Conv1D`` to split (its full weights, identical on every rank).
+        tp_group: the tensor-parallel group.
+        parts: packed blocks in the output (3 for GPT-2's ``c_attn``: each of q, k, v is split per head).
+        counts: output features per rank when they are not equal (see :class:`TPShard`).
+    """
+
+    def __init__(
+        self, module: nn.Module, *, tp_group: Any, parts: int = 1, counts: tuple[int, ...] | None = None
+    ) -> None:
+        super().__init__(module, tp_group=tp_group, split="out", parts=parts, counts=counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)  # the bias is split like the output: fused into the matmul
+
+
+class RowParallelLinear(_ShardedLinear):
+    """``Y = XA + b`` with ``A = [A_1; ...; A_p]`` split by rows (input features) and ``X = [X_1 ... X_p]``.
+
+    Rank i computes the partial product ``X_i A_i``; the sum over ranks is Megatron's g: all-reduce forward,
+    identity backward. Under sequence parallelism the sum is a reduce-scatter along the sequence forward and
+    an all-gather backward. The bias is replicated and added once after the reduction (under sequence
+    parallelism it sees only this rank's sequence chunk, so its gradient is all-reduced by
+    ``finalize_tp_grads``).
+
+    Args:
+        module: the ``nn.Linear`` or ``Conv1D`` to split.
+        tp_group: the tensor-parallel group.
+        sequence_parallel: reduce-scatter along the sequence instead of all-reduce.
+        counts: input features per rank when they are not equal (see :class:`TPShard`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        tp_group: Any,
+        sequence_parallel: bool = False,
+        counts: tuple[int, ...] | None = None,
+    ) -> None:
+        super().__init__(module, tp_group=tp_group, split="in", counts=counts)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel and self.bias is not None:
+            setattr(self, SEQUENCE_PARALLEL_PARAMS, ("bias",))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = self._matmul(x)
+        reduce = reduce_scatter_to_sequence if self.sequence_parallel else reduce_from_tp
+        y = reduce(partial, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``Y = onehot(ids) E`` with ``E = [E_1; ...; E_p]`` split by vocabulary rows.
+
+    Rank i looks up the ids in its range ``[i·V/p, (i+1)·V/p)``, zeroes the rows of the others, and the
+    partial results are summed by Megatron's g: all-reduce forward, identity backward (so each rank's gradient
+    reaches only its own rows). Under sequence parallelism the scatter to sequence chunks happens after the
+    model's embedding block (HF adds position embeddings after the lookup), not here.
+
+    Args:
+        module: the ``nn.Embedding`` to split.
+        tp_group: the tensor-parallel group.
+    """
+
+    def __init__(self, module: nn.Embedding, *, tp_group: Any) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"a vocabulary-parallel embedding splits nn.Embedding, not {type(module).__name__}")
+        self.tp_group = tp_group
+        self.weight, shard = _split_parameter(module.weight, 0, tp_group)
+        self.shards = {"weight": shard}
+        self.num_embeddings = module.num_embeddings
+        rows = self.weight.shape[0]
+        self.vocab_start, self.vocab_end = shard.rank * rows, (shard.rank + 1) * rows
+        pad = module.padding_idx
+        self.local_padding_idx = (
+            pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight, self.local_padding_idx)
+        return reduce_from_tp(partial.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"vocab [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings}, dim {self.weight.shape[1]}"

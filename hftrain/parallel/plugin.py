@@ -1,0 +1,280 @@
+"""``MegatronPlugin``: hftrain's tensor × data parallelism for a hand-written Accelerate loop.
+
+Accelerate cannot run this layout itself: its TP refuses ``MULTI_CPU``, and ``prepare(model)`` wraps a TP model
+in DDP over the *whole* world, averaging gradients between ranks that hold different shards. The plugin does the
+four things Accelerate would get wrong, and leaves the rest (process group, ``accumulate``, ``backward``,
+autocast, trackers) to Accelerate::
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)   # the default process group
+    plugin = MegatronPlugin(tp=2).setup()                # Megatron-order tp/dp groups (4 processes: tp2 × dp2)
+    model = plugin.prepare_model(model)                  # TP layers, then DDP over the dp group only
+    optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters()))
+    loader = plugin.prepare_data_loader(loader)          # sharded by dp rank: tp ranks see the same batches
+    for batch in loader:
+        with accelerator.accumulate(model):              # DDP's no_sync inside the window, as usual
+            with accelerator.autocast():
+                loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                plugin.finalize_grads(model)             # sequence-parallel norm grads summed over tp
+                plugin.clip_grad_norm_(model, 1.0)       # split weights counted once
+            optimizer.step()                             # skipped inside the accumulation window
+            optimizer.zero_grad()
+    weights = plugin.full_state_dict(model)              # collective over tp: the HF names and full shapes
+
+The plugin knows nothing of hftrain's Trainer; hftrain's ``megatron`` strategy is this plugin behind the
+Trainer's runtime interface. Groups are held by the plugin object, never in module globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hftrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from hftrain.parallel.dims import ParallelGroups
+
+
+@dataclass
+class MegatronPlugin:
+    """Megatron-style tensor parallelism composed with data parallelism over the dp groups.
+
+    Args:
+        tp: tensor-parallel size; must divide the world size and the model's sizes.
+        sequence_parallel: Megatron sequence parallelism (sequences are padded to a multiple of ``tp``).
+        shard_optimizer: ZeRO-1-style optimizer-state sharding over the dp group
+            (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+    """
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    shard_optimizer: bool = False
+    groups: ParallelGroups | None = field(default=None, init=False, repr=False)
+
+    # ----------------------------------------------------------------- layout
+    def setup(self, *, device_type: str = "cpu") -> MegatronPlugin:
+        """Build the tp/dp groups in Megatron's rank order (collective; needs the default process group).
+
+        Args:
+            device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+        """
+        import torch.distributed as dist
+
+        from hftrain.parallel.dims import ParallelDims, build_groups
+
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        dims = ParallelDims(world, tp=self.tp).validate()
+        if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
+            _init_single_process_group()
+        self.groups = build_groups(dims, rank, device_type=device_type)
+        return self
+
+    @property
+    def layout(self) -> ParallelGroups:
+        """This rank's groups; ``setup()`` must have run."""
+        if self.groups is None:
+            raise RuntimeError("MegatronPlugin.setup() must run before the plugin is used")
+        return self.groups
+
+    # ----------------------------------------------------------------- wrapping
+    def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
+        """Split the model's layers over tp (in place), move it, and wrap it in DDP over the dp group.
+
+        Every rank must hold the same full weights before (same seed or the same checkpoint).
+
+        Args:
+            model: an unchanged HF ``*ForSequenceClassification`` model.
+            device: where the shards live (None: stay where they are).
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hftrain.parallel import apply_tensor_parallel, check_tensor_parallel
+
+        layout = self.layout
+        check_tensor_parallel(model.config, self.tp)
+        if device is not None:  # first: splitting runs a collective on the weights, on the group's device
+            model = model.to(device)
+        model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=self.sequence_parallel)
+        if layout.dp_size == 1:
+            return model
+        # Gradients are averaged over the ranks holding the same shard only; DDP's no_sync serves accumulation.
+        return DistributedDataParallel(model, process_group=layout.dp_group)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The optimizer, sharded over dp when ``shard_optimizer``, wrapped so that it steps only at window ends.
+
+        Args:
+            optimizer: built over the prepared model's (sharded) parameters.
+        """
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        if self.shard_optimizer and self.layout.dp_size > 1:
+            optimizer = _zero_from(optimizer, self.layout.dp_group)
+        # device_placement=False: a ZeroRedundancyOptimizer has no state_dict() before consolidation.
+        return AcceleratedOptimizer(optimizer, device_placement=False)
+
+    def prepare_data_loader(self, loader: DataLoader, *, device: Any = None) -> DataLoader:
+        """Shard ``loader`` by dp rank (tp ranks of one replica get the same batches), Accelerate's way.
+
+        Args:
+            loader: the full loader, built identically on every rank.
+            device: where batches go (None: leave them).
+        """
+        from accelerate.data_loader import prepare_data_loader
+
+        if self.sequence_parallel and self.tp > 1:
+            loader = _padded_to_multiple(loader, self.tp)
+        layout = self.layout
+        return prepare_data_loader(
+            loader,
+            device,
+            num_processes=layout.dp_size,
+            process_index=layout.dp_rank,
+            put_on_device=device is not None,
+            use_seedable_sampler=True,
+        )
+
+    # ----------------------------------------------------------------- step
+    def finalize_grads(self, model: torch.nn.Module) -> None:
+        """Complete the gradients of TP-replicated parameters after backward (before clipping and the step).
+
+        Args:
+            model: the prepared model.
+        """
+        from hftrain.parallel import finalize_tp_grads
+
+        finalize_tp_grads(unwrap(model), tp_group=self.layout.tp_group)
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip to the global gradient norm, as one process with the whole model would compute it.
+
+        Megatron's rule: the squares of split parameters are summed over the tp group; replicated parameters
+        (norms, row-parallel biases, the head) hold the same gradient on every tp rank and count once.
+
+        Args:
+            model: the prepared model (after ``finalize_grads``).
+            max_norm: the largest allowed norm.
+        """
+        import torch
+        import torch.distributed as dist
+
+        from hftrain.parallel import sharded_parameters
+
+        module = unwrap(model)
+        split = set(sharded_parameters(module))
+        grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
+        device = next(iter(grads.values())).device if grads else None
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # (split, replicated) sums of squares
+        for name, grad in grads.items():
+            squares[0 if name in split else 1] += grad.detach().double().pow(2).sum()
+        split_sq = squares[:1].clone()
+        if self.tp > 1:
+            dist.all_reduce(split_sq, group=self.layout.tp_group)
+        total = (split_sq + squares[1:]).sqrt().float().squeeze(0)
+        # torch.nn.utils.clip_grad_norm_'s coefficient, so tp=1 matches a single process exactly.
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads.values():
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    # ----------------------------------------------------------------- evaluation and state
+    def gather_for_metrics(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Per-example tensors of one evaluation batch from every dp rank, each example once.
+
+        tp ranks of a replica hold the same examples, so gathering over the world would count each ``tp`` times;
+        the duplicates Accelerate adds to even out the last batch are dropped as ``gather_for_metrics`` does.
+
+        Args:
+            tensors: this rank's per-example tensors (first dimension = batch).
+        """
+        import torch
+        import torch.distributed as dist
+        from accelerate.state import GradientState
+
+        layout = self.layout
+        if layout.dp_size == 1:
+            return tensors
+        parts: list[Any] = [None] * layout.dp_size
+        dist.all_gather_object(parts, [t.cpu() for t in tensors], group=layout.dp_group)
+        gathered = tuple(torch.cat([p[i] for p in parts]) for i in range(len(tensors)))
+        state = GradientState()
+        if state.end_of_dataloader and state.remainder > 0:
+            gathered = tuple(t[: state.remainder] for t in gathered)
+        return gathered
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights with the HF names (collective over the tp group).
+
+        Args:
+            model: the prepared model.
+        """
+        from hftrain.parallel import full_state_dict
+
+        return full_state_dict(unwrap(model), tp_group=self.layout.tp_group)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP (and nothing else: the TP layers are the model)."""
+    return getattr(model, "module", model)
+
+
+def _zero_from(optimizer: torch.optim.Optimizer, dp_group: Any) -> Any:
+    """A ``ZeroRedundancyOptimizer`` of the same class, hyper-parameters and parameter groups."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    first, *others = optimizer.param_groups
+    zero = ZeroRedundancyOptimizer(
+        first["params"],
+        optimizer_class=type(optimizer),
+        process_group=dp_group,
+        **_group_options(first, type(optimizer)),
+    )
+    for group in others:
+        zero.add_param_group(dict(group))
+    return zero
+
+
+def _group_options(group: dict[str, Any], optimizer_class: type) -> dict[str, Any]:
+    """A parameter group's hyper-parameters that ``optimizer_class``'s constructor accepts."""
+    import inspect
+
+    accepted = inspect.signature(optimizer_class).parameters
+    return {k: v for k, v in group.items() if k != "params" and k in accepted}
+
+
+def _padded_to_multiple(loader: DataLoader, multiple: int) -> DataLoader:
+    """The same loader whose collator pads sequences to a multiple of ``multiple`` (sequence parallelism)."""
+    from torch.utils.data import DataLoader
+
+    collate = loader.collate_fn
+    if not hasattr(collate, "pad_to_multiple_of"):
+        raise ConfigError(
+            "strategy.sequence_parallel needs a padding collator with pad_to_multiple_of "
+            f"(transformers' DataCollatorWithPadding), got {type(collate).__name__}"
+        )
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=loader.sampler,
+        collate_fn=dataclasses.replace(collate, pad_to_multiple_of=multiple),
+        num_workers=loader.num_workers,
+        generator=loader.generator,
+    )
+
+
+def _init_single_process_group() -> None:
+    """A one-process gloo group on a free loopback port (a one-process run uses the same code as many)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -1,0 +1,324 @@
+"""Apply a tensor-parallel plan to an HF model, and convert between full and sharded state.
+
+:func:`apply_tensor_parallel` is the one function that turns a plan (``hftrain.parallel.plans``) into modules:
+each style is one small function in :data:`STYLES`. Parameter names do not change, so the logical name of a
+shard is its HF name (without wrapper prefixes such as ``module.``), and :func:`full_state_dict` returns a
+state dict the plain HF class loads with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hftrain.errors import HFTrainError
+from hftrain.parallel.collectives import (
+    all_reduce_coalesced,
+    copy_to_tp,
+    gather_from_sequence,
+    gather_to_replicated,
+    scatter_to_sequence,
+)
+from hftrain.parallel.layers import (
+    SEQUENCE_PARALLEL_PARAMS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPShard,
+    VocabParallelEmbedding,
+)
+from hftrain.parallel.plans import TensorParallelPlan, check_tensor_parallel, plan_for
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
+
+
+Counts = tuple[int, ...] | None  # unequal per-rank widths of a split (TPShard.counts)
+
+
+@dataclass(frozen=True)
+class _Context:
+    tp_group: Any
+    tp_size: int
+    sequence_parallel: bool
+    counts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # layer path -> per-rank widths
+
+
+def _map_hidden_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Pass the module's ``hidden_states`` input (keyword or first positional) through ``fn``."""
+
+    def hook(_module, args, kwargs):
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        return (fn(args[0]), *args[1:]), kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _map_hidden_output(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Pass the module's output (a tensor, the first item of a tuple, or a ModelOutput's first field) through ``fn``."""
+
+    def hook(_module, _args, output):
+        if isinstance(output, torch.Tensor):
+            return fn(output)
+        if isinstance(output, tuple) and not hasattr(output, "keys"):
+            return (fn(output[0]), *output[1:])
+        first = next(iter(output.keys()))  # transformers ModelOutput: last_hidden_state
+        output[first] = fn(output[first])
+        return output
+
+    module.register_forward_hook(hook)
+
+
+def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    setattr(parent, name, ColumnParallelLinear(module, tp_group=ctx.tp_group, counts=counts))
+
+
+def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    setattr(parent, name, ColumnParallelLinear(module, tp_group=ctx.tp_group, parts=3))
+
+
+def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    row = RowParallelLinear(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, counts=counts)
+    setattr(parent, name, row)
+
+
+def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    setattr(parent, name, VocabParallelEmbedding(module, tp_group=ctx.tp_group))
+
+
+def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    enter = gather_from_sequence if ctx.sequence_parallel else copy_to_tp
+    _map_hidden_input(module, lambda x: enter(x, ctx.tp_group))
+
+
+def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    if ctx.sequence_parallel:
+        setattr(module, SEQUENCE_PARALLEL_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
+
+
+def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    if ctx.sequence_parallel:
+        _map_hidden_input(module, lambda x: scatter_to_sequence(x, ctx.tp_group))
+
+
+def _gather(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    if ctx.sequence_parallel:
+        _map_hidden_output(module, lambda x: gather_to_replicated(x, ctx.tp_group))
+
+
+STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context, Counts], None]] = {
+    "column": _column,
+    "column_qkv": _column_qkv,
+    "row": _row,
+    "vocab": _vocab,
+    "region": _region,
+    "sequence": _sequence,
+    "scatter": _scatter,
+    "gather": _gather,
+}
+
+
+def _refuse_unsupported(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A"):
+            raise HFTrainError(
+                f"LoRA module '{name}' with tensor parallelism is not supported; use lora.use_lora: false"
+            )
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+            raise HFTrainError(f"tensor parallelism is already applied to this model (module '{name}')")
+
+
+def _check_replicated(model: nn.Module, tp_group: Any) -> None:
+    """Every tp rank must start from the same full weights (same seed); a checksum costs one all-reduce."""
+    with torch.no_grad():
+        total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
+        bounds = torch.stack([total, -total])
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=tp_group)
+    if not torch.isclose(bounds[0], -bounds[1], rtol=0, atol=1e-9 * max(1.0, abs(total.item()))):
+        raise HFTrainError(
+            "the model's weights differ across tensor-parallel ranks; build it with the same seed on every rank "
+            "(tensor parallelism splits identical full weights)"
+        )
+
+
+def _apply_entries(root: nn.Module, entries, ctx: _Context) -> None:
+    for path, style in entries:
+        parent_path, _, name = path.rpartition(".")
+        STYLES[style](root.get_submodule(parent_path), name, root.get_submodule(path), ctx, ctx.counts.get(path))
+
+
+def _apply_to_layer(layer: nn.Module, plan: TensorParallelPlan, ctx: _Context) -> None:
+    _apply_entries(layer, plan.layer, ctx)
+    for path, attributes in plan.heads.items():
+        attention = layer.get_submodule(path)
+        for attribute in attributes:
+            setattr(attention, attribute, getattr(attention, attribute) // ctx.tp_size)
+
+
+def parallelize_layer(layer: nn.Module, config: Any, *, tp_group: Any, sequence_parallel: bool = False) -> nn.Module:
+    """Split one transformer layer in place with its family's plan (what apply_tensor_parallel does per layer).
+
+    For benchmarks and tests of a single layer; the caller owns the model-level entries (embedding, sequence
+    scatter/gather).
+
+    Args:
+        layer: e.g. a ``LlamaDecoderLayer`` with full weights identical on every rank.
+        config: the model config the layer was built from (selects the plan; its sizes are checked).
+        tp_group: the tensor-parallel group.
+        sequence_parallel: the layer's input and output are sequence chunks.
+    """
+    plan, tp_size = plan_for(config), dist.get_world_size(tp_group)
+    check_tensor_parallel(config, tp_size)
+    _apply_to_layer(layer, plan, _Context(tp_group, tp_size, sequence_parallel, plan.counts(config, tp_size)))
+    return layer
+
+
+def apply_tensor_parallel(model: nn.Module, *, tp_group: Any, sequence_parallel: bool = False) -> nn.Module:
+    """Split an unchanged HF ``*ForSequenceClassification`` model in place over ``tp_group``.
+
+    Every rank must hold the same full weights (build the model with the same seed); each keeps its shard.
+    Collective over ``tp_group`` (one all-reduce checks the weights are replicated).
+
+    Args:
+        model: a BERT, GPT-2 or Llama-family model (``hftrain.parallel.plans.PLANS``), without LoRA.
+        tp_group: the tensor-parallel process group.
+        sequence_parallel: shard LayerNorm/dropout regions along the sequence (batches must be padded to a
+            multiple of ``sequence_multiple(tp, sequence_parallel=True)``; call :func:`finalize_tp_grads`
+            after backward).
+    """
+    plan = plan_for(model.config)
+    tp_size = dist.get_world_size(tp_group)
+    check_tensor_parallel(model.config, tp_size)
+    _refuse_unsupported(model)
+    _check_replicated(model, tp_group)
+    ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(model.config, tp_size))
+    for layer in model.get_submodule(plan.layers):
+        _apply_to_layer(layer, plan, ctx)
+    _apply_entries(model, plan.model, ctx)
+    return model
+
+
+def _logical(name: str) -> str:
+    while name.startswith(WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def _join(prefix: str, name: str) -> str:
+    return _logical(f"{prefix}.{name}" if prefix else name)
+
+
+def sharded_parameters(model: nn.Module) -> dict[str, TPShard]:
+    """Logical HF names of the split parameters -> how each is split.
+
+    Args:
+        model: a model after :func:`apply_tensor_parallel`, possibly wrapped (DDP, Accelerate, compile).
+    """
+    return {
+        _join(prefix, name): shard
+        for prefix, module in model.named_modules()
+        for name, shard in getattr(module, "shards", {}).items()
+        if isinstance(shard, TPShard)
+    }
+
+
+def gather_full_tensors(local: dict[str, torch.Tensor], model: nn.Module, *, tp_group: Any) -> dict[str, torch.Tensor]:
+    """Full tensors from per-rank ones keyed by logical name (weights, gradients, optimizer state).
+
+    Collective over ``tp_group``: every tp rank passes the same names in the same order and gets the result.
+    Tensors of unsplit names are returned as they are.
+
+    Args:
+        local: logical name -> this rank's tensor (its shard for split names).
+        model: the tensor-parallel model that defines the splits.
+        tp_group: the tensor-parallel group.
+    """
+    shards = sharded_parameters(model)
+    split = [name for name in local if name in shards]
+    full = dict(local)
+    size = dist.get_world_size(tp_group)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in split:
+        by_dtype.setdefault(local[name].dtype, []).append(name)
+    for names in by_dtype.values():
+        # one all-gather per dtype; every rank knows every rank's shard shapes, so unequal splits are padded
+        shapes = [[shards[name].local_shape(r) for name in names] for r in range(size)]
+        lengths = [[math.prod(shape) for shape in rank_shapes] for rank_shapes in shapes]
+        longest = max(sum(rank_lengths) for rank_lengths in lengths)
+        flat = torch.cat([local[name].detach().reshape(-1) for name in names])
+        flat = torch.nn.functional.pad(flat, (0, longest - flat.numel()))
+        gathered = [torch.empty_like(flat) for _ in range(size)]
+        dist.all_gather(gathered, flat, group=tp_group)
+        pieces = [g[: sum(lengths[r])].split(lengths[r]) for r, g in enumerate(gathered)]
+        for i, name in enumerate(names):
+            full[name] = shards[name].assemble([pieces[r][i].view(shapes[r][i]) for r in range(size)])
+    return full
+
+
+def full_state_dict(model: nn.Module, *, tp_group: Any) -> dict[str, torch.Tensor]:
+    """The unsharded state dict with the model's own HF names (collective over ``tp_group``; every rank gets it).
+
+    Args:
+        model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
+        tp_group: the tensor-parallel group.
+    """
+    local = {_logical(name): tensor.detach() for name, tensor in model.state_dict().items()}
+    return gather_full_tensors(local, model, tp_group=tp_group)
+
+
+def shard_full_tensor(name: str, full: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """This rank's slice of the full tensor named ``name`` (the tensor itself when that name is not split).
+
+    Args:
+        name: logical HF name of a parameter (or of state shaped like it).
+        full: the unsharded tensor.
+        model: the tensor-parallel model that defines the splits.
+    """
+    shard = sharded_parameters(model).get(_logical(name))
+    return full if shard is None else shard.local(full)
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded HF state dict into a tensor-parallel model (each rank takes its slices), strictly.
+
+    Args:
+        model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
+        state: logical name -> full tensor, e.g. from :func:`full_state_dict` or the plain HF model.
+    """
+    shards = sharded_parameters(model)
+    targets = {_logical(name): tensor for name, tensor in model.state_dict().items()}
+    missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
+    if missing or unexpected:
+        raise HFTrainError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, target in targets.items():
+            value = shards[name].local(state[name]) if name in shards else state[name]
+            if value.shape != target.shape:
+                raise HFTrainError(f"'{name}': shape {tuple(state[name].shape)} does not fit the model")
+            target.copy_(value)
+
+
+def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:
+    """Complete the gradients after backward, before the optimizer step (collective over ``tp_group``).
+
+    Under sequence parallelism, replicated parameters that ran on sequence chunks (LayerNorms, row-parallel
+    biases) hold partial gradients: they are all-reduced over tp (one all-reduce per dtype). Without
+    sequence parallelism there are none and nothing is communicated.
+
+    Args:
+        model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
+        tp_group: the tensor-parallel group.
+    """
+    grads = [
+        getattr(module, name).grad
+        for module in model.modules()
+        for name in getattr(module, SEQUENCE_PARALLEL_PARAMS, ())
+        if getattr(module, name).grad is not None
+    ]
+    if grads:
+        all_reduce_coalesced(grads, tp_group)

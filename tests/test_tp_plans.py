@@ -1,0 +1,346 @@
+"""TP plans on tiny BERT, GPT-2 and Llama: TP=2 (2 gloo processes) and TP2×DP2 (4) equal the unsharded model.
+
+Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
+three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
+attention head counts; ``full_state_dict`` loading strictly into the plain HF class with identical logits;
+``load_full_state_dict`` / ``shard_full_tensor`` as its inverse.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hftrain.errors import ConfigError
+from tests.distributed import run_distributed
+
+# split parameters per family in the tiny 2-layer models: per layer (BERT: q, k, v weights and biases, attention
+# output weight, intermediate weight and bias, output weight; GPT-2: c_attn w+b, attn c_proj w, c_fc w+b, mlp
+# c_proj w; Llama: q, k, v, o, gate, up, down) + the word embeddings
+SPLIT_COUNTS = {"bert": 2 * 10 + 1, "gpt2": 2 * 6 + 1, "llama": 2 * 7 + 1, "llama_kv3": 2 * 7 + 1}
+HEAD_ATTRIBUTES = {
+    "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
+    "gpt2": ("transformer.h.0.attn", {"num_heads": 1, "embed_dim": 16, "split_size": 16}),
+    "llama": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+    "llama_kv3": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+}
+KINDS = ("bert", "gpt2", "llama", "llama_kv3")
+# "llama_kv3": 6 query / 3 key-value heads of 8 (SmolLM2's 9 / 3 in small): tp=2 does not divide the key/value
+# heads, so the ranks hold whole groups, 2 + 1 key/value and 4 + 2 query heads (q/k/v/o rows [32, 16] / [16, 8])
+UNEQUAL = {"q_proj": [32, 16], "o_proj": [32, 16], "k_proj": [16, 8], "v_proj": [16, 8]}
+
+
+def _batch(kind: str):
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 64, (4, 8), generator=generator)
+    ids[1, 5:] = 0  # right padding (pad id 0 in every tiny config)
+    ids[3, 3:] = 0
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([0, 1, 1, 0])}
+
+
+def _build(kind: str, seed: int = 0, dropout: float = 0.0):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config
+
+    config = tiny_config(kind.removesuffix("_kv3"), dropout=dropout)
+    if kind == "llama_kv3":
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 48, 6, 3, 8
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
+    """TP over ``groups.tp_group``; each dp replica takes its rows of the batch and gradients are averaged over dp."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing import assert_close
+
+    from hftrain.parallel import (
+        apply_tensor_parallel,
+        finalize_tp_grads,
+        full_state_dict,
+        gather_full_tensors,
+        load_full_state_dict,
+        shard_full_tensor,
+        sharded_parameters,
+    )
+    from hftrain.parallel.collectives import all_reduce_coalesced
+
+    group, tp = groups.tp_group, groups.tp_size
+    ref, model = _build(kind), _build(kind)
+    apply_tensor_parallel(model, tp_group=group, sequence_parallel=sequence_parallel)
+    batch = _batch(kind)
+    local_batch = {k: v.chunk(groups.dp_size)[groups.dp_rank] for k, v in batch.items()}  # sharded by dp rank
+
+    # each rank holds 1/tp of every split weight (whole key/value groups when tp does not divide them), read
+    # from the live modules
+    shards = sharded_parameters(model)
+    assert len(shards) == SPLIT_COUNTS[kind], sorted(shards)
+    local_numel = full_numel = 0
+    for name, shard in shards.items():
+        live, full = model.get_parameter(name), ref.get_parameter(name)
+        module = name.split(".")[-2]
+        expected = list(shard.full_shape)
+        expected[shard.dim] = (
+            UNEQUAL[module][groups.tp_rank] if kind == "llama_kv3" and module in UNEQUAL else expected[shard.dim] // tp
+        )
+        assert list(live.shape) == expected, name
+        assert_close(live.detach(), shard_full_tensor(name, full.detach(), model))
+        local_numel, full_numel = local_numel + live.numel(), full_numel + full.numel()
+    total = torch.tensor(float(local_numel))
+    dist.all_reduce(total, group=group)
+    assert total.item() == full_numel  # the shards partition the split weights
+    if kind != "llama_kv3":
+        assert local_numel * tp == full_numel
+    path, attributes = HEAD_ATTRIBUTES[kind]
+    attention = model.get_submodule(path)
+    assert {a: getattr(attention, a) for a in attributes} == attributes
+
+    # AdamW steps: logits, loss and full gradients equal the unsharded model's at every step
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    losses = []
+    for _step in range(3):
+        expected_out, out = ref(**batch), model(**local_batch)
+        assert_close(out.logits, expected_out.logits.chunk(groups.dp_size)[groups.dp_rank])
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=groups.dp_group)
+        assert_close(loss / groups.dp_size, expected_out.loss.detach())
+        expected_out.loss.backward()
+        out.loss.backward()
+        finalize_tp_grads(model, tp_group=group)
+        # data parallel over the dp group only: the mean of the replicas' gradients (equal row counts)
+        all_reduce_coalesced([p.grad for p in model.parameters()], groups.dp_group)
+        for param in model.parameters():
+            param.grad /= groups.dp_size
+        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=group)
+        for name, param in ref.named_parameters():
+            assert_close(grads[name], param.grad, msg=lambda m, name=name: f"{kind} grad {name}: {m}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item() / groups.dp_size)
+
+    # the unsharded state dict loads strictly into the plain HF class and gives the same logits
+    full = full_state_dict(model, tp_group=group)
+    plain = _build(kind, seed=123)
+    plain.load_state_dict(full, strict=True)
+    with torch.no_grad():
+        assert_close(plain(**batch).logits, ref(**batch).logits)
+        # and back: a fresh TP model loads the trained full weights
+        fresh = apply_tensor_parallel(_build(kind), tp_group=group, sequence_parallel=sequence_parallel)
+        load_full_state_dict(fresh, ref.state_dict())
+        assert_close(fresh(**batch).logits, ref(**batch).logits)
+    return {"losses": losses, "decreased": losses[-1] < losses[0]}
+
+
+def _dropout_stays_replicated(kind: str, groups) -> str:
+    """With dropout on, the tp ranks' replicated activations and gradients must stay identical (same streams)."""
+    import torch
+    import torch.distributed as dist
+
+    from hftrain.errors import ConfigError
+    from hftrain.parallel import apply_tensor_parallel, finalize_tp_grads, sharded_parameters
+
+    try:
+        model = apply_tensor_parallel(_build(kind, dropout=0.1), tp_group=groups.tp_group).train()
+    except ConfigError as error:
+        return str(error)
+    torch.manual_seed(7)  # as the Trainer seeds every rank
+    out = model(**_batch(kind))
+    out.loss.backward()
+    finalize_tp_grads(model, tp_group=groups.tp_group)
+    split = sharded_parameters(model)
+    mine = torch.cat(
+        [out.logits.detach().reshape(-1)] + [p.grad.reshape(-1) for n, p in model.named_parameters() if n not in split]
+    )
+    every = [torch.empty_like(mine) for _ in range(groups.tp_size)]
+    dist.all_gather(every, mine, group=groups.tp_group)
+    return "identical" if all(torch.equal(every[0], other) for other in every) else "diverged"
+
+
+def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
+    import torch.distributed as dist
+
+    from hftrain.errors import HFTrainError
+    from hftrain.parallel import ParallelDims, apply_tensor_parallel, build_groups
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), rank)
+    report = {(kind, sp): _check_family(kind, sp, groups) for kind in KINDS for sp in sequence_parallel}
+    report |= {(kind, "dropout"): _dropout_stays_replicated(kind, groups) for kind in KINDS}
+    try:  # different weights per rank (no common seed) are refused, not silently mixed
+        apply_tensor_parallel(_build("bert", seed=rank), tp_group=groups.tp_group)
+    except HFTrainError as error:
+        report["unseeded"] = str(error)
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.distributed
+# TP2×DP2 runs the sequence-parallel variant only (the harder path) to keep the 4-process launch short
+@pytest.mark.parametrize(("nprocs", "sequence_parallel"), [(2, (False, True)), (4, (True,))], ids=["tp2", "tp2xdp2"])
+def test_tp_plans_match_unsharded_models(nprocs, sequence_parallel):
+    results = run_distributed(_all_plan_checks, nprocs=nprocs, timeout=900, sequence_parallel=sequence_parallel)
+    for report in results:  # the comparisons are asserted inside every rank
+        for kind in KINDS:
+            assert all(report[(kind, sp)]["decreased"] for sp in sequence_parallel)
+        for kind in ("bert", "gpt2", "llama"):
+            assert report[(kind, "dropout")] == "identical", kind
+        assert (
+            "splits this model's key/value heads unequally, which needs attention_dropout=0"
+            in report[("llama_kv3", "dropout")]
+        )
+        assert "same seed" in report["unseeded"]
+    assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
+
+
+def _config(kind: str, **sizes):
+    from tests.tiny import tiny_config
+
+    config = tiny_config(kind)
+    for name, value in sizes.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("kind", "sizes", "tp", "named"),
+    [
+        ("bert", {}, 4, "num_attention_heads=2"),
+        ("bert", {"vocab_size": 63}, 2, "vocab_size=63"),
+        ("bert", {"intermediate_size": 66}, 4, "intermediate_size=66"),
+        ("gpt2", {"n_head": 4, "n_embd": 36}, 8, "n_head=4, n_embd=36"),
+        ("llama", {}, 4, "num_key_value_heads=2"),
+        (
+            "llama",
+            {"intermediate_size": 66},
+            4,
+            "does not divide intermediate_size=66 and exceeds num_key_value_heads=2",
+        ),
+        # SmolLM2-135M's sizes: 9 heads, 3 key/value heads: tp=2 splits whole groups (see llama_kv3), tp=4 cannot
+        (
+            "llama",
+            {
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "vocab_size": 49152,
+            },
+            4,
+            r"exceeds num_key_value_heads=3 \(each rank needs one\) of this llama model; "
+            r"valid strategy.tp values for it: 1, 2, 3",
+        ),
+    ],
+)
+def test_check_tensor_parallel_names_the_size(kind, sizes, tp, named):
+    from hftrain.parallel import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match=named):
+        check_tensor_parallel(_config(kind, **sizes), tp)
+    check_tensor_parallel(_config(kind, **sizes), 1)
+
+
+def test_smollm2_sizes_run_at_tp_2_and_3():
+    from hftrain.parallel import check_tensor_parallel
+    from hftrain.parallel.plans import PLANS
+
+    config = _config(
+        "llama",
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+    )
+    for tp in (1, 2, 3):
+        check_tensor_parallel(config, tp)
+    counts = PLANS["llama"].counts(config, 2)
+    assert counts["self_attn.q_proj"] == (6 * 64, 3 * 64) and counts["self_attn.k_proj"] == (2 * 64, 64)
+    assert PLANS["llama"].counts(config, 3)["self_attn.q_proj"] == (192, 192, 192)
+
+
+def test_check_tensor_parallel_refuses_unknown_family():
+    from transformers import DistilBertConfig
+
+    from hftrain.parallel import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match="no plan for model type 'distilbert'; supported: bert, gpt2, llama"):
+        check_tensor_parallel(DistilBertConfig(), 2)
+
+
+def test_sequence_multiple():
+    from hftrain.parallel import sequence_multiple
+
+    assert sequence_multiple(4, sequence_parallel=True) == 4
+    assert sequence_multiple(4, sequence_parallel=False) == 1
+
+
+def _smollm2_matches(model_dir: str) -> dict:
+    """The real SmolLM2-135M (9 query / 3 key-value heads, 30 layers) split 2:1 at tp=2 equals the whole model."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing import assert_close
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hftrain.parallel import (
+        ParallelDims,
+        apply_tensor_parallel,
+        build_groups,
+        finalize_tp_grads,
+        gather_full_tensors,
+        sharded_parameters,
+    )
+
+    dist.init_process_group("gloo")
+    groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), dist.get_rank())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["a gripping, beautifully acted film", "dull and far too long; I left early"]
+    batch = dict(tokenizer(texts, padding="max_length", max_length=12, return_tensors="pt"))
+    batch["labels"] = torch.tensor([1, 0])
+
+    def build():
+        torch.manual_seed(0)  # the new classification head: same initial weights on every rank
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+        model.config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+        return model
+
+    ref = build()
+    expected = ref(**batch)
+    expected.loss.backward()
+    report = {}
+    for sequence_parallel in (False, True):
+        model = apply_tensor_parallel(build(), tp_group=groups.tp_group, sequence_parallel=sequence_parallel)
+        out = model(**batch)
+        out.loss.backward()
+        finalize_tp_grads(model, tp_group=groups.tp_group)
+        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=groups.tp_group)
+        assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+        for name, param in ref.named_parameters():
+            assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        q = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+        report[sequence_parallel] = {
+            "q_rows": q.shape[0],
+            "logit_diff": (out.logits - expected.logits).abs().max().item(),
+            "split": len(sharded_parameters(model)),
+        }
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_smollm2_tp2_matches_unsharded():
+    from hftrain.models import resolve_model_path
+
+    model_dir = str(resolve_model_path("embedded:smollm2"))  # converts the GGUF once, before the launch
+    results = run_distributed(_smollm2_matches, nprocs=2, timeout=1200, model_dir=model_dir)
+    assert [r[False]["q_rows"] for r in results] == [6 * 64, 3 * 64]  # rank 0: 6 query heads, rank 1: 3
+    assert all(r[sp]["split"] == 30 * 7 + 1 for r in results for sp in (False, True))
+    largest = max(r[sp]["logit_diff"] for r in results for sp in (False, True))
+    print(f"\nSmolLM2-135M tp=2 vs unsharded: max logit difference {largest:.2e}")
