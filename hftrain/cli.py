@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     groups.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     groups.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     groups.add_argument("--json", action="store_true", help='print {"tp": [...], "pp": [...], "dp": [...]}')
+    doctor = commands.add_parser(
+        "doctor",
+        help="preflight a launch: hostfile, process counts, rendezvous, interface variable, versions per machine",
+        description="Check a launch before starting it; exit code 1 with the reason when it would fail. Run it on "
+        "every machine: the one hosting the rendezvous with --wait S compares the others' versions with its own.",
+    )
+    doctor.add_argument("--hostfile", help="a DeepSpeed hostfile (lines 'host slots=N')")
+    doctor.add_argument("--master_addr", help="rendezvous address (default MASTER_ADDR, else the first host)")
+    doctor.add_argument("--master_port", type=int, help="rendezvous port (default MASTER_PORT, else 29500)")
+    doctor.add_argument("--nnodes", type=int, help="machines in the job")
+    doctor.add_argument("--node_rank", type=int, help="this machine's index; 0 hosts the rendezvous")
+    doctor.add_argument("--nproc_per_node", type=int, help="processes per machine")
+    doctor.add_argument("--num_processes", type=int, help="processes in the whole job")
+    doctor.add_argument("--timeout", type=float, help="seconds to wait for a connection (default 5)")
+    doctor.add_argument("--wait", type=float, help="rendezvous machine: seconds to wait for the others' doctors")
     return parser
 
 
@@ -91,9 +106,12 @@ def _close_progress_bars() -> None:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from hftrain.config import load_config
     from hftrain.job import run_training
+    from hftrain.launch.args import translate_launcher_args
     from hftrain.log import log_main
 
-    config = load_config(args.config, overrides)
+    launcher = translate_launcher_args(overrides, os.environ)  # --local_rank, --deepspeed ds.json
+    config = launcher.apply(load_config(args.config, launcher.overrides))
+    _preflight_launch()
     result = run_training(config, launch_info_from_environ())
     if result.preempted:
         from hftrain.checkpoint.preemption import PREEMPTED_EXIT_CODE
@@ -144,6 +162,24 @@ def _env(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace, extra: list[str]) -> int:
+    from hftrain.doctor import main_doctor, settings_from_args
+
+    return main_doctor(settings_from_args(args))
+
+
+def _preflight_launch() -> None:
+    """The launcher's environment checked (and gloo's interface variable set) before anything starts."""
+    from hftrain.launch.preflight import preflight_launch
+    from hftrain.log import get_logger
+    from hftrain.strategies.platform import Platform
+
+    found = preflight_launch(os.environ, backend=Platform.detect().backend)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine
+        for note in found.notes:
+            get_logger().info(note)
+
+
 def launch_info_from_environ(environ: dict[str, str] | None = None):  # -> LaunchInfo
     """What the launcher (torchrun / accelerate launch / deepspeed) put in the environment."""
     from hftrain.strategies import LaunchInfo
@@ -155,7 +191,7 @@ def launch_info_from_environ(environ: dict[str, str] | None = None):  # -> Launc
     }
     return LaunchInfo(
         world_size=world,
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or world),  # LOCAL_SIZE: deepspeed
         accelerate_strategy=_accelerate_strategy(env),
         accelerate_settings=settings,
     )
@@ -189,7 +225,7 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
     return f"zero{stage}"
 
 
-COMMANDS = {"train": _train, "env": _env, "export": _export, "groups": _groups}
+COMMANDS = {"train": _train, "env": _env, "export": _export, "groups": _groups, "doctor": _doctor}
 
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         eval_dataset=tokenized["validation"],
         run_config=config.flat(),
     )
+    if write and launch.world_size > launch.local_world_size:
+        from hftrain.launch.storage import check_shared_output_dir
+
+        # Several machines: a checkpoint is only resumable when all their ranks write into one folder.
+        check_shared_output_dir(trainer.accelerator, config.training.output_dir)
     # The trainer accepted the resume checkpoint: the run is certain to start, and may now write.
     if write and is_main_process():
         write_run_config(config)
