@@ -76,6 +76,11 @@ def _converted_gguf(source: Path, gguf_file: str, name: str) -> Path:
     target = cache_dir() / name.replace("embedded:", "")
     if (target / "config.json").is_file():
         return target
+    if importlib.util.find_spec("gguf") is None:  # else transformers' multi-line ImportError from deep inside
+        raise ConfigError(
+            f"model.model_name_or_path: '{name}' is read from a GGUF file the first time, which needs the gguf "
+            f"package; run `pip install gguf==0.19.0` (then it is converted once into {target})"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
