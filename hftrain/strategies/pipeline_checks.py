@@ -1,0 +1,81 @@
+"""Pipeline-parallel input checks of the ``megatron`` strategy, run before any process group or file exists.
+
+The fields alone are checked by ``StrategyConfig.validate``; what needs the batch geometry or the model's layer
+count is checked here, each refusal one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hftrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hftrain.config import StrategyConfig, TrainingConfig
+
+# Schedules that keep one micro-batch per stage in flight: fewer micro-batches than stages cannot fill them.
+NEEDS_MICROBATCHES_PER_STAGE = frozenset({"1f1b", "interleaved_1f1b"})
+
+
+def num_microbatches(strategy: StrategyConfig) -> int:
+    """The micro-batches per per-device batch: the configured number, or ``pp`` when null.
+
+    Args:
+        strategy: the ``strategy`` section.
+    """
+    return strategy.num_microbatches or strategy.pp
+
+
+def check_pipeline_batch(strategy: StrategyConfig, training: TrainingConfig) -> None:
+    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule.
+
+    Args:
+        strategy: the ``strategy`` section (``pp > 1``).
+        training: the ``training`` section (``per_device_train_batch_size``).
+    """
+    micro, batch = num_microbatches(strategy), training.per_device_train_batch_size
+    if batch % micro:
+        raise ConfigError(
+            f"strategy.num_microbatches={micro} does not divide training.per_device_train_batch_size={batch}; "
+            "choose a divisor of the per-device batch (each optimizer step's batch is split into equal micro-batches)"
+        )
+    if strategy.schedule in NEEDS_MICROBATCHES_PER_STAGE and micro < strategy.pp:
+        raise ConfigError(
+            f"strategy.num_microbatches={micro} is smaller than strategy.pp={strategy.pp}, which schedule "
+            f"{strategy.schedule} needs; use at least {strategy.pp} micro-batches or schedule gpipe"
+        )
+
+
+def check_pipeline_model(strategy: StrategyConfig, model_config: Any) -> None:
+    """Refuse more stages than layers, and virtual stages that do not divide the layers.
+
+    Args:
+        strategy: the ``strategy`` section (``pp > 1``).
+        model_config: the model's ``transformers`` config.
+    """
+    layers = model_config.num_hidden_layers
+    stages = strategy.pp * strategy.virtual_stages
+    if stages > layers:
+        raise ConfigError(
+            f"strategy.pp={strategy.pp} × strategy.virtual_stages={strategy.virtual_stages} = {stages} stages, but "
+            f"the model has {layers} layers; use at most {layers} stages (each stage needs a layer)"
+        )
+    if layers % strategy.virtual_stages:
+        raise ConfigError(
+            f"strategy.virtual_stages={strategy.virtual_stages} does not divide the model's {layers} layers; "
+            "choose a divisor of the layer count"
+        )
+
+
+def pipeline_facts(strategy: StrategyConfig) -> dict[str, Any]:
+    """The pipeline settings for the start-of-run log and ``hftrain_strategy.json``.
+
+    Args:
+        strategy: the ``strategy`` section.
+    """
+    return {
+        "schedule": strategy.schedule,
+        "num_microbatches": num_microbatches(strategy),
+        "virtual_stages": strategy.virtual_stages,
+        "balance": strategy.balance,
+    }
