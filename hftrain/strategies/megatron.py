@@ -73,9 +73,9 @@ class MegatronStrategy(Strategy):
                 "use bf16 or no"
             )
         if self.config.pp > 1:
-            from hftrain.strategies.pipeline_checks import check_pipeline_batch
+            from hftrain.strategies.pipeline_checks import check_pipeline_training
 
-            check_pipeline_batch(self.config, training)
+            check_pipeline_training(self.config, training)
 
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel

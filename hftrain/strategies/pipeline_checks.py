@@ -26,8 +26,8 @@ def num_microbatches(strategy: StrategyConfig) -> int:
     return strategy.num_microbatches or strategy.pp
 
 
-def check_pipeline_batch(strategy: StrategyConfig, training: TrainingConfig) -> None:
-    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule.
+def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) -> None:
+    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, and ZeRO-1.
 
     Args:
         strategy: the ``strategy`` section (``pp > 1``).
@@ -44,27 +44,23 @@ def check_pipeline_batch(strategy: StrategyConfig, training: TrainingConfig) -> 
             f"strategy.num_microbatches={micro} is smaller than strategy.pp={strategy.pp}, which schedule "
             f"{strategy.schedule} needs; use at least {strategy.pp} micro-batches or schedule gpipe"
         )
+    if strategy.shard_optimizer:
+        raise ConfigError(
+            "strategy.shard_optimizer with strategy.pp > 1 is not supported yet; use shard_optimizer: false"
+        )
 
 
 def check_pipeline_model(strategy: StrategyConfig, model_config: Any) -> None:
-    """Refuse more stages than layers, and virtual stages that do not divide the layers.
+    """Refuse more stages than layers, and virtual stages that do not split the layers evenly.
 
     Args:
         strategy: the ``strategy`` section (``pp > 1``).
         model_config: the model's ``transformers`` config.
     """
-    layers = model_config.num_hidden_layers
-    stages = strategy.pp * strategy.virtual_stages
-    if stages > layers:
-        raise ConfigError(
-            f"strategy.pp={strategy.pp} × strategy.virtual_stages={strategy.virtual_stages} = {stages} stages, but "
-            f"the model has {layers} layers; use at most {layers} stages (each stage needs a layer)"
-        )
-    if layers % strategy.virtual_stages:
-        raise ConfigError(
-            f"strategy.virtual_stages={strategy.virtual_stages} does not divide the model's {layers} layers; "
-            "choose a divisor of the layer count"
-        )
+    from hftrain.parallel.pipeline import stage_layer_ranges
+
+    # The same split the stages will use; balance "layers" needs no parameter sizes and applies the same checks.
+    stage_layer_ranges(model_config.num_hidden_layers, pp=strategy.pp, virtual_stages=strategy.virtual_stages)
 
 
 def pipeline_facts(strategy: StrategyConfig) -> dict[str, Any]:
