@@ -178,8 +178,9 @@ def render_timeline(
     )
     legend = [Patch(color=KIND_COLORS[k][0], label=label) for k, label in (("F", "forward"), ("B", "backward"))]
     if virtual_stages > 1:
-        legend.append(Patch(color=KIND_COLORS["F"][1], label="2nd chunk (darker)"))
-    ax.legend(handles=legend, loc="upper right", fontsize=7, ncol=len(legend))
+        legend.append(Patch(color=KIND_COLORS["F"][1], label="darker: 2nd chunk"))
+    # outside the axes, so that it never hides a box
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
