@@ -212,7 +212,7 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], str, str
         "tp-pp-not-dividing-world": (["--tp", "2", "--pp", "2"], "2", "does not divide the world size 2"),
         "more-stages-than-layers": (["--pp", "4"], "4", "but the model has only 2 layers"),
         "microbatches-not-dividing-batch": (["--pp", "2", "--num_microbatches", "3"], "2", "does not divide training."),
-        "fewer-microbatches-than-stages": (["--pp", "2", "--num_microbatches", "1"], "2", "smaller than strategy.pp=2"),
+        "fewer-microbatches-than-stages": (["--pp", "2", "--num_microbatches", "1"], "2", ">= pp (1 < 2)"),
         "virtual-stages-not-dividing-layers": (
             ["--model_name_or_path", job["bert5"], "--pp", "2", *_interleaved(2)], "2", "virtual_stages=2 with pp=2"
         ),

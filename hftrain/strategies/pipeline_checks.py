@@ -13,9 +13,6 @@ from hftrain.errors import ConfigError
 if TYPE_CHECKING:
     from hftrain.config import StrategyConfig, TrainingConfig
 
-# Schedules that keep one micro-batch per stage in flight: fewer micro-batches than stages cannot fill them.
-NEEDS_MICROBATCHES_PER_STAGE = frozenset({"1f1b", "interleaved_1f1b"})
-
 
 def num_microbatches(strategy: StrategyConfig) -> int:
     """The micro-batches per per-device batch: the configured number, or ``pp`` when null.
@@ -39,11 +36,9 @@ def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) 
             f"strategy.num_microbatches={micro} does not divide training.per_device_train_batch_size={batch}; "
             "choose a divisor of the per-device batch (each optimizer step's batch is split into equal micro-batches)"
         )
-    if strategy.schedule in NEEDS_MICROBATCHES_PER_STAGE and micro < strategy.pp:
-        raise ConfigError(
-            f"strategy.num_microbatches={micro} is smaller than strategy.pp={strategy.pp}, which schedule "
-            f"{strategy.schedule} needs; use at least {strategy.pp} micro-batches or schedule gpipe"
-        )
+    from hftrain.parallel.schedules import check_schedule
+
+    check_schedule(strategy.schedule, pp=strategy.pp, virtual_stages=strategy.virtual_stages, num_microbatches=micro)
     if strategy.shard_optimizer:
         raise ConfigError(
             "strategy.shard_optimizer with strategy.pp > 1 is not supported yet; use shard_optimizer: false"

@@ -70,17 +70,18 @@ class PipelineModel(nn.Module):
         inputs.pop(LABELS, None)
         with torch.no_grad():
             logits = self.schedule.eval_step(inputs, None)
-        return SequenceClassifierOutput(logits=self.from_last_stage(logits, batch=_batch_size(inputs)))
+        shape = (_batch_size(inputs), self.config.num_labels)
+        return SequenceClassifierOutput(logits=self.from_last_stage(logits, shape))
 
-    def from_last_stage(self, tensor: torch.Tensor | None, *, batch: int) -> torch.Tensor:
-        """``tensor`` of the last stage on every stage of this pipeline (a broadcast over the pp group).
+    def from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        """``tensor`` of the last stage on every stage of this pipeline (a broadcast over the pp group), as fp32.
 
         Args:
             tensor: the last stage's tensor (None elsewhere): a loss or ``(batch, num_labels)`` logits.
-            batch: the batch size (the other stages allocate the logits' buffer from it).
+            shape: its shape (the other stages allocate the buffer from it).
         """
         if tensor is None:
-            tensor = torch.empty(batch, self.config.num_labels, device=self.device)
+            tensor = torch.empty(shape, device=self.device)
         tensor = tensor.detach().float().contiguous()
         dist.broadcast(tensor, group=self.groups.pp_group, group_src=self.groups.pp_size - 1)
         return tensor
@@ -105,7 +106,6 @@ class PipelineRuntime(MegatronRuntime):
         self.num_microbatches = num_microbatches(strategy.config)
         self.recorder: Any = None
         self._params: dict[str, nn.Parameter] = {}  # HF name -> this rank's parameter (its stages only)
-        self._window_closed = True
 
     # ----------------------------------------------------------------- setup
     def prepare(
@@ -134,7 +134,7 @@ class PipelineRuntime(MegatronRuntime):
                 _autocast_forward(stage, self.accelerator)
         stage_params = {id(p) for stage in stages for p in stage.parameters()}
         self._params = {n: p for n, p in model.named_parameters() if id(p) in stage_params}
-        self.recorder = TimelineRecorder()
+        self.recorder = TimelineRecorder(layout.pp_rank)
         schedule = build_schedule(
             self.pipeline.schedule,
             stages,
@@ -164,13 +164,10 @@ class PipelineRuntime(MegatronRuntime):
         (cross entropy over ``num_labels``) on each micro-batch.
         """
         inputs = {k: v for k, v in batch.items() if k != LABELS}
-        if self._window_closed:  # the recorder keeps one optimizer step: the window's micro-batches
-            self.recorder.clear()
         loss = model.schedule.train_step(inputs, batch[LABELS])
         if loss is not None:  # the schedule's loss is divided by the accumulation steps, like backward()'s
             loss = loss.detach() * self.accelerator.gradient_accumulation_steps
-        loss = model.from_last_stage(loss, batch=1).reshape(())
-        self._window_closed = self.sync_gradients
+        loss = model.from_last_stage(loss, ())
         if self.sync_gradients:
             self._finalize_grads()
         return loss
@@ -209,6 +206,15 @@ class PipelineRuntime(MegatronRuntime):
             grad.mul_(coefficient.to(grad.dtype))
         return total
 
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """Accelerate's world-wide reduction (the checkpoint manager's agreement between ranks uses it).
+
+        Args:
+            tensor: this rank's tensor.
+            reduction: ``"sum"`` or ``"mean"``.
+        """
+        return self.accelerator.reduce(tensor, reduction=reduction)
+
     # ----------------------------------------------------------------- state
     def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
         from hftrain.checkpoint.pipeline_state import save_pipeline_state
@@ -236,19 +242,19 @@ class PipelineRuntime(MegatronRuntime):
 
     # ----------------------------------------------------------------- timeline
     def write_timeline(self) -> None:
-        """Render the last recorded optimizer step of every rank into ``output_dir`` (collective)."""
+        """Render the last recorded step of this pipeline into ``output_dir`` (collective over the pp group).
+
+        The main process draws its own pipeline (dp and tp rank 0); the other replicas run the same schedule.
+        """
         import json
         from pathlib import Path
 
-        from hftrain.parallel import measured_bubble, render_timeline, theoretical_bubble
+        from hftrain.parallel import gather_events, measured_bubble, render_timeline, theoretical_bubble
 
-        events: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(events, self.recorder.events())
-        if not self.is_main_process or not any(events):
-            return
         layout = self.plugin.layout
-        # One rank per stage: the tp/dp replicas of a stage run the same schedule.
-        by_stage = [events[layout.dims.rank(p, 0, 0)] for p in range(layout.pp_size)]
+        events = gather_events(self.recorder, layout.pp_group)
+        if not self.is_main_process or not events:
+            return
         output = Path(self.accelerator.project_dir)
         facts = {
             "schedule": self.pipeline.schedule,
@@ -256,15 +262,17 @@ class PipelineRuntime(MegatronRuntime):
             "num_microbatches": self.num_microbatches,
             "virtual_stages": self.pipeline.virtual_stages,
         }
-        render_timeline(by_stage, output / TIMELINE_PNG, **facts)
+        render_timeline(events, output / TIMELINE_PNG, **facts)
         bubble = {
             **facts,
-            "measured_bubble": measured_bubble(by_stage),
+            "measured_bubble": measured_bubble(events),
             "theoretical_bubble": theoretical_bubble(
                 layout.pp_size, self.num_microbatches, virtual_stages=self.pipeline.virtual_stages
             ),
         }
-        (output / TIMELINE_JSON).write_text(json.dumps({**bubble, "events": by_stage}, indent=1) + "\n")
+        last = max(e.step for e in events)
+        steps = [e._asdict() for e in events if e.step == last]
+        (output / TIMELINE_JSON).write_text(json.dumps({**bubble, "events": steps}, indent=1) + "\n")
         self.accelerator.print(
             f"pipeline timeline: {output / TIMELINE_PNG} (bubble measured {bubble['measured_bubble']:.3f}, "
             f"theoretical {bubble['theoretical_bubble']:.3f})"
