@@ -353,38 +353,13 @@ def check_schedule(name: str, *, pp: int, virtual_stages: int = 1, num_microbatc
     schedule_class(name).check(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
 
 
-def build_schedule(
-    name: str,
-    stages: list[torch.nn.Module],
-    *,
-    pp_group: Any,
-    pp_rank: int,
-    pp: int,
-    num_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device | str,
-    recorder: TimelineRecorder | None = None,
-) -> PipelineSchedule:
-    """Build the registered schedule ``name`` over this rank's chunks (see :class:`PipelineSchedule`).
+def build_schedule(name: str, stages: list[torch.nn.Module], **options: Any) -> PipelineSchedule:
+    """Build the registered schedule ``name`` over this rank's chunks.
 
     Args:
         name: a key of :data:`SCHEDULES`.
         stages: this rank's chunks, in order.
-        pp_group: the pipeline process group.
-        pp_rank: this rank's index in it.
-        pp: pipeline-parallel size.
-        num_microbatches: micro-batches per step.
-        loss_fn: mean loss of one micro-batch, ``loss_fn(logits, labels)``.
-        device: where the chunks live.
-        recorder: records the F/B timeline of training steps when given.
+        options: the keyword arguments of :class:`PipelineSchedule`: ``pp_group``, ``pp_rank``, ``pp``,
+            ``num_microbatches``, ``loss_fn``, ``device`` and optionally ``recorder``.
     """
-    return schedule_class(name)(
-        stages,
-        pp_group=pp_group,
-        pp_rank=pp_rank,
-        pp=pp,
-        num_microbatches=num_microbatches,
-        loss_fn=loss_fn,
-        device=device,
-        recorder=recorder,
-    )
+    return schedule_class(name)(stages, **options)
