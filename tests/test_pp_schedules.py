@@ -13,7 +13,7 @@ import pytest
 from tests.distributed import run_distributed
 
 KINDS = ("bert", "gpt2", "llama")
-CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2))
 MICROBATCHES = 4
 
 
@@ -143,9 +143,10 @@ def test_timeline_png_and_bubble(runs, tmp_path):
     for schedule, v in CASES:
         events = runs[0][("bert", schedule)]["events"] + runs[1][("bert", schedule)]["events"]
         last_step = [e for e in events if e.step == 1]
-        # every micro-batch ran forward and backward once on every chunk
+        # every micro-batch ran forward and backward (zero bubble: and its weight pass) once on every chunk
+        kinds = "FBW" if schedule == "interleaved_zb" else "FB"
         assert sorted((e.chunk, e.microbatch, e.kind) for e in last_step) == sorted(
-            (c, m, k) for c in range(2 * v) for m in range(MICROBATCHES) for k in "FB"
+            (c, m, k) for c in range(2 * v) for m in range(MICROBATCHES) for k in kinds
         )
         assert all(e.rank == e.chunk % 2 for e in events)
         png = render_timeline(
@@ -157,7 +158,10 @@ def test_timeline_png_and_bubble(runs, tmp_path):
             virtual_stages=v,
         )
         assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-        # tiny stages are dominated by overheads, so only a loose bound here; benchmarks/pipeline.py measures
-        # the bubble against the formula with even, compute-bound stages
+        # Stated tolerance: the measured bubble is at least half the formula's (a schedule cannot beat it by
+        # more than timing noise; zero bubble aims below it, so 0 there) and below 0.9 (tiny stages on a shared
+        # 2-core machine are dominated by overheads and waits). benchmarks/pipeline.py measures it against the
+        # formula with even, compute-bound stages.
         bubble = measured_bubble(events)
-        assert theoretical_bubble(2, MICROBATCHES, v) * 0.5 < bubble < 0.9
+        floor = 0.0 if schedule == "interleaved_zb" else 0.5 * theoretical_bubble(2, MICROBATCHES, v)
+        assert floor < bubble < 0.9, (schedule, bubble)

@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
 
@@ -325,8 +326,16 @@ class Interleaved1F1BSchedule(PipelineSchedule):
         return self.torch_class(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+class InterleavedZeroBubbleSchedule(Interleaved1F1BSchedule):
+    """Interleaved zero bubble (ZB1P): backward split into input (``B``) and weight (``W``) gradients, the ``W``
+    passes moved into the bubbles. Same chunk layout and rules as interleaved 1F1B."""
+
+    name = "interleaved_zb"
+    torch_class = ScheduleInterleavedZeroBubble
+
+
 SCHEDULES: dict[str, type[PipelineSchedule]] = {
-    cls.name: cls for cls in (GPipeSchedule, OneFOneBSchedule, Interleaved1F1BSchedule)
+    cls.name: cls for cls in (GPipeSchedule, OneFOneBSchedule, Interleaved1F1BSchedule, InterleavedZeroBubbleSchedule)
 }
 
 

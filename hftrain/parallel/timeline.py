@@ -176,7 +176,9 @@ def render_timeline(
         f"theory {bubble_formula(virtual_stages)} = {ideal:.1%}",
         fontsize=9,
     )
-    legend = [Patch(color=KIND_COLORS[k][0], label=label) for k, label in (("F", "forward"), ("B", "backward"))]
+    names = {"F": "forward", "B": "backward", "W": "weight grad"}
+    kinds = [k for k in names if any(e.kind == k for e in chosen)]
+    legend = [Patch(color=KIND_COLORS[k][0], label=names[k]) for k in kinds]
     if virtual_stages > 1:
         legend.append(Patch(color=KIND_COLORS["F"][1], label="darker: 2nd chunk"))
     # outside the axes, so that it never hides a box
