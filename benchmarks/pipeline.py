@@ -4,7 +4,8 @@ Two measurements, printed as markdown tables by rank 0, on stages of *even* comp
 stack of ``d × d`` linear+GELU layers; the first chunk also embeds, the last pools and classifies, both
 negligible next to the stack), through the same :func:`hftrain.parallel.build_schedule` the trainer uses:
 
-1. **Bubble fraction**: for each schedule (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages) and
+1. **Bubble fraction**: for each schedule (gpipe, 1f1b, interleaved_1f1b and interleaved_zb with 2 virtual
+   stages; zero bubble is compared with the interleaved formula it aims to beat) and
    ``m`` in ``--microbatches``, the median over ``--steps`` steps of the measured idle fraction
    (:func:`hftrain.parallel.measured_bubble` over the recorded F/B events of all ranks) against
    ``(p-1)/(m+p-1)`` (interleaved: ``(p-1)/(v·m+p-1)``). Target: within 10 % of the formula.
@@ -31,7 +32,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.*` and an uninstalled hftrain
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2))
 
 
 def _chunk_class():
@@ -190,9 +191,10 @@ def report(results: dict, args: argparse.Namespace) -> str:
     from hftrain.parallel import theoretical_bubble
 
     p = args.pp
+    load = os.getloadavg()[0]
     lines = [
-        f"pp={p}, hidden={args.hidden}, {args.layers} layers per rank, micro-batch {args.micro}×{args.seq} tokens, "
-        f"median of {args.steps} steps",
+        f"load average {load:.1f} on {os.cpu_count()} cores at the end; pp={p}, hidden={args.hidden}, "
+        f"{args.layers} layers per rank, micro-batch {args.micro}×{args.seq} tokens, median of {args.steps} steps",
         "",
         "| schedule | m | measured bubble | formula | measured / formula |",
         "|---|---|---|---|---|",
