@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_megatron import _job_args, _torchrun
+from tests.test_megatron import _assert_same_weights, _job_args, _torchrun
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
 LAYERS = 4  # 2 stages × 2 virtual stages for the interleaved schedule
@@ -130,12 +130,6 @@ def test_every_model_and_schedule_is_covered_at_every_layout():
     assert sorted(combinations) == sorted((k, s) for k in ("bert", "gpt2", "llama") for s in SCHEDULES)
     for *_, cases in LAYOUTS.values():
         assert {s for _, s, _ in cases} == set(SCHEDULES)
-
-
-def _assert_same_weights(a: dict, b: dict, *, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
 @pytest.mark.distributed
