@@ -214,8 +214,9 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], str, str
         "virtual-stages-not-dividing-layers": (
             ["--model_name_or_path", job["bert5"], "--pp", "2", *_interleaved(2)], "2", "virtual_stages=2 with pp=2"
         ),
-        "interleaved-one-stage": (_interleaved(1), "1", "interleaved_1f1b needs more than one stage"),
-        "virtual-stages-without-interleaving": (["--pp", "2", "--virtual_stages", "2"], "2", "strategy.virtual_stages"),
+        "interleaved-one-stage": (_interleaved(1), "1", "'interleaved_1f1b' needs pp >= 2"),
+        "virtual-stages-without-interleaving": (["--pp", "2", "--virtual_stages", "2"], "2", "set virtual_stages: 1"),
+        "unknown-schedule": (["--pp", "2", "--schedule", "zigzag"], "2", "strategy.schedule must be one of gpipe"),
         "pp-with-ddp": (["--pp", "2", "--strategy.name", "ddp"], "2", "strategy.pp is a megatron option"),
     }  # fmt: skip
 

@@ -72,10 +72,9 @@ class MegatronStrategy(Strategy):
                 "training.mixed_precision fp16 is not supported with strategy megatron (no gradient scaler); "
                 "use bf16 or no"
             )
-        if self.config.pp > 1:
-            from hftrain.strategies.pipeline_checks import check_pipeline_training
+        from hftrain.strategies.pipeline_checks import check_pipeline_training
 
-            check_pipeline_training(self.config, training)
+        check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
 
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel

@@ -27,7 +27,7 @@ def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) 
     """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, and ZeRO-1.
 
     Args:
-        strategy: the ``strategy`` section (``pp > 1``).
+        strategy: the ``strategy`` section (any ``pp``: an interleaved schedule at ``pp = 1`` is refused too).
         training: the ``training`` section (``per_device_train_batch_size``).
     """
     micro, batch = num_microbatches(strategy), training.per_device_train_batch_size
@@ -39,7 +39,7 @@ def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) 
     from hftrain.parallel.schedules import check_schedule
 
     check_schedule(strategy.schedule, pp=strategy.pp, virtual_stages=strategy.virtual_stages, num_microbatches=micro)
-    if strategy.shard_optimizer:
+    if strategy.shard_optimizer and strategy.pp > 1:
         raise ConfigError(
             "strategy.shard_optimizer with strategy.pp > 1 is not supported yet; use shard_optimizer: false"
         )
