@@ -27,6 +27,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -221,7 +222,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatches", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hftrain-pipeline-benchmark"))
     args = parser.parse_args()
 
     from tests.distributed import run_distributed
