@@ -156,3 +156,32 @@ def test_unsupported_model_refused():
 
     with pytest.raises(ConfigError, match="pipeline parallelism supports BERT, GPT-2 and Llama"):
         build_stage_modules(torch.nn.Linear(2, 2), pp_rank=0, pp=2)
+
+
+def test_bubble_formulas_and_measurement_on_an_ideal_timeline():
+    """An ideal GPipe timeline (F = 1, B = 2, no communication cost) measures exactly (p-1)/(m+p-1)."""
+    from hftrain.parallel import measured_bubble, theoretical_bubble
+    from hftrain.parallel.timeline import Event
+
+    assert theoretical_bubble(4, 8) == 3 / 11
+    assert theoretical_bubble(2, 4, virtual_stages=2) == 1 / 9
+    p, m = 2, 4
+    events = [Event(0, r, r, i, "F", i + r, i + r + 1) for r in range(p) for i in range(m)]
+    last_forward_end = m + p - 1
+    for r in range(p):
+        for i in range(m):
+            # the last stage starts backward after its last forward; each earlier stage waits for the later one
+            start = last_forward_end + 2 * i + 2 * (p - 1 - r)
+            events.append(Event(0, r, r, i, "B", start, start + 2))
+    assert measured_bubble(events) == pytest.approx(theoretical_bubble(p, m))
+
+
+def test_recorder_keeps_recent_steps_only():
+    from hftrain.parallel import TimelineRecorder
+
+    recorder = TimelineRecorder(pp_rank=1, max_steps=2)
+    for _ in range(5):
+        recorder.begin_step()
+        recorder.record(chunk=1, microbatch=0, kind="F", start=0.0, end=1.0)
+    assert [e.step for e in recorder.events] == [3, 4]
+    assert all(e.rank == 1 for e in recorder.events)
