@@ -206,15 +206,6 @@ class PipelineRuntime(MegatronRuntime):
             grad.mul_(coefficient.to(grad.dtype))
         return total
 
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        """Accelerate's world-wide reduction (the checkpoint manager's agreement between ranks uses it).
-
-        Args:
-            tensor: this rank's tensor.
-            reduction: ``"sum"`` or ``"mean"``.
-        """
-        return self.accelerator.reduce(tensor, reduction=reduction)
-
     # ----------------------------------------------------------------- state
     def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
         from hftrain.checkpoint.pipeline_state import save_pipeline_state

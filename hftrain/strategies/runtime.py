@@ -157,6 +157,15 @@ class AccelerateRuntime:
         """The mean of ``tensor`` over the data-parallel replicas (the logged loss)."""
         return self.accelerator.reduce(tensor, reduction="mean")
 
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """Accelerate's world-wide reduction (the checkpoint manager's ``any_rank`` agreement calls it).
+
+        Args:
+            tensor: this rank's tensor.
+            reduction: ``"sum"`` or ``"mean"``.
+        """
+        return self.accelerator.reduce(tensor, reduction=reduction)
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (one all-reduce; free in one process)."""
         import torch
