@@ -69,6 +69,7 @@ def pipeline_run(kind: str, schedule: str, virtual_stages: int) -> dict:
     """This rank's part of the same computation through ``schedule`` on pp=2."""
     import torch.distributed as dist
 
+    from hftrain.errors import ConfigError
     from hftrain.parallel import TimelineRecorder, build_schedule, build_stage_modules
 
     rank = dist.get_rank()
@@ -96,7 +97,14 @@ def pipeline_run(kind: str, schedule: str, virtual_stages: int) -> dict:
     model.eval()
     inputs, _ = make_batch(6, 10, 3)
     logits = pipe.eval_step(inputs if rank == 0 else None, None)
-    return {"losses": losses, "grads": grads, "logits": logits, "events": recorder.events}
+    # a training batch the micro-batch count does not divide is refused on every rank (the shape is shared)
+    refused = None
+    try:
+        bad, labels = make_batch(6, 10, 4)
+        pipe.train_step(bad if rank == 0 else None, labels if rank == 1 else None)
+    except ConfigError as error:
+        refused = str(error)
+    return {"losses": losses, "grads": grads, "logits": logits, "events": recorder.events, "refused": refused}
 
 
 def all_pipeline_runs() -> dict:
@@ -134,6 +142,8 @@ def test_schedule_matches_single_process(runs, kind, schedule):
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     torch.testing.assert_close(last["logits"], ref["logits"], rtol=1e-5, atol=1e-6)
+    for result in (first, last):
+        assert "num_microbatches=4 does not divide the per-step batch of 6" in result["refused"]
 
 
 @pytest.mark.distributed
