@@ -13,7 +13,7 @@ import pytest
 from tests.distributed import run_distributed
 
 KINDS = ("bert", "gpt2", "llama")
-CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2))
+CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2))
 MICROBATCHES = 4
 
 
@@ -70,11 +70,12 @@ def pipeline_run(kind: str, schedule: str, virtual_stages: int) -> dict:
     import torch.distributed as dist
 
     from hftrain.errors import ConfigError
-    from hftrain.parallel import TimelineRecorder, build_schedule, build_stage_modules
+    from hftrain.parallel import SCHEDULES, TimelineRecorder, build_schedule, build_stage_modules
 
     rank = dist.get_rank()
     model = four_layer_model(kind)
-    chunks = build_stage_modules(model, pp_rank=rank, pp=2, virtual_stages=virtual_stages)
+    layout = SCHEDULES[schedule].layout  # which chunks this rank holds ("v" for ZBV)
+    chunks = build_stage_modules(model, pp_rank=rank, pp=2, virtual_stages=virtual_stages, layout=layout)
     recorder = TimelineRecorder(rank)
     pipe = build_schedule(
         schedule,
@@ -91,17 +92,17 @@ def pipeline_run(kind: str, schedule: str, virtual_stages: int) -> dict:
     for seed, seq in ((1, 12), (2, 9)):
         inputs, labels = make_batch(8, seq, seed)
         # each rank gets only what its stages need: inputs on the first, labels on the last
-        loss = pipe.train_step(inputs if rank == 0 else None, labels if rank == 1 else None)
+        loss = pipe.train_step(inputs if pipe.is_first else None, labels if pipe.is_last else None)
         losses.append(None if loss is None else loss.item())
     grads = {chunk.hf_name(n): p.grad.clone() for chunk in chunks for n, p in chunk.named_parameters()}
     model.eval()
     inputs, _ = make_batch(6, 10, 3)
-    logits = pipe.eval_step(inputs if rank == 0 else None, None)
+    logits = pipe.eval_step(inputs if pipe.is_first else None, None)
     # a training batch the micro-batch count does not divide is refused on every rank (the shape is shared)
     refused = None
     try:
         bad, labels = make_batch(6, 10, 4)
-        pipe.train_step(bad if rank == 0 else None, labels if rank == 1 else None)
+        pipe.train_step(bad if pipe.is_first else None, labels if pipe.is_last else None)
     except ConfigError as error:
         refused = str(error)
     return {"losses": losses, "grads": grads, "logits": logits, "events": recorder.events, "refused": refused}
@@ -132,33 +133,38 @@ def runs():
 def test_schedule_matches_single_process(runs, kind, schedule):
     import torch
 
+    from hftrain.parallel import SCHEDULES
+
     ref = reference(kind)
-    first, last = runs[0][(kind, schedule)], runs[1][(kind, schedule)]
-    assert first["losses"] == [None, None] and first["logits"] is None
+    last_rank = 0 if SCHEDULES[schedule].layout == "v" else 1  # ZBV's V ends on rank 0
+    last, other = runs[last_rank][(kind, schedule)], runs[1 - last_rank][(kind, schedule)]
+    assert other["losses"] == [None, None] and other["logits"] is None
     torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-7)
-    grads = {**first["grads"], **last["grads"]}
+    grads = {**other["grads"], **last["grads"]}
     assert set(grads) == set(ref["grads"])  # every parameter owned by exactly one rank ...
-    assert not set(first["grads"]) & set(last["grads"])  # ... and not by both
+    assert not set(other["grads"]) & set(last["grads"])  # ... and not by both
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     torch.testing.assert_close(last["logits"], ref["logits"], rtol=1e-5, atol=1e-6)
-    for result in (first, last):
+    for result in (other, last):
         assert "num_microbatches=4 does not divide the per-step batch of 6" in result["refused"]
 
 
 @pytest.mark.distributed
 def test_timeline_png_and_bubble(runs, tmp_path):
-    from hftrain.parallel import measured_bubble, render_timeline, theoretical_bubble
+    from hftrain.parallel import SCHEDULES, measured_bubble, render_timeline, theoretical_bubble
+    from hftrain.parallel.pipeline import chunk_ids_of_rank
 
     for schedule, v in CASES:
         events = runs[0][("bert", schedule)]["events"] + runs[1][("bert", schedule)]["events"]
         last_step = [e for e in events if e.step == 1]
         # every micro-batch ran forward and backward (zero bubble: and its weight pass) once on every chunk
-        kinds = "FBW" if schedule == "interleaved_zb" else "FB"
+        kinds = "FBW" if schedule in ("interleaved_zb", "zbv") else "FB"
         assert sorted((e.chunk, e.microbatch, e.kind) for e in last_step) == sorted(
             (c, m, k) for c in range(2 * v) for m in range(MICROBATCHES) for k in kinds
         )
-        assert all(e.rank == e.chunk % 2 for e in events)
+        layout = SCHEDULES[schedule].layout
+        assert all(e.chunk in chunk_ids_of_rank(e.rank, pp=2, virtual_stages=v, layout=layout) for e in events)
         png = render_timeline(
             events,
             tmp_path / f"{schedule}.png",
@@ -173,5 +179,5 @@ def test_timeline_png_and_bubble(runs, tmp_path):
         # 2-core machine are dominated by overheads and waits). benchmarks/pipeline.py measures it against the
         # formula with even, compute-bound stages.
         bubble = measured_bubble(events)
-        floor = 0.0 if schedule == "interleaved_zb" else 0.5 * theoretical_bubble(2, MICROBATCHES, v)
+        floor = 0.0 if schedule in ("interleaved_zb", "zbv") else 0.5 * theoretical_bubble(2, MICROBATCHES, v)
         assert floor < bubble < 0.9, (schedule, bubble)

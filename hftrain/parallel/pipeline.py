@@ -126,14 +126,23 @@ def stage_layer_ranges(
     return ranges
 
 
-def chunk_ids_of_rank(pp_rank: int, *, pp: int, virtual_stages: int = 1) -> list[int]:
+LAYOUTS = ("loop", "v")
+
+
+def chunk_ids_of_rank(pp_rank: int, *, pp: int, virtual_stages: int = 1, layout: str = "loop") -> list[int]:
     """The chunk (global stage) indices pipeline rank ``pp_rank`` owns, in execution order.
 
     Args:
         pp_rank: this rank's index in the pipeline group.
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
+        layout: ``"loop"`` (chunk ``c`` on rank ``c % pp``: Megatron's interleaving) or ``"v"`` (the chunks go
+            down the ranks and back up, so rank ``r`` holds ``r`` and ``2p-1-r``: zero-bubble ZBV's layout).
     """
+    if layout not in LAYOUTS:
+        raise ConfigError(f"pipeline chunk layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "v":
+        return [k * pp + (pp_rank if k % 2 == 0 else pp - 1 - pp_rank) for k in range(virtual_stages)]
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
@@ -148,6 +157,7 @@ def build_stage_modules(
     pp: int,
     virtual_stages: int = 1,
     balance: str = "layers",
+    layout: str = "loop",
 ) -> list[PipelineChunk]:
     """The chunks of ``model`` that pipeline rank ``pp_rank`` owns, in order; they share the model's modules.
 
@@ -160,6 +170,8 @@ def build_stage_modules(
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank (interleaved schedules).
         balance: ``"layers"`` or ``"parameters"``.
+        layout: which chunks a rank holds, ``"loop"`` or ``"v"`` (the schedule's ``layout``; see
+            :func:`chunk_ids_of_rank`).
     """
     from hftrain.parallel.stages import PipelineChunk, family_of
 
@@ -172,7 +184,7 @@ def build_stage_modules(
     ranges = stage_layer_ranges(len(layers), pp=pp, virtual_stages=virtual_stages, balance=balance, layer_sizes=sizes)
     hf_names = {id(p): name for name, p in model.named_parameters()}
     chunks = []
-    for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages):
+    for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, layout=layout):
         first, last = c == 0, c == len(ranges) - 1
         chunk = PipelineChunk(
             family,
@@ -183,5 +195,6 @@ def build_stage_modules(
             aux=family.aux_modules(model),
         )
         chunk.attach_hf_names(hf_names)
+        chunk.index = c  # its global stage index: schedules check it against their layout
         chunks.append(chunk)
     return chunks

@@ -35,9 +35,11 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 
 from hftrain.errors import ConfigError
+from hftrain.parallel.pipeline import chunk_ids_of_rank
 from hftrain.parallel.timeline import TimelineRecorder
 
 INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # the first chunk's positional inputs, in order
@@ -114,6 +116,7 @@ class PipelineSchedule:
 
     name: ClassVar[str]
     torch_class: ClassVar[type]
+    layout: ClassVar[str] = "loop"  # which chunks a rank holds (pass to build_stage_modules)
 
     def __init__(
         self,
@@ -134,8 +137,15 @@ class PipelineSchedule:
         self.loss_fn = loss_fn
         self.device = torch.device(device)
         self.recorder = recorder
-        self.is_first = pp_rank == 0  # global stage 0 is chunk 0 of pipeline rank 0
-        self.is_last = pp_rank == pp - 1  # the last global stage is the last chunk of the last rank
+        self.chunk_ids = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=len(stages), layout=self.layout)
+        built_for = [getattr(chunk, "index", c) for chunk, c in zip(stages, self.chunk_ids, strict=True)]
+        if built_for != self.chunk_ids:
+            raise ConfigError(
+                f"pipeline schedule {self.name!r} runs chunks {self.chunk_ids} on pp rank {pp_rank} but the stages "
+                f"were built as chunks {built_for}; pass layout={self.layout!r} to build_stage_modules"
+            )
+        self.is_first = 0 in self.chunk_ids  # pipeline rank 0 in every layout
+        self.is_last = pp * len(stages) - 1 in self.chunk_ids  # the last rank ("loop") or rank 0 again ("v")
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
 
     @classmethod
@@ -234,20 +244,18 @@ class PipelineSchedule:
         stages = [
             TimedStage(
                 chunk,
-                self.pp_rank + k * self.pp,
+                index,
                 num_stages,
                 self.device,
                 group=self.pp_group,
                 recorder=self.recorder if training else None,
             )
-            for k, chunk in enumerate(self.stages)
+            for index, chunk in zip(self.chunk_ids, self.stages, strict=True)
         ]
         if training:
             schedule = self.build_torch_schedule(stages, num_microbatches, self._scaled_loss(num_microbatches))
         else:
-            # forward only: the order does not matter, so use the schedules with no micro-batch constraints
-            eval_class = ScheduleGPipe if len(stages) == 1 else ScheduleLoopedBFS
-            schedule = eval_class(stages[0] if len(stages) == 1 else stages, num_microbatches, loss_fn=None)
+            schedule = self.build_eval_schedule(stages, num_microbatches)
         self._schedules[key] = schedule
         if len(self._schedules) > _CACHED_SHAPES:
             self._schedules.popitem(last=False)
@@ -261,6 +269,17 @@ class PipelineSchedule:
             return loss_fn(logits, labels) / num_microbatches
 
         return scaled
+
+    def build_eval_schedule(self, stages: list[TimedStage], num_microbatches: int) -> Any:
+        """A forward-only torch schedule: the order does not matter, so one with no micro-batch constraints.
+
+        Args:
+            stages: this rank's ``TimedStage`` objects.
+            num_microbatches: micro-batches of this batch.
+        """
+        if len(stages) == 1:
+            return ScheduleGPipe(stages[0], num_microbatches, loss_fn=None)
+        return ScheduleLoopedBFS(stages, num_microbatches, loss_fn=None)
 
     def build_torch_schedule(self, stages: list[TimedStage], num_microbatches: int, loss_fn: Callable) -> Any:
         """The torch schedule object over this rank's stages.
@@ -334,8 +353,58 @@ class InterleavedZeroBubbleSchedule(Interleaved1F1BSchedule):
     torch_class = ScheduleInterleavedZeroBubble
 
 
+class ZBVSchedule(Interleaved1F1BSchedule):
+    """Zero bubble V (ZBV): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and ``2p-1-r``), backward
+    split into input and weight passes that fill the bubbles."""
+
+    name = "zbv"
+    torch_class = ScheduleZBVZeroBubble
+    layout = "v"
+
+    @classmethod
+    def check(cls, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
+        """As interleaved, and exactly 2 chunks per rank (the V)."""
+        super().check(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+        if virtual_stages != 2:
+            raise ConfigError(f"strategy.schedule {cls.name!r} needs virtual_stages: 2, got {virtual_stages}")
+
+    def eval_step(self, inputs: dict[str, torch.Tensor] | None, labels: torch.Tensor | None = None) -> Any:
+        """Forward only, the whole batch chunk after chunk down and up the V.
+
+        Torch's forward-only schedules assume the loop layout and its V schedules need a backward, so this
+        hand-written pass sends each chunk's activation tuple to the next chunk's rank (tested against the
+        same reference logits as the other schedules).
+
+        Args:
+            inputs: the batch, needed on the first pipeline rank.
+            labels: unused.
+        """
+        acts, _ = self._first_stage_args(inputs)
+        num_chunks = self.pp * len(self.stages)
+        owner = {
+            c: r
+            for r in range(self.pp)
+            for c in chunk_ids_of_rank(r, pp=self.pp, virtual_stages=len(self.stages), layout=self.layout)
+        }
+        local = dict(zip(self.chunk_ids, self.stages, strict=True))
+        with torch.no_grad():
+            for c in range(num_chunks):
+                if c not in local:
+                    continue
+                if c > 0 and owner[c - 1] != self.pp_rank:
+                    box: list[Any] = [None]
+                    dist.recv_object_list(box, group=self.pp_group, group_src=owner[c - 1])
+                    acts = box[0]
+                out = local[c](*acts)
+                acts = out if isinstance(out, tuple) else (out,)
+                if c + 1 < num_chunks and owner[c + 1] != self.pp_rank:
+                    dist.send_object_list([acts], group=self.pp_group, group_dst=owner[c + 1])
+        return acts[0] if self.is_last else None
+
+
 SCHEDULES: dict[str, type[PipelineSchedule]] = {
-    cls.name: cls for cls in (GPipeSchedule, OneFOneBSchedule, Interleaved1F1BSchedule, InterleavedZeroBubbleSchedule)
+    cls.name: cls
+    for cls in (GPipeSchedule, OneFOneBSchedule, Interleaved1F1BSchedule, InterleavedZeroBubbleSchedule, ZBVSchedule)
 }
 
 

@@ -224,6 +224,7 @@ class PipelineChunk(torch.nn.Module):
         self.head = torch.nn.ModuleDict(head) if head is not None else None
         self.aux = torch.nn.ModuleDict(aux)
         self._hf_names: dict[str, str] = {}
+        self.index: int | None = None  # global stage index, set by build_stage_modules
 
     @property
     def is_first(self) -> bool:
