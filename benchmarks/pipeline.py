@@ -4,8 +4,8 @@ Two measurements, printed as markdown tables by rank 0, on stages of *even* comp
 stack of ``d × d`` linear+GELU layers; the first chunk also embeds, the last pools and classifies, both
 negligible next to the stack), through the same :func:`hftrain.parallel.build_schedule` the trainer uses:
 
-1. **Bubble fraction**: for each schedule (gpipe, 1f1b, interleaved_1f1b and interleaved_zb with 2 virtual
-   stages; zero bubble is compared with the interleaved formula it aims to beat) and
+1. **Bubble fraction**: for each schedule (gpipe, 1f1b; interleaved_1f1b, interleaved_zb and zbv with 2
+   virtual stages; zero bubble is compared with the interleaved formula it aims to beat) and
    ``m`` in ``--microbatches``, the median over ``--steps`` steps of the measured idle fraction
    (:func:`hftrain.parallel.measured_bubble` over the recorded F/B events of all ranks) against
    ``(p-1)/(m+p-1)`` (interleaved: ``(p-1)/(v·m+p-1)``). Target: within 10 % of the formula.
@@ -33,7 +33,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.*` and an uninstalled hftrain
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2))
 
 
 def _chunk_class():
@@ -100,15 +100,18 @@ def _schedule(name: str, v: int, m: int, args, rank: int, recorder):
     import torch
     import torch.distributed as dist
 
+    from hftrain.parallel import SCHEDULES as REGISTRY
     from hftrain.parallel import build_schedule
+    from hftrain.parallel.pipeline import chunk_ids_of_rank
 
     chunk_class = _chunk_class()
     total = args.pp * v
     torch.manual_seed(0)
-    chunks = [
-        chunk_class(args.hidden, args.layers // v, first=c == 0, last=c == total - 1)
-        for c in range(rank, total, args.pp)
-    ]
+    ids = chunk_ids_of_rank(rank, pp=args.pp, virtual_stages=v, layout=REGISTRY[name].layout)
+    chunks = []
+    for c in ids:
+        chunks.append(chunk_class(args.hidden, args.layers // v, first=c == 0, last=c == total - 1))
+        chunks[-1].index = c
     pipe = build_schedule(
         name,
         chunks,
