@@ -15,7 +15,9 @@ Position ids are ``arange(s)`` in all three families (as in their ``forward`` wi
 recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters keep their HF names
 through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can merge stages.
 
-Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (Megatron's interleaved assignment).
+Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` layout: Megatron's
+interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` layout); see
+:func:`chunk_ids_of_rank`.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def stage_layer_ranges(
 ) -> list[range]:
     """Split ``num_layers`` transformer layers into ``pp · virtual_stages`` contiguous chunks.
 
-    Chunk ``c`` gets layers ``ranges[c]`` and lives on pipeline rank ``c % pp``.
+    Chunk ``c`` gets layers ``ranges[c]``; which rank holds it is :func:`chunk_ids_of_rank`'s business.
 
     Args:
         num_layers: number of transformer layers.
