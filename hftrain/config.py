@@ -169,7 +169,7 @@ class StrategyConfig:
     """megatron with pp > 1: micro-batches each per-device batch is split into by the schedule; null uses ``pp``."""
     schedule: str = "1f1b"
     """megatron with pp > 1: the pipeline schedule, a name in ``hftrain.parallel.SCHEDULES`` (``gpipe``, ``1f1b``,
-    ``interleaved_1f1b``, ``interleaved_zb``); checked with the batch by the strategy."""
+    ``interleaved_1f1b``, and the zero-bubble ones); checked with the batch by the strategy."""
     virtual_stages: int = 1
     """megatron with ``schedule: interleaved_1f1b``: model chunks per pipeline rank."""
     balance: Literal["layers", "parameters"] = "layers"

@@ -61,8 +61,14 @@ class PipelineModel(nn.Module):
         self.config = hf_model.config
 
     @property
-    def is_last_stage(self) -> bool:
-        return self.groups.pp_rank == self.groups.pp_size - 1
+    def last_stage_rank(self) -> int:
+        """The pipeline rank holding the last chunk (the head): ``pp - 1``, or 0 in the V layout (ZBV)."""
+        from hftrain.parallel.pipeline import chunk_ids_of_rank
+
+        pp, chunks = self.groups.pp_size, len(self.stages)
+        last = pp * chunks - 1
+        layout = self.schedule.layout
+        return next(r for r in range(pp) if last in chunk_ids_of_rank(r, pp=pp, virtual_stages=chunks, layout=layout))
 
     def forward(self, **inputs: torch.Tensor) -> Any:
         from transformers.modeling_outputs import SequenceClassifierOutput
@@ -83,7 +89,7 @@ class PipelineModel(nn.Module):
         if tensor is None:
             tensor = torch.empty(shape, device=self.device)
         tensor = tensor.detach().float().contiguous()
-        dist.broadcast(tensor, group=self.groups.pp_group, group_src=self.groups.pp_size - 1)
+        dist.broadcast(tensor, group=self.groups.pp_group, group_src=self.last_stage_rank)
         return tensor
 
     @property
@@ -116,6 +122,7 @@ class PipelineRuntime(MegatronRuntime):
         eval_loader: torch.utils.data.DataLoader | None,
     ) -> tuple[nn.Module, Any, Any, Any]:
         from hftrain.parallel import TimelineRecorder, apply_tensor_parallel, build_schedule, build_stage_modules
+        from hftrain.parallel.schedules import schedule_class
 
         plugin, layout, device = self.plugin, self.plugin.layout, self.accelerator.device
         names = {id(p): n for n, p in model.named_parameters()}
@@ -128,6 +135,7 @@ class PipelineRuntime(MegatronRuntime):
             pp=layout.pp_size,
             virtual_stages=self.pipeline.virtual_stages,
             balance=self.pipeline.balance,
+            layout=schedule_class(self.pipeline.schedule).layout,  # which chunks a rank holds (loop or V)
         )
         if self.mixed_precision != "no":
             for stage in stages:
