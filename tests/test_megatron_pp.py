@@ -205,6 +205,11 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
     assert timeline["theoretical_bubble"] - 0.05 <= timeline["measured_bubble"] < 0.9
     assert {e["kind"] for e in timeline["events"]} == {"F", "B"} and {e["rank"] for e in timeline["events"]} == {0, 1}
     assert len(timeline["events"]) == 2 * 2 * 4  # F and B of 4 micro-batches on each of 2 stages
+    # a tp=2 × pp=2 checkpoint exports the same way, launched like its run
+    exported_dir, checkpoint = tmp_path / "exported", output_dir / "checkpoints" / "step_00000002"
+    _torchrun(4, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir)])
+    reloaded = AutoModelForSequenceClassification.from_pretrained(exported_dir).state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in load_file(checkpoint / "state" / "model.safetensors").items())
 
 
 def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], str, str]]:
