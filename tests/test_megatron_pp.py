@@ -2,12 +2,13 @@
 
 Three launches carry the multi-process checks, each covering all three schedules and spreading the nine
 model × schedule combinations over the layouts (every combination once, every schedule at every layout):
-- 2 processes, pp=2;
+- 2 processes, pp=2 (plus GPT-2 with the zero-bubble V schedule);
 - 4 processes, tp=2 × pp=2, plus interrupted-then-resumed and the pp=2 checkpoint resumed at pp=1 (tp=2 × dp=2);
 - 8 processes, tp=2 × pp=2 × dp=2;
 and one process for the references (DDP, the whole global batch). Each run equals its reference within 1e-5
 relative loss over 10 steps. A real ``torchrun`` job at tp=2 × pp=2 exports a model plain transformers reloads
-with the trained logits and draws its pipeline timeline; bad input is one line, exit 2, nothing written.
+with the trained logits and draws its pipeline timeline, and ``hftrain export`` exports its checkpoint; bad input
+is one line, exit 2, nothing written.
 """
 
 from __future__ import annotations
