@@ -163,18 +163,41 @@ class StrategyConfig:
     shard_optimizer: bool = False
     """megatron only: ZeRO-1-style sharding of the optimizer state over the data-parallel ranks
     (``torch.distributed.optim.ZeroRedundancyOptimizer``)."""
+    pp: int = 1
+    """megatron only: pipeline-parallel size (stages); ``tp × pp`` must divide the world size."""
+    num_microbatches: int | None = None
+    """megatron with pp > 1: micro-batches each per-device batch is split into by the schedule; null uses ``pp``."""
+    schedule: str = "1f1b"
+    """megatron with pp > 1: the pipeline schedule, a name in ``hftrain.parallel.SCHEDULES`` (``gpipe``, ``1f1b``,
+    ``interleaved_1f1b``, and the zero-bubble ones); checked with the batch by the strategy."""
+    virtual_stages: int = 1
+    """megatron with ``schedule: interleaved_1f1b``: model chunks per pipeline rank."""
+    balance: Literal["layers", "parameters"] = "layers"
+    """megatron with pp > 1: split the layers into stages of equal layer count or equal parameter count."""
 
     def validate(self) -> None:
         _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
         _require(self.tp >= 1, "strategy.tp", "must be at least 1")
+        _validate_pipeline(self)
         if self.name != "megatron":
-            for key in ("tp", "sequence_parallel", "shard_optimizer"):
+            for key in ("tp", "sequence_parallel", "shard_optimizer", *PIPELINE_FIELDS):
                 _require(
                     getattr(self, key) == getattr(StrategyConfig, key),
                     f"strategy.{key}",
                     f"is a megatron option but strategy.name is {self.name or 'unset'}; "
                     "set strategy.name: megatron or drop it",
                 )
+
+
+PIPELINE_FIELDS = ("pp", "num_microbatches", "schedule", "virtual_stages", "balance")
+
+
+def _validate_pipeline(strategy: StrategyConfig) -> None:
+    """The pipeline sizes on their own (the schedule, the batch and the model are checked by the strategy)."""
+    _require(strategy.pp >= 1, "strategy.pp", "must be at least 1")
+    _require(strategy.virtual_stages >= 1, "strategy.virtual_stages", "must be at least 1")
+    micro = strategy.num_microbatches
+    _require(micro is None or micro >= 1, "strategy.num_microbatches", "must be at least 1 or null")
 
 
 @dataclass

@@ -22,8 +22,11 @@ def tiny_tokenizer(kind: str = "bert"):
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, dropout: float = 0.0):
-    """A 2-layer config; dropout is off by default (per-rank dropout masks cannot match a 1-process reference).
+def tiny_config(
+    kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, dropout: float = 0.0, num_layers: int = 2
+):
+    """A 2-layer config (``num_layers`` for pipelines); dropout is off by default (per-rank dropout masks cannot
+    match a 1-process reference).
 
     ``kind`` is ``"bert"``, ``"gpt2"`` or ``"llama"`` (grouped-query attention: 4 heads, 2 key/value heads).
     """
@@ -33,7 +36,7 @@ def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, d
         return BertConfig(
             vocab_size=vocab_size,
             hidden_size=32,
-            num_hidden_layers=2,
+            num_hidden_layers=num_layers,
             num_attention_heads=2,
             intermediate_size=64,
             max_position_embeddings=64,
@@ -46,7 +49,7 @@ def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, d
         return LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=32,
-            num_hidden_layers=2,
+            num_hidden_layers=num_layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             intermediate_size=64,
@@ -58,7 +61,7 @@ def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, d
     return GPT2Config(
         vocab_size=vocab_size,
         n_embd=32,
-        n_layer=2,
+        n_layer=num_layers,
         n_head=2,
         n_positions=64,
         num_labels=num_labels,
@@ -70,14 +73,22 @@ def tiny_config(kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, d
     )
 
 
-def tiny_model_init(kind: str = "bert", num_labels: int = 2, dropout: float = 0.0, lora_options: dict | None = None):
+def tiny_model_init(
+    kind: str = "bert",
+    num_labels: int = 2,
+    dropout: float = 0.0,
+    lora_options: dict | None = None,
+    num_layers: int = 2,
+):
     """A ``model_init`` for the trainer: a fresh tiny ``*ForSequenceClassification``, in LoRA adapters when
     ``lora_options`` (``hftrain.config.LoraConfig`` fields) is given."""
 
     def build():
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_config(tiny_config(kind, num_labels, dropout=dropout))
+        model = AutoModelForSequenceClassification.from_config(
+            tiny_config(kind, num_labels, dropout=dropout, num_layers=num_layers)
+        )
         if lora_options is None:
             return model
         from hftrain.config import LoraConfig
@@ -157,6 +168,7 @@ def run_tiny_training(
     return_weights: bool = False,
     dropout: float = 0.0,
     lora_options: dict | None = None,
+    num_layers: int = 2,
     **training_overrides,
 ) -> dict:
     """Train a tiny model in this process group; returns losses, learning rates and final eval metrics.
@@ -195,7 +207,7 @@ def run_tiny_training(
     trainer = SequenceClassificationTrainer(
         args,
         strategy=build_strategy(strategy_config, launch=launch_info_from_environ()),
-        model_init=tiny_model_init(kind, dropout=dropout, lora_options=lora_options),
+        model_init=tiny_model_init(kind, dropout=dropout, lora_options=lora_options, num_layers=num_layers),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
         eval_dataset=splits["validation"],

@@ -30,6 +30,11 @@ _EXPORTS = {
     "load_full_state_dict": "tensor_parallel",
     "finalize_tp_grads": "tensor_parallel",
     "record_collectives": "collectives",
+    # pipeline parallelism (issue 8)
+    **dict.fromkeys(("stage_layer_ranges", "build_stage_modules", "chunk_ids_of_rank"), "pipeline"),
+    **dict.fromkeys(("SCHEDULES", "PipelineSchedule", "build_schedule", "check_schedule"), "schedules"),
+    **dict.fromkeys(("TimelineRecorder", "render_timeline", "measured_bubble", "theoretical_bubble"), "timeline"),
+    "gather_events": "timeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -55,6 +55,7 @@ class MegatronPlugin:
     tp: int = 1
     sequence_parallel: bool = False
     shard_optimizer: bool = False
+    pp: int = 1  # pipeline stages: the groups are laid out tp × dp × pp (the stages are hftrain's pipeline runtime)
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
 
     # ----------------------------------------------------------------- layout
@@ -69,7 +70,7 @@ class MegatronPlugin:
         from hftrain.parallel.dims import ParallelDims, build_groups
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-        dims = ParallelDims(world, tp=self.tp).validate()
+        dims = ParallelDims(world, tp=self.tp, pp=self.pp).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
             _init_single_process_group()
         self.groups = build_groups(dims, rank, device_type=device_type)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
+from hftrain.strategies.pipeline_checks import pipeline_facts
 from hftrain.strategies.runtime import AccelerateRuntime, Batch
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class MegatronStrategy(Strategy):
                     f"strategy.{key} is not a megatron option (megatron composes tp with plain data parallelism; "
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
-        self.dims = ParallelDims(launch.world_size, tp=config.tp).validate()
+        self.dims = ParallelDims(launch.world_size, tp=config.tp, pp=config.pp).validate()
 
     def preflight(self, training: TrainingConfig) -> None:
         if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
@@ -71,6 +72,9 @@ class MegatronStrategy(Strategy):
                 "training.mixed_precision fp16 is not supported with strategy megatron (no gradient scaler); "
                 "use bf16 or no"
             )
+        from hftrain.strategies.pipeline_checks import check_pipeline_training
+
+        check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
 
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel
@@ -81,6 +85,10 @@ class MegatronStrategy(Strategy):
                 "use strategy ddp/fsdp/zero for LoRA, or train the full model with megatron"
             )
         check_tensor_parallel(model_config, self.config.tp)
+        if self.config.pp > 1:
+            from hftrain.strategies.pipeline_checks import check_pipeline_model
+
+            check_pipeline_model(self.config, model_config)
 
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         # MULTI_CPU/MULTI_GPU gives the process group and accumulate()'s no_sync; the model is never prepare()d.
@@ -94,6 +102,7 @@ class MegatronStrategy(Strategy):
             "sequence_parallel": self.config.sequence_parallel,
             "shard_optimizer": self.config.shard_optimizer,
             "checkpoint_format": "logical full tensors (reshardable)",
+            **(pipeline_facts(self.config) if self.dims.pp > 1 else {}),
         }
 
     def summary(self, training: TrainingConfig, accelerator: Accelerator) -> dict[str, Any]:
@@ -108,7 +117,12 @@ class MegatronStrategy(Strategy):
             tp=self.config.tp,
             sequence_parallel=self.config.sequence_parallel,
             shard_optimizer=self.config.shard_optimizer,
+            pp=self.config.pp,
         ).setup(device_type=self.platform.device)
+        if self.dims.pp > 1:  # the stages run through the pipeline schedule (hftrain.strategies.pipeline_runtime)
+            from hftrain.strategies.pipeline_runtime import PipelineRuntime
+
+            return PipelineRuntime(accelerator, self, plugin)
         return MegatronRuntime(accelerator, self, plugin)
 
 

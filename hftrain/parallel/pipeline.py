@@ -1,0 +1,202 @@
+"""Pipeline stages: split an unchanged HF ``*ForSequenceClassification`` model into contiguous layer chunks.
+
+A chunk maps the pipeline's activation tuple to the next one. The tuple is the same between every pair of
+stages, ``(hidden [b, s, h] float, attention_mask [b, s] as given, pool [b, s] float one-hot)``:
+
+* ``hidden`` is the only tensor that carries gradient;
+* the 2-D attention mask travels as given and every chunk rebuilds the 4-D mask from it with transformers' own
+  ``create_causal_mask``/``create_bidirectional_mask``, exactly as the unsharded model does;
+* ``pool`` marks the token the head classifies (GPT-2/Llama: the last non-pad token, found from ``input_ids``
+  on the first stage, which alone sees them; BERT: the first token). It is a float one-hot rather than an
+  integer index because ``torch.distributed.pipelining`` infers shapes with *uninitialised* receive buffers
+  on later stages: a garbage index would crash a gather, a garbage one-hot only yields ignored numbers.
+
+Position ids are ``arange(s)`` in all three families (as in their ``forward`` without a cache), so each chunk
+recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters keep their HF names
+through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can merge stages.
+
+Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` layout: Megatron's
+interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` layout); see
+:func:`chunk_ids_of_rank`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hftrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from hftrain.parallel.stages import PipelineChunk
+
+BALANCES = ("layers", "parameters")
+
+
+def _check_split(num_layers: int, pp: int, virtual_stages: int, balance: str) -> int:
+    """Validate a split request and return the number of chunks."""
+    if pp < 1:
+        raise ConfigError(f"strategy.pp must be >= 1, got {pp}")
+    if virtual_stages < 1:
+        raise ConfigError(f"strategy.virtual_stages must be >= 1, got {virtual_stages}")
+    if virtual_stages > 1 and pp == 1:
+        raise ConfigError("strategy.virtual_stages > 1 needs pp > 1 (an interleaved schedule with one stage)")
+    if balance not in BALANCES:
+        raise ConfigError(f"pipeline balance must be one of {', '.join(BALANCES)}, got {balance!r}")
+    chunks = pp * virtual_stages
+    if chunks > num_layers:
+        raise ConfigError(
+            f"strategy.pp × virtual_stages = {chunks} pipeline stages but the model has only {num_layers} layers; "
+            "use fewer stages"
+        )
+    if virtual_stages > 1 and num_layers % chunks:
+        raise ConfigError(
+            f"strategy.virtual_stages={virtual_stages} with pp={pp} needs the {num_layers} layers to divide into "
+            f"{chunks} equal chunks; choose virtual_stages so that pp × virtual_stages divides {num_layers}"
+        )
+    return chunks
+
+
+def _split_by_count(num_layers: int, chunks: int) -> list[int]:
+    """Layer counts differing by at most one; the extra layers go to the last chunks (the first embeds)."""
+    base, extra = divmod(num_layers, chunks)
+    return [base + (1 if c >= chunks - extra else 0) for c in range(chunks)]
+
+
+def _split_by_size(sizes: list[int], chunks: int) -> list[int]:
+    """Contiguous partition of ``sizes`` into ``chunks`` non-empty parts minimising the largest part's sum.
+
+    Classic linear-partition dynamic programme: ``best[k][i]`` is the smallest possible maximum when the first
+    ``i`` layers form ``k`` chunks. O(chunks · n²), fine for the few hundred layers of real models.
+    """
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0
+    for k in range(1, chunks + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    counts, i = [], n
+    for k in range(chunks, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
+def stage_layer_ranges(
+    num_layers: int,
+    *,
+    pp: int,
+    virtual_stages: int = 1,
+    balance: str = "layers",
+    layer_sizes: list[int] | None = None,
+) -> list[range]:
+    """Split ``num_layers`` transformer layers into ``pp · virtual_stages`` contiguous chunks.
+
+    Chunk ``c`` gets layers ``ranges[c]``; which rank holds it is :func:`chunk_ids_of_rank`'s business.
+
+    Args:
+        num_layers: number of transformer layers.
+        pp: pipeline-parallel size (ranks).
+        virtual_stages: chunks per rank (interleaved schedules); must split the layers evenly when > 1.
+        balance: ``"layers"`` (equal layer counts) or ``"parameters"`` (equal sums of ``layer_sizes``).
+        layer_sizes: per-layer cost (e.g. parameter count) for ``balance="parameters"``.
+
+    Raises:
+        ConfigError: more chunks than layers, virtual stages that do not divide the layers, bad sizes.
+    """
+    chunks = _check_split(num_layers, pp, virtual_stages, balance)
+    if balance == "layers" or virtual_stages > 1:
+        # interleaving needs equal chunks (every rank runs v of them in lock step)
+        counts = _split_by_count(num_layers, chunks)
+    else:
+        if layer_sizes is None or len(layer_sizes) != num_layers:
+            raise ConfigError(f"balance='parameters' needs layer_sizes with one entry per layer ({num_layers})")
+        counts = _split_by_size(list(layer_sizes), chunks)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+LAYOUTS = ("loop", "v")
+
+
+def chunk_ids_of_rank(pp_rank: int, *, pp: int, virtual_stages: int = 1, layout: str = "loop") -> list[int]:
+    """The chunk (global stage) indices pipeline rank ``pp_rank`` owns, in execution order.
+
+    Args:
+        pp_rank: this rank's index in the pipeline group.
+        pp: pipeline-parallel size.
+        virtual_stages: chunks per rank.
+        layout: ``"loop"`` (chunk ``c`` on rank ``c % pp``: Megatron's interleaving) or ``"v"`` (the chunks go
+            down the ranks and back up, so rank ``r`` holds ``r`` and ``2p-1-r``: zero-bubble ZBV's layout).
+    """
+    if layout not in LAYOUTS:
+        raise ConfigError(f"pipeline chunk layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "v":
+        return [k * pp + (pp_rank if k % 2 == 0 else pp - 1 - pp_rank) for k in range(virtual_stages)]
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def _numel(modules: dict[str, Any]) -> int:
+    return sum(p.numel() for m in modules.values() for p in m.parameters())
+
+
+def build_stage_modules(
+    model: torch.nn.Module,
+    *,
+    pp_rank: int,
+    pp: int,
+    virtual_stages: int = 1,
+    balance: str = "layers",
+    layout: str = "loop",
+) -> list[PipelineChunk]:
+    """The chunks of ``model`` that pipeline rank ``pp_rank`` owns, in order; they share the model's modules.
+
+    The first chunk embeds, the last pools and classifies. With ``balance="parameters"`` the embedding
+    parameters count towards the first layer and the head's towards the last.
+
+    Args:
+        model: an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` (possibly already tensor-parallel).
+        pp_rank: this rank's index in the pipeline group.
+        pp: pipeline-parallel size.
+        virtual_stages: chunks per rank (interleaved schedules).
+        balance: ``"layers"`` or ``"parameters"``.
+        layout: which chunks a rank holds, ``"loop"`` or ``"v"`` (the schedule's ``layout``; see
+            :func:`chunk_ids_of_rank`).
+    """
+    from hftrain.parallel.stages import PipelineChunk, family_of
+
+    family = family_of(model)
+    layers = family.layers(model)
+    embed, head = family.embed_modules(model), family.head_modules(model)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    sizes[0] += _numel(embed)
+    sizes[-1] += _numel(head)
+    ranges = stage_layer_ranges(len(layers), pp=pp, virtual_stages=virtual_stages, balance=balance, layer_sizes=sizes)
+    hf_names = {id(p): name for name, p in model.named_parameters()}
+    chunks = []
+    for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, layout=layout):
+        first, last = c == 0, c == len(ranges) - 1
+        chunk = PipelineChunk(
+            family,
+            model.config,
+            embed=embed if first else None,
+            layers={str(i): layers[i] for i in ranges[c]},
+            head=head if last else None,
+            aux=family.aux_modules(model),
+        )
+        chunk.attach_hf_names(hf_names)
+        chunk.index = c  # its global stage index: schedules check it against their layout
+        chunks.append(chunk)
+    return chunks

@@ -1,0 +1,72 @@
+"""Pipeline-parallel input checks of the ``megatron`` strategy, run before any process group or file exists.
+
+The fields alone are checked by ``StrategyConfig.validate``; what needs the batch geometry or the model's layer
+count is checked here, each refusal one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hftrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hftrain.config import StrategyConfig, TrainingConfig
+
+
+def num_microbatches(strategy: StrategyConfig) -> int:
+    """The micro-batches per per-device batch: the configured number, or ``pp`` when null.
+
+    Args:
+        strategy: the ``strategy`` section.
+    """
+    return strategy.num_microbatches or strategy.pp
+
+
+def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) -> None:
+    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, and ZeRO-1.
+
+    Args:
+        strategy: the ``strategy`` section (any ``pp``: an interleaved schedule at ``pp = 1`` is refused too).
+        training: the ``training`` section (``per_device_train_batch_size``).
+    """
+    micro, batch = num_microbatches(strategy), training.per_device_train_batch_size
+    if batch % micro:
+        raise ConfigError(
+            f"strategy.num_microbatches={micro} does not divide training.per_device_train_batch_size={batch}; "
+            "choose a divisor of the per-device batch (each optimizer step's batch is split into equal micro-batches)"
+        )
+    from hftrain.parallel.schedules import check_schedule
+
+    check_schedule(strategy.schedule, pp=strategy.pp, virtual_stages=strategy.virtual_stages, num_microbatches=micro)
+    if strategy.shard_optimizer and strategy.pp > 1:
+        raise ConfigError(
+            "strategy.shard_optimizer with strategy.pp > 1 is not supported yet; use shard_optimizer: false"
+        )
+
+
+def check_pipeline_model(strategy: StrategyConfig, model_config: Any) -> None:
+    """Refuse more stages than layers, and virtual stages that do not split the layers evenly.
+
+    Args:
+        strategy: the ``strategy`` section (``pp > 1``).
+        model_config: the model's ``transformers`` config.
+    """
+    from hftrain.parallel.pipeline import stage_layer_ranges
+
+    # The same split the stages will use; balance "layers" needs no parameter sizes and applies the same checks.
+    stage_layer_ranges(model_config.num_hidden_layers, pp=strategy.pp, virtual_stages=strategy.virtual_stages)
+
+
+def pipeline_facts(strategy: StrategyConfig) -> dict[str, Any]:
+    """The pipeline settings for the start-of-run log and ``hftrain_strategy.json``.
+
+    Args:
+        strategy: the ``strategy`` section.
+    """
+    return {
+        "schedule": strategy.schedule,
+        "num_microbatches": num_microbatches(strategy),
+        "virtual_stages": strategy.virtual_stages,
+        "balance": strategy.balance,
+    }
