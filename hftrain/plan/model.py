@@ -207,7 +207,11 @@ def _load_config(name_or_path: str) -> Any:
             raw = PretrainedConfig.get_config_dict(str(path))[0]
             return AutoConfig.for_model(**raw)
         return AutoConfig.from_pretrained(folder)
-    return AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+    try:
+        folder = resolve_model_path(name_or_path)
+    except ConfigError as error:  # the job config's field name, said as this command's option
+        raise ConfigError(str(error).replace("model.model_name_or_path:", "--model:")) from None
+    return AutoConfig.from_pretrained(folder)
 
 
 def _meta_model(config: Any) -> Any:
