@@ -21,8 +21,16 @@ from pathlib import Path
 import pytest
 
 from hftrain.cli import main
-from hftrain.plan import Hardware, Workload, model_from_config, model_from_sizes, plan
-from hftrain.plan import data_parallel, formulas, model_parallel
+from hftrain.plan import (
+    Hardware,
+    Workload,
+    data_parallel,
+    formulas,
+    model_from_config,
+    model_from_sizes,
+    model_parallel,
+    plan,
+)
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +52,9 @@ def test_zero_paper_worked_example():
     model = model_from_sizes(parameters=7_500_000_000, layers=32, hidden=4096, heads=32, vocab=50_000)
     rows = _rows(plan(model, Hardware(gpus_per_node=8, nodes=8), Workload(precision="bf16")))
     published = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
-    ours = {label: round(rows[label].model_states / GB, 1) for label in published}
+    # ZeRO-2's row also holds the one gradient that straddles two partitions whole (measured; not in the paper)
+    straddling = {"zero2": 2 * model.largest_layer_parameters}
+    ours = {label: round((rows[label].model_states - straddling.get(label, 0)) / GB, 1) for label in published}
     assert ours == published
 
 
@@ -60,7 +70,8 @@ def test_deepspeed_estimators_side_by_side():
         n = gpus * nodes
         rows = _rows(plan(model, Hardware(gpus_per_node=gpus, nodes=nodes, cpu_memory=1e15), Workload()))
         _, ds_gpu = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=False)
-        assert ds_gpu == pytest.approx(rows["zero2"].model_states + 4 * psi / n, abs=1)
+        paper_zero2 = rows["zero2"].model_states - 2 * largest  # without the straddling gradient
+        assert ds_gpu == pytest.approx(paper_zero2 + 4 * psi / n, abs=1)
         ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(
             psi, gpus, nodes, cpu_offload=True, additional_buffer_factor=1.0
         )
@@ -238,7 +249,8 @@ def _spec_from_bert(settings: dict, config_class) -> object:
 
 @pytest.mark.distributed
 def test_model_states_match_the_live_ranks():
-    """DDP, ZeRO-1/2/3 and FSDP2 on 2 gloo processes, fp32, accumulation 2: estimate within 10 % of each rank."""
+    """DDP, ZeRO-1/2/3 and FSDP2 on 2 gloo processes, fp32, accumulation 2: the per-GPU estimate within 10 % of
+    the most loaded rank (the one that must fit; ZeRO-2's ranks differ by the gradient straddling partitions)."""
     from tests.test_sharding import measure_strategies
 
     labels = list(MEASURED_LABELS)
@@ -247,19 +259,21 @@ def test_model_states_match_the_live_ranks():
     failures = []
     for label, ours in MEASURED_LABELS.items():
         row = estimates[ours]
-        for rank, run in enumerate(runs):
-            assert "error" not in run[label], run[label]
-            acc, step = run[label]["accumulating"], run[label]["at_step"]
-            measured = {
-                "params": max(acc["params"], step["params"]),
-                "grads": max(acc["grads"], step["grads"]),
-                "optimizer": max(acc["optimizer"] + acc["master"], step["optimizer"] + step["master"]),
-            }
-            for part, value in measured.items():
-                estimate = getattr(row, part)
-                if abs(estimate / value - 1) > STATE_TOLERANCE:
-                    failures.append(f"{label} rank {rank} {part}: estimate {estimate:,.0f} measured {value:,}")
+        assert not any("error" in run[label] for run in runs), [run[label] for run in runs]
+        for part, value in most_loaded(runs, label).items():
+            estimate = getattr(row, part)
+            if abs(estimate / value - 1) > STATE_TOLERANCE:
+                failures.append(f"{label} {part}: estimate {estimate:,.0f} measured {value:,}")
     assert not failures, failures
+
+
+def most_loaded(runs: list[dict], label: str) -> dict[str, int]:
+    """The largest per-rank bytes of each state over the ranks and the two measuring points of a window."""
+    parts = {"params": ("params",), "grads": ("grads",), "optimizer": ("optimizer", "master")}
+    return {
+        part: max(sum(run[label][point][k] for k in keys) for run in runs for point in ("accumulating", "at_step"))
+        for part, keys in parts.items()
+    }
 
 
 def _tensor_parallel_measurement(seq: int, micro: int) -> dict:

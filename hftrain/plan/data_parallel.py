@@ -46,7 +46,9 @@ class Sharding:
 STRATEGIES: dict[str, Sharding] = {
     "ddp": Sharding({"name": "ddp"}, False, False, False, False, formula="(2+2+12)Ψ = 16Ψ"),
     "zero1": Sharding({"name": "zero1"}, False, False, True, True, formula="(2+2)Ψ + 12Ψ/N"),
-    "zero2": Sharding({"name": "zero2"}, False, True, True, True, formula="2Ψ + (2+12)Ψ/N"),
+    "zero2": Sharding(
+        {"name": "zero2"}, False, True, True, True, formula="2Ψ + (2+12)Ψ/N + 2·(largest tensor) straddling partitions"
+    ),
     "zero3": Sharding({"name": "zero3"}, True, True, True, True, formula="(2+2+12)Ψ/N"),
     "fsdp": Sharding(
         {"name": "fsdp", "fsdp_version": 2},
@@ -63,7 +65,7 @@ STRATEGIES: dict[str, Sharding] = {
         True,
         True,
         True,
-        formula="GPU 2Ψ + 2Ψ/N; CPU (4+12)Ψ/N per GPU",
+        formula="GPU 2Ψ + 2Ψ/N (+ straddling tensor); CPU (4+12)Ψ/N per GPU",
     ),
     "zero3_offload": Sharding(
         {"name": "zero3", "offload_optimizer": True, "offload_params": True},
@@ -93,6 +95,8 @@ def estimate(label: str, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
     psi, trained = model.parameters, _trained(model, work)
     params = psi * sb.params / (n if spec.params else 1)
     grads = trained * sb.grads / (n if spec.grads else 1)
+    if spec.grads and not spec.params and n > 1:
+        grads += _straddling(model, trained) * sb.grads
     accumulating = label == "fsdp" and work.accumulation > 1
     if accumulating:
         grads = trained * sb.grad_accumulation  # Accelerate's no_sync keeps whole unsharded gradients
@@ -124,6 +128,12 @@ def estimate(label: str, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
     if accumulating:
         row.notes.append("accumulation > 1: Accelerate's no_sync keeps whole gradients between micro-batches")
     return finish(row, model, work, hw)
+
+
+def _straddling(model: ModelSpec, trained: float) -> float:
+    """Elements of the one gradient that ZeRO-2 keeps whole on the rank where a tensor straddles two partitions
+    (DeepSpeed 0.19.8, measured): at most the largest tensor; the most loaded rank is the one that must fit."""
+    return min(model.largest_layer_parameters, trained)
 
 
 def _trained(model: ModelSpec, work: Workload) -> float:
