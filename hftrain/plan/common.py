@@ -19,6 +19,7 @@ def activation_bytes(
     in_flight: int = 1,
     tp: int = 1,
     sequence_parallel: bool = False,
+    gathered_inputs: bool = False,
 ) -> float:
     """Bytes a GPU saves for backward: ``layers`` layers × ``in_flight`` micro-batches, plus the embedding's.
 
@@ -32,6 +33,7 @@ def activation_bytes(
         in_flight: micro-batches whose activations are alive at once (1F1B stage 0: min(p, m)).
         tp: tensor-parallel size.
         sequence_parallel: Megatron sequence parallelism.
+        gathered_inputs: see ``formulas.layer_activation_bytes`` (True for hftrain's tensor-parallel layers).
     """
     mask = hw.dropout_mask_bytes if work.dropout else 0
     shape = {"seq": work.seq, "micro_batch": work.micro_batch, "hidden": model.hidden, "element": work.element}
@@ -44,6 +46,7 @@ def activation_bytes(
         sequence_parallel=sequence_parallel,
         fused_attention=work.fused_attention,
         gated_mlp=model.gated_mlp,
+        gathered_inputs=gathered_inputs,
     )
     kept = (
         formulas.recomputed_layer_bytes(**shape, tp=tp, sequence_parallel=sequence_parallel) if work.recompute else full

@@ -78,6 +78,7 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     fused_attention: bool = False,
     gated_mlp: bool = False,
+    gathered_inputs: bool = False,
 ) -> float:
     """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, §4), per tensor-parallel rank.
 
@@ -102,6 +103,9 @@ def layer_activation_bytes(
         sequence_parallel: Megatron sequence parallelism.
         fused_attention: a fused attention kernel (flash, SDPA without dropout) that saves no a·s² scores.
         gated_mlp: a gated MLP (SwiGLU: the gate and up outputs and the activation's output are saved too).
+        gathered_inputs: under sequence parallelism, the column-parallel layers save their all-gathered input
+            (2e·s·b·h whole: hftrain's layers, measured) rather than the 1/t chunk (Megatron-LM re-gathers it
+            in backward).
     """
     e = element
     sbh = seq * micro_batch * hidden
@@ -110,7 +114,11 @@ def layer_activation_bytes(
     split = (4 * e + mlp_inner) * sbh  # Q, K, V, output-projection input, the MLP's inner activations
     per_score = e + (mask + e if mask else 0)  # softmax output, and with dropout its mask and output
     scores = 0 if fused_attention else heads * seq * seq * micro_batch * per_score
-    return whole / (tp if sequence_parallel else 1) + (split + scores) / tp
+    if sequence_parallel and gathered_inputs:
+        whole = whole / tp + 2 * e * sbh * (1 - 1 / tp)  # the QKV and MLP inputs are kept all-gathered
+    elif sequence_parallel:
+        whole = whole / tp
+    return whole + (split + scores) / tp
 
 
 def embedding_activation_bytes(*, seq: int, micro_batch: int, hidden: int, element: int, mask: int) -> float:

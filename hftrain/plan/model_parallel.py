@@ -6,7 +6,8 @@ pipeline stage 0 (the heaviest: its L/p layers plus the embeddings):
 
 - parameters: (L/p)·Ψ_layer/t + V·h/t (vocabulary-parallel embedding) + the rest of the embeddings and head
   (replicated); gradients the same; Adam state the same, or /dp with ``shard_optimizer`` (ZeRO-1);
-- activations: Korthikanti et al. 2022 per layer over t (with sequence parallelism), × L/p layers × the
+- activations: Korthikanti et al. 2022 per layer over t (with sequence parallelism; hftrain's column-parallel
+  layers keep their all-gathered input, 2e·s·b·h, whole), × L/p layers × the
   micro-batches 1F1B keeps in flight on stage 0 (min(p, m));
 - communication per step: TP 2 all-reduces forward + 2 backward of s·b·h per layer and micro-batch (the same
   volume as all-gather + reduce-scatter under sequence parallelism); DP one all-reduce of the GPU's gradients;
@@ -80,7 +81,14 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
         grads=trained * sb.grads,
         optimizer=trained * sb.optimizer / (dp if shard_optimizer else 1),
         activations=activation_bytes(
-            model, work, hw, layers=layers, in_flight=in_flight, tp=tp, sequence_parallel=sequence_parallel
+            model,
+            work,
+            hw,
+            layers=layers,
+            in_flight=in_flight,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            gathered_inputs=True,
         ),
     )
     row.bubble = formulas.pipeline_bubble(pp, work.accumulation)
