@@ -54,7 +54,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (pipeline: m)")
     work.add_argument("--lora-rank", type=int, default=0, help="LoRA r (default 0: full fine-tuning)")
     work.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    work.add_argument("--no-dropout", action="store_true", help="dropout off (no masks saved)")
+    work.add_argument("--no-dropout", action="store_true", help="dropout off (default: as the model's config says)")
     work.add_argument(
         "--attention",
         choices=["fused", "eager"],
@@ -111,7 +111,7 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
         accumulation=args.accumulation,
         lora_rank=args.lora_rank,
         recompute=args.recompute,
-        dropout=not args.no_dropout,
+        dropout=model.dropout and not args.no_dropout,
         fused_attention=args.attention == "fused",
     )
     return plan(model, hardware, workload, tp=args.tp, pp=args.pp)

@@ -31,6 +31,7 @@ class ModelSpec:
         model_type: the transformers ``model_type`` (None for sizes given by hand).
         source: a local folder or ``embedded:<name>`` that a job config can load, or None.
         counted: ``"exact"`` (built on the meta device) or ``"formula"`` (12·L·h² + V·h).
+        dropout: whether the config has dropout on (unknown for sizes given by hand: assumed on).
     """
 
     name: str
@@ -46,6 +47,7 @@ class ModelSpec:
     model_type: str | None = None
     source: str | None = None
     counted: str = "exact"
+    dropout: bool = True
 
     @property
     def gated_mlp(self) -> bool:
@@ -74,9 +76,10 @@ class ModelSpec:
             tp: tensor-parallel size.
             pp: pipeline-parallel size.
         """
+        # Llama-family attention splits whole key/value groups, unequally if need be (hftrain.parallel.plans)
+        whole_heads = () if self.gated_mlp else (("attention heads", self.heads), ("hidden size", self.hidden))
         for name, value in (
-            ("attention heads", self.heads),
-            ("hidden size", self.hidden),
+            *whole_heads,
             ("intermediate size", self.intermediate),
             ("vocabulary", self.vocab),
         ):
@@ -184,6 +187,10 @@ def model_from_config(name_or_path: str) -> ModelSpec:
         layer_parameters=layer_params,
         largest_layer_parameters=largest,
         model_type=config.model_type,
+        dropout=any(
+            (getattr(config, key, 0) or 0) > 0
+            for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "resid_pdrop")
+        ),
         source=None if name_or_path.endswith(".json") else name_or_path,
     )
 
