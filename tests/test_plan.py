@@ -31,9 +31,11 @@ from hftrain.plan import (
     model_parallel,
     plan,
 )
+from tests import test_launch
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
+tiny_job = test_launch.tiny_job  # the fixture: a tiny BERT model folder and a labelled CSV
 GB = 1e9
 STATE_TOLERANCE = 0.10
 ACTIVATION_TOLERANCE = 0.25
@@ -187,42 +189,18 @@ def test_nothing_fits_is_an_answer(capsys):
     assert not any(row["fits"] for row in data["rows"])
 
 
+SEVEN_B = [*SIZES, "--parameters", "7.5B", "--nodes", "8", "--micro-batch", "4", "--seq", "2048", "--accumulation", "8"]
+
+
 def test_table_json_and_python_agree(capsys):
     model = model_from_sizes(parameters=7_500_000_000, layers=32, hidden=4096, heads=32, vocab=50_000)
     result = plan(model, Hardware(gpus_per_node=8, nodes=8), Workload(micro_batch=4, seq=2048, accumulation=8))
-    code, out, _ = _cli(
-        capsys,
-        *SIZES,
-        "--parameters",
-        "7.5B",
-        "--nodes",
-        "8",
-        "--micro-batch",
-        "4",
-        "--seq",
-        "2048",
-        "--accumulation",
-        "8",
-        "--json",
-    )
+    code, out, _ = _cli(capsys, *SEVEN_B, "--json")
     data = json.loads(out)
     assert code == 0 and data["recommended"] == result.choice.label
     for row, raw in zip(result.rows, data["rows"], strict=True):
         assert (raw["label"], raw["total"], raw["comm"]) == (row.label, row.total, row.comm)
-    code, table, _ = _cli(
-        capsys,
-        *SIZES,
-        "--parameters",
-        "7.5B",
-        "--nodes",
-        "8",
-        "--micro-batch",
-        "4",
-        "--seq",
-        "2048",
-        "--accumulation",
-        "8",
-    )
+    code, table, _ = _cli(capsys, *SEVEN_B)
     assert f"{result.choice.label} *" in table and "Korthikanti" in table and "2(N−1)/N" in table
     # the bubble of a pipeline row is the 1F1B formula at m = 8 micro-batches
     pipeline = next(r for r in result.rows if r.pp == 4)
@@ -363,21 +341,6 @@ def _saved(config) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- --write-configs
-@pytest.fixture(scope="module")
-def tiny_job(tmp_path_factory) -> dict[str, str]:
-    """A tiny BERT saved as a model folder, and a small labelled CSV."""
-    from transformers import AutoModelForSequenceClassification
-
-    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("plan_job")
-    AutoModelForSequenceClassification.from_config(tiny_config("bert")).save_pretrained(root / "model")
-    tiny_tokenizer("bert").save_pretrained(root / "model")
-    texts, labels = synthetic_texts(64, seed=1)
-    (root / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels, strict=True)))
-    return {"model": str(root / "model"), "data": str(root / "train.csv")}
-
-
 def _launch(command: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
