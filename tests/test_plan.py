@@ -395,3 +395,14 @@ def test_written_configs_start_a_run(capsys, tiny_job, tmp_path, row):
     assert summary["strategy"] == row.split(" ")[0] and summary["world_size"] == 2
     assert summary["global_batch"] == 4 * 2 * summary["dp_size"]
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_lora_parameters_are_the_adapters_hftrain_builds(tmp_path, kind):
+    """LoRA's trainable count (PEFT's default query/value targets) equals the adapters ``apply_lora`` creates."""
+    from tests.tiny import tiny_config, tiny_model_init
+
+    model = tiny_model_init(kind, lora_options={"lora_r": 4})()
+    adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    tiny_config(kind).save_pretrained(tmp_path)
+    assert model_from_config(str(tmp_path)).lora_parameters(4) == adapters
