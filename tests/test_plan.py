@@ -155,13 +155,19 @@ SIZES = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "5000
             [*SIZES, "--parameters", "7.5B", "--write-configs", "{tmp}/out", "--row", "megatron tp1·pp2·dp4"],
             "formula-only",
         ),
+        (["--model", "{tmp}/model", "--write-configs", "{tmp}/model"], "exists and is not an empty folder"),
+        (["--model", "{tmp}/model", "--write-configs", "{tmp}/out", "--row", "nope"], "is not a row of this plan"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
+    from tests.tiny import tiny_config
+
+    tiny_config("bert").save_pretrained(tmp_path / "model")
     code, out, err = _cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("hftrain: error: ")
     assert message.replace("{tmp}", str(tmp_path)) in err
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
     assert not (tmp_path / "out").exists()
 
 
