@@ -265,18 +265,22 @@ def most_loaded(runs: list[dict], label: str) -> dict[str, int]:
     }
 
 
-def _tensor_parallel_measurement(seq: int, micro: int) -> dict:
-    """In each of 2 ranks: a tiny BERT split over tp = 2 with sequence parallelism, one AdamW step, then this
-    rank's model-state bytes and the bytes its forward saves for backward."""
+def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = False) -> dict:
+    """In each rank: a tiny BERT prepared by hftrain's ``MegatronPlugin`` (tp = 2, sequence parallelism, DDP
+    over dp = world/2, ZeRO-1 when ``shard_optimizer``), one AdamW step, then this rank's model-state bytes and
+    the bytes its forward saves for backward."""
     import torch
     import torch.distributed as dist
+    from accelerate import Accelerator
     from transformers import AutoModelForSequenceClassification, BertConfig
 
-    from hftrain.parallel import ParallelDims, apply_tensor_parallel, build_groups, finalize_tp_grads
+    from hftrain.parallel import finalize_tp_grads
+    from hftrain.parallel.plugin import MegatronPlugin, unwrap
     from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
 
     dist.init_process_group("gloo")
-    groups = build_groups(ParallelDims(2, tp=2).validate(), dist.get_rank())
+    Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
+    plugin = MegatronPlugin(tp=2, sequence_parallel=True, shard_optimizer=shard_optimizer).setup()
     torch.manual_seed(0)
     config = BertConfig(
         num_labels=2,
@@ -287,37 +291,46 @@ def _tensor_parallel_measurement(seq: int, micro: int) -> dict:
         **MEASURED_MODEL,
     )
     config._attn_implementation = "eager"
-    model = apply_tensor_parallel(
-        AutoModelForSequenceClassification.from_config(config).train(), tp_group=groups.tp_group, sequence_parallel=True
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = plugin.prepare_model(AutoModelForSequenceClassification.from_config(config).train())
+    optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([0, 1] * (micro // 2))
     model(input_ids=ids, labels=labels).loss.backward()
-    finalize_tp_grads(model, tp_group=groups.tp_group)
+    finalize_tp_grads(unwrap(model), tp_group=plugin.layout.tp_group)
     optimizer.step()
-    states = model_state_bytes(model, optimizer)
+    states = model_state_bytes(unwrap(model), optimizer)
     states["activations"] = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=labels))
     dist.destroy_process_group()
     return states
 
 
+def _check_tensor_parallel(runs: list[dict], gpus: int, seq: int, micro: int) -> None:
+    """The megatron row's estimate (tp = 2 over ``gpus`` GPUs) against the most loaded rank."""
+    from transformers import BertConfig
+
+    spec = _spec_from_bert({"num_attention_heads": 4, "max_position_embeddings": 64, **MEASURED_MODEL}, BertConfig)
+    hardware = Hardware(gpus_per_node=gpus, gpu_memory=1e12, reserve=0, dropout_mask_bytes=4)
+    work = Workload(precision="fp32", micro_batch=micro, seq=seq, dropout=False, fused_attention=False)
+    row = model_parallel.estimate(2, 1, spec, work, hardware)
+    assert row.strategy == {"name": "megatron", "tp": 2, "sequence_parallel": True, "shard_optimizer": gpus > 2}
+    for part in ("params", "grads", "optimizer"):
+        assert getattr(row, part) == pytest.approx(max(r[part] for r in runs), rel=STATE_TOLERANCE), part
+    assert row.activations == pytest.approx(max(r["activations"] for r in runs), rel=ACTIVATION_TOLERANCE)
+
+
 @pytest.mark.distributed
 def test_tensor_parallel_estimate_matches_the_live_ranks():
     """tp = 2 with sequence parallelism on 2 gloo processes: model states within 10 %, activations within 25 %."""
-    from transformers import BertConfig
+    runs = run_distributed(_tensor_parallel_measurement, nprocs=2, timeout=600, seq=32, micro=4)
+    _check_tensor_parallel(runs, 2, seq=32, micro=4)
 
-    seq, micro = 32, 4
-    runs = run_distributed(_tensor_parallel_measurement, nprocs=2, timeout=600, seq=seq, micro=micro)
-    spec = _spec_from_bert({"num_attention_heads": 4, "max_position_embeddings": 64, **MEASURED_MODEL}, BertConfig)
-    hardware = Hardware(gpus_per_node=2, gpu_memory=1e12, reserve=0, dropout_mask_bytes=4)
-    work = Workload(precision="fp32", micro_batch=micro, seq=seq, dropout=False, fused_attention=False)
-    row = model_parallel.estimate(2, 1, spec, work, hardware)
-    assert row.strategy == {"name": "megatron", "tp": 2, "sequence_parallel": True, "shard_optimizer": False}
-    for rank, measured in enumerate(runs):
-        for part in ("params", "grads", "optimizer"):
-            assert getattr(row, part) == pytest.approx(measured[part], rel=STATE_TOLERANCE), (rank, part)
-        assert row.activations == pytest.approx(measured["activations"], rel=ACTIVATION_TOLERANCE), rank
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_and_data_parallel_estimate_matches_four_live_ranks():
+    """tp = 2 × dp = 2 with ZeRO-1 (shard_optimizer) on 4 gloo processes: Adam's state halves again."""
+    runs = run_distributed(_tensor_parallel_measurement, nprocs=4, timeout=900, seq=32, micro=4, shard_optimizer=True)
+    _check_tensor_parallel(runs, 4, seq=32, micro=4)
 
 
 @pytest.mark.parametrize("kind, dropout", [("bert", 0.0), ("bert", 0.1), ("llama", 0.0)])
