@@ -38,35 +38,37 @@ def _line(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def model_state_table(layers: int) -> list[str]:
+def model_state_table(layers: int, tensor_parallel_only: bool = False) -> list[str]:
     from hftrain.plan import Hardware, Workload, model_parallel
     from tests.test_sharding import measure_strategies
 
     model = {**MEASURED_MODEL, "num_hidden_layers": layers}
-    runs = run_distributed(measure_strategies, nprocs=2, timeout=3600, labels=list(MEASURED_LABELS), model=model)
-    rows = _estimate_rows(model, list(MEASURED_LABELS.values()))
+    labels = [] if tensor_parallel_only else list(MEASURED_LABELS)
+    runs = run_distributed(measure_strategies, nprocs=2, timeout=3600, labels=labels, model=model)
+    rows = _estimate_rows(model, [MEASURED_LABELS[label] for label in labels])
     out = [
         f"Ψ = {runs[0]['psi']:,}; bytes in MB (1e6) per GPU, most loaded rank",
         "",
         _line(["strategy", "state", "estimate", "measured", "ratio"]),
         "|---|---|---|---|---|",
     ]
-    for label, ours in MEASURED_LABELS.items():
+    for label in labels:
         for part, value in most_loaded(runs, label).items():
-            estimate = getattr(rows[ours], part)
+            estimate = getattr(rows[MEASURED_LABELS[label]], part)
             out.append(_line([label, part, f"{estimate / 1e6:.3f}", f"{value / 1e6:.3f}", f"{estimate / value:.3f}"]))
     from transformers import BertConfig
 
-    tp_runs = run_distributed(_tensor_parallel_measurement, nprocs=2, timeout=1200, seq=32, micro=4)
-    spec = _spec_from_bert({"num_attention_heads": 4, "max_position_embeddings": 64, **model}, BertConfig)
+    spec = _spec_from_bert({"num_attention_heads": 4, "max_position_embeddings": 64, **MEASURED_MODEL}, BertConfig)
     work = Workload(precision="fp32", micro_batch=4, seq=32, dropout=False, fused_attention=False)
-    row = model_parallel.estimate(2, 1, spec, work, Hardware(gpus_per_node=2, dropout_mask_bytes=4))
-    for part in ("params", "grads", "optimizer", "activations"):
-        value = max(run[part] for run in tp_runs)
-        estimate = getattr(row, part)
-        out.append(
-            _line(["megatron tp2 (SP)", part, f"{estimate / 1e6:.3f}", f"{value / 1e6:.3f}", f"{estimate / value:.3f}"])
+    for gpus, name in ((2, "megatron tp2 (SP)"), (4, "megatron tp2×dp2 (SP, ZeRO-1)")):
+        tp_runs = run_distributed(
+            _tensor_parallel_measurement, nprocs=gpus, timeout=1200, seq=32, micro=4, shard_optimizer=gpus > 2
         )
+        row = model_parallel.estimate(2, 1, spec, work, Hardware(gpus_per_node=gpus, dropout_mask_bytes=4))
+        for part in ("params", "grads", "optimizer", "activations"):
+            value = max(run[part] for run in tp_runs)
+            estimate = getattr(row, part)
+            out.append(_line([name, part, f"{estimate / 1e6:.3f}", f"{value / 1e6:.3f}", f"{estimate / value:.3f}"]))
     return out
 
 
@@ -132,11 +134,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="layers of the measured BERT (hidden 320)")
     parser.add_argument("--skip-measured", action="store_true", help="only the single-process tables")
+    parser.add_argument("--tensor-parallel-only", action="store_true", help="measure only the megatron rows")
     args = parser.parse_args()
     print("\n".join(published_table()), end="\n\n")
     print("\n".join(activation_table()), end="\n\n")
     if not args.skip_measured:
-        print("\n".join(model_state_table(args.layers)))
+        print("\n".join(model_state_table(args.layers, args.tensor_parallel_only)))
 
 
 if __name__ == "__main__":
