@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 
 from hftrain.errors import HFTrainError, UsageError
+from hftrain.plan.command import add_plan_arguments, run_plan
 
 DESCRIPTION = "Distributed fine-tuning over Hugging Face Accelerate and DeepSpeed."
 
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--num_processes", type=int, help="processes in the whole job")
     doctor.add_argument("--timeout", type=float, help="seconds to wait for a connection (default 5)")
     doctor.add_argument("--wait", type=float, help="rendezvous machine: seconds to wait for the others' doctors")
+    plan = commands.add_parser(
+        "plan",
+        help="which strategy: per-GPU memory, communication and time for DDP, ZeRO, FSDP and TP × PP × DP layouts",
+        description="Estimate every strategy and layout the hardware admits (each formula stated) and recommend one; "
+        "--write-configs DIR writes the files that start it.",
+    )
+    add_plan_arguments(plan)
     return parser
 
 
@@ -225,7 +233,7 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
     return f"zero{stage}"
 
 
-COMMANDS = {"train": _train, "env": _env, "export": _export, "groups": _groups, "doctor": _doctor}
+COMMANDS = {"train": _train, "env": _env, "export": _export, "groups": _groups, "doctor": _doctor, "plan": run_plan}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""What every estimator shares: activations per GPU, compute time, and the step time and fit of a row."""
+
+from __future__ import annotations
+
+from hftrain.plan import formulas
+from hftrain.plan.hardware import Hardware
+from hftrain.plan.model import ModelSpec
+from hftrain.plan.rows import Row, Workload
+
+COMM_FORMULA = "not overlapped with compute; bytes / link bandwidth (" + formulas.RING_FORMULA + ")"
+
+
+def activation_bytes(
+    model: ModelSpec,
+    work: Workload,
+    hw: Hardware,
+    *,
+    layers: int,
+    in_flight: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    gathered_inputs: bool = False,
+) -> float:
+    """Bytes a GPU saves for backward: ``layers`` layers × ``in_flight`` micro-batches, plus the embedding's.
+
+    Under full recomputation each layer keeps only its input, and one layer is recomputed at a time.
+
+    Args:
+        model: the model.
+        work: the workload.
+        hw: the hardware (its dropout-mask element size).
+        layers: layers this GPU runs.
+        in_flight: micro-batches whose activations are alive at once (1F1B stage 0: min(p, m)).
+        tp: tensor-parallel size.
+        sequence_parallel: Megatron sequence parallelism.
+        gathered_inputs: see ``formulas.layer_activation_bytes`` (True for hftrain's tensor-parallel layers).
+    """
+    mask = hw.dropout_mask_bytes if work.dropout else 0
+    shape = {"seq": work.seq, "micro_batch": work.micro_batch, "hidden": model.hidden, "element": work.element}
+    full = formulas.layer_activation_bytes(
+        **shape,
+        heads=model.heads,
+        intermediate=model.intermediate,
+        mask=mask,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        fused_attention=work.fused_attention,
+        gated_mlp=model.gated_mlp,
+        gathered_inputs=gathered_inputs,
+    )
+    kept = (
+        formulas.recomputed_layer_bytes(**shape, tp=tp, sequence_parallel=sequence_parallel) if work.recompute else full
+    )
+    extra = full if work.recompute else 0.0
+    embedding = formulas.embedding_activation_bytes(**shape, mask=mask)
+    return layers * in_flight * kept + extra + embedding
+
+
+def compute_seconds(model: ModelSpec, work: Workload, hw: Hardware, *, model_split: int) -> float:
+    """Seconds of arithmetic per step on one GPU: k·Ψ·tokens / (split · TFLOP/s · efficiency).
+
+    k = 6 (forward 2 + backward 4), 8 with recomputation (one more forward), 4 with LoRA (no weight gradients
+    for the frozen weights). Tokens: micro-batch × sequence × accumulation.
+
+    Args:
+        model: the model.
+        work: the workload.
+        hw: the hardware.
+        model_split: GPUs one copy of the model is split over (t·p).
+    """
+    k = (4 if work.lora_rank else 6) + (2 if work.recompute else 0)
+    tokens = work.micro_batch * work.seq * work.accumulation
+    return k * model.parameters * tokens / (model_split * hw.tflops * 1e12 * hw.efficiency)
+
+
+def finish(row: Row, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
+    """Fill in a row's times, throughput and fit from its bytes.
+
+    Args:
+        row: a row with its bytes and communication filled in.
+        model: the model.
+        work: the workload.
+        hw: the hardware.
+    """
+    bandwidth = {"intra": hw.bandwidth(False), "inter": hw.bandwidth(True), "pcie": BANDWIDTH_PCIE}
+    row.comm_seconds = sum(nbytes / bandwidth[link] for link, nbytes in row.comm.items())
+    row.compute_seconds = compute_seconds(model, work, hw, model_split=row.tp * row.pp)
+    row.step_seconds = row.compute_seconds / (1 - row.bubble) + row.comm_seconds
+    tokens = work.micro_batch * work.seq * work.accumulation * row.dp
+    row.tokens_per_second = tokens / row.step_seconds
+    gpu_ok = row.total <= hw.usable_memory
+    cpu_ok = row.cpu_per_node <= hw.cpu_memory
+    row.fits = gpu_ok and cpu_ok
+    if not gpu_ok:
+        row.notes.append(f"needs {row.total / 1e9:.1f} GB per GPU, {hw.usable_memory / 1e9:.1f} GB usable")
+    if not cpu_ok:
+        row.notes.append(
+            f"offload needs {row.cpu_per_node / 1e9:.1f} GB CPU memory per node, {hw.cpu_memory / 1e9:.1f} GB given"
+        )
+    row.formulas.setdefault("activations", formulas.ACTIVATION_FORMULA)
+    row.formulas.setdefault("time", f"compute k·Ψ·tokens/(t·p·TFLOP/s·efficiency), /(1 − bubble); comm {COMM_FORMULA}")
+    return row
+
+
+BANDWIDTH_PCIE = 12e9  # host <-> GPU copies of offload

@@ -1,0 +1,241 @@
+"""What is planned for: a model described by its config (parameters counted exactly) or by its sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hftrain.errors import ConfigError
+
+GATED_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"})
+# PEFT's default LoRA targets per family (peft.utils.constants), as (query, value) projections
+LORA_TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",)}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The sizes the estimates need.
+
+    Args:
+        name: what the user named (a folder, ``embedded:<name>``, or ``custom``).
+        parameters: Ψ, all parameters (tied weights once).
+        layers: transformer layers L.
+        hidden: hidden size h.
+        heads: attention heads a.
+        kv_heads: key/value heads (grouped-query attention; = heads otherwise).
+        intermediate: MLP width i.
+        vocab: vocabulary size V.
+        layer_parameters: parameters of one transformer layer.
+        largest_layer_parameters: the largest single module's parameters (DeepSpeed's ZeRO-3 estimator input).
+        model_type: the transformers ``model_type`` (None for sizes given by hand).
+        source: a local folder or ``embedded:<name>`` that a job config can load, or None.
+        counted: ``"exact"`` (built on the meta device) or ``"formula"`` (12·L·h² + V·h).
+        dropout: whether the config has dropout on (unknown for sizes given by hand: assumed on).
+    """
+
+    name: str
+    parameters: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    layer_parameters: int
+    largest_layer_parameters: int
+    model_type: str | None = None
+    source: str | None = None
+    counted: str = "exact"
+    dropout: bool = True
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.model_type in GATED_MLP_TYPES
+
+    @property
+    def embedding_parameters(self) -> int:
+        """Everything outside the layers (embeddings, final norm, head): what pipeline stage 0 adds."""
+        return self.parameters - self.layers * self.layer_parameters
+
+    def lora_parameters(self, rank: int) -> int:
+        """Trainable parameters of LoRA r on the query and value projections of every layer (PEFT's default).
+
+        Args:
+            rank: the LoRA rank r.
+        """
+        head_dim = self.hidden // self.heads
+        query = rank * (self.hidden + self.hidden)
+        value = rank * (self.hidden + self.kv_heads * head_dim)
+        return self.layers * (query + value)
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Refuse a tensor/pipeline split the model's sizes do not allow (one line, naming the size).
+
+        Args:
+            tp: tensor-parallel size.
+            pp: pipeline-parallel size.
+        """
+        # Llama-family attention splits whole key/value groups, unequally if need be (hftrain.parallel.plans)
+        whole_heads = () if self.gated_mlp else (("attention heads", self.heads), ("hidden size", self.hidden))
+        for name, value in (
+            *whole_heads,
+            ("intermediate size", self.intermediate),
+            ("vocabulary", self.vocab),
+        ):
+            if value % tp:
+                raise ConfigError(
+                    f"--tp {tp} does not divide the {name} {value} of {self.name}; valid --tp: "
+                    f"{', '.join(str(d) for d in _divisors(value) if d <= 64)}"
+                )
+        if self.kv_heads < tp:
+            raise ConfigError(
+                f"--tp {tp} exceeds the {self.kv_heads} key/value heads of {self.name} (each rank "
+                f"needs one); valid --tp: {', '.join(str(d) for d in _divisors(self.kv_heads))}"
+            )
+        if self.layers % pp:
+            raise ConfigError(
+                f"--pp {pp} does not divide the {self.layers} layers of {self.name}; valid --pp: "
+                f"{', '.join(str(d) for d in _divisors(self.layers))}"
+            )
+
+    def admits(self, tp: int, pp: int) -> bool:
+        """Whether ``check_parallel(tp, pp)`` passes."""
+        try:
+            self.check_parallel(tp, pp)
+        except ConfigError:
+            return False
+        return True
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def model_from_sizes(
+    *,
+    parameters: int | None,
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    intermediate: int | None = None,
+    kv_heads: int | None = None,
+) -> ModelSpec:
+    """A model given by its sizes; Ψ defaults to the GPT formula 12·L·h² + V·h (weights of a 4h-MLP layer).
+
+    Args:
+        parameters: Ψ, if known (otherwise computed).
+        layers: transformer layers L.
+        hidden: hidden size h.
+        heads: attention heads a.
+        vocab: vocabulary size V.
+        intermediate: MLP width (4h by default).
+        kv_heads: key/value heads (``heads`` by default).
+    """
+    for name, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--vocab", vocab)):
+        if value is None or value < 1:
+            raise ConfigError(f"{name} must be a positive integer when the model is given by its sizes")
+    if hidden % heads:
+        raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}; heads must divide the hidden size")
+    intermediate = intermediate or 4 * hidden
+    layer = 4 * hidden * hidden + 2 * hidden * intermediate
+    psi = parameters or layers * layer + vocab * hidden
+    if psi < layers * layer:
+        raise ConfigError(
+            f"--parameters {psi} is less than {layers} layers of {layer} parameters (12·h² each at "
+            f"hidden {hidden}); check --parameters, --layers and --hidden"
+        )
+    return ModelSpec(
+        "custom",
+        int(psi),
+        layers,
+        hidden,
+        heads,
+        kv_heads or heads,
+        intermediate,
+        vocab,
+        layer,
+        max(layer // 2, vocab * hidden),
+        counted="formula" if not parameters else "given",
+    )
+
+
+def model_from_config(name_or_path: str) -> ModelSpec:
+    """A model from a local folder, a ``config.json`` file or ``embedded:<name>``; Ψ counted on the meta device.
+
+    Args:
+        name_or_path: what ``hftrain.models.resolve_model_path`` accepts, or a config file.
+    """
+    config = _load_config(name_or_path)
+    model = _meta_model(config)
+    layers_module = _layers(model)
+    layer_params = sum(p.numel() for p in layers_module[0].parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())  # tied weights once
+    heads = config.num_attention_heads
+    hidden = config.hidden_size
+    return ModelSpec(
+        name=name_or_path,
+        parameters=total,
+        layers=len(layers_module),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        vocab=config.vocab_size,
+        layer_parameters=layer_params,
+        largest_layer_parameters=largest,
+        model_type=config.model_type,
+        dropout=any(
+            (getattr(config, key, 0) or 0) > 0
+            for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "resid_pdrop")
+        ),
+        source=None if name_or_path.endswith(".json") else name_or_path,
+    )
+
+
+def _load_config(name_or_path: str) -> Any:
+    from transformers import AutoConfig
+
+    from hftrain.models import resolve_model_path
+
+    path = Path(name_or_path)
+    if path.is_file():
+        if path.suffix != ".json":
+            raise ConfigError(
+                f"--model: '{name_or_path}' is a file but not a config.json; give a model folder, "
+                "its config.json, embedded:<name>, or the sizes (--parameters, --layers, ...)"
+            )
+        folder = path.parent
+        if path.name != "config.json":  # AutoConfig reads config.json from a folder; copy-free: from_json_file
+            from transformers import PretrainedConfig
+
+            raw = PretrainedConfig.get_config_dict(str(path))[0]
+            return AutoConfig.for_model(**raw)
+        return AutoConfig.from_pretrained(folder)
+    try:
+        folder = resolve_model_path(name_or_path)
+    except ConfigError as error:  # the job config's field name, said as this command's option
+        raise ConfigError(str(error).replace("model.model_name_or_path:", "--model:")) from None
+    return AutoConfig.from_pretrained(folder)
+
+
+def _meta_model(config: Any) -> Any:
+    """The sequence-classification model hftrain trains, built without memory (parameters on ``meta``)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    config.num_labels = 2
+    with torch.device("meta"):
+        return AutoModelForSequenceClassification.from_config(config)
+
+
+def _layers(model: Any) -> Any:
+    """The ``ModuleList`` of transformer layers (the longest one in the model)."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ConfigError(f"--model: no transformer layers found in {type(model).__name__}; give the sizes instead")
+    return max(lists, key=len)

@@ -1,0 +1,129 @@
+"""Megatron-style TP × PP × DP layouts: which the hardware and model admit, and one estimator.
+
+Ranks are laid out like ``hftrain.parallel.ParallelDims`` (Megatron-LM's order): tensor-parallel ranks
+adjacent (inside a node: t divides the GPUs per node), then data parallel, pipeline outermost. Per GPU of
+pipeline stage 0 (the heaviest: its L/p layers plus the embeddings):
+
+- parameters: (L/p)·Ψ_layer/t + V·h/t (vocabulary-parallel embedding) + the rest of the embeddings and head
+  (replicated); gradients the same; Adam state the same, or /dp with ``shard_optimizer`` (ZeRO-1);
+- activations: Korthikanti et al. 2022 per layer over t (with sequence parallelism; hftrain's column-parallel
+  layers keep their all-gathered input, 2e·s·b·h, whole), × L/p layers × the
+  micro-batches 1F1B keeps in flight on stage 0 (min(p, m));
+- communication per step: TP 2 all-reduces forward + 2 backward of s·b·h per layer and micro-batch (the same
+  volume as all-gather + reduce-scatter under sequence parallelism); DP one all-reduce of the GPU's gradients;
+  PP one s·b·h send forward and one backward per micro-batch and stage boundary; the bubble (p−1)/(m+p−1).
+
+hftrain runs tensor parallelism (the ``megatron`` strategy); pipeline parallelism is on another branch, so
+rows with p > 1 are formula-only (``runnable`` False).
+"""
+
+from __future__ import annotations
+
+from hftrain.plan import formulas
+from hftrain.plan.common import activation_bytes, finish
+from hftrain.plan.hardware import Hardware
+from hftrain.plan.model import ModelSpec
+from hftrain.plan.rows import Row, Workload
+
+
+def layouts(model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | None = None) -> list[tuple[int, int]]:
+    """(t, p) pairs other than (1, 1): t divides the GPUs per node and the model's sizes, p divides the layers,
+    and t·p divides the world. ``tp``/``pp`` fix one (checked against the model: a size that does not divide
+    is an error).
+
+    Args:
+        model: the model.
+        hw: the hardware.
+        tp: only this tensor-parallel size.
+        pp: only this pipeline-parallel size.
+    """
+    if tp is not None or pp is not None:
+        model.check_parallel(tp or 1, pp or 1)
+    tps = [tp] if tp else [t for t in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % t == 0]
+    pps = [pp] if pp else [p for p in range(1, model.layers + 1) if model.layers % p == 0]
+    return [(t, p) for t in tps for p in pps if (t, p) != (1, 1) and hw.world % (t * p) == 0 and model.admits(t, p)]
+
+
+def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
+    """One TP × PP × DP row (stage 0's GPU), with sequence parallelism when t > 1 and ZeRO-1 when dp > 1.
+
+    Args:
+        tp: tensor-parallel size t.
+        pp: pipeline-parallel size p.
+        model: the model.
+        work: the workload.
+        hw: the hardware.
+    """
+    dp = hw.world // (tp * pp)
+    sb = formulas.state_bytes(work.precision, deepspeed=False)
+    layers = model.layers // pp
+    vocab = model.vocab * model.hidden
+    stage = layers * model.layer_parameters / tp + vocab / tp + (model.embedding_parameters - vocab)
+    trained = stage * model.lora_parameters(work.lora_rank) / model.parameters if work.lora_rank else stage
+    sequence_parallel, shard_optimizer = tp > 1, dp > 1
+    in_flight = min(pp, work.accumulation)
+    label = f"megatron tp{tp}·pp{pp}·dp{dp}"
+    strategy = {
+        "name": "megatron",
+        "tp": tp,
+        "sequence_parallel": sequence_parallel,
+        "shard_optimizer": shard_optimizer,
+    }
+    if pp > 1:
+        strategy["pp"] = pp
+    row = Row(
+        label,
+        strategy,
+        tp,
+        pp,
+        dp,
+        params=stage * sb.params,
+        grads=trained * sb.grads,
+        optimizer=trained * sb.optimizer / (dp if shard_optimizer else 1),
+        activations=activation_bytes(
+            model,
+            work,
+            hw,
+            layers=layers,
+            in_flight=in_flight,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            gathered_inputs=True,
+        ),
+    )
+    row.bubble = formulas.pipeline_bubble(pp, work.accumulation)
+    row.runnable = pp == 1
+    row.comm = _communication(model, tp, pp, dp, trained * sb.grads, work, hw)
+    row.formulas["model states"] = (
+        "stage 0: ((L/p)·Ψ_layer/t + V·h/t + other embeddings) × (params + grads) + Adam"
+        + (" / dp (shard_optimizer)" if shard_optimizer else "")
+        + f"; bytes per parameter {sb.params}+{sb.grads}+"
+        f"{sb.optimizer}"
+    )
+    row.formulas["communication"] = (
+        "TP: 4 all-reduces of s·b·h per layer per micro-batch; DP: all-reduce 2(dp−1)/dp of the gradients; "
+        "PP: s·b·h forward + backward per micro-batch per boundary"
+    )
+    row.formulas["pipeline"] = formulas.BUBBLE_FORMULA + "; 1F1B stage 0 keeps min(p, m) micro-batches"
+    if not row.runnable:
+        row.notes.append("pipeline parallelism: formula only (not in this hftrain yet)")
+    return finish(row, model, work, hw)
+
+
+def _communication(
+    model: ModelSpec, tp: int, pp: int, dp: int, grad_bytes: float, work: Workload, hw: Hardware
+) -> dict[str, float]:
+    """Bytes one GPU sends per step, by link: TP inside a node; DP and PP across nodes where their groups span.
+
+    DP ranks are t apart, so a DP group spans nodes when t·dp exceeds the GPUs per node; pipeline neighbours
+    are t·dp apart, on another node when t·dp is at least the GPUs per node (and there is more than one node).
+    """
+    m = work.accumulation
+    sbh = work.seq * work.micro_batch * model.hidden * work.element
+    comm = {"intra": 0.0, "inter": 0.0}
+    comm["intra"] += m * (model.layers // pp) * 4 * formulas.all_reduce_bytes(sbh, tp)
+    comm["inter" if tp * dp > hw.gpus_per_node else "intra"] += formulas.all_reduce_bytes(grad_bytes, dp)
+    if pp > 1:
+        crosses = hw.nodes > 1 and tp * dp >= hw.gpus_per_node
+        comm["inter" if crosses else "intra"] += 2 * m * sbh
+    return {link: nbytes for link, nbytes in comm.items() if nbytes}

@@ -1,0 +1,427 @@
+"""``hftrain plan``: its formulas against published figures, its estimates against live ranks, its configs run.
+
+- Published: the ZeRO paper's worked example (7.5B parameters, N = 64) and DeepSpeed's own estimators
+  (``estimate_zero2/3_model_states_mem_needs``, what the ``*_all_cold`` functions print), side by side.
+- Measured: per-rank bytes of parameters, gradients and optimizer state that 2 gloo processes really hold under
+  DDP, ZeRO-1/2/3 and FSDP (``tests/test_sharding.py``'s reader of the live DeepSpeed/FSDP objects) and under
+  tensor parallelism (tp = 2, with sequence parallelism), each within 10 % of the estimate; the bytes autograd
+  saves for backward (``saved_tensors_hooks``) within 25 % of the activation estimate.
+- ``--write-configs``: the written files start a real 2-process run.
+- Bad input: one line, exit code 2, nothing written; "nothing fits" is an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hftrain.cli import main
+from hftrain.plan import (
+    Hardware,
+    Workload,
+    data_parallel,
+    formulas,
+    model_from_config,
+    model_from_sizes,
+    model_parallel,
+    plan,
+)
+from tests import test_launch
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+tiny_job = test_launch.tiny_job  # the fixture: a tiny BERT model folder and a labelled CSV
+GB = 1e9
+STATE_TOLERANCE = 0.10
+ACTIVATION_TOLERANCE = 0.25
+# hidden 320 / intermediate 320: every matrix >= 1e5 elements (DeepSpeed's persistence threshold), see test_sharding
+MEASURED_MODEL = {"hidden_size": 320, "intermediate_size": 320, "num_hidden_layers": 2, "vocab_size": 320}
+MEASURED_LABELS = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp2": "fsdp"}
+
+
+def _rows(result) -> dict:
+    return {row.label: row for row in result.rows}
+
+
+# ---------------------------------------------------------------------------------------------- published figures
+def test_zero_paper_worked_example():
+    """Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, Nd = 64, mixed-precision Adam (K = 12)."""
+    model = model_from_sizes(parameters=7_500_000_000, layers=32, hidden=4096, heads=32, vocab=50_000)
+    rows = _rows(plan(model, Hardware(gpus_per_node=8, nodes=8), Workload(precision="bf16")))
+    published = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+    # ZeRO-2's row also holds the one gradient that straddles two partitions whole (measured; not in the paper)
+    straddling = {"zero2": 2 * model.largest_layer_parameters}
+    ours = {label: round((rows[label].model_states - straddling.get(label, 0)) / GB, 1) for label in published}
+    assert ours == published
+
+
+def test_deepspeed_estimators_side_by_side():
+    """DeepSpeed's estimators equal ours plus what they count and the paper does not: the fp32 gradient partition
+    (+4Ψ/N, ZeRO-2; ZeRO-3: 18Ψ/N against our 16Ψ/N) and, for ZeRO-3, 4 bytes × the largest layer."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    model = model_from_sizes(parameters=7_500_000_000, layers=32, hidden=4096, heads=32, vocab=50_000)
+    psi, largest = model.parameters, model.largest_layer_parameters
+    for gpus, nodes in ((8, 1), (8, 8)):
+        n = gpus * nodes
+        rows = _rows(plan(model, Hardware(gpus_per_node=gpus, nodes=nodes, cpu_memory=1e15), Workload()))
+        _, ds_gpu = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=False)
+        paper_zero2 = rows["zero2"].model_states - 2 * largest  # without the straddling gradient
+        assert ds_gpu == pytest.approx(paper_zero2 + 4 * psi / n, abs=1)
+        ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(
+            psi, gpus, nodes, cpu_offload=True, additional_buffer_factor=1.0
+        )
+        assert ds_gpu == pytest.approx(2 * psi)  # ours adds the bf16 gradient partition kept on the GPU
+        assert rows["zero2_offload"].params == pytest.approx(ds_gpu)
+        if 16 >= 4 * n:  # DeepSpeed's max(4·N, 16)·Ψ: one pinned fp32 copy per process beyond 4 GPUs
+            assert ds_cpu == pytest.approx(rows["zero2_offload"].cpu_per_node)
+        _, ds_gpu, ds_layer = estimate_zero3_model_states_mem_needs(psi, largest, gpus, nodes, cpu_offload=False)
+        assert ds_layer == 4 * largest
+        assert ds_gpu == pytest.approx(rows["zero3"].model_states + 2 * psi / n + 4 * largest, abs=1)
+        ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
+            psi, largest, gpus, nodes, additional_buffer_factor=1.0
+        )
+        assert ds_cpu == pytest.approx(rows["zero3_offload"].cpu_per_node)  # 18Ψ per node: (2+4+12)Ψ/N × GPUs
+        assert ds_gpu == 4 * largest
+
+
+def test_formulas_reduce_to_the_papers():
+    s, b, h, a = 2048, 4, 4096, 32
+    shape = {"seq": s, "micro_batch": b, "hidden": h, "heads": a, "intermediate": 4 * h, "element": 2, "mask": 1}
+    assert formulas.layer_activation_bytes(**shape) == s * b * h * (34 + 5 * a * s / h)
+    for t in (2, 4, 8):
+        assert formulas.layer_activation_bytes(**shape, tp=t) == pytest.approx(
+            s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        )
+        sp = formulas.layer_activation_bytes(**shape, tp=t, sequence_parallel=True)
+        assert sp == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    assert formulas.recomputed_layer_bytes(seq=s, micro_batch=b, hidden=h, element=2) == 2 * s * b * h
+    assert formulas.all_reduce_bytes(100.0, 4) == 150.0 and formulas.all_gather_bytes(100.0, 4) == 75.0
+    assert formulas.pipeline_bubble(4, 8) == 3 / 11 and formulas.pipeline_bubble(4, 8, chunks=2) == 3 / 19
+    # ZeRO-3 moves ≈ 1.5× DDP's volume (bf16 states under DeepSpeed against DDP's bf16 all-reduce)
+    model = model_from_sizes(parameters=1_500_000_000, layers=24, hidden=2048, heads=16, vocab=50_000)
+    rows = _rows(plan(model, Hardware(gpus_per_node=8), Workload(precision="bf16")))
+    zero3, zero2 = rows["zero3"].comm["intra"], rows["zero2"].comm["intra"]
+    assert zero3 / zero2 == pytest.approx(1.5)
+
+
+def test_parameters_counted_exactly_from_a_config(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config
+
+    for kind in ("bert", "llama", "gpt2"):
+        config = tiny_config(kind)
+        config.save_pretrained(tmp_path / kind)
+        real = AutoModelForSequenceClassification.from_config(config)
+        spec = model_from_config(str(tmp_path / kind))
+        assert spec.parameters == sum(p.numel() for p in real.parameters())
+        assert spec.layers == 2 and spec.hidden == 32 and spec.model_type == kind
+        assert model_from_config(str(tmp_path / kind / "config.json")).parameters == spec.parameters
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+SIZES = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "50000"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "{tmp}"], "--model: '{tmp}' is not a local model folder with a config.json"),
+        ([*SIZES, "--tp", "3"], "--tp 3 does not divide the attention heads 32"),
+        (
+            ["--layers", "30", "--hidden", "4096", "--heads", "32", "--vocab", "50000", "--pp", "4"],
+            "--pp 4 does not divide the 30 layers",
+        ),
+        ([*SIZES, "--gpu-memory", "1"], "--gpu-memory 1 GB leaves nothing"),
+        ([*SIZES, "--gpus-per-node", "0"], "--gpus-per-node 0: needs at least 1"),
+        ([*SIZES, "--intra", "carrier-pigeon"], "--intra 'carrier-pigeon' is not a bandwidth class"),
+        (["--layers", "2"], "no model: give --model"),
+        ([*SIZES, "--row", "ddp"], "--row chooses what --write-configs writes"),
+        ([*SIZES, "--write-configs", "{tmp}/out"], "--write-configs needs a model that a job can load"),
+        (
+            [*SIZES, "--parameters", "7.5B", "--write-configs", "{tmp}/out", "--row", "megatron tp1·pp2·dp4"],
+            "formula-only",
+        ),
+        (["--model", "{tmp}/model", "--write-configs", "{tmp}/model"], "exists and is not an empty folder"),
+        (["--model", "{tmp}/model", "--write-configs", "{tmp}/out", "--row", "nope"], "is not a row of this plan"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
+    from tests.tiny import tiny_config
+
+    tiny_config("bert").save_pretrained(tmp_path / "model")
+    code, out, err = _cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("hftrain: error: ")
+    assert message.replace("{tmp}", str(tmp_path)) in err
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_nothing_fits_is_an_answer(capsys):
+    code, out, err = _cli(
+        capsys,
+        "--parameters",
+        "175B",
+        "--layers",
+        "96",
+        "--hidden",
+        "12288",
+        "--heads",
+        "96",
+        "--vocab",
+        "50000",
+        "--gpu-memory",
+        "24",
+        "--json",
+    )
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    assert data["recommended"] is None and data["nearest"] is not None
+    assert any("nodes" in reason and "fits" in reason for reason in data["reasons"])
+    assert not any(row["fits"] for row in data["rows"])
+
+
+SEVEN_B = [*SIZES, "--parameters", "7.5B", "--nodes", "8", "--micro-batch", "4", "--seq", "2048", "--accumulation", "8"]
+
+
+def test_table_json_and_python_agree(capsys):
+    model = model_from_sizes(parameters=7_500_000_000, layers=32, hidden=4096, heads=32, vocab=50_000)
+    result = plan(model, Hardware(gpus_per_node=8, nodes=8), Workload(micro_batch=4, seq=2048, accumulation=8))
+    code, out, _ = _cli(capsys, *SEVEN_B, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["recommended"] == result.choice.label
+    for row, raw in zip(result.rows, data["rows"], strict=True):
+        assert (raw["label"], raw["total"], raw["comm"]) == (row.label, row.total, row.comm)
+    code, table, _ = _cli(capsys, *SEVEN_B)
+    assert f"{result.choice.label} *" in table and "Korthikanti" in table and "2(N−1)/N" in table
+    # the bubble of a pipeline row is the 1F1B formula at m = 8 micro-batches
+    pipeline = next(r for r in result.rows if r.pp == 4)
+    assert pipeline.bubble == 3 / 11 and not pipeline.runnable
+
+
+# ---------------------------------------------------------------------------------------------- against measurement
+def _estimate_rows(psi_model: dict, strategies: list[str]) -> dict:
+    from transformers import BertConfig
+
+    hardware = Hardware(gpus_per_node=2, gpu_memory=1e12, reserve=0, dropout_mask_bytes=4)
+    work = Workload(precision="fp32", micro_batch=4, seq=32, accumulation=2, dropout=False)
+    spec = _spec_from_bert({"num_attention_heads": 4, "max_position_embeddings": 64, **psi_model}, BertConfig)
+    return {label: data_parallel.estimate(label, spec, work, hardware) for label in strategies}
+
+
+def _spec_from_bert(settings: dict, config_class) -> object:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        config_class(num_labels=2, **settings).save_pretrained(folder)
+        return model_from_config(folder)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "labels",
+    [["zero2", "zero3", "fsdp2"], pytest.param(list(MEASURED_LABELS), marks=pytest.mark.slow, id="all")],
+    ids=lambda labels: "-".join(labels),
+)
+def test_model_states_match_the_live_ranks(labels):
+    """ZeRO-2/3 and FSDP2 (slow: also DDP and ZeRO-1) on 2 gloo processes, fp32, accumulation 2: the per-GPU
+    estimate within 10 % of the most loaded rank (the one that must fit; ZeRO-2's ranks differ by the gradient
+    straddling partitions)."""
+    from tests.test_sharding import measure_strategies
+
+    runs = run_distributed(measure_strategies, nprocs=2, timeout=900, labels=labels, model=MEASURED_MODEL)
+    estimates = _estimate_rows(MEASURED_MODEL, [MEASURED_LABELS[label] for label in labels])
+    failures = []
+    for label in labels:
+        row = estimates[MEASURED_LABELS[label]]
+        assert not any("error" in run[label] for run in runs), [run[label] for run in runs]
+        for part, value in most_loaded(runs, label).items():
+            estimate = getattr(row, part)
+            if abs(estimate / value - 1) > STATE_TOLERANCE:
+                failures.append(f"{label} {part}: estimate {estimate:,.0f} measured {value:,}")
+    assert not failures, failures
+
+
+def most_loaded(runs: list[dict], label: str) -> dict[str, int]:
+    """The largest per-rank bytes of each state over the ranks and the two measuring points of a window."""
+    parts = {"params": ("params",), "grads": ("grads",), "optimizer": ("optimizer", "master")}
+    return {
+        part: max(sum(run[label][point][k] for k in keys) for run in runs for point in ("accumulating", "at_step"))
+        for part, keys in parts.items()
+    }
+
+
+def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = False) -> dict:
+    """In each rank: a tiny BERT prepared by hftrain's ``MegatronPlugin`` (tp = 2, sequence parallelism, DDP
+    over dp = world/2, ZeRO-1 when ``shard_optimizer``), one AdamW step, then this rank's model-state bytes and
+    the bytes its forward saves for backward."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    from hftrain.parallel import finalize_tp_grads
+    from hftrain.parallel.plugin import MegatronPlugin, unwrap
+    from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
+
+    dist.init_process_group("gloo")
+    Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
+    plugin = MegatronPlugin(tp=2, sequence_parallel=True, shard_optimizer=shard_optimizer).setup()
+    torch.manual_seed(0)
+    config = BertConfig(
+        num_labels=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **MEASURED_MODEL,
+    )
+    config._attn_implementation = "eager"
+    model = plugin.prepare_model(AutoModelForSequenceClassification.from_config(config).train())
+    optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1] * (micro // 2))
+    model(input_ids=ids, labels=labels).loss.backward()
+    finalize_tp_grads(unwrap(model), tp_group=plugin.layout.tp_group)
+    optimizer.step()
+    states = model_state_bytes(unwrap(model), optimizer)
+    states["activations"] = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=labels))
+    dist.destroy_process_group()
+    return states
+
+
+def _check_tensor_parallel(runs: list[dict], gpus: int, seq: int, micro: int) -> None:
+    """The megatron row's estimate (tp = 2 over ``gpus`` GPUs) against the most loaded rank."""
+    from transformers import BertConfig
+
+    spec = _spec_from_bert({"num_attention_heads": 4, "max_position_embeddings": 64, **MEASURED_MODEL}, BertConfig)
+    hardware = Hardware(gpus_per_node=gpus, gpu_memory=1e12, reserve=0, dropout_mask_bytes=4)
+    work = Workload(precision="fp32", micro_batch=micro, seq=seq, dropout=False, fused_attention=False)
+    row = model_parallel.estimate(2, 1, spec, work, hardware)
+    assert row.strategy == {"name": "megatron", "tp": 2, "sequence_parallel": True, "shard_optimizer": gpus > 2}
+    for part in ("params", "grads", "optimizer"):
+        assert getattr(row, part) == pytest.approx(max(r[part] for r in runs), rel=STATE_TOLERANCE), part
+    assert row.activations == pytest.approx(max(r["activations"] for r in runs), rel=ACTIVATION_TOLERANCE)
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_estimate_matches_the_live_ranks():
+    """tp = 2 with sequence parallelism on 2 gloo processes: model states within 10 %, activations within 25 %."""
+    runs = run_distributed(_tensor_parallel_measurement, nprocs=2, timeout=600, seq=32, micro=4)
+    _check_tensor_parallel(runs, 2, seq=32, micro=4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_and_data_parallel_estimate_matches_four_live_ranks():
+    """tp = 2 × dp = 2 with ZeRO-1 (shard_optimizer) on 4 gloo processes: Adam's state halves again."""
+    runs = run_distributed(_tensor_parallel_measurement, nprocs=4, timeout=900, seq=32, micro=4, shard_optimizer=True)
+    _check_tensor_parallel(runs, 4, seq=32, micro=4)
+
+
+@pytest.mark.parametrize("kind, dropout", [("bert", 0.0), ("bert", 0.1), ("llama", 0.0)])
+def test_activation_estimate_matches_saved_tensors(kind, dropout):
+    """The bytes autograd saves in one forward of a whole tiny model (eager attention) against the estimate."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from hftrain.plan.common import activation_bytes
+    from hftrain.plan.measure import saved_activation_bytes
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(kind, dropout=dropout)
+    config._attn_implementation = "eager"
+    model = AutoModelForSequenceClassification.from_config(config).train()
+    micro, seq = 4, 48
+    ids = torch.randint(3, config.vocab_size, (micro, seq))
+    measured = saved_activation_bytes(model, lambda: model(input_ids=ids))
+    spec = model_from_config(_saved(config))
+    work = Workload(precision="fp32", micro_batch=micro, seq=seq, dropout=dropout > 0, fused_attention=False)
+    estimate = activation_bytes(spec, work, Hardware(dropout_mask_bytes=4), layers=spec.layers)
+    assert estimate == pytest.approx(measured, rel=ACTIVATION_TOLERANCE)
+
+
+def _saved(config) -> str:
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="hftrain-plan-")
+    config.save_pretrained(folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------- --write-configs
+def _launch(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "hftrain: error" in line or "Error:" in line]
+    assert done.returncode == 0, "\n".join(errors[:5]) + "\n" + done.stderr[-3000:]
+    return done
+
+
+RUN_ARGS = ["--max_steps", "2", "--logging_steps", "1", "--log_with", "none", "--learning_rate", "1e-3"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("row", ["zero2", pytest.param("megatron tp2·pp1·dp1", marks=pytest.mark.slow)])
+def test_written_configs_start_a_run(capsys, tiny_job, tmp_path, row):
+    out = tmp_path / "configs"
+    code, table, err = _cli(
+        capsys,
+        "--model",
+        tiny_job["model"],
+        "--gpus-per-node",
+        "2",
+        "--gpu-memory",
+        "8",
+        "--precision",
+        "fp32",
+        "--micro-batch",
+        "4",
+        "--seq",
+        "32",
+        "--accumulation",
+        "2",
+        "--write-configs",
+        str(out),
+        "--row",
+        row,
+    )
+    assert code == 0, err
+    job = out / "job.yaml"
+    data = ["--train_file", tiny_job["data"], "--output_dir", str(tmp_path / "run"), *RUN_ARGS]
+    if (out / "accelerate.yaml").exists():
+        assert json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "accelerate.yaml")]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    _launch([*launcher, "scripts/train.py", "--config", str(job), *data])
+    summary = json.loads((tmp_path / "run" / "hftrain_strategy.json").read_text())
+    assert summary["strategy"] == row.split(" ")[0] and summary["world_size"] == 2
+    assert summary["global_batch"] == 4 * 2 * summary["dp_size"]
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_lora_parameters_are_the_adapters_hftrain_builds(tmp_path, kind):
+    """LoRA's trainable count (PEFT's default query/value targets) equals the adapters ``apply_lora`` creates."""
+    from tests.tiny import tiny_config, tiny_model_init
+
+    model = tiny_model_init(kind, lora_options={"lora_r": 4})()
+    adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    tiny_config(kind).save_pretrained(tmp_path)
+    assert model_from_config(str(tmp_path)).lora_parameters(4) == adapters
