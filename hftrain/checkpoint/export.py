@@ -163,19 +163,24 @@ def verify_export(
     return diff
 
 
-def verification_batch(dataset: Any, tokenizer: PreTrainedTokenizerBase, *, size: int = 4) -> dict[str, torch.Tensor]:
+def verification_batch(
+    dataset: Any, tokenizer: PreTrainedTokenizerBase, *, size: int = 4, pad_to_multiple_of: int | None = None
+) -> dict[str, torch.Tensor]:
     """The first ``size`` examples of a tokenized dataset, padded into one batch (without labels).
 
     Args:
         dataset: tokenized examples (``input_ids``...; ``labels`` and ``length`` columns are dropped).
         tokenizer: pads the batch.
         size: examples in the batch.
+        pad_to_multiple_of: the sequence multiple the trained model needs (the runtime's, e.g. tp under
+            sequence parallelism).
     """
     from transformers import DataCollatorWithPadding
 
     rows = dataset.select(range(min(size, len(dataset))))
     rows = rows.remove_columns([c for c in rows.column_names if c in ("labels", "label", "length")])
-    return DataCollatorWithPadding(tokenizer)([rows[i] for i in range(len(rows))])
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    return collate([rows[i] for i in range(len(rows))])
 
 
 @contextlib.contextmanager

@@ -145,6 +145,11 @@ class MegatronRuntime(AccelerateRuntime):
     def dp_size(self) -> int:
         return self.plugin.layout.dp_size
 
+    @property
+    def pad_to_multiple_of(self) -> int | None:
+        # Sequence parallelism splits the sequence over tp: every batch the model sees must divide by tp.
+        return self.plugin.tp if self.plugin.sequence_parallel and self.plugin.tp > 1 else None
+
     def prepare(
         self,
         model: torch.nn.Module,

@@ -61,6 +61,11 @@ class AccelerateRuntime:
         return self.accelerator.num_processes
 
     @property
+    def pad_to_multiple_of(self) -> int | None:
+        """The multiple every batch's sequence length must be padded to (None: any length will do)."""
+        return None
+
+    @property
     def is_main_process(self) -> bool:
         return self.accelerator.is_main_process
 
