@@ -377,7 +377,8 @@ RUN_ARGS = ["--max_steps", "2", "--logging_steps", "1", "--log_with", "none", "-
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("row", ["zero2", pytest.param("megatron tp2·pp1·dp1", marks=pytest.mark.slow)])
+# The megatron row runs sequence parallelism: its export verification once crashed on an odd sequence length.
+@pytest.mark.parametrize("row", ["zero2", "megatron tp2·pp1·dp1"])
 def test_written_configs_start_a_run(capsys, tiny_job, tmp_path, row):
     out = tmp_path / "configs"
     code, table, err = _cli(
