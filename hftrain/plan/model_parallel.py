@@ -48,7 +48,8 @@ def layouts(model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | 
 
 
 def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
-    """One TP × PP × DP row (stage 0's GPU), with sequence parallelism when t > 1 and ZeRO-1 when dp > 1.
+    """One TP × PP × DP row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1 and
+    ZeRO-1 when dp > 1.
 
     Args:
         tp: tensor-parallel size t.
@@ -62,7 +63,8 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
     layers = model.layers // pp
     stage = stage_parameters(model, tp, pp)
     trained = stage * model.lora_parameters(work.lora_rank) / model.parameters if work.lora_rank else stage
-    sequence_parallel, shard_optimizer = tp > 1, dp > 1 and pp == 1
+    # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only
+    sequence_parallel, shard_optimizer = tp > 1 and pp == 1, dp > 1 and pp == 1
     in_flight = min(pp, work.accumulation)
     label = f"megatron tp{tp}·pp{pp}·dp{dp}"
     strategy: dict[str, object] = {
