@@ -264,22 +264,11 @@ def most_loaded(runs: list[dict], label: str) -> dict[str, int]:
     }
 
 
-def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = False) -> dict:
-    """In each rank: a tiny BERT prepared by hftrain's ``MegatronPlugin`` (tp = 2, sequence parallelism, DDP
-    over dp = world/2, ZeRO-1 when ``shard_optimizer``), one AdamW step, then this rank's model-state bytes and
-    the bytes its forward saves for backward."""
+def _measured_bert() -> object:
+    """The measured BERT (``MEASURED_MODEL``, no dropout, eager attention), seeded, in training mode."""
     import torch
-    import torch.distributed as dist
-    from accelerate import Accelerator
     from transformers import AutoModelForSequenceClassification, BertConfig
 
-    from hftrain.parallel import finalize_tp_grads
-    from hftrain.parallel.plugin import MegatronPlugin, unwrap
-    from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
-
-    dist.init_process_group("gloo")
-    Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
-    plugin = MegatronPlugin(tp=2, sequence_parallel=True, shard_optimizer=shard_optimizer).setup()
     torch.manual_seed(0)
     config = BertConfig(
         num_labels=2,
@@ -290,7 +279,25 @@ def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = F
         **MEASURED_MODEL,
     )
     config._attn_implementation = "eager"
-    model = plugin.prepare_model(AutoModelForSequenceClassification.from_config(config).train())
+    return AutoModelForSequenceClassification.from_config(config).train()
+
+
+def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = False) -> dict:
+    """In each rank: a tiny BERT prepared by hftrain's ``MegatronPlugin`` (tp = 2, sequence parallelism, DDP
+    over dp = world/2, ZeRO-1 when ``shard_optimizer``), one AdamW step, then this rank's model-state bytes and
+    the bytes its forward saves for backward."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from hftrain.parallel import finalize_tp_grads
+    from hftrain.parallel.plugin import MegatronPlugin, unwrap
+    from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
+
+    dist.init_process_group("gloo")
+    Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
+    plugin = MegatronPlugin(tp=2, sequence_parallel=True, shard_optimizer=shard_optimizer).setup()
+    model = plugin.prepare_model(_measured_bert())
     optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([0, 1] * (micro // 2))
@@ -340,7 +347,6 @@ def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: 
     parameters, then the model-state bytes of this rank's stage modules and optimizer."""
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForSequenceClassification, BertConfig
 
     from hftrain.parallel import apply_tensor_parallel, build_schedule, build_stage_modules, finalize_tp_grads
     from hftrain.parallel.plugin import MegatronPlugin
@@ -348,17 +354,7 @@ def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: 
 
     dist.init_process_group("gloo")
     layout = MegatronPlugin(tp=tp, pp=pp).setup().layout
-    torch.manual_seed(0)
-    config = BertConfig(
-        num_labels=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **MEASURED_MODEL,
-    )
-    config._attn_implementation = "eager"
-    model = AutoModelForSequenceClassification.from_config(config).train()
+    model = _measured_bert()
     model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=False)
     stages = build_stage_modules(model, pp_rank=layout.pp_rank, pp=pp)
 
