@@ -4,9 +4,10 @@
   (``estimate_zero2/3_model_states_mem_needs``, what the ``*_all_cold`` functions print), side by side.
 - Measured: per-rank bytes of parameters, gradients and optimizer state that 2 gloo processes really hold under
   DDP, ZeRO-1/2/3 and FSDP (``tests/test_sharding.py``'s reader of the live DeepSpeed/FSDP objects) and under
-  tensor parallelism (tp = 2, with sequence parallelism), each within 10 % of the estimate; the bytes autograd
+  tensor parallelism (tp = 2, with sequence parallelism) and of the live pipeline stages (pp = 2; slow: tp = 2 ×
+  pp = 2), each within 10 % of the estimate; the bytes autograd
   saves for backward (``saved_tensors_hooks``) within 25 % of the activation estimate.
-- ``--write-configs``: the written files start a real 2-process run.
+- ``--write-configs``: the written files start a real 2-process run (zero2, megatron tp2 and pp2).
 - Bad input: one line, exit code 2, nothing written; "nothing fits" is an answer.
 """
 
