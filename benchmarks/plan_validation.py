@@ -4,7 +4,8 @@ Measured (the same functions ``tests/test_plan.py`` asserts with):
 - model states: per-rank bytes of parameters, gradients and optimizer state (fp32 master included) on 2 gloo
   processes, read from the live DeepSpeed/FSDP objects by ``tests/test_sharding.py``'s reader (DDP, ZeRO-1/2/3,
   FSDP2; BERT hidden 320, 2 layers by default; fp32, micro-batch 4, accumulation 2), and from the split modules
-  under tensor parallelism (tp = 2, sequence parallelism);
+  under tensor parallelism (tp = 2, sequence parallelism) and of the live pipeline stages (pp = 2 on 2
+  processes, tp = 2 × pp = 2 on 4; 1F1B, 2 micro-batches of 2);
 - activations: bytes autograd saves in one forward (``saved_tensors_hooks``), whole tiny models, eager attention.
 Published: the ZeRO paper's worked example and DeepSpeed's ``estimate_zero2/3_model_states_mem_needs``.
 
@@ -26,7 +27,9 @@ from tests.distributed import run_distributed  # noqa: E402
 from tests.test_plan import (  # noqa: E402
     MEASURED_LABELS,
     MEASURED_MODEL,
+    _check_pipeline,
     _estimate_rows,
+    _pipeline_measurement,
     _saved,
     _spec_from_bert,
     _tensor_parallel_measurement,
@@ -69,6 +72,12 @@ def model_state_table(layers: int, tensor_parallel_only: bool = False) -> list[s
             value = max(run[part] for run in tp_runs)
             estimate = getattr(row, part)
             out.append(_line([name, part, f"{estimate / 1e6:.3f}", f"{value / 1e6:.3f}", f"{estimate / value:.3f}"]))
+    for tp, pp in ((1, 2), (2, 2)):
+        shape = {"seq": 32, "micro": 2, "microbatches": 2}
+        pp_runs = run_distributed(_pipeline_measurement, nprocs=tp * pp, timeout=1200, tp=tp, pp=pp, **shape)
+        for part, (estimate, value) in _check_pipeline(pp_runs, tp, pp, **shape).items():
+            cells = [f"megatron tp{tp}×pp{pp}", part, f"{estimate / 1e6:.3f}", f"{value / 1e6:.3f}"]
+            out.append(_line([*cells, f"{estimate / value:.3f}"]))
     return out
 
 

@@ -4,9 +4,10 @@
   (``estimate_zero2/3_model_states_mem_needs``, what the ``*_all_cold`` functions print), side by side.
 - Measured: per-rank bytes of parameters, gradients and optimizer state that 2 gloo processes really hold under
   DDP, ZeRO-1/2/3 and FSDP (``tests/test_sharding.py``'s reader of the live DeepSpeed/FSDP objects) and under
-  tensor parallelism (tp = 2, with sequence parallelism), each within 10 % of the estimate; the bytes autograd
+  tensor parallelism (tp = 2, with sequence parallelism) and of the live pipeline stages (pp = 2; slow: tp = 2 ×
+  pp = 2), each within 10 % of the estimate; the bytes autograd
   saves for backward (``saved_tensors_hooks``) within 25 % of the activation estimate.
-- ``--write-configs``: the written files start a real 2-process run.
+- ``--write-configs``: the written files start a real 2-process run (zero2, megatron tp2 and pp2).
 - Bad input: one line, exit code 2, nothing written; "nothing fits" is an answer.
 """
 
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hftrain.cli import main
 from hftrain.plan import (
@@ -151,10 +153,6 @@ SIZES = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "5000
         (["--layers", "2"], "no model: give --model"),
         ([*SIZES, "--row", "ddp"], "--row chooses what --write-configs writes"),
         ([*SIZES, "--write-configs", "{tmp}/out"], "--write-configs needs a model that a job can load"),
-        (
-            [*SIZES, "--parameters", "7.5B", "--write-configs", "{tmp}/out", "--row", "megatron tp1·pp2·dp4"],
-            "formula-only",
-        ),
         (["--model", "{tmp}/model", "--write-configs", "{tmp}/model"], "exists and is not an empty folder"),
         (["--model", "{tmp}/model", "--write-configs", "{tmp}/out", "--row", "nope"], "is not a row of this plan"),
     ],
@@ -210,7 +208,9 @@ def test_table_json_and_python_agree(capsys):
     assert f"{result.choice.label} *" in table and "Korthikanti" in table and "2(N−1)/N" in table
     # the bubble of a pipeline row is the 1F1B formula at m = 8 micro-batches
     pipeline = next(r for r in result.rows if r.pp == 4)
-    assert pipeline.bubble == 3 / 11 and not pipeline.runnable
+    assert pipeline.bubble == 3 / 11 and pipeline.runnable
+    assert pipeline.strategy["num_microbatches"] == 8 and pipeline.strategy["schedule"] == "1f1b"
+    assert not pipeline.strategy["shard_optimizer"]  # hftrain refuses ZeRO-1 under pp > 1
 
 
 # ---------------------------------------------------------------------------------------------- against measurement
@@ -265,22 +265,11 @@ def most_loaded(runs: list[dict], label: str) -> dict[str, int]:
     }
 
 
-def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = False) -> dict:
-    """In each rank: a tiny BERT prepared by hftrain's ``MegatronPlugin`` (tp = 2, sequence parallelism, DDP
-    over dp = world/2, ZeRO-1 when ``shard_optimizer``), one AdamW step, then this rank's model-state bytes and
-    the bytes its forward saves for backward."""
+def _measured_bert() -> object:
+    """The measured BERT (``MEASURED_MODEL``, no dropout, eager attention), seeded, in training mode."""
     import torch
-    import torch.distributed as dist
-    from accelerate import Accelerator
     from transformers import AutoModelForSequenceClassification, BertConfig
 
-    from hftrain.parallel import finalize_tp_grads
-    from hftrain.parallel.plugin import MegatronPlugin, unwrap
-    from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
-
-    dist.init_process_group("gloo")
-    Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
-    plugin = MegatronPlugin(tp=2, sequence_parallel=True, shard_optimizer=shard_optimizer).setup()
     torch.manual_seed(0)
     config = BertConfig(
         num_labels=2,
@@ -291,7 +280,25 @@ def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = F
         **MEASURED_MODEL,
     )
     config._attn_implementation = "eager"
-    model = plugin.prepare_model(AutoModelForSequenceClassification.from_config(config).train())
+    return AutoModelForSequenceClassification.from_config(config).train()
+
+
+def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = False) -> dict:
+    """In each rank: a tiny BERT prepared by hftrain's ``MegatronPlugin`` (tp = 2, sequence parallelism, DDP
+    over dp = world/2, ZeRO-1 when ``shard_optimizer``), one AdamW step, then this rank's model-state bytes and
+    the bytes its forward saves for backward."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from hftrain.parallel import finalize_tp_grads
+    from hftrain.parallel.plugin import MegatronPlugin, unwrap
+    from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
+
+    dist.init_process_group("gloo")
+    Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
+    plugin = MegatronPlugin(tp=2, sequence_parallel=True, shard_optimizer=shard_optimizer).setup()
+    model = plugin.prepare_model(_measured_bert())
     optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([0, 1] * (micro // 2))
@@ -331,6 +338,89 @@ def test_tensor_and_data_parallel_estimate_matches_four_live_ranks():
     """tp = 2 × dp = 2 with ZeRO-1 (shard_optimizer) on 4 gloo processes: Adam's state halves again."""
     runs = run_distributed(_tensor_parallel_measurement, nprocs=4, timeout=900, seq=32, micro=4, shard_optimizer=True)
     _check_tensor_parallel(runs, 4, seq=32, micro=4)
+
+
+def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: int) -> dict:
+    """In each rank: the tiny BERT split over tp (no sequence parallelism: the stages do not split the
+    sequence) and into ``pp`` stages the way
+    hftrain's pipeline runtime builds them (``apply_tensor_parallel``, ``build_stage_modules``), one 1F1B
+    training step over ``microbatches`` micro-batches of ``micro``, one AdamW step on this rank's stage
+    parameters, then the model-state bytes of this rank's stage modules and optimizer."""
+    import torch
+    import torch.distributed as dist
+
+    from hftrain.parallel import apply_tensor_parallel, build_schedule, build_stage_modules, finalize_tp_grads
+    from hftrain.parallel.plugin import MegatronPlugin
+    from hftrain.plan.measure import model_state_bytes
+
+    dist.init_process_group("gloo")
+    layout = MegatronPlugin(tp=tp, pp=pp).setup().layout
+    model = _measured_bert()
+    model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=False)
+    stages = build_stage_modules(model, pp_rank=layout.pp_rank, pp=pp)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, 2), labels.view(-1))
+
+    schedule = build_schedule(
+        "1f1b",
+        stages,
+        pp_group=layout.pp_group,
+        pp_rank=layout.pp_rank,
+        pp=pp,
+        num_microbatches=microbatches,
+        loss_fn=loss_fn,
+        device=torch.device("cpu"),
+    )
+    held = torch.nn.ModuleList(stages)
+    optimizer = torch.optim.AdamW(held.parameters(), lr=1e-3)
+    batch = micro * microbatches
+    ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    schedule.train_step(inputs, torch.tensor([0, 1] * (batch // 2)))
+    finalize_tp_grads(model, tp_group=layout.tp_group)
+    optimizer.step()
+    states = model_state_bytes(held, optimizer)
+    states["pp_rank"] = layout.pp_rank
+    dist.destroy_process_group()
+    return states
+
+
+def _check_pipeline(runs: list[dict], tp: int, pp: int, seq: int, micro: int, microbatches: int) -> dict:
+    """The megatron tp×pp row's estimate against the most loaded rank; returns the ratios (for the README)."""
+    from transformers import BertConfig
+
+    spec = _spec_from_bert({"num_attention_heads": 4, "max_position_embeddings": 64, **MEASURED_MODEL}, BertConfig)
+    hardware = Hardware(gpus_per_node=tp * pp, gpu_memory=1e12, reserve=0, dropout_mask_bytes=4)
+    work = Workload(precision="fp32", micro_batch=micro, seq=seq, accumulation=microbatches, dropout=False)
+    row = model_parallel.estimate(tp, pp, spec, work, hardware)
+    assert row.strategy["pp"] == pp and row.strategy["num_microbatches"] == microbatches
+    assert not row.strategy["sequence_parallel"] and not row.strategy["shard_optimizer"]
+    assert {r["pp_rank"] for r in runs} == set(range(pp))
+    ratios = {}
+    for part in ("params", "grads", "optimizer"):
+        measured = max(r[part] for r in runs)
+        ratios[part] = (getattr(row, part), measured)
+        assert getattr(row, part) == pytest.approx(measured, rel=STATE_TOLERANCE), (part, ratios[part])
+    return ratios
+
+
+@pytest.mark.distributed
+def test_pipeline_estimate_matches_the_live_stages():
+    """pp = 2 on 2 gloo processes (1F1B, 2 micro-batches): the most loaded stage's model states within 10 %.
+
+    Stage 0 holds a layer and the embeddings, stage 1 a layer and the pooler/classifier: the plan takes the
+    larger of the two, which the live ranks must confirm (counting the head on stage 0 is 14 % over)."""
+    runs = run_distributed(_pipeline_measurement, nprocs=2, timeout=600, tp=1, pp=2, seq=32, micro=2, microbatches=2)
+    _check_pipeline(runs, 1, 2, seq=32, micro=2, microbatches=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_and_pipeline_estimate_matches_four_live_ranks():
+    """tp = 2 × pp = 2 on 4 gloo processes: model states within 10 %."""
+    runs = run_distributed(_pipeline_measurement, nprocs=4, timeout=900, tp=2, pp=2, seq=32, micro=2, microbatches=2)
+    _check_pipeline(runs, 2, 2, seq=32, micro=2, microbatches=2)
 
 
 @pytest.mark.parametrize("kind, dropout", [("bert", 0.0), ("bert", 0.1), ("llama", 0.0)])
@@ -378,7 +468,8 @@ RUN_ARGS = ["--max_steps", "2", "--logging_steps", "1", "--log_with", "none", "-
 
 @pytest.mark.distributed
 # The megatron row runs sequence parallelism: its export verification once crashed on an odd sequence length.
-@pytest.mark.parametrize("row", ["zero2", "megatron tp2·pp1·dp1"])
+# The pp2 row: the plan's 2 micro-batches of 4 become one per-device batch of 8 in 2 pipeline micro-batches.
+@pytest.mark.parametrize("row", ["zero2", "megatron tp2·pp1·dp1", "megatron tp1·pp2·dp1"])
 def test_written_configs_start_a_run(capsys, tiny_job, tmp_path, row):
     out = tmp_path / "configs"
     code, table, err = _cli(
@@ -404,6 +495,10 @@ def test_written_configs_start_a_run(capsys, tiny_job, tmp_path, row):
     )
     assert code == 0, err
     job = out / "job.yaml"
+    if "pp2" in row:
+        strategy = yaml.safe_load(job.read_text())["strategy"]
+        assert (strategy["pp"], strategy["num_microbatches"], strategy["schedule"]) == (2, 2, "1f1b")
+        assert "torchrun --nnodes 1 --nproc_per_node 2" in (out / "launch.sh").read_text()
     data = ["--train_file", tiny_job["data"], "--output_dir", str(tmp_path / "run"), *RUN_ARGS]
     if (out / "accelerate.yaml").exists():
         assert json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2

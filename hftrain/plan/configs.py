@@ -31,7 +31,11 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
         work: the workload.
         ds_config: the DeepSpeed JSON written beside it (ZeRO rows).
     """
-    strategy = {k: v for k, v in row.strategy.items() if k != "pp"}
+    strategy = dict(row.strategy)
+    # A pipeline splits each per-device batch into its micro-batches: the plan's m micro-batches of b are one
+    # per-device batch of m·b (strategy.num_microbatches = m), not m accumulation steps.
+    pipelined = row.pp > 1
+    per_device = work.micro_batch * work.accumulation if pipelined else work.micro_batch
     if ds_config is not None:
         strategy["deepspeed_config"] = str(ds_config)
     job: dict[str, dict[str, Any]] = {
@@ -39,8 +43,8 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
         "data": {"max_seq_length": work.seq},
         "training": {
             "output_dir": f"outputs/{Path(str(model.source)).name.replace(':', '-')}-{row.label.split(' ')[0]}",
-            "per_device_train_batch_size": work.micro_batch,
-            "gradient_accumulation_steps": work.accumulation,
+            "per_device_train_batch_size": per_device,
+            "gradient_accumulation_steps": 1 if pipelined else work.accumulation,
             "mixed_precision": PRECISION[work.precision],
         },
         "strategy": strategy,
@@ -109,8 +113,7 @@ def write_configs(row: Row, model: ModelSpec, work: Workload, hw: Hardware, dire
 
     if not row.runnable:
         raise ConfigError(
-            f"--write-configs: {row.label} is formula-only (pipeline parallelism is not in this "
-            "hftrain yet); choose a row with pp1 with --row"
+            f"--write-configs: {row.label} is formula-only (this hftrain cannot run it); choose another row with --row"
         )
     if model.source is None:
         raise ConfigError(

@@ -32,6 +32,8 @@ class ModelSpec:
         source: a local folder or ``embedded:<name>`` that a job config can load, or None.
         counted: ``"exact"`` (built on the meta device) or ``"formula"`` (12·L·h² + V·h).
         dropout: whether the config has dropout on (unknown for sizes given by hand: assumed on).
+        head_parameters: what the last pipeline stage holds outside its layers (pooler, final norm,
+            classifier: ``hftrain.parallel.stages``' head modules); 0 when unknown (all of it counted on stage 0).
     """
 
     name: str
@@ -48,6 +50,7 @@ class ModelSpec:
     source: str | None = None
     counted: str = "exact"
     dropout: bool = True
+    head_parameters: int = 0
 
     @property
     def gated_mlp(self) -> bool:
@@ -55,7 +58,7 @@ class ModelSpec:
 
     @property
     def embedding_parameters(self) -> int:
-        """Everything outside the layers (embeddings, final norm, head): what pipeline stage 0 adds."""
+        """Everything outside the layers (embeddings, final norm, head)."""
         return self.parameters - self.layers * self.layer_parameters
 
     def lora_parameters(self, rank: int) -> int:
@@ -192,7 +195,19 @@ def model_from_config(name_or_path: str) -> ModelSpec:
             for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "resid_pdrop")
         ),
         source=None if name_or_path.endswith(".json") else name_or_path,
+        head_parameters=_head_parameters(model),
     )
+
+
+def _head_parameters(model: Any) -> int:
+    """Parameters of the modules hftrain's pipeline puts on the last stage (0 for a family it cannot split)."""
+    from hftrain.parallel.stages import family_of
+
+    try:
+        family = family_of(model)
+    except ConfigError:
+        return 0
+    return sum(p.numel() for module in family.head_modules(model).values() for p in module.parameters())
 
 
 def _load_config(name_or_path: str) -> Any:

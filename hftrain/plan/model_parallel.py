@@ -1,11 +1,13 @@
 """Megatron-style TP × PP × DP layouts: which the hardware and model admit, and one estimator.
 
 Ranks are laid out like ``hftrain.parallel.ParallelDims`` (Megatron-LM's order): tensor-parallel ranks
-adjacent (inside a node: t divides the GPUs per node), then data parallel, pipeline outermost. Per GPU of
-pipeline stage 0 (the heaviest: its L/p layers plus the embeddings):
+adjacent (inside a node: t divides the GPUs per node), then data parallel, pipeline outermost. Per GPU of the
+most loaded pipeline stage (model states: the first or the last; activations: stage 0):
 
-- parameters: (L/p)·Ψ_layer/t + V·h/t (vocabulary-parallel embedding) + the rest of the embeddings and head
-  (replicated); gradients the same; Adam state the same, or /dp with ``shard_optimizer`` (ZeRO-1);
+- parameters: (L/p)·Ψ_layer/t + V·h/t (vocabulary-parallel embedding) + the rest of the embeddings (replicated)
+  on the first stage, (L/p)·Ψ_layer/t + the head (pooler, final norm, classifier) on the last, the larger of
+  the two (p = 1: all of it); gradients the same; Adam state the same, or /dp with ``shard_optimizer``
+  (ZeRO-1, which hftrain runs at p = 1 only);
 - activations: Korthikanti et al. 2022 per layer over t (with sequence parallelism; hftrain's column-parallel
   layers keep their all-gathered input, 2e·s·b·h, whole), × L/p layers × the
   micro-batches 1F1B keeps in flight on stage 0 (min(p, m));
@@ -13,8 +15,9 @@ pipeline stage 0 (the heaviest: its L/p layers plus the embeddings):
   volume as all-gather + reduce-scatter under sequence parallelism); DP one all-reduce of the GPU's gradients;
   PP one s·b·h send forward and one backward per micro-batch and stage boundary; the bubble (p−1)/(m+p−1).
 
-hftrain runs tensor parallelism (the ``megatron`` strategy); pipeline parallelism is on another branch, so
-rows with p > 1 are formula-only (``runnable`` False).
+Every row is hftrain's ``megatron`` strategy; with p > 1 the plan's m micro-batches of b become the
+pipeline's ``num_microbatches`` = m over a per-device batch of m·b (1F1B, or GPipe when m < p, which 1F1B
+refuses; both keep min(p, m) micro-batches on stage 0).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def layouts(model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | 
 
 
 def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
-    """One TP × PP × DP row (stage 0's GPU), with sequence parallelism when t > 1 and ZeRO-1 when dp > 1.
+    """One TP × PP × DP row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1 and
+    ZeRO-1 when dp > 1.
 
     Args:
         tp: tensor-parallel size t.
@@ -57,20 +61,21 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
     dp = hw.world // (tp * pp)
     sb = formulas.state_bytes(work.precision, deepspeed=False)
     layers = model.layers // pp
-    vocab = model.vocab * model.hidden
-    stage = layers * model.layer_parameters / tp + vocab / tp + (model.embedding_parameters - vocab)
+    stage = stage_parameters(model, tp, pp)
     trained = stage * model.lora_parameters(work.lora_rank) / model.parameters if work.lora_rank else stage
-    sequence_parallel, shard_optimizer = tp > 1, dp > 1
+    # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only
+    sequence_parallel, shard_optimizer = tp > 1 and pp == 1, dp > 1 and pp == 1
     in_flight = min(pp, work.accumulation)
     label = f"megatron tp{tp}·pp{pp}·dp{dp}"
-    strategy = {
+    strategy: dict[str, object] = {
         "name": "megatron",
         "tp": tp,
         "sequence_parallel": sequence_parallel,
         "shard_optimizer": shard_optimizer,
     }
-    if pp > 1:
-        strategy["pp"] = pp
+    if pp > 1:  # hftrain's 1F1B needs at least p micro-batches; GPipe runs fewer
+        schedule = "1f1b" if work.accumulation >= pp else "gpipe"
+        strategy.update(pp=pp, num_microbatches=work.accumulation, schedule=schedule)
     row = Row(
         label,
         strategy,
@@ -92,10 +97,10 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
         ),
     )
     row.bubble = formulas.pipeline_bubble(pp, work.accumulation)
-    row.runnable = pp == 1
     row.comm = _communication(model, tp, pp, dp, trained * sb.grads, work, hw)
     row.formulas["model states"] = (
-        "stage 0: ((L/p)·Ψ_layer/t + V·h/t + other embeddings) × (params + grads) + Adam"
+        "max(first stage (L/p)·Ψ_layer/t + V·h/t + other embeddings, last stage (L/p)·Ψ_layer/t + head)"
+        " × (params + grads) + Adam"
         + (" / dp (shard_optimizer)" if shard_optimizer else "")
         + f"; bytes per parameter {sb.params}+{sb.grads}+"
         f"{sb.optimizer}"
@@ -105,9 +110,25 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
         "PP: s·b·h forward + backward per micro-batch per boundary"
     )
     row.formulas["pipeline"] = formulas.BUBBLE_FORMULA + "; 1F1B stage 0 keeps min(p, m) micro-batches"
-    if not row.runnable:
-        row.notes.append("pipeline parallelism: formula only (not in this hftrain yet)")
     return finish(row, model, work, hw)
+
+
+def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
+    """Parameters one GPU of the most loaded pipeline stage holds (the first, with the embeddings, or the last,
+    with the head), its layers split over ``tp`` and the vocabulary-parallel embedding too.
+
+    Args:
+        model: the model.
+        tp: tensor-parallel size t.
+        pp: pipeline-parallel size p.
+    """
+    vocab = model.vocab * model.hidden
+    layers = model.layers // pp * model.layer_parameters / tp
+    outside = model.embedding_parameters - vocab  # replicated: positions, norms, pooler, classifier
+    if pp == 1:
+        return layers + vocab / tp + outside
+    first = layers + vocab / tp + outside - model.head_parameters
+    return max(first, layers + model.head_parameters)
 
 
 def _communication(

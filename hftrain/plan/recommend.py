@@ -42,7 +42,7 @@ def plan(
     """The plan: per-GPU memory, communication and time for each option, and one recommendation with reasons.
 
     The recommendation is the fitting row that this hftrain runs with the highest estimated throughput
-    (tokens/s; ties go to the simpler strategy, in table order); a pipeline layout only when nothing runnable
+    (tokens/s; ties go to the simpler strategy, in table order); a formula-only row only when nothing runnable
     fits. When nothing fits, ``nearest`` names the row closest to fitting and ``reasons`` what it would need.
 
     Args:
@@ -87,7 +87,7 @@ def _reasons(rows: list[Row], best: int, candidates: list[int], hw: Hardware) ->
     if unfit:
         reasons.append(f"simpler options that do not fit: {', '.join(unfit)}")
     if not row.runnable:
-        reasons.append("formula only: pipeline parallelism is not in this hftrain yet")
+        reasons.append("formula only: this hftrain cannot run it")
     return reasons
 
 

@@ -76,7 +76,7 @@ class Row:
         step_seconds: compute/(1 − bubble) + communication.
         tokens_per_second: global tokens per step / step time.
         formulas: the formula behind each figure.
-        runnable: whether this hftrain can run it (pipeline parallelism: formula-only so far).
+        runnable: whether this hftrain can run it (every row it estimates today; False marks a formula-only row).
         fits: whether GPU (and offload CPU) memory suffice.
         notes: remarks (what limits it, what is assumed).
     """

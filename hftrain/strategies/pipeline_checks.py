@@ -24,7 +24,8 @@ def num_microbatches(strategy: StrategyConfig) -> int:
 
 
 def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) -> None:
-    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, and ZeRO-1.
+    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, and the
+    options pipelines do not support yet (ZeRO-1, sequence parallelism).
 
     Args:
         strategy: the ``strategy`` section (any ``pp``: an interleaved schedule at ``pp = 1`` is refused too).
@@ -39,10 +40,11 @@ def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) 
     from hftrain.parallel.schedules import check_schedule
 
     check_schedule(strategy.schedule, pp=strategy.pp, virtual_stages=strategy.virtual_stages, num_microbatches=micro)
-    if strategy.shard_optimizer and strategy.pp > 1:
-        raise ConfigError(
-            "strategy.shard_optimizer with strategy.pp > 1 is not supported yet; use shard_optimizer: false"
-        )
+    # Options the pipeline stages do not implement yet (sequence parallelism: the stages rebuild full-length
+    # attention masks around sequence-sharded hidden states).
+    for option in ("shard_optimizer", "sequence_parallel"):
+        if getattr(strategy, option) and strategy.pp > 1:
+            raise ConfigError(f"strategy.{option} with strategy.pp > 1 is not supported yet; use {option}: false")
 
 
 def check_pipeline_model(strategy: StrategyConfig, model_config: Any) -> None:
