@@ -428,7 +428,18 @@ class Trainer:
             path.write_text(json.dumps(self.state_dict(), indent=2) + "\n")
 
     def close(self) -> None:
-        """End the run: flush trackers and destroy the process group (after any export)."""
+        """End the run: release the wrapped model, then flush trackers and destroy the process group.
+
+        The model goes first, while the process group and the interpreter are alive: left to the garbage
+        collector, a DDP reducer (and the gloo work it holds) can outlive both and abort the process at exit
+        ("terminate called without an active exception", pytorch#190489).
+        """
+        import gc
+
+        self.model = self.optimizer = self.train_loader = self.eval_loader = None
+        self.runtime = None
+        self.accelerator.free_memory()
+        gc.collect()
         self.accelerator.end_training()
 
     def state_dict(self) -> dict[str, Any]:
