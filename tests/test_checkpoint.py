@@ -306,9 +306,11 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp
 def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/train.py"]
     reference, preempted = tmp_path / "reference", tmp_path / "preempted"
-    done = _run([*torchrun, *_args(tiny_job, reference, steps=30)])
+    # Long enough that the signal always lands mid-run: on an idle machine this tiny job runs ~25 steps/s.
+    steps = 200
+    done = _run([*torchrun, *_args(tiny_job, reference, steps=steps)])
     assert done.returncode == 0, done.stderr[-3000:]
-    command = [*torchrun, *_args(tiny_job, preempted, steps=30), "--resume_from_checkpoint", "auto"]
+    command = [*torchrun, *_args(tiny_job, preempted, steps=steps), "--resume_from_checkpoint", "auto"]
     process = subprocess.Popen(
         command,
         cwd=ROOT,
@@ -320,7 +322,7 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
     )
     try:
         _wait_for(lambda: (preempted / "hftrain_strategy.json").is_file(), process)
-        time.sleep(1.0)
+        time.sleep(0.5)
         os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: the whole job gets SIGTERM
         output = process.communicate(timeout=300)[0]
     finally:
@@ -328,7 +330,7 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
             os.killpg(process.pid, signal.SIGKILL)
     assert "preempted (SIGTERM)" in output, output[-3000:]
     stopped_at = CheckpointManager(preempted / "checkpoints").resolve("latest")
-    assert 0 < read_checkpoint(stopped_at)["step"] < 30
+    assert 0 < read_checkpoint(stopped_at)["step"] < steps
     rerun = _run(command)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resumed from {stopped_at}" in rerun.stdout
