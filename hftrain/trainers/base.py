@@ -430,9 +430,10 @@ class Trainer:
     def close(self) -> None:
         """End the run: release the wrapped model, then flush trackers and destroy the process group.
 
-        The model goes first, while the process group and the interpreter are alive: left to the garbage
-        collector, a DDP reducer (and the gloo work it holds) can outlive both and abort the process at exit
-        ("terminate called without an active exception", pytorch#190489).
+        The model goes first, while the process group and the interpreter are alive, so that a DDP reducer and
+        the gloo work it holds are not left to interpreter teardown: a rank was seen aborting there once after a
+        finished 2-process run ("terminate called without an active exception", the failure pytorch#190489
+        describes for gloo state destroyed at exit).
         """
         import gc
 
