@@ -209,17 +209,22 @@ def _assert_same_weights(a: dict, b: dict, *, atol: float) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
-@pytest.mark.distributed
-def test_resumed_equals_uninterrupted_under_tp2_dp2(runs):
-    for rank in runs["four"]:
+def assert_resumed_equals_uninterrupted(ranks: list[dict]) -> None:
+    """Every rank's run stopped at step 8 and resumed to 12 equals the run of 12 steps in one go."""
+    for rank in ranks:
         full, part, resumed = rank["full"], rank["part"], rank["resumed"]
         assert part["preempted"] == "stop_at_step" and part["global_step"] == 8
         assert resumed["global_step"] == full["global_step"] == 12
         assert resumed["losses"] == full["losses"]
         assert resumed["lrs"] == full["lrs"]
         assert resumed["metrics"] == pytest.approx(full["metrics"])
-    main = runs["four"][0]  # the full weights, merged from the tp shards, are returned on the main process
+    main = ranks[0]  # the full weights, merged from the shards, are returned on the main process
     _assert_same_weights(main["resumed"]["weights"], main["full"]["weights"], atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_resumed_equals_uninterrupted_under_tp2_dp2(runs):
+    assert_resumed_equals_uninterrupted(runs["four"])
     assert runs["four"][0]["layout"] == {
         "format": "hftrain-logical-full-v1", "tp": 2, "pp": 1, "dp": 2, "world_size": 4
     }  # fmt: skip
