@@ -1,27 +1,35 @@
-"""The embedded default job end to end: hftrain against the transformers ``Trainer``.
+"""The embedded default job end to end: hftrain against the transformers ``Trainer``, usual and tuned.
 
-Both sides fine-tune the embedded MiniLM (all-MiniLM-L6-v2) on the embedded Rotten Tomatoes reviews, on the
+Every job fine-tunes the embedded MiniLM (all-MiniLM-L6-v2) on the embedded Rotten Tomatoes reviews, on the
 identical train/validation split of ``hftrain.data.loading.load_classification_splits`` (seed 42, 10 %
 held out), for one epoch, batch 32, learning rate 5e-5, linear schedule without warm-up, gradient clipping at
 1.0, seed 42, truncation at 128 tokens with dynamic padding, evaluation once at the end (batch 64):
 
-  (a) hftrain: ``run_training(load_config(None, overrides), LaunchInfo())``, the job behind ``hftrain train``
-      with its defaults (only ``output_dir``, and ``max_train_samples`` under --quick, are overridden);
-  (b) transformers: ``dataset.map`` tokenization, ``DataCollatorWithPadding``, ``TrainingArguments``
-      (per_device_train_batch_size 32, learning_rate 5e-5, num_train_epochs 1, use_cpu, report_to none,
-      save_strategy no, per_device_eval_batch_size 64), ``trainer.train()``, ``trainer.evaluate()`` with
-      accuracy, then ``trainer.save_model()`` since hftrain's job exports the model too;
-  (c) optional (``--jobs hftrain,transformers,hftrain_fused``): (a) with ``AdamW(fused=True)``, a preview of a
-      proposed hftrain change (transformers' default optimizer; torch's default on CPU is a per-tensor loop).
+- ``trainer_usual``: transformers the usual way: ``dataset.map`` tokenization, ``DataCollatorWithPadding``,
+  ``TrainingArguments`` defaults (random sampling, fused AdamW, fp32) plus batch 32 / lr 5e-5 / 1 epoch /
+  ``use_cpu`` / ``report_to="none"`` / ``save_strategy="no"`` / eval batch 64, ``evaluate()`` with accuracy,
+  then ``save_model()`` since hftrain's job exports the model too;
+- ``trainer_tuned``: the same at the Trainer's best documented CPU settings for this job:
+  ``train_sampling_strategy="group_by_length"``, fused AdamW (its default) and ``bf16=True`` only where the CPU
+  computes bf16 natively (the rule hftrain's ``auto`` uses: an AMX or AVX512-BF16 flag);
+- ``hftrain``: ``run_training(load_config(None, overrides), LaunchInfo())``, the job behind ``hftrain train``
+  with its defaults (only ``output_dir``, and ``max_train_samples`` under --quick, are overridden);
+- ablations, each ``hftrain`` with one default turned back: ``hftrain_sdpa`` (transformers' SDPA attention:
+  then every setting equals ``trainer_tuned``'s, the parity row), ``hftrain_fp32`` (``mixed_precision: no``),
+  ``hftrain_unfused`` (``optim: adamw_torch``).
 
-Each job runs in its own process (Accelerate keeps process-global state), jobs alternate A, B, A, B.
+Each job runs in its own process (Accelerate keeps process-global state), jobs alternate A, B, C, A, B, C.
 Wall time is from just before the process is started to the end of the job (imports, data loading,
 tokenization, model loading, training, evaluation, model export); the statistics printed beside it (padded
-tokens per batch) are computed afterwards, outside the timed span. "save" is hftrain's end-of-run checkpoint
-(model, optimizer, scheduler, RNG; written by default) plus its export, and ``save_model`` on the other side;
-"train" excludes evaluation and saving. "CPU s" is the job process's CPU time (all threads) up to the same
-point: on a machine shared with other jobs it moves less with their load than wall time does. Ratios are of
-medians.
+tokens per batch, model FLOPs) are computed afterwards, outside the timed span. "save" is hftrain's end-of-run
+checkpoint (model, optimizer, scheduler, RNG; written by default) plus its export, and ``save_model`` on the
+other side; "train" excludes evaluation and saving. "CPU s" is the job process's CPU time (all threads) up to
+the same point. Ratios are of medians.
+
+The compute floor: the model FLOPs of hftrain's training steps (3 x forward: 2 FLOPs per weight per token in
+every linear layer, and 4 x length x hidden per token per layer in attention, at the padded batch shapes of
+hftrain's sampler), divided by this CPU's measured matmul throughput (fp32 and bf16, 2 threads, an FFN-sized
+product) in this run: the step time no kernel could beat.
 """
 
 from __future__ import annotations
@@ -60,12 +68,8 @@ def load_splits(max_train_samples: int | None):
     )
 
 
-def child_hftrain(args: argparse.Namespace, output_dir: str, *, fused_adamw: bool = False) -> dict:
-    """Run hftrain's default job; time its phases with thin wrappers around methods (no change to the loop).
-
-    ``fused_adamw`` previews a proposed change: the same AdamW parameter groups with ``fused=True``, the
-    optimizer the transformers ``Trainer`` uses by default (torch's default on CPU is a per-tensor loop).
-    """
+def child_hftrain(args: argparse.Namespace, output_dir: str, *, overrides: tuple[str, ...] = ()) -> dict:
+    """Run hftrain's default job (with ``overrides``); time its phases with thin wrappers (no change to the loop)."""
     from hftrain.checkpoint import export
     from hftrain.config import load_config
     from hftrain.job import run_training
@@ -87,27 +91,15 @@ def child_hftrain(args: argparse.Namespace, output_dir: str, *, fused_adamw: boo
     Task.fit, Task.evaluate = timed(Task.fit, "fit"), timed(Task.evaluate, "eval")
     Task.save_checkpoint = timed(Task.save_checkpoint, "checkpoint")
     export.export_pretrained = timed(export.export_pretrained, "export")  # run_training imports it at call time
-    if fused_adamw:
-        import torch
-
-        unfused = Task.create_optimizer
-
-        def create_optimizer(self, model):
-            groups = [
-                {"params": g["params"], "weight_decay": g["weight_decay"]} for g in unfused(self, model).param_groups
-            ]
-            return torch.optim.AdamW(groups, lr=self.args.learning_rate, fused=True)
-
-        Task.create_optimizer = create_optimizer
-    overrides = ["--output_dir", output_dir, "--overwrite_output_dir", "true"]
+    overrides = ("--output_dir", output_dir, "--overwrite_output_dir", "true", *overrides)
     if args.max_train_samples:
-        overrides += ["--max_train_samples", str(args.max_train_samples)]
-    config = load_config(None, overrides)
+        overrides += ("--max_train_samples", str(args.max_train_samples))
+    config = load_config(None, list(overrides))
     result = run_training(config, LaunchInfo())
     end, cpu = time.time(), time.process_time()
-    # Padding statistics, outside the timed span: replay hftrain's own sampler over the same lengths.
+    # Padding statistics and model FLOPs, outside the timed span: replay hftrain's own sampler over the lengths.
     from hftrain.data.batching import EpochSampler, tokenize_splits
-    from hftrain.models import build_tokenizer
+    from hftrain.models import build_tokenizer, model_config
 
     lengths = tokenize_splits(
         load_splits(args.max_train_samples), build_tokenizer(config.model), max_seq_length=MAX_SEQ_LENGTH
@@ -124,11 +116,38 @@ def child_hftrain(args: argparse.Namespace, output_dir: str, *, fused_adamw: boo
         "save_s": spans["checkpoint"] + spans["export"],
         "padded_tokens": statistics.mean(max(b) * len(b) for b in batches),
         "real_tokens": statistics.mean(sum(b) for b in batches),
+        "flops_per_step": statistics.mean(training_flops(model_config(config.model), len(b), max(b)) for b in batches),
     }
 
 
-def child_transformers(args: argparse.Namespace, output_dir: str) -> dict:
-    """Run the same job the usual transformers way; the collator counts tokens (one ``numel`` per batch)."""
+def training_flops(config, batch: int, length: int) -> float:
+    """Model FLOPs of one training step of a BERT encoder at ``batch`` x ``length`` (3 x the forward).
+
+    Forward: 2 FLOPs per weight per token in the linear layers (attention projections 4h^2, FFN 2hi, pooler h^2)
+    plus 4 x length x h per token per layer for the two attention products (scores and weighted values).
+    """
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    tokens = batch * length
+    forward = 2 * tokens * (layers * (4 * h * h + 2 * h * i)) + 2 * batch * h * h + layers * 4 * tokens * length * h
+    return 3.0 * forward
+
+
+def matmul_throughput(dtype_name: str, seconds: float = 1.5) -> float:
+    """FLOP/s of an FFN-sized matmul (1024 tokens x 384 -> 1536) at this process's thread count."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(1024, 384, dtype=dtype), torch.randn(384, 1536, dtype=dtype)
+    a @ b
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        calls += 1
+    return calls * 2 * 1024 * 384 * 1536 / (time.perf_counter() - start)
+
+
+def child_transformers(args: argparse.Namespace, output_dir: str, *, tuned: bool = False) -> dict:
+    """Run the same job the usual transformers way (``tuned``: its best CPU settings); the collator counts tokens."""
     import numpy as np
     from transformers import (
         AutoModelForSequenceClassification,
@@ -171,6 +190,7 @@ def child_transformers(args: argparse.Namespace, output_dir: str) -> dict:
         use_cpu=True,
         report_to="none",
         save_strategy="no",
+        **(tuned_settings() if tuned else {}),
     )
 
     def accuracy(prediction) -> dict:
@@ -203,10 +223,20 @@ def child_transformers(args: argparse.Namespace, output_dir: str) -> dict:
     }
 
 
+def tuned_settings() -> dict:
+    """The Trainer's best documented CPU settings for this job: length-grouped batches, bf16 only if native."""
+    from hftrain.strategies.platform import Platform
+
+    return {"train_sampling_strategy": "group_by_length", "bf16": Platform.detect().native_bf16() is not None}
+
+
 JOBS = {
+    "trainer_usual": child_transformers,
+    "trainer_tuned": functools.partial(child_transformers, tuned=True),
     "hftrain": child_hftrain,
-    "transformers": child_transformers,
-    "hftrain_fused": functools.partial(child_hftrain, fused_adamw=True),
+    "hftrain_sdpa": functools.partial(child_hftrain, overrides=("--attn_implementation", "sdpa")),
+    "hftrain_fp32": functools.partial(child_hftrain, overrides=("--mixed_precision", "no")),
+    "hftrain_unfused": functools.partial(child_hftrain, overrides=("--optim", "adamw_torch")),
 }
 # result key -> (table header, number format)
 COLUMNS = {
@@ -249,9 +279,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, help="repetitions of each job, interleaved (default 2; 1 with --quick)")
     parser.add_argument("--max_train_samples", type=int, help="train on the first N training rows")
     parser.add_argument(
-        "--jobs",
-        default="hftrain,transformers",
-        help=f"comma-separated, run in this order each round: {', '.join(JOBS)}",
+        "--jobs", default=",".join(JOBS), help=f"comma-separated, run in this order each round: {', '.join(JOBS)}"
     )
     parser.add_argument("--child", choices=list(JOBS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -269,7 +297,7 @@ def main() -> None:
         parser.error(f"--jobs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(JOBS)}")
     print(
         f"# train rows: {args.max_train_samples or 'all'}, repetitions: {args.reps}, "
-        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, trainer_tuned: {tuned_settings()}",
         flush=True,
     )
     results: dict[str, list[dict]] = {name: [] for name in names}
@@ -278,26 +306,58 @@ def main() -> None:
             r = run_job(name, args)
             results[name].append(r)
             figures = "  ".join(f"{k} {r[k]:.4g}" for k in COLUMNS if k in r)
-            print(f"rep {rep}: {name:13s} {figures}  load {r['load']}", flush=True)
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in COLUMNS if k in rs[0]} for n, rs in results.items()}
+            print(f"rep {rep}: {name:15s} {figures}  load {r['load']}", flush=True)
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k in COLUMNS} for n, rs in results.items()}
     for m in med.values():
         m["step_s"] = m["train_s"] / m["steps"]
     print(f"\nload average at end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n")
+    print_table(names, med)
+    print_ratios(names, med)
+    flops = [r["flops_per_step"] for r in results.get("hftrain", []) if "flops_per_step" in r]
+    if flops:
+        print_floor(flops[0], med["hftrain"]["step_s"])
+
+
+def print_table(names: list[str], med: dict[str, dict]) -> None:
     print("| job (medians) | " + " | ".join(header for header, _ in COLUMNS.values()) + " |")
     print("|---" * (len(COLUMNS) + 1) + "|")
     for n in names:
-        print(f"| {n} | " + " | ".join(format(med[n][k], f) for k, (_, f) in COLUMNS.items()) + " |")
-    if "transformers" not in med:
-        return
-    t = med["transformers"]
-    for n in (n for n in names if n != "transformers"):
-        h = med[n]
-        cells = [f"{h[k] / t[k]:.3f}" if k != "accuracy" else f"{100 * (h[k] - t[k]):+.2f} pt" for k in COLUMNS]
-        print(f"| **{n} / transformers** | " + " | ".join(cells) + " |")
-    for n in (n for n in names if n != "transformers"):
+        cells = (format(med[n][k], f) if k in med[n] else "" for k, (_, f) in COLUMNS.items())
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
+RATIOS = [  # (numerator, denominator, figure, target)
+    ("hftrain_sdpa", "trainer_tuned", "step_s", "parity at equal settings: <= 1.00"),
+    ("hftrain", "trainer_tuned", "wall_s", "default vs the tuned Trainer: <= 0.80"),
+    ("hftrain", "trainer_usual", "wall_s", "default vs the usual Trainer"),
+    ("trainer_tuned", "trainer_usual", "wall_s", "what the Trainer's own flags buy"),
+    ("hftrain", "hftrain_sdpa", "step_s", "ablation: eager attention on CPU"),
+    ("hftrain", "hftrain_fp32", "step_s", "ablation: bf16 autocast (native here)"),
+    ("hftrain", "hftrain_unfused", "step_s", "ablation: fused AdamW"),
+]
+
+
+def print_ratios(names: list[str], med: dict[str, dict]) -> None:
+    print()
+    for top, bottom, figure, what in RATIOS:
+        if top in names and bottom in names:
+            ratio = med[top][figure] / med[bottom][figure]
+            points = 100 * (med[top]["accuracy"] - med[bottom]["accuracy"])
+            print(f"{top} / {bottom}: {figure} {ratio:.3f}, accuracy {points:+.2f} points  ({what})")
+
+
+def print_floor(flops_per_step: float, step_s: float) -> None:
+    """The default job's step time against this CPU's compute floor, fp32 and bf16."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"\ncompute floor: {flops_per_step / 1e9:.1f} GFLOP per training step (hftrain's batches)")
+    for dtype in ("float32", "bfloat16"):
+        throughput = matmul_throughput(dtype)
+        floor = flops_per_step / throughput
         print(
-            f"\n{n} / transformers: wall time {med[n]['wall_s'] / t['wall_s']:.3f} (target <= 0.85), accuracy "
-            f"{100 * (med[n]['accuracy'] - t['accuracy']):+.2f} points (target within 1)"
+            f"  {dtype}: matmul {throughput / 1e9:.0f} GFLOP/s -> floor {1000 * floor:.0f} ms/step; "
+            f"hftrain default {1000 * step_s:.0f} ms/step = {step_s / floor:.2f}x the floor"
         )
 
 

@@ -129,6 +129,9 @@ def run_hftrain(args: argparse.Namespace, dataset, tokenizer, steps: int) -> Run
         logging_steps=10**9,
         log_with="none",
         torch_num_threads=args.threads,
+        # The hand-written loop's settings: fp32 and torch's default (for-each) AdamW, whatever 'auto' would pick.
+        mixed_precision="no",
+        optim="adamw_torch",
     )
     trainer = StampedTrainer(
         training,

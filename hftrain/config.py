@@ -32,6 +32,9 @@ class ModelConfig:
     """A local model folder, or an embedded model (``embedded:minilm``, ``embedded:smollm2``)."""
     num_labels: int = 2
     """Number of classes of the sequence-classification head."""
+    attn_implementation: Literal["auto", "eager", "sdpa"] = "auto"
+    """transformers' attention kernel. ``auto``: ``eager`` when training on CPU with ``max_seq_length`` <= 128
+    (there torch's fused CPU attention backward is the slowest op of a step), else ``sdpa``; logged."""
 
     def validate(self) -> None:
         _require(self.num_labels >= 2, "model.num_labels", "must be at least 2")
@@ -95,8 +98,13 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     seed: int = 42
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Accelerate's mixed precision."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """Accelerate's mixed precision. ``auto``: bf16 where the device computes it natively (a CUDA GPU with bf16, a
+    CPU with AMX or AVX512-BF16), else ``no`` (fp32); the choice and its reason are logged. ``no`` pins fp32."""
+    optim: Literal["auto", "adamw_torch_fused", "adamw_torch"] = "auto"
+    """The AdamW implementation (transformers' names). ``auto``: ``adamw_torch_fused`` (one kernel per step, the
+    transformers ``Trainer``'s default) wherever the strategy steps a torch optimizer, else what the strategy brings
+    (DeepSpeed's CPU Adam under optimizer offload)."""
     train_sampling_strategy: Literal["group_by_length", "random", "sequential"] = "group_by_length"
     """``group_by_length`` batches texts of similar length (less padding), shuffled per epoch."""
     logging_steps: int = 10

@@ -40,8 +40,9 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> Mod
     from hftrain.models import model_config
     from hftrain.models.checks import check_model_folder
 
-    strategy.platform.check_precision(config.training.mixed_precision)
-    strategy.preflight(config.training)
+    training, _ = strategy.resolve_training(config.training)  # what the trainer will run: 'auto' made concrete
+    strategy.platform.check_precision(training.mixed_precision)
+    strategy.preflight(training)
     if write:
         check_output_dir(config)
     check_resume_request(config.training)

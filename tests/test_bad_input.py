@@ -194,6 +194,19 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     # ------------------------------------------------------------------ strategy and platform
     "strategy: fp16 on CPU": (lambda c: [*c.base(), "--mixed_precision", "fp16"], "use bf16 on CPU"),
     "strategy: unknown name": (lambda c: [*c.base(), "--strategy.name", "zero9"], "strategy.name"),
+    "strategy: fused AdamW under optimizer offload": (
+        lambda c: [
+            *c.base(),
+            "--strategy.name",
+            "zero2",
+            "--offload_optimizer",
+            "true",
+            "--optim",
+            "adamw_torch_fused",
+        ],
+        "training.optim: adamw_torch_fused cannot run",
+    ),
+    "cli: unknown attention kernel": (lambda c: [*c.base(), "--attn_implementation", "flash"], "attn_implementation"),
     "strategy: FSDP version 3": (lambda c: [*c.base(), "--fsdp_version", "3"], "strategy.fsdp_version"),
     # ------------------------------------------------------------------ data
     "data: train_file is a directory": (lambda c: [*c.base(), "--train_file", str(c.scratch)], "is a directory"),

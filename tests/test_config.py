@@ -18,7 +18,7 @@ def test_defaults_are_the_embedded_job():
     config = load_config()
     assert config.model.model_name_or_path == "embedded:minilm"
     assert config.data.dataset_name == "embedded:rotten_tomatoes"
-    assert config.training.mixed_precision == "no"
+    assert config.training.mixed_precision == "auto" and config.training.optim == "auto"
 
 
 def test_yaml_and_overrides(tmp_path):

@@ -307,7 +307,7 @@ def _job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]
         "--model_name_or_path", model, "--train_file", data, "--output_dir", str(output_dir), "--max_steps", "4",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--save_steps", "2",
         "--logging_steps", "1", "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3",
-        "--strategy.name", "megatron", *extra,
+        "--strategy.name", "megatron", "--mixed_precision", "no", *extra,  # fp32: compared at 1e-5
     ]  # fmt: skip
 
 

@@ -185,6 +185,8 @@ def run_tiny_training(
     from hftrain.trainers import SequenceClassificationTrainer
 
     reset_accelerate_state()
+    # Parity against a 1-process reference is checked in fp32 (bf16 is 'auto''s choice on CPUs that have it).
+    training_overrides.setdefault("mixed_precision", "no")
     output_dir = output_dir or _fresh_output_dir()
     tokenizer = tiny_tokenizer(kind)
     if tokenizer.pad_token is None:

@@ -125,7 +125,11 @@ def model_config(config: ModelConfig) -> PretrainedConfig:
 
 
 def model_init_fn(
-    config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora: LoraConfig | None = None
+    config: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    lora: LoraConfig | None = None,
+    *,
+    attn_implementation: str | None = None,
 ) -> Callable[[], PreTrainedModel | PeftModel]:
     """A callable that builds the classification model (called by the trainer inside the strategy's context).
 
@@ -133,6 +137,7 @@ def model_init_fn(
         config: the ``model`` config section.
         tokenizer: supplies the pad id GPT-style heads pool on.
         lora: the ``lora`` section; with ``use_lora`` the model is wrapped in LoRA adapters (``hftrain.models.lora``).
+        attn_implementation: transformers' attention kernel (``eager``, ``sdpa``); None keeps transformers' choice.
     """
     path = resolve_model_path(config.model_name_or_path)
 
@@ -145,7 +150,9 @@ def model_init_fn(
             "(save_pretrained) or point to a complete model folder",
             catch=_weight_errors(),
         ):
-            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.num_labels)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=config.num_labels, attn_implementation=attn_implementation
+            )
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id
         if lora is not None and lora.use_lora:

@@ -8,6 +8,7 @@ and owns the context in which the model is constructed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -101,6 +102,26 @@ class Strategy(ABC):
         """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""
         return {}
 
+    def resolve_training(self, training: TrainingConfig) -> tuple[TrainingConfig, list[str]]:
+        """``training`` with its ``auto`` fields made concrete for this strategy on this machine, and why.
+
+        Returns:
+            the resolved section (``mixed_precision`` and ``optim`` no longer ``auto``) and one log line per choice.
+        """
+        launched = (self.launch.accelerate_settings or {}).get("ACCELERATE_MIXED_PRECISION", "no")
+        if training.mixed_precision == "auto" and launched != "no":
+            precision, reason = launched, "auto: set by the accelerate config"
+        else:
+            precision, reason = self.platform.resolve_precision(training.mixed_precision)
+        optim = self.resolve_optim(training.optim)
+        notes = [f"mixed_precision: {precision} ({reason})", f"optim: {optim}" + " (auto)" * (training.optim == "auto")]
+        return dataclasses.replace(training, mixed_precision=precision, optim=optim), notes
+
+    def resolve_optim(self, optim: str) -> str:
+        """The AdamW implementation for ``training.optim``; ``auto`` is the fused kernel wherever the strategy
+        steps the torch optimizer the trainer built (checked per strategy by the parity and resume tests)."""
+        return "adamw_torch_fused" if optim == "auto" else optim
+
     def summary(self, training: TrainingConfig, accelerator: Accelerator) -> dict[str, Any]:
         """The resolved strategy and batch geometry, logged at start and saved with the run."""
         dp_size = accelerator.num_processes
@@ -115,6 +136,8 @@ class Strategy(ABC):
             "micro_batch": micro,
             "gradient_accumulation_steps": gas,
             "global_batch": micro * gas * dp_size,
+            "mixed_precision": training.mixed_precision,
+            "optim": training.optim,
         }
 
     def build_accelerator(self, training: TrainingConfig, *, project_dir: str | None = None) -> Accelerator:

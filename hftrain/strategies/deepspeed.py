@@ -75,6 +75,17 @@ class ZeroStrategy(Strategy):
                 "(torchrun --nproc_per_node N / accelerate launch) or use ddp"
             )
 
+    def resolve_optim(self, optim: str) -> str:
+        """Under optimizer offload Accelerate replaces the torch optimizer by DeepSpeed's CPU Adam: no fused kernel."""
+        if not self._offloads_optimizer(self._base_config()):
+            return super().resolve_optim(optim)
+        if optim == "adamw_torch_fused":
+            raise ConfigError(
+                f"training.optim: adamw_torch_fused cannot run under strategy '{self.name}' with optimizer offload "
+                "(DeepSpeed steps its CPU Adam instead); set optim: auto or adamw_torch"
+            )
+        return "adamw_torch"
+
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         from accelerate.utils import DeepSpeedPlugin
 

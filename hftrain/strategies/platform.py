@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
 
+EAGER_ATTENTION_MAX_LENGTH = 128
+"""Up to this length eager attention trains faster than SDPA on CPU (measured crossover: between 128 and 256)."""
+
+
 @dataclass(frozen=True)
 class Platform:
     """Where the processes compute and how they talk.
@@ -47,6 +51,51 @@ class Platform:
         if torch.cuda.is_available():
             return cls(device="cuda", backend="nccl")
         return cls(device="cpu", backend="gloo")
+
+    def native_bf16(self) -> str | None:
+        """Why this device computes bf16 natively (the CPU flag or the GPU), or None when it only emulates it.
+
+        On a CPU without AMX or AVX512-BF16 (e.g. AVX2 only), oneDNN emulates bf16 and a bf16 matmul runs ~500x
+        slower than fp32 (0.3 vs 152 GFLOP/s measured on an AVX2 EPYC); with AVX512-BF16 it ran 4.4x faster.
+        """
+        import torch
+
+        if not self.is_cpu:
+            return "CUDA bf16" if torch.cuda.is_bf16_supported() else None
+        flags = cpu_flags()
+        found = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
+        return f"CPU flag {found[0]}" if found else None
+
+    def resolve_precision(self, mixed_precision: str) -> tuple[str, str]:
+        """The concrete mixed precision for ``training.mixed_precision`` and why (``auto`` -> bf16 or no).
+
+        Args:
+            mixed_precision: ``training.mixed_precision``; values other than ``auto`` are returned as they are.
+        """
+        if mixed_precision != "auto":
+            return mixed_precision, "set in the config"
+        native = self.native_bf16()
+        if native:
+            return "bf16", f"auto: {native}"
+        device = "GPU" if not self.is_cpu else "CPU (no amx_bf16/avx512_bf16 flag)"
+        return "no", f"auto: this {device} only emulates bf16, fp32 is faster"
+
+    def resolve_attention(self, attn_implementation: str, max_seq_length: int) -> tuple[str, str]:
+        """The concrete attention kernel for ``model.attn_implementation`` and why (``auto`` -> eager or sdpa).
+
+        On CPU, torch's fused SDPA backward dominates a short-sequence training step: MiniLM, batch 32, bf16,
+        142 ms (eager) vs 205 ms (sdpa) per step at 28 tokens and 629 vs 891 ms at 128, SmolLM2 1.07 vs 1.38 s
+        at 96; fp32 likewise (364 vs 388 ms). From 256 tokens on, sdpa is faster (1.69 vs 2.27 s).
+
+        Args:
+            attn_implementation: ``model.attn_implementation``; values other than ``auto`` are kept.
+            max_seq_length: the longest sequence a batch can have.
+        """
+        if attn_implementation != "auto":
+            return attn_implementation, "set in the config"
+        if self.is_cpu and max_seq_length <= EAGER_ATTENTION_MAX_LENGTH:
+            return "eager", f"auto: CPU, sequences <= {EAGER_ATTENTION_MAX_LENGTH} tokens"
+        return "sdpa", "auto: " + ("GPU" if not self.is_cpu else f"sequences up to {max_seq_length} tokens")
 
     def check_precision(self, mixed_precision: str) -> None:
         """Refuse a mixed precision this device cannot train in, instead of Accelerate's silent fp32 fallback.
@@ -97,6 +146,18 @@ class Platform:
         accelerator.state.fsdp_plugin = plugin
         if plugin.fsdp_version == 1:
             _make_fsdp1_cpu_offload_identity()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none: then nothing is assumed)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def _make_fsdp1_cpu_offload_identity() -> None:

@@ -87,6 +87,7 @@ class Trainer:
     ) -> None:
         from accelerate.utils import set_seed
 
+        args, choices = strategy.resolve_training(args)  # 'auto' precision and optimizer, for this machine
         self.args = args
         self.strategy = strategy
         self.tokenizer = tokenizer
@@ -99,6 +100,8 @@ class Trainer:
         self.runtime = strategy.build_runtime(self.accelerator)
         self.strategy_summary = strategy.summary(args, self.accelerator)
         self._log("strategy: " + ", ".join(f"{k}={v}" for k, v in self.strategy_summary.items()))
+        for choice in choices:
+            self._log(choice)
         # Same seed on every rank: identical head initialisation and identical data order.
         set_seed(args.seed)
         with strategy.model_init_context():
@@ -148,7 +151,8 @@ class Trainer:
 
     # ----------------------------------------------------------------- construction
     def create_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """AdamW with no weight decay on biases and norms, as the HF Trainer does."""
+        """AdamW with no weight decay on biases and norms, as the HF Trainer does; one fused kernel per step
+        (``optim: adamw_torch_fused``) instead of torch's per-tensor loop."""
         decay, no_decay = [], []
         for param in model.parameters():
             if param.requires_grad:
@@ -157,7 +161,7 @@ class Trainer:
             {"params": decay, "weight_decay": self.args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=self.args.learning_rate)
+        return torch.optim.AdamW(groups, lr=self.args.learning_rate, fused=self.args.optim == "adamw_torch_fused")
 
     def create_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
         """transformers' schedule over this run's optimizer steps (the loop steps it once per step)."""
