@@ -48,8 +48,14 @@ from tests.test_sharding import STRATEGIES, TEST_MODEL, measure_strategies  # no
 
 MODELS = {
     "tiny": TEST_MODEL,
-    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
-                  "vocab_size": 30522, "max_position_embeddings": 512},
+    "bert-base": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "vocab_size": 30522,
+        "max_position_embeddings": 512,
+    },
 }
 
 # label -> (formula, bytes per rank as a function of Ψ and N)
@@ -95,8 +101,10 @@ def rows(runs: list[dict], labels: list[str], precision: str) -> list[dict]:
                 acc, step = rank[label]["accumulating"], rank[label]["at_step"]
                 grads = step["grads"] if gas1 else max(acc["grads"], step["grads"])
                 row = {
-                    "params": max(acc["params"], step["params"]), "master": acc["master"],
-                    "grads_accumulating": None if gas1 else acc["grads"], "grads_step": step["grads"],
+                    "params": max(acc["params"], step["params"]),
+                    "master": acc["master"],
+                    "grads_accumulating": None if gas1 else acc["grads"],
+                    "grads_step": step["grads"],
                     "optimizer": max(acc["optimizer"], step["optimizer"]),
                     "bucket": max(acc["comm_buffers"], step["comm_buffers"]),
                     "unclassified": max(acc["unclassified"], step["unclassified"]),
@@ -118,21 +126,45 @@ def rows(runs: list[dict], labels: list[str], precision: str) -> list[dict]:
 def markdown(table: list[dict], psi: int, precision: str) -> str:
     mb = lambda b: "–" if b is None else f"{b / 1e6:,.1f}"  # noqa: E731
     with_master = precision == "no"
-    head = ["strategy", "params", "master", "grads, accum.", "grads, step", "optimizer", "total", "total/Ψ",
-            "formula", "measured/formula"] + (["with master", "measured/(with master)"] if with_master else []) + [
-            "reduce bucket"]
+    head = (
+        [
+            "strategy",
+            "params",
+            "master",
+            "grads, accum.",
+            "grads, step",
+            "optimizer",
+            "total",
+            "total/Ψ",
+            "formula",
+            "measured/formula",
+        ]
+        + (["with master", "measured/(with master)"] if with_master else [])
+        + ["reduce bucket"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in table:
         if "error" in row:
             lines.append(f"| {row['strategy']} | did not run: {row['error'][:120]} |" + " |" * (len(head) - 2))
             continue
-        cells = [row["strategy"], mb(row["params"]), mb(row["master"]), mb(row["grads_accumulating"]),
-                 mb(row["grads_step"]), mb(row["optimizer"]), mb(row["total"]), f"{row['total'] / psi:.2f}Ψ",
-                 f"{row['formula']} = {mb(row['formula_bytes'])}", f"{row['total'] / row['formula_bytes']:.3f}"]
+        cells = [
+            row["strategy"],
+            mb(row["params"]),
+            mb(row["master"]),
+            mb(row["grads_accumulating"]),
+            mb(row["grads_step"]),
+            mb(row["optimizer"]),
+            mb(row["total"]),
+            f"{row['total'] / psi:.2f}Ψ",
+            f"{row['formula']} = {mb(row['formula_bytes'])}",
+            f"{row['total'] / row['formula_bytes']:.3f}",
+        ]
         if with_master:
             if "formula_master" in row:
-                cells += [f"{row['formula_master']} = {mb(row['formula_master_bytes'])}",
-                          f"{row['total'] / row['formula_master_bytes']:.3f}"]
+                cells += [
+                    f"{row['formula_master']} = {mb(row['formula_master_bytes'])}",
+                    f"{row['total'] / row['formula_master_bytes']:.3f}",
+                ]
             else:
                 cells += ["", ""]
         cells.append(mb(row["bucket"]) if row["bucket"] else "")
@@ -142,8 +174,11 @@ def markdown(table: list[dict], psi: int, precision: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="embedded:minilm",
-                        help="embedded:<name>, a saved model folder, or one built locally: " + ", ".join(MODELS))
+    parser.add_argument(
+        "--model",
+        default="embedded:minilm",
+        help="embedded:<name>, a saved model folder, or one built locally: " + ", ".join(MODELS),
+    )
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated: " + ", ".join(STRATEGIES))
     parser.add_argument("--nprocs", type=int, default=2)
@@ -156,13 +191,21 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
 
     start = time.perf_counter()
-    runs = run_distributed(measure_strategies, nprocs=args.nprocs, timeout=3600, labels=labels,
-                           model=MODELS.get(args.model, args.model), micro=args.micro,
-                           mixed_precision=args.mixed_precision)
+    runs = run_distributed(
+        measure_strategies,
+        nprocs=args.nprocs,
+        timeout=3600,
+        labels=labels,
+        model=MODELS.get(args.model, args.model),
+        micro=args.micro,
+        mixed_precision=args.mixed_precision,
+    )
     psi, n = runs[0]["psi"], args.nprocs
     table = rows(runs, labels, args.mixed_precision)
-    print(f"\nmodel {args.model}: Ψ = {psi:,} parameters; N = {n} processes; mixed_precision={args.mixed_precision}; "
-          f"bytes in MB (1e6) per rank; {time.perf_counter() - start:.0f} s\n")
+    print(
+        f"\nmodel {args.model}: Ψ = {psi:,} parameters; N = {n} processes; mixed_precision={args.mixed_precision}; "
+        f"bytes in MB (1e6) per rank; {time.perf_counter() - start:.0f} s\n"
+    )
     print(markdown(table, psi, args.mixed_precision))
     worst = max((r["unclassified"] for r in table if "error" not in r), default=0)
     print(f"\nlargest storage reachable from a rank's model/optimizer that no category claims: {worst / 1e6:.3f} MB")

@@ -72,12 +72,10 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     )
     max_length = effective_max_length(data.max_seq_length, model_facts, tokenizer, note)
     tokenized = tokenize_splits(splits, tokenizer, max_seq_length=max_length)
-    attention, why = strategy.platform.resolve_attention(config.model.attn_implementation, max_length)
-    note(f"attn_implementation: {attention} ({why})")
     trainer = SequenceClassificationTrainer(
         config.training,
         strategy=strategy,
-        model_init=model_init_fn(config.model, tokenizer, config.lora, attn_implementation=attention),
+        model_init=model_init_fn(config.model, tokenizer, config.lora),
         tokenizer=tokenizer,
         train_dataset=tokenized["train"],
         eval_dataset=tokenized["validation"],

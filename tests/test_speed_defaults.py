@@ -1,7 +1,7 @@
 """The speed defaults (issue 13): chosen from what the machine can do, logged, and each one really in effect.
 
 ``auto`` precision is bf16 only where the device computes it natively (never on an AVX2-only CPU, where bf16 is
-emulated and ~500x slower than fp32); ``auto`` attention is eager on CPU up to 128 tokens; ``auto`` optim is the
+emulated and ~500x slower than fp32); ``auto`` optim is the
 fused AdamW wherever the strategy steps the trainer's torch optimizer. Parity, resume and export of every strategy
 with these defaults are the other test files' (the fp32 parity tests pin ``mixed_precision: no``).
 """
@@ -42,21 +42,6 @@ def test_this_machine_reads_its_own_flags():
     flags = open("/proc/cpuinfo").read()  # noqa: SIM115 - Linux CI; the parsed set must agree with the raw file
     native = "amx_bf16" in flags or "avx512_bf16" in flags
     assert (CPU.native_bf16() is not None) == native
-
-
-@pytest.mark.parametrize(
-    "platform, requested, length, expected",
-    [
-        (CPU, "auto", 128, "eager"),
-        (CPU, "auto", 32, "eager"),
-        (CPU, "auto", 256, "sdpa"),  # long sequences: the fused kernel wins (1.69 vs 2.27 s/step measured)
-        (Platform(device="cuda", backend="nccl"), "auto", 64, "sdpa"),
-        (CPU, "sdpa", 64, "sdpa"),
-        (CPU, "eager", 512, "eager"),
-    ],
-)
-def test_auto_attention(platform, requested, length, expected):
-    assert platform.resolve_attention(requested, length)[0] == expected
 
 
 def _strategy(name: str, **options):
@@ -105,7 +90,7 @@ def test_accelerate_config_precision_decides_auto():
 
 def test_defaults_are_in_effect_in_a_real_job(tmp_path):
     """The job a user runs: its optimizer is the fused kernel, its accelerator autocasts to the resolved precision,
-    its model uses the resolved attention, and the run's saved strategy says so."""
+    and the run's saved strategy says so."""
     from hftrain.config import load_config
     from hftrain.job import prepare_job
     from hftrain.strategies import LaunchInfo
@@ -125,9 +110,18 @@ def test_defaults_are_in_effect_in_a_real_job(tmp_path):
         expected = "bf16" if CPU.native_bf16() else "no"
         assert trainer.accelerator.mixed_precision == expected
         assert all(group["fused"] for group in trainer.optimizer.optimizer.param_groups)
-        assert trainer.model.config._attn_implementation == "eager"
         trainer.fit()
         saved = json.loads((out / "hftrain_strategy.json").read_text())
         assert (saved["mixed_precision"], saved["optim"]) == (expected, "adamw_torch_fused")
     finally:
         trainer.close()
+
+
+def test_host_allocator_is_tuned_on_cpu_only():
+    import platform as host
+
+    if host.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's mallopt is what is tuned")
+    assert CPU.tune_host_allocator().startswith("host allocator: glibc keeps freed blocks")
+    assert CPU.tune_host_allocator() == CPU.tune_host_allocator()  # idempotent: every Trainer of a process calls it
+    assert Platform(device="cuda", backend="nccl").tune_host_allocator() == "host allocator: left as is (GPU)"

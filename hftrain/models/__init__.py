@@ -128,8 +128,6 @@ def model_init_fn(
     config: ModelConfig,
     tokenizer: PreTrainedTokenizerBase,
     lora: LoraConfig | None = None,
-    *,
-    attn_implementation: str | None = None,
 ) -> Callable[[], PreTrainedModel | PeftModel]:
     """A callable that builds the classification model (called by the trainer inside the strategy's context).
 
@@ -137,7 +135,6 @@ def model_init_fn(
         config: the ``model`` config section.
         tokenizer: supplies the pad id GPT-style heads pool on.
         lora: the ``lora`` section; with ``use_lora`` the model is wrapped in LoRA adapters (``hftrain.models.lora``).
-        attn_implementation: transformers' attention kernel (``eager``, ``sdpa``); None keeps transformers' choice.
     """
     path = resolve_model_path(config.model_name_or_path)
 
@@ -151,7 +148,7 @@ def model_init_fn(
             catch=_weight_errors(),
         ):
             model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=config.num_labels, attn_implementation=attn_implementation
+                path, num_labels=config.num_labels, attn_implementation=config.attn_implementation
             )
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id

@@ -96,6 +96,7 @@ class Trainer:
         self.run_config = run_config or {}
         self._skip_batches = 0
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
+        choices.append(strategy.platform.tune_host_allocator())
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
         self.runtime = strategy.build_runtime(self.accelerator)
         self.strategy_summary = strategy.summary(args, self.accelerator)
