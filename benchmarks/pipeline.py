@@ -19,6 +19,12 @@ Run from the repository root (2 cores: one thread per process)::
 
     python benchmarks/pipeline.py                      # pp=2, m in 2,4,8 (~1-2 min idle)
     python benchmarks/pipeline.py --hidden 256 --steps 3   # quicker, noisier
+    python benchmarks/pipeline.py --sleep_ms 10            # boxes of exactly known length (the schedule alone)
+
+With ``--sleep_ms`` every layer sleeps instead of computing (twice as long backward): the stages are even by
+construction and the ranks do not compete for the cores, caches and memory bandwidth, which on a 2-core machine
+slow the overlapped boxes of real compute and make the equal-box formula's premise false. What is left to differ
+from the formula is the schedule itself and its hand-overs.
 """
 
 from __future__ import annotations
@@ -36,6 +42,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.*` and an
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2))
 
 
+def _sleep_layer_class():
+    import time
+
+    import torch
+
+    class Sleep(torch.autograd.Function):
+        """Identity that takes ``seconds`` forward and twice that backward (a box of exactly known length)."""
+
+        @staticmethod
+        def forward(ctx, x, seconds: float):
+            time.sleep(seconds)
+            ctx.seconds = seconds
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(2 * ctx.seconds)
+            return grad, None
+
+    class SleepLayer(torch.nn.Module):
+        """A tiny linear (so there are weights and gradients) and a fixed-length sleep: even stages by design,
+        with no contention between the ranks for the CPU's cores, caches or memory bandwidth."""
+
+        def __init__(self, hidden: int, seconds: float) -> None:
+            super().__init__()
+            self.linear, self.seconds = torch.nn.Linear(hidden, hidden), seconds
+
+        def forward(self, x):
+            # torch's weight-gradient pass (zero-bubble W boxes) runs the sleep's backward again: W = B here.
+            return Sleep.apply(self.linear(x), self.seconds)
+
+    return SleepLayer
+
+
 def _chunk_class():
     import torch
 
@@ -45,12 +85,16 @@ def _chunk_class():
         It maps the same activation tuple as the HF chunks (hidden, attention mask, pool weights).
         """
 
-        def __init__(self, hidden: int, layers: int, *, first: bool, last: bool) -> None:
+        def __init__(self, hidden: int, layers: int, *, first: bool, last: bool, sleep_ms: float = 0.0) -> None:
             super().__init__()
             self.embed = torch.nn.Embedding(64, hidden) if first else None
-            self.stack = torch.nn.Sequential(
-                *[m for _ in range(layers) for m in (torch.nn.Linear(hidden, hidden), torch.nn.GELU())]
-            )
+            if sleep_ms:
+                sleep_layer = _sleep_layer_class()
+                self.stack = torch.nn.Sequential(*[sleep_layer(hidden, sleep_ms / 1000) for _ in range(layers)])
+            else:
+                self.stack = torch.nn.Sequential(
+                    *[m for _ in range(layers) for m in (torch.nn.Linear(hidden, hidden), torch.nn.GELU())]
+                )
             self.head = torch.nn.Linear(hidden, 2) if last else None
 
         def forward(self, *acts):
@@ -110,7 +154,9 @@ def _schedule(name: str, v: int, m: int, args, rank: int, recorder):
     ids = chunk_ids_of_rank(rank, pp=args.pp, virtual_stages=v, layout=REGISTRY[name].layout)
     chunks = []
     for c in ids:
-        chunks.append(chunk_class(args.hidden, args.layers // v, first=c == 0, last=c == total - 1))
+        chunks.append(
+            chunk_class(args.hidden, args.layers // v, first=c == 0, last=c == total - 1, sleep_ms=args.sleep_ms)
+        )
         chunks[-1].index = c
     pipe = build_schedule(
         name,
@@ -198,7 +244,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
     load = os.getloadavg()[0]
     lines = [
         f"load average {load:.1f} on {os.cpu_count()} cores at the end; pp={p}, hidden={args.hidden}, "
-        f"{args.layers} layers per rank, micro-batch {args.micro}×{args.seq} tokens, median of {args.steps} steps",
+        + (f"layers sleep {args.sleep_ms} ms forward / {2 * args.sleep_ms} ms backward, " if args.sleep_ms else "")
+        + f"{args.layers} layers per rank, micro-batch {args.micro}×{args.seq} tokens, median of {args.steps} steps",
         "",
         "| schedule | m | measured bubble | formula | measured / formula |",
         "|---|---|---|---|---|",
@@ -225,6 +272,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatches", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--sleep_ms",
+        type=float,
+        default=0.0,
+        help="each layer sleeps this long forward (2x backward) instead of computing: exactly even stages, "
+        "no CPU contention between ranks; 0 computes (linear + GELU)",
+    )
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hftrain-pipeline-benchmark"))
     args = parser.parse_args()
 
