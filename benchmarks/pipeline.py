@@ -70,8 +70,10 @@ def _sleep_layer_class():
             self.linear, self.seconds = torch.nn.Linear(hidden, hidden), seconds
 
         def forward(self, x):
-            # torch's weight-gradient pass (zero-bubble W boxes) runs the sleep's backward again: W = B here.
-            return Sleep.apply(self.linear(x), self.seconds)
+            # The sleep comes before the linear, so that torch's weight-gradient pass (the zero-bubble W boxes) does
+            # not run back through it: only B sleeps, and W is the cheap half, as in real compute. The GELU keeps
+            # the chunk's output from being a view (torch's stage backward detaches it in place).
+            return torch.nn.functional.gelu(self.linear(Sleep.apply(x, self.seconds)))
 
     return SleepLayer
 
