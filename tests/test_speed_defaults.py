@@ -125,3 +125,30 @@ def test_host_allocator_is_tuned_on_cpu_only():
     assert CPU.tune_host_allocator().startswith("host allocator: glibc keeps freed blocks")
     assert CPU.tune_host_allocator() == CPU.tune_host_allocator()  # idempotent: every Trainer of a process calls it
     assert Platform(device="cuda", backend="nccl").tune_host_allocator() == "host allocator: left as is (GPU)"
+
+
+def test_resuming_under_another_resolved_precision_is_logged():
+    """A checkpoint trained in bf16 resumed where 'auto' is fp32 (another CPU) continues, and says so."""
+    from pathlib import Path
+
+    from hftrain.checkpoint.resume import check_resumable
+
+    topology = {
+        "strategy": "ddp",
+        "world_size": 1,
+        "global_batch": 32,
+        "mixed_precision": "no",
+        "optim": "adamw_torch_fused",
+    }
+    meta = {"config": {}, "topology": {**topology, "mixed_precision": "bf16"}}
+    notes = check_resumable(meta, path=Path("ckpt"), run_config={}, topology=topology, can_reshard=False)
+    assert notes == [
+        "checkpoint trained with mixed_precision bf16; this run continues with no (the config or 'auto' on this "
+        "machine decides; set it to keep the checkpoint's)"
+    ]
+    assert (
+        check_resumable(
+            {"config": {}, "topology": topology}, path=Path("c"), run_config={}, topology=topology, can_reshard=False
+        )
+        == []
+    )

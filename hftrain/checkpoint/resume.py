@@ -61,11 +61,18 @@ def check_resumable(
             f"{saved.get('global_batch')} to {topology['global_batch']}; set training.per_device_train_batch_size "
             "and gradient_accumulation_steps so that micro x accumulation x data-parallel size stays the same"
         )
+    notes = [
+        f"checkpoint trained with {key} {saved[key]}; this run continues with {topology[key]} (the config or 'auto' "
+        "on this machine decides; set it to keep the checkpoint's)"
+        for key in ("mixed_precision", "optim")
+        if key in saved and saved[key] != topology.get(key)
+    ]
     if same_layout:
-        return []
+        return notes
     return [
         f"resharding checkpoint from {_layout(saved)} to {_layout(topology)}; "
-        f"global batch kept at {topology['global_batch']}"
+        f"global batch kept at {topology['global_batch']}",
+        *notes,
     ]
 
 

@@ -125,9 +125,7 @@ def model_config(config: ModelConfig) -> PretrainedConfig:
 
 
 def model_init_fn(
-    config: ModelConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    lora: LoraConfig | None = None,
+    config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora: LoraConfig | None = None
 ) -> Callable[[], PreTrainedModel | PeftModel]:
     """A callable that builds the classification model (called by the trainer inside the strategy's context).
 
