@@ -31,6 +31,8 @@ class JobResult:
     log_history: list[dict[str, float]]
     preempted: str | None = None
     checkpoint: str | None = None
+    mixed_precision: str = "no"
+    """The precision the run trained and evaluated in (``auto`` resolved): predict in it to reproduce ``metrics``."""
 
 
 def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) -> tuple[Any, Any, Any]:
@@ -133,6 +135,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         log_history=trainer.state.log_history,
         preempted=result.preempted,
         checkpoint=result.checkpoint,
+        mixed_precision=trainer.args.mixed_precision,
     )
 
 
