@@ -19,12 +19,13 @@ Run from the repository root (2 cores: one thread per process)::
 
     python benchmarks/pipeline.py                      # pp=2, m in 2,4,8 (~1-2 min idle)
     python benchmarks/pipeline.py --hidden 256 --steps 3   # quicker, noisier
-    python benchmarks/pipeline.py --sleep_ms 10            # boxes of exactly known length (the schedule alone)
+    python benchmarks/pipeline.py --sleep_ms 30            # boxes of exactly known length (the schedule alone)
 
-With ``--sleep_ms`` every layer sleeps instead of computing (twice as long backward): the stages are even by
-construction and the ranks do not compete for the cores, caches and memory bandwidth, which on a 2-core machine
-slow the overlapped boxes of real compute and make the equal-box formula's premise false. What is left to differ
-from the formula is the schedule itself and its hand-overs.
+With ``--sleep_ms`` every layer sleeps instead of computing: forward F, input gradient B and weight gradient W
+each take that long. The stages are even by construction, and the ranks do not compete for the cores, caches and
+memory bandwidth. On a 2-core machine that contention slows the overlapped boxes of real compute, which breaks the
+equal-box premise of the formula. What is left to differ from the formula is the schedule itself and its
+hand-overs.
 """
 
 from __future__ import annotations
@@ -48,32 +49,38 @@ def _sleep_layer_class():
     import torch
 
     class Sleep(torch.autograd.Function):
-        """Identity that takes ``seconds`` forward and twice that backward (a box of exactly known length)."""
+        """Identity that sleeps ``forward_s`` forward and ``backward_s`` backward (boxes of exactly known length)."""
 
         @staticmethod
-        def forward(ctx, x, seconds: float):
-            time.sleep(seconds)
-            ctx.seconds = seconds
+        def forward(ctx, x, forward_s: float, backward_s: float):
+            time.sleep(forward_s)
+            ctx.backward_s = backward_s
             return x.clone()
 
         @staticmethod
         def backward(ctx, grad):
-            time.sleep(2 * ctx.seconds)
-            return grad, None
+            time.sleep(ctx.backward_s)
+            return grad, None, None
 
     class SleepLayer(torch.nn.Module):
-        """A tiny linear (so there are weights and gradients) and a fixed-length sleep: even stages by design,
-        with no contention between the ranks for the CPU's cores, caches or memory bandwidth."""
+        """F = B = W = ``seconds``, the zero-bubble papers' premise, with no contention between the ranks.
+
+        The input-gradient path sleeps once (B) through ``Sleep`` on the activation; the weight-gradient path
+        sleeps once (W) through ``Sleep`` on the layer's extra weight, which no input gradient needs. A schedule
+        with whole backward boxes (GPipe, 1F1B, interleaved 1F1B) runs both in one box: B + W = 2F, as in real
+        compute. The final GELU keeps the chunk's output from being a view, which torch's stage backward detaches
+        in place.
+        """
 
         def __init__(self, hidden: int, seconds: float) -> None:
             super().__init__()
             self.linear, self.seconds = torch.nn.Linear(hidden, hidden), seconds
+            self.weight_clock = torch.nn.Parameter(torch.zeros(()))
 
         def forward(self, x):
-            # The sleep comes before the linear, so that torch's weight-gradient pass (the zero-bubble W boxes) does
-            # not run back through it: only B sleeps, and W is the cheap half, as in real compute. The GELU keeps
-            # the chunk's output from being a view (torch's stage backward detaches it in place).
-            return torch.nn.functional.gelu(self.linear(Sleep.apply(x, self.seconds)))
+            slept = Sleep.apply(x, self.seconds, self.seconds)
+            clock = Sleep.apply(self.weight_clock, 0.0, self.seconds)  # 0 in value; only its backward takes time
+            return torch.nn.functional.gelu(self.linear(slept) + clock)
 
     return SleepLayer
 
@@ -246,7 +253,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
     load = os.getloadavg()[0]
     lines = [
         f"load average {load:.1f} on {os.cpu_count()} cores at the end; pp={p}, hidden={args.hidden}, "
-        + (f"layers sleep {args.sleep_ms} ms forward / {2 * args.sleep_ms} ms backward, " if args.sleep_ms else "")
+        + (f"layers sleep {args.sleep_ms} ms each in F, B and W, " if args.sleep_ms else "")
         + f"{args.layers} layers per rank, micro-batch {args.micro}×{args.seq} tokens, median of {args.steps} steps",
         "",
         "| schedule | m | measured bubble | formula | measured / formula |",
@@ -278,7 +285,8 @@ def main() -> None:
         "--sleep_ms",
         type=float,
         default=0.0,
-        help="each layer sleeps this long forward (2x backward) instead of computing: exactly even stages, "
+        help="each layer sleeps this long forward, input-gradient and weight-gradient instead of computing: "
+        "exactly even stages, "
         "no CPU contention between ranks; 0 computes (linear + GELU)",
     )
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hftrain-pipeline-benchmark"))
