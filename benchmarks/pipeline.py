@@ -214,6 +214,11 @@ def _run(name: str, v: int, m: int, args, rank: int) -> dict:
     return {"bubble": statistics.median(bubbles), "bubbles": bubbles, "peaks": peaks, "events": events}
 
 
+def _chosen(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The ``SCHEDULES`` entries named by ``--schedules`` (all by default)."""
+    return [(name, v) for name, v in SCHEDULES if name in args.schedules]
+
+
 def _worker(args: argparse.Namespace) -> dict | None:
     import torch
     import torch.distributed as dist
@@ -225,12 +230,12 @@ def _worker(args: argparse.Namespace) -> dict | None:
     rank = dist.get_rank()
     results = {}
     try:
-        for name, v in SCHEDULES:
+        for name, v in _chosen(args):
             for m in args.microbatches:
                 results[(name, m)] = _run(name, v, m, args, rank)
         if rank == 0:
             middle = args.microbatches[len(args.microbatches) // 2]
-            for name, v in SCHEDULES:
+            for name, v in _chosen(args):
                 render_timeline(
                     results[(name, middle)]["events"],
                     Path(args.out) / f"pipeline-{name}-m{middle}.png",
@@ -259,10 +264,12 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "| schedule | m | measured bubble | formula | measured / formula |",
         "|---|---|---|---|---|",
     ]
-    for name, v in SCHEDULES:
+    for name, v in _chosen(args):
         for m in args.microbatches:
             measured, ideal = results[(name, m)]["bubble"], theoretical_bubble(p, m, v)
             lines.append(f"| {name} (v={v}) | {m} | {measured:.3f} | {ideal:.3f} | {measured / ideal:.2f} |")
+    if not {"gpipe", "1f1b"} <= {name for name, _ in _chosen(args)}:
+        return "\n".join(lines)
     lines += ["", "| m | gpipe peak saved MiB (per rank) | 1f1b peak saved MiB | 1f1b / gpipe (rank 0) | p/m |"]
     lines.append("|---|---|---|---|---|")
     for m in args.microbatches:
@@ -281,6 +288,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatches", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--schedules",
+        type=lambda text: text.split(","),
+        default=[name for name, _ in SCHEDULES],
+        help="comma-separated subset of: " + ", ".join(name for name, _ in SCHEDULES),
+    )
     parser.add_argument(
         "--sleep_ms",
         type=float,

@@ -18,11 +18,19 @@ from pathlib import Path
 import pytest
 
 from tests.netns import run_on_nodes, two_nodes
-from tests.test_launch import _job_args, _losses, tiny_job  # noqa: F401  (tiny_job is a fixture)
+from tests.test_launch import _job_args as _launch_job_args
+from tests.test_launch import _losses, tiny_job  # noqa: F401  (tiny_job is a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "tests/launch_worker.py"
 GAS = 2  # _job_args: 4 optimizer steps, accumulation 2
+
+
+def _job_args(job: dict[str, str], output_dir: Path) -> list[str]:
+    """The launch tests' tiny job in fp32: the multi-machine runs are compared with 1 process at 1e-5."""
+    return [*_launch_job_args(job, output_dir), "--mixed_precision", "no"]
+
+
 # micro-batch by world size: 72 training rows split into full global batches only (a partial last batch is
 # padded with duplicates across ranks, which one process does not do)
 MICRO = {2: 4, 4: 3}
