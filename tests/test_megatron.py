@@ -385,6 +385,11 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tiny_job, tmp_path, capsys
         monkeypatch.setenv(key, value)
     output_dir = tmp_path / "out"
     code = main(["train", *_job_args(tiny_job["bert"], tiny_job["data"], output_dir, *extra)])
+    assert_refused(code, capsys, message, output_dir)
+
+
+def assert_refused(code: int, capsys, message: str, output_dir: Path) -> None:
+    """Exit 2, one ``hftrain: error:`` line containing ``message``, and no ``output_dir`` created."""
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("hftrain: error: ") and message in err[0], err

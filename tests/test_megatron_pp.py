@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_megatron import _assert_same_weights, _job_args, _torchrun, assert_resumed_equals_uninterrupted
+from tests.test_megatron import (
+    _assert_same_weights,
+    _job_args,
+    _torchrun,
+    assert_refused,
+    assert_resumed_equals_uninterrupted,
+)
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
 LAYERS = 4  # 2 stages × 2 virtual stages for the interleaved schedule
@@ -253,7 +259,4 @@ def test_bad_input_is_one_line_exit_2_nothing_written(pp_job, tmp_path, capsys, 
         monkeypatch.setenv(key, value)
     output_dir = tmp_path / "out"
     code = main(["train", *_job_args(pp_job["bert"], pp_job["data"], output_dir, *extra)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    assert len(err) == 1 and err[0].startswith("hftrain: error: ") and message in err[0], err
-    assert not output_dir.exists()  # refused before anything was written (and before any process group)
+    assert_refused(code, capsys, message, output_dir)

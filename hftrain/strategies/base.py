@@ -108,7 +108,7 @@ class Strategy(ABC):
         Returns:
             the resolved section (``mixed_precision`` and ``optim`` no longer ``auto``) and one log line per choice.
         """
-        launched = (self.launch.accelerate_settings or {}).get("ACCELERATE_MIXED_PRECISION", "no")
+        launched = launcher_precision(self.launch)
         if training.mixed_precision == "auto" and launched != "no":
             precision, reason = launched, "auto: set by the accelerate config"
         else:
@@ -168,9 +168,14 @@ class Strategy(ABC):
         return accelerator
 
 
+def launcher_precision(launch: LaunchInfo) -> str:
+    """The mixed precision the accelerate config set (``no``, its default, defers to the job)."""
+    return (launch.accelerate_settings or {}).get("ACCELERATE_MIXED_PRECISION", "no")
+
+
 def check_launcher_precision(training: TrainingConfig, launch: LaunchInfo) -> None:
     """Refuse an accelerate config whose mixed_precision contradicts the job's (its default 'no' defers)."""
-    launched = (launch.accelerate_settings or {}).get("ACCELERATE_MIXED_PRECISION", "no")
+    launched = launcher_precision(launch)
     if launched != "no" and launched != training.mixed_precision:
         raise HFTrainError(
             f"training.mixed_precision is '{training.mixed_precision}' but the accelerate config sets "
