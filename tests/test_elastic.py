@@ -26,7 +26,7 @@ from tests.test_launch import _losses, tiny_job  # noqa: F401  (a fixture)
 from tests.test_multinode import assert_same_exports
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, SAVE_EVERY, KILLS = 30, 2, 3
+STEPS, SAVE_EVERY, KILLS = 60, 2, 3
 
 pytestmark = pytest.mark.distributed
 
@@ -106,8 +106,8 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
     reader.start()
     kills = []
     try:
-        # three random steps, early enough that training is still running when the kill lands
-        targets = sorted(rng.sample(range(SAVE_EVERY, STEPS - 3 * SAVE_EVERY + 1, SAVE_EVERY), KILLS))
+        # three random steps in the first half, so that training is still running when the last kill lands
+        targets = sorted(rng.sample(range(SAVE_EVERY, STEPS // 2 + 1, SAVE_EVERY), KILLS))
         seen = 0
         for target in targets:
             # past the target, and past the last kill: the restarted group is training again
@@ -128,7 +128,7 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
     assert len(kills) == KILLS
     resumed = re.findall(r"resumed from \S+ at step (\d+)", log)
     assert len(resumed) == KILLS, (kills, resumed, log[-4000:])
-    assert all(0 < int(step) < STEPS for step in resumed)
+    assert all(0 < int(step) < STEPS for step in resumed), (kills, resumed)
     assert _losses(out) == pytest.approx(_losses(uninterrupted), rel=1e-6)
     assert_same_exports(out, uninterrupted, atol=1e-6)
 
