@@ -14,9 +14,11 @@ held out), for one epoch, batch 32, learning rate 5e-5, linear schedule without 
   computes bf16 natively (the rule hftrain's ``auto`` uses: an AMX or AVX512-BF16 flag);
 - ``hftrain``: ``run_training(load_config(None, overrides), LaunchInfo())``, the job behind ``hftrain train``
   with its defaults (only ``output_dir``, and ``max_train_samples`` under --quick, are overridden);
+- ``hftrain_equal``: ``hftrain`` with every setting equal to ``trainer_tuned``'s (glibc's malloc settings left as
+  they are, torch's dropout): the parity row;
 - ablations, each ``hftrain`` with one default turned back: ``hftrain_stock_malloc`` (glibc's malloc settings
-  left as they are instead of ``Platform.tune_host_allocator``: then every setting equals ``trainer_tuned``'s,
-  the parity row), ``hftrain_fp32`` (``mixed_precision: no``), ``hftrain_unfused`` (``optim: adamw_torch``);
+  left as they are instead of ``Platform.tune_host_allocator``), ``hftrain_torch_dropout`` (``dropout_kernel:
+  torch``), ``hftrain_fp32`` (``mixed_precision: no``), ``hftrain_unfused`` (``optim: adamw_torch``);
 - ``hftrain_eager``: a candidate measured and not kept (``attn_implementation: eager``).
 
 Each job runs in its own process (Accelerate keeps process-global state), jobs alternate A, B, C, A, B, C.
@@ -247,6 +249,8 @@ JOBS = {
     "hftrain_fp32": functools.partial(child_hftrain, overrides=("--mixed_precision", "no")),
     "hftrain_unfused": functools.partial(child_hftrain, overrides=("--optim", "adamw_torch")),
     "hftrain_stock_malloc": functools.partial(child_hftrain, stock_allocator=True),
+    "hftrain_torch_dropout": functools.partial(child_hftrain, overrides=("--dropout_kernel", "torch")),
+    "hftrain_equal": functools.partial(child_hftrain, overrides=("--dropout_kernel", "torch"), stock_allocator=True),
     "hftrain_eager": functools.partial(child_hftrain, overrides=("--attn_implementation", "eager")),
 }
 # result key -> (table header, number format)
@@ -338,13 +342,14 @@ def print_table(names: list[str], med: dict[str, dict]) -> None:
 
 
 RATIOS = [  # (numerator, denominator, figure, target)
-    ("hftrain_stock_malloc", "trainer_tuned", "step_s", "parity at equal settings: <= 1.00"),
+    ("hftrain_equal", "trainer_tuned", "step_s", "parity at equal settings: <= 1.00"),
     ("hftrain", "trainer_tuned", "wall_s", "default vs the tuned Trainer: <= 0.80"),
     ("hftrain", "trainer_usual", "wall_s", "default vs the usual Trainer"),
     ("trainer_tuned", "trainer_usual", "wall_s", "what the Trainer's own flags buy"),
     ("hftrain", "hftrain_fp32", "step_s", "ablation: bf16 autocast (native here)"),
     ("hftrain", "hftrain_unfused", "step_s", "ablation: fused AdamW"),
     ("hftrain", "hftrain_stock_malloc", "step_s", "ablation: glibc heap kept for reuse"),
+    ("hftrain", "hftrain_torch_dropout", "step_s", "ablation: dropout masks from 64-bit draws"),
     ("hftrain_eager", "hftrain", "step_s", "candidate not kept: eager attention"),
 ]
 

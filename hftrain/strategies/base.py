@@ -106,7 +106,8 @@ class Strategy(ABC):
         """``training`` with its ``auto`` fields made concrete for this strategy on this machine, and why.
 
         Returns:
-            the resolved section (``mixed_precision`` and ``optim`` no longer ``auto``) and one log line per choice.
+            the resolved section (``mixed_precision``, ``optim`` and ``dropout_kernel`` no longer ``auto``) and one
+            log line per choice.
         """
         launched = launcher_precision(self.launch)
         if training.mixed_precision == "auto" and launched != "no":
@@ -114,8 +115,14 @@ class Strategy(ABC):
         else:
             precision, reason = self.platform.resolve_precision(training.mixed_precision)
         optim = self.resolve_optim(training.optim)
-        notes = [f"mixed_precision: {precision} ({reason})", f"optim: {optim}" + " (auto)" * (training.optim == "auto")]
-        return dataclasses.replace(training, mixed_precision=precision, optim=optim), notes
+        dropout_kernel, dropout_reason = self.platform.resolve_dropout_kernel(training.dropout_kernel)
+        notes = [
+            f"mixed_precision: {precision} ({reason})",
+            f"optim: {optim}" + " (auto)" * (training.optim == "auto"),
+            f"dropout_kernel: {dropout_kernel} ({dropout_reason})",
+        ]
+        resolved = dataclasses.replace(training, mixed_precision=precision, optim=optim, dropout_kernel=dropout_kernel)
+        return resolved, notes
 
     def resolve_optim(self, optim: str) -> str:
         """The AdamW implementation for ``training.optim``; ``auto`` is the fused kernel wherever the strategy
@@ -138,6 +145,7 @@ class Strategy(ABC):
             "global_batch": micro * gas * dp_size,
             "mixed_precision": training.mixed_precision,
             "optim": training.optim,
+            "dropout_kernel": training.dropout_kernel,
         }
 
     def build_accelerator(self, training: TrainingConfig, *, project_dir: str | None = None) -> Accelerator:

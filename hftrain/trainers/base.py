@@ -22,6 +22,7 @@ from hftrain.checkpoint.preemption import PreemptionFlag
 from hftrain.checkpoint.resume import batches_to_skip, check_resumable, check_trusted
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
+from hftrain.models.dropout import use_bits_dropout
 from hftrain.trainers.guards import check_finite_loss
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class Trainer:
         set_seed(args.seed)
         with strategy.model_init_context():
             model = model_init()
+        if args.dropout_kernel == "bits":
+            use_bits_dropout(model)
         self.train_sampler = EpochSampler(
             train_dataset["length"],
             order=args.train_sampling_strategy,
