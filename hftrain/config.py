@@ -106,10 +106,10 @@ class TrainingConfig:
     transformers ``Trainer``'s default) wherever the strategy steps a torch optimizer, else what the strategy brings
     (DeepSpeed's CPU Adam under optimizer offload)."""
     dropout_kernel: Literal["auto", "torch", "bits"] = "auto"
-    """How dropout masks are drawn in training. ``bits``: 64 random bits per draw (``hftrain.models.dropout``: same
-    distribution and reproducibility as torch's, a 0.84x MiniLM bf16 step on CPU); ``torch``: torch's own dropout
-    and SDPA's in-kernel attention dropout. ``auto``: ``bits`` on CPU, whose ``bernoulli_`` draws one element at a
-    time, ``torch`` on GPU (fused dropout kernels)."""
+    """How dropout masks are drawn in training. ``bits``: 64 random bits per draw (``hftrain.models.dropout``: torch's
+    distribution with p rounded to a multiple of 2^-16, reproducible and resumable alike; 0.85x the default job's
+    step time on this project's CPUs); ``torch``: torch's own dropout and SDPA's in-kernel attention dropout.
+    ``auto``: ``bits`` on CPU, whose ``bernoulli_`` draws one element at a time, ``torch`` on GPU (fused kernels)."""
     train_sampling_strategy: Literal["group_by_length", "random", "sequential"] = "group_by_length"
     """``group_by_length`` batches texts of similar length (less padding), shuffled per epoch."""
     logging_steps: int = 10
