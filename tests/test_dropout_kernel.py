@@ -90,14 +90,13 @@ def test_auto_is_bits_on_cpu_and_torch_on_gpu():
 
 
 def test_a_job_with_dropout_runs_the_chosen_kernel(tmp_path):
-    runs = {
-        kernel: run_tiny_training(strategy="ddp", steps=4, dropout=0.1, dropout_kernel=kernel, output_dir=str(tmp_path / kernel))
-        for kernel in ("bits", "torch")
-    }  # fmt: skip
-    for kernel, run in runs.items():
+    def run(kernel: str, folder: str) -> dict:
+        return run_tiny_training(steps=4, dropout=0.1, dropout_kernel=kernel, output_dir=str(tmp_path / folder))
+
+    runs = {kernel: run(kernel, kernel) for kernel in ("bits", "torch")}
+    for kernel in runs:
         saved = json.loads((tmp_path / kernel / "hftrain_strategy.json").read_text())
         assert saved["dropout_kernel"] == kernel
     # Same seed, same data, same first forward's weights: the losses differ only by the masks drawn.
     assert runs["bits"]["losses"] != runs["torch"]["losses"]
-    again = run_tiny_training(strategy="ddp", steps=4, dropout=0.1, dropout_kernel="bits", output_dir=str(tmp_path / "again"))
-    assert again["losses"] == runs["bits"]["losses"]
+    assert run("bits", "again")["losses"] == runs["bits"]["losses"]

@@ -8,9 +8,10 @@ integer is at or above the threshold ``-2^15 + round(p * 2^16)``:
     keep_i ~ Bernoulli(1 - round(p * 2^16) / 2^16),   y = x * keep / (1 - p)
 
 the distribution of ``torch.nn.functional.dropout`` with the drop probability rounded to a multiple of 2^-16 (at
-most 2^-17 away: 0.1 becomes 0.1000061). Reading 32-bit integers instead was exact to 2^-32 but drew twice the bits:
-on the default job's step the masks took 8.4 ms with 32 bits and half that with 16. The bits come from torch's default generator, so ``set_seed`` and the
-checkpointed RNG state make runs reproducible and resumable exactly as with torch's dropout.
+most 2^-17 away: 0.1 becomes 0.1000061). Reading 32-bit integers instead was exact to 2^-32 but drew twice the
+bits: on the default job's step the masks took 8.4 ms with 32 bits and half that with 16. The bits come from
+torch's default generator, so ``set_seed`` and the checkpointed RNG state make runs reproducible and resumable
+exactly as with torch's dropout.
 
 Two places draw dropout masks in a transformers classifier: the ``nn.Dropout`` modules (hidden states, embeddings,
 classifier head), which are replaced by :class:`BitsDropout`, and the attention probabilities, which SDPA drops
@@ -119,7 +120,7 @@ def use_bits_dropout(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Dropout:
-                setattr(parent, name, BitsDropout(child.p))
+                setattr(parent, name, BitsDropout(child.p, child.inplace))
                 swapped += 1
     for config in _sdpa_configs(model):
         _register()
