@@ -140,11 +140,15 @@ def test_resuming_under_another_resolved_precision_is_logged():
         "mixed_precision": "no",
         "optim": "adamw_torch_fused",
     }
-    meta = {"config": {}, "topology": {**topology, "mixed_precision": "bf16"}}
-    notes = check_resumable(meta, path=Path("ckpt"), run_config={}, topology=topology, can_reshard=False)
+    meta = {"config": {}, "topology": {**topology, "mixed_precision": "bf16", "dropout_kernel": "bits"}}
+    notes = check_resumable(
+        meta, path=Path("ckpt"), run_config={}, topology={**topology, "dropout_kernel": "torch"}, can_reshard=False
+    )
     assert notes == [
         "checkpoint trained with mixed_precision bf16; this run continues with no (the config or 'auto' on this "
-        "machine decides; set it to keep the checkpoint's)"
+        "machine decides; set it to keep the checkpoint's)",
+        "checkpoint trained with dropout_kernel bits; this run continues with torch (the config or 'auto' on this "
+        "machine decides; set it to keep the checkpoint's)",
     ]
     assert (
         check_resumable(

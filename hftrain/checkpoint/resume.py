@@ -64,7 +64,7 @@ def check_resumable(
     notes = [
         f"checkpoint trained with {key} {saved[key]}; this run continues with {topology[key]} (the config or 'auto' "
         "on this machine decides; set it to keep the checkpoint's)"
-        for key in ("mixed_precision", "optim")
+        for key in ("mixed_precision", "optim", "dropout_kernel")
         if key in saved and saved[key] != topology.get(key)
     ]
     if same_layout:

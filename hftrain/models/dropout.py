@@ -122,8 +122,10 @@ def use_bits_dropout(model: nn.Module) -> int:
             if type(child) is nn.Dropout:
                 setattr(parent, name, BitsDropout(child.p, child.inplace))
                 swapped += 1
-    for config in _sdpa_configs(model):
+    configs = _sdpa_configs(model)
+    if configs:
         _register()
+    for config in configs:
         config._attn_implementation = ATTENTION
     return swapped
 
