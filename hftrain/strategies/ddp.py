@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from hftrain.strategies.base import Strategy
+from hftrain.strategies.runtime import AccelerateRuntime
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
     from hftrain.config import TrainingConfig
 
 
@@ -22,3 +27,52 @@ class DDPStrategy(Strategy):
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         # On CPU, cpu=True is what makes Accelerate pick MULTI_CPU (gloo) instead of silently running NO.
         return {"cpu": self.platform.is_cpu}
+
+    def build_runtime(self, accelerator: Accelerator) -> DDPRuntime:
+        return DDPRuntime(accelerator, self)
+
+
+class DDPRuntime(AccelerateRuntime):
+    """Accelerate's DDP operations, with the gradient clipping folded into a fused AdamW step.
+
+    ``torch.nn.utils.clip_grad_norm_`` reads every gradient for the norm and then rewrites every gradient,
+    ``g <- g * c`` with ``c = min(1, max_norm / (||g|| + 1e-6))``; the fused AdamW step then reads them again. A
+    fused torch optimizer takes a ``grad_scale`` ``s`` and divides each gradient by it inside its one pass (the
+    protocol ``torch.amp.GradScaler`` uses), so :meth:`clip_grad_norm_` only computes the norm (torch's own
+    ``get_total_norm``) and hands the optimizer ``s = 1 / c``: one pass over 22.7M gradients fewer per MiniLM step
+    (~5 ms of 150 on CPU). The result is the clipped step up to rounding (``g / (1/c)`` against ``g * c``, and exact
+    when no clipping is needed). Without a fused optimizer, or under fp16's GradScaler (which sets ``grad_scale``
+    itself), clipping is Accelerate's.
+    """
+
+    def __init__(self, accelerator: Accelerator, strategy: Strategy) -> None:
+        super().__init__(accelerator, strategy)
+        self._folds_into: torch.optim.Optimizer | None = None
+
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: torch.utils.data.DataLoader,
+        eval_loader: torch.utils.data.DataLoader | None,
+    ) -> tuple[torch.nn.Module, Any, Any, Any]:
+        prepared = super().prepare(model, optimizer, train_loader, eval_loader)
+        inner = getattr(prepared[1], "optimizer", prepared[1])
+        if getattr(inner, "_step_supports_amp_scaling", False) and self.accelerator.scaler is None:
+            self._folds_into = inner
+            inner.register_step_post_hook(_drop_grad_scale)
+        return prepared
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """The global gradient norm; the next optimizer step applies the clipping (see the class)."""
+        if self._folds_into is None:
+            return super().clip_grad_norm_(model, max_norm)
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._folds_into.grad_scale = coefficient.reciprocal().to(torch.float32)
+        return total
+
+
+def _drop_grad_scale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After each step: the scale was that step's, never the next one's."""
+    optimizer.__dict__.pop("grad_scale", None)
