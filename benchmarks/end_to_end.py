@@ -15,10 +15,11 @@ held out), for one epoch, batch 32, learning rate 5e-5, linear schedule without 
 - ``hftrain``: ``run_training(load_config(None, overrides), LaunchInfo())``, the job behind ``hftrain train``
   with its defaults (only ``output_dir``, and ``max_train_samples`` under --quick, are overridden);
 - ``hftrain_equal``: ``hftrain`` with every setting equal to ``trainer_tuned``'s (glibc's malloc settings left as
-  they are, torch's dropout): the parity row;
+  they are, torch's dropout, torch's clipping before the step): the parity row;
 - ablations, each ``hftrain`` with one default turned back: ``hftrain_stock_malloc`` (glibc's malloc settings
   left as they are instead of ``Platform.tune_host_allocator``), ``hftrain_torch_dropout`` (``dropout_kernel:
-  torch``), ``hftrain_fp32`` (``mixed_precision: no``), ``hftrain_unfused`` (``optim: adamw_torch``);
+  torch``), ``hftrain_torch_clip`` (Accelerate's ``clip_grad_norm_`` instead of the clipping folded into the
+  fused AdamW step), ``hftrain_fp32`` (``mixed_precision: no``), ``hftrain_unfused`` (``optim: adamw_torch``);
 - ``hftrain_eager``: a candidate measured and not kept (``attn_implementation: eager``).
 
 Each job runs in its own process (Accelerate keeps process-global state), jobs alternate A, B, C, A, B, C.
@@ -72,16 +73,28 @@ def load_splits(max_train_samples: int | None):
 
 
 def child_hftrain(
-    args: argparse.Namespace, output_dir: str, *, overrides: tuple[str, ...] = (), stock_allocator: bool = False
+    args: argparse.Namespace,
+    output_dir: str,
+    *,
+    overrides: tuple[str, ...] = (),
+    stock_allocator: bool = False,
+    torch_clip: bool = False,
 ) -> dict:
     """Run hftrain's default job (with ``overrides``); time its phases with thin wrappers (no change to the loop).
 
-    ``stock_allocator`` leaves glibc's malloc settings as they are (the ablation of ``tune_host_allocator``).
+    ``stock_allocator`` leaves glibc's malloc settings as they are (the ablation of ``tune_host_allocator``);
+    ``torch_clip`` clips with Accelerate's ``clip_grad_norm_`` before the step (the ablation of ``DDPRuntime``'s
+    clipping folded into the fused AdamW step).
     """
     if stock_allocator:
         from hftrain.strategies.platform import Platform
 
         Platform.tune_host_allocator = lambda self: "host allocator: left as is (benchmark ablation)"
+    if torch_clip:
+        from hftrain.strategies.ddp import DDPRuntime
+        from hftrain.strategies.runtime import AccelerateRuntime
+
+        DDPRuntime.clip_grad_norm_ = AccelerateRuntime.clip_grad_norm_
     from hftrain.checkpoint import export
     from hftrain.config import load_config
     from hftrain.job import run_training
@@ -250,7 +263,10 @@ JOBS = {
     "hftrain_unfused": functools.partial(child_hftrain, overrides=("--optim", "adamw_torch")),
     "hftrain_stock_malloc": functools.partial(child_hftrain, stock_allocator=True),
     "hftrain_torch_dropout": functools.partial(child_hftrain, overrides=("--dropout_kernel", "torch")),
-    "hftrain_equal": functools.partial(child_hftrain, overrides=("--dropout_kernel", "torch"), stock_allocator=True),
+    "hftrain_torch_clip": functools.partial(child_hftrain, torch_clip=True),
+    "hftrain_equal": functools.partial(
+        child_hftrain, overrides=("--dropout_kernel", "torch"), stock_allocator=True, torch_clip=True
+    ),
     "hftrain_eager": functools.partial(child_hftrain, overrides=("--attn_implementation", "eager")),
 }
 # result key -> (table header, number format)
@@ -350,6 +366,7 @@ RATIOS = [  # (numerator, denominator, figure, target)
     ("hftrain", "hftrain_unfused", "step_s", "ablation: fused AdamW"),
     ("hftrain", "hftrain_stock_malloc", "step_s", "ablation: glibc heap kept for reuse"),
     ("hftrain", "hftrain_torch_dropout", "step_s", "ablation: dropout masks from 64-bit draws"),
+    ("hftrain", "hftrain_torch_clip", "step_s", "ablation: clipping folded into the fused AdamW step"),
     ("hftrain_eager", "hftrain", "step_s", "candidate not kept: eager attention"),
 ]
 
