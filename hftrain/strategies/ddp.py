@@ -39,10 +39,10 @@ class DDPRuntime(AccelerateRuntime):
     ``g <- g * c`` with ``c = min(1, max_norm / (||g|| + 1e-6))``; the fused AdamW step then reads them again. A
     fused torch optimizer takes a ``grad_scale`` ``s`` and divides each gradient by it inside its one pass (the
     protocol ``torch.amp.GradScaler`` uses), so :meth:`clip_grad_norm_` only computes the norm (torch's own
-    ``get_total_norm``) and hands the optimizer ``s = 1 / c``: one pass over 22.7M gradients fewer per MiniLM step
-    (~5 ms of 150 on CPU). The result is the clipped step up to rounding (``g / (1/c)`` against ``g * c``, and exact
-    when no clipping is needed). Without a fused optimizer, or under fp16's GradScaler (which sets ``grad_scale``
-    itself), clipping is Accelerate's.
+    ``get_total_norm``) and hands the optimizer ``s = 1 / c``: one pass over 22.7M gradients fewer per MiniLM
+    step (the default job's steps 2.7% faster end to end on CPU). The result is the clipped step up to rounding
+    (``g / (1/c)`` against ``g * c``; exact when nothing is clipped). Without a fused optimizer, or under fp16's
+    GradScaler (which sets ``grad_scale`` itself), clipping is Accelerate's.
     """
 
     def __init__(self, accelerator: Accelerator, strategy: Strategy) -> None:
