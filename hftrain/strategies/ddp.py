@@ -49,14 +49,9 @@ class DDPRuntime(AccelerateRuntime):
         super().__init__(accelerator, strategy)
         self._folds_into: torch.optim.Optimizer | None = None
 
-    def prepare(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_loader: torch.utils.data.DataLoader,
-        eval_loader: torch.utils.data.DataLoader | None,
-    ) -> tuple[torch.nn.Module, Any, Any, Any]:
-        prepared = super().prepare(model, optimizer, train_loader, eval_loader)
+    def prepare(self, *components: Any) -> tuple[torch.nn.Module, Any, Any, Any]:
+        """Accelerate's preparation (see the base); then the fused optimizer, if any, takes the clipping."""
+        prepared = super().prepare(*components)
         inner = getattr(prepared[1], "optimizer", prepared[1])
         if getattr(inner, "_step_supports_amp_scaling", False) and self.accelerator.scaler is None:
             self._folds_into = inner
