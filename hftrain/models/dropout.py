@@ -2,7 +2,7 @@
 
 torch's CPU dropout draws its Bernoulli mask one element at a time from the generator (its vectorised MKL path is
 taken on Intel CPUs only), which was ~30 ms of a 170 ms bf16 MiniLM training step on this project's AMD CPUs.
-Here one ``random_`` call fills 64 bits, read as four uniform 16-bit integers, and an element is kept when its
+Here each 64-bit random word is read as four uniform 16-bit integers, and an element is kept when its
 integer is at or above the threshold ``-2^15 + round(p * 2^16)``:
 
     keep_i ~ Bernoulli(1 - round(p * 2^16) / 2^16),   y = x * keep / (1 - p)
@@ -25,6 +25,7 @@ call, unchanged. The attention masks are SDPA's. No collectives.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,9 +43,7 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
         p: the drop probability, in [0, 1).
         device: where the mask is drawn (the default generator of that device).
     """
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     uniform = _random_words((numel + 3) // 4, device).view(torch.int16)[:numel].view(shape)
     return uniform >= -(2**15) + round(p * 2**16)
 
