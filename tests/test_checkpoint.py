@@ -284,9 +284,20 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp
         command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     checkpoints = out / "checkpoints"
+
+    def writing() -> bool:
+        return any(checkpoints.glob(".staging-*/state/*"))
+
     try:
         _wait_for(lambda: len(list(checkpoints.glob("step_*"))) >= 2, process)
-        _wait_for(lambda: any(checkpoints.glob(".staging-*/state/*")), process)
+        # A tiny checkpoint is written in milliseconds: freeze the job when a write is seen, and kill it only if the
+        # write is still in progress once frozen (else let it go on to the next one; it checkpoints every step).
+        for _ in range(20):
+            _wait_for(writing, process)
+            process.send_signal(signal.SIGSTOP)
+            if writing():
+                break
+            process.send_signal(signal.SIGCONT)
         process.kill()  # SIGKILL in the middle of writing
     finally:
         process.kill()
