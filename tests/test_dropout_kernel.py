@@ -14,7 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from hftrain.models.dropout import ATTENTION, BitsDropout, bits_sdpa_attention, keep_mask, use_bits_dropout
+from hftrain.models.dropout import (
+    ATTENTION,
+    BitsDropout,
+    bits_sdpa_attention,
+    keep_mask,
+    scaled_keep_mask,
+    use_bits_dropout,
+)
 from hftrain.strategies.platform import Platform
 from tests.tiny import run_tiny_training, tiny_config
 
@@ -31,6 +38,19 @@ def test_keep_mask_keeps_one_minus_p_reproducibly():
     assert not torch.equal(keep_mask((1000, 1001), 0.1), first)
     assert keep_mask((64,), 0.0).all()
     assert keep_mask((10_000,), 0.5).float().mean().item() == pytest.approx(0.5, abs=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_scaled_keep_mask_is_the_keep_mask_times_the_rounded_scale(dtype):
+    """The numpy-built mask has exactly the values of ``keep.to(dtype) * (1 / (1 - p))`` from the same draw."""
+    for p in (0.1, 0.3):
+        torch.manual_seed(7)
+        keep = keep_mask((33, 17, 5), p)
+        torch.manual_seed(7)
+        scaled = scaled_keep_mask((33, 17, 5), p, dtype)
+        assert scaled.dtype == dtype and scaled.shape == (33, 17, 5)
+        assert torch.equal(scaled, keep.to(dtype).mul_(1.0 / (1.0 - p)))
+        assert set(scaled.unique().tolist()) == {0.0, torch.tensor(1.0 / (1.0 - p), dtype=dtype).item()}
 
 
 def test_bits_dropout_is_inverted_dropout():
