@@ -57,8 +57,8 @@ def scaled_keep_mask(
     multiplies by.
 
     On CPU the mask is built in numpy from the bit pattern of ``s``: one compare and one multiply of 16-bit
-    integers instead of torch's compare, cast and scale (35 us against 100 us for a 32 x 28 x 384 bf16 mask; torch's
-    CPU compare into bool is not vectorised as numpy's is). The values are those of ``keep.to(dtype) * s``.
+    integers instead of torch's compare, cast and scale (35 us against 100 us for a 32 x 28 x 384 bf16 mask; numpy's
+    compare alone took 17 us against torch's 58 us here). The values are those of ``keep.to(dtype) * s``.
     """
     scale = torch.tensor(1.0 / (1.0 - p), dtype=dtype)
     if not _on_cpu(device):
