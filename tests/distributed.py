@@ -38,6 +38,22 @@ def _worker(rank: int, fn: Callable[..., Any], kwargs: dict, nprocs: int, port: 
     )
     result = fn(**kwargs)
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    _leave()
+
+
+def _leave() -> None:
+    """End the process once its result is written, without the interpreter's teardown.
+
+    Test bodies leave trainers, wrapped models and the process group alive for inspection (``Trainer.close()``,
+    which a real job calls, is not run). At interpreter exit gloo's threads could then be destroyed while still
+    joinable, and a rank that had finished and written its result aborted with "terminate called without an
+    active exception" (pytorch#190489; seen in ``test_fsdp.py``'s module fixture in a clean-clone ``.ci/run``).
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], nprocs: int = 2, *, timeout: float = 600, **kwargs: Any) -> list[Any]:
