@@ -47,7 +47,8 @@ def _leave() -> None:
     Test bodies leave trainers, wrapped models and the process group alive for inspection (``Trainer.close()``,
     which a real job calls, is not run). At interpreter exit gloo's threads could then be destroyed while still
     joinable, and a rank that had finished and written its result aborted with "terminate called without an
-    active exception" (pytorch#190489; seen in ``test_fsdp.py``'s module fixture in a clean-clone ``.ci/run``).
+    active exception" (the failure ``Trainer.close()`` orders its teardown against; seen in ``test_fsdp.py``'s
+    module fixture in a clean-clone ``.ci/run``).
     """
     import sys
 
