@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,11 +48,10 @@ def _leave() -> None:
     Test bodies leave trainers, wrapped models and the process group alive for inspection (``Trainer.close()``,
     which a real job calls, is not run). At interpreter exit gloo's threads could then be destroyed while still
     joinable, and a rank that had finished and written its result aborted with "terminate called without an
-    active exception" (the failure ``Trainer.close()`` orders its teardown against; seen in ``test_fsdp.py``'s
-    module fixture in a clean-clone ``.ci/run``).
+    active exception" (gloo work still holding tensors when the interpreter is finalised, pytorch PR #179291; the
+    failure ``Trainer.close()`` orders its teardown against; seen in ``test_fsdp.py``'s module fixture in a
+    clean-clone ``.ci/run``).
     """
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

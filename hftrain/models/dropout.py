@@ -34,6 +34,9 @@ from torch import nn
 ATTENTION = "hftrain_sdpa"
 """The ``attn_implementation`` name under which :func:`bits_sdpa_attention` is registered."""
 
+_TORCH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The torch integer type of each float width in bytes: views a scale's bit pattern."""
+
 
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | None = None) -> torch.Tensor:
     """A boolean mask of ``shape`` whose elements are True with probability ``1 - round(p * 2^16) / 2^16``.
@@ -69,9 +72,6 @@ def scaled_keep_mask(
     bits = integer.type(scale.view(_TORCH_INT[scale.element_size()]).item())
     keep = _cpu_uniform16(math.prod(shape)) >= _threshold(p)
     return torch.from_numpy(keep.view(np.uint8) * bits).view(dtype).view(shape)
-
-
-_TORCH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _threshold(p: float) -> int:

@@ -440,10 +440,10 @@ class Trainer:
 
         The model goes first, while the process group and the interpreter are alive, so that a DDP reducer and
         the gloo work it holds are not left to interpreter teardown: a rank was seen aborting there once after a
-        finished 2-process run ("terminate called without an active exception", the failure pytorch#190489
-        describes for gloo state destroyed at exit). Accelerate's ``free_memory`` collects garbage before it drops its
-        own references, so one more collection frees the model; a single process has no reducer and skips it (a full
-        collection costs ~0.3 s with transformers loaded).
+        finished 2-process run ("terminate called without an active exception": gloo work still holding tensors
+        when the interpreter is finalised, as pytorch PR #179291 describes). Accelerate's ``free_memory`` collects
+        garbage before it drops its own references, so one more collection frees the model; a single process has no
+        reducer and skips it (a full collection costs ~0.3 s with transformers loaded).
         """
         import gc
 
