@@ -22,6 +22,9 @@ from typing import Any, Literal, Union
 from hftrain.errors import ConfigError
 
 CONFIG_FILENAME = "hftrain_config.yaml"
+RUN_ID_KEY = "run_id"
+"""The top-level key of a run's saved config that holds its id (``hftrain.checkpoint.run``); a job config that
+carries one (a run's saved config reused as a job config) has it ignored: a run's id comes from its output_dir."""
 
 
 @dataclass
@@ -301,6 +304,8 @@ def from_dict(raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
         raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(_sections(TrainConfig))})")
     config = TrainConfig()
     for section, values in raw.items():
+        if section == RUN_ID_KEY:
+            continue
         if not isinstance(section, str):  # YAML reads `1:` as an int key
             raise ConfigError(f"{source}: section name {section!r} is not a name; use {', '.join(_sections(config))}")
         _check_key(section, _sections(TrainConfig), f"{source}: unknown section", "")
@@ -332,12 +337,13 @@ def set_field(config: TrainConfig, key: str, value: Any, *, source: str) -> None
     setattr(target, name, coerce(value, hint, f"{section}.{name}"))
 
 
-def save_config(config: TrainConfig, directory: str | Path) -> Path:
+def save_config(config: TrainConfig, directory: str | Path, *, run_id: str | None = None) -> Path:
     """Write the resolved config as YAML into ``directory``, atomically (a reader sees the old or the new file).
 
     Args:
         config: the resolved config.
         directory: the run's ``output_dir`` (it must exist).
+        run_id: the run's id, written as the top-level ``run_id`` key.
     """
     import os
 
@@ -345,7 +351,8 @@ def save_config(config: TrainConfig, directory: str | Path) -> Path:
 
     path = Path(directory) / CONFIG_FILENAME
     staging = path.with_name(f".{CONFIG_FILENAME}.tmp")
-    staging.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    saved: dict[str, Any] = {RUN_ID_KEY: run_id} if run_id else {}
+    staging.write_text(yaml.safe_dump({**saved, **config.to_dict()}, sort_keys=False))
     os.replace(staging, path)
     return path
 

@@ -7,6 +7,7 @@ resume checks. The config is written last, once the run is certain to start.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from hftrain.log import get_logger, is_main_process
 
 if TYPE_CHECKING:
     from hftrain.strategies import LaunchInfo
+    from hftrain.validate import RunPlan
 
 
 @dataclass
@@ -55,7 +57,9 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     note = log.info if is_main_process() else (lambda _: None)
     quiet_libraries()
     strategy = build_strategy(config.strategy, launch=launch)
-    model_facts = validate_job(config, strategy, write=write)
+    model_facts, plan = validate_job(config, strategy, write=write)
+    for line in plan.notes:
+        note(line)
     tokenizer = build_tokenizer(config.model)
     check_tokenizer(tokenizer, model_facts)
     data = config.data
@@ -75,7 +79,8 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     max_length = effective_max_length(data.max_seq_length, model_facts, tokenizer, note)
     tokenized = tokenize_splits(splits, tokenizer, max_seq_length=max_length)
     trainer = SequenceClassificationTrainer(
-        config.training,
+        dataclasses.replace(config.training, resume_from_checkpoint=plan.resume),
+        run_id=plan.run_id,
         strategy=strategy,
         model_init=model_init_fn(config.model, tokenizer, config.lora),
         tokenizer=tokenizer,
@@ -90,20 +95,26 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         check_shared_output_dir(trainer.accelerator, config.training.output_dir)
     # The trainer accepted the resume checkpoint: the run is certain to start, and may now write.
     if write and is_main_process():
-        write_run_config(config)
+        write_run_config(config, plan)
     return trainer, tokenizer, tokenized
 
 
-def write_run_config(config: TrainConfig) -> None:
-    """Create ``output_dir`` and write the resolved config into it (atomically).
+def write_run_config(config: TrainConfig, plan: RunPlan) -> None:
+    """Create ``output_dir``, remove a replaced run's outputs, and write the resolved config (atomically).
 
     Args:
         config: the job config, accepted by every check.
+        plan: the run it starts or continues.
     """
+    from hftrain.checkpoint.run import remove_run_outputs
+
     output_dir = Path(config.training.output_dir)
     with writing(f"the run config into training.output_dir '{output_dir}'", location=output_dir):
+        if plan.replaces:
+            removed = remove_run_outputs(output_dir)
+            get_logger().info(f"overwrite_output_dir: removed the earlier run's {', '.join(removed)}")
         output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, output_dir)
+        save_config(config, output_dir, run_id=plan.run_id)
 
 
 def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:

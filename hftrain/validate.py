@@ -6,17 +6,22 @@ trainer (which verifies the resume checkpoint against the live topology) and onl
 A refused command therefore leaves a run directory exactly as it was and creates none. A new command or
 strategy gets all of this by calling ``validate_job`` (or ``prepare_job``) first.
 
-What a run directory may be asked to do by a later command:
+What a run directory may be asked to do by a later command (``plan_run`` decides it, once):
 - resume, extend (more ``max_steps``/``num_train_epochs``), change its logging/eval/save cadence, or move
   (``config.RUN_INVARIANT_EXEMPT``): accepted;
 - change the model, data, optimisation or strategy: refused naming the field; the global batch is checked
-  against the checkpoint (``checkpoint.resume``), where the process count is known.
+  against the checkpoint (``checkpoint.resume``), where the process count is known;
+- start again without resuming: refused, since the new run's checkpoints would mix with the old run's;
+- with ``overwrite_output_dir``: a new run replaces the old one, whose outputs are removed before the new run writes
+  anything (``checkpoint.run``); ``auto`` then starts fresh. Only ``auto``/``latest`` with the same run's config
+  continue the run instead (a preempted job requeued with the same command resumes, overwrite or not).
 A directory holding only the config of a start that failed before its first checkpoint is not a run to protect.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,8 +34,25 @@ if TYPE_CHECKING:
     from hftrain.strategies import Strategy
 
 
-def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> ModelFacts:
-    """Every check of a job's inputs that needs no data and no process group; returns what the model takes.
+@dataclass(frozen=True)
+class RunPlan:
+    """What a command does with its ``output_dir``, decided before anything is written."""
+
+    run_id: str | None
+    """The run's id: the output_dir's run, the explicitly resumed checkpoint's, or a new one (None: a run from before
+    run ids, continued as it was)."""
+    resume: str | None
+    """The ``resume_from_checkpoint`` the trainer takes (``auto`` is dropped when a new run replaces an old one)."""
+    replaces: bool = False
+    """An earlier run's outputs are removed before the new run writes (``overwrite_output_dir``)."""
+    notes: list[str] = field(default_factory=list)
+    """What to log about the decision."""
+
+
+def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> tuple[ModelFacts, RunPlan]:
+    """Every check of a job's inputs that needs no data and no process group.
+
+    Returns what the model takes and what the command does with ``output_dir``.
 
     Args:
         config: the validated job config.
@@ -43,13 +65,66 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> Mod
     training, _ = strategy.resolve_training(config.training)  # what the trainer will run: 'auto' made concrete
     strategy.platform.check_precision(training.mixed_precision)
     strategy.preflight(training)
-    if write:
-        check_output_dir(config)
-    check_resume_request(config.training)
+    plan = plan_run(config, write=write)
     facts = check_model_folder(config.model)
     # Model-parallel strategies split the model's sizes: refused here, before any process group exists.
     strategy.check_model(model_config(config.model), use_lora=config.lora.use_lora)
-    return facts
+    return facts, plan
+
+
+def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
+    """Check ``output_dir`` and the resume request together, and decide which run the command continues or starts.
+
+    Args:
+        config: the validated job config.
+        write: the command trains into ``output_dir`` (an export only reads a checkpoint).
+    """
+    from hftrain.checkpoint.run import new_run_id, saved_run_id
+
+    training = config.training
+    output_dir = Path(training.output_dir)
+    spec = training.resume_from_checkpoint
+    if not write:
+        return RunPlan(run_id=_checkpoint_run_id(check_resume_request(training, run_id=None)), resume=spec)
+    check_output_dir(config)
+    if not _holds_results(output_dir):
+        # A new run; a resumed checkpoint (from elsewhere) brings its run's id.
+        explicit = check_resume_request(training, run_id=None)
+        return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec)
+    run_id = saved_run_id(output_dir)
+    same_run = not config_differences(config, _saved_config(output_dir / CONFIG_FILENAME))
+    if not training.overwrite_output_dir or (spec in ("auto", "latest") and same_run):
+        if spec is None:
+            raise ConfigError(
+                f"training.output_dir '{output_dir}' already holds this run ({_results(output_dir)}); continue it "
+                "with resume_from_checkpoint: auto, or set overwrite_output_dir: true to start over"
+            )
+        explicit = check_resume_request(training, run_id=run_id)
+        other = _checkpoint_run_id(explicit)
+        if explicit is not None and other != run_id and not _inside(explicit, output_dir):
+            raise ConfigError(
+                f"training.resume_from_checkpoint: '{explicit}' is of another run (run id {other}) than the one "
+                f"training.output_dir '{output_dir}' holds ({run_id}); resume it into a new output_dir, or set "
+                "overwrite_output_dir: true to replace this run"
+            )
+        return RunPlan(run_id=run_id, resume=spec)
+    # overwrite_output_dir: a new run replaces the one in output_dir.
+    notes = [f"overwrite_output_dir: the earlier run in '{output_dir}' ({_results(output_dir)}) is removed"]
+    if spec == "latest":
+        raise ConfigError(
+            "training.resume_from_checkpoint is 'latest' but overwrite_output_dir: true starts a new run, which has "
+            f"no checkpoint yet; use 'auto', or drop overwrite_output_dir to continue the run in '{output_dir}'"
+        )
+    if spec == "auto":
+        notes.append("resume_from_checkpoint: auto: the run is new (overwrite_output_dir), starting fresh")
+        return RunPlan(run_id=new_run_id(), resume=None, replaces=True, notes=notes)
+    if spec is not None and _inside(Path(spec), output_dir):
+        raise ConfigError(
+            f"training.resume_from_checkpoint: '{spec}' lies in the output_dir that overwrite_output_dir: true "
+            "replaces; copy it elsewhere first, or drop overwrite_output_dir"
+        )
+    explicit = check_resume_request(training, run_id=None)
+    return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec, replaces=True, notes=notes)
 
 
 def check_writable_dir(path: Path, field: str) -> None:
@@ -102,7 +177,7 @@ def check_output_dir(config: TrainConfig) -> None:
         )
 
 
-def check_resume_request(training: TrainingConfig) -> None:
+def check_resume_request(training: TrainingConfig, *, run_id: str | None) -> Path | None:
     """Refuse a ``resume_from_checkpoint`` that names nothing usable, before any model is built.
 
     What needs the live strategy (topology, global batch) is checked when the trainer resumes, still before
@@ -110,17 +185,20 @@ def check_resume_request(training: TrainingConfig) -> None:
 
     Args:
         training: the ``training`` config section.
+        run_id: the output_dir's run: ``latest``/``auto`` take only its checkpoints.
+
+    Returns the checkpoint the request names (None: none, or ``auto`` with none yet).
     """
     from hftrain.checkpoint.manager import CheckpointManager, read_checkpoint
     from hftrain.checkpoint.resume import check_trusted
 
     spec = training.resume_from_checkpoint
     if spec is None:
-        return
+        return None
     output_dir = Path(training.output_dir)
-    path = CheckpointManager(output_dir / "checkpoints").resolve(spec)
+    path = CheckpointManager(output_dir / "checkpoints", run_id=run_id).resolve(spec)
     if path is None:
-        return
+        return None
     if not path.exists():
         raise ConfigError(
             f"training.resume_from_checkpoint: '{path}' does not exist; give a step_<N> folder under "
@@ -128,6 +206,7 @@ def check_resume_request(training: TrainingConfig) -> None:
         )
     read_checkpoint(path, verify_files=False)  # marker, format, keys; checksums are verified on load
     check_trusted(path, output_dir, trusted=training.trust_external_checkpoint)
+    return path
 
 
 def check_export_dir(directory: Path) -> None:
@@ -145,6 +224,27 @@ def _holds_results(output_dir: Path) -> bool:
     from hftrain.checkpoint.manager import CheckpointManager
 
     return CheckpointManager(output_dir / "checkpoints").latest() is not None or (output_dir / "model").is_dir()
+
+
+def _results(output_dir: Path) -> str:
+    """``checkpoints up to step 40`` / ``an exported model``, for messages."""
+    from hftrain.checkpoint.manager import CheckpointManager
+
+    latest = CheckpointManager(output_dir / "checkpoints").latest()
+    return f"checkpoints up to {latest.name}" if latest is not None else "an exported model"
+
+
+def _checkpoint_run_id(path: Path | None) -> str | None:
+    from hftrain.checkpoint.manager import read_checkpoint
+
+    if path is None:
+        return None
+    run_id = read_checkpoint(path, verify_files=False).get("run_id")
+    return run_id if isinstance(run_id, str) else None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
 
 
 def _saved_config(saved: Path) -> TrainConfig:

@@ -145,6 +145,12 @@ def _drop_topology(run: Path) -> None:
     _edit_json(run / STEP4 / "checkpoint.json", lambda d: d.pop("topology"))
 
 
+def _plant_foreign_step6(run: Path) -> None:
+    """A checkpoint of another run (another run id, checksums intact) at a newer step than the run's own."""
+    shutil.copytree(run / STEP4, run / "checkpoints/step_00000006")
+    _edit_json(run / "checkpoints/step_00000006/checkpoint.json", lambda d: d.update(run_id="0123456789ab", step=6))
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[:100])
 
@@ -354,17 +360,23 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         lambda c: [*c.base(c.run), "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "auto"],
         "global batch from 8 to 4",
     ),
-    "resume: another model after overwrite_output_dir": (
-        lambda c: [
-            *c.base(c.run),
-            "--overwrite_output_dir",
-            "true",
-            "--use_lora",
-            "true",
-            "--resume_from_checkpoint",
-            "auto",
-        ],
-        "lora.use_lora",
+    "resume: latest after overwrite_output_dir": (
+        lambda c: [*c.base(c.run), "--overwrite_output_dir", "true", "--use_lora", "true", "--resume_from_checkpoint",
+                   "latest"],
+        "starts a new run, which has no checkpoint yet",
+    ),
+    "resume: a checkpoint inside the output_dir that overwrite replaces": (
+        lambda c: [*c.base(c.run_copy()), "--overwrite_output_dir", "true", "--learning_rate", "1e-3",
+                   "--resume_from_checkpoint", str(c.scratch / "run-copy" / STEP2)],
+        "overwrite_output_dir: true replaces",
+    ),
+    "resume: another run's checkpoint planted in checkpoints/": (
+        lambda c: [*c.base(c.run_copy(_plant_foreign_step6)), "--resume_from_checkpoint", "auto"],
+        "belongs to another run",
+    ),
+    "output_dir: holds this run, started again without resuming": (
+        lambda c: [*c.base(c.run)],
+        "already holds this run (checkpoints up to step_00000004); continue it with resume_from_checkpoint: auto",
     ),
     # ------------------------------------------------------------------ export
     "export: into a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x")], "is a file"),
@@ -470,6 +482,43 @@ def test_extending_a_finished_run_equals_training_longer(good, tmp_path, capsys)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (ctx.run / "checkpoints/step_00000006/checkpoint.json").is_file()
     assert not list(ctx.run.glob(".staging-*")) and not list(ctx.run.glob(".previous-*"))
+
+
+def test_overwrite_starts_a_clean_run_and_auto_resumes_that_run(good, tmp_path, capsys):
+    """The overwrite/resume bug: run 1 (lr 1e-3, steps 2 and 4), run 2 over it (lr 1e-5, overwrite, step 2),
+    then run 2 extended with auto: it must continue run 2, not run 1's newer step 4."""
+    ctx = Ctx(model=good.model, data=good.data, run=tmp_path / "run", scratch=tmp_path, new=tmp_path / "unused")
+    assert _train([*ctx.base(ctx.run), "--learning_rate", "1e-3"]) == 0
+    first_id = yaml_run_id(ctx.run)
+    capsys.readouterr()
+    second = [*ctx.base(ctx.run), "--learning_rate", "1e-5", "--max_steps", "2"]
+    assert _train([*second, "--overwrite_output_dir", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "overwrite_output_dir: removed the earlier run's checkpoints, model" in out
+    second_id = yaml_run_id(ctx.run)
+    assert second_id != first_id
+    assert sorted(p.name for p in (ctx.run / "checkpoints").iterdir()) == ["step_00000002"]
+    assert json.loads((ctx.run / STEP2 / "checkpoint.json").read_text())["run_id"] == second_id
+    assert _train([*second, "--max_steps", "6", "--resume_from_checkpoint", "auto"]) == 0
+    assert f"resumed from {ctx.run / STEP2} at step 2" in capsys.readouterr().out
+    history = _trainer_state(ctx.run)["log_history"]
+    rates = [h["learning_rate"] for h in history if "learning_rate" in h]
+    assert len(rates) == 6 and max(rates) <= 1e-5, rates  # run 2's schedule throughout, none of run 1's 1e-3
+    assert yaml_run_id(ctx.run) == second_id
+    assert all(
+        json.loads((p / "checkpoint.json").read_text())["run_id"] == second_id
+        for p in (ctx.run / "checkpoints").iterdir()
+    )
+    # Overwriting with auto over a different run starts fresh; the same run with auto continues, overwrite or not.
+    assert _train([*second, "--max_steps", "6", "--resume_from_checkpoint", "auto", "--overwrite_output_dir",
+                   "true"]) == 0
+    assert "resumed from" in capsys.readouterr().out and yaml_run_id(ctx.run) == second_id
+
+
+def yaml_run_id(run: Path) -> str:
+    import yaml
+
+    return yaml.safe_load((run / "hftrain_config.yaml").read_text())["run_id"]
 
 
 def test_a_moved_run_resumes_where_it_now_lives(good, tmp_path, capsys):

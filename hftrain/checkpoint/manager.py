@@ -45,11 +45,14 @@ class CheckpointManager:
     Args:
         root: the run's ``output_dir/checkpoints``.
         keep: how many complete checkpoints to keep (None keeps all).
+        run_id: the run these checkpoints belong to (``hftrain.checkpoint.run``): ``latest``/``auto`` refuse a
+            checkpoint of another run found in ``root``. None (a run from before run ids) checks nothing.
     """
 
-    def __init__(self, root: str | Path, *, keep: int | None = None) -> None:
+    def __init__(self, root: str | Path, *, keep: int | None = None, run_id: str | None = None) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.run_id = run_id
 
     # ----------------------------------------------------------------- writing (collective)
     def save(self, accelerator: Accelerator, *, step: int, meta: dict[str, Any]) -> Path:
@@ -112,6 +115,7 @@ class CheckpointManager:
         """The checkpoint ``spec`` names: ``latest``, ``auto`` (None when there is none yet) or a folder."""
         if spec in ("latest", "auto"):
             found = self.complete()
+            self._check_run(found)
             if found:
                 return found[-1]
             if spec == "auto":
@@ -121,6 +125,23 @@ class CheckpointManager:
                 "use 'auto' to start fresh when there is none"
             )
         return Path(spec)
+
+
+    def _check_run(self, found: list[Path]) -> None:
+        """Refuse checkpoints of another run among ``found`` (an overwritten run's, or copied in)."""
+        if self.run_id is None:
+            return
+        for path in found:
+            try:
+                meta = json.loads((path / MARKER).read_text())
+            except (ValueError, OSError):
+                continue  # damaged: reported by read_checkpoint if it is the one taken
+            other = meta.get("run_id") if isinstance(meta, dict) else None
+            if other != self.run_id:
+                raise CheckpointError(
+                    f"checkpoint '{path}' belongs to another run (run id {other}; this output_dir's run is "
+                    f"{self.run_id}); move it out of {self.root}, or set overwrite_output_dir: true to start over"
+                )
 
 
 class _AgreedWrite:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hftrain.checkpoint.run import TIMELINE_JSON, TIMELINE_PNG
 from hftrain.strategies.megatron import MegatronRuntime, _autocast_forward
 from hftrain.strategies.pipeline_checks import num_microbatches
 
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
     from hftrain.strategies.megatron import MegatronStrategy
     from hftrain.strategies.runtime import Batch
 
-TIMELINE_PNG = "pipeline_timeline.png"
-TIMELINE_JSON = "pipeline_timeline.json"
 LABELS = "labels"
 
 

@@ -20,6 +20,7 @@ import torch
 from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, read_checkpoint
 from hftrain.checkpoint.preemption import PreemptionFlag
 from hftrain.checkpoint.resume import batches_to_skip, check_resumable, check_trusted
+from hftrain.checkpoint.run import CHECKPOINTS_DIR, STRATEGY_FILENAME, TRAINER_STATE_FILENAME
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
@@ -73,6 +74,8 @@ class Trainer:
         train_dataset: tokenized examples with ``labels`` and ``length`` columns.
         eval_dataset: as ``train_dataset``; None skips evaluation.
         run_config: the resolved job config, given to the trackers.
+        run_id: the run's id (``hftrain.checkpoint.run``), stored in every checkpoint; ``latest``/``auto`` take
+            only this run's checkpoints.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Trainer:
         train_dataset: Dataset,
         eval_dataset: Dataset | None = None,
         run_config: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         from accelerate.utils import set_seed
 
@@ -95,6 +99,7 @@ class Trainer:
         self.log = get_logger()
         self.state = TrainerState()
         self.run_config = run_config or {}
+        self.run_id = run_id
         self._skip_batches = 0
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         choices.append(strategy.platform.tune_host_allocator())
@@ -133,7 +138,9 @@ class Trainer:
         self.max_steps = self._total_steps()
         self.lr_scheduler = self.create_scheduler(self.optimizer)
         self.runtime.register_for_checkpointing(self.lr_scheduler)
-        self.checkpoints = CheckpointManager(Path(args.output_dir) / "checkpoints", keep=args.save_total_limit)
+        self.checkpoints = CheckpointManager(
+            Path(args.output_dir) / CHECKPOINTS_DIR, keep=args.save_total_limit, run_id=run_id
+        )
         self.last_checkpoint: Path | None = None
         if args.resume_from_checkpoint:
             self.resume(args.resume_from_checkpoint)
@@ -292,6 +299,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write a complete checkpoint of the current step (collective: every rank calls it)."""
         meta = {
+            "run_id": self.run_id,
             "trainer_state": self.state_dict(),
             "topology": self.strategy_summary,
             "config": self.run_config,
@@ -425,14 +433,14 @@ class Trainer:
         if self.accelerator.is_main_process:
             directory = Path(self.args.output_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / "hftrain_strategy.json").write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
+            (directory / STRATEGY_FILENAME).write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
 
     def _save_trainer_state(self) -> None:
         import json
         from pathlib import Path
 
         if self.accelerator.is_main_process:
-            path = Path(self.args.output_dir) / "trainer_state.json"
+            path = Path(self.args.output_dir) / TRAINER_STATE_FILENAME
             path.write_text(json.dumps(self.state_dict(), indent=2) + "\n")
 
     def close(self) -> None:

@@ -1,0 +1,91 @@
+"""A run's identity and the files it owns in its ``output_dir``.
+
+Every run has a run id, written as the top-level ``run_id`` key of ``output_dir/hftrain_config.yaml`` when the
+run starts and into every checkpoint's ``checkpoint.json``. ``latest``/``auto`` only take checkpoints of the run
+the ``output_dir``'s config names (``CheckpointManager(run_id=...)``): a checkpoint of another run found there is an
+error naming it, never a resume. A run resumed from an explicitly named checkpoint continues that checkpoint's run
+and keeps its id, so a moved or copied run stays one run.
+
+``overwrite_output_dir`` starting a new run over an earlier one removes the earlier run's outputs (``RUN_OUTPUTS``)
+before anything of the new run is written; entries hftrain did not write are left where they are.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from hftrain.config import CONFIG_FILENAME, RUN_ID_KEY
+
+STRATEGY_FILENAME = "hftrain_strategy.json"
+TRAINER_STATE_FILENAME = "trainer_state.json"
+CHECKPOINTS_DIR = "checkpoints"
+EXPORT_DIR = "model"
+TRACKER_DIR = "runs"
+TIMELINE_PNG = "pipeline_timeline.png"
+TIMELINE_JSON = "pipeline_timeline.json"
+
+# What a run writes into its output_dir (the export's ``_merged`` twin and staging folders included).
+RUN_OUTPUTS = (
+    CHECKPOINTS_DIR,
+    EXPORT_DIR,
+    f"{EXPORT_DIR}_merged",
+    f".staging-{EXPORT_DIR}",
+    f".staging-{EXPORT_DIR}_merged",
+    TRACKER_DIR,
+    STRATEGY_FILENAME,
+    TRAINER_STATE_FILENAME,
+    TIMELINE_PNG,
+    TIMELINE_JSON,
+    CONFIG_FILENAME,
+)
+
+
+def new_run_id() -> str:
+    """A fresh run id (random, 12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
+def saved_run_id(output_dir: Path) -> str | None:
+    """The run id in ``output_dir``'s config, or None (no config, or one written before run ids existed).
+
+    Args:
+        output_dir: the run's folder.
+    """
+    import yaml
+
+    path = output_dir / CONFIG_FILENAME
+    if not path.is_file():
+        return None
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None  # the config check reports a damaged config, naming the fix
+    value = raw.get(RUN_ID_KEY) if isinstance(raw, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def run_outputs(output_dir: Path) -> list[Path]:
+    """The entries of an earlier run present in ``output_dir``.
+
+    Args:
+        output_dir: the run's folder.
+    """
+    return [output_dir / name for name in RUN_OUTPUTS if (output_dir / name).exists()]
+
+
+def remove_run_outputs(output_dir: Path) -> list[str]:
+    """Remove an earlier run's outputs from ``output_dir`` (the config last); returns their names.
+
+    Args:
+        output_dir: the run's folder.
+    """
+    removed = []
+    for entry in run_outputs(output_dir):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry.name)
+    return removed
