@@ -45,11 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a checkpoint. Launch it like the run that wrote it, e.g. "
         "torchrun --nproc_per_node 2 -m hftrain export CKPT DIR for a 2-process ZeRO checkpoint.",
     )
-    export.add_argument("checkpoint", help="a checkpoint folder: output_dir/checkpoints/step_<N>")
+    export.add_argument(
+        "checkpoint", help="a run's output_dir (its latest checkpoint) or a checkpoint: output_dir/checkpoints/step_<N>"
+    )
     export.add_argument("directory", help="a new folder for the export")
+    export.add_argument(
+        "--output_dir", help="the run folder the checkpoint belongs to (a checkpoint inside it needs no trust flag)"
+    )
     export.add_argument("--merge_lora", action="store_true", help="also write the adapter merged into the model")
     export.add_argument(
-        "--trust_external_checkpoint", action="store_true", help="allow a checkpoint outside its run's output_dir"
+        "--trust_external_checkpoint",
+        action="store_true",
+        help="allow a checkpoint outside the run folder this command names",
     )
     groups = commands.add_parser(
         "groups",
@@ -148,6 +155,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
         launch_info_from_environ(),
         merge_lora=args.merge_lora,
         trust=args.trust_external_checkpoint,
+        output_dir=args.output_dir,
     )
     log_main(f"exported {args.checkpoint} to {model_dir}")
     return 0

@@ -150,38 +150,60 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
     )
 
 
-def run_export(checkpoint: str, directory: str, launch: LaunchInfo, *, merge_lora: bool, trust: bool) -> str:
+def run_export(
+    checkpoint: str,
+    directory: str,
+    launch: LaunchInfo,
+    *,
+    merge_lora: bool,
+    trust: bool,
+    output_dir: str | None = None,
+) -> str:
     """Export a checkpoint as a verified ``save_pretrained`` folder (launched like the run that wrote it).
 
+    Trust comes from the command, never from the checkpoint: a checkpoint is the user's own when it lies in the
+    run folder the user names (``output_dir``, or ``checkpoint`` given as a run folder); any other needs ``trust``.
+    (Whatever the trust, its state files are only loaded by restricted unpicklers: ``checkpoint.safety``.)
+
     Args:
-        checkpoint: a ``step_<N>`` folder.
+        checkpoint: a ``step_<N>`` folder, or a run's ``output_dir`` (its latest checkpoint).
         directory: the export folder; must not exist yet or be empty.
-        launch: what the launcher set up; ZeRO checkpoints need the process count that wrote them.
+        launch: what the launcher set up; the checkpoint's process count is needed.
         merge_lora: also write the adapter merged into a full model.
-        trust: allow a checkpoint outside its run's ``output_dir``.
+        trust: allow a checkpoint outside the run folder the command names.
+        output_dir: the run folder the checkpoint belongs to, as the user gives it.
     """
-    from hftrain.checkpoint.manager import CheckpointError, read_checkpoint
-    from hftrain.strategies import strategy_class
+    from hftrain.checkpoint.manager import CheckpointError, CheckpointManager, read_checkpoint
+    from hftrain.checkpoint.run import CHECKPOINTS_DIR, saved_run_id
+    from hftrain.errors import ConfigError
     from hftrain.validate import check_export_dir
 
     target = Path(directory)
     check_export_dir(target)
-    meta = read_checkpoint(checkpoint)
+    path = Path(checkpoint)
+    if (path / CHECKPOINTS_DIR).is_dir():  # a run folder: its latest checkpoint, trusted as the user named the run
+        output_dir = str(path)
+        path = CheckpointManager(path / CHECKPOINTS_DIR, run_id=saved_run_id(path)).resolve("latest")
+    meta = read_checkpoint(path)
     saved = meta["topology"]
-    if saved["world_size"] != launch.world_size and not strategy_class(saved["strategy"]).reshardable_checkpoints:
+    if saved["world_size"] != launch.world_size:
         raise CheckpointError(
-            f"checkpoint '{checkpoint}' was written by {saved['world_size']} processes and '{saved['strategy']}' "
-            f"checkpoints are partitioned by process count; resume on {saved['world_size']} processes: launch the "
-            f"export like the run (e.g. torchrun --nproc_per_node {saved['world_size']} -m hftrain export ...)"
+            f"checkpoint '{path}' was written by {saved['world_size']} processes and this export runs on "
+            f"{launch.world_size}; launch it on {saved['world_size']} processes, like the run (torchrun "
+            f"--nproc_per_node {saved['world_size']} -m hftrain export ...)"
         )
-    config = config_from_flat(meta["config"], source=f"{checkpoint}/checkpoint.json")
+    config = config_from_flat(meta["config"], source=f"{path}/checkpoint.json")
+    if merge_lora and not config.lora.use_lora:
+        raise ConfigError(
+            f"--merge_lora: checkpoint '{path}' is of a full fine-tune (lora.use_lora: false), there is no adapter "
+            "to merge; drop --merge_lora"
+        )
     config.strategy.name = meta["topology"]["strategy"]
-    config.training.resume_from_checkpoint = str(checkpoint)
+    config.training.resume_from_checkpoint = str(path)
     config.training.trust_external_checkpoint = trust
     config.training.log_with = "none"
-    run_dir = Path(checkpoint).parent.parent
-    if Path(checkpoint).parent.name == "checkpoints":  # the run may have been moved since it was written
-        config.training.output_dir = str(run_dir)
+    # Only a folder the user named makes the checkpoint the user's own; without one, nothing is inside the run.
+    config.training.output_dir = output_dir if output_dir is not None else str(target)
     trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
     model_dir = export_model(trainer, tokenizer, tokenized, target, config, merge_lora=merge_lora)
     trainer.close()

@@ -84,8 +84,8 @@ def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
     training = config.training
     output_dir = Path(training.output_dir)
     spec = training.resume_from_checkpoint
-    if not write:
-        return RunPlan(run_id=_checkpoint_run_id(check_resume_request(training, run_id=None)), resume=spec)
+    if not write:  # an export: trust comes from the run folder its command names
+        return RunPlan(run_id=_checkpoint_run_id(check_resume_request(training, run_id=None, export=True)), resume=spec)
     check_output_dir(config)
     if not _holds_results(output_dir):
         # A new run; a resumed checkpoint (from elsewhere) brings its run's id.
@@ -177,7 +177,7 @@ def check_output_dir(config: TrainConfig) -> None:
         )
 
 
-def check_resume_request(training: TrainingConfig, *, run_id: str | None) -> Path | None:
+def check_resume_request(training: TrainingConfig, *, run_id: str | None, export: bool = False) -> Path | None:
     """Refuse a ``resume_from_checkpoint`` that names nothing usable, before any model is built.
 
     What needs the live strategy (topology, global batch) is checked when the trainer resumes, still before
@@ -186,6 +186,7 @@ def check_resume_request(training: TrainingConfig, *, run_id: str | None) -> Pat
     Args:
         training: the ``training`` config section.
         run_id: the output_dir's run: ``latest``/``auto`` take only its checkpoints.
+        export: the request comes from ``hftrain export`` (messages name its flags).
 
     Returns the checkpoint the request names (None: none, or ``auto`` with none yet).
     """
@@ -205,7 +206,7 @@ def check_resume_request(training: TrainingConfig, *, run_id: str | None) -> Pat
             "output_dir/checkpoints, or latest / auto"
         )
     read_checkpoint(path, verify_files=False)  # marker, format, keys; checksums are verified on load
-    check_trusted(path, output_dir, trusted=training.trust_external_checkpoint)
+    check_trusted(path, output_dir, trusted=training.trust_external_checkpoint, export=export)
     return path
 
 

@@ -151,6 +151,73 @@ def _plant_foreign_step6(run: Path) -> None:
     _edit_json(run / "checkpoints/step_00000006/checkpoint.json", lambda d: d.update(run_id="0123456789ab", step=6))
 
 
+def _reseal(run: Path, step: str = STEP4) -> None:
+    """Recompute checkpoint.json's checksums after an edit, as whoever forges a checkpoint can."""
+    folder = run / step
+    marker = folder / "checkpoint.json"
+    data = json.loads(marker.read_text())
+    data["files"] = {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "checkpoint.json"
+    }
+    marker.write_text(json.dumps(data))
+
+
+class Planted:
+    """Unpickling it runs a shell command that leaves a file PWNED in the working directory."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch PWNED",))
+
+
+def planted_bytes(kind: str = "torch") -> bytes:
+    """A pickle that runs code: in torch's zip format (what torch.load reads) or as a bare pickle."""
+    import io
+    import pickle
+
+    import torch
+
+    if kind == "bare":
+        return pickle.dumps(Planted(), protocol=2)
+    buffer = io.BytesIO()
+    torch.save({"state": Planted()}, buffer)
+    return buffer.getvalue()
+
+
+def _state_edit(name: str, edit: Callable[[Path], None]) -> Callable[[Path], None]:
+    """Edit ``state/<name>`` of the run copy's step 4, then reseal its checksums."""
+
+    def apply(run: Path) -> None:
+        edit(run / STEP4 / "state" / name)
+        _reseal(run)
+
+    return apply
+
+
+def _drop_a_weight(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path)
+    weights.pop(sorted(weights)[0])
+    save_file(weights, path)
+
+
+def _reshape_a_weight(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path)
+    name = next(k for k in sorted(weights) if weights[k].dim() == 2)
+    weights[name] = weights[name][:, :-1].contiguous()
+    save_file(weights, path)
+
+
+def _marker_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    return lambda run: _edit_json(run / STEP4 / "checkpoint.json", change)
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[:100])
 
@@ -361,13 +428,27 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         "global batch from 8 to 4",
     ),
     "resume: latest after overwrite_output_dir": (
-        lambda c: [*c.base(c.run), "--overwrite_output_dir", "true", "--use_lora", "true", "--resume_from_checkpoint",
-                   "latest"],
+        lambda c: [
+            *c.base(c.run),
+            "--overwrite_output_dir",
+            "true",
+            "--use_lora",
+            "true",
+            "--resume_from_checkpoint",
+            "latest",
+        ],
         "starts a new run, which has no checkpoint yet",
     ),
     "resume: a checkpoint inside the output_dir that overwrite replaces": (
-        lambda c: [*c.base(c.run_copy()), "--overwrite_output_dir", "true", "--learning_rate", "1e-3",
-                   "--resume_from_checkpoint", str(c.scratch / "run-copy" / STEP2)],
+        lambda c: [
+            *c.base(c.run_copy()),
+            "--overwrite_output_dir",
+            "true",
+            "--learning_rate",
+            "1e-3",
+            "--resume_from_checkpoint",
+            str(c.scratch / "run-copy" / STEP2),
+        ],
         "overwrite_output_dir: true replaces",
     ),
     "resume: another run's checkpoint planted in checkpoints/": (
@@ -378,7 +459,173 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         lambda c: [*c.base(c.run)],
         "already holds this run (checkpoints up to step_00000004); continue it with resume_from_checkpoint: auto",
     ),
+    # ------------------------------------------------------------------ a checkpoint never runs code
+    "resume: a planted pickle in the scheduler state (checksums recomputed)": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("custom_checkpoint_0.pkl", lambda p: p.write_bytes(planted_bytes())))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "custom_checkpoint_0.pkl holds a pickled object (posix.system) that could run code",
+    ),
+    "resume: a planted bare pickle as the optimizer state": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(planted_bytes("bare"))))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "optimizer.bin holds a pickled object (posix.system)",
+    ),
+    "resume: a planted pickle as an RNG state": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("random_states_0.pkl", lambda p: p.write_bytes(planted_bytes())))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "random_states_0.pkl holds a pickled object",
+    ),
+    "resume: a planted pickle, trusted external checkpoint": (
+        lambda c: [
+            *c.base(c.run),
+            "--trust_external_checkpoint",
+            "true",
+            "--resume_from_checkpoint",
+            str(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(planted_bytes()))) / STEP4),
+        ],
+        "could run code",
+    ),
+    "export: a planted pickle from a folder named checkpoints/, without the flag": (
+        lambda c: [
+            "export",
+            str(c.run_copy(_state_edit("custom_checkpoint_0.pkl", lambda p: p.write_bytes(planted_bytes()))) / STEP4),
+            str(c.new),
+        ],
+        "is outside the run folder this command names; its custom_checkpoint_0.pkl, optimizer.bin, "
+        "random_states_0.pkl are pickles",
+    ),
+    "export: a planted pickle with --trust_external_checkpoint": (
+        lambda c: [
+            "export",
+            str(c.run_copy(_state_edit("custom_checkpoint_0.pkl", lambda p: p.write_bytes(planted_bytes()))) / STEP4),
+            str(c.new),
+            "--trust_external_checkpoint",
+        ],
+        "could run code",
+    ),
+    "export: a planted pickle inside the run the command names": (
+        lambda c: [
+            "export",
+            str(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(planted_bytes())))),
+            str(c.new),
+        ],
+        "could run code",
+    ),
+    # ------------------------------------------------------------------ damaged state behind good checksums
+    "resume: garbage optimizer state": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(b"\x00 not a state" * 9)))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "optimizer.bin is damaged",
+    ),
+    "resume: truncated optimizer state": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("optimizer.bin", _truncate))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "optimizer.bin is damaged",
+    ),
+    "resume: weights missing a key": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("model.safetensors", _drop_a_weight))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "does not load into this run",
+    ),
+    "resume: a weight of another shape": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("model.safetensors", _reshape_a_weight))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "does not load into this run",
+    ),
+    "resume: garbage weights file": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("model.safetensors", lambda p: p.write_bytes(b"{garbage")))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "model.safetensors is damaged",
+    ),
+    "resume: an RNG state of the wrong structure": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("random_states_0.pkl", lambda p: __import__("torch").save({"x": 1}, p)))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "not Accelerate's RNG states",
+    ),
+    "resume: the RNG state missing (and unlisted)": (
+        lambda c: [
+            *c.base(c.run_copy(_state_edit("random_states_0.pkl", lambda p: p.unlink()))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "random_states_0.pkl is missing",
+    ),
+    "resume: files is an empty list": (
+        lambda c: [
+            *c.base(c.run_copy(_marker_edit(lambda d: d.update(files=[])))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "damaged 'files'",
+    ),
+    "resume: global_step is a string": (
+        lambda c: [
+            *c.base(c.run_copy(_marker_edit(lambda d: d["trainer_state"].update(global_step="four")))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "damaged 'trainer_state.global_step' ('four' is not an integer >= 0)",
+    ),
+    "resume: micro_step is negative": (
+        lambda c: [
+            *c.base(c.run_copy(_marker_edit(lambda d: d["trainer_state"].update(micro_step=-5)))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "damaged 'trainer_state.micro_step'",
+    ),
+    "resume: world_size is a string": (
+        lambda c: [
+            *c.base(c.run_copy(_marker_edit(lambda d: d["topology"].update(world_size="two")))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "damaged 'topology.world_size'",
+    ),
+    "resume: trainer_state with an unknown key": (
+        lambda c: [
+            *c.base(c.run_copy(_marker_edit(lambda d: d["trainer_state"].update(steps_left=3)))),
+            "--resume_from_checkpoint",
+            "auto",
+        ],
+        "unknown key 'steps_left'",
+    ),
     # ------------------------------------------------------------------ export
+    "export: process count other than the checkpoint's": (
+        lambda c: ["export", str(c.run_copy(_marker_edit(lambda d: d["topology"].update(world_size=2)))), str(c.new)],
+        "was written by 2 processes and this export runs on 1; launch it on 2 processes",
+    ),
+    "export: --merge_lora of a run without LoRA": (
+        lambda c: ["export", str(c.run), str(c.new), "--merge_lora"],
+        "there is no adapter to merge; drop --merge_lora",
+    ),
     "export: into a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x")], "is a file"),
     "export: under a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x") + "/out"], "not a directory"),
     "export: into a non-empty folder": (lambda c: ["export", str(c.run / STEP4), str(c.run)], "not empty"),
@@ -510,8 +757,9 @@ def test_overwrite_starts_a_clean_run_and_auto_resumes_that_run(good, tmp_path, 
         for p in (ctx.run / "checkpoints").iterdir()
     )
     # Overwriting with auto over a different run starts fresh; the same run with auto continues, overwrite or not.
-    assert _train([*second, "--max_steps", "6", "--resume_from_checkpoint", "auto", "--overwrite_output_dir",
-                   "true"]) == 0
+    assert (
+        _train([*second, "--max_steps", "6", "--resume_from_checkpoint", "auto", "--overwrite_output_dir", "true"]) == 0
+    )
     assert "resumed from" in capsys.readouterr().out and yaml_run_id(ctx.run) == second_id
 
 
@@ -530,7 +778,14 @@ def test_a_moved_run_resumes_where_it_now_lives(good, tmp_path, capsys):
     assert f"resumed from {moved}/{STEP4}" in capsys.readouterr().out
     assert _trainer_state(moved)["global_step"] == 6
     reset_accelerate_state()
-    assert main(["export", str(moved / "checkpoints/step_00000006"), str(tmp_path / "exported")]) == 0
+    assert (
+        main(
+            ["export", str(moved / "checkpoints/step_00000006"), str(tmp_path / "exported"), "--output_dir", str(moved)]
+        )
+        == 0
+    )
+    reset_accelerate_state()
+    assert main(["export", str(moved), str(tmp_path / "latest")]) == 0  # a run folder: its latest checkpoint
     assert (tmp_path / "exported" / "model.safetensors").is_file()
     assert checksums(good.run) == before  # the original is untouched
 
@@ -655,7 +910,7 @@ def test_disk_full_keeps_the_last_checkpoint_and_stages_the_export(good, tmp_pat
     # The export: staged, so a full disk leaves no folder that looks complete.
     _fill(disk, 40_000)
     reset_accelerate_state()
-    code = main(["export", str(run / STEP2), str(disk / "exported")])
+    code = main(["export", str(run), str(disk / "exported")])
     err = capsys.readouterr().err
     _refused(ctx, [], "no space left on device while writing the export", err, code)
     assert not (disk / "exported").exists() and not list(disk.glob(".staging-*"))

@@ -355,11 +355,12 @@ def test_export_command_from_a_zero_checkpoint(tiny_job, tmp_path):
     done = _run([*torchrun, "scripts/train.py", *_args(tiny_job, out, steps=4), "--strategy.name", "zero2"])
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoint = str(out / "checkpoints" / "step_00000004")
-    one = _run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "one")])
-    assert one.returncode == 2 and "partitioned by process count; resume on 2 processes" in one.stderr
+    own = ["--output_dir", str(out)]  # the run the checkpoint belongs to, named by the command: no trust flag
+    one = _run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "one"), *own])
+    assert one.returncode == 2 and "this export runs on 1; launch it on 2 processes" in one.stderr
     assert not (tmp_path / "one").exists()
-    two = _run([*torchrun, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")])
+    two = _run([*torchrun, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two"), *own])
     assert two.returncode == 0, two.stderr[-3000:]
     _assert_same_exports(tmp_path / "two", out / "model", atol=0)
-    again = _run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two")])
+    again = _run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two"), *own])
     assert again.returncode == 2 and "is not empty" in again.stderr

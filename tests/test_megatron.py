@@ -342,7 +342,7 @@ def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     # a checkpoint exports the same way, launched like its run
     exported_dir = tmp_path / "exported"
     checkpoint = output_dir / "checkpoints" / "step_00000002"
-    _torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir)])
+    _torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
     reloaded = AutoModelForSequenceClassification.from_pretrained(exported_dir)
     step2 = load_file(checkpoint / "state" / "model.safetensors")
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in step2.items())

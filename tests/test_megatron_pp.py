@@ -212,7 +212,7 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
     assert len(timeline["events"]) == 2 * 2 * 4  # F and B of 4 micro-batches on each of 2 stages
     # a tp=2 × pp=2 checkpoint exports the same way, launched like its run
     exported_dir, checkpoint = tmp_path / "exported", output_dir / "checkpoints" / "step_00000002"
-    _torchrun(4, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir)])
+    _torchrun(4, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
     reloaded = AutoModelForSequenceClassification.from_pretrained(exported_dir).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in load_file(checkpoint / "state" / "model.safetensors").items())
 

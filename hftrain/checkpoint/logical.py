@@ -81,7 +81,7 @@ def load_logical_state(
     directory = Path(directory)
     check_layout(directory, layout)
     load_full_state_dict(model, load_file(str(directory / MODEL_FILE)))
-    saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(_local_optimizer_state(model, optimizer, saved))
 
 
@@ -90,7 +90,17 @@ def check_layout(directory: Path, layout: dict[str, int]) -> None:
     path = directory / LAYOUT_FILE
     if not path.is_file():
         raise CheckpointError(f"'{directory}' holds no {LAYOUT_FILE}: it is not a megatron checkpoint")
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+    except (ValueError, OSError) as error:
+        raise CheckpointError(
+            f"checkpoint '{directory.parent}': {LAYOUT_FILE} is damaged ({error}); resume from another checkpoint"
+        ) from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"checkpoint '{directory.parent}': {LAYOUT_FILE} is damaged (not a JSON object); resume from another "
+            "checkpoint"
+        )
 
     def describe(values: dict[str, Any]) -> str:
         return " × ".join(f"{axis}={values.get(axis, 1)}" for axis in ("tp", "pp", "dp"))

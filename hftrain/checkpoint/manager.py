@@ -126,7 +126,6 @@ class CheckpointManager:
             )
         return Path(spec)
 
-
     def _check_run(self, found: list[Path]) -> None:
         """Refuse checkpoints of another run among ``found`` (an overwritten run's, or copied in)."""
         if self.run_id is None:
@@ -241,6 +240,24 @@ REQUIRED_KEYS = {
 }
 
 
+# The integer fields of checkpoint.json and their least value: a string or a negative count is a damaged file,
+# not a run that trains on from a nonsense position.
+INTEGER_FIELDS = {
+    "step": 0,
+    "trainer_state.epoch": 0,
+    "trainer_state.global_step": 0,
+    "trainer_state.micro_step": 0,
+    "trainer_state.samples_seen": 0,
+    "trainer_state.last_eval_step": -1,
+    "topology.world_size": 1,
+    "topology.micro_batch": 1,
+    "topology.global_batch": 1,
+    "topology.dp_size": 1,
+    "topology.tp": 1,
+    "topology.pp": 1,
+}
+
+
 def _check_keys(path: Path, meta: dict[str, Any]) -> None:
     for section, keys in REQUIRED_KEYS.items():
         values = meta.get(section) if section else meta
@@ -251,6 +268,31 @@ def _check_keys(path: Path, meta: dict[str, Any]) -> None:
                 f"checkpoint '{path}': {MARKER} lacks '{where}{missing[0]}'; it is damaged or not hftrain's: "
                 "resume from another checkpoint"
             )
+    for key, least in INTEGER_FIELDS.items():
+        section, _, name = key.rpartition(".")
+        values = meta[section] if section else meta
+        if name not in values:
+            continue
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise _damaged_field(path, key, f"{value!r} is not an integer >= {least}")
+    files = meta["files"]
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise _damaged_field(path, "files", "it is not a mapping of file names to SHA-256 digests")
+    if not files:
+        raise _damaged_field(path, "files", "it lists no file")
+    history = meta["trainer_state"].get("log_history", [])
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        raise _damaged_field(path, "trainer_state.log_history", "it is not a list of records")
+    for name in ("run_id",):
+        if meta.get(name) is not None and not isinstance(meta[name], str):
+            raise _damaged_field(path, name, f"{meta[name]!r} is not a string")
+
+
+def _damaged_field(path: Path, key: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint '{path}': {MARKER} has a damaged '{key}' ({what}); resume from another checkpoint"
+    )
 
 
 def _verify_files(path: Path, files: dict[str, str]) -> None:

@@ -126,7 +126,7 @@ def load_pipeline_state(
     directory = Path(directory)
     check_layout(directory, layout)
     load_full_state_dict(model, load_file(str(directory / MODEL_FILE)))
-    saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     mine = {
         "state": {name: values for name, values in saved["state"].items() if name in params},
         "param_groups": [

@@ -98,13 +98,29 @@ def batches_to_skip(meta: dict[str, Any], topology: dict[str, Any]) -> int:
     return consumed // per_batch
 
 
-def check_trusted(path: Path, output_dir: Path, *, trusted: bool) -> None:
-    """Refuse to unpickle a checkpoint from outside the run's own folder unless the user allows it."""
-    try:
-        path.resolve().relative_to(output_dir.resolve())
-    except ValueError:
-        if not trusted:
-            raise CheckpointError(
-                f"checkpoint '{path}' is outside output_dir '{output_dir}'; its optimizer and RNG files are "
-                "unpickled on load, so set trust_external_checkpoint: true if you trust it"
-            ) from None
+def check_trusted(path: Path, output_dir: Path, *, trusted: bool, export: bool = False) -> None:
+    """Refuse a checkpoint from outside the run folder the command names, unless the user allows it.
+
+    Args:
+        path: the checkpoint folder.
+        output_dir: the run folder the user's command names (never one read from the checkpoint itself).
+        trusted: the user allowed external checkpoints.
+        export: the command is ``hftrain export`` (the fix names its flags).
+    """
+    from hftrain.checkpoint.manager import STATE_DIR
+    from hftrain.checkpoint.safety import pickled_files
+
+    if trusted or path.resolve().is_relative_to(output_dir.resolve()):
+        return
+    state = path / STATE_DIR
+    names = [str(p.relative_to(state)) for p in pickled_files(state)] if state.is_dir() else []
+    fix = (
+        "name the run it belongs to with --output_dir RUN, or pass --trust_external_checkpoint if you trust it"
+        if export
+        else "set trust_external_checkpoint: true if you trust it"
+    )
+    where = "the run folder this command names" if export else f"output_dir '{output_dir}'"
+    raise CheckpointError(
+        f"checkpoint '{path}' is outside {where}; its {', '.join(names[:6]) or 'state files'} are pickles, "
+        f"unpickled on load (by a restricted unpickler that builds only tensors and plain data); {fix}"
+    )

@@ -21,6 +21,7 @@ from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointMan
 from hftrain.checkpoint.preemption import PreemptionFlag
 from hftrain.checkpoint.resume import batches_to_skip, check_resumable, check_trusted
 from hftrain.checkpoint.run import CHECKPOINTS_DIR, STRATEGY_FILENAME, TRAINER_STATE_FILENAME
+from hftrain.checkpoint.safety import check_no_code, check_rng_states
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
@@ -333,11 +334,17 @@ class Trainer:
             can_reshard=self.strategy.reshardable_checkpoints,
         )
         # load_state only after prepare, so the scheduler and optimizer it restores are the live ones (pitfall #12).
-        self.runtime.load_state(str(path / STATE_DIR), model=self.model, optimizer=self.optimizer)
-        self.state = TrainerState(**meta["trainer_state"])
+        self._load_state(path)
+        self.state = _trainer_state(path, meta["trainer_state"])
         self._skip_batches = batches_to_skip(meta, self.strategy_summary)
         self.state.micro_step = self._skip_batches
         self.last_checkpoint = path
+        saved_world = meta["topology"]["world_size"]
+        if self.accelerator.num_processes > saved_world:
+            notes.append(
+                f"processes {saved_world} to {self.accelerator.num_processes - 1} have no RNG state in the checkpoint "
+                f"(written by {saved_world}); they keep the RNG they started with (seed {self.args.seed})"
+            )
         for note in notes:
             self._log(note)
         self._log(
@@ -346,11 +353,14 @@ class Trainer:
         )
 
     def _read_verified(self, path: Path) -> dict[str, Any]:
-        # The main process checks every checksum; the others wait for its verdict instead of re-hashing.
+        # The main process checks every checksum and loads every pickled file once with a restricted unpickler
+        # (nothing in a checkpoint runs code); the others wait for its verdict instead of re-reading.
         error = None
         if self.accelerator.is_main_process:
             try:
-                read_checkpoint(path, verify_files=True)
+                meta = read_checkpoint(path, verify_files=True)
+                check_no_code(path, path / STATE_DIR)
+                check_rng_states(path, path / STATE_DIR, meta["topology"]["world_size"], self.accelerator.num_processes)
             except CheckpointError as raised:
                 error = raised
         failed = self._any_rank(error is not None)
@@ -359,6 +369,25 @@ class Trainer:
         if failed:
             raise CheckpointError(f"checkpoint '{path}' failed verification on the main process; see its error")
         return read_checkpoint(path, verify_files=False)
+
+    def _load_state(self, path: Path) -> None:
+        """Load the verified state; a file that does not fit this run (a missing key, another shape) is one line.
+
+        Every rank agrees on the outcome, so a rank whose load failed does not leave the others waiting.
+        """
+        error: Exception | None = None
+        try:
+            self.runtime.load_state(str(path / STATE_DIR), model=self.model, optimizer=self.optimizer)
+        except CheckpointError as raised:
+            error = raised
+        except Exception as raised:  # the libraries' load errors: RuntimeError (keys, shapes), KeyError, ValueError
+            reason = " ".join(str(raised).split())[:300] or type(raised).__name__
+            error = CheckpointError(
+                f"checkpoint '{path}': its state does not load into this run ({type(raised).__name__}: {reason}); "
+                "resume from another checkpoint, or with the config that wrote it"
+            )
+        if self._any_rank(error is not None):
+            raise error or CheckpointError(f"checkpoint '{path}' failed to load on another process; see its error")
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward one micro-batch; step the optimizer when the window closes.
@@ -466,6 +495,20 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The trainer state as plain data."""
         return asdict(self.state)
+
+
+def _trainer_state(path: Path, saved: dict[str, Any]) -> TrainerState:
+    """The trainer state of ``checkpoint.json`` (its integer fields are checked by ``read_checkpoint``)."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(TrainerState)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint '{path}': checkpoint.json's trainer_state has an unknown key '{unknown[0]}'; it is damaged "
+            "or written by another hftrain: resume from another checkpoint"
+        )
+    return TrainerState(**saved)
 
 
 def configure_threads(requested: int | None, local_world_size: int) -> int:

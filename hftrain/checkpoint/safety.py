@@ -1,0 +1,279 @@
+"""No checkpoint runs code: every pickled file of a checkpoint is loaded once by a restricted unpickler first.
+
+The libraries that read a checkpoint's state unpickle some of it without restriction: DeepSpeed loads its
+``*_states.pt`` with ``torch.load(weights_only=False)``, Accelerate its registered objects (the scheduler's
+``custom_checkpoint_0.pkl``), and ``torch.distributed.checkpoint`` its ``.metadata`` with ``pickle.load`` and the
+non-tensor entries of its ``.distcp`` files with ``weights_only=False``. A planted pickle in any of them would run
+code on resume or export, trusted folder or not: checksums (``checkpoint.json``) give integrity, not authenticity,
+since whoever plants a file can recompute them.
+
+So before any library touches a checkpoint, the main process loads every such file with torch's ``weights_only``
+unpickler (``torch.load(weights_only=True, mmap=True)``: storages are mapped, not read) and the DCP metadata with a
+``pickle.Unpickler`` whose ``find_class`` admits only ``SAFE_GLOBALS``. Both construct nothing but tensors,
+containers, numbers, strings and the few listed classes, and both refuse opcodes and globals outside that set. A
+file that passes loads the same bytes the same way in the library afterwards, so it cannot run code there either.
+A file that is refused is named in one line, with the global it asked for; a file that is not what its name says
+(garbage, truncated, the wrong structure) is named as damaged.
+
+Written by hand because no library does it for a whole checkpoint: torch's ``weights_only`` covers one
+``torch.load`` call, and ``torch.serialization.get_unsafe_globals_in_checkpoint`` only lists the GLOBAL opcodes of a
+zip file (a protocol-0 ``INST`` or a non-zip pickle slips past it).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from hftrain.checkpoint.manager import CheckpointError
+
+# Globals that the checkpoints of hftrain's strategies hold besides tensors and plain data, found by loading the
+# checkpoints of every strategy (tests/test_checkpoint_trust.py): NumPy's RNG state arrays (what Accelerate adds to
+# torch's own allow-list), DeepSpeed's ZeRO optimizer metadata, and torch.distributed.checkpoint's metadata classes.
+# Each is a data container whose construction runs no user-controlled code.
+SAFE_GLOBAL_NAMES = (
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.dtypes.UInt32DType",
+    "codecs.encode",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+DCP_GLOBAL_NAMES = (
+    "collections.OrderedDict",
+    "pathlib.PosixPath",
+    "pathlib.WindowsPath",
+    "torch.Size",
+    "torch.serialization._get_layout",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata.Metadata",
+    "torch.distributed.checkpoint.metadata.MetadataIndex",
+    "torch.distributed.checkpoint.metadata.StorageMeta",
+    "torch.distributed.checkpoint.metadata.TensorProperties",
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+)
+# Files no library unpickles: JSON, safetensors (a header and raw bytes), DeepSpeed's `latest` tag (text) and the
+# conversion scripts it copies beside its checkpoints (never run by hftrain).
+_NOT_PICKLED_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".md")
+_NOT_PICKLED_NAMES = ("latest",)
+_RNG_FILE = re.compile(r"^random_states_(\d+)\.pkl$")
+_RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+
+
+def pickled_files(state_dir: Path) -> list[Path]:
+    """The files of a checkpoint's ``state/`` that a library unpickles on load (the trust message names them).
+
+    Args:
+        state_dir: the checkpoint's ``state/`` folder.
+    """
+    return [
+        path
+        for path in sorted(state_dir.rglob("*"))
+        if path.is_file() and not _not_pickled(path) and path.suffix != ".distcp"
+    ]
+
+
+def check_no_code(checkpoint: Path, state_dir: Path) -> None:
+    """Load every pickled file of ``state_dir`` with a restricted unpickler; refuse the checkpoint if one fails.
+
+    Args:
+        checkpoint: the ``step_<N>`` folder, for messages.
+        state_dir: its ``state/`` folder.
+    """
+    for path in sorted(state_dir.rglob("*")):
+        if not path.is_file():
+            continue
+        name = str(path.relative_to(checkpoint))
+        if path.suffix == ".safetensors":
+            _check_safetensors(checkpoint, name, path)
+        elif path.suffix == ".json":
+            _check_json(checkpoint, name, path)
+        elif path.name == ".metadata":
+            _check_dcp(checkpoint, path.parent)
+        elif not _not_pickled(path) and path.suffix != ".distcp":  # .distcp: through their .metadata
+            loaded = _restricted_torch_load(checkpoint, name, path)
+            if _RNG_FILE.match(path.name):
+                _check_rng(checkpoint, name, loaded)
+
+
+def check_rng_states(checkpoint: Path, state_dir: Path, saved_world: int, live_world: int) -> None:
+    """Every process that had a rank in the saved run must find its RNG state (Accelerate skips a missing one).
+
+    A process beyond the saved world (a resume on more processes) has none and keeps its seeded RNG; the trainer
+    logs it.
+
+    Args:
+        checkpoint: the ``step_<N>`` folder, for messages.
+        state_dir: its ``state/`` folder.
+        saved_world: processes that wrote the checkpoint.
+        live_world: processes of this run.
+    """
+    for rank in range(min(saved_world, live_world)):
+        name = f"random_states_{rank}.pkl"
+        if not (state_dir / name).is_file():
+            raise CheckpointError(
+                f"checkpoint '{checkpoint}': {state_dir.name}/{name} is missing (the RNG state of process {rank}); "
+                "resume from another checkpoint"
+            )
+
+
+def _not_pickled(path: Path) -> bool:
+    return path.suffix in _NOT_PICKLED_SUFFIXES or path.name in _NOT_PICKLED_NAMES
+
+
+def _safe_globals() -> list[Any]:
+    """The objects of ``SAFE_GLOBAL_NAMES`` that exist in this environment (numpy 1 or 2, DeepSpeed or not)."""
+    import importlib
+
+    found = []
+    for qualified in SAFE_GLOBAL_NAMES:
+        module, _, attribute = qualified.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attribute))
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
+def _restricted_torch_load(checkpoint: Path, name: str, source: Any) -> Any:
+    """``torch.load(weights_only=True)`` with ``SAFE_GLOBALS``; a refusal or damage becomes a CheckpointError."""
+    import torch
+
+    is_zip = zipfile.is_zipfile(source) if isinstance(source, Path) else zipfile.is_zipfile(io.BytesIO(source))
+    if not is_zip:
+        # Not torch's zip format: a bare pickle (which torch.load(weights_only=False) would run) or garbage.
+        _refuse_or_damaged(checkpoint, name, _plain_pickle_global(source))
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            if isinstance(source, Path):
+                return torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        _refuse_or_damaged(checkpoint, name, found.group(1) if found else None, detail=str(error).splitlines()[0])
+    except Exception as error:  # torch reports a damaged zip as RuntimeError, a bad record as EOFError, ...
+        raise _damaged(checkpoint, name, error) from None
+    raise AssertionError("unreachable")
+
+
+def _plain_pickle_global(source: Any) -> str | None:
+    """The first global a bare pickle asks for (None when it is not a pickle at all)."""
+    import pickletools
+
+    data = source.read_bytes() if isinstance(source, Path) else source
+    try:
+        for opcode, argument, _ in pickletools.genops(data):
+            if opcode.name in ("GLOBAL", "INST") and isinstance(argument, str):
+                return argument.replace(" ", ".")
+            if opcode.name in ("STACK_GLOBAL", "REDUCE", "OBJ", "NEWOBJ", "NEWOBJ_EX"):
+                return "an object built by a call"
+    except Exception:  # noqa: BLE001 - anything pickletools cannot walk is not a pickle: damaged
+        return None
+    return None
+
+
+def _refuse_or_damaged(checkpoint: Path, name: str, global_name: str | None, *, detail: str = "") -> None:
+    if global_name is not None:
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}': {name} holds a pickled object ({global_name}) that could run code when "
+            "loaded; hftrain loads only tensors and plain data from checkpoints: resume from another checkpoint"
+        )
+    raise CheckpointError(
+        f"checkpoint '{checkpoint}': {name} is damaged (not a valid state file{': ' + detail if detail else ''}); "
+        "resume from another checkpoint"
+    )
+
+
+def _damaged(checkpoint: Path, name: str, error: BaseException) -> CheckpointError:
+    reason = " ".join(str(error).split())[:160] or type(error).__name__
+    return CheckpointError(f"checkpoint '{checkpoint}': {name} is damaged ({reason}); resume from another checkpoint")
+
+
+def _check_rng(checkpoint: Path, name: str, loaded: Any) -> None:
+    """An RNG file must hold Accelerate's states: otherwise Accelerate skips it with an info line, silently."""
+    if not isinstance(loaded, dict) or any(key not in loaded for key in _RNG_KEYS):
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}': {name} is damaged (not Accelerate's RNG states: it lacks "
+            f"{', '.join(k for k in _RNG_KEYS if not isinstance(loaded, dict) or k not in loaded)}); resume from "
+            "another checkpoint"
+        )
+
+
+def _check_safetensors(checkpoint: Path, name: str, path: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            handle.keys()
+    except Exception as error:  # SafetensorError, OSError: a damaged header
+        raise _damaged(checkpoint, name, error) from None
+
+
+def _check_json(checkpoint: Path, name: str, path: Path) -> None:
+    try:
+        json.loads(path.read_text())
+    except (ValueError, OSError) as error:
+        raise _damaged(checkpoint, name, error) from None
+
+
+class _DcpUnpickler(pickle.Unpickler):
+    """Builds a ``torch.distributed.checkpoint`` ``.metadata`` and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        qualified = f"{module}.{name}"
+        if module == "torch" and name in _torch_dtypes():  # tensor properties name their dtype
+            return super().find_class(module, name)
+        if qualified not in DCP_GLOBAL_NAMES:
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {qualified}")
+        return super().find_class(module, name)
+
+
+def _torch_dtypes() -> set[str]:
+    import torch
+
+    return {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+def _check_dcp(checkpoint: Path, folder: Path) -> None:
+    """The ``.metadata`` of a DCP folder, and every non-tensor entry its ``.distcp`` files hold."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    name = str((folder / ".metadata").relative_to(checkpoint))
+    try:
+        metadata = _DcpUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
+        entries = metadata.state_dict_metadata
+        storage = metadata.storage_data
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        _refuse_or_damaged(checkpoint, name, found.group(1) if found else None, detail=str(error).splitlines()[0])
+        raise AssertionError("unreachable") from None
+    except Exception as error:  # noqa: BLE001 - truncated, or not DCP metadata at all
+        raise _damaged(checkpoint, name, error) from None
+    for index, info in storage.items():
+        if not isinstance(entries.get(index.fqn), BytesStorageMetadata):
+            continue  # tensors: DCP reads them with weights_only=True
+        entry = f"{folder.relative_to(checkpoint)}/{info.relative_path} ({index.fqn})"
+        if info.transform_descriptors:
+            raise CheckpointError(
+                f"checkpoint '{checkpoint}': {entry} is stored with transforms hftrain cannot check; "
+                "resume from another checkpoint"
+            )
+        try:
+            with (folder / info.relative_path).open("rb") as handle:
+                handle.seek(info.offset)
+                data = handle.read(info.length)
+        except OSError as error:
+            raise _damaged(checkpoint, entry, error) from None
+        _restricted_torch_load(checkpoint, entry, data)
