@@ -140,6 +140,7 @@ class TrainingConfig:
         ):
             _require(getattr(self, name) > 0, f"training.{name}", "must be positive")
         _require(self.learning_rate > 0, "training.learning_rate", "must be positive")
+        _require(self.weight_decay >= 0, "training.weight_decay", "must be >= 0 (0 disables weight decay)")
         # numpy's and Python's generators take seeds in [0, 2**32); Accelerate's set_seed seeds all of them.
         _require(0 <= self.seed < 2**32, "training.seed", "must be in [0, 4294967295]")
         _require(self.max_steps > 0 or self.num_train_epochs > 0, "training.num_train_epochs", "must be positive")
