@@ -786,6 +786,11 @@ def test_a_moved_run_resumes_where_it_now_lives(good, tmp_path, capsys):
     )
     reset_accelerate_state()
     assert main(["export", str(moved), str(tmp_path / "latest")]) == 0  # a run folder: its latest checkpoint
+    reset_accelerate_state()  # a checkpoint outside any run the command names, trusted by the flag
+    assert (
+        main(["export", str(moved / "checkpoints/step_00000006"), str(tmp_path / "t"), "--trust_external_checkpoint"])
+        == 0
+    )
     assert (tmp_path / "exported" / "model.safetensors").is_file()
     assert checksums(good.run) == before  # the original is untouched
 
