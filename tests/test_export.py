@@ -118,7 +118,7 @@ def _train_and_export(kind: str, label: str, lora: bool, precision: str, directo
     pieces = _local_trainable_pieces(model) if lora else {}
     try:  # a failed verification raises on every rank alike, so the launch can go on to the next case
         export = export_pretrained(
-            acc, model, tokenizer, directory, merge_lora=lora, verify_inputs=_batch(tokenizer, VERIFY_TEXTS)
+            trainer.runtime, model, tokenizer, directory, merge_lora=lora, verify_inputs=_batch(tokenizer, VERIFY_TEXTS)
         )
     except HFTrainError as error:
         export = str(error)
@@ -275,7 +275,7 @@ def _save(model: torch.nn.Module, directory: Path) -> Path:
 
 
 class _OneProcess:
-    """The part of ``Accelerator`` that ``export_pretrained`` uses, for one process, with a given gathered state.
+    """The part of the runtime that ``export_pretrained`` uses, for one process, with a given gathered state.
 
     A real Accelerator here would leave Accelerate's process-wide state behind in the test process.
     """
@@ -287,6 +287,11 @@ class _OneProcess:
 
     def __init__(self, gathered: dict[str, torch.Tensor]) -> None:
         self.gathered = gathered
+
+    def plain_model_context(self):
+        import contextlib
+
+        return contextlib.nullcontext()
 
     def wait_for_everyone(self) -> None:
         pass

@@ -90,7 +90,7 @@ def _inspect(trainer, kind: str, export_dir: str) -> dict:
         local = sum(local_bytes(p) for p in model.parameters())
     optimizer_state = trainer.optimizer.optimizer.state.values()
     optimizer = sum(local_bytes(v) for state in optimizer_state for k, v in state.items() if k != "step")
-    export_pretrained(acc, model, trainer.tokenizer, export_dir)
+    export_pretrained(trainer.runtime, model, trainer.tokenizer, export_dir)
     exported = load_file(f"{export_dir}/model.safetensors") if acc.is_main_process else None
     return {
         "wrapper": type(model).__name__,

@@ -72,7 +72,7 @@ def _hand_written_loop(tp: int | None, shard_optimizer: bool = False) -> dict:
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
     from hftrain.data.batching import tokenize_splits
-    from hftrain.parallel.plugin import MegatronPlugin
+    from hftrain.strategies.megatron.plugin import MegatronPlugin
     from tests.tiny import reset_accelerate_state, tiny_splits
 
     reset_accelerate_state()
@@ -272,8 +272,8 @@ def test_zero1_shards_the_optimizer_state_over_dp(runs):
 
 
 def test_a_checkpoint_of_another_format_is_refused_naming_both_layouts(tmp_path):
-    from hftrain.checkpoint.logical import LAYOUT_FILE, check_layout
     from hftrain.checkpoint.manager import CheckpointError
+    from hftrain.strategies.megatron.state import LAYOUT_FILE, check_layout
 
     state = tmp_path / "step_00000008" / "state"
     state.mkdir(parents=True)

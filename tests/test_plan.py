@@ -292,8 +292,8 @@ def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = F
     from accelerate import Accelerator
 
     from hftrain.parallel import finalize_tp_grads
-    from hftrain.parallel.plugin import MegatronPlugin, unwrap
     from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
+    from hftrain.strategies.megatron.plugin import MegatronPlugin, unwrap
 
     dist.init_process_group("gloo")
     Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
@@ -350,8 +350,8 @@ def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: 
     import torch.distributed as dist
 
     from hftrain.parallel import apply_tensor_parallel, build_schedule, build_stage_modules, finalize_tp_grads
-    from hftrain.parallel.plugin import MegatronPlugin
     from hftrain.plan.measure import model_state_bytes
+    from hftrain.strategies.megatron.plugin import MegatronPlugin
 
     dist.init_process_group("gloo")
     layout = MegatronPlugin(tp=tp, pp=pp).setup().layout

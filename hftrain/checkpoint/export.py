@@ -14,12 +14,10 @@ The export is a collective call (pitfall #9): every rank gathers, the main proce
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +64,7 @@ class ExportResult:
 
 
 def export_pretrained(
-    accelerator: Accelerator,
+    accelerator: Any,
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     directory: str | Path,
@@ -81,7 +79,8 @@ def export_pretrained(
     ``directory`` never looks finished when it is not (a full disk leaves the previous export, or nothing).
 
     Args:
-        accelerator: the run's accelerator.
+        accelerator: the run's runtime (``hftrain.strategies.runtime``): the Accelerator's facts and gathers, and
+            the strategy's ``plain_model_context`` to reload the export in.
         model: the prepared (wrapped) model.
         tokenizer: saved beside the weights.
         directory: the export folder.
@@ -100,7 +99,7 @@ def export_pretrained(
     if accelerator.is_main_process:
         try:
             with (
-                outside_zero3_init(accelerator),
+                accelerator.plain_model_context(),  # the strategy's: ZeRO-3 keeps transformers out of zero.Init
                 writing(
                     f"the export {directory}",
                     location=directory,
@@ -188,24 +187,6 @@ def verification_batch(
     rows = rows.remove_columns([c for c in rows.column_names if c in ("labels", "label", "length")])
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     return collate([rows[i] for i in range(len(rows))])
-
-
-@contextlib.contextmanager
-def outside_zero3_init(accelerator: Accelerator) -> Iterator[None]:
-    """Build and load models normally even while a ZeRO-3 job runs.
-
-    transformers routes ``from_pretrained``/``from_config`` through ``deepspeed.zero.Init`` while a ZeRO-3
-    config is registered; on the main process alone that starts a collective the other ranks never join.
-    """
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if not is_deepspeed_zero3_enabled():
-        yield
-        return
-    from hftrain.strategies.deepspeed import without_hf_zero3
-
-    with without_hf_zero3(accelerator.state.deepspeed_plugin):
-        yield
 
 
 # ----------------------------------------------------------------- main process: check, write, reload

@@ -29,9 +29,13 @@ _EXPORTS = {
     "shard_full_tensor": "tensor_parallel",
     "load_full_state_dict": "tensor_parallel",
     "finalize_tp_grads": "tensor_parallel",
+    "clip_grad_norm_": "tensor_parallel",
     "record_collectives": "collectives",
+    "parallelize_model": "parallelize",
     # pipeline parallelism (issue 8)
-    **dict.fromkeys(("stage_layer_ranges", "build_stage_modules", "chunk_ids_of_rank"), "pipeline"),
+    **dict.fromkeys(
+        ("stage_layer_ranges", "build_stage_modules", "chunk_ids_of_rank", "release_other_stages"), "pipeline"
+    ),
     **dict.fromkeys(("SCHEDULES", "PipelineSchedule", "build_schedule", "check_schedule"), "schedules"),
     **dict.fromkeys(("TimelineRecorder", "render_timeline", "measured_bubble", "theoretical_bubble"), "timeline"),
     "gather_events": "timeline",

@@ -200,3 +200,30 @@ def build_stage_modules(
         chunk.index = c  # its global stage index: schedules check it against their layout
         chunks.append(chunk)
     return chunks
+
+
+def release_other_stages(model: torch.nn.Module, stages: list[torch.nn.Module]) -> int:
+    """Free the parameters of ``model`` that none of this rank's ``stages`` holds; returns how many elements went.
+
+    Each is replaced by a parameter of the same shape and dtype on the ``meta`` device (no storage), so the model
+    object keeps its structure and names (checkpoint state and the export filter by the stage's own names) while
+    the other stages' weights leave this rank's memory at once. Buffers are kept: they are small, and every stage
+    may read them (position ids, rotary frequencies).
+
+    Args:
+        model: the whole (tensor-parallel) model the stages were cut from.
+        stages: this rank's chunks.
+    """
+    import torch
+
+    kept = {id(p) for stage in stages for p in stage.parameters()}
+    released = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) in kept or param.device.type == "meta":
+                continue
+            released += param.numel()
+            module._parameters[name] = torch.nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
+            )
+    return released

@@ -283,12 +283,14 @@ def shard_full_tensor(name: str, full: torch.Tensor, model: nn.Module) -> torch.
     return full if shard is None else shard.local(full)
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], *, names: set[str] | None = None) -> None:
     """Load an unsharded HF state dict into a tensor-parallel model (each rank takes its slices), strictly.
 
     Args:
         model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
         state: logical name -> full tensor, e.g. from :func:`full_state_dict` or the plain HF model.
+        names: the logical names this rank holds (a pipeline stage's); None: all of the model's. ``state`` must
+            still hold exactly the model's names.
     """
     shards = sharded_parameters(model)
     targets = {_logical(name): tensor for name, tensor in model.state_dict().items()}
@@ -297,10 +299,54 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
         raise HFTrainError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for name, target in targets.items():
+            if names is not None and name not in names:
+                continue  # another stage's: not held here
             value = shards[name].local(state[name]) if name in shards else state[name]
             if value.shape != target.shape:
                 raise HFTrainError(f"'{name}': shape {tuple(state[name].shape)} does not fit the model")
             target.copy_(value)
+
+
+def clip_grad_norm_(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    max_norm: float,
+    *,
+    tp_group: Any,
+    pp_group: Any = None,
+) -> torch.Tensor:
+    """Clip to the global gradient norm, as one process with the whole model computes it; returns the norm.
+
+    Megatron's rule: ``‖g‖² = Σ_pp (Σ_tp Σ_split g² + Σ_replicated g²)``. The squares of split parameters are
+    summed over the tp group (all-reduce); replicated parameters (norms, row-parallel biases, the head) hold the
+    same gradient on every tp rank and count once; under pipeline parallelism each stage's total is summed over the
+    pp group (all-reduce), since each stage owns its own parameters. The coefficient is
+    ``torch.nn.utils.clip_grad_norm_``'s, ``min(1, max_norm / (‖g‖ + 1e-6))``, so one process matches it exactly.
+
+    Args:
+        model: the tensor-parallel model (defines which names are split).
+        params: HF name -> the parameters this rank owns (all of them without pipeline parallelism).
+        max_norm: the largest allowed norm.
+        tp_group: the tensor-parallel group.
+        pp_group: the pipeline group (None: one stage).
+    """
+    split = set(sharded_parameters(model))
+    grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+    device = next(iter(grads.values())).device if grads else None
+    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (split, replicated) sums of squares
+    for name, grad in grads.items():
+        squares[0 if name in split else 1] += grad.detach().double().pow(2).sum()
+    split_sq = squares[:1].clone()
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(split_sq, group=tp_group)
+    total_sq = split_sq + squares[1:]
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt().float().squeeze(0)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads.values():
+        grad.mul_(coefficient.to(grad.dtype))
+    return total
 
 
 def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:

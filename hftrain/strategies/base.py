@@ -96,7 +96,11 @@ class Strategy(ABC):
         """
         from hftrain.strategies.runtime import AccelerateRuntime
 
-        return AccelerateRuntime(accelerator, self)
+        return AccelerateRuntime(accelerator, **self.runtime_hooks())
+
+    def runtime_hooks(self) -> dict[str, Any]:
+        """What an Accelerate runtime needs from this strategy: its load hook and model-construction context."""
+        return {"before_load_state": self.before_load_state, "plain_model_context": self.model_init_context}
 
     def describe(self) -> dict[str, Any]:
         """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""

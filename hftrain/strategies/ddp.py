@@ -29,7 +29,7 @@ class DDPStrategy(Strategy):
         return {"cpu": self.platform.is_cpu}
 
     def build_runtime(self, accelerator: Accelerator) -> DDPRuntime:
-        return DDPRuntime(accelerator, self)
+        return DDPRuntime(accelerator, **self.runtime_hooks())
 
 
 class DDPRuntime(AccelerateRuntime):
@@ -45,8 +45,8 @@ class DDPRuntime(AccelerateRuntime):
     GradScaler (which sets ``grad_scale`` itself), clipping is Accelerate's.
     """
 
-    def __init__(self, accelerator: Accelerator, strategy: Strategy) -> None:
-        super().__init__(accelerator, strategy)
+    def __init__(self, accelerator: Accelerator, **hooks: Any) -> None:
+        super().__init__(accelerator, **hooks)
         self._folds_into: torch.optim.Optimizer | None = None
 
     def prepare(self, *components: Any) -> tuple[torch.nn.Module, Any, Any, Any]:

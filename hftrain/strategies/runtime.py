@@ -6,7 +6,7 @@ micro-batch's forward and backward, to clip, reduce and gather, and to save, loa
 
 ``AccelerateRuntime`` (the default) delegates each operation to Accelerate, exactly as the Trainer did before, so
 DDP, FSDP and ZeRO keep going through Accelerate unchanged. A strategy that Accelerate cannot run (hftrain's
-Megatron-style tensor parallelism; later pipeline parallelism) subclasses it and overrides what it owns:
+Megatron-style tensor and pipeline parallelism) subclasses it and overrides what it owns:
 
 ==========================  ====================================================================================
 ``prepare``                 wrap the model, shard the loaders (by data-parallel rank), wrap the optimizer
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-    from hftrain.strategies.base import Strategy
-
 Batch = dict[str, "torch.Tensor"]
 
 
@@ -43,12 +41,25 @@ class AccelerateRuntime:
 
     Args:
         accelerator: the run's accelerator (also the trainer's trackers).
-        strategy: the strategy that built it (its ``before_load_state`` hook runs before a load).
+        before_load_state: run on the live model and optimizer before a load (FSDP1's optimizer template).
+        plain_model_context: the context a plain, unsharded model is built in (the export's reload): the
+            strategy's model-construction context (ZeRO-3 keeps transformers out of ``deepspeed.zero.Init``).
     """
 
-    def __init__(self, accelerator: Accelerator, strategy: Strategy) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        *,
+        before_load_state: Callable[[Any, Any], None] | None = None,
+        plain_model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> None:
         self.accelerator = accelerator
-        self.strategy = strategy
+        self._before_load_state = before_load_state
+        self._plain_model_context = plain_model_context or contextlib.nullcontext
+
+    def plain_model_context(self) -> contextlib.AbstractContextManager:
+        """The context in which a plain model is built and loaded while this run's strategy is live."""
+        return self._plain_model_context()
 
     # ----------------------------------------------------------------- facts
     @property
@@ -196,7 +207,8 @@ class AccelerateRuntime:
             model: the prepared model.
             optimizer: the prepared optimizer.
         """
-        self.strategy.before_load_state(model, getattr(optimizer, "optimizer", optimizer))
+        if self._before_load_state is not None:
+            self._before_load_state(model, getattr(optimizer, "optimizer", optimizer))
         self.accelerator.load_state(directory)
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

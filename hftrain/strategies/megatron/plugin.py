@@ -1,4 +1,8 @@
-"""``MegatronPlugin``: hftrain's tensor × data parallelism for a hand-written Accelerate loop.
+"""``MegatronPlugin``: the adapter between ``hftrain.parallel`` and an Accelerate loop (tensor × data parallelism).
+
+``hftrain.parallel`` knows neither Accelerate nor the Trainer; this adapter is where Accelerate meets it: the
+optimizer wrapper, data sharding by dp rank and ``gather_for_metrics``'s remainder rule are Accelerate's. The
+``megatron`` strategy's runtimes use it, and so can a hand-written loop.
 
 Accelerate cannot run this layout itself: its TP refuses ``MULTI_CPU``, and ``prepare(model)`` wraps a TP model
 in DDP over the *whole* world, averaging gradients between ranks that hold different shards. The plugin does the
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import DataLoader
 
-    from hftrain.parallel.dims import ParallelGroups
+    from hftrain.parallel.dims import ParallelDims, ParallelGroups
 
 
 @dataclass
@@ -59,18 +63,21 @@ class MegatronPlugin:
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
 
     # ----------------------------------------------------------------- layout
-    def setup(self, *, device_type: str = "cpu") -> MegatronPlugin:
-        """Build the tp/dp groups in Megatron's rank order (collective; needs the default process group).
+    def setup(self, *, device_type: str = "cpu", dims: ParallelDims | None = None) -> MegatronPlugin:
+        """Build the tp/dp/pp groups in Megatron's rank order (collective; needs the default process group).
 
         Args:
             device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+            dims: the layout, validated once by its owner (the strategy); None builds it from ``tp``/``pp`` and
+                the world size (a hand-written loop).
         """
         import torch.distributed as dist
 
         from hftrain.parallel.dims import ParallelDims, build_groups
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-        dims = ParallelDims(world, tp=self.tp, pp=self.pp).validate()
+        if dims is None:
+            dims = ParallelDims(world, tp=self.tp, pp=self.pp).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
             _init_single_process_group()
         self.groups = build_groups(dims, rank, device_type=device_type)
@@ -84,8 +91,8 @@ class MegatronPlugin:
         return self.groups
 
     # ----------------------------------------------------------------- wrapping
-    def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
-        """Split the model's layers over tp (in place), move it, and wrap it in DDP over the dp group.
+    def parallelize(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
+        """Move the model and split it over this rank's groups (``hftrain.parallel.parallelize_model``), in place.
 
         Every rank must hold the same full weights before (same seed or the same checkpoint).
 
@@ -93,15 +100,23 @@ class MegatronPlugin:
             model: an unchanged HF ``*ForSequenceClassification`` model.
             device: where the shards live (None: stay where they are).
         """
-        from torch.nn.parallel import DistributedDataParallel
+        from hftrain.parallel import parallelize_model
 
-        from hftrain.parallel import apply_tensor_parallel, check_tensor_parallel
-
-        layout = self.layout
-        check_tensor_parallel(model.config, self.tp)
         if device is not None:  # first: splitting runs a collective on the weights, on the group's device
             model = model.to(device)
-        model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=self.sequence_parallel)
+        return parallelize_model(model, self.layout, sequence_parallel=self.sequence_parallel)
+
+    def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
+        """``parallelize`` the model, then wrap it in DDP over the dp group (no pipeline stages).
+
+        Args:
+            model: an unchanged HF ``*ForSequenceClassification`` model.
+            device: where the shards live (None: stay where they are).
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        layout = self.layout
+        model = self.parallelize(model, device=device)
         if layout.dp_size == 1:
             return model
         # Gradients are averaged over the ranks holding the same shard only; DDP's no_sync serves accumulation.
@@ -153,36 +168,17 @@ class MegatronPlugin:
         finalize_tp_grads(unwrap(model), tp_group=self.layout.tp_group)
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip to the global gradient norm, as one process with the whole model would compute it.
-
-        Megatron's rule: the squares of split parameters are summed over the tp group; replicated parameters
-        (norms, row-parallel biases, the head) hold the same gradient on every tp rank and count once.
+        """Clip to the global gradient norm, as one process with the whole model would compute it
+        (``hftrain.parallel.clip_grad_norm_``: split parameters' squares summed over tp, replicated ones once).
 
         Args:
             model: the prepared model (after ``finalize_grads``).
             max_norm: the largest allowed norm.
         """
-        import torch
-        import torch.distributed as dist
-
-        from hftrain.parallel import sharded_parameters
+        from hftrain.parallel import clip_grad_norm_
 
         module = unwrap(model)
-        split = set(sharded_parameters(module))
-        grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
-        device = next(iter(grads.values())).device if grads else None
-        squares = torch.zeros(2, dtype=torch.float64, device=device)  # (split, replicated) sums of squares
-        for name, grad in grads.items():
-            squares[0 if name in split else 1] += grad.detach().double().pow(2).sum()
-        split_sq = squares[:1].clone()
-        if self.tp > 1:
-            dist.all_reduce(split_sq, group=self.layout.tp_group)
-        total = (split_sq + squares[1:]).sqrt().float().squeeze(0)
-        # torch.nn.utils.clip_grad_norm_'s coefficient, so tp=1 matches a single process exactly.
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads.values():
-            grad.mul_(coefficient.to(grad.dtype))
-        return total
+        return clip_grad_norm_(module, dict(module.named_parameters()), max_norm, tp_group=self.layout.tp_group)
 
     # ----------------------------------------------------------------- evaluation and state
     def gather_for_metrics(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

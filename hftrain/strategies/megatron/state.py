@@ -1,19 +1,19 @@
-"""Tensor-parallel checkpoint state in logical, unsharded form, so that it reshards to any ``tp`` and ``dp``.
+"""Megatron checkpoint state in logical, unsharded form, so that it reshards to any ``tp``, ``pp`` and ``dp``.
 
 Choice: the model and the optimizer state are saved as *full* tensors under the model's HF parameter names
 (``state/model.safetensors``, ``state/optimizer.pt``: per parameter name its Adam ``exp_avg``/``exp_avg_sq``
-and ``step``, and the parameter groups' hyper-parameters with names instead of indices). Loading slices each
-full tensor into this rank's shard with the same plan that split the model (``shard_full_tensor``), so a
-checkpoint written at tp=2 × dp=2 loads at tp=1, at another dp size, with or without optimizer sharding.
-Scheduler and per-rank RNG go through ``accelerator.save_state`` beside these files.
+and ``step``, and the parameter groups' hyper-parameters with names instead of indices). Each rank owns some
+parameters (all of them at ``pp = 1``, its stages' under pipeline parallelism) and holds tp shards of them; saving
+gathers them over the tp group and, under ``pp > 1``, merges the stages over the pp group. The format does not
+depend on the layout: loading slices each full tensor into this rank's shard with the plan that split the model
+(``shard_full_tensor``), so a checkpoint of any ``tp × pp × dp`` loads on any other that fits the model.
+Scheduler and per-rank RNG go through ``accelerator.save_state`` beside these files. ``optimizer.pt`` holds only
+tensors, numbers, strings and containers and is read with ``weights_only=True``.
 
-Cost, stated because it is the price of the simplicity: at save, the ranks of data-parallel replica 0 gather
-the full model and the full optimizer state over their tp group, and global rank 0 holds
-``(1 + number of optimizer state tensors) x model size`` (Adam: 3x the fp32 model) while it writes; the write
-is serial on one rank. At load, every rank reads the full files and keeps its slices. That is right for the
-models hftrain fine-tunes on CPU (up to a few hundred million parameters: SmolLM2-135M is 0.5 GB of weights,
-1.6 GB with Adam); for multi-billion-parameter models ``torch.distributed.checkpoint`` with DTensor shards
-(each rank writing its own slice) is the scalable form of the same logical layout.
+Cost, stated because it is the price of the simplicity: at save, the ranks of data-parallel replica 0 gather the
+full model and optimizer state, and global rank 0 holds ``(1 + optimizer state tensors) x model size`` while it
+writes, serially. At load every rank reads the full files and keeps its slices. The scalable form of the same
+logical layout, each rank writing its own shards through ``torch.distributed.checkpoint``, is issue 21.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hftrain.checkpoint.manager import CheckpointError
 
@@ -33,28 +34,33 @@ LAYOUT_FILE = "layout.json"
 FORMAT = "hftrain-logical-full-v1"
 
 
-def save_logical_state(
-    directory: str | Path, model: torch.nn.Module, optimizer: Any, *, groups: Any, layout: dict[str, int]
+def save_state(
+    directory: str | Path,
+    model: torch.nn.Module,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: Any,
+    *,
+    groups: Any,
+    layout: dict[str, int],
 ) -> None:
-    """Write the full model and optimizer state (collective over dp for a sharded optimizer, over tp).
+    """Write the full model and optimizer state (collective over tp, pp, and dp for a sharded optimizer).
 
     Args:
         directory: the checkpoint's ``state/`` folder (exists on the main process).
-        model: the TP model (unwrapped from DDP).
-        optimizer: the inner optimizer (``torch.optim`` or ``ZeroRedundancyOptimizer``).
+        model: the tensor-parallel HF model (unwrapped).
+        params: HF name -> the parameters this rank owns (all of them at ``pp = 1``).
+        optimizer: the inner optimizer over ``params`` (``torch.optim`` or ``ZeroRedundancyOptimizer``).
         groups: the run's ``ParallelGroups``.
         layout: ``{"tp", "dp", "pp", "world_size"}``, recorded for the refusal of impossible layout changes.
     """
-    from hftrain.parallel import full_state_dict
-
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
     if consolidate is not None:  # ZeRO-1: dp rank 0 of each replica set collects the partitions
         consolidate(to=0)
-    if groups.dp_rank != 0:  # the other replicas hold the same shards
+    if groups.dp_rank != 0:  # the other replicas hold the same stages and shards
         return
-    weights = full_state_dict(model, tp_group=groups.tp_group)
-    optimizer_state = _full_optimizer_state(model, optimizer, groups)
-    if groups.tp_rank == 0:
+    weights = merged_weights(model, params, groups)
+    optimizer_state = _merged_optimizer_state(model, optimizer, groups)
+    if dist.get_rank() == 0:
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -63,15 +69,21 @@ def save_logical_state(
         (directory / LAYOUT_FILE).write_text(json.dumps({"format": FORMAT, **layout}) + "\n")
 
 
-def load_logical_state(
-    directory: str | Path, model: torch.nn.Module, optimizer: Any, *, layout: dict[str, int]
+def load_state(
+    directory: str | Path,
+    model: torch.nn.Module,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: Any,
+    *,
+    layout: dict[str, int],
 ) -> None:
-    """Load the full state into this rank's shards of ``model`` and its optimizer (no collective).
+    """Load a logical checkpoint (of any tp, pp and dp) into this rank's parameters and optimizer (no collective).
 
     Args:
         directory: the checkpoint's ``state/`` folder.
-        model: the TP model (unwrapped from DDP).
-        optimizer: the inner optimizer.
+        model: the tensor-parallel HF model (unwrapped).
+        params: HF name -> the parameters this rank owns.
+        optimizer: the inner optimizer over ``params``.
         layout: this run's ``{"tp", "dp", "pp", "world_size"}``.
     """
     from safetensors.torch import load_file
@@ -80,9 +92,67 @@ def load_logical_state(
 
     directory = Path(directory)
     check_layout(directory, layout)
-    load_full_state_dict(model, load_file(str(directory / MODEL_FILE)))
+    load_full_state_dict(model, load_file(str(directory / MODEL_FILE)), names=set(params) | _buffer_names(model))
     saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(_local_optimizer_state(model, optimizer, saved))
+    mine = {
+        "state": {name: values for name, values in saved["state"].items() if name in params},
+        "param_groups": [
+            {**group, "params": [name for name in group["params"] if name in params]} for group in saved["param_groups"]
+        ],
+    }
+    optimizer.load_state_dict(_local_optimizer_state(model, optimizer, mine))
+
+
+def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], groups: Any) -> dict[str, Any]:
+    """The full weights with HF names, gathered over tp and merged over pp (collective; every caller gets them).
+
+    Args:
+        model: the tensor-parallel HF model (unwrapped; under ``pp > 1`` only its stages' parameters are live).
+        params: HF name -> the parameters this rank owns.
+        groups: the run's ``ParallelGroups``.
+    """
+    from hftrain.parallel import gather_full_tensors
+
+    buffers = _buffer_names(model)
+    # Buffers are not trained: the first stage contributes them; each parameter comes from the stage owning it.
+    local = {
+        name: tensor.detach()
+        for name, tensor in model.state_dict().items()
+        if name in params or (name in buffers and groups.pp_rank == 0)
+    }
+    full = gather_full_tensors(local, model, tp_group=groups.tp_group)
+    if groups.pp_size == 1:
+        return full
+    merged: dict[str, torch.Tensor] = {}
+    for part in _merged_over_stages({k: v.cpu() for k, v in full.items()}, groups.pp_group):
+        merged.update(part)
+    return merged
+
+
+def _buffer_names(model: torch.nn.Module) -> set[str]:
+    parameters = {name for name, _ in model.named_parameters()}
+    return {name for name in model.state_dict() if name not in parameters}
+
+
+def _merged_over_stages(part: dict[str, Any], pp_group: Any) -> list[dict[str, Any]]:
+    """Every stage's ``part`` (collective over the pp group)."""
+    parts: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, part, group=pp_group)
+    return parts
+
+
+def _merged_optimizer_state(model: torch.nn.Module, optimizer: Any, groups: Any) -> dict[str, Any]:
+    """The logical optimizer state of the whole model (collective over tp, and over pp when it is split)."""
+    own = _full_optimizer_state(model, optimizer, groups)
+    if groups.pp_size == 1:
+        return own
+    parts = _merged_over_stages(own, groups.pp_group)
+    state = {name: values for part in parts for name, values in part["state"].items()}
+    param_groups = [
+        {**group, "params": [name for part in parts for name in part["param_groups"][i]["params"]]}
+        for i, group in enumerate(parts[0]["param_groups"])
+    ]
+    return {"state": state, "param_groups": param_groups}
 
 
 def check_layout(directory: Path, layout: dict[str, int]) -> None:
@@ -105,7 +175,6 @@ def check_layout(directory: Path, layout: dict[str, int]) -> None:
     def describe(values: dict[str, Any]) -> str:
         return " × ".join(f"{axis}={values.get(axis, 1)}" for axis in ("tp", "pp", "dp"))
 
-    # pp reshards too: a pipeline run merges its stages into the same full tensors (checkpoint.pipeline_state).
     if saved.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint '{directory.parent}' has layout {describe(saved)} ({saved.get('format')}), this run "

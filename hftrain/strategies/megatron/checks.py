@@ -1,4 +1,4 @@
-"""Pipeline-parallel input checks of the ``megatron`` strategy, run before any process group or file exists.
+"""The ``megatron`` strategy's pipeline input checks, run before any process group or file exists.
 
 The fields alone are checked by ``StrategyConfig.validate``; what needs the batch geometry or the model's layer
 count is checked here, each refusal one line naming the field and the fix.

@@ -1,22 +1,23 @@
 """The Trainer's operations for pipeline × tensor × data parallelism (``megatron`` with ``pp > 1``).
 
-Each rank holds its pipeline stages (``hftrain.parallel.build_stage_modules``) of the tensor-parallel model;
-``forward_backward`` runs the configured schedule (``hftrain.parallel.build_schedule``) over the loader's
-per-device batch split into ``num_microbatches``. What differs from :class:`MegatronRuntime`:
+Each rank holds its pipeline stages (``hftrain.parallel.build_stage_modules``) of the tensor-parallel model, and
+only their weights: the other stages' parameters are released as soon as the stages are cut
+(``hftrain.parallel.release_other_stages``). ``forward_backward`` runs the configured schedule
+(``hftrain.parallel.build_schedule``) over the loader's per-device batch split into ``num_microbatches``. What
+differs from :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime`, which provides everything else
+(clipping summed over tp then pp, checkpoint state and export merged over the stages, the evaluation gather):
 
 - gradients are averaged over the dp group by hand at the window's end (no DDP around stages);
 - the loss exists on the last stage only and is broadcast over the pp group, so every rank logs it;
 - evaluation is a forward-only pass through the pipeline whose logits are broadcast over the pp group, then
   gathered over dp as under tensor parallelism (each example once);
-- the gradient norm sums squares over tp (split parameters) and then over pp (each stage's own parameters);
-- checkpoint state and the export are the same logical full tensors as at ``pp = 1``, merged over the stages
-  (``hftrain.checkpoint.pipeline_state``), so a ``pp = 2`` checkpoint resumes at ``pp = 1`` and back;
 - each checkpoint also renders the last optimizer step's timeline (``pipeline_timeline.png``/``.json``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,16 +25,25 @@ import torch.distributed as dist
 from torch import nn
 
 from hftrain.checkpoint.run import TIMELINE_JSON, TIMELINE_PNG
-from hftrain.strategies.megatron import MegatronRuntime, _autocast_forward
-from hftrain.strategies.pipeline_checks import num_microbatches
+from hftrain.strategies.megatron.runtime import MegatronRuntime, autocast_forward
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.parallel.dims import ParallelGroups
-    from hftrain.parallel.plugin import MegatronPlugin
-    from hftrain.strategies.megatron import MegatronStrategy
+    from hftrain.strategies.megatron.plugin import MegatronPlugin
     from hftrain.strategies.runtime import Batch
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the stages are cut and scheduled (from the ``strategy`` section, resolved by the strategy)."""
+
+    schedule: str
+    num_microbatches: int
+    virtual_stages: int
+    balance: str
+
 
 LABELS = "labels"
 
@@ -93,24 +103,23 @@ class PipelineModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.hf_model.parameters()).device
+        return next(self.stages.parameters()).device
 
 
 class PipelineRuntime(MegatronRuntime):
-    """The Trainer's operations for tp × dp × pp, through the plugin's groups and the pipeline schedule.
+    """The Trainer's operations for tp × dp × pp: the stages and the schedule; the rest is MegatronRuntime's.
 
     Args:
         accelerator: gives the process group, accumulation, autocast and trackers.
-        strategy: the megatron strategy (its ``config`` holds the pipeline fields).
         plugin: the set-up plugin (its tp/dp/pp groups).
+        options: how the stages are cut and scheduled.
     """
 
-    def __init__(self, accelerator: Accelerator, strategy: MegatronStrategy, plugin: MegatronPlugin) -> None:
-        super().__init__(accelerator, strategy, plugin)
-        self.pipeline = strategy.config
-        self.num_microbatches = num_microbatches(strategy.config)
+    def __init__(self, accelerator: Accelerator, plugin: MegatronPlugin, options: PipelineOptions) -> None:
+        super().__init__(accelerator, plugin)
+        self.pipeline = options
+        self.num_microbatches = options.num_microbatches
         self.recorder: Any = None
-        self._params: dict[str, nn.Parameter] = {}  # HF name -> this rank's parameter (its stages only)
 
     # ----------------------------------------------------------------- setup
     def prepare(
@@ -120,14 +129,13 @@ class PipelineRuntime(MegatronRuntime):
         train_loader: torch.utils.data.DataLoader,
         eval_loader: torch.utils.data.DataLoader | None,
     ) -> tuple[nn.Module, Any, Any, Any]:
-        from hftrain.parallel import TimelineRecorder, apply_tensor_parallel, build_schedule, build_stage_modules
+        from hftrain.parallel import TimelineRecorder, build_schedule, build_stage_modules, release_other_stages
         from hftrain.parallel.schedules import schedule_class
 
-        plugin, layout, device = self.plugin, self.plugin.layout, self.accelerator.device
+        layout, device = self.plugin.layout, self.accelerator.device
         names = {id(p): n for n, p in model.named_parameters()}
-        model = model.to(device)
-        # Split every layer over tp first (every rank holds the full model), then keep this rank's stages.
-        model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=plugin.sequence_parallel)
+        # Split every layer over tp (the plugin's one preparation), then keep this rank's stages and free the rest.
+        model = self.plugin.parallelize(model, device=device)
         stages = build_stage_modules(
             model,
             pp_rank=layout.pp_rank,
@@ -136,10 +144,12 @@ class PipelineRuntime(MegatronRuntime):
             balance=self.pipeline.balance,
             layout=schedule_class(self.pipeline.schedule).layout,  # which chunks a rank holds (loop or V)
         )
+        release_other_stages(model, stages)
         if self.mixed_precision != "no":
             for stage in stages:
-                _autocast_forward(stage, self.accelerator)
+                autocast_forward(stage, self.accelerator)
         stage_params = {id(p) for stage in stages for p in stage.parameters()}
+        self._model = model
         self._params = {n: p for n, p in model.named_parameters() if id(p) in stage_params}
         self.recorder = TimelineRecorder(layout.pp_rank)
         schedule = build_schedule(
@@ -154,12 +164,7 @@ class PipelineRuntime(MegatronRuntime):
             recorder=self.recorder,
         )
         pipeline = PipelineModel(model, stages, schedule, layout)
-        rebuilt = _rebuilt_over_stages(optimizer, names, self._params)
-        train_loader = plugin.prepare_data_loader(train_loader, device=device)
-        eval_loader = plugin.prepare_data_loader(eval_loader, device=device) if eval_loader is not None else None
-        prepared = plugin.prepare_optimizer(rebuilt)
-        self._model, self._optimizer = model, prepared.optimizer
-        return pipeline, prepared, train_loader, eval_loader
+        return pipeline, *self._prepare_rest(optimizer, names, train_loader, eval_loader)
 
     # ----------------------------------------------------------------- one step
     def forward_backward(
@@ -192,51 +197,10 @@ class PipelineRuntime(MegatronRuntime):
                 grad.div_(layout.dp_size)
         finalize_tp_grads(self._model, tp_group=layout.tp_group)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip to the global norm: split squares summed over tp, then every stage's squares over pp."""
-        from hftrain.parallel import sharded_parameters
-
-        layout = self.plugin.layout
-        split = set(sharded_parameters(self._model))
-        grads = {name: p.grad for name, p in self._params.items() if p.grad is not None}
-        squares = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)  # (split, replicated)
-        for name, grad in grads.items():
-            squares[0 if name in split else 1] += grad.detach().double().pow(2).sum()
-        split_sq = squares[:1].clone()
-        if layout.tp_size > 1:
-            dist.all_reduce(split_sq, group=layout.tp_group)
-        total_sq = split_sq + squares[1:]
-        dist.all_reduce(total_sq, group=layout.pp_group)
-        total = total_sq.sqrt().float().squeeze(0)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s
-        for grad in grads.values():
-            grad.mul_(coefficient.to(grad.dtype))
-        return total
-
     # ----------------------------------------------------------------- state
     def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
-        from hftrain.checkpoint.pipeline_state import save_pipeline_state
-
-        self.accelerator.save_state(directory, safe_serialization=safe_serialization)
-        save_pipeline_state(
-            directory, self._model, self._params, self._optimizer, groups=self.plugin.layout, layout=self.layout_facts()
-        )
+        super().save_state(directory, safe_serialization=safe_serialization)
         self.write_timeline()
-
-    def load_state(self, directory: str, *, model: nn.Module, optimizer: Any) -> None:
-        from hftrain.checkpoint.pipeline_state import load_pipeline_state
-
-        self.accelerator.load_state(directory)
-        load_pipeline_state(directory, self._model, self._params, optimizer.optimizer, layout=self.layout_facts())
-
-    def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full weights merged over tp and pp (collective; every rank of dp replica 0 gets them)."""
-        from hftrain.checkpoint.pipeline_state import merged_weights
-
-        return merged_weights(self._model, self._params, self.plugin.layout)
-
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
-        return self._model if self._model is not None else model
 
     # ----------------------------------------------------------------- timeline
     def write_timeline(self) -> None:
@@ -285,29 +249,6 @@ def _classification_loss(num_labels: int, accumulation: int) -> Callable[[torch.
         return loss / accumulation
 
     return loss_fn
-
-
-def _rebuilt_over_stages(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, nn.Parameter]
-) -> torch.optim.Optimizer:
-    """The same optimizer (class, groups, hyper-parameters) over this rank's stage parameters only.
-
-    The Trainer builds the optimizer over the full model before the strategy splits it; every group is kept
-    (possibly empty) so that the groups line up across stages when checkpoint state is merged.
-
-    Args:
-        optimizer: the optimizer over the unsplit model's parameters (no state yet).
-        names: ``id(parameter) -> name`` of the unsplit model.
-        params: HF name -> this rank's (tensor-parallel) stage parameter.
-    """
-    groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [params[names[id(p)]] for p in group["params"] if names[id(p)] in params],
-        }
-        for group in optimizer.param_groups
-    ]
-    return type(optimizer)(groups)
 
 
 def _batch_size(inputs: dict[str, torch.Tensor]) -> int:

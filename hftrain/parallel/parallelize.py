@@ -1,0 +1,34 @@
+"""The one function that parallelizes a model over its process groups: one ``apply_*`` call per axis.
+
+As torchtitan's ``parallelize_llama``: each parallelism lives in its own module behind one apply function, and
+this is the only place that composes them, in a fixed order. Tensor parallelism splits every layer over the tp
+group (``hftrain.parallel.tensor_parallel``). Data parallelism is applied by the caller around the result (DDP
+over the dp group, or gradients averaged by hand around pipeline stages), and pipeline parallelism cuts the
+result into stages (``hftrain.parallel.pipeline``), since both wrap the model rather than change its layers.
+A new axis that changes the layers (context parallelism's attention, expert parallelism's MoE blocks) is one more
+``apply_*`` call here and one field of ``ParallelDims``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hftrain.parallel.dims import ParallelGroups
+
+
+def parallelize_model(model: nn.Module, groups: ParallelGroups, *, sequence_parallel: bool = False) -> nn.Module:
+    """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
+
+    Args:
+        model: an unchanged HF ``*ForSequenceClassification`` model, the same full weights on every rank.
+        groups: this rank's process groups (``ParallelDims`` validated once, by the caller's owner).
+        sequence_parallel: Megatron sequence parallelism in the tensor-parallel regions.
+    """
+    from hftrain.parallel.plans import check_tensor_parallel
+    from hftrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    check_tensor_parallel(model.config, groups.tp_size)
+    return apply_tensor_parallel(model, tp_group=groups.tp_group, sequence_parallel=sequence_parallel)

@@ -1,0 +1,175 @@
+"""The Trainer's operations for tp × dp (``megatron`` with ``pp = 1``), and what the pipeline runtime shares.
+
+:class:`MegatronRuntime` does what Accelerate cannot for a tensor-parallel model: DDP over the dp group only,
+data sharded by dp rank, the TP-aware gradient norm, evaluation gathered over dp, logical (reshardable) checkpoint
+state and the merged export, all through the :class:`~hftrain.strategies.megatron.plugin.MegatronPlugin` adapter.
+Accelerate still provides the process group, gradient accumulation (``accumulate``/``backward``), autocast and the
+trackers.
+
+Everything that does not depend on how the model is cut is here once, for both layouts: the parameters a rank
+owns (``params``: all of them here, its stages' under pipeline parallelism), the optimizer rebuilt over them, the
+clipping (``hftrain.parallel.clip_grad_norm_``, summed over pp too when there are stages), the checkpoint state
+(``hftrain.strategies.megatron.state``), the export weights and the evaluation gather. The pipeline runtime
+(``hftrain.strategies.megatron.pipeline``) overrides only ``prepare`` and ``forward_backward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from hftrain.strategies.runtime import AccelerateRuntime, Batch
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
+    from hftrain.strategies.megatron.plugin import MegatronPlugin
+
+
+class MegatronRuntime(AccelerateRuntime):
+    """The Trainer's operations for tp × dp, through the set-up plugin (its groups).
+
+    Args:
+        accelerator: gives the process group, accumulation, autocast and trackers.
+        plugin: the set-up plugin.
+    """
+
+    def __init__(self, accelerator: Accelerator, plugin: MegatronPlugin) -> None:
+        super().__init__(accelerator)
+        self.plugin = plugin
+        self._model: torch.nn.Module | None = None  # the tensor-parallel HF model, unwrapped
+        self._params: dict[str, torch.nn.Parameter] = {}  # HF name -> the parameters this rank owns
+        self._optimizer: Any = None
+
+    @property
+    def dp_size(self) -> int:
+        return self.plugin.layout.dp_size
+
+    @property
+    def pad_to_multiple_of(self) -> int | None:
+        # Sequence parallelism splits the sequence over tp: every batch the model sees must divide by tp.
+        return self.plugin.tp if self.plugin.sequence_parallel and self.plugin.tp > 1 else None
+
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: torch.utils.data.DataLoader,
+        eval_loader: torch.utils.data.DataLoader | None,
+    ) -> tuple[torch.nn.Module, Any, Any, Any]:
+        names = {id(p): n for n, p in model.named_parameters()}
+        model = self.plugin.prepare_model(model, device=self.accelerator.device)
+        if self.mixed_precision != "no":
+            autocast_forward(model, self.accelerator)
+        self._model = self.plugin_unwrap(model)
+        self._params = dict(self._model.named_parameters())
+        return model, *self._prepare_rest(optimizer, names, train_loader, eval_loader)
+
+    def _prepare_rest(
+        self,
+        optimizer: torch.optim.Optimizer,
+        names: dict[int, str],
+        train_loader: torch.utils.data.DataLoader,
+        eval_loader: torch.utils.data.DataLoader | None,
+    ) -> tuple[Any, Any, Any]:
+        """The optimizer rebuilt over ``self._params`` and the loaders sharded by dp rank (both layouts)."""
+        device = self.accelerator.device
+        prepared = self.plugin.prepare_optimizer(rebuilt_over(optimizer, names, self._params))
+        train_loader = self.plugin.prepare_data_loader(train_loader, device=device)
+        eval_loader = self.plugin.prepare_data_loader(eval_loader, device=device) if eval_loader is not None else None
+        self._optimizer = prepared.optimizer  # kept for save_state, as Accelerate keeps what it prepared
+        return prepared, train_loader, eval_loader
+
+    def plugin_unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from hftrain.strategies.megatron.plugin import unwrap
+
+        return unwrap(model)
+
+    def forward_backward(
+        self, model: torch.nn.Module, batch: Batch, loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor]
+    ) -> torch.Tensor:
+        loss = super().forward_backward(model, batch, loss_fn)
+        if self.sync_gradients:  # the window's gradients are complete (DDP reduced them over dp in this backward)
+            self.plugin.finalize_grads(model)
+        return loss
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        from hftrain.parallel import clip_grad_norm_
+
+        layout = self.plugin.layout
+        return clip_grad_norm_(self._model, self._params, max_norm, tp_group=layout.tp_group, pp_group=layout.pp_group)
+
+    def evaluation_step(
+        self, model: torch.nn.Module, batch: Batch, predict: Callable[[torch.nn.Module, Batch], tuple]
+    ) -> tuple[torch.Tensor, ...]:
+        return self.plugin.gather_for_metrics(predict(model, batch))
+
+    # reduce_mean and any_rank stay Accelerate's world-wide reductions: tp (and pp) ranks of a replica hold the
+    # same loss, so the world mean is the mean over dp.
+
+    def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
+        from hftrain.strategies.megatron.state import save_state
+
+        # Scheduler and per-rank RNG through Accelerate (no model or optimizer is registered with it).
+        self.accelerator.save_state(directory, safe_serialization=safe_serialization)
+        save_state(
+            directory, self._model, self._params, self._optimizer, groups=self.plugin.layout, layout=self.layout_facts()
+        )
+
+    def load_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
+        from hftrain.strategies.megatron.state import load_state
+
+        self.accelerator.load_state(directory)
+        load_state(directory, self._model, self._params, optimizer.optimizer, layout=self.layout_facts())
+
+    def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights gathered over tp (and merged over pp); collective."""
+        from hftrain.strategies.megatron.state import merged_weights
+
+        return merged_weights(self._model, self._params, self.plugin.layout)
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self._model if self._model is not None else self.plugin_unwrap(model)
+
+    def layout_facts(self) -> dict[str, int]:
+        """This run's layout, recorded in checkpoints."""
+        dims = self.plugin.layout.dims
+        return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size}
+
+
+def rebuilt_over(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The same optimizer (class, groups, hyper-parameters) over the parameters this rank owns.
+
+    The Trainer builds the optimizer over the full model before the strategy splits it (as Accelerate expects);
+    the split layers hold new parameters with the same names. Every group is kept, possibly empty, so that the
+    groups line up across pipeline stages when checkpoint state is merged.
+
+    Args:
+        optimizer: the optimizer over the unsplit model's parameters (no state yet).
+        names: ``id(parameter) -> name`` of the unsplit model.
+        params: HF name -> this rank's (tensor-parallel) parameter.
+    """
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [params[names[id(p)]] for p in group["params"] if names[id(p)] in params],
+        }
+        for group in optimizer.param_groups
+    ]
+    return type(optimizer)(groups)
+
+
+def autocast_forward(model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """Run ``model``'s forward under Accelerate's autocast with fp32 outputs, as ``prepare(model)`` would."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward
+
+    def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(forward_in_autocast)

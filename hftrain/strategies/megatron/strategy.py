@@ -1,0 +1,126 @@
+"""The ``megatron`` strategy: tensor × pipeline × data parallelism, its layout validated once.
+
+``strategy: {name: megatron, tp: 2, pp: 1, sequence_parallel: false, shard_optimizer: false}``. The world is laid
+out in Megatron-LM's order (tp ranks adjacent, then dp, then pp) by one ``ParallelDims``, built and validated
+here once and passed down to the plugin's groups. The Trainer runs through
+:class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
+:class:`~hftrain.strategies.megatron.pipeline.PipelineRuntime` (stages and a schedule).
+
+Refused up front, before any process group: a ``tp`` that does not divide the world size or the model's sizes,
+an unsupported model family, LoRA (its adapters would wrap the split layers; not supported yet), and another
+strategy's options (FSDP/DeepSpeed settings).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hftrain.errors import ConfigError
+from hftrain.strategies.base import Strategy
+from hftrain.strategies.megatron.checks import check_pipeline_model, check_pipeline_training, pipeline_facts
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.strategies.base import LaunchInfo
+    from hftrain.strategies.megatron.runtime import MegatronRuntime
+    from hftrain.strategies.platform import Platform
+
+# Options of other strategies, with the values that mean "not used".
+_FOREIGN_OPTIONS = {
+    "fsdp_version": 2,
+    "sharding_strategy": "FULL_SHARD",
+    "offload_params": False,
+    "offload_optimizer": False,
+    "deepspeed_config": None,
+}
+
+
+class MegatronStrategy(Strategy):
+    """Tensor parallelism over ``tp`` adjacent ranks, data parallelism over the rest.
+
+    Args:
+        config: the ``strategy`` section (``tp``, ``sequence_parallel``, ``shard_optimizer``).
+        platform: device and backend.
+        launch: the launcher's world size (``tp`` must divide it).
+    """
+
+    name = "megatron"
+    reshardable_checkpoints = True  # logical full tensors: any tp and dp that fit the model
+
+    def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
+        from hftrain.parallel.dims import ParallelDims
+
+        super().__init__(config, platform=platform, launch=launch)
+        for key, unused in _FOREIGN_OPTIONS.items():
+            if getattr(config, key) != unused:
+                raise ConfigError(
+                    f"strategy.{key} is not a megatron option (megatron composes tp with plain data parallelism; "
+                    "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
+                )
+        self.dims = ParallelDims(launch.world_size, tp=config.tp, pp=config.pp).validate()
+
+    def preflight(self, training: TrainingConfig) -> None:
+        if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
+            raise ConfigError(
+                "training.mixed_precision fp16 is not supported with strategy megatron (no gradient scaler); "
+                "use bf16 or no"
+            )
+        check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
+
+    def check_model(self, model_config: Any, *, use_lora: bool) -> None:
+        from hftrain.parallel import check_tensor_parallel
+
+        if use_lora:
+            raise ConfigError(
+                "lora.use_lora with strategy megatron is not supported (the adapters would wrap split layers); "
+                "use strategy ddp/fsdp/zero for LoRA, or train the full model with megatron"
+            )
+        check_tensor_parallel(model_config, self.config.tp)
+        if self.config.pp > 1:
+            check_pipeline_model(self.config, model_config)
+
+    def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
+        # MULTI_CPU/MULTI_GPU gives the process group and accumulate()'s no_sync; the model is never prepare()d.
+        return {"cpu": self.platform.is_cpu}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "type": "megatron",
+            "tp": self.dims.tp,
+            "pp": self.dims.pp,
+            "sequence_parallel": self.config.sequence_parallel,
+            "shard_optimizer": self.config.shard_optimizer,
+            "checkpoint_format": "logical full tensors (reshardable)",
+            **(pipeline_facts(self.config) if self.dims.pp > 1 else {}),
+        }
+
+    def summary(self, training: TrainingConfig, accelerator: Accelerator) -> dict[str, Any]:
+        summary = super().summary(training, accelerator)
+        micro, gas = training.per_device_train_batch_size, training.gradient_accumulation_steps
+        return {**summary, "dp_size": self.dims.dp, "global_batch": micro * gas * self.dims.dp}
+
+    def build_runtime(self, accelerator: Accelerator) -> MegatronRuntime:
+        from hftrain.strategies.megatron.plugin import MegatronPlugin
+
+        plugin = MegatronPlugin(
+            tp=self.dims.tp,
+            sequence_parallel=self.config.sequence_parallel,
+            shard_optimizer=self.config.shard_optimizer,
+            pp=self.dims.pp,
+        ).setup(device_type=self.platform.device, dims=self.dims)
+        if self.dims.pp > 1:  # the stages run through the pipeline schedule
+            from hftrain.strategies.megatron.checks import num_microbatches
+            from hftrain.strategies.megatron.pipeline import PipelineOptions, PipelineRuntime
+
+            options = PipelineOptions(
+                schedule=self.config.schedule,
+                num_microbatches=num_microbatches(self.config),
+                virtual_stages=self.config.virtual_stages,
+                balance=self.config.balance,
+            )
+            return PipelineRuntime(accelerator, plugin, options)
+        from hftrain.strategies.megatron.runtime import MegatronRuntime
+
+        return MegatronRuntime(accelerator, plugin)
