@@ -128,6 +128,26 @@ class Platform:
             return f"host allocator: glibc refused {', '.join(refused)}; left as is"
         return "host allocator: glibc keeps freed blocks < 1 GiB for reuse (mmap/trim thresholds 1 GiB)"
 
+    def release_freed_memory(self) -> None:
+        """Give memory freed in bulk back to the system now (a pipeline rank dropping the other stages' weights).
+
+        On CPU, glibc keeps freed blocks in its heap (above all with ``tune_host_allocator``'s thresholds), so the
+        process's resident memory would not shrink; ``malloc_trim(0)`` returns the free pages of every arena. On
+        CUDA, torch's caching allocator keeps them; ``empty_cache`` returns them.
+        """
+        if not self.is_cpu:
+            import torch
+
+            torch.cuda.empty_cache()
+            return
+        import ctypes
+        import ctypes.util
+
+        try:
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            return  # not glibc: nothing to ask
+
     def process_group_handlers(self, *, cpu_collectives: bool = False) -> list:
         """Accelerate kwargs handlers that pin the process-group backend for this platform.
 

@@ -113,10 +113,19 @@ class PipelineRuntime(MegatronRuntime):
         accelerator: gives the process group, accumulation, autocast and trackers.
         plugin: the set-up plugin (its tp/dp/pp groups).
         options: how the stages are cut and scheduled.
+        release_freed_memory: returns memory freed in bulk to the system (the platform's).
     """
 
-    def __init__(self, accelerator: Accelerator, plugin: MegatronPlugin, options: PipelineOptions) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        plugin: MegatronPlugin,
+        options: PipelineOptions,
+        *,
+        release_freed_memory: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(accelerator, plugin)
+        self.release_freed_memory = release_freed_memory
         self.pipeline = options
         self.num_microbatches = options.num_microbatches
         self.recorder: Any = None
@@ -145,6 +154,7 @@ class PipelineRuntime(MegatronRuntime):
             layout=schedule_class(self.pipeline.schedule).layout,  # which chunks a rank holds (loop or V)
         )
         release_other_stages(model, stages)
+        self.release_freed_memory()  # resident memory drops now, not only when later allocations reuse it
         if self.mixed_precision != "no":
             for stage in stages:
                 autocast_forward(stage, self.accelerator)

@@ -120,7 +120,9 @@ class MegatronStrategy(Strategy):
                 virtual_stages=self.config.virtual_stages,
                 balance=self.config.balance,
             )
-            return PipelineRuntime(accelerator, plugin, options)
+            return PipelineRuntime(
+                accelerator, plugin, options, release_freed_memory=self.platform.release_freed_memory
+            )
         from hftrain.strategies.megatron.runtime import MegatronRuntime
 
         return MegatronRuntime(accelerator, plugin)
