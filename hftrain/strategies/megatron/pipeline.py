@@ -153,8 +153,6 @@ class PipelineRuntime(MegatronRuntime):
             balance=self.pipeline.balance,
             layout=schedule_class(self.pipeline.schedule).layout,  # which chunks a rank holds (loop or V)
         )
-        release_other_stages(model, stages)
-        self.release_freed_memory()  # resident memory drops now, not only when later allocations reuse it
         if self.mixed_precision != "no":
             for stage in stages:
                 autocast_forward(stage, self.accelerator)
@@ -174,7 +172,10 @@ class PipelineRuntime(MegatronRuntime):
             recorder=self.recorder,
         )
         pipeline = PipelineModel(model, stages, schedule, layout)
-        return pipeline, *self._prepare_rest(optimizer, names, train_loader, eval_loader)
+        prepared = self._prepare_rest(optimizer, names, train_loader, eval_loader)  # lets go of the full model's
+        release_other_stages(model, stages)
+        self.release_freed_memory()  # resident memory drops now, not only when later allocations reuse it
+        return pipeline, *prepared
 
     # ----------------------------------------------------------------- one step
     def forward_backward(

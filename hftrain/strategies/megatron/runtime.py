@@ -148,7 +148,8 @@ def rebuilt_over(
     groups line up across pipeline stages when checkpoint state is merged.
 
     Args:
-        optimizer: the optimizer over the unsplit model's parameters (no state yet).
+        optimizer: the optimizer over the unsplit model's parameters (no state yet); emptied, so that it no longer
+            keeps the unsplit (or other stages') parameters alive.
         names: ``id(parameter) -> name`` of the unsplit model.
         params: HF name -> this rank's (tensor-parallel) parameter.
     """
@@ -159,6 +160,8 @@ def rebuilt_over(
         }
         for group in optimizer.param_groups
     ]
+    for group in optimizer.param_groups:  # the unsplit parameters may go now: nothing else of ours holds them
+        group["params"] = []
     return type(optimizer)(groups)
 
 

@@ -1,0 +1,84 @@
+"""A pipeline rank holds only its own stage's weights, read from the process's resident memory.
+
+Two gloo processes train a Llama classifier whose vocabulary embedding (400k × 32, 51 MB in fp32) is nearly all
+of its weights, at pp = 2: the embedding belongs to stage 0. Each rank reads its VmRSS (``/proc/self/status``)
+before the Trainer builds the model and after it has prepared it (built, split into stages, the other stages
+released). Everything else costs both ranks the same, so stage 0 must have grown by the embedding more than
+stage 1. A runtime that kept the whole model on every rank (the defect this guards against) shows no difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+
+VOCAB, HIDDEN = 400_000, 32
+
+
+def vm_rss() -> int:
+    """This process's resident memory in bytes, from ``/proc/self/status``."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _big_vocabulary_llama():
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config
+
+    return AutoModelForSequenceClassification.from_config(tiny_config("llama", vocab_size=VOCAB, num_layers=2))
+
+
+def _stage_memory() -> dict:
+    import gc
+
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import build_strategy
+    from hftrain.trainers import SequenceClassificationTrainer
+    from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
+
+    reset_accelerate_state()
+    tokenizer = tiny_tokenizer("llama")
+    tokenizer.pad_token = tokenizer.eos_token
+    splits = tokenize_splits(tiny_splits(16, 4), tokenizer, max_seq_length=16)
+    args = TrainingConfig(
+        output_dir=_fresh_output_dir(),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        log_with="none",
+        mixed_precision="no",
+    )
+    strategy = build_strategy(StrategyConfig(name="megatron", pp=2), launch=launch_info_from_environ())
+    gc.collect()
+    before = vm_rss()
+    trainer = SequenceClassificationTrainer(
+        args,
+        strategy=strategy,
+        model_init=_big_vocabulary_llama,
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+    )
+    gc.collect()
+    after = vm_rss()
+    runtime = trainer.runtime
+    holds_embedding = "model.embed_tokens.weight" in runtime._params
+    trainer.fit()  # the stages still train after the release
+    return {"pp_rank": runtime.plugin.layout.pp_rank, "grew": after - before, "holds_embedding": holds_embedding}
+
+
+@pytest.mark.distributed
+def test_each_pipeline_rank_holds_only_its_stage_weights():
+    embedding = VOCAB * HIDDEN * 4
+    results = {r["pp_rank"]: r for r in run_distributed(_stage_memory, nprocs=2, timeout=300)}
+    assert results[0]["holds_embedding"] and not results[1]["holds_embedding"]
+    # Both ranks pay the same for everything else (imports, process groups, loaders, the small layers), so the
+    # embedding is the difference between their growths: about 0 if stage 1 kept the whole model.
+    difference = results[0]["grew"] - results[1]["grew"]
+    assert 0.75 * embedding < difference < 1.5 * embedding, (difference, results)
