@@ -3,10 +3,15 @@
 Each rank holds its pipeline stages (``hftrain.parallel.build_stage_modules``) of the tensor-parallel model, and
 only their weights: the other stages' parameters are released as soon as the stages are cut
 (``hftrain.parallel.release_other_stages``). ``forward_backward`` runs the configured schedule
-(``hftrain.parallel.build_schedule``) over the loader's per-device batch split into ``num_microbatches``. What
-differs from :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime`, which provides everything else
-(clipping summed over tp then pp, checkpoint state and export merged over the stages, the evaluation gather):
+(``hftrain.parallel.build_schedule``) over the loader's per-device batch of ``b`` examples split into
+``min(num_microbatches, b)`` micro-batches, sizes differing by at most one. What differs from
+:class:`~hftrain.strategies.megatron.runtime.MegatronRuntime`, which provides everything else (clipping summed
+over tp then pp, checkpoint state and export merged over the stages, the evaluation gather):
 
+- the task decides the loss: on the last stage the Trainer's ``compute_loss(model, micro_batch)`` runs with a
+  :class:`LogitsModel` standing in for the model (it returns the stages' logits and HF's sequence-classification
+  loss: regression, single- or multi-label by the config's ``problem_type``), and micro-batch ``i`` of ``n_i``
+  examples counts ``n_i / b``, so the step's loss ``Σ_i (n_i / b) · ℓ_i`` is the batch mean one process computes;
 - gradients are averaged over the dp group by hand at the window's end (no DDP around stages);
 - the loss exists on the last stage only and is broadcast over the pp group, so every rank logs it;
 - evaluation is a forward-only pass through the pipeline whose logits are broadcast over the pp group, then
@@ -25,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hftrain.checkpoint.run import TIMELINE_JSON, TIMELINE_PNG
-from hftrain.strategies.megatron.runtime import MegatronRuntime, autocast_forward
+from hftrain.strategies.megatron.runtime import MegatronRuntime, OptimizerPlan, autocast_forward
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -46,6 +51,48 @@ class PipelineOptions:
 
 
 LABELS = "labels"
+
+
+def classifier_output(logits: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
+    """What an HF ``*ForSequenceClassification`` returns for these logits: ``SequenceClassifierOutput(loss, logits)``.
+
+    The loss is transformers' own (``ForSequenceClassificationLoss``, as BERT, GPT-2 and Llama compute it): the
+    config's ``problem_type``, or when unset MSE for ``num_labels == 1`` (regression), cross entropy for integer
+    labels, and BCE with logits for float labels (multi-label); each is a mean over the examples.
+
+    Args:
+        logits: ``(batch, num_labels)``.
+        labels: the batch's labels, or None (no loss).
+        config: the model's config (``num_labels``, ``problem_type``; transformers sets the latter on first use).
+    """
+    from transformers.loss.loss_utils import ForSequenceClassificationLoss
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    loss = None if labels is None else ForSequenceClassificationLoss(labels, logits, config)
+    return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class LogitsModel(nn.Module):
+    """The model as the task's ``compute_loss`` sees it on the last pipeline stage.
+
+    The stages have already computed this micro-batch's logits; called with the micro-batch (any keys), it
+    returns them as the HF model would, with HF's loss when the micro-batch has ``labels``
+    (:func:`classifier_output`). A Trainer's ``compute_loss`` override that reads ``model(**batch).logits`` or
+    ``.loss`` therefore runs unchanged under pipeline parallelism.
+
+    Args:
+        logits: the micro-batch's ``(examples, num_labels)`` logits from the last stage.
+        config: the model's config.
+    """
+
+    def __init__(self, logits: torch.Tensor, config: Any) -> None:
+        super().__init__()
+        self.logits = logits
+        self.config = config
+        self.num_labels = config.num_labels
+
+    def forward(self, **batch: Any) -> Any:
+        return classifier_output(self.logits, batch.get(LABELS), self.config)
 
 
 class PipelineModel(nn.Module):
@@ -80,13 +127,12 @@ class PipelineModel(nn.Module):
         return next(r for r in range(pp) if last in chunk_ids_of_rank(r, pp=pp, virtual_stages=chunks, layout=layout))
 
     def forward(self, **inputs: torch.Tensor) -> Any:
-        from transformers.modeling_outputs import SequenceClassifierOutput
-
-        inputs.pop(LABELS, None)
+        """The HF model's output for ``inputs``: logits on every stage, and HF's loss when ``labels`` are given."""
+        labels = inputs.pop(LABELS, None)
         with torch.no_grad():
             logits = self.schedule.eval_step(inputs, None)
         shape = (_batch_size(inputs), self.config.num_labels)
-        return SequenceClassifierOutput(logits=self.from_last_stage(logits, shape))
+        return classifier_output(self.from_last_stage(logits, shape), labels, self.config)
 
     def from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         """``tensor`` of the last stage on every stage of this pipeline (a broadcast over the pp group), as fp32.
@@ -142,7 +188,7 @@ class PipelineRuntime(MegatronRuntime):
         from hftrain.parallel.schedules import schedule_class
 
         layout, device = self.plugin.layout, self.accelerator.device
-        names = {id(p): n for n, p in model.named_parameters()}
+        plan = OptimizerPlan.take(optimizer, model)  # the optimizer lets go of the full model's parameters
         # Split every layer over tp (the plugin's one preparation), then keep this rank's stages and free the rest.
         model = self.plugin.parallelize(model, device=device)
         stages = build_stage_modules(
@@ -167,12 +213,11 @@ class PipelineRuntime(MegatronRuntime):
             pp_rank=layout.pp_rank,
             pp=layout.pp_size,
             num_microbatches=self.num_microbatches,
-            loss_fn=_classification_loss(model.config.num_labels, self.accelerator.gradient_accumulation_steps),
             device=device,
             recorder=self.recorder,
         )
         pipeline = PipelineModel(model, stages, schedule, layout)
-        prepared = self._prepare_rest(optimizer, names, train_loader, eval_loader)  # lets go of the full model's
+        prepared = self._prepare_rest(plan, train_loader, eval_loader)
         release_other_stages(model, stages)
         self.release_freed_memory()  # resident memory drops now, not only when later allocations reuse it
         return pipeline, *prepared
@@ -181,18 +226,45 @@ class PipelineRuntime(MegatronRuntime):
     def forward_backward(
         self, model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
     ) -> torch.Tensor:
-        """Run the schedule over this batch's micro-batches; returns the batch's mean loss on every rank.
+        """Run the schedule over this batch's micro-batches; returns the batch's loss on every rank.
 
-        The task's ``loss_fn`` is not called: the last stage computes the classification loss of the HF model
-        (cross entropy over ``num_labels``) on each micro-batch.
+        The last stage calls ``loss_fn(LogitsModel(logits, config), micro_batch)`` for each micro-batch (the
+        schedule's target is the micro-batch's row indices into ``batch``), divided by the accumulation steps as
+        ``backward()`` divides; the schedule weights it by the micro-batch's share of the batch's examples.
+
+        Args:
+            model: the pipeline model.
+            batch: this replica's batch (every stage receives it; the first reads the inputs, the last the rest).
+            loss_fn: the task's ``compute_loss(model, batch) -> mean loss``.
         """
+        schedule, examples = model.schedule, _batch_size(batch)
         inputs = {k: v for k, v in batch.items() if k != LABELS}
-        loss = model.schedule.train_step(inputs, batch[LABELS])
+        rows = torch.arange(examples, device=self.accelerator.device)
+        loss = schedule.train_step(inputs, rows, loss_fn=self._micro_batch_loss(batch, loss_fn, model.config))
         if loss is not None:  # the schedule's loss is divided by the accumulation steps, like backward()'s
             loss = loss.detach() * self.accelerator.gradient_accumulation_steps
         loss = model.from_last_stage(loss, ())
         if self.sync_gradients:
             self._finalize_grads()
+        return loss
+
+    def _micro_batch_loss(
+        self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], config: Any
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The schedule's ``loss(logits, rows)``: the task's loss of ``batch``'s rows ``rows``, divided by the
+        accumulation steps.
+
+        Args:
+            batch: the step's batch.
+            loss_fn: the task's ``compute_loss(model, batch)``.
+            config: the model's config (for :class:`LogitsModel`).
+        """
+        accumulation = self.accelerator.gradient_accumulation_steps
+
+        def loss(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            micro_batch = {k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in batch.items()}
+            return loss_fn(LogitsModel(logits, config), micro_batch) / accumulation
+
         return loss
 
     def _finalize_grads(self) -> None:
@@ -250,16 +322,6 @@ class PipelineRuntime(MegatronRuntime):
             f"pipeline timeline: {output / TIMELINE_PNG} (bubble measured {bubble['measured_bubble']:.3f}, "
             f"theoretical {bubble['theoretical_bubble']:.3f})"
         )
-
-
-def _classification_loss(num_labels: int, accumulation: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The HF single-label classification loss of one micro-batch, divided by the accumulation steps."""
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = nn.functional.cross_entropy(logits.float().view(-1, num_labels), labels.view(-1))
-        return loss / accumulation
-
-    return loss_fn
 
 
 def _batch_size(inputs: dict[str, torch.Tensor]) -> int:

@@ -16,6 +16,7 @@ clipping (``hftrain.parallel.clip_grad_norm_``, summed over pp too when there ar
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hftrain.strategies.runtime import AccelerateRuntime, Batch
@@ -58,24 +59,23 @@ class MegatronRuntime(AccelerateRuntime):
         train_loader: torch.utils.data.DataLoader,
         eval_loader: torch.utils.data.DataLoader | None,
     ) -> tuple[torch.nn.Module, Any, Any, Any]:
-        names = {id(p): n for n, p in model.named_parameters()}
+        plan = OptimizerPlan.take(optimizer, model)
         model = self.plugin.prepare_model(model, device=self.accelerator.device)
         if self.mixed_precision != "no":
             autocast_forward(model, self.accelerator)
         self._model = self.plugin_unwrap(model)
         self._params = dict(self._model.named_parameters())
-        return model, *self._prepare_rest(optimizer, names, train_loader, eval_loader)
+        return model, *self._prepare_rest(plan, train_loader, eval_loader)
 
     def _prepare_rest(
         self,
-        optimizer: torch.optim.Optimizer,
-        names: dict[int, str],
+        plan: OptimizerPlan,
         train_loader: torch.utils.data.DataLoader,
         eval_loader: torch.utils.data.DataLoader | None,
     ) -> tuple[Any, Any, Any]:
         """The optimizer rebuilt over ``self._params`` and the loaders sharded by dp rank (both layouts)."""
         device = self.accelerator.device
-        prepared = self.plugin.prepare_optimizer(rebuilt_over(optimizer, names, self._params))
+        prepared = self.plugin.prepare_optimizer(plan.build(self._params))
         train_loader = self.plugin.prepare_data_loader(train_loader, device=device)
         eval_loader = self.plugin.prepare_data_loader(eval_loader, device=device) if eval_loader is not None else None
         self._optimizer = prepared.optimizer  # kept for save_state, as Accelerate keeps what it prepared
@@ -138,31 +138,51 @@ class MegatronRuntime(AccelerateRuntime):
         return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size}
 
 
-def rebuilt_over(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.nn.Parameter]
-) -> torch.optim.Optimizer:
-    """The same optimizer (class, groups, hyper-parameters) over the parameters this rank owns.
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """An optimizer's class and parameter groups by name: what is needed to rebuild it over split parameters.
 
     The Trainer builds the optimizer over the full model before the strategy splits it (as Accelerate expects);
-    the split layers hold new parameters with the same names. Every group is kept, possibly empty, so that the
-    groups line up across pipeline stages when checkpoint state is merged.
+    the split layers hold new parameters with the same names. Taking the plan empties the given optimizer, so that
+    it no longer keeps the unsplit parameters alive: each unsplit weight is freed as soon as its layer is split
+    (or its stage released), instead of the whole model staying resident beside its shards.
 
     Args:
-        optimizer: the optimizer over the unsplit model's parameters (no state yet); emptied, so that it no longer
-            keeps the unsplit (or other stages') parameters alive.
-        names: ``id(parameter) -> name`` of the unsplit model.
-        params: HF name -> this rank's (tensor-parallel) parameter.
+        optimizer_class: the optimizer's class.
+        groups: per parameter group, its hyper-parameters and the names of its parameters.
     """
-    groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [params[names[id(p)]] for p in group["params"] if names[id(p)] in params],
-        }
-        for group in optimizer.param_groups
-    ]
-    for group in optimizer.param_groups:  # the unsplit parameters may go now: nothing else of ours holds them
-        group["params"] = []
-    return type(optimizer)(groups)
+
+    optimizer_class: type
+    groups: list[tuple[dict[str, Any], list[str]]]
+
+    @classmethod
+    def take(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> OptimizerPlan:
+        """The plan of ``optimizer`` over ``model``'s named parameters; ``optimizer`` is left without parameters.
+
+        Args:
+            optimizer: the optimizer over the unsplit model (no state yet).
+            model: the unsplit model.
+        """
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = [
+            ({k: v for k, v in group.items() if k != "params"}, [names[id(p)] for p in group["params"]])
+            for group in optimizer.param_groups
+        ]
+        for group in optimizer.param_groups:
+            group["params"] = []
+        return cls(type(optimizer), groups)
+
+    def build(self, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over the parameters this rank owns; every group kept, possibly empty, so that the groups
+        line up across pipeline stages when checkpoint state is merged.
+
+        Args:
+            params: HF name -> this rank's (tensor-parallel) parameter.
+        """
+        groups = [
+            {**options, "params": [params[name] for name in names if name in params]} for options, names in self.groups
+        ]
+        return self.optimizer_class(groups)
 
 
 def autocast_forward(model: torch.nn.Module, accelerator: Accelerator) -> None:
