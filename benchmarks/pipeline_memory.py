@@ -1,0 +1,169 @@
+"""Per-rank memory of pipeline layouts, read from the process, against ``hftrain plan``'s model-state estimate.
+
+SmolLM2-135M's shape (Llama: 30 layers, hidden 576, 9 query / 3 key-value heads, vocabulary 49,152) with random
+weights, trained for 2 optimizer steps in fp32 with AdamW under ``megatron`` at pp = 1, 2, 4 and tp = 2 × pp = 2,
+each in its own set of gloo processes. Every rank reads ``/proc/self/status``:
+
+- ``baseline``: VmRSS once torch, transformers, hftrain and the data are loaded, before the model is built;
+- ``peak``: VmHWM after the steps, minus the baseline: what model, gradients, optimizer state, activations and
+  every transient (the full model built before it is split and cut) cost this rank at their worst;
+- ``held``: VmRSS after the steps, minus the baseline.
+
+The estimate is ``hftrain plan``'s model states for that rank: its stage's parameters (the plan's formula:
+``layers·Ψ_layer/t``, plus ``V·h/t`` and the other embeddings on the first stage, plus the head on the last, with the
+stage's real layer count) × 16 bytes (fp32 parameter, gradient and two Adam moments). Activations are kept small
+(4 sequences of 16 tokens) so that the model states dominate.
+
+Usage (about 5 minutes on 2 shared cores, 8 GB of memory at most):
+    python benchmarks/pipeline_memory.py [--layouts pp1,pp2,pp4,tp2pp2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and an uninstalled hftrain
+
+from tests.distributed import run_distributed  # noqa: E402
+
+LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4), "tp2pp2": (2, 2)}
+BYTES_PER_PARAMETER = 16  # fp32: parameter 4 + gradient 4 + Adam exp_avg 4 + exp_avg_sq 4
+
+
+def smollm2_config():
+    """SmolLM2-135M's architecture as a sequence classifier (random weights: the shapes are what matter)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        num_labels=2,
+        pad_token_id=0,
+    )
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def plan_spec():
+    """``hftrain plan``'s description of the model (Ψ counted on the meta device, as ``hftrain plan --model``)."""
+    import tempfile
+
+    from hftrain.plan.model import model_from_config
+
+    with tempfile.TemporaryDirectory() as folder:
+        smollm2_config().save_pretrained(folder)
+        return model_from_config(str(Path(folder) / "config.json"))
+
+
+def plan_stage_parameters(spec, layers: int, *, tp: int, first: bool, last: bool) -> float:
+    """``hftrain plan``'s per-GPU parameters of a stage with ``layers`` layers (``plan.model_parallel``'s terms)."""
+    vocab = spec.vocab * spec.hidden
+    total = layers * spec.layer_parameters / tp
+    if first:
+        total += vocab / tp + spec.embedding_parameters - vocab - spec.head_parameters
+    if last:
+        total += spec.head_parameters
+    return total
+
+
+def _measure(tp: int, pp: int) -> dict:
+    import gc
+
+    import torch.distributed.pipelining  # noqa: F401 - imported before the baseline, like everything else
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForSequenceClassification
+
+    import hftrain.strategies.megatron.pipeline  # noqa: F401
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import build_strategy
+    from hftrain.trainers import SequenceClassificationTrainer
+    from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
+
+    reset_accelerate_state()
+    config = smollm2_config()
+    tokenizer = tiny_tokenizer("llama")
+    tokenizer.pad_token = tokenizer.eos_token
+    splits = tokenize_splits(tiny_splits(16, 4), tokenizer, max_seq_length=16)
+    options = {"tp": tp, "pp": pp} | ({"num_microbatches": 2} if pp > 1 else {})
+    args = TrainingConfig(
+        output_dir=_fresh_output_dir(),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        log_with="none",
+        mixed_precision="no",
+        eval_steps=1000,
+    )
+    strategy = build_strategy(StrategyConfig(name="megatron", **options), launch=launch_info_from_environ())
+    gc.collect()
+    baseline = _status("VmRSS")
+    trainer = SequenceClassificationTrainer(
+        args,
+        strategy=strategy,
+        model_init=lambda: AutoModelForSequenceClassification.from_config(config),
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=None,
+    )
+    trainer.fit()
+    peak, held = _status("VmHWM") - baseline, _status("VmRSS") - baseline
+    runtime = trainer.runtime
+    layout = runtime.plugin.layout
+    stages = list(trainer.model.stages) if pp > 1 else []
+    layers = sum(len(s.layers) for s in stages) if pp > 1 else config.num_hidden_layers
+    owned = sum(p.numel() for p in runtime._params.values())
+    return {
+        "rank": int(os.environ["RANK"]),
+        "pp_rank": layout.pp_rank,
+        "tp_rank": layout.tp_rank,
+        "layers": layers,
+        "first": pp == 1 or any(s.is_first for s in stages),
+        "last": pp == 1 or any(s.is_last for s in stages),
+        "owned_parameters": owned,
+        "peak": peak,
+        "held": held,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated: " + ", ".join(LAYOUTS))
+    args = parser.parse_args()
+    mib = 1 << 20
+    spec = plan_spec()
+    print("| layout | rank (pp, tp) | layers | parameters held | plan estimate (MiB) | peak (MiB) | peak / plan |"
+          " held after the steps (MiB) | held / plan |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.layouts.split(","):
+        tp, pp = LAYOUTS[name]
+        for r in sorted(run_distributed(_measure, nprocs=tp * pp, timeout=1800, tp=tp, pp=pp), key=lambda r: r["rank"]):
+            r["estimate"] = BYTES_PER_PARAMETER * plan_stage_parameters(
+                spec, r["layers"], tp=tp, first=r["first"], last=r["last"]
+            )
+            print(
+                f"| {name} | {r['rank']} ({r['pp_rank']}, {r['tp_rank']}) | {r['layers']} | "
+                f"{r['owned_parameters'] / 1e6:.1f}M | {r['estimate'] / mib:.0f} | {r['peak'] / mib:.0f} | "
+                f"{r['peak'] / r['estimate']:.3f} | {r['held'] / mib:.0f} | {r['held'] / r['estimate']:.3f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
