@@ -1,9 +1,11 @@
 """Pipeline schedules on 2 real gloo processes (pp=2) against a single-process reference.
 
-One launch covers every schedule (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages) and every model family
-(BERT, GPT-2, Llama; 4 tiny layers): per-step loss, every gradient, gradient accumulation over two steps,
-a changed sequence length, eval logits (with a batch that the micro-batch count does not divide), and the
-recorded timeline with its PNG.
+One launch covers every schedule (gpipe, 1f1b, interleaved_1f1b, interleaved_zb and zbv with 2 virtual stages) and
+every model family (BERT, GPT-2, Llama; 4 tiny layers): per-step loss, every gradient, gradient accumulation over
+two steps, a changed sequence length, eval logits (with a batch that the micro-batch count does not divide), and
+the recorded timeline with its PNG. Uneven batches: 6 examples in 4 micro-batches (2, 2, 1, 1: two passes) and 1
+example (one micro-batch: 1F1B cannot run it and falls back to GPipe) give the whole batch's mean loss and
+gradients; the torch schedules built are counted, and a shape seen before builds none.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from tests.distributed import run_distributed
 KINDS = ("bert", "gpt2", "llama")
 CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2))
 MICROBATCHES = 4
+UNEVEN = ((6, 10, 4), (1, 7, 5))  # (examples, sequence, seed): 4 micro-batches of 2, 2, 1, 1; a single example
 
 
 def four_layer_model(kind: str, seed: int = 0):
@@ -62,14 +65,22 @@ def reference(kind: str) -> dict:
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.eval()
     inputs, _ = make_batch(6, 10, 3)
-    return {"losses": losses, "grads": grads, "logits": model(**inputs).logits.detach()}
+    logits = model(**inputs).logits.detach()
+    model.zero_grad()
+    uneven = []
+    for batch, seq, seed in UNEVEN:  # whole batches: the mean over their examples
+        inputs, labels = make_batch(batch, seq, seed)
+        loss = cross_entropy(model(**inputs).logits, labels)
+        loss.backward()
+        uneven.append(loss.item())
+    uneven_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "logits": logits, "uneven": uneven, "uneven_grads": uneven_grads}
 
 
 def pipeline_run(kind: str, schedule: str, virtual_stages: int) -> dict:
     """This rank's part of the same computation through ``schedule`` on pp=2."""
     import torch.distributed as dist
 
-    from hftrain.errors import ConfigError
     from hftrain.parallel import SCHEDULES, TimelineRecorder, build_schedule, build_stage_modules
 
     rank = dist.get_rank()
@@ -88,24 +99,37 @@ def pipeline_run(kind: str, schedule: str, virtual_stages: int) -> dict:
         device="cpu",
         recorder=recorder,
     )
-    losses = []
-    for seed, seq in ((1, 12), (2, 9)):
-        inputs, labels = make_batch(8, seq, seed)
+
+    def step(batch: int, seq: int, seed: int) -> float | None:
+        inputs, labels = make_batch(batch, seq, seed)
         # each rank gets only what its stages need: inputs on the first, labels on the last
         loss = pipe.train_step(inputs if pipe.is_first else None, labels if pipe.is_last else None)
-        losses.append(None if loss is None else loss.item())
-    grads = {chunk.hf_name(n): p.grad.clone() for chunk in chunks for n, p in chunk.named_parameters()}
+        return None if loss is None else loss.item()
+
+    def grads() -> dict:
+        return {chunk.hf_name(n): p.grad.clone() for chunk in chunks for n, p in chunk.named_parameters()}
+
+    losses = [step(8, 12, 1), step(8, 9, 2)]
+    accumulated = grads()
     model.eval()
     inputs, _ = make_batch(6, 10, 3)
     logits = pipe.eval_step(inputs if pipe.is_first else None, None)
-    # a training batch the micro-batch count does not divide is refused on every rank (the shape is shared)
-    refused = None
-    try:
-        bad, labels = make_batch(6, 10, 4)
-        pipe.train_step(bad if pipe.is_first else None, labels if pipe.is_last else None)
-    except ConfigError as error:
-        refused = str(error)
-    return {"losses": losses, "grads": grads, "logits": logits, "events": recorder.events, "refused": refused}
+    model.train()
+    model.zero_grad()
+    uneven = [step(*batch) for batch in UNEVEN]  # weights unchanged: no optimizer step in this test
+    uneven_grads = grads()
+    builds = dict(pipe.builds)
+    step(8, 12, 1)  # a shape seen before: the cached schedule runs, nothing is built
+    return {
+        "losses": losses,
+        "grads": accumulated,
+        "logits": logits,
+        "uneven": uneven,
+        "uneven_grads": uneven_grads,
+        "builds": builds,
+        "builds_after_repeat": dict(pipe.builds),
+        "events": recorder.events,
+    }
 
 
 def all_pipeline_runs() -> dict:
@@ -146,8 +170,17 @@ def test_schedule_matches_single_process(runs, kind, schedule):
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     torch.testing.assert_close(last["logits"], ref["logits"], rtol=1e-5, atol=1e-6)
+    # uneven micro-batches, each weighted by its share of the examples: the whole batch's mean loss and gradients
+    assert other["uneven"] == [None, None]
+    torch.testing.assert_close(torch.tensor(last["uneven"]), torch.tensor(ref["uneven"]), rtol=1e-5, atol=1e-7)
+    uneven_grads = {**other["uneven_grads"], **last["uneven_grads"]}
+    for name, grad in ref["uneven_grads"].items():
+        torch.testing.assert_close(uneven_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    # one torch schedule per pass shape: 2 full batches, 6 examples in 2 passes, 1 example; one eval (ZBV's
+    # forward-only pass is hand-written); the repeated shape reused its schedule on every rank
     for result in (other, last):
-        assert "num_microbatches=4 does not divide the per-step batch of 6" in result["refused"]
+        assert result["builds"] == {"train": 5, **({} if schedule == "zbv" else {"eval": 1})}
+        assert result["builds_after_repeat"] == result["builds"]
 
 
 @pytest.mark.distributed

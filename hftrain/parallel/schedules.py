@@ -3,17 +3,30 @@
 Each schedule owns this rank's chunks (from :func:`hftrain.parallel.pipeline.build_stage_modules`, or any
 modules that map the activation tuple on) and runs one optimizer step's micro-batches through them:
 
-* ``train_step`` runs forward and backward of ``num_microbatches`` micro-batches and returns the mean loss on
-  the rank that holds the last stage (``None`` elsewhere). Gradients *accumulate* into ``.grad``: each
-  micro-batch's loss is divided by ``num_microbatches`` before its backward instead of letting torch divide
-  ``.grad`` afterwards (torch's ``scale_grads`` would also divide gradients the caller accumulated over
-  earlier steps, breaking gradient accumulation).
+* ``train_step`` runs forward and backward of a batch of ``b`` examples and returns its loss on the rank that
+  holds the last stage (``None`` elsewhere). The batch is cut into ``m' = min(m, b)`` micro-batches
+  (``m = num_microbatches``) of ``n_i`` examples, sizes differing by at most one (``torch.tensor_split``'s:
+  the first ``b mod m'`` one longer), and micro-batch ``i``'s mean loss ``ℓ_i`` is weighted before its backward::
+
+      L = Σ_i (n_i / b) · ℓ_i        (= the mean over the batch's examples: what one process computes)
+
+  Gradients *accumulate* into ``.grad``: the weights replace torch's ``scale_grads``, which would also divide
+  gradients the caller accumulated over earlier steps (gradient accumulation).
 * ``eval_step`` runs forward only and returns the logits on the last stage.
 
-``torch.distributed.pipelining`` infers the shapes it sends once per schedule object. The batch shape is
-therefore broadcast from the first stage over the pipeline group each step (one tiny collective) and one
-torch schedule is kept per shape (a few, least recently used dropped): dynamic padding works, but every new
-shape costs a metadata exchange, so pad to a fixed length under pp for speed.
+Torch's stages infer the shapes they send, and size their receive buffers, once per schedule object for one
+micro-batch shape. Micro-batches of one size therefore run as one pass of a torch schedule, and a batch whose
+micro-batches have two sizes (a short last batch, one the count does not divide) as two passes, the longer
+micro-batches first. A pass with a micro-batch count the configured torch schedule cannot run (1F1B needs at least
+``pp``) runs through the layout's any-count schedule (GPipe for one chunk per rank, looped BFS for several; ZBV
+runs any count): the same gradients in another order.
+
+The batch shape is broadcast from the first stage over the pipeline group each step (one tiny collective), and
+torch schedules are cached per ``(micro-batches, rows per micro-batch, sequence length, token types)``, a few per
+kind (training, evaluation), least recently used dropped. ``PipelineSchedule.builds`` counts the schedules built:
+each costs a metadata exchange and a forward and backward on placeholder tensors per stage. Dynamic padding
+gives one length per batch; length buckets (the collator's ``pad_to_multiple_of``, ``strategy.pad_to_multiple_of``
+in the Trainer) keep the lengths, and so the builds, to a few.
 
 Adding a schedule (e.g. zero-bubble ZBV) is one class naming its torch schedule and rules, and one
 :data:`SCHEDULES` entry.
@@ -22,7 +35,7 @@ Adding a schedule (e.g. zero-bubble ZBV) is one class naming its torch schedule 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -43,7 +56,7 @@ from hftrain.parallel.pipeline import chunk_ids_of_rank
 from hftrain.parallel.timeline import TimelineRecorder
 
 INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # the first chunk's positional inputs, in order
-_CACHED_SHAPES = 4  # torch schedules kept per (batch, sequence) shape
+_CACHED_SHAPES = 8  # torch schedules kept per kind (training, evaluation), least recently used dropped
 
 
 class TimedStage(PipelineStage):
@@ -70,12 +83,13 @@ class TimedStage(PipelineStage):
     ) -> None:
         super().__init__(submodule, stage_index, num_stages, device, group=group)
         self.recorder = recorder
+        self.first_microbatch = 0  # the step's index of this pass's first micro-batch (a step may run two passes)
 
     def _timed(self, kind: str, microbatch: int, run: Callable[[], Any]) -> Any:
         start = time.time()
         result = run()
         if self.recorder is not None:
-            self.recorder.record(self.stage_index, microbatch, kind, start, time.time())
+            self.recorder.record(self.stage_index, self.first_microbatch + microbatch, kind, start, time.time())
         return result
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -100,6 +114,23 @@ def _largest_divisor_at_most(n: int, bound: int) -> int:
     return max(d for d in range(1, min(n, bound) + 1) if n % d == 0)
 
 
+def microbatch_passes(batch: int, num_microbatches: int) -> list[tuple[int, int]]:
+    """How a batch of ``batch`` examples runs: ``[(rows per micro-batch, micro-batches), ...]``, one entry per pass.
+
+    ``m' = min(num_microbatches, batch)`` micro-batches whose sizes differ by at most one, in
+    ``torch.tensor_split``'s order (the ``batch mod m'`` longer ones first); each size is one pass of a torch
+    schedule, which holds receive buffers of one micro-batch shape.
+
+    Args:
+        batch: examples in the step's batch (at least 1).
+        num_microbatches: the configured micro-batches per step.
+    """
+    count = min(num_microbatches, batch)
+    rows, longer = divmod(batch, count)
+    passes = [(rows + 1, longer), (rows, count - longer)]
+    return [(size, n) for size, n in passes if n > 0]
+
+
 class PipelineSchedule:
     """One pipeline schedule on this rank: its chunks, micro-batching, and the torch schedule per shape.
 
@@ -108,10 +139,14 @@ class PipelineSchedule:
         pp_group: the pipeline process group (ranks ordered by pipeline rank).
         pp_rank: this rank's index in ``pp_group``.
         pp: pipeline-parallel size.
-        num_microbatches: micro-batches per ``train_step``; must divide the batch.
-        loss_fn: ``loss_fn(logits, labels) -> mean loss`` of one micro-batch.
+        num_microbatches: micro-batches per ``train_step`` (fewer when the batch has fewer examples).
+        loss_fn: ``loss_fn(output, target) -> mean loss`` of one micro-batch, ``target`` split with the inputs
+            along the batch dimension; a ``train_step`` may pass its own instead.
         device: where the chunks live.
         recorder: records F/B events of ``train_step`` (not of ``eval_step``) when given.
+
+    Attributes:
+        builds: torch schedules built so far, by kind (``"train"``, ``"eval"``): one per cache miss.
     """
 
     name: ClassVar[str]
@@ -126,7 +161,7 @@ class PipelineSchedule:
         pp_rank: int,
         pp: int,
         num_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         device: torch.device | str,
         recorder: TimelineRecorder | None = None,
     ) -> None:
@@ -146,7 +181,12 @@ class PipelineSchedule:
             )
         self.is_first = 0 in self.chunk_ids  # pipeline rank 0 in every layout
         self.is_last = pp * len(stages) - 1 in self.chunk_ids  # the last rank ("loop") or rank 0 again ("v")
-        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
+        self._schedules: dict[str, OrderedDict[tuple, tuple[Any, list[TimedStage]]]] = {
+            "train": OrderedDict(),
+            "eval": OrderedDict(),
+        }
+        self.builds: Counter[str] = Counter()
+        self._step_loss: tuple[Callable[[Any, torch.Tensor], torch.Tensor], int] | None = None
 
     @classmethod
     def check(cls, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
@@ -165,33 +205,65 @@ class PipelineSchedule:
                 "schedule: interleaved_1f1b"
             )
 
+    @classmethod
+    def runs(cls, *, pp: int, num_microbatches: int) -> bool:
+        """Whether the torch schedule runs a pass of ``num_microbatches`` (else the any-count schedule runs it).
+
+        Args:
+            pp: pipeline-parallel size.
+            num_microbatches: micro-batches of the pass.
+        """
+        return True
+
     # -- the per-step interface -------------------------------------------------------------------------------
 
-    def train_step(self, inputs: dict[str, torch.Tensor] | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    def train_step(
+        self,
+        inputs: dict[str, torch.Tensor] | None,
+        target: torch.Tensor | None,
+        *,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         """Forward and backward of all micro-batches of one batch; gradients accumulate into ``.grad``.
+
+        Any batch size runs: ``min(num_microbatches, batch)`` micro-batches of sizes differing by at most one
+        (:func:`microbatch_passes`), each micro-batch's loss weighted by its share of the batch's examples.
 
         Args:
             inputs: the batch (``input_ids``, ``attention_mask``, optional ``token_type_ids``); needed on the
                 first pipeline rank, ignored elsewhere.
-            labels: the batch's labels; needed on the last pipeline rank, ignored elsewhere.
+            target: what the loss compares the output with, one row per example (the labels, or row indices into
+                the batch); needed on the last pipeline rank, ignored elsewhere.
+            loss_fn: this step's ``loss_fn(output, target_rows) -> mean loss`` of one micro-batch; default the
+                schedule's. Torch also calls it once on placeholder outputs when it builds a schedule.
 
         Returns:
-            The mean loss over the micro-batches (detached) on the last pipeline rank, else ``None``.
+            The batch's loss ``Σ_i (n_i / b) · ℓ_i`` (detached) on the last pipeline rank, else ``None``.
         """
-        args, shape = self._first_stage_args(inputs)
-        if shape[0] % self.num_microbatches:
-            raise ConfigError(
-                f"strategy.num_microbatches={self.num_microbatches} does not divide the per-step batch of "
-                f"{shape[0]} examples; choose a batch size that is a multiple of it"
-            )
-        schedule = self._schedule(("train", *shape), self.num_microbatches, training=True)
+        args, (batch, *shape) = self._first_stage_args(inputs)
+        if self.is_last:
+            loss_fn = loss_fn or self.loss_fn
+            if loss_fn is None:
+                raise ValueError("the last pipeline stage needs a loss_fn (given to the schedule or to train_step)")
+            self._step_loss = (loss_fn, batch)
         if self.recorder is not None:
             self.recorder.begin_step()
         losses: list[torch.Tensor] = []
-        schedule.step(*args, **self._last_stage_kwargs(labels, losses), return_outputs=False)
+        start = done = 0
+        for size, count in microbatch_passes(batch, self.num_microbatches):
+            rows = slice(start, start + size * count)
+            schedule, stages = self._schedule("train", (count, size, *shape))
+            for stage in stages:
+                stage.first_microbatch = done
+            pass_losses: list[torch.Tensor] = []  # torch clears the list it is given
+            schedule.step(
+                *(arg[rows] for arg in args), **self._last_stage_kwargs(target, rows, pass_losses), return_outputs=False
+            )
+            losses += pass_losses
+            start, done = rows.stop, done + count
         if not self.is_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).sum()  # each is loss / num_microbatches
+        return torch.stack([loss.detach() for loss in losses]).sum()  # each is (n_i / b) · ℓ_i
 
     def eval_step(self, inputs: dict[str, torch.Tensor] | None, labels: torch.Tensor | None = None) -> Any:
         """Forward only; any batch size (micro-batches: the largest divisor of it up to ``num_microbatches``).
@@ -205,7 +277,7 @@ class PipelineSchedule:
         """
         args, shape = self._first_stage_args(inputs)
         count = _largest_divisor_at_most(shape[0], self.num_microbatches)
-        schedule = self._schedule(("eval", *shape), count, training=False)
+        schedule, _ = self._schedule("eval", (count, shape[0] // count, *shape[1:]))
         with torch.no_grad():
             return schedule.step(*args)
 
@@ -228,18 +300,21 @@ class PipelineSchedule:
             dist.broadcast(shape, group=self.pp_group, group_src=0)
         return args, tuple(int(x) for x in shape)
 
-    def _last_stage_kwargs(self, labels: torch.Tensor | None, losses: list) -> dict:
+    def _last_stage_kwargs(self, target: torch.Tensor | None, rows: slice, losses: list) -> dict:
         if not self.is_last:
             return {}
-        if labels is None:
-            raise ValueError("the last pipeline stage needs the labels")
-        return {"target": labels.to(self.device), "losses": losses}
+        if target is None:
+            raise ValueError("the last pipeline stage needs the target (labels or row indices)")
+        return {"target": target[rows].to(self.device), "losses": losses}
 
-    def _schedule(self, key: tuple, num_microbatches: int, *, training: bool) -> Any:
-        """The torch schedule for ``key``, built on first use (torch infers the stage shapes once per object)."""
-        if key in self._schedules:
-            self._schedules.move_to_end(key)
-            return self._schedules[key]
+    def _schedule(self, kind: str, shape: tuple[int, ...]) -> tuple[Any, list[TimedStage]]:
+        """The torch schedule of ``kind`` for ``shape = (micro-batches, rows each, sequence, token types)`` and its
+        stages, built on first use (torch infers the stage shapes once per object) and counted in ``builds``."""
+        cache = self._schedules[kind]
+        if shape in cache:
+            cache.move_to_end(shape)
+            return cache[shape]
+        count, training = shape[0], kind == "train"
         num_stages = self.pp * len(self.stages)
         stages = [
             TimedStage(
@@ -252,23 +327,24 @@ class PipelineSchedule:
             )
             for index, chunk in zip(self.chunk_ids, self.stages, strict=True)
         ]
-        if training:
-            schedule = self.build_torch_schedule(stages, num_microbatches, self._scaled_loss(num_microbatches))
+        if not training:
+            schedule = self.build_eval_schedule(stages, count)
+        elif self.runs(pp=self.pp, num_microbatches=count):
+            schedule = self.build_torch_schedule(stages, count, self._weighted_loss)
         else:
-            schedule = self.build_eval_schedule(stages, num_microbatches)
-        self._schedules[key] = schedule
-        if len(self._schedules) > _CACHED_SHAPES:
-            self._schedules.popitem(last=False)
-        return schedule
+            schedule = self.build_any_count_schedule(stages, count, self._weighted_loss)
+        cache[shape] = (schedule, stages)
+        self.builds[kind] += 1
+        if len(cache) > _CACHED_SHAPES:
+            cache.popitem(last=False)
+        return schedule, stages
 
-    def _scaled_loss(self, num_microbatches: int) -> Callable:
-        loss_fn = self.loss_fn
-
-        def scaled(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            # the step's loss is the mean over micro-batches: scale each before its backward (see module doc)
-            return loss_fn(logits, labels) / num_microbatches
-
-        return scaled
+    def _weighted_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """``(n_i / b) · ℓ_i``: micro-batch ``i``'s loss weighted by its share of the step's examples, before its
+        backward (see the module doc); ``n_i`` is the rows of its target, split with the inputs."""
+        assert self._step_loss is not None  # set by train_step before any schedule runs
+        loss_fn, examples = self._step_loss
+        return loss_fn(output, target) * (target.shape[0] / examples)
 
     def build_eval_schedule(self, stages: list[TimedStage], num_microbatches: int) -> Any:
         """A forward-only torch schedule: the order does not matter, so one with no micro-batch constraints.
@@ -286,10 +362,23 @@ class PipelineSchedule:
 
         Args:
             stages: this rank's ``TimedStage`` objects.
-            num_microbatches: micro-batches per step.
-            loss_fn: the (already scaled) micro-batch loss.
+            num_microbatches: micro-batches of the pass.
+            loss_fn: the (already weighted) micro-batch loss.
         """
         return self.torch_class(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def build_any_count_schedule(self, stages: list[TimedStage], num_microbatches: int, loss_fn: Callable) -> Any:
+        """A training schedule for a pass this schedule cannot run (too few micro-batches for its warm-up): all
+        forwards, then all backwards (GPipe, or looped BFS over several chunks per rank in the loop layout).
+
+        Args:
+            stages: this rank's ``TimedStage`` objects.
+            num_microbatches: micro-batches of the pass.
+            loss_fn: the (already weighted) micro-batch loss.
+        """
+        if len(stages) == 1:
+            return ScheduleGPipe(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleLoopedBFS(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 class GPipeSchedule(PipelineSchedule):
@@ -317,6 +406,11 @@ class OneFOneBSchedule(PipelineSchedule):
                 f"strategy.schedule {cls.name!r} needs num_microbatches >= pp ({num_microbatches} < {pp})"
             )
 
+    @classmethod
+    def runs(cls, *, pp: int, num_microbatches: int) -> bool:
+        """Torch's 1F1B warms up with one micro-batch per stage: at least ``pp``."""
+        return num_microbatches >= pp
+
 
 class Interleaved1F1BSchedule(PipelineSchedule):
     """Interleaved 1F1B (Megatron's virtual pipeline): ``virtual_stages`` chunks per rank, 1F1B across them.
@@ -339,6 +433,11 @@ class Interleaved1F1BSchedule(PipelineSchedule):
                 f"strategy.schedule {cls.name!r} needs num_microbatches to be a multiple of pp={pp}, "
                 f"got {num_microbatches}"
             )
+
+    @classmethod
+    def runs(cls, *, pp: int, num_microbatches: int) -> bool:
+        """Torch's interleaved schedules run rounds of ``max(1, m // pp)`` micro-batches: they must divide ``m``."""
+        return num_microbatches % max(1, num_microbatches // pp) == 0
 
     def build_torch_schedule(self, stages: list[TimedStage], num_microbatches: int, loss_fn: Callable) -> Any:
         """Torch's interleaved schedule takes all of this rank's stages."""
@@ -367,6 +466,12 @@ class ZBVSchedule(Interleaved1F1BSchedule):
         super().check(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
         if virtual_stages != 2:
             raise ConfigError(f"strategy.schedule {cls.name!r} needs virtual_stages: 2, got {virtual_stages}")
+
+    @classmethod
+    def runs(cls, *, pp: int, num_microbatches: int) -> bool:
+        """Torch's ZBV runs any count (it plans ``max(2·pp - 1, m)`` and drops the missing micro-batches); no
+        other torch schedule runs the V layout."""
+        return True
 
     def eval_step(self, inputs: dict[str, torch.Tensor] | None, labels: torch.Tensor | None = None) -> Any:
         """Forward only, the whole batch chunk after chunk down and up the V.
@@ -438,6 +543,6 @@ def build_schedule(name: str, stages: list[torch.nn.Module], **options: Any) -> 
         name: a key of :data:`SCHEDULES`.
         stages: this rank's chunks, in order.
         options: the keyword arguments of :class:`PipelineSchedule`: ``pp_group``, ``pp_rank``, ``pp``,
-            ``num_microbatches``, ``loss_fn``, ``device`` and optionally ``recorder``.
+            ``num_microbatches``, ``device`` and optionally ``loss_fn`` and ``recorder``.
     """
     return schedule_class(name)(stages, **options)
