@@ -26,11 +26,16 @@ from typing import Any
 class HFTrainError(Exception):
     """A user-facing error: one actionable line, reported by the CLI with exit code 2.
 
+    Under a launcher every rank meets the same bad input and raises the same error; the CLI prints it from the
+    main process of each machine only. ``every_rank`` marks the errors that can differ between ranks (a rank's
+    own write), which every rank prints.
+
     Args:
         message: what is wrong, naming the field or file, and how to fix it.
     """
 
     exit_code = 2
+    every_rank = False
 
 
 class ConfigError(HFTrainError):
@@ -46,14 +51,35 @@ class UsageError(HFTrainError):
 
 
 class WriteError(HFTrainError):
-    """A file of the run could not be written (disk full, read-only, permission denied)."""
+    """A file of the run could not be written (disk full, read-only, permission denied).
+
+    Each rank writes its own files: the rank that failed says why, the others that another process failed.
+    """
+
+    every_rank = True
 
 
-# errno values that mean "this location cannot take the write", not "hftrain has a bug".
+# errno values that mean "this location cannot take the write", not "hftrain has a bug"; each with its fix.
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
-_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
-_BAD_PATH = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG}
-# A write that failed on a file system with less free space than this failed for want of space.
+_WRITE_FIXES = {
+    errno.EROFS: "the file system is read-only: choose a location on a writable one",
+    errno.EACCES: "choose a location you may write to, or fix its permissions",
+    errno.EPERM: "choose a location you may write to, or fix its permissions",
+    errno.ENOENT: "a folder on the path is missing (or was removed while writing): create it or fix the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: fix the path",
+    errno.EISDIR: "a folder is where a file is written: fix the path",
+    errno.EEXIST: "something already exists there: fix the path or remove it",
+    errno.ENAMETOOLONG: "the name is too long for the file system: choose a shorter path",
+    errno.ELOOP: "the path has a symbolic-link loop: fix the path",
+    errno.EFBIG: "the file is larger than the file system allows: choose a location on another file system",
+    errno.EIO: "the storage device reported an I/O error: check the disk or choose another location",
+    errno.ESTALE: "the network file system lost the file: remount it or choose another location",
+}
+# Writers that report a full disk without an errno: safetensors says so ("(os error 28)"); torch.save only says
+# that a stream write failed ("unexpected pos" after an iostream error), a full disk only where the disk is full.
+_NO_SPACE_TEXT = ("No space left on device", "os error 28", "os error 122")
+_STREAM_FAILURE_TEXT = ("unexpected pos", "iostream error", "file write failed", "PytorchStreamWriter failed")
+# A write that failed that way on a file system with less free space than this failed for want of space.
 _FULL_BELOW_BYTES = 1 << 20
 
 
@@ -65,8 +91,11 @@ def one_line(error: BaseException) -> str:
     """
     if isinstance(error, KeyError) and error.args:  # str(KeyError) is only the quoted key
         return f"missing key {error.args[0]!r}"
-    lines = str(error).strip().splitlines()
-    return (lines[0] if lines else type(error).__name__)[:300]
+    lines = [line.strip() for line in str(error).strip().splitlines()]
+    first = lines[0] if lines else type(error).__name__
+    if first.endswith(":") and len(lines) > 1:  # a heading ("Validation error for field 'x':"): its detail too
+        first = f"{first} {lines[1]}"
+    return first[:300]
 
 
 @contextlib.contextmanager
@@ -107,9 +136,10 @@ def writing(
 
     Args:
         what: what was being written and where, e.g. ``"checkpoint step 40 (out/checkpoints/step_00000040)"``.
-        location: the file or folder being written (its file system is checked for free space).
+        location: the file or folder being written (its free space decides only for a writer that hides the
+            errno: a failed torch.save stream on a nearly full file system).
         last_checkpoint: returns the last complete checkpoint (None when there is none), named in the message
-            so the user knows what survived.
+            so the user knows what survived; leave it out for a write that is not a run's.
         catch: the exceptions the writers in the block raise on failure; torch and safetensors report a full
             disk as ``RuntimeError`` / ``SafetensorError``, so collective checkpoint writes pass ``(Exception,)``.
     """
@@ -129,27 +159,59 @@ def write_error(
 ) -> Exception:
     """The ``WriteError`` for an exception raised while writing ``what``, or the exception itself when not ours.
 
+    The cause is the error's errno (or the errno of an ``OSError`` it was raised from): "no space" only for
+    ``ENOSPC``/``EDQUOT``, and a read-only file system, a permission, a missing folder... each as itself. An
+    error without any errno is a full disk only when its writer says so, or when it is a stream-write failure
+    (torch.save hides ``ENOSPC``) on a file system that is in fact nearly full; anything else stays a bug.
+
     Args:
         error: what the writer raised.
         what: what was being written and where.
         location: the file or folder being written.
-        last_checkpoint: returns the last complete checkpoint, or None.
+        last_checkpoint: returns the last complete checkpoint, or None (left out: not a run's write).
     """
-    code = getattr(error, "errno", None)
-    text = str(error)
-    # torch.save reports ENOSPC as "unexpected pos ..." and safetensors as "(os error 28)": ask the disk itself.
-    if code in _NO_SPACE or "os error 28" in text or "No space left" in text or _nearly_full(location):
-        last = last_checkpoint() if last_checkpoint is not None else None
-        survived = f"the last complete checkpoint is {last}" if last else "there is no complete checkpoint yet"
-        return WriteError(f"no space left on device while writing {what}; {survived}; free space and rerun")
-    if code in _NOT_WRITABLE:
-        return WriteError(
-            f"cannot write {what}: {error.strerror} ({error.filename}); choose a writable output_dir or fix "
-            "its permissions"
-        )
-    if code in _BAD_PATH:
-        return WriteError(f"cannot write {what}: {error.strerror} ({error.filename}); fix the path")
+    cause = _os_error(error)
+    code = cause.errno if cause is not None else None
+    if code in _NO_SPACE or (code is None and _no_space_without_errno(error, location)):
+        survived = ""
+        if last_checkpoint is not None:  # a run's write: say what it still has
+            last = last_checkpoint()
+            survived = f"the last complete checkpoint is {last}; " if last else "there is no complete checkpoint yet; "
+        return WriteError(f"no space left on device while writing {what}; {survived}free space and rerun")
+    if cause is not None and code in _WRITE_FIXES:
+        reason = cause.strerror or os.strerror(code)
+        where = cause.filename if cause.filename is not None else location
+        return WriteError(f"cannot write {what}: {reason} ({where}); {_WRITE_FIXES[code]}")
     return error
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The ``OSError`` with an errno that ``error`` is, or was raised from (``raise ... from``: ``__cause__``).
+
+    An exception merely raised while another was handled (``__context__``) is not caused by it: not followed.
+    """
+    current: BaseException | None = error
+    for _ in range(8):
+        if current is None:
+            return None
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        current = current.__cause__
+    return None
+
+
+def _no_space_without_errno(error: BaseException, location: str | os.PathLike[str]) -> bool:
+    """Whether an error that carries no errno is a full disk: its text says so, or a stream write failed on a
+    nearly full file system."""
+    texts: list[str] = []
+    current: BaseException | None = error
+    while current is not None and len(texts) < 8:  # torch chains its iostream error as the context
+        texts.append(str(current))
+        current = current.__cause__ or current.__context__
+    text = " ".join(texts)
+    if any(marker in text for marker in _NO_SPACE_TEXT):
+        return True
+    return any(marker in text for marker in _STREAM_FAILURE_TEXT) and _nearly_full(location)
 
 
 def _nearly_full(location: str | os.PathLike[str]) -> bool:
