@@ -200,6 +200,59 @@ def test_out_of_range_labels(tmp_path: Path, bad: int) -> None:
     assert "model.num_labels" in message and f"label {bad} " in message and "train.csv" in message
 
 
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [
+        (["a", "b"], "holds a list at row 4 (['a', 'b'])"),
+        ({"a": 1}, "holds an object at row 4 ({'a': 1})"),
+    ],
+)
+@pytest.mark.parametrize("everywhere", [False, True], ids=["one-row", "every-row"])
+def test_texts_that_are_lists_or_objects(tmp_path: Path, bad: Any, shown: str, everywhere: bool) -> None:
+    """A JSON array or object is not a text: refused naming file, column and first row, never stringified."""
+    rows = [{"review": bad if everywhere else f"text {i}", "label": i % 2} for i in range(3)]
+    rows += [{"review": bad, "label": 1}, {"review": "after", "label": 0}]
+    with pytest.raises(DataError) as err:
+        _load(_write_jsonl(tmp_path / "train.jsonl", rows), text_column="review")
+    message = str(err.value)
+    expected_row = "row 1 " if everywhere else "row 4 "
+    assert message.startswith("data.text_column: column 'review' of ") and "train.jsonl" in message
+    assert shown.replace("row 4 ", expected_row) in message
+
+
+@pytest.mark.parametrize("write", [_write_jsonl, _write_csv], ids=["jsonl", "csv"])
+def test_boolean_labels_are_refused(tmp_path: Path, write: Any) -> None:
+    rows = [{"text": f"t{i}", "label": bool(i % 2)} for i in range(6)]
+    path = write(tmp_path / ("train.jsonl" if write is _write_jsonl else "train.csv"), rows)
+    with pytest.raises(DataError) as err:
+        _load(path)
+    message = str(err.value)
+    assert "data.label_column" in message and path.name in message
+    assert "found False (a boolean) at row 1" in message and "write the classes as integers" in message
+
+
+def test_a_label_too_large_for_int64_is_reported_as_itself(tmp_path: Path) -> None:
+    rows = _rows(5) + [{"text": "huge", "label": 10**30}]
+    with pytest.raises(DataError) as err:
+        _load(_write_jsonl(tmp_path / "train.jsonl", rows))
+    message = str(err.value)
+    assert "label 1e+30 in column 'label'" in message and "-9223372036854775808" not in message
+    rows = _rows(5) + [{"text": "large", "label": 2**62}]  # an int64: said exactly
+    with pytest.raises(DataError, match=f"label {2**62} in column 'label'"):
+        _load(_write_jsonl(tmp_path / "train.jsonl", rows))
+    path = tmp_path / "train.csv"
+    path.write_text(f"text,label\na,0\nb,{10**30}\n", encoding="utf-8")
+    with pytest.raises(DataError, match="data.train_file: .*train.csv holds a number too large for a 64-bit integer"):
+        _load(path)
+
+
+def test_bad_value_rows_count_missing_rows_too(tmp_path: Path) -> None:
+    """The row named is the row in the file, also after rows with missing values were dropped."""
+    rows = _rows(4) + [{"text": None, "label": 1}, {"text": "bad", "label": 0.5}]
+    with pytest.raises(DataError, match=r"found 0\.5 at row 6;"):
+        _load(_write_jsonl(tmp_path / "train.jsonl", rows))
+
+
 def test_empty_after_dropping(tmp_path: Path) -> None:
     rows = [{"text": None, "label": 1}, {"text": "x", "label": None}]
     with pytest.raises(DataError) as err:

@@ -2,7 +2,10 @@
 
 Sources are local CSV/JSON/Parquet files or small datasets embedded in installed packages
 (no network access is needed). Every problem with the data is reported as one actionable
-`DataError` / `ConfigError` line naming the config field or file.
+`DataError` / `ConfigError` line naming the config field or file (and, for a bad value, its column
+and first row). Texts are strings (numbers are taken as their text; JSON lists and objects are
+refused, not stringified); labels are whole numbers in [0, num_labels) (booleans are refused: which
+class true is must be written in the file, not guessed).
 """
 
 from __future__ import annotations
@@ -154,9 +157,11 @@ def _load_local(
     """
     frame = _read_file(path, field)
     frame = _select_columns(frame, str(path), text_column, label_column)
+    _check_texts(frame["text"], str(path), text_column)
     frame = _drop_missing(frame, str(path), field, log)
-    frame["label"] = _to_int_labels(frame["label"], str(path), label_column)
-    _check_label_range(frame["label"], num_labels, str(path), label_column)
+    numbers = _whole_number_labels(frame["label"], str(path), label_column)
+    _check_label_range(numbers, num_labels, str(path), label_column)
+    frame["label"] = numbers.astype("int64")
     return _to_dataset(frame)
 
 
@@ -200,6 +205,11 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
         reason = _root_cause(err)
         if "corresponds to no data" in reason:  # e.g. a CSV with only a header line
             raise DataError(f"{field}: {path} has no data rows; fill in the data or point to another file") from err
+        if "too large to convert" in reason:  # a CSV number beyond int64, e.g. a label of 10**30
+            raise DataError(
+                f"{field}: {path} holds a number too large for a 64-bit integer ({reason}); fix that value "
+                "(labels are class ids 0..num_labels-1)"
+            ) from err
         raise DataError(f"{field}: could not read {path} as {builder}: {reason}") from err
     return dataset.to_pandas()
 
@@ -246,8 +256,42 @@ def _is_blank(values: pd.Series) -> pd.Series:
     return values.isna() | blank_string
 
 
+def _check_texts(texts: pd.Series, source: str, text_column: str) -> None:
+    """Refuse texts that are lists or objects (JSON arrays/objects), which ``str`` would silently make text.
+
+    Args:
+        texts: the text column, indexed by row (0-based) in the file.
+        source: file name for error messages.
+        text_column: original column name for error messages.
+    """
+    import numpy as np
+
+    if texts.dtype != object:
+        return  # strings or numbers: text as they are
+    nested = texts.map(lambda value: isinstance(value, (list, tuple, dict, set, np.ndarray)))
+    if not nested.any():
+        return
+    row = nested.idxmax()
+    value = texts[row]
+    kind = "an object" if isinstance(value, dict) else "a list"
+    raise DataError(
+        f"data.text_column: column {text_column!r} of {source} holds {kind} at row {row + 1} ({_shown(value)}), "
+        "not a text; write each text as one string in the file"
+    )
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """A value from the file as it may be echoed in a message: its repr, cut short."""
+    if hasattr(value, "tolist"):  # numpy arrays and scalars: as the plain Python values they hold
+        value = value.tolist()
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _drop_missing(frame: pd.DataFrame, source: str, field: str, log: Callable[[str], None]) -> pd.DataFrame:
     """Drop rows whose text or label is missing, log how many, and fail if none are left.
+
+    The rows kept keep their index: their row (0-based) in the file, for the messages about them.
 
     Args:
         frame: columns "text" and "label".
@@ -259,7 +303,7 @@ def _drop_missing(frame: pd.DataFrame, source: str, field: str, log: Callable[[s
     dropped = int(missing.sum())
     if dropped:
         log(f"dropped {dropped} of {len(frame)} rows with missing text or label in {source}")
-    kept = frame[~missing].reset_index(drop=True)
+    kept = frame[~missing].copy()
     if kept.empty:
         raise DataError(
             f"{field}: {source} has no rows with both text and label ({len(frame)} rows read); "
@@ -270,36 +314,59 @@ def _drop_missing(frame: pd.DataFrame, source: str, field: str, log: Callable[[s
     return kept
 
 
-def _to_int_labels(labels: pd.Series, source: str, label_column: str) -> pd.Series:
-    """Convert labels to int64, accepting ints, bools and whole-number floats or strings.
+def _whole_number_labels(labels: pd.Series, source: str, label_column: str) -> pd.Series:
+    """The labels as whole numbers, accepting ints and whole-number floats or strings.
+
+    A column of signed integers stays as it is (exact); anything else becomes float64, so that a label too large
+    for int64 (``1e30``) is still its own value in the range check.
 
     Args:
-        labels: the label column with no missing values.
+        labels: the label column with no missing values, indexed by row (0-based) in the file.
         source: file name for error messages.
         label_column: original column name for error messages.
     """
     import numpy as np
     import pandas as pd
 
-    if pd.api.types.is_bool_dtype(labels):
+    where = f"data.label_column: labels in column {label_column!r} of {source} must be integer class ids"
+    if pd.api.types.is_bool_dtype(labels) or labels.dtype == object:
+        boolean = labels.map(lambda value: isinstance(value, (bool, np.bool_)))
+        if boolean.any():
+            row = boolean.idxmax()
+            raise DataError(
+                f"{where} 0..num_labels-1, found {_shown(labels[row])} (a boolean) at row {row + 1}; which class true "
+                "is cannot be guessed: write the classes as integers (e.g. 0 and 1) in the file"
+            )
+    if pd.api.types.is_signed_integer_dtype(labels):
         return labels.astype("int64")
     numbers = pd.to_numeric(labels, errors="coerce").astype("float64")
     # NaN here means "not a number at all" (e.g. "pos"); fractions like 0.5 are not class ids.
     bad = ~np.isfinite(numbers) | (numbers != np.round(numbers))
     if bad.any():
-        example = labels[bad].iloc[0]
+        row = bad.idxmax()
         raise DataError(
-            f"data.label_column: labels in column {label_column!r} of {source} must be integer class ids "
-            f"0..num_labels-1, found {example!r}; map label names to integers in the file"
+            f"{where} 0..num_labels-1, found {_shown(labels[row])} at row {row + 1}; map label names to integers in "
+            "the file"
         )
-    return numbers.astype("int64")
+    return numbers
+
+
+def _label_text(value: float | int) -> str:
+    """A label as the user wrote it: ``7`` for an integer, ``1e+30`` for a float beyond the exact whole numbers.
+
+    Args:
+        value: a label (an integer, or a whole-number float).
+    """
+    if isinstance(value, float) and abs(value) >= 2**53:
+        return f"{value:g}"
+    return str(int(value))
 
 
 def _check_label_range(labels: pd.Series, num_labels: int, source: str, label_column: str) -> None:
     """Require every label to lie in [0, num_labels).
 
     Args:
-        labels: int64 labels.
+        labels: whole-number labels (int64, or float64 before the cast, so that a huge one keeps its value).
         num_labels: number of classes (model.num_labels).
         source: file name for error messages.
         label_column: original column name for error messages.
@@ -307,12 +374,17 @@ def _check_label_range(labels: pd.Series, num_labels: int, source: str, label_co
     bad = labels[(labels < 0) | (labels >= num_labels)]
     if bad.empty:
         return
-    value = int(bad.iloc[0])
+    first = bad.iloc[0].item()  # a Python int or float
     fix = "fix the labels"
-    if value >= num_labels:
-        fix = f"set model.num_labels to at least {int(labels.max()) + 1} or {fix}"
+    if first >= num_labels:
+        largest = labels.max().item()
+        fix = (
+            f"set model.num_labels to at least {int(largest) + 1} or {fix}"
+            if largest < 2**20
+            else f"{fix} (class ids count from 0; model.num_labels is the number of classes)"
+        )
     raise DataError(
-        f"model.num_labels: label {value} in column {label_column!r} of {source} is outside "
+        f"model.num_labels: label {_label_text(first)} in column {label_column!r} of {source} is outside "
         f"[0, {num_labels}) for model.num_labels={num_labels}; {fix}"
     )
 
