@@ -4,19 +4,23 @@ It checks the hostfile strictly, the process counts against it, that the rendezv
 the machine that hosts it, that its port can be opened), names the backend and the interface variable it
 needs, and compares versions across machines: the doctor on the rendezvous machine (``--wait S``) listens
 on the rendezvous port for the other machines' doctors, which send their versions and receive its own.
-Every problem is a ``FAIL`` line and makes the exit code 1; a launch with the same settings would fail.
+Every problem is a ``FAIL`` line and makes the exit code 1; a launch with the same settings would fail. The
+doctor's own options are checked first: a count below 1, a port outside 1-65535 (0 included: the launchers
+would not take it either), a timeout or wait that is not a finite number of seconds, is bad input (one line,
+exit code 2), never silently replaced by a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 
-from hftrain.errors import HFTrainError
+from hftrain.errors import ConfigError, HFTrainError
 from hftrain.launch.hostfile import HostEntry, parse_hostfile
 from hftrain.launch.rendezvous import (
     INTERFACE_VARIABLES,
@@ -30,6 +34,7 @@ from hftrain.launch.rendezvous import (
 )
 
 DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's default master port
+MAX_SECONDS = 86400.0  # --timeout and --wait: a day at most (sockets take no unbounded timeout)
 VERSION_PACKAGES = ("hftrain", "torch", "deepspeed", "accelerate", "transformers")
 _HELLO = "hftrain-doctor"
 
@@ -59,6 +64,34 @@ class DoctorSettings:
     num_processes: int | None = None
     timeout: float = 5.0
     wait: float = 0.0
+
+    def validate(self) -> DoctorSettings:
+        """Refuse options no launch can have (one line naming the option and the fix); returns ``self``."""
+        for name in ("nnodes", "nproc_per_node", "num_processes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name} {value}: must be a positive integer (processes or machines, at least 1)")
+        rank = self.node_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ConfigError(f"--node_rank {rank}: must be an integer >= 0 (0 is the machine hosting the rendezvous)")
+        if rank is not None and self.nnodes is not None and rank >= self.nnodes:
+            raise ConfigError(f"--node_rank {rank}: must be below --nnodes {self.nnodes} (0..{self.nnodes - 1})")
+        port = self.master_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+            raise ConfigError(
+                f"--master_port {port}: not a TCP port the launchers take (1-65535); give the port the launch will "
+                f"use, e.g. --master_port {DEFAULT_PORT}"
+            )
+        for name, low, inclusive in (("timeout", 0.0, False), ("wait", 0.0, True)):
+            value = getattr(self, name)
+            number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+            if not math.isfinite(number) or number > MAX_SECONDS or number < low or (number == low and not inclusive):
+                bound = ">= 0 (0: do not wait)" if inclusive else "> 0"
+                shown = f"{value:g}" if isinstance(value, float) else value
+                raise ConfigError(
+                    f"--{name} {shown}: must be a finite number of seconds {bound} and at most {MAX_SECONDS:g}"
+                )
+        return self
 
 
 @dataclass
@@ -97,9 +130,10 @@ def run_doctor(settings: DoctorSettings, environ: dict[str, str] | None = None) 
     """Run every check and return the report (nothing is raised for a failed check).
 
     Args:
-        settings: the launch settings to check.
+        settings: the launch settings to check (options no launch can have raise ``ConfigError`` first).
         environ: the environment (``MASTER_ADDR``/``MASTER_PORT`` and interface variables); ``os.environ``.
     """
+    settings.validate()
     env = dict(os.environ if environ is None else environ)
     report = DoctorReport()
     hosts = _check_hostfile(settings, report)
@@ -145,7 +179,8 @@ def _rendezvous(
     settings: DoctorSettings, env: dict[str, str], hosts: list[HostEntry] | None, report: DoctorReport
 ) -> Rendezvous | None:
     addr = settings.master_addr or env.get("MASTER_ADDR") or (hosts[0].host if hosts else None)
-    port = settings.master_port or env.get("MASTER_PORT") or (DEFAULT_PORT if addr else None)
+    port = settings.master_port if settings.master_port is not None else env.get("MASTER_PORT")  # 0 stays 0
+    port = port if port not in (None, "") else (DEFAULT_PORT if addr else None)
     try:
         return parse_rendezvous(addr, port, source="rendezvous (--master_addr/--master_port or MASTER_ADDR/PORT)")
     except HFTrainError as error:

@@ -52,6 +52,12 @@ HOSTILE = [
     "node_a slots=1",
     "node-a\x1b[2J slots=1",
     "a" * 64 + " slots=1",
+    "fe80::1%$(reboot) slots=1",  # an IPv6 scope is handed to ssh/pdsh like the rest
+    "fe80::1%eth0;id slots=1",
+    "fe80::1% slots=1",
+    "0x7f.1 slots=1",  # inet_aton: 127.0.0.1
+    "0x7f slots=1",  # inet_aton: 0.0.0.127
+    "node.1 slots=1",
 ]
 
 
@@ -65,6 +71,11 @@ def test_good_hostfile_parses(tmp_path):
         ("gpu17.cluster.example.org", 8, 4),
         ("fd00::1", 1, 5),
     ]
+
+
+def test_ipv6_scopes_naming_an_interface_are_hosts():
+    hosts = parse_hostfile_text("fe80::1%eth0 slots=1\nfe80::2%3 slots=1\nfe80::3%enp1s0.10 slots=1\n")
+    assert [h.host for h in hosts] == ["fe80::1%eth0", "fe80::2%3", "fe80::3%enp1s0.10"]
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
@@ -143,6 +154,16 @@ def test_doctor_fails_on_bad_hostfile_count_mismatch_and_unreachable_rendezvous(
     assert done.returncode == 1 and "rendezvous address and port are not set" in done.stdout
     done = _doctor("--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--nnodes", "2")
     assert done.returncode == 1 and "is loopback but the job spans 2 machines" in done.stdout
+
+
+def test_doctor_does_not_replace_a_port_or_take_a_numeric_name(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "0")
+    done = _doctor("--master_addr", "127.0.0.1")
+    assert done.returncode == 1 and "port '0' is not a TCP port (1-65535)" in done.stdout
+    assert "29500" not in done.stdout
+    monkeypatch.delenv("MASTER_PORT")
+    done = _doctor("--master_addr", "0x7f.1", "--master_port", str(free_port()))
+    assert done.returncode == 1 and "'0x7f.1' is not a plain host name or IP address" in done.stdout
 
 
 def _hftrain_copy_with_version(tmp_path: Path, version: str) -> Path:
@@ -235,6 +256,11 @@ LAUNCH_MISMATCHES = {
         "rendezvous address and port are not set",
     ),
     "missing rank": (lambda: [], {"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK is not set"),
+    "zero local processes": (
+        lambda: [],
+        {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "0"},
+        "LOCAL_WORLD_SIZE='0' is not an integer >= 1",
+    ),
     "inconsistent counts": (
         lambda: [],
         {"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},

@@ -2,13 +2,17 @@
 
 A hostfile names the machines of a job. DeepSpeed's own parser takes any non-blank token as a host and hands
 it on to ssh/pdsh; hftrain accepts only plain host names (RFC 1123) and IP addresses, so nothing read from the
-file can ever be interpreted by a shell, and it reports the first bad line with its number and the fix.
+file can ever be interpreted by a shell, and it reports the first bad line with its number and the fix. An IPv6
+scope (``fe80::1%eth0``) must be an interface name or number; a name the C resolver would read as a number
+(``0x7f.1``, ``0x7f`` are 127.0.0.1 and 0.0.0.127 to ``inet_aton``, a final label of digits) is neither a name
+nor a canonical address and is refused.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +22,7 @@ MAX_HOSTFILE_BYTES = 1 << 20
 MAX_SLOTS = 4096
 _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 _ENTRY = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
+_SCOPE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")  # a Linux interface name (IFNAMSIZ - 1) or index
 
 
 @dataclass(frozen=True)
@@ -99,15 +104,31 @@ def parse_hostfile_text(text: str, *, source: str = "hostfile") -> list[HostEntr
 def host_key(host: str) -> str | None:
     """A canonical form of a host name or address (for duplicate detection), or None when it is neither."""
     try:
-        return str(ipaddress.ip_address(host))
+        address = ipaddress.ip_address(host)
     except ValueError:
         pass
+    else:
+        scope = getattr(address, "scope_id", None)
+        if scope is not None and not _SCOPE.match(scope):
+            return None  # 'fe80::1%$(reboot)': the scope is handed to ssh/pdsh like the rest
+        return str(address)
     name = host[:-1] if host.endswith(".") else host
     if not name or len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
         return None
-    if all(label.isdigit() for label in name.split(".")):
-        return None  # digits and dots only: a malformed IPv4 address, not a name
+    if name.split(".")[-1].isdigit():
+        return None  # '10.0.0.256', 'node.1': a malformed IPv4 address, not a name (a top-level label has a letter)
+    if _is_numeric_to_resolver(name):
+        return None  # '0x7f', '0x7f.0x1': inet_aton's hexadecimal forms of an address
     return name.lower()
+
+
+def _is_numeric_to_resolver(name: str) -> bool:
+    """Whether the C library would read ``name`` as an IPv4 address (``inet_aton``'s a, a.b, hex and octal forms)."""
+    try:
+        socket.inet_aton(name)
+    except OSError:
+        return False
+    return True
 
 
 def _slots(value: str, where: str) -> int:

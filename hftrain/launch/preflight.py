@@ -45,9 +45,14 @@ class LaunchPreflight:
 
 
 def local_world_size(environ: MutableMapping[str, str]) -> int | None:
-    """Processes on this machine, as the launcher said (torchrun/accelerate or DeepSpeed's name)."""
-    value = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE")
-    return int(value) if value and value.isdigit() else None
+    """Processes on this machine, as the launcher said (torchrun/accelerate or DeepSpeed's name); None when unset.
+
+    A value that is not a count of at least 1 is refused, not replaced by the world size.
+    """
+    name = "LOCAL_WORLD_SIZE" if environ.get("LOCAL_WORLD_SIZE") else "LOCAL_SIZE"
+    if not environ.get(name):
+        return None
+    return _int(environ, name, minimum=1)
 
 
 def preflight_launch(environ: MutableMapping[str, str], *, backend: str) -> LaunchPreflight:
@@ -143,6 +148,6 @@ def _int(environ: MutableMapping[str, str], name: str, *, default: str | None = 
             f"launcher environment: {name} is not set though WORLD_SIZE={environ.get('WORLD_SIZE')}; start the "
             "processes with torchrun, accelerate launch or deepspeed"
         )
-    if not value.isdigit() or int(value) < minimum:
+    if not (value.isascii() and value.isdigit()) or int(value) < minimum:
         raise ConfigError(f"launcher environment: {name}='{value}' is not an integer >= {minimum}")
     return int(value)
