@@ -4,6 +4,7 @@
 import hftrain
 
 config = hftrain.make_config("configs/minilm_rotten_tomatoes.yaml", max_steps=50, output_dir="runs/a")
+config = hftrain.make_config({"training": {"max_steps": 50}})   # or a dict of sections, like the YAML file
 result = hftrain.train(config)                     # in this process (a notebook kernel, a script)
 result = hftrain.train(config, num_processes=2, output_dir="runs/b")   # 2 data-parallel processes
 result.metrics["eval_accuracy"], result.log_history, result.model_dir
@@ -17,13 +18,15 @@ strategies (``Accelerator(cpu=True)`` for DDP, gloo for DeepSpeed), so there is 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 import pickle
 import socket
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.config import TrainConfig, load_config, set_field
+from hftrain.config import TrainConfig, from_dict, load_config, set_field
 from hftrain.errors import ConfigError, HFTrainError
 
 if TYPE_CHECKING:
@@ -45,16 +48,47 @@ _SPLIT_FIELDS = (
 )
 
 
-def make_config(path: str | Path | None = None, **fields: Any) -> TrainConfig:
-    """A validated job config: the defaults or a YAML file, with fields overridden by keyword.
+def make_config(path: str | Path | dict[str, Any] | None = None, **fields: Any) -> TrainConfig:
+    """A validated job config: the defaults, a YAML file or a dict of sections, with fields overridden by keyword.
 
     Args:
-        path: a job YAML (sections ``model``, ``data``, ``training``, ``strategy``, ``lora``); None for defaults.
+        path: a job YAML (sections ``model``, ``data``, ``training``, ``strategy``, ``lora``), the same sections
+            as a dict (``{"training": {"max_steps": 50}}``, checked as the file would be), a ``TrainConfig``
+            (copied), or None for defaults.
         **fields: any config field by its name, e.g. ``max_steps=50``, ``use_lora=True`` (checked and typed
             exactly like a command-line override; an unknown name is an error naming the closest one).
     """
     _show_errors_as_one_line()
-    return with_fields(load_config(path) if path is not None else TrainConfig(), **fields)
+    return with_fields(_base_config(path), **fields)
+
+
+def _base_config(source: Any) -> TrainConfig:
+    """The config ``make_config`` starts from: defaults, a YAML file, or a dict of sections.
+
+    Args:
+        source: None, a ``TrainConfig`` (copied), a path, or ``{section: {field: value}}``.
+    """
+    if source is None:
+        return TrainConfig()
+    if isinstance(source, TrainConfig):
+        return copy.deepcopy(source)
+    if isinstance(source, (str, os.PathLike)):
+        return load_config(source)
+    if isinstance(source, dict):
+        defaults = TrainConfig()
+        sections = {f.name for f in dataclasses.fields(defaults)}
+        owners = {f.name: section for section in sections for f in dataclasses.fields(getattr(defaults, section))}
+        for key in source:
+            if key not in sections and key in owners:  # a flat {"max_steps": 50}
+                raise ConfigError(
+                    f"config dict: '{key}' is a field of section '{owners[key]}', not a section; nest it "
+                    f"({{'{owners[key]}': {{'{key}': ...}}}}) or pass it as a keyword ({key}=...)"
+                )
+        return from_dict(copy.deepcopy(source), source="config dict")
+    raise ConfigError(
+        f"config: expected a TrainConfig, a job YAML path or a dict of sections ({{'training': {{'max_steps': 50}}}}), "
+        f"got {type(source).__name__}; pass one of those"
+    )
 
 
 def with_fields(config: TrainConfig, **fields: Any) -> TrainConfig:
@@ -74,7 +108,8 @@ def train(config: TrainConfig | str | Path | None = None, *, num_processes: int 
     """Fine-tune, evaluate and export as ``hftrain train`` does, and return the result.
 
     Args:
-        config: a ``TrainConfig``, a job YAML path, or None for the default job.
+        config: a ``TrainConfig``, a job YAML path, a dict of sections (as ``make_config``), or None for the
+            default job.
         num_processes: 1 trains in this process; N > 1 forks N data-parallel processes on this machine
             with ``accelerate.notebook_launcher`` and returns rank 0's result. Either works any number of
             times, in any order, in one notebook kernel.
@@ -94,7 +129,7 @@ def load_splits(config: TrainConfig | str | Path | None = None, **fields: Any) -
     """The ``train`` and ``validation`` splits (columns ``text``, ``label``) exactly as a run of ``config`` sees them.
 
     Args:
-        config: a ``TrainConfig``, a job YAML path, or None for the default job.
+        config: a ``TrainConfig``, a job YAML path, a dict of sections, or None for the default job.
         **fields: config fields to change, as in ``train``.
     """
     from hftrain.data.loading import load_classification_splits
