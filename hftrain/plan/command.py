@@ -3,20 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from hftrain.errors import ConfigError
 
 SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+MAX_PARAMETERS = 10**15  # a thousand trillion: beyond any model, and every byte count stays a finite float
 
 
 def _count(text: str) -> int:
-    """A parameter count: ``7500000000``, ``7.5e9`` or ``7.5B`` (K, M, B, T)."""
+    """A parameter count: ``7500000000``, ``7.5e9`` or ``7.5B`` (K, M, B, T), between 1 and ``MAX_PARAMETERS``."""
     scale = SUFFIXES.get(text[-1:].lower(), 1)
     try:
         value = float(text[:-1] if scale != 1 else text) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a count (e.g. 7.5e9 or 7.5B)") from None
+    if not math.isfinite(value) or not 1 <= value <= MAX_PARAMETERS:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a parameter count between 1 and {MAX_PARAMETERS:.0e} (e.g. 7.5e9 or 7.5B)"
+        )
     return int(value)
+
+
+def _number(text: str) -> float:
+    """A finite number (``nan`` and ``inf`` are not sizes, speeds or fractions)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
+    return value
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,13 +57,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--gpus-per-node", type=int, default=8)
     hw.add_argument("--nodes", type=int, default=1)
-    hw.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
-    hw.add_argument("--cpu-memory", type=float, default=512.0, help="GB of CPU memory per node (offload)")
-    hw.add_argument("--reserve", type=float, default=2.0, help="GB per GPU kept for the framework (default 2)")
+    hw.add_argument("--gpu-memory", type=_number, default=80.0, help="GB per GPU (default 80)")
+    hw.add_argument("--cpu-memory", type=_number, default=512.0, help="GB of CPU memory per node (offload)")
+    hw.add_argument("--reserve", type=_number, default=2.0, help="GB per GPU kept for the framework (default 2)")
     hw.add_argument("--intra", default="nvlink", help="link inside a node: nvlink, pcie, ib, ethernet, loopback")
     hw.add_argument("--inter", default="ib", help="link between nodes (default ib)")
-    hw.add_argument("--tflops", type=float, default=312.0, help="dense bf16 TFLOP/s per GPU (default 312, A100)")
-    hw.add_argument("--efficiency", type=float, default=0.4, help="fraction of --tflops reached (default 0.4)")
+    hw.add_argument("--tflops", type=_number, default=312.0, help="dense bf16 TFLOP/s per GPU (default 312, A100)")
+    hw.add_argument("--efficiency", type=_number, default=0.4, help="fraction of --tflops reached (default 0.4)")
     work = parser.add_argument_group("workload")
     work.add_argument("--precision", default="bf16", help="bf16 (default), fp16 or fp32")
     work.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per micro-batch (default 8)")
@@ -90,6 +107,10 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
     for name in ("tp", "pp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} {getattr(args, name)}: must be a positive integer")
+    for name in ("gpu_memory", "cpu_memory", "reserve"):  # GB, turned into bytes below
+        if not math.isfinite(getattr(args, name) * 1e9):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {getattr(args, name):g}: larger than any memory; give GB (e.g. {flag} 80)")
     if args.row and not args.write_configs:
         raise ConfigError("--row chooses what --write-configs writes; add --write-configs DIR")
     model = model_from_config(args.model) if args.model else model_from_sizes(**sizes)

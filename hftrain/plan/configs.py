@@ -9,12 +9,13 @@ is written: a refused row or folder leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 from pathlib import Path
 from typing import Any
 
-from hftrain.errors import ConfigError, writing
+from hftrain.errors import ConfigError, HFTrainError, writing
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Row, Workload
@@ -139,10 +140,21 @@ def write_configs(row: Row, model: ModelSpec, work: Workload, hw: Hardware, dire
     if launcher is not None:
         files["accelerate.yaml"] = f"# hftrain plan: {row.label}\n" + yaml.safe_dump(launcher, sort_keys=False)
     files["launch.sh"] = _launch_script(row, hw, folder, accelerate=launcher is not None)
-    with writing(f"the planned configs ({folder})", location=folder):
-        folder.mkdir(parents=True, exist_ok=True)
-        for filename, text in files.items():
-            (folder / filename).write_text(text)
+    created = [folder, *folder.parents]
+    created = [path for path in created if not path.exists()][::-1]  # the folders mkdir makes, outermost first
+    try:
+        with writing(f"the planned configs into --write-configs '{folder}'", location=folder):
+            folder.mkdir(parents=True, exist_ok=True)
+            for filename, text in files.items():
+                (folder / filename).write_text(text)
+    except HFTrainError:  # a failed write leaves nothing behind: no partial set of files, no new folders
+        with contextlib.suppress(OSError):  # a read-only file system refuses even removing what is not there
+            for filename in files:
+                (folder / filename).unlink(missing_ok=True)
+        for path in reversed(created):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
     return [folder / filename for filename in files]
 
 

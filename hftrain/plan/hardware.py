@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hftrain.errors import ConfigError
 
 GB = 1e9
+# Beyond any machine (a hostfile's slots stop at 4096 too) and any cluster; layouts are enumerated over these.
+MAX_GPUS_PER_NODE = 4096
+MAX_NODES = 1_000_000
 # bandwidth class -> bytes/s one GPU can send (unidirectional, what a ring collective is bound by)
 BANDWIDTHS = {
     "nvlink": 150e9,  # NVLink 3/4 per GPU, one direction (A100 300 GB/s, H100 450 GB/s bidirectional / 2)
@@ -64,16 +68,38 @@ class Hardware:
 
     def validate(self) -> Hardware:
         """Refuse a description that cannot run anything (one line, naming the option)."""
-        for name, value in (("--gpus-per-node", self.gpus_per_node), ("--nodes", self.nodes)):
+        counts = (("--gpus-per-node", self.gpus_per_node, MAX_GPUS_PER_NODE), ("--nodes", self.nodes, MAX_NODES))
+        for name, value, most in counts:
             if value < 1:
                 raise ConfigError(f"{name} {value}: needs at least 1")
+            if value > most:
+                raise ConfigError(f"{name} {value}: more than the planner takes ({most} at most); check the value")
+        for name, value, unit in (
+            ("--gpu-memory", self.gpu_memory, GB),
+            ("--cpu-memory", self.cpu_memory, GB),
+            ("--reserve", self.reserve, GB),
+            ("--tflops", self.tflops, 1.0),
+            ("--efficiency", self.efficiency, 1.0),
+        ):
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} {value / unit:g}: must be a finite number")
+        if self.reserve < 0:
+            raise ConfigError(
+                f"--reserve {self.reserve / GB:g}: must be >= 0 GB (memory per GPU the framework keeps; default 2)"
+            )
         if self.gpu_memory <= self.reserve:
             raise ConfigError(
                 f"--gpu-memory {self.gpu_memory / GB:g} GB leaves nothing after the {self.reserve / GB:g} GB "
                 "framework reserve; give the memory per GPU in GB (e.g. --gpu-memory 80)"
             )
-        if self.cpu_memory < 0 or self.tflops <= 0 or not 0 < self.efficiency <= 1:
-            raise ConfigError("--cpu-memory must be >= 0, --tflops > 0 and --efficiency in (0, 1]")
+        if self.cpu_memory < 0:
+            raise ConfigError(f"--cpu-memory {self.cpu_memory / GB:g}: must be >= 0 GB (CPU memory per node)")
+        if self.tflops <= 0:
+            raise ConfigError(f"--tflops {self.tflops:g}: must be > 0 (dense bf16 TFLOP/s per GPU, e.g. 312)")
+        if not 0 < self.efficiency <= 1:
+            raise ConfigError(
+                f"--efficiency {self.efficiency:g}: must be in (0, 1] (the fraction of --tflops reached, e.g. 0.4)"
+            )
         for name, value in (("--intra", self.intra), ("--inter", self.inter)):
             if value not in BANDWIDTHS:
                 raise ConfigError(f"{name} {value!r} is not a bandwidth class; choose one of {', '.join(BANDWIDTHS)}")

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hftrain.errors import ConfigError
+from hftrain.errors import ConfigError, reading
+from hftrain.models.checks import _BUILD_ERRORS, FIELD, _auto_config, _read_config_json
 
 GATED_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"})
 # PEFT's default LoRA targets per family (peft.utils.constants), as (query, value) projections
 LORA_TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",)}
+# The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
+# real model, and small enough that every formula's product stays a finite float.
+MAX_SIZE = 10**8
 
 
 @dataclass(frozen=True)
@@ -89,17 +97,17 @@ class ModelSpec:
             if value % tp:
                 raise ConfigError(
                     f"--tp {tp} does not divide the {name} {value} of {self.name}; valid --tp: "
-                    f"{', '.join(str(d) for d in _divisors(value) if d <= 64)}"
+                    f"{', '.join(str(d) for d in divisors(value) if d <= 64)}"
                 )
         if self.kv_heads < tp:
             raise ConfigError(
                 f"--tp {tp} exceeds the {self.kv_heads} key/value heads of {self.name} (each rank "
-                f"needs one); valid --tp: {', '.join(str(d) for d in _divisors(self.kv_heads))}"
+                f"needs one); valid --tp: {', '.join(str(d) for d in divisors(self.kv_heads))}"
             )
         if self.layers % pp:
             raise ConfigError(
                 f"--pp {pp} does not divide the {self.layers} layers of {self.name}; valid --pp: "
-                f"{', '.join(str(d) for d in _divisors(self.layers))}"
+                f"{', '.join(str(d) for d in divisors(self.layers))}"
             )
 
     def admits(self, tp: int, pp: int) -> bool:
@@ -111,8 +119,10 @@ class ModelSpec:
         return True
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order, in O(√n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def model_from_sizes(
@@ -139,8 +149,20 @@ def model_from_sizes(
     for name, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--vocab", vocab)):
         if value is None or value < 1:
             raise ConfigError(f"{name} must be a positive integer when the model is given by its sizes")
+        if value > MAX_SIZE:
+            raise ConfigError(f"{name} {value}: larger than any model ({MAX_SIZE:,} at most); check the value")
+    for name, value in (("--parameters", parameters), ("--intermediate", intermediate), ("--kv-heads", kv_heads)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} {value}: must be a positive integer (or left out for its default)")
+    if intermediate is not None and intermediate > MAX_SIZE:
+        raise ConfigError(f"--intermediate {intermediate}: larger than any model ({MAX_SIZE:,} at most); check it")
     if hidden % heads:
         raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}; heads must divide the hidden size")
+    if kv_heads is not None and (kv_heads > heads or heads % kv_heads):
+        raise ConfigError(
+            f"--kv-heads {kv_heads}: key/value heads must divide the {heads} attention heads (each serves a group "
+            f"of query heads); valid: {', '.join(str(d) for d in divisors(heads))}"
+        )
     intermediate = intermediate or 4 * hidden
     layer = 4 * hidden * hidden + 2 * hidden * intermediate
     psi = parameters or layers * layer + vocab * hidden
@@ -170,8 +192,9 @@ def model_from_config(name_or_path: str) -> ModelSpec:
     Args:
         name_or_path: what ``hftrain.models.resolve_model_path`` accepts, or a config file.
     """
-    config = _load_config(name_or_path)
-    model = _meta_model(config)
+    with _as_option():
+        config, where = _load_config(name_or_path)
+        model = _meta_model(config, where)
     layers_module = _layers(model)
     layer_params = sum(p.numel() for p in layers_module[0].parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
@@ -210,7 +233,34 @@ def _head_parameters(model: Any) -> int:
     return sum(p.numel() for module in family.head_modules(model).values() for p in module.parameters())
 
 
-def _load_config(name_or_path: str) -> Any:
+@contextlib.contextmanager
+def _as_option() -> Iterator[None]:
+    """The job config's field name in a model check's message, said as this command's option (``--model``)."""
+    try:
+        yield
+    except ConfigError as error:
+        raise ConfigError(str(error).replace(f"{FIELD}:", "--model:")) from None
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config it cannot read or a model it cannot build.
+
+    ``train``'s checks (``hftrain.models.checks``) catch ``_BUILD_ERRORS``; a config.json field of the wrong type
+    (a string layer count) fails huggingface_hub's strict dataclass validation, and a zero size fails in the
+    arithmetic (heads 0: a modulo by zero; vocab_size 0: an index out of range).
+    """
+    import huggingface_hub.errors
+
+    strict = getattr(huggingface_hub.errors, "StrictDataclassError", None)
+    return (*_BUILD_ERRORS, OSError, ArithmeticError, IndexError, *((strict,) if strict else ()))
+
+
+def _load_config(name_or_path: str) -> tuple[Any, Path]:
+    """The transformers config of a folder, a config file or ``embedded:<name>``, and the file it came from.
+
+    A folder (or its ``config.json``) gets ``train``'s checks of ``model.model_name_or_path``; any config file
+    the same: valid JSON, a mapping with a ``model_type``, fields of the types transformers declares.
+    """
     from transformers import AutoConfig
 
     from hftrain.models import resolve_model_path
@@ -222,28 +272,57 @@ def _load_config(name_or_path: str) -> Any:
                 f"--model: '{name_or_path}' is a file but not a config.json; give a model folder, "
                 "its config.json, embedded:<name>, or the sizes (--parameters, --layers, ...)"
             )
+        if path.name != "config.json":  # AutoConfig reads config.json from a folder; any other name: for_model
+            raw = _read_config_file(path)
+            with reading(f"--model: {path}", "fix the config or save the model again with save_pretrained",
+                         catch=_config_errors()):  # fmt: skip
+                return AutoConfig.for_model(**raw), path
         folder = path.parent
-        if path.name != "config.json":  # AutoConfig reads config.json from a folder; copy-free: from_json_file
-            from transformers import PretrainedConfig
-
-            raw = PretrainedConfig.get_config_dict(str(path))[0]
-            return AutoConfig.for_model(**raw)
-        return AutoConfig.from_pretrained(folder)
-    try:
+    else:
         folder = resolve_model_path(name_or_path)
-    except ConfigError as error:  # the job config's field name, said as this command's option
-        raise ConfigError(str(error).replace("model.model_name_or_path:", "--model:")) from None
-    return AutoConfig.from_pretrained(folder)
+    _read_config_json(folder)
+    with reading(f"--model: {folder / 'config.json'}", "fix the config or save the model again with save_pretrained",
+                 catch=_config_errors()):  # fmt: skip
+        return _auto_config(folder), folder / "config.json"
 
 
-def _meta_model(config: Any) -> Any:
-    """The sequence-classification model hftrain trains, built without memory (parameters on ``meta``)."""
+def _read_config_file(file: Path) -> dict[str, Any]:
+    """A config file other than ``config.json``: the checks ``_read_config_json`` makes of that one."""
+    with reading(f"--model: {file}", "fix the file or save the model again with save_pretrained"):
+        try:
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"--model: {file} is not valid JSON (line {error.lineno}: {error.msg}); fix the file or save "
+                "the model again with save_pretrained"
+            ) from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ConfigError(
+            f"--model: {file} has no model_type; it is not a transformers model config: save the model with "
+            "save_pretrained"
+        )
+    return raw
+
+
+def _meta_model(config: Any, where: Path) -> Any:
+    """The sequence-classification model hftrain trains, built without memory (parameters on ``meta``).
+
+    Args:
+        config: the transformers config.
+        where: the file it came from, for the message when the architecture refuses its sizes.
+    """
     import torch
     from transformers import AutoModelForSequenceClassification
 
     config.num_labels = 2
-    with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(config)
+    with reading(
+        f"--model: {where} does not describe a buildable sequence classifier",
+        "fix its sizes (e.g. hidden_size divisible by num_attention_heads, every size at least 1) or choose "
+        "another model",
+        catch=_config_errors(),
+    ):
+        with torch.device("meta"):
+            return AutoModelForSequenceClassification.from_config(config)
 
 
 def _layers(model: Any) -> Any:
@@ -252,5 +331,11 @@ def _layers(model: Any) -> Any:
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     if not lists:
-        raise ConfigError(f"--model: no transformer layers found in {type(model).__name__}; give the sizes instead")
+        config = getattr(model, "config", None)
+        count = getattr(config, "num_hidden_layers", None)
+        said = f" (its config has num_hidden_layers {count})" if count is not None else ""
+        raise ConfigError(
+            f"--model: no transformer layers found in {type(model).__name__}{said}; fix the config's layer count "
+            "or give the sizes instead"
+        )
     return max(lists, key=len)

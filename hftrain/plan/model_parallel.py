@@ -25,7 +25,7 @@ from __future__ import annotations
 from hftrain.plan import formulas
 from hftrain.plan.common import activation_bytes, finish
 from hftrain.plan.hardware import Hardware
-from hftrain.plan.model import ModelSpec
+from hftrain.plan.model import ModelSpec, divisors
 from hftrain.plan.rows import Row, Workload
 
 
@@ -42,8 +42,8 @@ def layouts(model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | 
     """
     if tp is not None or pp is not None:
         model.check_parallel(tp or 1, pp or 1)
-    tps = [tp] if tp else [t for t in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % t == 0]
-    pps = [pp] if pp else [p for p in range(1, model.layers + 1) if model.layers % p == 0]
+    tps = [tp] if tp else divisors(hw.gpus_per_node)
+    pps = [pp] if pp else divisors(model.layers)
     return [(t, p) for t in tps for p in pps if (t, p) != (1, 1) and hw.world % (t * p) == 0 and model.admits(t, p)]
 
 
