@@ -3,7 +3,9 @@
 Heavy libraries are imported inside the subcommands so that ``hftrain --help`` answers at once. Every
 subcommand runs through ``main``, which applies the bad-input rule of ``hftrain.errors``: an ``HFTrainError``
 (including a malformed command line) is one ``hftrain: error: ...`` line on stderr and exit code 2; any other
-exception is a bug and keeps its traceback. A new subcommand is a parser entry and a line in ``COMMANDS``.
+exception is a bug and keeps its traceback. Under a launcher (torchrun, accelerate launch, deepspeed) every rank
+exits 2 but only the main process of each machine prints the line, so a bad input is said once, not once per
+rank. A new subcommand is a parser entry and a line in ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import typing
 from pathlib import Path
 
-from hftrain.errors import HFTrainError, UsageError
+from hftrain.errors import ConfigError, HFTrainError, UsageError
 from hftrain.plan.command import add_plan_arguments, run_plan
 
 DESCRIPTION = "Distributed fine-tuning over Hugging Face Accelerate and DeepSpeed."
+# Seconds a rank that leaves a bad input's line to the main process waits before exiting with it: the same input
+# fails the same way on every rank within moments, and a launcher that stops the job at the first exit must not
+# stop the main process before it printed the line.
+SILENT_RANK_GRACE_S = 2.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,9 +113,26 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args, extra)
     except HFTrainError as error:
         _close_progress_bars()
-        message = " ".join(str(error).split())  # one line, whatever a library put into it
-        print(f"hftrain: error: {message}", file=sys.stderr)
+        if error.every_rank or reports_errors(os.environ):
+            message = " ".join(str(error).split())  # one line, whatever a library put into it
+            print(f"hftrain: error: {message}", file=sys.stderr)
+        else:  # torchrun stops every rank at the first exit: the main process must get to print first
+            time.sleep(SILENT_RANK_GRACE_S)
         return error.exit_code
+
+
+def reports_errors(environ: typing.Mapping[str, str]) -> bool:
+    """Whether this process prints a bad input's line: the main process of its machine, or no launcher at all.
+
+    The launcher's ``LOCAL_RANK`` (else ``RANK``) says which process that is; a value that is not a rank (unset,
+    malformed) prints, so an error is never lost. One line per machine, not one per job: an input that is bad on
+    one machine only (a file missing there) is still reported on that machine.
+
+    Args:
+        environ: the process environment.
+    """
+    rank = environ.get("LOCAL_RANK", environ.get("RANK", "0")).strip()
+    return not (rank.isascii() and rank.isdigit() and int(rank) > 0)
 
 
 def _close_progress_bars() -> None:
@@ -162,12 +186,23 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _groups(args: argparse.Namespace, extra: list[str]) -> int:
-    import json
+    from hftrain.parallel.dims import MAX_PRINTED_WORLD, ParallelDims, group_lines, groups_json_chunks
 
-    from hftrain.parallel.dims import ParallelDims, format_groups
-
-    dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp).validate()
-    print(json.dumps(dims.rank_groups()) if args.json else format_groups(dims))
+    for name in ("world_size", "tp", "pp"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {getattr(args, name)}: must be a positive integer")
+    if args.world_size > MAX_PRINTED_WORLD:
+        raise ConfigError(
+            f"--world-size {args.world_size}: hftrain groups prints layouts of at most {MAX_PRINTED_WORLD} processes; "
+            "a larger one follows the same rule, rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank: give a world size "
+            f"up to {MAX_PRINTED_WORLD}"
+        )
+    dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp).validate()  # tp · pp must divide the world
+    for piece in groups_json_chunks(dims) if args.json else group_lines(dims):
+        sys.stdout.write(piece if args.json else piece + "\n")
+    if args.json:
+        sys.stdout.write("\n")
     return 0
 
 
@@ -216,8 +251,6 @@ def launch_info_from_environ(environ: dict[str, str] | None = None):  # -> Launc
 def _accelerate_strategy(env: dict[str, str]) -> str | None:
     """The strategy an ``accelerate launch --config_file`` selected, in hftrain's names."""
     import json
-
-    from hftrain.errors import ConfigError
 
     use_fsdp = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     if use_fsdp and env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":

@@ -9,16 +9,30 @@ live in the :class:`ParallelGroups` returned by :func:`build_groups` and are pas
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hftrain.errors import ConfigError
 
 AXES = ("pp", "dp", "tp")  # outermost first: the mesh's dimension order
+# The largest world whose groups ``hftrain groups`` prints: each rank is on 4 lines (its tp, pp and dp group and
+# the rank table), ~1 s of output here; larger layouts follow the same rule, stated in the module docstring.
+MAX_PRINTED_WORLD = 65536
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, in O(√n) steps."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 @dataclass(frozen=True)
@@ -80,13 +94,23 @@ class ParallelDims:
         Ordered like Megatron-LM: tp groups by first rank; pp groups by their first-stage rank; dp groups by
         pipeline stage, then tp rank.
         """
+        return {axis: list(self.iter_groups(axis)) for axis in ("tp", "pp", "dp")}
+
+    def iter_groups(self, axis: str) -> Iterator[list[int]]:
+        """The groups of one axis, one at a time, in :meth:`rank_groups`' order (nothing else is held).
+
+        Args:
+            axis: ``"tp"``, ``"pp"`` or ``"dp"``.
+        """
         self.validate()
         pp_range, dp_range, tp_range = range(self.pp), range(self.dp), range(self.tp)
-        return {
-            "tp": [[self.rank(p, d, t) for t in tp_range] for p in pp_range for d in dp_range],
-            "pp": [[self.rank(p, d, t) for p in pp_range] for d in dp_range for t in tp_range],
-            "dp": [[self.rank(p, d, t) for d in dp_range] for p in pp_range for t in tp_range],
-        }
+        if axis == "tp":
+            return ([self.rank(p, d, t) for t in tp_range] for p in pp_range for d in dp_range)
+        if axis == "pp":
+            return ([self.rank(p, d, t) for p in pp_range] for d in dp_range for t in tp_range)
+        if axis == "dp":
+            return ([self.rank(p, d, t) for d in dp_range] for p in pp_range for t in tp_range)
+        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp")
 
 
 @dataclass(frozen=True)
@@ -166,15 +190,39 @@ def format_groups(dims: ParallelDims) -> str:
     Args:
         dims: the layout.
     """
-    groups = dims.rank_groups()
+    return "\n".join(group_lines(dims))
+
+
+def group_lines(dims: ParallelDims) -> Iterator[str]:
+    """The lines of :func:`format_groups`, made one at a time (a large layout is printed as it is computed).
+
+    Args:
+        dims: the layout.
+    """
+    dims.validate()
     names = {"tp": "tensor parallel", "pp": "pipeline parallel", "dp": "data parallel"}
-    lines = [
+    yield (
         f"world size {dims.world_size} = tp {dims.tp} × dp {dims.dp} × pp {dims.pp} "
         "(Megatron-LM order: tp ranks adjacent, then dp, pp outermost)"
-    ]
+    )
     for axis in ("tp", "pp", "dp"):
-        lines.append(f"{names[axis]} groups ({len(groups[axis])} groups of {getattr(dims, axis)} ranks):")
-        lines.extend(f"  {axis}{i}: {group}" for i, group in enumerate(groups[axis]))
-    lines.append("rank  pp_rank  dp_rank  tp_rank")
-    lines.extend(f"{r:>4}  {p:>7}  {d:>7}  {t:>7}" for r in range(dims.world_size) for p, d, t in [dims.coords(r)])
-    return "\n".join(lines)
+        size = getattr(dims, axis)
+        yield f"{names[axis]} groups ({dims.world_size // size} groups of {size} ranks):"
+        yield from (f"  {axis}{i}: {group}" for i, group in enumerate(dims.iter_groups(axis)))
+    yield "rank  pp_rank  dp_rank  tp_rank"
+    yield from (f"{r:>4}  {p:>7}  {d:>7}  {t:>7}" for r in range(dims.world_size) for p, d, t in [dims.coords(r)])
+
+
+def groups_json_chunks(dims: ParallelDims) -> Iterator[str]:
+    """``json.dumps(dims.rank_groups())``, in pieces made one group at a time.
+
+    Args:
+        dims: the layout.
+    """
+    dims.validate()
+    for index, axis in enumerate(("tp", "pp", "dp")):
+        yield ("{" if index == 0 else ", ") + f"{json.dumps(axis)}: ["
+        for number, group in enumerate(dims.iter_groups(axis)):
+            yield (", " if number else "") + json.dumps(group)
+        yield "]"
+    yield "}"
