@@ -191,13 +191,19 @@ class StrategyConfig:
     """megatron with ``schedule: interleaved_1f1b``: model chunks per pipeline rank."""
     balance: Literal["layers", "parameters"] = "layers"
     """megatron with pp > 1: split the layers into stages of equal layer count or equal parameter count."""
+    pad_to_multiple_of: int | None = None
+    """megatron only: length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
+    gives a few lengths and pipeline schedules (built per shape) are reused; a multiple of ``tp`` under
+    ``sequence_parallel``; null pads to the longest example (to a multiple of ``tp`` under sequence parallelism)."""
 
     def validate(self) -> None:
         _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
         _require(self.tp >= 1, "strategy.tp", "must be at least 1")
         _validate_pipeline(self)
+        buckets = self.pad_to_multiple_of
+        _require(buckets is None or buckets >= 1, "strategy.pad_to_multiple_of", "must be at least 1 or null")
         if self.name != "megatron":
-            for key in ("tp", "sequence_parallel", "shard_optimizer", *PIPELINE_FIELDS):
+            for key in ("tp", "sequence_parallel", "shard_optimizer", "pad_to_multiple_of", *PIPELINE_FIELDS):
                 _require(
                     getattr(self, key) == getattr(StrategyConfig, key),
                     f"strategy.{key}",

@@ -24,8 +24,12 @@ def num_microbatches(strategy: StrategyConfig) -> int:
 
 
 def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) -> None:
-    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, and the
-    options pipelines do not support yet (ZeRO-1, sequence parallelism).
+    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, length
+    buckets that sequence parallelism cannot split, and the options pipelines do not support yet (ZeRO-1,
+    sequence parallelism).
+
+    A short last batch is not refused: the schedule runs it in fewer or uneven micro-batches, weighted by their
+    examples (``hftrain.parallel.schedules``).
 
     Args:
         strategy: the ``strategy`` section (any ``pp``: an interleaved schedule at ``pp = 1`` is refused too).
@@ -37,6 +41,7 @@ def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) 
             f"strategy.num_microbatches={micro} does not divide training.per_device_train_batch_size={batch}; "
             "choose a divisor of the per-device batch (each optimizer step's batch is split into equal micro-batches)"
         )
+    check_length_buckets(strategy)
     from hftrain.parallel.schedules import check_schedule
 
     check_schedule(strategy.schedule, pp=strategy.pp, virtual_stages=strategy.virtual_stages, num_microbatches=micro)
@@ -45,6 +50,23 @@ def check_pipeline_training(strategy: StrategyConfig, training: TrainingConfig) 
     for option in ("shard_optimizer", "sequence_parallel"):
         if getattr(strategy, option) and strategy.pp > 1:
             raise ConfigError(f"strategy.{option} with strategy.pp > 1 is not supported yet; use {option}: false")
+
+
+def check_length_buckets(strategy: StrategyConfig) -> None:
+    """Refuse length buckets (``pad_to_multiple_of``) that are not a multiple of ``tp`` under sequence parallelism,
+    which cuts every sequence into ``tp`` equal parts.
+
+    Args:
+        strategy: the ``strategy`` section.
+    """
+    import math
+
+    buckets, tp = strategy.pad_to_multiple_of, strategy.tp
+    if buckets and strategy.sequence_parallel and tp > 1 and buckets % tp:
+        raise ConfigError(
+            f"strategy.pad_to_multiple_of={buckets} is not a multiple of strategy.tp={tp}, and sequence parallelism "
+            f"cuts every sequence into tp equal parts; use a multiple of {tp} (e.g. {math.lcm(buckets, tp)})"
+        )
 
 
 def check_pipeline_model(strategy: StrategyConfig, model_config: Any) -> None:

@@ -60,6 +60,7 @@ class MegatronPlugin:
     sequence_parallel: bool = False
     shard_optimizer: bool = False
     pp: int = 1  # pipeline stages: the groups are laid out tp × dp × pp (the stages are hftrain's pipeline runtime)
+    pad_to_multiple_of: int | None = None  # length buckets (a multiple of tp under sequence parallelism)
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
 
     # ----------------------------------------------------------------- layout
@@ -89,6 +90,14 @@ class MegatronPlugin:
         if self.groups is None:
             raise RuntimeError("MegatronPlugin.setup() must run before the plugin is used")
         return self.groups
+
+    @property
+    def sequence_multiple(self) -> int | None:
+        """What every batch's sequence length is padded up to a multiple of: the length buckets, else ``tp`` under
+        sequence parallelism, else None (the longest example)."""
+        if self.pad_to_multiple_of:
+            return self.pad_to_multiple_of
+        return self.tp if self.sequence_parallel and self.tp > 1 else None
 
     # ----------------------------------------------------------------- wrapping
     def parallelize(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
@@ -144,8 +153,8 @@ class MegatronPlugin:
         """
         from accelerate.data_loader import prepare_data_loader
 
-        if self.sequence_parallel and self.tp > 1:
-            loader = _padded_to_multiple(loader, self.tp)
+        if self.sequence_multiple:
+            loader = _padded_to_multiple(loader, self.sequence_multiple)
         layout = self.layout
         return prepare_data_loader(
             loader,

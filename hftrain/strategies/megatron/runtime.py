@@ -49,8 +49,8 @@ class MegatronRuntime(AccelerateRuntime):
 
     @property
     def pad_to_multiple_of(self) -> int | None:
-        # Sequence parallelism splits the sequence over tp: every batch the model sees must divide by tp.
-        return self.plugin.tp if self.plugin.sequence_parallel and self.plugin.tp > 1 else None
+        # Length buckets, or tp under sequence parallelism (it splits the sequence over tp).
+        return self.plugin.sequence_multiple
 
     def prepare(
         self,

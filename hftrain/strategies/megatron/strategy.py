@@ -109,6 +109,7 @@ class MegatronStrategy(Strategy):
             sequence_parallel=self.config.sequence_parallel,
             shard_optimizer=self.config.shard_optimizer,
             pp=self.dims.pp,
+            pad_to_multiple_of=self.config.pad_to_multiple_of,
         ).setup(device_type=self.platform.device, dims=self.dims)
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
             from hftrain.strategies.megatron.checks import num_microbatches
