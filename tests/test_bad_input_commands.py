@@ -341,8 +341,8 @@ def tmpfs(tmp_path) -> Iterator[Callable[[str, str], Path]]:
         return path
 
     yield mount
-    for path in reversed(mounted):
-        subprocess.run(["umount", str(path)], check=False)
+    for path in reversed(mounted):  # lazily: a failed writer's file may still be open in a kept traceback
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
 def _fill(disk: Path) -> None:
