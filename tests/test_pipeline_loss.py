@@ -4,10 +4,11 @@ Three launches of real gloo processes and one single-process reference run (DDP 
 at once), fp32 (``mixed_precision: no``), compared within 1e-5 relative loss at every step:
 
 - **short batches**: 81 training rows, batch 8 and 4 micro-batches, 12 steps: each epoch ends with a batch of one
-  example, which runs as one micro-batch (1F1B cannot run it and falls back to GPipe). At pp=2 (1F1B with BERT,
-  interleaved 1F1B with Llama) and at tp=2 × pp=2 (4 processes; 1F1B with GPT-2, GPipe with BERT) the run
-  completes, every step's loss equals the reference's, every example is counted (89 samples seen after 12 steps,
-  25 evaluated);
+  example, which runs as one micro-batch (1F1B cannot run it and falls back to GPipe); with 86 rows the last batch
+  of 6 runs as micro-batches of 2, 2, 1 and 1 (two passes), weighted by their examples. At pp=2 (1F1B with BERT on
+  81 rows, interleaved 1F1B with Llama on 86) and at tp=2 × pp=2 (4 processes; 1F1B with GPT-2 on 81, GPipe with
+  BERT on 86) the run completes, every step's loss equals the reference's, and every example is counted (an epoch
+  and one batch seen after 12 steps, 25 evaluated);
 - **the task's loss** at pp=2: regression (``num_labels: 1``, float labels, MSE), multi-label
   (``problem_type: multi_label_classification``, BCE with logits over 3 float labels) and a Trainer subclass whose
   ``compute_loss`` adds a logit penalty to HF's loss each equal their reference, and the subclass's loss differs
@@ -30,12 +31,13 @@ from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
 
 LAYERS = 4  # 2 stages × 2 virtual stages for the interleaved schedule
 SHORT = {"n_train": 81, "micro": 8, "steps": 12}  # 11 steps per epoch, the 11th of one example
+UNEVEN = {"n_train": 86, "micro": 8, "steps": 12}  # the 11th of 6 examples: micro-batches of 2, 2, 1, 1
 MICROBATCHES = 4
 TASKS = {"regression": 1, "multi_label": 3, "single": 2, "custom": 2}  # task -> num_labels
 # label -> (task, model, strategy options, data); the references run the same label in one process
 PP2 = {
     "short-1f1b": ("single", "bert", {"schedule": "1f1b"}, SHORT),
-    "short-interleaved": ("single", "llama", {"schedule": "interleaved_1f1b", "virtual_stages": 2}, SHORT),
+    "uneven-interleaved": ("single", "llama", {"schedule": "interleaved_1f1b", "virtual_stages": 2}, UNEVEN),
     "regression": ("regression", "bert", {"schedule": "1f1b"}, {}),
     "multi_label": ("multi_label", "gpt2", {"schedule": "gpipe"}, {}),
     "custom": ("custom", "llama", {"schedule": "1f1b"}, {}),
@@ -44,7 +46,7 @@ PP2 = {
 }
 TP2PP2 = {
     "short-1f1b": ("single", "gpt2", {"schedule": "1f1b"}, SHORT),
-    "short-gpipe": ("single", "bert", {"schedule": "gpipe"}, SHORT),
+    "uneven-gpipe": ("single", "bert", {"schedule": "gpipe"}, UNEVEN),
 }
 DEFAULT_LOSS = ("single", "llama", {}, {})  # the custom case's model trained with HF's loss (reference only)
 
@@ -211,14 +213,16 @@ def _assert_parity(ranks: list[dict], ref: dict, *, steps: int = 12) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "layout,label",
-    [("pp2", label) for label in PP2 if label.startswith("short")] + [("tp2pp2", label) for label in TP2PP2],
+    [("pp2", label) for label in PP2 if label.startswith(("short", "uneven"))]
+    + [("tp2pp2", label) for label in TP2PP2],
 )
 def test_short_last_batch_runs_and_equals_single_process(runs, layout, label):
     ranks = runs[layout]
     assert len(ranks) == {"pp2": 2, "tp2pp2": 4}[layout]
-    ref = _reference(runs, {"pp2": PP2, "tp2pp2": TP2PP2}[layout][label])
-    assert ref["steps_per_epoch"] == 11  # 10 batches of 8, then one of 1 example
-    assert ref["samples_seen"] == 81 + 8  # an epoch, then the first batch of the next: every example counted
+    case = {"pp2": PP2, "tp2pp2": TP2PP2}[layout][label]
+    ref = _reference(runs, case)
+    assert ref["steps_per_epoch"] == 11  # 10 batches of 8, then one of 1 (81 rows) or 6 (86 rows) examples
+    assert ref["samples_seen"] == case[3]["n_train"] + 8  # an epoch, then the first batch of the next
     _assert_parity([rank[label] for rank in ranks], ref)
 
 
