@@ -5,9 +5,12 @@ weights, trained for 2 optimizer steps in fp32 with AdamW under ``megatron`` at 
 each in its own set of gloo processes. Every rank reads ``/proc/self/status``:
 
 - ``baseline``: VmRSS once torch, transformers, hftrain and the data are loaded, before the model is built;
-- ``peak``: VmHWM after the steps, minus the baseline: what model, gradients, optimizer state, activations and
+- ``peak``: VmHWM after the steps (where the run would write its final checkpoint; the checkpoint itself is not
+  written: its cost is issue 21's), minus the baseline: what model, gradients, optimizer state, activations and
   every transient (the full model built before it is split and cut) cost this rank at their worst;
-- ``held``: VmRSS after the steps, minus the baseline.
+- ``held``: VmRSS at the same point, minus the baseline;
+- ``after prepare``: VmRSS once the Trainer has built, split and cut the model (before any step), minus the
+  baseline, beside the rank's own weights (a quarter of the estimate).
 
 The estimate is ``hftrain plan``'s model states for that rank: its stage's parameters (the plan's formula:
 ``layers·Ψ_layer/t``, plus ``V·h/t`` and the other embeddings on the first stage, plus the head on the last, with the
@@ -114,7 +117,16 @@ def _measure(tp: int, pp: int) -> dict:
     strategy = build_strategy(StrategyConfig(name="megatron", **options), launch=launch_info_from_environ())
     gc.collect()
     baseline = _status("VmRSS")
-    trainer = SequenceClassificationTrainer(
+    class Trainer(SequenceClassificationTrainer):
+        """Records memory where the run would checkpoint, instead of checkpointing: a checkpoint's own cost
+        (megatron gathers the full state on every rank) is the subject of issue 21, not of this table."""
+
+        def save_checkpoint(self) -> None:
+            self.last_checkpoint = None
+            measured.update(peak=_status("VmHWM") - baseline, held=_status("VmRSS") - baseline)
+
+    measured: dict[str, int] = {}
+    trainer = Trainer(
         args,
         strategy=strategy,
         model_init=lambda: AutoModelForSequenceClassification.from_config(config),
@@ -122,8 +134,9 @@ def _measure(tp: int, pp: int) -> dict:
         train_dataset=splits["train"],
         eval_dataset=None,
     )
+    prepared = _status("VmRSS") - baseline
     trainer.fit()
-    peak, held = _status("VmHWM") - baseline, _status("VmRSS") - baseline
+    peak, held = measured["peak"], measured["held"]
     runtime = trainer.runtime
     layout = runtime.plugin.layout
     stages = list(trainer.model.stages) if pp > 1 else []
@@ -139,6 +152,7 @@ def _measure(tp: int, pp: int) -> dict:
         "owned_parameters": owned,
         "peak": peak,
         "held": held,
+        "prepared": prepared,
     }
 
 
@@ -149,8 +163,8 @@ def main() -> None:
     mib = 1 << 20
     spec = plan_spec()
     print("| layout | rank (pp, tp) | layers | parameters held | plan estimate (MiB) | peak (MiB) | peak / plan |"
-          " held after the steps (MiB) | held / plan |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          " held after the steps (MiB) | held / plan | after prepare (MiB) / its weights |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.layouts.split(","):
         tp, pp = LAYOUTS[name]
         for r in sorted(run_distributed(_measure, nprocs=tp * pp, timeout=1800, tp=tp, pp=pp), key=lambda r: r["rank"]):
@@ -160,7 +174,8 @@ def main() -> None:
             print(
                 f"| {name} | {r['rank']} ({r['pp_rank']}, {r['tp_rank']}) | {r['layers']} | "
                 f"{r['owned_parameters'] / 1e6:.1f}M | {r['estimate'] / mib:.0f} | {r['peak'] / mib:.0f} | "
-                f"{r['peak'] / r['estimate']:.3f} | {r['held'] / mib:.0f} | {r['held'] / r['estimate']:.3f} |",
+                f"{r['peak'] / r['estimate']:.3f} | {r['held'] / mib:.0f} | {r['held'] / r['estimate']:.3f} | "
+                f"{r['prepared'] / mib:.0f} / {r['estimate'] / 4 / mib:.0f} |",
                 flush=True,
             )
 

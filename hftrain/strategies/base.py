@@ -102,6 +102,10 @@ class Strategy(ABC):
         """What an Accelerate runtime needs from this strategy: its load hook and model-construction context."""
         return {"before_load_state": self.before_load_state, "plain_model_context": self.model_init_context}
 
+    def tune_host_allocator(self) -> str:
+        """Tune the host allocator for this strategy's runs (default: the platform's speed tuning); says what it did."""
+        return self.platform.tune_host_allocator()
+
     def describe(self) -> dict[str, Any]:
         """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""
         return {}

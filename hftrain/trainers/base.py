@@ -103,7 +103,7 @@ class Trainer:
         self.run_id = run_id
         self._skip_batches = 0
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
-        choices.append(strategy.platform.tune_host_allocator())
+        choices.append(strategy.tune_host_allocator())
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
         self.runtime = strategy.build_runtime(self.accelerator)
         self.strategy_summary = strategy.summary(args, self.accelerator)
@@ -387,6 +387,8 @@ class Trainer:
                 "resume from another checkpoint, or with the config that wrote it"
             )
         if self._any_rank(error is not None):
+            if error is not None:
+                error.every_rank = True  # the load can fail on one rank only (its RNG file): that rank says why
             raise error or CheckpointError(f"checkpoint '{path}' failed to load on another process; see its error")
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
