@@ -117,6 +117,7 @@ def _measure(tp: int, pp: int) -> dict:
     strategy = build_strategy(StrategyConfig(name="megatron", **options), launch=launch_info_from_environ())
     gc.collect()
     baseline = _status("VmRSS")
+
     class Trainer(SequenceClassificationTrainer):
         """Records memory where the run would checkpoint, instead of checkpointing: a checkpoint's own cost
         (megatron gathers the full state on every rank) is the subject of issue 21, not of this table."""

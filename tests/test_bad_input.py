@@ -869,23 +869,6 @@ def test_a_failed_start_does_not_block_the_corrected_command(good, tmp_path, cap
 
 
 # ---------------------------------------------------------------------- a real full / read-only disk
-@pytest.fixture
-def tmpfs(tmp_path):
-    """Mount a small tmpfs (root only); yields a function that mounts one at a path with given options."""
-    mounted: list[Path] = []
-
-    def mount(name: str, options: str) -> Path:
-        path = tmp_path / name
-        path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or done.returncode})")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in reversed(mounted):
-        subprocess.run(["umount", str(path)], check=False)
 
 
 def _fill(disk: Path, leave_bytes: int) -> None:

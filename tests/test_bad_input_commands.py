@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,23 +326,6 @@ def test_api_refuses_a_bad_config_in_one_line_before_writing(tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------- write failures by their cause
-@pytest.fixture
-def tmpfs(tmp_path) -> Iterator[Callable[[str, str], Path]]:
-    """Mount small tmpfs file systems (root only); yields a function that mounts one with given options."""
-    mounted: list[Path] = []
-
-    def mount(name: str, options: str) -> Path:
-        path = tmp_path / name
-        path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or done.returncode})")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in reversed(mounted):  # lazily: a failed writer's file may still be open in a kept traceback
-        subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
 def _fill(disk: Path) -> None:

@@ -116,18 +116,27 @@ def effective_max_length(requested: int, facts: ModelFacts, tokenizer: Any, log:
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
-    file = path / "config.json"
-    with reading(f"{FIELD}: {file}", "fix the file or save the model again with save_pretrained"):
+    return read_config_file(path / "config.json", FIELD)
+
+
+def read_config_file(file: Path, field: str) -> dict[str, Any]:
+    """A model's config file as a mapping with a ``model_type``, or one line naming ``field`` and the file.
+
+    Args:
+        file: a ``config.json`` (or another config file ``hftrain plan --model`` is given).
+        field: the config field or flag that named it, for the message.
+    """
+    with reading(f"{field}: {file}", "fix the file or save the model again with save_pretrained"):
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
             raise ConfigError(
-                f"{FIELD}: {file} is not valid JSON (line {error.lineno}: {error.msg}); fix the file or save "
+                f"{field}: {file} is not valid JSON (line {error.lineno}: {error.msg}); fix the file or save "
                 "the model again with save_pretrained"
             ) from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConfigError(
-            f"{FIELD}: {file} has no model_type; it is not a transformers model config: save the model with "
+            f"{field}: {file} has no model_type; it is not a transformers model config: save the model with "
             "save_pretrained"
         )
     return raw

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hftrain.errors import ConfigError, reading
-from hftrain.models.checks import _BUILD_ERRORS, FIELD, _auto_config, _read_config_json
+from hftrain.models.checks import _BUILD_ERRORS, FIELD, _auto_config, read_config_file
 
 GATED_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"})
 # PEFT's default LoRA targets per family (peft.utils.constants), as (query, value) projections
@@ -273,35 +272,17 @@ def _load_config(name_or_path: str) -> tuple[Any, Path]:
                 "its config.json, embedded:<name>, or the sizes (--parameters, --layers, ...)"
             )
         if path.name != "config.json":  # AutoConfig reads config.json from a folder; any other name: for_model
-            raw = _read_config_file(path)
+            raw = read_config_file(path, "--model")
             with reading(f"--model: {path}", "fix the config or save the model again with save_pretrained",
                          catch=_config_errors()):  # fmt: skip
                 return AutoConfig.for_model(**raw), path
         folder = path.parent
     else:
         folder = resolve_model_path(name_or_path)
-    _read_config_json(folder)
+    read_config_file(folder / "config.json", "--model")
     with reading(f"--model: {folder / 'config.json'}", "fix the config or save the model again with save_pretrained",
                  catch=_config_errors()):  # fmt: skip
         return _auto_config(folder), folder / "config.json"
-
-
-def _read_config_file(file: Path) -> dict[str, Any]:
-    """A config file other than ``config.json``: the checks ``_read_config_json`` makes of that one."""
-    with reading(f"--model: {file}", "fix the file or save the model again with save_pretrained"):
-        try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise ConfigError(
-                f"--model: {file} is not valid JSON (line {error.lineno}: {error.msg}); fix the file or save "
-                "the model again with save_pretrained"
-            ) from None
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ConfigError(
-            f"--model: {file} has no model_type; it is not a transformers model config: save the model with "
-            "save_pretrained"
-        )
-    return raw
 
 
 def _meta_model(config: Any, where: Path) -> Any:

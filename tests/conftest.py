@@ -1,0 +1,31 @@
+"""Fixtures shared by several test files."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def tmpfs(tmp_path) -> Iterator[Callable[[str, str], Path]]:
+    """Mount small tmpfs file systems (root only); yields a function that mounts one at a path with given options.
+
+    A real full or read-only disk, where the tests need one; skipped with the reason where it cannot be mounted.
+    """
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or done.returncode})")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):  # lazily: a failed writer's file may still be open in a kept traceback
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
