@@ -352,6 +352,17 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         ],
         "vocab_size is 20",
     ),
+    **{
+        f"model: config.json with {key} {value!r}": (
+            lambda c, key=key, value=value: [
+                *c.base(),
+                "--model_name_or_path",
+                c.model_variant("m", lambda p: _edit_json(p / "config.json", lambda d: d.update({key: value}))),
+            ],
+            "config.json",
+        )
+        for key, value in (("num_hidden_layers", "two"), ("num_attention_heads", 0), ("vocab_size", 0))
+    },
     "model: truncated weights": (
         lambda c: [
             *c.base(),

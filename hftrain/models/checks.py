@@ -42,6 +42,19 @@ _PADDING_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer", "m
 _BUILD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, RuntimeError, AssertionError)
 
 
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config it cannot read or a model it cannot build from it.
+
+    Besides ``_BUILD_ERRORS``: a config.json field of the wrong type (a string layer count) fails huggingface_hub's
+    strict dataclass validation, and a zero size fails in the arithmetic (heads 0: a modulo by zero; vocab_size 0:
+    an index out of range).
+    """
+    import huggingface_hub.errors
+
+    strict = getattr(huggingface_hub.errors, "StrictDataclassError", None)
+    return (*_BUILD_ERRORS, OSError, ArithmeticError, IndexError, *((strict,) if strict else ()))
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What the checks learned about a model folder.
@@ -148,7 +161,7 @@ def _auto_config(path: Path) -> PretrainedConfig:
     with reading(
         f"{FIELD}: {path / 'config.json'}",
         "fix the config or save the model again with save_pretrained",
-        catch=(OSError, ValueError, KeyError, TypeError),
+        catch=config_errors(),
     ):
         return AutoConfig.from_pretrained(path)
 
@@ -175,7 +188,7 @@ def _build_on_meta(path: Path, model_config: PretrainedConfig, num_labels: int) 
     with reading(
         f"{FIELD}: {path / 'config.json'} does not describe a buildable sequence classifier",
         "fix its sizes (e.g. hidden_size divisible by num_attention_heads) or choose another model",
-        catch=_BUILD_ERRORS,
+        catch=config_errors(),
     ):
         with torch.device("meta"):
             AutoModelForSequenceClassification.from_config(model_config)

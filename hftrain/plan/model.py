@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hftrain.errors import ConfigError, reading
-from hftrain.models.checks import _BUILD_ERRORS, FIELD, _auto_config, read_config_file
+from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
 
 GATED_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"})
 # PEFT's default LoRA targets per family (peft.utils.constants), as (query, value) projections
@@ -241,19 +241,6 @@ def _as_option() -> Iterator[None]:
         raise ConfigError(str(error).replace(f"{FIELD}:", "--model:")) from None
 
 
-def _config_errors() -> tuple[type[BaseException], ...]:
-    """What transformers raises for a config it cannot read or a model it cannot build.
-
-    ``train``'s checks (``hftrain.models.checks``) catch ``_BUILD_ERRORS``; a config.json field of the wrong type
-    (a string layer count) fails huggingface_hub's strict dataclass validation, and a zero size fails in the
-    arithmetic (heads 0: a modulo by zero; vocab_size 0: an index out of range).
-    """
-    import huggingface_hub.errors
-
-    strict = getattr(huggingface_hub.errors, "StrictDataclassError", None)
-    return (*_BUILD_ERRORS, OSError, ArithmeticError, IndexError, *((strict,) if strict else ()))
-
-
 def _load_config(name_or_path: str) -> tuple[Any, Path]:
     """The transformers config of a folder, a config file or ``embedded:<name>``, and the file it came from.
 
@@ -274,14 +261,14 @@ def _load_config(name_or_path: str) -> tuple[Any, Path]:
         if path.name != "config.json":  # AutoConfig reads config.json from a folder; any other name: for_model
             raw = read_config_file(path, "--model")
             with reading(f"--model: {path}", "fix the config or save the model again with save_pretrained",
-                         catch=_config_errors()):  # fmt: skip
+                         catch=config_errors()):  # fmt: skip
                 return AutoConfig.for_model(**raw), path
         folder = path.parent
     else:
         folder = resolve_model_path(name_or_path)
     read_config_file(folder / "config.json", "--model")
     with reading(f"--model: {folder / 'config.json'}", "fix the config or save the model again with save_pretrained",
-                 catch=_config_errors()):  # fmt: skip
+                 catch=config_errors()):  # fmt: skip
         return _auto_config(folder), folder / "config.json"
 
 
@@ -300,7 +287,7 @@ def _meta_model(config: Any, where: Path) -> Any:
         f"--model: {where} does not describe a buildable sequence classifier",
         "fix its sizes (e.g. hidden_size divisible by num_attention_heads, every size at least 1) or choose "
         "another model",
-        catch=_config_errors(),
+        catch=config_errors(),
     ):
         with torch.device("meta"):
             return AutoModelForSequenceClassification.from_config(config)
