@@ -105,7 +105,7 @@ def _measure(tp: int, pp: int) -> dict:
     tokenizer = tiny_tokenizer("llama")
     tokenizer.pad_token = tokenizer.eos_token
     splits = tokenize_splits(tiny_splits(16, 4), tokenizer, max_seq_length=16)
-    options = {"tp": tp, "pp": pp} | ({"num_microbatches": 2} if pp > 1 else {})
+    options = {"tp": tp, "pp": pp} | ({"num_microbatches": max(2, pp)} if pp > 1 else {})
     args = TrainingConfig(
         output_dir=_fresh_output_dir(),
         per_device_train_batch_size=4,

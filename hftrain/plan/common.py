@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hftrain.plan import formulas
+import hftrain.plan.formulas as formulas
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Row, Workload

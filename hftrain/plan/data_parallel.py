@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hftrain.plan import formulas
+import hftrain.plan.formulas as formulas
 from hftrain.plan.common import activation_bytes, finish
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec

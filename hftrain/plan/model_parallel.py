@@ -22,7 +22,7 @@ refuses; both keep min(p, m) micro-batches on stage 0).
 
 from __future__ import annotations
 
-from hftrain.plan import formulas
+import hftrain.plan.formulas as formulas
 from hftrain.plan.common import activation_bytes, finish
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec, divisors

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hftrain.plan import data_parallel, model_parallel
+import hftrain.plan.data_parallel as data_parallel
+import hftrain.plan.model_parallel as model_parallel
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Plan, Row, Workload

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from hftrain.plan import formulas
+import hftrain.plan.formulas as formulas
 from hftrain.plan.rows import Plan
 
 GB = 1e9
