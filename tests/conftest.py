@@ -29,3 +29,13 @@ def tmpfs(tmp_path) -> Iterator[Callable[[str, str], Path]]:
     yield mount
     for path in reversed(mounted):  # lazily: a failed writer's file may still be open in a kept traceback
         subprocess.run(["umount", "--lazy", str(path)], check=False)
+
+
+def assert_refused(stderr: str, code: int, fragment: str) -> None:
+    """A bad input's refusal: exit code 2, exactly one ``hftrain: error:`` line holding ``fragment``, no traceback."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("hftrain: error:")]
+    assert code == 2, (code, stderr[-2000:])
+    assert len(errors) == 1, lines
+    assert "Traceback" not in stderr
+    assert fragment in errors[0], errors[0]

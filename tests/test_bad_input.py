@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from hftrain.cli import main
+from tests.conftest import assert_refused
 from tests.tiny import reset_accelerate_state, synthetic_texts, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -652,12 +653,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
 
 
 def _refused(ctx: Ctx, argv: list[str], fragment: str, stderr: str, code: int) -> None:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("hftrain: error:")]
-    assert code == 2, (code, stderr[-2000:])
-    assert len(errors) == 1, lines
-    assert "Traceback" not in stderr
-    assert fragment in errors[0], errors[0]
+    assert_refused(stderr, code, fragment)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hftrain.cli import main
+from tests.conftest import assert_refused
 from tests.tiny import reset_accelerate_state, synthetic_texts, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,13 +211,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
 }
 
 
-def _refused(stderr: str, code: int, fragment: str) -> None:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("hftrain: error:")]
-    assert code == 2, (code, stderr[-2000:])
-    assert len(errors) == 1, lines
-    assert "Traceback" not in stderr
-    assert fragment in errors[0], errors[0]
+_refused = assert_refused
 
 
 @pytest.mark.parametrize("case", list(CASES))
