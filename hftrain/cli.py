@@ -17,7 +17,7 @@ import time
 import typing
 from pathlib import Path
 
-from hftrain.errors import ConfigError, HFTrainError, UsageError
+from hftrain.errors import AxisError, ConfigError, HFTrainError, UsageError
 from hftrain.plan.command import add_plan_arguments, run_plan
 
 DESCRIPTION = "Distributed fine-tuning over Hugging Face Accelerate and DeepSpeed."
@@ -198,7 +198,10 @@ def _groups(args: argparse.Namespace, extra: list[str]) -> int:
             "a larger one follows the same rule, rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank: give a world size "
             f"up to {MAX_PRINTED_WORLD}"
         )
-    dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp).validate()  # tp · pp must divide the world
+    try:
+        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp).validate()
+    except AxisError as error:  # hftrain.parallel names the axis; here the value came from a flag
+        raise error.named_as(f"--{error.axis.replace('_', '-')}") from None  # tp · pp must divide the world
     for piece in groups_json_chunks(dims) if args.json else group_lines(dims):
         sys.stdout.write(piece if args.json else piece + "\n")
     if args.json:

@@ -42,6 +42,25 @@ class ConfigError(HFTrainError):
     """A config key, value or combination is invalid."""
 
 
+class AxisError(ConfigError):
+    """A parallel-layout value that cannot work, named by its axis (``tp``, ``pp``, ``virtual_stages``,
+    ``world_size``), not by a config key: ``hftrain.parallel`` knows no config. The layer that took the value from
+    the user (the megatron strategy, ``hftrain groups``) re-raises it under its own name with :meth:`named_as`.
+
+    Args:
+        axis: the axis whose value is wrong.
+        message: what is wrong and the fix, in the axis' terms.
+    """
+
+    def __init__(self, axis: str, message: str) -> None:
+        super().__init__(message)
+        self.axis = axis
+
+    def named_as(self, field: str) -> ConfigError:
+        """The same error naming ``field`` (``strategy.tp``, ``--tp``) as the source of the value."""
+        return ConfigError(f"{field}: {self}")
+
+
 class DataError(HFTrainError):
     """A data file, column or label is invalid."""
 

@@ -54,7 +54,7 @@ def test_rank_groups_follow_megatron_rule(world, tp, pp):
 
 @pytest.mark.parametrize(
     ("world", "tp", "pp", "named"),
-    [(6, 4, 1, "strategy.tp=4"), (8, 3, 1, "1, 2, 4, 8"), (8, 2, 3, "strategy.pp=3"), (4, 0, 1, "strategy.tp")],
+    [(6, 4, 1, "tp=4"), (8, 3, 1, "1, 2, 4, 8"), (8, 2, 3, "pp=3"), (4, 0, 1, "tp must be a positive integer")],
 )
 def test_bad_layouts_are_refused(world, tp, pp, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
@@ -85,7 +85,7 @@ def test_groups_command_bad_sizes_exit_2_one_line(tmp_path):
     )
     assert done.returncode == 2
     assert done.stdout == "" and done.stderr.count("\n") == 1
-    assert done.stderr.startswith("hftrain: error: strategy.tp=4") and "1, 2, 3, 6" in done.stderr
+    assert done.stderr.startswith("hftrain: error: --tp: tp=4") and "1, 2, 3, 6" in done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -139,4 +139,4 @@ def test_build_groups_on_four_processes():
             assert got["coords"] == dims.coords(rank)
             assert got["sizes"] == (pp, dims.dp, tp)
     assert [seen["tp_sum"] for seen in results] == [1.0, 1.0, 5.0, 5.0]
-    assert all("strategy.tp=3" in seen["refused"] for seen in results)
+    assert all("tp=3 × pp=1 does not divide the world size 4" in seen["refused"] for seen in results)

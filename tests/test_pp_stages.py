@@ -45,7 +45,7 @@ def test_ranges_by_parameters():
         ({"num_layers": 4, "pp": 2, "virtual_stages": 3}, "6 pipeline stages"),
         ({"num_layers": 6, "pp": 2, "virtual_stages": 2}, "virtual_stages=2"),
         ({"num_layers": 4, "pp": 1, "virtual_stages": 2}, "needs pp > 1"),
-        ({"num_layers": 4, "pp": 0}, "strategy.pp"),
+        ({"num_layers": 4, "pp": 0}, "pp must be >= 1"),
         ({"num_layers": 4, "pp": 2, "balance": "flops"}, "balance"),
         ({"num_layers": 4, "pp": 2, "balance": "parameters"}, "layer_sizes"),
     ],

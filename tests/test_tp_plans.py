@@ -245,7 +245,7 @@ def _config(kind: str, **sizes):
             },
             4,
             r"exceeds num_key_value_heads=3 \(each rank needs one\) of this llama model; "
-            r"valid strategy.tp values for it: 1, 2, 3",
+            r"valid tp values for it: 1, 2, 3",
         ),
     ],
 )

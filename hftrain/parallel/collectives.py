@@ -55,7 +55,7 @@ def _chunks(x: torch.Tensor, group: Any, dim: int) -> list[torch.Tensor]:
     size = dist.get_world_size(group)
     if x.shape[dim] % size:
         raise ConfigError(
-            f"sequence length {x.shape[dim]} is not a multiple of tp={size} under strategy.sequence_parallel; "
+            f"sequence length {x.shape[dim]} is not a multiple of tp={size} under sequence parallelism; "
             f"pad every batch to a multiple of hftrain.parallel.sequence_multiple(tp, sequence_parallel=True)"
         )
     return [c.contiguous() for c in x.chunk(size, dim)]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hftrain.errors import ConfigError
+from hftrain.errors import AxisError, ConfigError
 
 AXES = ("pp", "dp", "tp")  # outermost first: the mesh's dimension order
 # The largest world whose groups ``hftrain groups`` prints: each rank is on 4 lines (its tp, pp and dp group and
@@ -56,15 +56,16 @@ class ParallelDims:
 
     def validate(self) -> ParallelDims:
         """Return ``self`` if ``tp · pp`` divides the world size, else raise a ConfigError naming the valid values."""
-        for field, value in (("world size", self.world_size), ("strategy.tp", self.tp), ("strategy.pp", self.pp)):
+        for axis, value in (("world_size", self.world_size), ("tp", self.tp), ("pp", self.pp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+                raise AxisError(axis, f"{axis} must be a positive integer, got {value!r}")
         if self.world_size % (self.tp * self.pp):
             valid_tp = [d for d in _divisors(self.world_size) if (self.world_size // d) % self.pp == 0]
-            raise ConfigError(
-                f"strategy.tp={self.tp} × strategy.pp={self.pp} does not divide the world size {self.world_size}; "
-                f"valid strategy.tp values with pp={self.pp}: {', '.join(map(str, valid_tp)) or 'none'} "
-                f"(or change the number of processes)"
+            raise AxisError(
+                "tp",
+                f"tp={self.tp} × pp={self.pp} does not divide the world size {self.world_size}; "
+                f"valid tp values with pp={self.pp}: {', '.join(map(str, valid_tp)) or 'none'} "
+                f"(or change the number of processes)",
             )
         return self
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hftrain.errors import ConfigError
+from hftrain.errors import AxisError, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -37,23 +37,25 @@ BALANCES = ("layers", "parameters")
 def _check_split(num_layers: int, pp: int, virtual_stages: int, balance: str) -> int:
     """Validate a split request and return the number of chunks."""
     if pp < 1:
-        raise ConfigError(f"strategy.pp must be >= 1, got {pp}")
+        raise AxisError("pp", f"pp must be >= 1, got {pp}")
     if virtual_stages < 1:
-        raise ConfigError(f"strategy.virtual_stages must be >= 1, got {virtual_stages}")
+        raise AxisError("virtual_stages", f"virtual_stages must be >= 1, got {virtual_stages}")
     if virtual_stages > 1 and pp == 1:
-        raise ConfigError("strategy.virtual_stages > 1 needs pp > 1 (an interleaved schedule with one stage)")
+        raise AxisError("virtual_stages", "virtual_stages > 1 needs pp > 1 (an interleaved schedule with one stage)")
     if balance not in BALANCES:
         raise ConfigError(f"pipeline balance must be one of {', '.join(BALANCES)}, got {balance!r}")
     chunks = pp * virtual_stages
     if chunks > num_layers:
-        raise ConfigError(
-            f"strategy.pp × virtual_stages = {chunks} pipeline stages but the model has only {num_layers} layers; "
-            "use fewer stages"
+        raise AxisError(
+            "pp",
+            f"pp × virtual_stages = {chunks} pipeline stages but the model has only {num_layers} layers; "
+            "use fewer stages",
         )
     if virtual_stages > 1 and num_layers % chunks:
-        raise ConfigError(
-            f"strategy.virtual_stages={virtual_stages} with pp={pp} needs the {num_layers} layers to divide into "
-            f"{chunks} equal chunks; choose virtual_stages so that pp × virtual_stages divides {num_layers}"
+        raise AxisError(
+            "virtual_stages",
+            f"virtual_stages={virtual_stages} with pp={pp} needs the {num_layers} layers to divide into "
+            f"{chunks} equal chunks; choose virtual_stages so that pp × virtual_stages divides {num_layers}",
         )
     return chunks
 

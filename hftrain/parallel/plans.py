@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hftrain.errors import ConfigError
+from hftrain.errors import AxisError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -174,29 +174,31 @@ def check_tensor_parallel(config: Any, tp: int) -> None:
 
     Args:
         config: the model's ``transformers.PretrainedConfig``.
-        tp: the tensor-parallel size (``strategy.tp``).
+        tp: the tensor-parallel size.
     """
     plan = plan_for(config)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ConfigError(f"strategy.tp must be a positive integer, got {tp!r}")
+        raise AxisError("tp", f"tp must be a positive integer, got {tp!r}")
     sizes, minimums = plan.sizes(config), plan.minimums(config)
     indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
     too_few = ", ".join(f"{name}={value}" for name, value in minimums.items() if value < tp)
     problems = [f"does not divide {indivisible}"] if indivisible else []
     problems += [f"exceeds {too_few} (each rank needs one)"] if too_few else []
     if problems:
-        raise ConfigError(
-            f"strategy.tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
-            f"valid strategy.tp values for it: {', '.join(map(str, _valid_tp(sizes, minimums)))}"
+        raise AxisError(
+            "tp",
+            f"tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
+            f"valid tp values for it: {', '.join(map(str, _valid_tp(sizes, minimums)))}",
         )
     unequal = any(len(set(widths)) > 1 for widths in plan.counts(config, tp).values())
     if unequal and getattr(config, "attention_dropout", 0.0):
         # ranks holding different numbers of heads draw different amounts of randomness in attention dropout,
         # after which the replicated dropouts (same stream on every tp rank) would no longer agree
-        raise ConfigError(
-            f"strategy.tp={tp} splits this model's key/value heads unequally, which needs attention_dropout=0 "
+        raise AxisError(
+            "tp",
+            f"tp={tp} splits this model's key/value heads unequally, which needs attention_dropout=0 "
             f"(it is {config.attention_dropout}); set model attention_dropout to 0 or use a tp that divides the "
-            f"key/value heads"
+            f"key/value heads",
         )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hftrain.errors import ConfigError
+from hftrain.errors import AxisError
 
 Modules = dict[str, torch.nn.Module]
 
@@ -180,18 +180,31 @@ FAMILIES: dict[str, Any] = {"bert": BertStages(), "gpt2": GPT2Stages(), "llama":
 
 
 def family_of(model: torch.nn.Module) -> Any:
-    """The stage adapter for ``model``; ConfigError for a model pipeline parallelism does not cover.
+    """The stage adapter for ``model``; ``AxisError`` (pp) for a model pipeline parallelism does not cover.
 
     Args:
         model: an HF ``*ForSequenceClassification`` model.
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES or not type(model).__name__.endswith("ForSequenceClassification"):
-        raise ConfigError(
+    config = getattr(model, "config", None)
+    check_family(config, class_name=type(model).__name__)
+    return FAMILIES[config.model_type]
+
+
+def check_family(config: Any, *, class_name: str | None = None) -> None:
+    """Refuse a model family pipeline parallelism does not cover (before any model is built, from its config).
+
+    Args:
+        config: the model's ``transformers`` config.
+        class_name: the model's class, when there is one (it must be a ``*ForSequenceClassification``).
+    """
+    model_type = getattr(config, "model_type", None)
+    name = class_name or f"{model_type} model"
+    if model_type not in FAMILIES or (class_name is not None and not class_name.endswith("ForSequenceClassification")):
+        raise AxisError(
+            "pp",
             f"pipeline parallelism supports BERT, GPT-2 and Llama *ForSequenceClassification models, got "
-            f"{type(model).__name__} (model_type {model_type!r}); use strategy.pp: 1 for this model"
+            f"{name} (model_type {model_type!r}); use pp 1 for this model",
         )
-    return FAMILIES[model_type]
 
 
 class PipelineChunk(torch.nn.Module):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
 from hftrain.strategies.megatron.checks import check_pipeline_model, check_pipeline_training, pipeline_facts
+from hftrain.strategies.megatron.fields import named_by_config
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -59,7 +60,8 @@ class MegatronStrategy(Strategy):
                     f"strategy.{key} is not a megatron option (megatron composes tp with plain data parallelism; "
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
-        self.dims = ParallelDims(launch.world_size, tp=config.tp, pp=config.pp).validate()
+        with named_by_config():
+            self.dims = ParallelDims(launch.world_size, tp=config.tp, pp=config.pp).validate()
 
     def preflight(self, training: TrainingConfig) -> None:
         if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
@@ -67,7 +69,8 @@ class MegatronStrategy(Strategy):
                 "training.mixed_precision fp16 is not supported with strategy megatron (no gradient scaler); "
                 "use bf16 or no"
             )
-        check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
+        with named_by_config():
+            check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
 
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel
@@ -77,9 +80,13 @@ class MegatronStrategy(Strategy):
                 "lora.use_lora with strategy megatron is not supported (the adapters would wrap split layers); "
                 "use strategy ddp/fsdp/zero for LoRA, or train the full model with megatron"
             )
-        check_tensor_parallel(model_config, self.config.tp)
-        if self.config.pp > 1:
-            check_pipeline_model(self.config, model_config)
+        with named_by_config():
+            check_tensor_parallel(model_config, self.config.tp)
+            if self.config.pp > 1:
+                from hftrain.parallel.stages import check_family
+
+                check_family(model_config)
+                check_pipeline_model(self.config, model_config)
 
     def tune_host_allocator(self) -> str:
         """Under pipeline parallelism keep glibc's own thresholds: memory is what stages are for.
