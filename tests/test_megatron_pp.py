@@ -229,7 +229,7 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], str, str
         ),
         "interleaved-one-stage": (_interleaved(1), "1", "'interleaved_1f1b' needs pp >= 2"),
         "virtual-stages-without-interleaving": (["--pp", "2", "--virtual_stages", "2"], "2", "set virtual_stages: 1"),
-        "unknown-schedule": (["--pp", "2", "--schedule", "zigzag"], "2", "strategy.schedule must be one of gpipe"),
+        "unknown-schedule": (["--pp", "2", "--schedule", "zigzag"], "2", "strategy.schedule: schedule must be one of gpipe"),
         "pp-with-ddp": (["--pp", "2", "--strategy.name", "ddp"], "2", "strategy.pp is a megatron option"),
         "pp-with-sequence-parallel": (
             ["--tp", "2", "--pp", "2", "--sequence_parallel", "true"], "4", "strategy.sequence_parallel with"

@@ -51,7 +51,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from hftrain.errors import ConfigError
+from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.pipeline import chunk_ids_of_rank
 from hftrain.parallel.timeline import TimelineRecorder
 
@@ -198,11 +198,12 @@ class PipelineSchedule:
             num_microbatches: micro-batches per step.
         """
         if num_microbatches < 1:
-            raise ConfigError(f"strategy.num_microbatches must be >= 1, got {num_microbatches}")
+            raise AxisError("num_microbatches", f"num_microbatches must be >= 1, got {num_microbatches}")
         if virtual_stages != 1:
-            raise ConfigError(
-                f"strategy.schedule {cls.name!r} runs one stage per rank; set virtual_stages: 1 or use "
-                "schedule: interleaved_1f1b"
+            raise AxisError(
+                "virtual_stages",
+                f"schedule {cls.name!r} runs one stage per rank; set virtual_stages: 1 or use "
+                "schedule: interleaved_1f1b",
             )
 
     @classmethod
@@ -402,8 +403,8 @@ class OneFOneBSchedule(PipelineSchedule):
         """As the base, and ``num_microbatches >= pp`` (the warm-up needs one micro-batch per stage)."""
         super().check(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
         if num_microbatches < pp:
-            raise ConfigError(
-                f"strategy.schedule {cls.name!r} needs num_microbatches >= pp ({num_microbatches} < {pp})"
+            raise AxisError(
+                "num_microbatches", f"schedule {cls.name!r} needs num_microbatches >= pp ({num_microbatches} < {pp})"
             )
 
     @classmethod
@@ -425,13 +426,13 @@ class Interleaved1F1BSchedule(PipelineSchedule):
     def check(cls, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
         """``pp > 1``, ``virtual_stages >= 1``, ``num_microbatches`` a positive multiple of ``pp``."""
         if pp < 2:
-            raise ConfigError(f"strategy.schedule {cls.name!r} needs pp >= 2; use schedule: gpipe or 1f1b")
+            raise AxisError("schedule", f"schedule {cls.name!r} needs pp >= 2; use schedule: gpipe or 1f1b")
         if virtual_stages < 1:
-            raise ConfigError(f"strategy.virtual_stages must be >= 1, got {virtual_stages}")
+            raise AxisError("virtual_stages", f"virtual_stages must be >= 1, got {virtual_stages}")
         if num_microbatches < pp or num_microbatches % pp:
-            raise ConfigError(
-                f"strategy.schedule {cls.name!r} needs num_microbatches to be a multiple of pp={pp}, "
-                f"got {num_microbatches}"
+            raise AxisError(
+                "num_microbatches",
+                f"schedule {cls.name!r} needs num_microbatches to be a multiple of pp={pp}, got {num_microbatches}",
             )
 
     @classmethod
@@ -465,7 +466,7 @@ class ZBVSchedule(Interleaved1F1BSchedule):
         """As interleaved, and exactly 2 chunks per rank (the V)."""
         super().check(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
         if virtual_stages != 2:
-            raise ConfigError(f"strategy.schedule {cls.name!r} needs virtual_stages: 2, got {virtual_stages}")
+            raise AxisError("virtual_stages", f"schedule {cls.name!r} needs virtual_stages: 2, got {virtual_stages}")
 
     @classmethod
     def runs(cls, *, pp: int, num_microbatches: int) -> bool:
@@ -520,7 +521,7 @@ def schedule_class(name: str) -> type[PipelineSchedule]:
         name: a key of :data:`SCHEDULES`.
     """
     if name not in SCHEDULES:
-        raise ConfigError(f"strategy.schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+        raise AxisError("schedule", f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
     return SCHEDULES[name]
 
 
