@@ -92,7 +92,8 @@ def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
         explicit = check_resume_request(training, run_id=None)
         return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec)
     run_id = saved_run_id(output_dir)
-    same_run = not config_differences(config, _saved_config(output_dir / CONFIG_FILENAME))
+    saved = output_dir / CONFIG_FILENAME  # absent: checkpoints without a run config, replaced only by overwrite
+    same_run = saved.is_file() and not config_differences(config, _saved_config(saved))
     if not training.overwrite_output_dir or (spec in ("auto", "latest") and same_run):
         if spec is None:
             raise ConfigError(
