@@ -164,7 +164,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     ),
     "groups: world size 0": (lambda c: ["groups", "--world-size", "0"], "--world-size 0: must be a positive integer"),
     "groups: negative tp": (lambda c: ["groups", "--world-size", "8", "--tp", "-2"], "--tp -2: must be a positive"),
-    "groups: huge tp": (lambda c: ["groups", "--world-size", "8", "--tp", HUGE], "--tp: tp=),
+    "groups: huge tp": (lambda c: ["groups", "--world-size", "8", "--tp", HUGE], "--tp: tp="),
     # ------------------------------------------------------------------ doctor
     "doctor: timeout nan": (lambda c: ["doctor", "--timeout", "nan"], "--timeout nan: must be a finite number"),
     "doctor: timeout inf": (lambda c: ["doctor", "--timeout", "inf"], "--timeout inf: must be a finite number"),

@@ -362,7 +362,11 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
     return {
         "tp-not-dividing-world": (["--tp", "2"], {"WORLD_SIZE": "1"}, "does not divide the world size 1"),
         # a complete launcher environment for 3 processes: the refusal comes before any process group exists
-        "tp-not-dividing-heads": (["--tp", "3"], {**_LAUNCHED_3, "WORLD_SIZE": "3"}, "strategy.tp: tp=3 does not divide"),
+        "tp-not-dividing-heads": (
+            ["--tp", "3"],
+            {**_LAUNCHED_3, "WORLD_SIZE": "3"},
+            "strategy.tp: tp=3 does not divide",
+        ),
         "lora": (["--use_lora", "true"], {"WORLD_SIZE": "1"}, "lora.use_lora with strategy megatron"),
         "foreign-option": (["--offload_optimizer", "true"], {"WORLD_SIZE": "1"}, "not a megatron option"),
         "tp-with-ddp": (["--tp", "2", "--strategy.name", "ddp"], {"WORLD_SIZE": "2"}, "strategy.tp is a megatron"),
