@@ -109,6 +109,9 @@ def test_every_pickled_state_file_is_refused_with_every_payload(runs, strategy, 
         "megatron": {"optimizer.pt", "random_states_1.pkl"},
     }[strategy]
     assert expected <= set(names), names
+    if strategy == "zero2":
+        import deepspeed  # noqa: F401 - a ZeRO run has DeepSpeed loaded: its checkpoint's classes are allowed then
+
     check_no_code(checkpoint, state)  # the checkpoint as written loads
     for name in names:
         for payload_name, payload in PAYLOADS.items():

@@ -134,12 +134,19 @@ def _not_pickled(path: Path) -> bool:
 
 
 def _safe_globals() -> list[Any]:
-    """The objects of ``SAFE_GLOBAL_NAMES`` that exist in this environment (numpy 1 or 2, DeepSpeed or not)."""
+    """The objects of ``SAFE_GLOBAL_NAMES`` that exist in this environment (numpy 1 or 2, DeepSpeed or not).
+
+    DeepSpeed's are taken only when the run has imported DeepSpeed (a ZeRO strategy): importing it here would cost
+    every other run seconds, and a checkpoint of theirs holds none of its classes.
+    """
     import importlib
+    import sys
 
     found = []
     for qualified in SAFE_GLOBAL_NAMES:
         module, _, attribute = qualified.rpartition(".")
+        if module.split(".")[0] not in sys.modules and module.startswith("deepspeed"):
+            continue
         try:
             found.append(getattr(importlib.import_module(module), attribute))
         except (ImportError, AttributeError):
