@@ -42,6 +42,13 @@ class ConfigError(HFTrainError):
     """A config key, value or combination is invalid."""
 
 
+class ProcessError(ConfigError):
+    """An input only this process sees (its launcher environment and command line): it can differ between ranks,
+    so every rank that meets it prints it, not only the main process of the machine."""
+
+    every_rank = True
+
+
 class AxisError(ConfigError):
     """A parallel-layout value that cannot work, named by its axis (``tp``, ``pp``, ``virtual_stages``,
     ``world_size``), not by a config key: ``hftrain.parallel`` knows no config. The layer that took the value from

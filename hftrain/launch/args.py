@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hftrain.errors import ConfigError
+from hftrain.errors import ConfigError, ProcessError
 
 if TYPE_CHECKING:
     from hftrain.config import TrainConfig
@@ -103,10 +103,10 @@ def _value(argv: list[str], i: int) -> tuple[str, int]:
 
 def _check_local_rank(name: str, value: str, environ: Mapping[str, str]) -> None:
     if not value.isdigit():
-        raise ConfigError(f"command line: {name} '{value}' is not a process index; the launcher passes an integer")
+        raise ProcessError(f"command line: {name} '{value}' is not a process index; the launcher passes an integer")
     env_rank = environ.get("LOCAL_RANK")
     if env_rank is not None and env_rank != value:
-        raise ConfigError(
+        raise ProcessError(
             f"command line: {name}={value} but LOCAL_RANK={env_rank} in the environment; start the processes with "
             "one launcher"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
-from hftrain.errors import ConfigError
+from hftrain.errors import ConfigError, ProcessError
 from hftrain.launch.rendezvous import (
     INTERFACE_VARIABLES,
     Rendezvous,
@@ -69,7 +69,7 @@ def preflight_launch(environ: MutableMapping[str, str], *, backend: str) -> Laun
     local_rank = _int(environ, "LOCAL_RANK", minimum=0)
     local = local_world_size(environ) or world
     if rank >= world or local_rank >= local or local > world or world % local:
-        raise ConfigError(
+        raise ProcessError(
             f"launcher environment: RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world}, local processes "
             f"{local} are inconsistent (each machine must run the same number of processes); start with one launcher"
         )
@@ -144,10 +144,10 @@ def check_elastic(environ: MutableMapping[str, str]) -> None:
 def _int(environ: MutableMapping[str, str], name: str, *, default: str | None = None, minimum: int) -> int:
     value = environ.get(name, default)
     if value is None:
-        raise ConfigError(
+        raise ProcessError(
             f"launcher environment: {name} is not set though WORLD_SIZE={environ.get('WORLD_SIZE')}; start the "
             "processes with torchrun, accelerate launch or deepspeed"
         )
     if not (value.isascii() and value.isdigit()) or int(value) < minimum:
-        raise ConfigError(f"launcher environment: {name}='{value}' is not an integer >= {minimum}")
+        raise ProcessError(f"launcher environment: {name}='{value}' is not an integer >= {minimum}")
     return int(value)
