@@ -392,6 +392,32 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tiny_job, tmp_path, capsys
     assert_refused(code, capsys, message, output_dir)
 
 
+def refused_as_launched_rank0(
+    monkeypatch, capsys, tmp_path: Path, model: str, data: str, extra: list[str], world_size: str, message: str
+) -> None:
+    """``hftrain train`` as rank 0 of a launched job whose process group never starts: refused first, in one line.
+
+    Args:
+        monkeypatch: sets the launcher environment.
+        capsys: reads the error line.
+        tmp_path: holds the output_dir that must not be created.
+        model: the model folder.
+        data: the training CSV.
+        extra: the arguments that make the input bad.
+        world_size: the launched world size.
+        message: what the one error line must contain.
+    """
+    from hftrain.cli import main
+    from tests.distributed import free_port
+
+    launcher = {"WORLD_SIZE": world_size, "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": world_size}
+    for key, value in {**launcher, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    output_dir = tmp_path / "out"
+    code = main(["train", *_job_args(model, data, output_dir, *extra)])
+    assert_refused(code, capsys, message, output_dir)
+
+
 def assert_refused(code: int, capsys, message: str, output_dir: Path) -> None:
     """Exit 2, one ``hftrain: error:`` line containing ``message``, and no ``output_dir`` created."""
     err = capsys.readouterr().err.strip().splitlines()

@@ -25,8 +25,8 @@ from tests.test_megatron import (
     _assert_same_weights,
     _job_args,
     _torchrun,
-    assert_refused,
     assert_resumed_equals_uninterrupted,
+    refused_as_launched_rank0,
 )
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
@@ -246,19 +246,5 @@ def _interleaved(virtual_stages: int) -> list[str]:
 
 @pytest.mark.parametrize("label", list(_bad_input_cases({"bert5": ""})))
 def test_bad_input_is_one_line_exit_2_nothing_written(pp_job, tmp_path, capsys, monkeypatch, label):
-    from hftrain.cli import main
-
     extra, world_size, message = _bad_input_cases(pp_job)[label]
-    # rank 0 of a launched job that never starts its process group: the refusal must come first
-    for key, value in {
-        "WORLD_SIZE": world_size,
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": world_size,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29511",
-    }.items():
-        monkeypatch.setenv(key, value)
-    output_dir = tmp_path / "out"
-    code = main(["train", *_job_args(pp_job["bert"], pp_job["data"], output_dir, *extra)])
-    assert_refused(code, capsys, message, output_dir)
+    refused_as_launched_rank0(monkeypatch, capsys, tmp_path, pp_job["bert"], pp_job["data"], extra, world_size, message)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_megatron import _job_args, assert_refused
+from tests.test_megatron import refused_as_launched_rank0
 from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
 
 LAYERS = 4  # 2 stages × 2 virtual stages for the interleaved schedule
@@ -287,19 +287,5 @@ BAD_INPUT = {
 
 @pytest.mark.parametrize("label", list(BAD_INPUT))
 def test_bad_buckets_are_one_line_exit_2_nothing_written(job, tmp_path, capsys, monkeypatch, label):
-    from hftrain.cli import main
-
     extra, world_size, message = BAD_INPUT[label]
-    # rank 0 of a launched job that never starts its process group: the refusal must come first
-    for key, value in {
-        "WORLD_SIZE": world_size,
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": world_size,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29512",
-    }.items():
-        monkeypatch.setenv(key, value)
-    output_dir = tmp_path / "out"
-    code = main(["train", *_job_args(job["model"], job["data"], output_dir, *extra)])
-    assert_refused(code, capsys, message, output_dir)
+    refused_as_launched_rank0(monkeypatch, capsys, tmp_path, job["model"], job["data"], extra, world_size, message)
