@@ -7,17 +7,25 @@ each in its own set of gloo processes. Every rank reads ``/proc/self/status``:
 - ``baseline``: VmRSS once torch, transformers, hftrain and the data are loaded, before the model is built;
 - ``peak``: VmHWM after the steps (where the run would write its final checkpoint; the checkpoint itself is not
   written: its cost is issue 21's), minus the baseline: what model, gradients, optimizer state, activations and
-  every transient (the full model built before it is split and cut) cost this rank at their worst;
+  every transient cost this rank at their worst;
 - ``held``: VmRSS at the same point, minus the baseline;
 - ``after prepare``: VmRSS once the Trainer has built, split and cut the model (before any step), minus the
-  baseline, beside the rank's own weights (a quarter of the estimate).
+  baseline, beside the rank's own weights (a quarter of the model states).
 
-The estimate is ``hftrain plan``'s model states for that rank: its stage's parameters (the plan's formula:
-``layers·Ψ_layer/t``, plus ``V·h/t`` and the other embeddings on the first stage, plus the head on the last, with the
-stage's real layer count) × 16 bytes (fp32 parameter, gradient and two Adam moments). Activations are kept small
-(4 sequences of 16 tokens) so that the model states dominate.
+Every rank loads the model from a saved folder as a job does (``hftrain.models.PretrainedClassifier``), so a
+pipeline rank reads and materializes only its stage. The same layout is then run with the same 30 layers 8×
+narrower (0.3M parameters): its peak and held memory are the **fixed cost** (imports touched on the first step,
+process groups, the schedule, the loaders), which does not grow with the model; ``(peak - fixed) / plan`` is the
+model and optimizer memory against the plan.
 
-Usage (about 5 minutes on 2 shared cores, 8 GB of memory at most):
+The plan is ``hftrain plan``'s estimate for that rank: its stage's parameters (the plan's formula:
+``layers·Ψ_layer/t``, plus ``V·h/t`` and the other embeddings on the first stage, plus the head on the last, with
+the stage's real layer count) × 16 bytes (fp32 parameter, gradient and two Adam moments), plus the plan's working
+memory on a first stage with several micro-batches (one micro-batch's embedding gradient, ``V·h/t`` × 4 bytes,
+live while autograd adds it to the accumulated one). Activations are kept small (4 sequences of 16 tokens) so
+that the model states dominate.
+
+Usage (about 6 minutes on 2 shared cores, 8 GB of memory at most):
     python benchmarks/pipeline_memory.py [--layouts pp1,pp2,pp4,tp2pp2]
 """
 
@@ -37,14 +45,16 @@ LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4), "tp2pp2": (2, 2)}
 BYTES_PER_PARAMETER = 16  # fp32: parameter 4 + gradient 4 + Adam exp_avg 4 + exp_avg_sq 4
 
 
-def smollm2_config():
+# The fixed cost's model: the same 30 layers, heads and layout, 8× narrower, a 1,024-token vocabulary (0.3M params).
+NARROW = {"vocab_size": 1024, "hidden_size": 72, "intermediate_size": 192}
+
+
+def smollm2_config(**overrides):
     """SmolLM2-135M's architecture as a sequence classifier (random weights: the shapes are what matter)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
+        **{"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536} | overrides,
         num_hidden_layers=30,
         num_attention_heads=9,
         num_key_value_heads=3,
@@ -53,6 +63,21 @@ def smollm2_config():
         num_labels=2,
         pad_token_id=0,
     )
+
+
+def saved_model(name: str, **overrides) -> str:
+    """A folder with SmolLM2-135M's shape (with ``overrides``) and random weights, loaded by every rank as a job
+    loads its model (``hftrain.models.PretrainedClassifier``: a pipeline rank materializes only its stage)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    folder = Path(tempfile.gettempdir()) / f"hftrain-bench-{name}-random"
+    if not (folder / "config.json").exists():
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_config(smollm2_config(**overrides)).save_pretrained(folder)
+    return str(folder)
 
 
 def _status(field: str) -> int:
@@ -85,23 +110,22 @@ def plan_stage_parameters(spec, layers: int, *, tp: int, first: bool, last: bool
     return total
 
 
-def _measure(tp: int, pp: int) -> dict:
+def _measure(tp: int, pp: int, folder: str) -> dict:
     import gc
 
     import torch.distributed.pipelining  # noqa: F401 - imported before the baseline, like everything else
     import transformers.models.llama.modeling_llama  # noqa: F401
-    from transformers import AutoModelForSequenceClassification
 
     import hftrain.strategies.megatron.pipeline  # noqa: F401
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
+    from hftrain.models import PretrainedClassifier
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
 
     reset_accelerate_state()
-    config = smollm2_config()
     tokenizer = tiny_tokenizer("llama")
     tokenizer.pad_token = tokenizer.eos_token
     splits = tokenize_splits(tiny_splits(16, 4), tokenizer, max_seq_length=16)
@@ -130,7 +154,7 @@ def _measure(tp: int, pp: int) -> dict:
     trainer = Trainer(
         args,
         strategy=strategy,
-        model_init=lambda: AutoModelForSequenceClassification.from_config(config),
+        model_init=PretrainedClassifier(ModelConfig(model_name_or_path=folder), tokenizer.pad_token_id),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
         eval_dataset=None,
@@ -141,7 +165,7 @@ def _measure(tp: int, pp: int) -> dict:
     runtime = trainer.runtime
     layout = runtime.plugin.layout
     stages = list(trainer.model.stages) if pp > 1 else []
-    layers = sum(len(s.layers) for s in stages) if pp > 1 else config.num_hidden_layers
+    layers = sum(len(s.layers) for s in stages) if pp > 1 else trainer.model.config.num_hidden_layers
     owned = sum(p.numel() for p in runtime._params.values())
     return {
         "rank": int(os.environ["RANK"]),
@@ -163,20 +187,30 @@ def main() -> None:
     args = parser.parse_args()
     mib = 1 << 20
     spec = plan_spec()
-    print("| layout | rank (pp, tp) | layers | parameters held | plan estimate (MiB) | peak (MiB) | peak / plan |"
-          " held after the steps (MiB) | held / plan | after prepare (MiB) / its weights |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| layout | rank (pp, tp) | layers | parameters held | plan (MiB) | peak (MiB) | fixed peak (MiB) |"
+          " (peak - fixed) / plan | held (MiB) | fixed held (MiB) | (held - fixed) / plan | after prepare (MiB) /"
+          " its weights |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    folder, narrow = saved_model("smollm2"), saved_model("smollm2-narrow", **NARROW)
     for name in args.layouts.split(","):
         tp, pp = LAYOUTS[name]
-        for r in sorted(run_distributed(_measure, nprocs=tp * pp, timeout=1800, tp=tp, pp=pp), key=lambda r: r["rank"]):
-            r["estimate"] = BYTES_PER_PARAMETER * plan_stage_parameters(
+        runs = run_distributed(_measure, nprocs=tp * pp, timeout=1800, tp=tp, pp=pp, folder=folder)
+        fixed = {
+            r["rank"]: r for r in run_distributed(_measure, nprocs=tp * pp, timeout=1800, tp=tp, pp=pp, folder=narrow)
+        }
+        for r in sorted(runs, key=lambda r: r["rank"]):
+            f = fixed[r["rank"]]
+            plan = BYTES_PER_PARAMETER * plan_stage_parameters(
                 spec, r["layers"], tp=tp, first=r["first"], last=r["last"]
             )
+            if r["first"] and pp > 1:  # the plan's working memory: one micro-batch's embedding gradient being added
+                plan += 4 * spec.vocab * spec.hidden / tp
             print(
                 f"| {name} | {r['rank']} ({r['pp_rank']}, {r['tp_rank']}) | {r['layers']} | "
-                f"{r['owned_parameters'] / 1e6:.1f}M | {r['estimate'] / mib:.0f} | {r['peak'] / mib:.0f} | "
-                f"{r['peak'] / r['estimate']:.3f} | {r['held'] / mib:.0f} | {r['held'] / r['estimate']:.3f} | "
-                f"{r['prepared'] / mib:.0f} / {r['estimate'] / 4 / mib:.0f} |",
+                f"{r['owned_parameters'] / 1e6:.1f}M | {plan / mib:.0f} | "
+                f"{r['peak'] / mib:.0f} | {f['peak'] / mib:.0f} | "
+                f"{(r['peak'] - f['peak']) / plan:.3f} | {r['held'] / mib:.0f} | {f['held'] / mib:.0f} | "
+                f"{(r['held'] - f['held']) / plan:.3f} | {r['prepared'] / mib:.0f} / {plan / 4 / mib:.0f} |",
                 flush=True,
             )
 

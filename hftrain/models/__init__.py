@@ -6,7 +6,6 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from hftrain.config import LoraConfig, ModelConfig
+    from hftrain.models.partial import LeaveOut
 
 # name -> (package, folder inside it, gguf file or None, one-line description)
 EMBEDDED_MODELS: dict[str, tuple[str, str, str | None, str]] = {
@@ -126,37 +126,84 @@ def model_config(config: ModelConfig) -> PretrainedConfig:
 
 def model_init_fn(
     config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora: LoraConfig | None = None
-) -> Callable[[], PreTrainedModel | PeftModel]:
-    """A callable that builds the classification model (called by the trainer inside the strategy's context).
+) -> PretrainedClassifier:
+    """A callable that builds the classification model (called by the trainer's runtime, in the strategy's context).
 
     Args:
         config: the ``model`` config section.
         tokenizer: supplies the pad id GPT-style heads pool on.
         lora: the ``lora`` section; with ``use_lora`` the model is wrapped in LoRA adapters (``hftrain.models.lora``).
     """
-    path = resolve_model_path(config.model_name_or_path)
+    return PretrainedClassifier(config, tokenizer.pad_token_id, lora)
 
-    def build() -> PreTrainedModel | PeftModel:
-        from transformers import AutoModelForSequenceClassification
 
+class PretrainedClassifier:
+    """Builds ``AutoModelForSequenceClassification`` from the configured folder: whole (``builder()``), or with
+    submodules a process does not need left on ``meta`` (``builder.build(leave_out=...)``: pipeline stages).
+
+    Args:
+        config: the ``model`` config section.
+        pad_token_id: the tokenizer's pad id (GPT-style heads pool the last non-pad token).
+        lora: the ``lora`` section, or None.
+    """
+
+    def __init__(self, config: ModelConfig, pad_token_id: int | None, lora: LoraConfig | None = None) -> None:
+        self.path = resolve_model_path(config.model_name_or_path)
+        self.config = config
+        self.pad_token_id = pad_token_id
+        self.lora = lora if lora is not None and lora.use_lora else None
+
+    def __call__(self) -> PreTrainedModel | PeftModel:
+        """The whole model."""
+        return self.build()
+
+    def build(self, leave_out: LeaveOut | None = None) -> PreTrainedModel | PeftModel:
+        """The model, with the submodules ``leave_out`` names (given the model on ``meta``) never materialized.
+
+        The loaded parameters, the new head's initialisation and the random state afterwards are those of the
+        whole model's ``from_pretrained`` (``hftrain.models.partial``); where that cannot hold (a left-out
+        parameter the checkpoint lacks, LoRA adapters), the whole model is built.
+
+        Args:
+            leave_out: the dotted paths of submodules to leave on ``meta``, or None for the whole model.
+        """
+        import torch
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        kwargs = {"num_labels": self.config.num_labels, "attn_implementation": self.config.attn_implementation}
         with reading(
-            f"model.model_name_or_path: the weights in '{path}' do not load",
+            f"model.model_name_or_path: the weights in '{self.path}' do not load",
             "they are damaged or do not match its config.json (sizes): save the model there again "
             "(save_pretrained) or point to a complete model folder",
             catch=_weight_errors(),
         ):
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=config.num_labels, attn_implementation=config.attn_implementation
-            )
+            model = None
+            if leave_out is not None and self.lora is None:
+                from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+                from hftrain.models.partial import from_pretrained_leaving_out
+
+                random_state = torch.get_rng_state()
+                model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(self.path))]
+                model = from_pretrained_leaving_out(model_class, self.path, leave_out, **kwargs)
+                if model is None:  # a left-out parameter was not in the checkpoint: only the whole model is exact
+                    from hftrain.log import get_logger
+
+                    get_logger().warning(
+                        "model: '%s' lacks weights of layers this rank does not train (they would be initialised "
+                        "at random); building the whole model here and cutting it (peak memory: the whole model)",
+                        self.path,
+                    )
+                    torch.set_rng_state(random_state)
+            if model is None:
+                model = AutoModelForSequenceClassification.from_pretrained(self.path, **kwargs)
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
-        model.config.pad_token_id = tokenizer.pad_token_id
-        if lora is not None and lora.use_lora:
+        model.config.pad_token_id = self.pad_token_id
+        if self.lora is not None:
             from hftrain.models.lora import apply_lora
 
-            return apply_lora(model, lora)
+            return apply_lora(model, self.lora)
         return model
-
-    return build
 
 
 def _weight_errors() -> tuple[type[BaseException], ...]:

@@ -34,7 +34,15 @@ _EXPORTS = {
     "parallelize_model": "parallelize",
     # pipeline parallelism (issue 8)
     **dict.fromkeys(
-        ("stage_layer_ranges", "build_stage_modules", "chunk_ids_of_rank", "release_other_stages"), "pipeline"
+        (
+            "stage_layer_ranges",
+            "stage_ranges",
+            "other_stages_modules",
+            "build_stage_modules",
+            "chunk_ids_of_rank",
+            "release_other_stages",
+        ),
+        "pipeline",
     ),
     **dict.fromkeys(("SCHEDULES", "PipelineSchedule", "build_schedule", "check_schedule"), "schedules"),
     **dict.fromkeys(("TimelineRecorder", "render_timeline", "measured_bubble", "theoretical_bubble"), "timeline"),

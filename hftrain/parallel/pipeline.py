@@ -154,6 +154,54 @@ def _numel(modules: dict[str, Any]) -> int:
     return sum(p.numel() for m in modules.values() for p in m.parameters())
 
 
+def stage_ranges(model: torch.nn.Module, *, pp: int, virtual_stages: int = 1, balance: str = "layers") -> list[range]:
+    """The layer range of every chunk of ``model`` (``balance="parameters"``: the embedding counts towards the
+    first layer and the head towards the last, with the parameters' logical sizes, so a ``meta`` model works).
+
+    Args:
+        model: an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` (whole, possibly on ``meta``).
+        pp: pipeline-parallel size.
+        virtual_stages: chunks per rank.
+        balance: ``"layers"`` or ``"parameters"``.
+    """
+    from hftrain.parallel.stages import family_of
+
+    family = family_of(model)
+    layers = family.layers(model)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    sizes[0] += _numel(family.embed_modules(model))
+    sizes[-1] += _numel(family.head_modules(model))
+    return stage_layer_ranges(len(layers), pp=pp, virtual_stages=virtual_stages, balance=balance, layer_sizes=sizes)
+
+
+def other_stages_modules(
+    model: torch.nn.Module, ranges: list[range], *, pp_rank: int, pp: int, virtual_stages: int = 1, layout: str = "loop"
+) -> list[str]:
+    """Dotted paths of the layers and embedding modules no chunk of ``pp_rank`` holds: what its build can leave
+    unmaterialized. The head is not among them: it is small, and the whole model initialises it from the random
+    stream, which every rank must advance alike (:func:`release_other_stages` frees it after the cut).
+
+    Args:
+        model: the whole model (on ``meta`` while it is built).
+        ranges: :func:`stage_ranges`.
+        pp_rank: this rank's index in the pipeline group.
+        pp: pipeline-parallel size.
+        virtual_stages: chunks per rank.
+        layout: ``"loop"`` or ``"v"`` (:func:`chunk_ids_of_rank`).
+    """
+    from hftrain.parallel.stages import family_of
+
+    family = family_of(model)
+    owned = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, layout=layout)
+    kept = {i for c in owned for i in ranges[c]}
+    layers = family.layers(model)
+    others = [layer for i, layer in enumerate(layers) if i not in kept]
+    if 0 not in owned:
+        others += list(family.embed_modules(model).values())
+    paths = {id(module): name for name, module in model.named_modules()}
+    return [paths[id(module)] for module in others if any(True for _ in module.parameters())]
+
+
 def build_stage_modules(
     model: torch.nn.Module,
     *,
@@ -162,30 +210,30 @@ def build_stage_modules(
     virtual_stages: int = 1,
     balance: str = "layers",
     layout: str = "loop",
+    ranges: list[range] | None = None,
 ) -> list[PipelineChunk]:
     """The chunks of ``model`` that pipeline rank ``pp_rank`` owns, in order; they share the model's modules.
 
-    The first chunk embeds, the last pools and classifies. With ``balance="parameters"`` the embedding
-    parameters count towards the first layer and the head's towards the last.
+    The first chunk embeds, the last pools and classifies.
 
     Args:
         model: an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` (possibly already tensor-parallel).
         pp_rank: this rank's index in the pipeline group.
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank (interleaved schedules).
-        balance: ``"layers"`` or ``"parameters"``.
+        balance: ``"layers"`` or ``"parameters"`` (:func:`stage_ranges`).
         layout: which chunks a rank holds, ``"loop"`` or ``"v"`` (the schedule's ``layout``; see
             :func:`chunk_ids_of_rank`).
+        ranges: the split, when it was decided before (on the whole model, before tensor parallelism split its
+            layers); None computes it from ``model``.
     """
     from hftrain.parallel.stages import PipelineChunk, family_of
 
     family = family_of(model)
     layers = family.layers(model)
     embed, head = family.embed_modules(model), family.head_modules(model)
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    sizes[0] += _numel(embed)
-    sizes[-1] += _numel(head)
-    ranges = stage_layer_ranges(len(layers), pp=pp, virtual_stages=virtual_stages, balance=balance, layer_sizes=sizes)
+    if ranges is None:
+        ranges = stage_ranges(model, pp=pp, virtual_stages=virtual_stages, balance=balance)
     hf_names = {id(p): name for name, p in model.named_parameters()}
     chunks = []
     for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, layout=layout):
@@ -201,6 +249,9 @@ def build_stage_modules(
         chunk.attach_hf_names(hf_names)
         chunk.index = c  # its global stage index: schedules check it against their layout
         chunks.append(chunk)
+    missing = [n for chunk in chunks for n, p in chunk.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise RuntimeError(f"pipeline rank {pp_rank}'s stages hold unbuilt (meta) parameters, e.g. {missing[0]}")
     return chunks
 
 

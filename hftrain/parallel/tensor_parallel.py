@@ -136,7 +136,9 @@ def _refuse_unsupported(model: nn.Module) -> None:
 def _check_replicated(model: nn.Module, tp_group: Any) -> None:
     """Every tp rank must start from the same full weights (same seed); a checksum costs one all-reduce."""
     with torch.no_grad():
-        total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
+        # Parameters on ``meta`` (a pipeline rank's other stages, never built) are the same on every tp rank.
+        sums = [p.detach().double().sum() for p in model.parameters() if p.device.type != "meta"]
+        total = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
         bounds = torch.stack([total, -total])
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=tp_group)
     if not torch.isclose(bounds[0], -bounds[1], rtol=0, atol=1e-9 * max(1.0, abs(total.item()))):

@@ -8,6 +8,10 @@ most loaded pipeline stage (model states: the first or the last; activations: st
   on the first stage, (L/p)·Ψ_layer/t + the head (pooler, final norm, classifier) on the last, the larger of
   the two (p = 1: all of it); gradients the same; Adam state the same, or /dp with ``shard_optimizer``
   (ZeRO-1, which hftrain runs at p = 1 only);
+- working memory: with m > 1 micro-batches per step, one micro-batch's gradient of the largest tensor is live
+  beside the accumulated one while autograd adds it in (``grad += g``): V·h/t on a stage holding the embedding
+  (measured: a 108 MiB embedding peaks at 222 MiB of gradient over 4 micro-batches; the layers' matrices are
+  small beside a stage);
 - activations: Korthikanti et al. 2022 per layer over t (with sequence parallelism; hftrain's column-parallel
   layers keep their all-gathered input, 2e·s·b·h, whole), × L/p layers × the
   micro-batches 1F1B keeps in flight on stage 0 (min(p, m));
@@ -96,6 +100,7 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
             gathered_inputs=True,
         ),
     )
+    row.working = _accumulation_transient(model, tp, pp, work, trained < stage) * sb.grads
     row.bubble = formulas.pipeline_bubble(pp, work.accumulation)
     row.comm = _communication(model, tp, pp, dp, trained * sb.grads, work, hw)
     row.formulas["model states"] = (
@@ -105,12 +110,30 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
         + f"; bytes per parameter {sb.params}+{sb.grads}+"
         f"{sb.optimizer}"
     )
+    row.formulas["working"] = "m > 1 micro-batches on a stage with the embedding: V·h/t of gradient being added in"
     row.formulas["communication"] = (
         "TP: 4 all-reduces of s·b·h per layer per micro-batch; DP: all-reduce 2(dp−1)/dp of the gradients; "
         "PP: s·b·h forward + backward per micro-batch per boundary"
     )
     row.formulas["pipeline"] = formulas.BUBBLE_FORMULA + "; 1F1B stage 0 keeps min(p, m) micro-batches"
     return finish(row, model, work, hw)
+
+
+def _accumulation_transient(model: ModelSpec, tp: int, pp: int, work: Workload, lora: bool) -> float:
+    """Gradient elements live beside the accumulated gradient while one micro-batch's is added in: the
+    embedding's V·h/t when the most loaded stage holds it and a step has m > 1 micro-batches (none under LoRA:
+    the embedding is frozen)."""
+    if work.accumulation == 1 or lora:
+        return 0.0
+    if pp > 1 and stage_parameters(model, tp, pp) != _first_stage_parameters(model, tp, pp):
+        return 0.0
+    return model.vocab * model.hidden / tp
+
+
+def _first_stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
+    vocab = model.vocab * model.hidden
+    layers = model.layers // pp * model.layer_parameters / tp
+    return layers + vocab / tp + model.embedding_parameters - vocab - model.head_parameters
 
 
 def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
@@ -127,8 +150,7 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
     outside = model.embedding_parameters - vocab  # replicated: positions, norms, pooler, classifier
     if pp == 1:
         return layers + vocab / tp + outside
-    first = layers + vocab / tp + outside - model.head_parameters
-    return max(first, layers + model.head_parameters)
+    return max(_first_stage_parameters(model, tp, pp), layers + model.head_parameters)
 
 
 def _communication(

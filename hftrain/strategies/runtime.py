@@ -61,6 +61,12 @@ class AccelerateRuntime:
         """The context in which a plain model is built and loaded while this run's strategy is live."""
         return self._plain_model_context()
 
+    def build_model(self, model_init: Callable[[], Any]) -> Any:
+        """The run's model, built by ``model_init`` in the strategy's construction context (every rank whole;
+        a pipeline runtime leaves other stages' layers unbuilt)."""
+        with self.plain_model_context():
+            return model_init()
+
     # ----------------------------------------------------------------- facts
     @property
     def num_processes(self) -> int:

@@ -70,7 +70,8 @@ class Trainer:
     Args:
         args: the ``training`` config section.
         strategy: builds the ``Accelerator`` and the model-construction context.
-        model_init: builds the model (called inside ``strategy.model_init_context()``).
+        model_init: builds the model (the runtime calls it in the strategy's construction context; an
+            ``hftrain.models.PretrainedClassifier`` also lets a pipeline rank leave other stages unbuilt).
         tokenizer: pads batches; saved with the model.
         train_dataset: tokenized examples with ``labels`` and ``length`` columns.
         eval_dataset: as ``train_dataset``; None skips evaluation.
@@ -112,8 +113,7 @@ class Trainer:
             self._log(choice)
         # Same seed on every rank: identical head initialisation and identical data order.
         set_seed(args.seed)
-        with strategy.model_init_context():
-            model = model_init()
+        model = self.runtime.build_model(model_init)
         if args.dropout_kernel == "bits":
             use_bits_dropout(model)
         self.train_sampler = EpochSampler(

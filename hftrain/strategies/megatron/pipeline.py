@@ -1,7 +1,9 @@
 """The Trainer's operations for pipeline × tensor × data parallelism (``megatron`` with ``pp > 1``).
 
 Each rank holds its pipeline stages (``hftrain.parallel.build_stage_modules``) of the tensor-parallel model, and
-only their weights: the other stages' parameters are released as soon as the stages are cut
+only their weights: ``build_model`` leaves the other stages' layers and embedding on ``meta``, never read nor
+materialized (``hftrain.models.PretrainedClassifier.build``), so a rank's peak is its stage, not the whole model;
+what a plain ``model_init`` callable builds whole is released as soon as the stages are cut
 (``hftrain.parallel.release_other_stages``). ``forward_backward`` runs the configured schedule
 (``hftrain.parallel.build_schedule``) over the loader's per-device batch of ``b`` examples split into
 ``min(num_microbatches, b)`` micro-batches, sizes differing by at most one. What differs from
@@ -175,8 +177,39 @@ class PipelineRuntime(MegatronRuntime):
         self.pipeline = options
         self.num_microbatches = options.num_microbatches
         self.recorder: Any = None
+        self._ranges: list[range] | None = None  # the stages' layer ranges, decided on the whole model
 
     # ----------------------------------------------------------------- setup
+    def build_model(self, model_init: Callable[[], Any]) -> Any:
+        """The model with only this rank's stages materialized when ``model_init`` can leave modules out
+        (``hftrain.models.PretrainedClassifier``); a plain callable builds the whole model, cut in ``prepare``."""
+        from hftrain.parallel import other_stages_modules, stage_ranges
+        from hftrain.parallel.schedules import schedule_class
+
+        layout, options = self.plugin.layout, self.pipeline
+
+        def leave_out(model: nn.Module) -> list[str]:
+            self._ranges = stage_ranges(
+                model, pp=layout.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
+            )
+            return other_stages_modules(
+                model,
+                self._ranges,
+                pp_rank=layout.pp_rank,
+                pp=layout.pp_size,
+                virtual_stages=options.virtual_stages,
+                layout=schedule_class(options.schedule).layout,
+            )
+
+        with self.plain_model_context():
+            build = getattr(model_init, "build", None)
+            model = build(leave_out=leave_out) if build is not None else model_init()
+        if self._ranges is None:  # built whole: split by the whole model's logical sizes, as a built-out one
+            self._ranges = stage_ranges(
+                model, pp=layout.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
+            )
+        return model
+
     def prepare(
         self,
         model: nn.Module,
@@ -198,6 +231,7 @@ class PipelineRuntime(MegatronRuntime):
             virtual_stages=self.pipeline.virtual_stages,
             balance=self.pipeline.balance,
             layout=schedule_class(self.pipeline.schedule).layout,  # which chunks a rank holds (loop or V)
+            ranges=self._ranges,
         )
         if self.mixed_precision != "no":
             for stage in stages:

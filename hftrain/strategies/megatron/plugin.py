@@ -112,7 +112,7 @@ class MegatronPlugin:
         from hftrain.parallel import parallelize_model
 
         if device is not None:  # first: splitting runs a collective on the weights, on the group's device
-            model = model.to(device)
+            model = _to_device(model, device)
         return parallelize_model(model, self.layout, sequence_parallel=self.sequence_parallel)
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
@@ -228,6 +228,11 @@ class MegatronPlugin:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside DDP (and nothing else: the TP layers are the model)."""
     return getattr(model, "module", model)
+
+
+def _to_device(model: torch.nn.Module, device: Any) -> torch.nn.Module:
+    """``model.to(device)``, leaving parameters on ``meta`` where they are (a pipeline rank's other stages)."""
+    return model._apply(lambda t: t if t.device.type == "meta" else t.to(device))
 
 
 def _zero_from(optimizer: torch.optim.Optimizer, dp_group: Any) -> Any:
