@@ -4,7 +4,7 @@ A pipeline rank trains only its stage's layers; building the whole model first a
 makes every rank's *peak* memory the whole model (the weights of every stage, read and materialized, then cut).
 This module asks ``transformers`` to load the model without the left-out submodules, so their weights are never
 materialized: ``from_pretrained`` builds the model on ``meta`` (as it always does), and the left-out submodules
-are taken out of the model before its weights are read, so their checkpoint keys are skipped as "unexpected"; the
+are taken out of the model before its weights are read, so their checkpoint tensors are skipped (unexpected); the
 same module objects (still on ``meta``) are put back afterwards, so names and shapes stay those of the whole model.
 
 Why not a public API: ``from_pretrained(device_map=...)`` cannot leave modules on ``meta`` (it dispatches with
@@ -18,9 +18,9 @@ Exactness: everything that is loaded is loaded by ``from_pretrained`` itself (dt
 new-head initialisation). The one difference a left-out module could make is the random stream: the full model
 draws random numbers for every parameter its checkpoint lacks (the new classifier head), in module order. So
 the head is never left out (callers leave out layers and embeddings, which the checkpoint holds), and
-:func:`from_pretrained_leaving_out` checks that every left-out parameter was in the checkpoint (it was reported
-as unexpected, not initialised); if one was not, the result would not equal the full model's, so it returns
-None and the caller builds the whole model (from the same random state).
+:func:`from_pretrained_leaving_out` checks that every left-out parameter is in the checkpoint (the safetensors
+headers; the whole model would otherwise have initialised it); if one is not, the result would not equal the
+whole model's, so it returns None and the caller builds the whole model (from the same random state).
 """
 
 from __future__ import annotations
@@ -71,14 +71,39 @@ def from_pretrained_leaving_out(
         {"__init__": init, "__module__": model_class.__module__, "__qualname__": model_class.__qualname__},
     )
     with _quiet_load_report():
-        model, info = partial.from_pretrained(path, output_loading_info=True, **kwargs)
+        model = partial.from_pretrained(path, **kwargs)
     model.__class__ = model_class
     for dotted, module in removed.items():
         parent, _, name = dotted.rpartition(".")
         model.get_submodule(parent)._modules[name] = module
-    skipped = set(info["unexpected_keys"])
-    left_out = {f"{dotted}.{name}" for dotted, module in removed.items() for name, _ in module.named_parameters()}
-    return model if left_out <= skipped else None
+    # A checkpoint of the base model (BertModel, GPT-2's own) names its tensors without the base-model prefix.
+    prefix = model_class.base_model_prefix + "."
+    saved = {key.removeprefix(prefix) for key in _checkpoint_keys(path)}
+    left_out = {
+        f"{dotted}.{name}".removeprefix(prefix)
+        for dotted, module in removed.items()
+        for name, _ in module.named_parameters()
+    }
+    return model if left_out <= saved else None
+
+
+def _checkpoint_keys(path: Any) -> set[str]:
+    """The tensor names of the folder's safetensors checkpoint (headers only); empty for other formats, which
+    then cannot be shown to hold the left-out tensors (the whole model is built)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = folder / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as weights:
+            return set(weights.keys())
+    return set()
 
 
 @contextlib.contextmanager
