@@ -200,17 +200,17 @@ def main() -> None:
         }
         for r in sorted(runs, key=lambda r: r["rank"]):
             f = fixed[r["rank"]]
-            plan = BYTES_PER_PARAMETER * plan_stage_parameters(
+            states = BYTES_PER_PARAMETER * plan_stage_parameters(
                 spec, r["layers"], tp=tp, first=r["first"], last=r["last"]
             )
-            if r["first"] and pp > 1:  # the plan's working memory: one micro-batch's embedding gradient being added
-                plan += 4 * spec.vocab * spec.hidden / tp
+            # the plan's working memory: one micro-batch's embedding gradient being added to the accumulated one
+            plan = states + (4 * spec.vocab * spec.hidden / tp if r["first"] and pp > 1 else 0)
             print(
                 f"| {name} | {r['rank']} ({r['pp_rank']}, {r['tp_rank']}) | {r['layers']} | "
                 f"{r['owned_parameters'] / 1e6:.1f}M | {plan / mib:.0f} | "
                 f"{r['peak'] / mib:.0f} | {f['peak'] / mib:.0f} | "
                 f"{(r['peak'] - f['peak']) / plan:.3f} | {r['held'] / mib:.0f} | {f['held'] / mib:.0f} | "
-                f"{(r['held'] - f['held']) / plan:.3f} | {r['prepared'] / mib:.0f} / {plan / 4 / mib:.0f} |",
+                f"{(r['held'] - f['held']) / plan:.3f} | {r['prepared'] / mib:.0f} / {states / 4 / mib:.0f} |",
                 flush=True,
             )
 

@@ -102,15 +102,25 @@ class Platform:
                 "silently train in fp32); use bf16 on CPU, or no"
             )
 
-    def tune_host_allocator(self) -> str:
-        """Keep freed CPU memory in glibc's heap for reuse instead of unmapping it, on CPU; says what it did.
+    def tune_host_allocator(self, *, lean: bool = False) -> str:
+        """Tune glibc's allocator on CPU for speed (the default) or for a lean resident set; says what it did.
 
-        glibc serves blocks above its (adaptive, at most 32 MiB) mmap threshold with a fresh ``mmap`` and unmaps them
-        on free, so every step's large temporaries (MiniLM's 47 MB word-embedding gradient, the attention and FFN
-        activations of a batch) arrive as new pages the kernel must fault in and zero. Raising the mmap and trim
-        thresholds makes the heap keep and reuse them: a MiniLM bf16 training step went from 0.193 to 0.167 s alone, and
-        the default job's steps 7% faster end to end (the effect PyTorch's CPU tuning guide gets from
-        jemalloc/tcmalloc, without preloading a library).
+        glibc serves blocks above its mmap threshold with a fresh ``mmap`` and unmaps them on free; the threshold
+        adapts (up to 32 MiB) to the largest block freed so far. For speed, every step's large temporaries
+        (MiniLM's 47 MB word-embedding gradient, the attention and FFN activations of a batch) would otherwise
+        arrive as new pages the kernel must fault in and zero: raising the mmap and trim thresholds makes the heap
+        keep and reuse them (a MiniLM bf16 training step went from 0.193 to 0.167 s alone, and the default job's
+        steps 7% faster end to end: the effect PyTorch's CPU tuning guide gets from jemalloc/tcmalloc).
+
+        ``lean`` does the opposite, for runs whose point is memory (pipeline stages): a fixed 128 KiB mmap and
+        trim threshold (which switches the adaptation off), so every tensor of a layer's size is its own mapping,
+        returned to the system when freed. With the adaptive threshold, gradients freed by ``zero_grad`` and
+        allocated again in the heap the next step left a random 0-25% of a stage's model states resident beside
+        them (SmolLM2-135M at pp = 4: peaks 1.06-1.28 × the plan from run to run, against 1.02-1.06 and identical
+        runs with the fixed threshold, ``benchmarks/pipeline_memory.py``).
+
+        Args:
+            lean: return freed memory at once instead of keeping it for reuse.
         """
         if not self.is_cpu:
             return "host allocator: left as is (GPU)"
@@ -122,11 +132,16 @@ class Platform:
             mallopt = libc.mallopt
         except (OSError, AttributeError):
             return "host allocator: left as is (no glibc mallopt here)"
-        options = {"M_MMAP_THRESHOLD": (-3, 1 << 30), "M_TRIM_THRESHOLD": (-1, 1 << 30), "M_TOP_PAD": (-2, 1 << 28)}
+        if lean:
+            options = {"M_MMAP_THRESHOLD": (-3, 128 << 10), "M_TRIM_THRESHOLD": (-1, 128 << 10)}
+            done = "host allocator: glibc returns freed blocks >= 128 KiB at once (fixed mmap/trim thresholds)"
+        else:
+            options = {"M_MMAP_THRESHOLD": (-3, 1 << 30), "M_TRIM_THRESHOLD": (-1, 1 << 30), "M_TOP_PAD": (-2, 1 << 28)}
+            done = "host allocator: glibc keeps freed blocks < 1 GiB for reuse (mmap/trim thresholds 1 GiB)"
         refused = [name for name, (option, value) in options.items() if mallopt(option, ctypes.c_int(value)) != 1]
         if refused:
             return f"host allocator: glibc refused {', '.join(refused)}; left as is"
-        return "host allocator: glibc keeps freed blocks < 1 GiB for reuse (mmap/trim thresholds 1 GiB)"
+        return done
 
     def release_freed_memory(self) -> None:
         """Give memory freed in bulk back to the system now (a pipeline rank dropping the other stages' weights).

@@ -89,16 +89,14 @@ class MegatronStrategy(Strategy):
                 check_pipeline_model(self.config, model_config)
 
     def tune_host_allocator(self) -> str:
-        """Under pipeline parallelism keep glibc's own thresholds: memory is what stages are for.
+        """Under pipeline parallelism tune the host allocator for a lean resident set: memory is what stages are for.
 
-        The platform's tuning keeps every freed block below 1 GiB in the heap for reuse; with stages, the gradients
-        freed and re-allocated each step then leave 15-30% of a rank's resident memory as retained free blocks
-        (SmolLM2-135M at pp = 2: 1.30 of ``hftrain plan``'s model states against 1.10 with glibc's defaults,
-        ``benchmarks/pipeline_memory.py``).
+        The platform's speed tuning keeps every freed block below 1 GiB in the heap for reuse; with stages, the
+        gradients freed and re-allocated each step then left 15-30% of a rank's resident memory as retained free
+        blocks (SmolLM2-135M at pp = 2: 1.30 of ``hftrain plan``'s model states), and glibc's adaptive defaults
+        0-25% at random; the lean setting keeps peaks within 6% (``benchmarks/pipeline_memory.py``).
         """
-        if self.dims.pp > 1:
-            return "host allocator: glibc's defaults kept (pipeline stages: freed memory goes back to the system)"
-        return super().tune_host_allocator()
+        return self.platform.tune_host_allocator(lean=self.dims.pp > 1)
 
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         # MULTI_CPU/MULTI_GPU gives the process group and accumulate()'s no_sync; the model is never prepare()d.
