@@ -1,0 +1,306 @@
+"""Context parallelism: attention over a sequence split across the ``cp`` ranks (ring, or all-to-all).
+
+Each of the ``cp`` ranks holds ``S / cp`` positions of every sequence: its queries ``Q_r``, keys ``K_r`` and values
+``V_r`` ``[b, h, S/cp, d]``, a key-keep mask ``[b, S/cp]`` (padding) and the global position of each of its
+tokens. The positions are what make a split exact whatever its order: causal masking compares positions, never
+indices, so the load-balancing **zigzag** layout (:func:`zigzag_positions`: rank ``r`` holds chunks ``r`` and
+``2·cp − 1 − r`` of ``2·cp``, so every rank has as many early as late queries and causal work is even) needs
+nothing else.
+
+**Ring attention** (:func:`ring_attention`; Liu et al. 2023, the exact blockwise softmax of FlashAttention). The
+key/value blocks travel around the ring: at step ``t`` rank ``r`` holds the block of rank ``(r − t) mod cp``,
+sends it on to ``r + 1`` and receives the next from ``r − 1`` (``batch_isend_irecv``, started before the block's
+computation and waited for after it, so communication overlaps compute). For each block, in fp32::
+
+    S = Q Kᵀ · scale,  masked to −∞ where the key is padding or (causal) its position is after the query's
+    m' = max(m, rowmax S);   l' = l·e^(m − m') + Σ e^(S − m');   O' = O·e^(m − m') + e^(S − m') V
+
+and after the last block ``out = O / l`` and ``lse = m + log l`` (the online softmax: exact, not approximate). A
+(query chunk, key chunk) pair that is entirely in the causal future is skipped, so with the zigzag layout every
+rank does the same work. The backward pass goes around the ring again with FlashAttention's gradients, per block::
+
+    P = e^(S − lse),  D = rowsum(dO ∘ out),  dV_j += Pᵀ dO,  dS = P ∘ (dO V_jᵀ − D),
+    dQ += dS K_j · scale,  dK_j += dSᵀ Q · scale
+
+where ``dK_j``/``dV_j`` travel with their block and a last send brings them home: 2·cp point-to-point messages
+of a block each way per layer (forward cp − 1, backward cp). Grouped-query heads travel unrepeated and are
+repeated (and their gradients summed back) locally. A query row with no visible key (a padding query) gets 0.
+
+**All-to-all** (:func:`all_to_all_attention`; DeepSpeed-Ulysses, Jacobs et al. 2023). One ``all_to_all`` turns
+the sequence shards of ``Q``, ``K``, ``V`` into head shards over the whole sequence (``[b, h/cp, S, d]``; heads,
+and key/value heads, must divide by ``cp``), attention runs on whole sequences with the gathered masks and
+positions, and one ``all_to_all`` turns the output back; each all-to-all's backward is the reverse all-to-all. It
+moves 4 · (cp − 1)/cp of the activations per layer forward (3 in, 1 out) instead of the ring's 2 · (cp − 1)
+blocks, while the heads divide by ``cp``.
+
+Why hand-written: torch's ``torch.distributed.tensor.experimental.context_parallel`` runs ring attention only
+inside SDPA on CUDA DTensors, without key-padding masks (its load balancer assumes causal LM batches); BERT-style
+padded, non-causal classification on gloo is outside it, as it is outside Megatron's and Accelerate's CP.
+Dropout inside attention is not supported here (the probabilities never exist whole); attention dropout must be
+0 under ``cp`` (the caller checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NEG_INF = float("-inf")
+
+
+def zigzag_positions(seq_len: int, cp: int, cp_rank: int, device: Any = None) -> torch.Tensor:
+    """The global positions rank ``cp_rank`` holds under the zigzag split: chunks ``cp_rank`` and
+    ``2·cp − 1 − cp_rank`` of ``2·cp`` equal chunks (``seq_len`` must divide by ``2·cp``).
+
+    Args:
+        seq_len: the padded sequence length ``S``.
+        cp: context-parallel size.
+        cp_rank: this rank's position in the cp group.
+        device: where the positions live.
+    """
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} does not divide into 2·cp = {2 * cp} chunks")
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[b, h_kv, s, d]`` → ``[b, h_kv·n_rep, s, d]``, each key/value head repeated for its query group."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _sum_groups(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat_kv`: the query group's gradients summed back to its key/value head."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+def _chunks(positions: torch.Tensor) -> list[tuple[slice, int, int]]:
+    """Contiguous runs of positions as ``(slice, first position, last position)``: the zigzag's two chunks (or
+    one), so that wholly-masked causal pairs are skipped by comparing two numbers."""
+    pos = positions.tolist()
+    runs, start = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            runs.append((slice(start, i), pos[start], pos[i - 1]))
+            start = i
+    return runs
+
+
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_keep: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Visible ``[b, 1, sq, sk]``: the key is not padding and (causal) not after the query."""
+    visible = k_keep[:, None, None, :]
+    if causal:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])[None, None]
+    return visible
+
+
+class _Block:
+    """One key/value block in flight: its tensors, keep mask and positions (and gradient accumulators)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def exchange(self, group: Any) -> tuple[list[Any], list[torch.Tensor]]:
+        """Start sending these tensors to the next cp rank and receiving the previous rank's (asynchronous)."""
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        nxt = dist.get_global_rank(group, (rank + 1) % size)
+        prv = dist.get_global_rank(group, (rank - 1) % size)
+        received = [torch.empty_like(t) for t in self.tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group=group) for t in self.tensors]
+        ops += [dist.P2POp(dist.irecv, r, prv, group=group) for r in received]
+        return dist.batch_isend_irecv(ops), received
+
+
+def _visible_pairs(q_runs, k_runs, causal: bool):
+    """(query slice, key slice) pairs that are not wholly in the causal future."""
+    for q_slice, _q_first, q_last in q_runs:
+        for k_slice, k_first, _k_last in k_runs:
+            if causal and k_first > q_last:
+                continue
+            yield q_slice, k_slice
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, positions, causal, scale, group):
+        cp = dist.get_world_size(group)
+        n_rep = q.shape[1] // k.shape[1]
+        qf = q.float()
+        b, h, sq, d = q.shape
+        m = torch.full((b, h, sq), NEG_INF, device=q.device)
+        l = torch.zeros((b, h, sq), device=q.device)  # noqa: E741 - the paper's name
+        o = torch.zeros((b, h, sq, d), device=q.device)
+        q_runs = _chunks(positions)
+        keep_f = keep.to(torch.uint8)
+        block = _Block([k, v, keep_f, positions])
+        for step in range(cp):
+            pending = block.exchange(group) if step < cp - 1 else None
+            kb, vb, keep_b, pos_b = block.tensors
+            kr, vr = _repeat_kv(kb.float(), n_rep), _repeat_kv(vb.float(), n_rep)
+            for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
+                s = (qf[:, :, qs] @ kr[:, :, ks].transpose(-1, -2)) * scale
+                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
+                s = s.masked_fill(~visible, NEG_INF)
+                m_old = m[:, :, qs]
+                m_new = torch.maximum(m_old, s.amax(-1))
+                safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - safe[..., None])
+                alpha = torch.exp(m_old - safe)
+                l[:, :, qs] = l[:, :, qs] * alpha + p.sum(-1)
+                o[:, :, qs] = o[:, :, qs] * alpha[..., None] + p @ vr[:, :, ks]
+                m[:, :, qs] = m_new
+            if pending is not None:
+                works, received = pending
+                for work in works:
+                    work.wait()
+                block = _Block(received)
+        empty = l == 0  # padding queries that see no key: output 0, and no gradient through them
+        out = torch.where(empty[..., None], torch.zeros_like(o), o / l.clamp_min(1e-30)[..., None])
+        lse = torch.where(empty, torch.full_like(m, float("inf")), m + torch.log(l.clamp_min(1e-30)))
+        ctx.save_for_backward(q, k, v, keep_f, positions, out, lse)
+        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, keep_f, positions, out, lse = ctx.saved_tensors
+        causal, scale, group = ctx.causal, ctx.scale, ctx.group
+        cp = dist.get_world_size(group)
+        n_rep = q.shape[1] // k.shape[1]
+        qf, do = q.float(), grad_out.float()
+        delta = (do * out).sum(-1)  # D = rowsum(dO ∘ out)
+        dq = torch.zeros_like(qf)
+        q_runs = _chunks(positions)
+        block = _Block([k, v, keep_f, positions, torch.zeros_like(k, dtype=torch.float32),
+                        torch.zeros_like(v, dtype=torch.float32)])  # fmt: skip
+        for step in range(cp):
+            kb, vb, keep_b, pos_b, dk, dv = block.tensors
+            kr, vr = _repeat_kv(kb.float(), n_rep), _repeat_kv(vb.float(), n_rep)
+            dkr, dvr = torch.zeros_like(kr), torch.zeros_like(vr)
+            for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
+                s = (qf[:, :, qs] @ kr[:, :, ks].transpose(-1, -2)) * scale
+                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
+                p = torch.exp(s - lse[:, :, qs, None]).masked_fill(~visible, 0.0)
+                dvr[:, :, ks] += p.transpose(-1, -2) @ do[:, :, qs]
+                ds = p * (do[:, :, qs] @ vr[:, :, ks].transpose(-1, -2) - delta[:, :, qs, None])
+                dq[:, :, qs] += (ds @ kr[:, :, ks]) * scale
+                dkr[:, :, ks] += (ds.transpose(-1, -2) @ qf[:, :, qs]) * scale
+            dk, dv = dk + _sum_groups(dkr, n_rep), dv + _sum_groups(dvr, n_rep)
+            # Send the block on (its gradients with it); after the last block only the gradients go home.
+            block = _Block([kb, vb, keep_b, pos_b, dk, dv] if step < cp - 1 else [dk, dv])
+            works, received = block.exchange(group)
+            for work in works:
+                work.wait()
+            block = _Block(received)
+        dk, dv = block.tensors[-2:]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    keep: torch.Tensor,
+    positions: torch.Tensor,
+    causal: bool,
+    scale: float,
+    group: Any,
+) -> torch.Tensor:
+    """Exact attention of this rank's queries over the whole (cp-split) sequence, by a ring of key/value blocks.
+
+    Collective over ``group`` (every cp rank calls it with its own shard, same shapes).
+
+    Args:
+        q: ``[b, h, s, d]`` this rank's queries.
+        k: ``[b, h_kv, s, d]`` its keys (``h_kv`` divides ``h``: grouped-query attention).
+        v: ``[b, h_kv, s, d]`` its values.
+        keep: ``[b, s]`` bool, False at padding keys.
+        positions: ``[s]`` the global position of each local token (any order, e.g. zigzag).
+        causal: a query sees only keys at its position or before.
+        scale: the softmax scale (usually ``d ** -0.5``).
+        group: the cp process group.
+
+    Returns:
+        ``[b, h, s, d]`` in ``q``'s dtype (computed in fp32).
+    """
+    return _RingAttention.apply(q, k, v, keep, positions, causal, scale, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Sequence shards ``[b, h, s, d]`` → head shards ``[b, h/cp, cp·s, d]`` (or back with ``inverse``);
+    the backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group, inverse):
+        ctx.group, ctx.inverse = group, inverse
+        return _exchange(x, group, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), ctx.group, not ctx.inverse), None, None
+
+
+def _exchange(x: torch.Tensor, group: Any, inverse: bool) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    if not inverse:  # [b, h, s, d] → pieces by head → [b, h/cp, cp·s, d], rank j's positions at block j
+        b, h, s, d = x.shape
+        send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+    b, hc, total, d = x.shape  # [b, h/cp, cp·s, d] → [b, h, s, d]
+    s = total // cp
+    send = x.reshape(b, hc, cp, s, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(b, cp * hc, s, d)
+
+
+def all_to_all_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    keep: torch.Tensor,
+    positions: torch.Tensor,
+    causal: bool,
+    scale: float,
+    group: Any,
+) -> torch.Tensor:
+    """The same attention as :func:`ring_attention`, by two all-to-alls around whole-sequence attention on
+    ``h/cp`` heads (heads and key/value heads must divide by cp). Arguments as :func:`ring_attention`."""
+    cp = dist.get_world_size(group)
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise ValueError(
+            f"all-to-all context parallelism needs heads ({q.shape[1]}, {k.shape[1]}) divisible by cp={cp}"
+        )
+    keeps = [torch.empty_like(keep, dtype=torch.uint8) for _ in range(cp)]
+    dist.all_gather(keeps, keep.to(torch.uint8).contiguous(), group=group)
+    all_positions = [torch.empty_like(positions) for _ in range(cp)]
+    dist.all_gather(all_positions, positions.contiguous(), group=group)
+    whole_keep, whole_positions = torch.cat(keeps, 1), torch.cat(all_positions)
+    qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
+    out = _local_attention(qh, kh, vh, whole_keep.bool(), whole_positions, causal, scale)
+    return _AllToAll.apply(out, group, True)
+
+
+def _local_attention(q, k, v, keep, positions, causal, scale) -> torch.Tensor:
+    """Masked softmax attention in fp32 on one rank (the all-to-all's inner attention); padding queries → 0."""
+    n_rep = q.shape[1] // k.shape[1]
+    s = (q.float() @ _repeat_kv(k.float(), n_rep).transpose(-1, -2)) * scale
+    visible = _mask(positions, positions, keep, causal)
+    s = s.masked_fill(~visible, NEG_INF)
+    any_visible = visible.any(-1, keepdim=True)
+    p = torch.softmax(torch.where(any_visible, s, torch.zeros_like(s)), -1) * any_visible
+    return (p @ _repeat_kv(v.float(), n_rep)).to(q.dtype)
