@@ -115,7 +115,7 @@ class _Block:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         nxt = dist.get_global_rank(group, (rank + 1) % size)
         prv = dist.get_global_rank(group, (rank - 1) % size)
-        received = [torch.empty_like(t) for t in self.tensors]
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group=group) for t in self.tensors]
         ops += [dist.P2POp(dist.irecv, r, prv, group=group) for r in received]
         return dist.batch_isend_irecv(ops), received
@@ -304,3 +304,127 @@ def _local_attention(q, k, v, keep, positions, causal, scale) -> torch.Tensor:
     any_visible = visible.any(-1, keepdim=True)
     p = torch.softmax(torch.where(any_visible, s, torch.zeros_like(s)), -1) * any_visible
     return (p @ _repeat_kv(v.float(), n_rep)).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- a classifier over cp ranks
+ATTENTION_NAME = "hftrain_context_parallel"
+
+
+class _Batch:
+    """What every attention call of one forward needs besides q, k, v: set by the model's forward, read by the
+    attention function through the module it is called with (one per model: no module global)."""
+
+    def __init__(self, group: Any, comm: str) -> None:
+        self.group, self.comm = group, comm
+        self.keep: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-interface entry: ``[b, h, s, d]`` in, ``([b, s, h, d], None)`` out; the local
+    4-D mask transformers built is ignored: padding and causality come from the batch's keep mask and positions."""
+    batch: _Batch = module.context_parallel_batch
+    if dropout:
+        raise ValueError("context parallelism needs attention dropout 0 (the attention probabilities are never whole)")
+    attend = ring_attention if batch.comm == "ring" else all_to_all_attention
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    causal = bool(getattr(module, "is_causal", False))
+    out = attend(query, key, value, keep=batch.keep, positions=batch.positions, causal=causal, scale=scale,
+                 group=batch.group)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    """The mask function registered beside :func:`_attention`: it builds its own masks from the positions."""
+    return None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, _no_mask)
+
+
+class _SumOverContext(torch.autograd.Function):
+    """``y = Σ_c x_c`` over the cp group, whose backward is the same sum: every cp rank computes the whole loss
+    from ``y``, so each receives ``cp · ∂L/∂y`` and averaging gradients over cp (with dp) is exact."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str = "ring") -> torch.nn.Module:
+    """Make an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` run split over the sequence, in place.
+
+    Every cp rank then calls the model with the *same* whole batch (padded to a multiple of ``2·cp``); each keeps
+    its zigzag positions of ``input_ids`` (and ``token_type_ids``), runs the base model on them with their global
+    position ids and context-parallel attention, and pools the classified token (BERT: the first; GPT-2 and
+    Llama: the last non-pad one) by a sum over the cp group, so every cp rank returns the same logits and loss
+    (HF's ``ForSequenceClassificationLoss``: regression, single- or multi-label). Parameter gradients are then
+    ``cp`` × one rank's share; averaging them over the cp (and dp) group, as Megatron does, gives the gradient.
+
+    Args:
+        model: the classifier (possibly tensor-parallel already: attention sees this rank's heads).
+        cp_group: the context-parallel process group.
+        comm: ``"ring"`` or ``"all_to_all"``.
+    """
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    from hftrain.parallel.stages import _last_non_pad_one_hot, check_family
+
+    check_family(model.config, class_name=type(model).__name__)
+    _register()
+    batch = _Batch(cp_group, comm)
+    for module in model.modules():
+        module.context_parallel_batch = batch
+    model.set_attn_implementation(ATTENTION_NAME)
+    cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    family = model.config.model_type
+    base = model.base_model
+
+    def forward(input_ids, attention_mask=None, labels=None, token_type_ids=None, **_ignored):
+        seq = input_ids.shape[1]
+        if seq % (2 * cp):
+            raise ValueError(f"sequence length {seq} must be a multiple of 2·cp = {2 * cp} (pad_to_multiple_of)")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        positions = zigzag_positions(seq, cp, cp_rank, device=input_ids.device)
+        batch.keep, batch.positions = attention_mask[:, positions].bool(), positions
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, positions]}
+        hidden = base(
+            input_ids=input_ids[:, positions],
+            attention_mask=attention_mask[:, positions],
+            position_ids=positions[None].expand(input_ids.shape[0], -1),
+            **extra,
+        ).last_hidden_state
+        if family == "bert":
+            pool = torch.zeros(input_ids.shape, dtype=hidden.dtype, device=hidden.device)
+            pool[:, 0] = 1
+        else:
+            pool = _last_non_pad_one_hot(input_ids, model.config, hidden.dtype)
+        token = _SumOverContext.apply((hidden * pool[:, positions, None]).sum(1), cp_group)
+        if family == "bert":
+            logits = model.classifier(model.dropout(base.pooler.activation(base.pooler.dense(token))))
+        else:
+            logits = model.score(token)
+        loss = None
+        if labels is not None:
+            from transformers.loss.loss_utils import ForSequenceClassificationLoss
+
+            loss = ForSequenceClassificationLoss(labels, logits, model.config)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    model.forward = forward
+    return model
