@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups.add_argument("--world-size", type=int, required=True, help="number of processes")
     groups.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     groups.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    groups.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks that split each sequence)")
     groups.add_argument("--json", action="store_true", help='print {"tp": [...], "pp": [...], "dp": [...]}')
     doctor = commands.add_parser(
         "doctor",
@@ -188,18 +189,18 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 def _groups(args: argparse.Namespace, extra: list[str]) -> int:
     from hftrain.parallel.dims import MAX_PRINTED_WORLD, ParallelDims, group_lines, groups_json_chunks
 
-    for name in ("world_size", "tp", "pp"):
+    for name in ("world_size", "tp", "pp", "cp"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {getattr(args, name)}: must be a positive integer")
     if args.world_size > MAX_PRINTED_WORLD:
         raise ConfigError(
             f"--world-size {args.world_size}: hftrain groups prints layouts of at most {MAX_PRINTED_WORLD} processes; "
-            "a larger one follows the same rule, rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank: give a world size "
-            f"up to {MAX_PRINTED_WORLD}"
+            "a larger one follows the same rule, rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank: "
+            f"give a world size up to {MAX_PRINTED_WORLD}"
         )
     try:
-        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp).validate()
+        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp).validate()
     except AxisError as error:  # hftrain.parallel names the axis; here the value came from a flag
         raise error.named_as(f"--{error.axis.replace('_', '-')}") from None  # tp · pp must divide the world
     for piece in groups_json_chunks(dims) if args.json else group_lines(dims):

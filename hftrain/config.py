@@ -191,6 +191,12 @@ class StrategyConfig:
     """megatron with ``schedule: interleaved_1f1b``: model chunks per pipeline rank."""
     balance: Literal["layers", "parameters"] = "layers"
     """megatron with pp > 1: split the layers into stages of equal layer count or equal parameter count."""
+    cp: int = 1
+    """megatron only: context-parallel size (ranks that split every sequence; ``tp × cp × pp`` must divide the world
+    size); sequences are padded to a multiple of ``2·cp`` and attention dropout must be 0."""
+    cp_comm: Literal["ring", "all_to_all"] = "ring"
+    """megatron with cp > 1: ring attention (key/value blocks passed around the cp ranks) or all-to-all
+    (DeepSpeed-Ulysses: heads, and key/value heads, per tp rank must divide by ``cp``)."""
     pad_to_multiple_of: int | None = None
     """megatron only: length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
     gives a few lengths and pipeline schedules (built per shape) are reused; a multiple of ``tp`` under
@@ -199,11 +205,13 @@ class StrategyConfig:
     def validate(self) -> None:
         _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
         _require(self.tp >= 1, "strategy.tp", "must be at least 1")
+        _require(self.cp >= 1, "strategy.cp", "must be at least 1")
         _validate_pipeline(self)
         buckets = self.pad_to_multiple_of
         _require(buckets is None or buckets >= 1, "strategy.pad_to_multiple_of", "must be at least 1 or null")
         if self.name != "megatron":
-            for key in ("tp", "sequence_parallel", "shard_optimizer", "pad_to_multiple_of", *PIPELINE_FIELDS):
+            megatron_only = ("tp", "cp", "cp_comm", "sequence_parallel", "shard_optimizer", "pad_to_multiple_of")
+            for key in (*megatron_only, *PIPELINE_FIELDS):
                 _require(
                     getattr(self, key) == getattr(StrategyConfig, key),
                     f"strategy.{key}",

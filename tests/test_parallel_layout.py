@@ -43,8 +43,8 @@ def test_rank_groups_follow_megatron_rule(world, tp, pp):
     assert groups == megatron_groups(world, tp, pp)
     assert dims.dp == world // (tp * pp)
     for rank in range(world):
-        pp_rank, dp_rank, tp_rank = dims.coords(rank)
-        assert dims.rank(pp_rank, dp_rank, tp_rank) == rank
+        pp_rank, dp_rank, cp_rank, tp_rank = dims.coords(rank)
+        assert cp_rank == 0 and dims.rank(pp_rank, dp_rank, 0, tp_rank) == rank
         # each rank sits at its coordinate in exactly one group of each kind
         assert sum(rank in g for g in groups["tp"]) == sum(rank in g for g in groups["dp"]) == 1
         assert next(g for g in groups["tp"] if rank in g).index(rank) == tp_rank
@@ -106,7 +106,7 @@ def _groups_on_every_rank() -> dict:
             "tp": dist.get_process_group_ranks(groups.tp_group),
             "dp": dist.get_process_group_ranks(groups.dp_group),
             "pp": dist.get_process_group_ranks(groups.pp_group),
-            "coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank),
+            "coords": (groups.pp_rank, groups.dp_rank, groups.cp_rank, groups.tp_rank),
             "sizes": (groups.pp_size, groups.dp_size, groups.tp_size),
         }
     # a real collective over each tp group: the sum of its members' ranks
@@ -140,3 +140,19 @@ def test_build_groups_on_four_processes():
             assert got["sizes"] == (pp, dims.dp, tp)
     assert [seen["tp_sum"] for seen in results] == [1.0, 1.0, 5.0, 5.0]
     assert all("tp=3 × pp=1 does not divide the world size 4" in seen["refused"] for seen in results)
+
+
+def test_context_parallel_ranks_sit_between_tp_and_dp():
+    """Megatron's order tp-cp-dp-pp: 16 ranks, tp=2, cp=2, pp=2 -> dp=2."""
+    dims = ParallelDims(16, tp=2, pp=2, cp=2).validate()
+    groups = dims.rank_groups()
+    assert groups["tp"][:2] == [[0, 1], [2, 3]]
+    assert groups["cp"][:2] == [[0, 2], [1, 3]]
+    assert groups["dp"][:2] == [[0, 4], [1, 5]]
+    assert groups["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["pp"][:2] == [[0, 8], [1, 9]]
+    for rank in range(16):
+        assert dims.rank(*dims.coords(rank)) == rank
+    assert "cp" not in ParallelDims(4, tp=2).rank_groups()  # without cp the groups are the three of before
+    with pytest.raises(ConfigError, match=r"valid cp values with tp=2, pp=1: 1, 3"):
+        ParallelDims(6, tp=2, cp=2).validate()

@@ -23,7 +23,12 @@ def tiny_tokenizer(kind: str = "bert"):
 
 
 def tiny_config(
-    kind: str = "bert", num_labels: int = 2, vocab_size: int = 64, dropout: float = 0.0, num_layers: int = 2
+    kind: str = "bert",
+    num_labels: int = 2,
+    vocab_size: int = 64,
+    dropout: float = 0.0,
+    num_layers: int = 2,
+    max_positions: int = 64,
 ):
     """A 2-layer config (``num_layers`` for pipelines); dropout is off by default (per-rank dropout masks cannot
     match a 1-process reference).
@@ -39,7 +44,7 @@ def tiny_config(
             num_hidden_layers=num_layers,
             num_attention_heads=2,
             intermediate_size=64,
-            max_position_embeddings=64,
+            max_position_embeddings=max_positions,
             num_labels=num_labels,
             hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
@@ -53,7 +58,7 @@ def tiny_config(
             num_attention_heads=4,
             num_key_value_heads=2,
             intermediate_size=64,
-            max_position_embeddings=64,
+            max_position_embeddings=max_positions,
             num_labels=num_labels,
             attention_dropout=dropout,
             pad_token_id=0,
@@ -63,7 +68,7 @@ def tiny_config(
         n_embd=32,
         n_layer=num_layers,
         n_head=2,
-        n_positions=64,
+        n_positions=max_positions,
         num_labels=num_labels,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
@@ -79,6 +84,7 @@ def tiny_model_init(
     dropout: float = 0.0,
     lora_options: dict | None = None,
     num_layers: int = 2,
+    max_positions: int = 64,
 ):
     """A ``model_init`` for the trainer: a fresh tiny ``*ForSequenceClassification``, in LoRA adapters when
     ``lora_options`` (``hftrain.config.LoraConfig`` fields) is given."""
@@ -87,7 +93,7 @@ def tiny_model_init(
         from transformers import AutoModelForSequenceClassification
 
         model = AutoModelForSequenceClassification.from_config(
-            tiny_config(kind, num_labels, dropout=dropout, num_layers=num_layers)
+            tiny_config(kind, num_labels, dropout=dropout, num_layers=num_layers, max_positions=max_positions)
         )
         if lora_options is None:
             return model
@@ -99,22 +105,23 @@ def tiny_model_init(
     return build
 
 
-def synthetic_texts(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
-    """Texts of 3..20 words; label 1 when most words are 'positive' ones: learnable, varied lengths."""
+def synthetic_texts(n: int, seed: int = 0, words: tuple[int, int] = (3, 20)) -> tuple[list[str], list[int]]:
+    """Texts of 3..20 words (``words``); label 1 when most words are 'positive' ones: learnable, varied lengths."""
     rng = random.Random(seed)
     texts, labels = [], []
+    low, high = words
     for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 20))]
+        words = [rng.choice(WORDS) for _ in range(rng.randint(low, high))]
         texts.append(" ".join(words))
         labels.append(int(sum(w in POSITIVE for w in words) * 2 > len(words)))
     return texts, labels
 
 
-def tiny_splits(n_train: int = 96, n_eval: int = 25, seed: int = 0):
+def tiny_splits(n_train: int = 96, n_eval: int = 25, seed: int = 0, words: tuple[int, int] = (3, 20)):
     """A DatasetDict with ``train``/``validation`` splits of synthetic text."""
     from datasets import Dataset, DatasetDict
 
-    texts, labels = synthetic_texts(n_train + n_eval, seed)
+    texts, labels = synthetic_texts(n_train + n_eval, seed, words)
     return DatasetDict(
         train=Dataset.from_dict({"text": texts[:n_train], "label": labels[:n_train]}),
         validation=Dataset.from_dict({"text": texts[n_train:], "label": labels[n_train:]}),
@@ -169,6 +176,8 @@ def run_tiny_training(
     dropout: float = 0.0,
     lora_options: dict | None = None,
     num_layers: int = 2,
+    words: tuple[int, int] = (3, 20),
+    max_seq_length: int = 32,
     **training_overrides,
 ) -> dict:
     """Train a tiny model in this process group; returns losses, learning rates and final eval metrics.
@@ -191,7 +200,7 @@ def run_tiny_training(
     tokenizer = tiny_tokenizer(kind)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    splits = tokenize_splits(tiny_splits(n_train, n_eval), tokenizer, max_seq_length=32)
+    splits = tokenize_splits(tiny_splits(n_train, n_eval, words=words), tokenizer, max_seq_length=max_seq_length)
     args = TrainingConfig(
         output_dir=output_dir,
         per_device_train_batch_size=micro,
@@ -209,7 +218,9 @@ def run_tiny_training(
     trainer = SequenceClassificationTrainer(
         args,
         strategy=build_strategy(strategy_config, launch=launch_info_from_environ()),
-        model_init=tiny_model_init(kind, dropout=dropout, lora_options=lora_options, num_layers=num_layers),
+        model_init=tiny_model_init(
+            kind, dropout=dropout, lora_options=lora_options, num_layers=num_layers, max_positions=max_seq_length * 2
+        ),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
         eval_dataset=splits["validation"],

@@ -1,10 +1,13 @@
-"""The PTD rank layout: ``tp × dp × pp = world size`` in Megatron-LM's order, and its process groups.
+"""The PTD rank layout: ``tp × cp × dp × pp = world size`` in Megatron-LM's order, and its process groups.
 
-A global rank is ``pp_rank · (dp · tp) + dp_rank · tp + tp_rank``: tensor-parallel ranks are adjacent (they
-talk every layer, so they should share a node), data parallel next, pipeline outermost. This is the order of
-Megatron-LM's ``initialize_model_parallel`` and also the row-major order of a ``DeviceMesh`` shaped
-``(pp, dp, tp)``, which is how the groups are built. Nothing here holds a group in a module global: the groups
-live in the :class:`ParallelGroups` returned by :func:`build_groups` and are passed on explicitly.
+A global rank is ``((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank``: tensor-parallel ranks are adjacent
+(they talk every layer, so they should share a node), context parallel next (a ring of key/value blocks every
+layer), then data parallel, pipeline outermost. This is the order of Megatron-LM's ``initialize_model_parallel``
+(``tp-cp-ep-dp-pp``) and also the row-major order of a ``DeviceMesh`` shaped ``(pp, dp, cp, tp)``, which is how
+the groups are built. Gradients are averaged over ``dp × cp`` (the ``dp_cp`` group: context-parallel ranks hold
+the same parameters and see the same examples, each a part of every sequence). Nothing here holds a group in a
+module global: the groups live in the :class:`ParallelGroups` returned by :func:`build_groups` and are passed on
+explicitly.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 from hftrain.errors import AxisError, ConfigError
 
-AXES = ("pp", "dp", "tp")  # outermost first: the mesh's dimension order
+AXES = ("pp", "dp", "cp", "tp")  # outermost first: the mesh's dimension order
 # The largest world whose groups ``hftrain groups`` prints: each rank is on 4 lines (its tp, pp and dp group and
 # the rank table), ~1 s of output here; larger layouts follow the same rule, stated in the module docstring.
 MAX_PRINTED_WORLD = 65536
@@ -37,28 +40,38 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the tensor-, pipeline- and data-parallel dimensions of one job.
+    """Sizes of the tensor-, context-, pipeline- and data-parallel dimensions of one job.
 
     Args:
         world_size: number of processes in the job.
         tp: tensor-parallel size (ranks that split every layer's weights).
-        pp: pipeline-parallel size (stages); accepted for the layout, the stages arrive with the pipeline plugin.
+        pp: pipeline-parallel size (stages).
+        cp: context-parallel size (ranks that split every sequence).
     """
 
     world_size: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the world divided by ``tp · pp``."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel size: the world divided by ``tp · cp · pp``."""
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     def validate(self) -> ParallelDims:
-        """Return ``self`` if ``tp · pp`` divides the world size, else raise a ConfigError naming the valid values."""
-        for axis, value in (("world_size", self.world_size), ("tp", self.tp), ("pp", self.pp)):
+        """Return ``self`` if ``tp · cp · pp`` divides the world size, else raise a ConfigError naming the valid
+        values."""
+        for axis, value in (("world_size", self.world_size), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise AxisError(axis, f"{axis} must be a positive integer, got {value!r}")
+        if self.world_size % (self.tp * self.pp) == 0 and self.world_size % (self.tp * self.cp * self.pp):
+            valid_cp = _divisors(self.world_size // (self.tp * self.pp))
+            raise AxisError(
+                "cp",
+                f"tp={self.tp} × cp={self.cp} × pp={self.pp} does not divide the world size {self.world_size}; "
+                f"valid cp values with tp={self.tp}, pp={self.pp}: {', '.join(map(str, valid_cp)) or 'none'}",
+            )
         if self.world_size % (self.tp * self.pp):
             valid_tp = [d for d in _divisors(self.world_size) if (self.world_size // d) % self.pp == 0]
             raise AxisError(
@@ -69,49 +82,61 @@ class ParallelDims:
             )
         return self
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)`` of a global rank.
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes whose groups are listed: tp, pp, dp, and cp (with dp_cp) when it splits sequences."""
+        return ("tp", "pp", "dp", "cp", "dp_cp") if self.cp > 1 else ("tp", "pp", "dp")
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """``(pp_rank, dp_rank, cp_rank, tp_rank)`` of a global rank (the mesh's order).
 
         Args:
             rank: a global rank in ``[0, world_size)``.
         """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of size {self.world_size}")
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+        tp_cp = self.tp * self.cp
+        return rank // (self.dp * tp_cp), rank // tp_cp % self.dp, rank // self.tp % self.cp, rank % self.tp
 
-    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+    def rank(self, pp_rank: int, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
         """The global rank at these coordinates (inverse of :meth:`coords`).
 
         Args:
             pp_rank: pipeline stage.
             dp_rank: data-parallel replica.
+            cp_rank: context-parallel rank (which part of each sequence).
             tp_rank: tensor-parallel rank.
         """
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def rank_groups(self) -> dict[str, list[list[int]]]:
-        """Every tp, pp and dp group as lists of global ranks (pure: starts no process).
+        """Every group of :attr:`axes` as lists of global ranks (pure: starts no process).
 
-        Ordered like Megatron-LM: tp groups by first rank; pp groups by their first-stage rank; dp groups by
-        pipeline stage, then tp rank.
+        Ordered like Megatron-LM: tp groups by first rank; pp groups by their first-stage rank; dp (and cp, dp_cp)
+        groups by pipeline stage, then the inner ranks.
         """
-        return {axis: list(self.iter_groups(axis)) for axis in ("tp", "pp", "dp")}
+        return {axis: list(self.iter_groups(axis)) for axis in self.axes}
 
     def iter_groups(self, axis: str) -> Iterator[list[int]]:
         """The groups of one axis, one at a time, in :meth:`rank_groups`' order (nothing else is held).
 
         Args:
-            axis: ``"tp"``, ``"pp"`` or ``"dp"``.
+            axis: ``"tp"``, ``"pp"``, ``"dp"``, ``"cp"`` or ``"dp_cp"`` (the ranks gradients are averaged over).
         """
         self.validate()
-        pp_range, dp_range, tp_range = range(self.pp), range(self.dp), range(self.tp)
+        pp_range, dp_range, cp_range, tp_range = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
+        rank = self.rank
         if axis == "tp":
-            return ([self.rank(p, d, t) for t in tp_range] for p in pp_range for d in dp_range)
+            return ([rank(p, d, c, t) for t in tp_range] for p in pp_range for d in dp_range for c in cp_range)
         if axis == "pp":
-            return ([self.rank(p, d, t) for p in pp_range] for d in dp_range for t in tp_range)
+            return ([rank(p, d, c, t) for p in pp_range] for d in dp_range for c in cp_range for t in tp_range)
         if axis == "dp":
-            return ([self.rank(p, d, t) for d in dp_range] for p in pp_range for t in tp_range)
-        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp")
+            return ([rank(p, d, c, t) for d in dp_range] for p in pp_range for c in cp_range for t in tp_range)
+        if axis == "cp":
+            return ([rank(p, d, c, t) for c in cp_range] for p in pp_range for d in dp_range for t in tp_range)
+        if axis == "dp_cp":
+            return ([rank(p, d, c, t) for d in dp_range for c in cp_range] for p in pp_range for t in tp_range)
+        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp, cp, dp_cp")
 
 
 @dataclass(frozen=True)
@@ -120,13 +145,16 @@ class ParallelGroups:
 
     Args:
         dims: the validated layout.
-        mesh: the ``DeviceMesh`` shaped ``(pp, dp, tp)`` with those dimension names (usable by DTensor).
+        mesh: the ``DeviceMesh`` shaped ``(pp, dp, cp, tp)`` with those dimension names (usable by DTensor).
         tp_group: ranks that split this rank's layers.
-        dp_group: ranks holding the same shards of the same stage (gradients are averaged over it).
+        dp_group: ranks holding the same shards of the same stage and sequence part (the data is sharded over it).
         pp_group: ranks holding the other stages of the same replica and shard.
         tp_rank: position in ``tp_group``.
         dp_rank: position in ``dp_group`` (shard the data by this, not by the global rank).
         pp_rank: pipeline stage.
+        cp_group: ranks holding the other parts of the same sequences.
+        cp_rank: position in ``cp_group``.
+        dp_cp_group: ``dp × cp``: the ranks gradients are averaged over (``dp_group`` when ``cp = 1``).
     """
 
     dims: ParallelDims
@@ -137,6 +165,13 @@ class ParallelGroups:
     tp_rank: int
     dp_rank: int
     pp_rank: int
+    cp_group: Any = None
+    cp_rank: int = 0
+    dp_cp_group: Any = None
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
 
     @property
     def tp_size(self) -> int:
@@ -170,9 +205,15 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
             f"layout world size {dims.world_size} / rank {rank} do not match the running job "
             f"(world size {dist.get_world_size()}, rank {dist.get_rank()}); launch {dims.world_size} processes"
         )
-    # Row-major (pp, dp, tp) is exactly Megatron's rank rule, so the mesh's per-dimension groups are its groups.
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
-    pp_rank, dp_rank, tp_rank = dims.coords(rank)
+    # Row-major (pp, dp, cp, tp) is exactly Megatron's rank rule, so the mesh's per-dimension groups are its groups.
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp, dims.tp), mesh_dim_names=AXES)
+    pp_rank, dp_rank, cp_rank, tp_rank = dims.coords(rank)
+    dp_cp_group = mesh.get_group("dp")
+    if dims.cp > 1:  # every rank creates every dp × cp group, in the same order (new_group is collective)
+        for ranks in dims.iter_groups("dp_cp"):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                dp_cp_group = group
     return ParallelGroups(
         dims=dims,
         mesh=mesh,
@@ -182,6 +223,9 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
         tp_rank=tp_rank,
         dp_rank=dp_rank,
         pp_rank=pp_rank,
+        cp_group=mesh.get_group("cp"),
+        cp_rank=cp_rank,
+        dp_cp_group=dp_cp_group,
     )
 
 
@@ -201,17 +245,38 @@ def group_lines(dims: ParallelDims) -> Iterator[str]:
         dims: the layout.
     """
     dims.validate()
-    names = {"tp": "tensor parallel", "pp": "pipeline parallel", "dp": "data parallel"}
-    yield (
-        f"world size {dims.world_size} = tp {dims.tp} × dp {dims.dp} × pp {dims.pp} "
-        "(Megatron-LM order: tp ranks adjacent, then dp, pp outermost)"
-    )
-    for axis in ("tp", "pp", "dp"):
-        size = getattr(dims, axis)
+    names = {
+        "tp": "tensor parallel",
+        "pp": "pipeline parallel",
+        "dp": "data parallel",
+        "cp": "context parallel",
+        "dp_cp": "gradient (dp × cp)",
+    }
+    sizes = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "dp_cp": dims.dp * dims.cp}
+    if dims.cp > 1:
+        yield (
+            f"world size {dims.world_size} = tp {dims.tp} × cp {dims.cp} × dp {dims.dp} × pp {dims.pp} "
+            "(Megatron-LM order: tp ranks adjacent, then cp, then dp, pp outermost)"
+        )
+    else:
+        yield (
+            f"world size {dims.world_size} = tp {dims.tp} × dp {dims.dp} × pp {dims.pp} "
+            "(Megatron-LM order: tp ranks adjacent, then dp, pp outermost)"
+        )
+    for axis in dims.axes:
+        size = sizes[axis]
         yield f"{names[axis]} groups ({dims.world_size // size} groups of {size} ranks):"
         yield from (f"  {axis}{i}: {group}" for i, group in enumerate(dims.iter_groups(axis)))
-    yield "rank  pp_rank  dp_rank  tp_rank"
-    yield from (f"{r:>4}  {p:>7}  {d:>7}  {t:>7}" for r in range(dims.world_size) for p, d, t in [dims.coords(r)])
+    if dims.cp > 1:
+        yield "rank  pp_rank  dp_rank  cp_rank  tp_rank"
+        yield from (
+            f"{r:>4}  {p:>7}  {d:>7}  {c:>7}  {t:>7}" for r in range(dims.world_size) for p, d, c, t in [dims.coords(r)]
+        )
+    else:
+        yield "rank  pp_rank  dp_rank  tp_rank"
+        yield from (
+            f"{r:>4}  {p:>7}  {d:>7}  {t:>7}" for r in range(dims.world_size) for p, d, _, t in [dims.coords(r)]
+        )
 
 
 def groups_json_chunks(dims: ParallelDims) -> Iterator[str]:
@@ -221,7 +286,7 @@ def groups_json_chunks(dims: ParallelDims) -> Iterator[str]:
         dims: the layout.
     """
     dims.validate()
-    for index, axis in enumerate(("tp", "pp", "dp")):
+    for index, axis in enumerate(dims.axes):
         yield ("{" if index == 0 else ", ") + f"{json.dumps(axis)}: ["
         for number, group in enumerate(dims.iter_groups(axis)):
             yield (", " if number else "") + json.dumps(group)

@@ -19,16 +19,24 @@ if TYPE_CHECKING:
     from hftrain.parallel.dims import ParallelGroups
 
 
-def parallelize_model(model: nn.Module, groups: ParallelGroups, *, sequence_parallel: bool = False) -> nn.Module:
+def parallelize_model(
+    model: nn.Module, groups: ParallelGroups, *, sequence_parallel: bool = False, cp_comm: str = "ring"
+) -> nn.Module:
     """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
 
     Args:
         model: an unchanged HF ``*ForSequenceClassification`` model, the same full weights on every rank.
         groups: this rank's process groups (``ParallelDims`` validated once, by the caller's owner).
         sequence_parallel: Megatron sequence parallelism in the tensor-parallel regions.
+        cp_comm: how context parallelism exchanges keys and values, ``"ring"`` or ``"all_to_all"``.
     """
     from hftrain.parallel.plans import check_tensor_parallel
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
 
     check_tensor_parallel(model.config, groups.tp_size)
-    return apply_tensor_parallel(model, tp_group=groups.tp_group, sequence_parallel=sequence_parallel)
+    model = apply_tensor_parallel(model, tp_group=groups.tp_group, sequence_parallel=sequence_parallel)
+    if groups.cp_size > 1:
+        from hftrain.parallel.context_parallel import apply_context_parallel
+
+        model = apply_context_parallel(model, cp_group=groups.cp_group, comm=cp_comm)
+    return model

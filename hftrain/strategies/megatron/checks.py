@@ -69,6 +69,63 @@ def check_length_buckets(strategy: StrategyConfig) -> None:
         )
 
 
+def check_context_parallel(strategy: StrategyConfig) -> None:
+    """Refuse what context parallelism does not compose with yet (pipeline stages, sequence parallelism) and
+    length buckets that the zigzag split (``2·cp`` equal chunks) cannot cut.
+
+    Args:
+        strategy: the ``strategy`` section.
+    """
+    import math
+
+    cp = strategy.cp
+    if cp == 1:
+        return
+    for option, unsupported in (("pp", strategy.pp > 1), ("sequence_parallel", strategy.sequence_parallel)):
+        if unsupported:
+            raise ConfigError(
+                f"strategy.cp={cp} with strategy.{option} is not supported yet; use cp with tp and data parallelism"
+            )
+    buckets = strategy.pad_to_multiple_of
+    if buckets and buckets % (2 * cp):
+        raise ConfigError(
+            f"strategy.pad_to_multiple_of={buckets} is not a multiple of 2·cp = {2 * cp}, and context parallelism "
+            f"cuts every sequence into 2·cp equal chunks; use a multiple of {2 * cp} (e.g. {math.lcm(buckets, 2 * cp)})"
+        )
+
+
+ATTENTION_DROPOUT_FIELDS = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
+
+
+def check_context_parallel_model(strategy: StrategyConfig, model_config: Any) -> None:
+    """Refuse a model context parallelism cannot split: another family, attention dropout (the attention
+    probabilities never exist whole), heads the all-to-all cannot divide.
+
+    Args:
+        strategy: the ``strategy`` section (``cp > 1``).
+        model_config: the model's ``transformers`` config.
+    """
+    from hftrain.errors import AxisError
+    from hftrain.parallel.stages import check_family
+
+    check_family(model_config)
+    for field in ATTENTION_DROPOUT_FIELDS:
+        if getattr(model_config, field, 0) or 0:
+            raise ConfigError(
+                f"strategy.cp={strategy.cp}: context parallelism needs attention dropout 0, and the model's "
+                f"{field} is {getattr(model_config, field)}; save the model with {field}: 0.0 in its config.json"
+            )
+    if strategy.cp_comm == "all_to_all":
+        heads = model_config.num_attention_heads // strategy.tp
+        kv = (getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads) // strategy.tp
+        if heads % strategy.cp or kv % strategy.cp:
+            raise AxisError(
+                "cp",
+                f"cp_comm all_to_all splits heads over cp, and each tp rank's {heads} heads / {kv} key/value heads "
+                f"do not divide by cp={strategy.cp}; use cp_comm: ring or a cp dividing both",
+            )
+
+
 def check_pipeline_model(strategy: StrategyConfig, model_config: Any) -> None:
     """Refuse more stages than layers, and virtual stages that do not split the layers evenly.
 

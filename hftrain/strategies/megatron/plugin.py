@@ -59,7 +59,11 @@ class MegatronPlugin:
     tp: int = 1
     sequence_parallel: bool = False
     shard_optimizer: bool = False
-    pp: int = 1  # pipeline stages: the groups are laid out tp × dp × pp (the stages are hftrain's pipeline runtime)
+    pp: int = (
+        1  # pipeline stages: the groups are laid out tp × cp × dp × pp (the stages are hftrain's pipeline runtime)
+    )
+    cp: int = 1  # context parallelism: ranks that split every sequence (hftrain.parallel.context_parallel)
+    cp_comm: str = "ring"  # "ring" or "all_to_all"
     pad_to_multiple_of: int | None = None  # length buckets (a multiple of tp under sequence parallelism)
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
 
@@ -78,7 +82,7 @@ class MegatronPlugin:
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         if dims is None:
-            dims = ParallelDims(world, tp=self.tp, pp=self.pp).validate()
+            dims = ParallelDims(world, tp=self.tp, pp=self.pp, cp=self.cp).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
             _init_single_process_group()
         self.groups = build_groups(dims, rank, device_type=device_type)
@@ -97,6 +101,8 @@ class MegatronPlugin:
         sequence parallelism, else None (the longest example)."""
         if self.pad_to_multiple_of:
             return self.pad_to_multiple_of
+        if self.cp > 1:  # the zigzag split cuts every sequence into 2·cp equal chunks
+            return 2 * self.cp
         return self.tp if self.sequence_parallel and self.tp > 1 else None
 
     # ----------------------------------------------------------------- wrapping
@@ -113,7 +119,7 @@ class MegatronPlugin:
 
         if device is not None:  # first: splitting runs a collective on the weights, on the group's device
             model = _to_device(model, device)
-        return parallelize_model(model, self.layout, sequence_parallel=self.sequence_parallel)
+        return parallelize_model(model, self.layout, sequence_parallel=self.sequence_parallel, cp_comm=self.cp_comm)
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
         """``parallelize`` the model, then wrap it in DDP over the dp group (no pipeline stages).
@@ -126,10 +132,11 @@ class MegatronPlugin:
 
         layout = self.layout
         model = self.parallelize(model, device=device)
-        if layout.dp_size == 1:
+        if layout.dp_size * layout.cp_size == 1:
             return model
-        # Gradients are averaged over the ranks holding the same shard only; DDP's no_sync serves accumulation.
-        return DistributedDataParallel(model, process_group=layout.dp_group)
+        # Gradients are averaged over the ranks holding the same shard only (and its sequence parts: dp × cp);
+        # DDP's no_sync serves accumulation.
+        return DistributedDataParallel(model, process_group=layout.dp_cp_group or layout.dp_group)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """The optimizer, sharded over dp when ``shard_optimizer``, wrapped so that it steps only at window ends.

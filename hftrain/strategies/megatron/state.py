@@ -56,7 +56,7 @@ def save_state(
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
     if consolidate is not None:  # ZeRO-1: dp rank 0 of each replica set collects the partitions
         consolidate(to=0)
-    if groups.dp_rank != 0:  # the other replicas hold the same stages and shards
+    if groups.dp_rank != 0 or groups.cp_rank != 0:  # the other replicas (and sequence parts) hold the same state
         return
     weights = merged_weights(model, params, groups)
     optimizer_state = _merged_optimizer_state(model, optimizer, groups)

@@ -1,7 +1,8 @@
-"""The ``megatron`` strategy: tensor × pipeline × data parallelism, its layout validated once.
+"""The ``megatron`` strategy: tensor × context × pipeline × data parallelism, its layout validated once.
 
-``strategy: {name: megatron, tp: 2, pp: 1, sequence_parallel: false, shard_optimizer: false}``. The world is laid
-out in Megatron-LM's order (tp ranks adjacent, then dp, then pp) by one ``ParallelDims``, built and validated
+``strategy: {name: megatron, tp: 2, cp: 1, pp: 1, sequence_parallel: false, shard_optimizer: false}``. The world
+is laid out in Megatron-LM's order (tp ranks adjacent, then cp, then dp, then pp) by one ``ParallelDims``, built
+and validated
 here once and passed down to the plugin's groups. The Trainer runs through
 :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
 :class:`~hftrain.strategies.megatron.pipeline.PipelineRuntime` (stages and a schedule).
@@ -17,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
-from hftrain.strategies.megatron.checks import check_pipeline_model, check_pipeline_training, pipeline_facts
+from hftrain.strategies.megatron.checks import (
+    check_context_parallel,
+    check_context_parallel_model,
+    check_pipeline_model,
+    check_pipeline_training,
+    pipeline_facts,
+)
 from hftrain.strategies.megatron.fields import named_by_config
 
 if TYPE_CHECKING:
@@ -61,7 +68,7 @@ class MegatronStrategy(Strategy):
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
         with named_by_config():
-            self.dims = ParallelDims(launch.world_size, tp=config.tp, pp=config.pp).validate()
+            self.dims = ParallelDims(launch.world_size, tp=config.tp, pp=config.pp, cp=config.cp).validate()
 
     def preflight(self, training: TrainingConfig) -> None:
         if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
@@ -71,6 +78,7 @@ class MegatronStrategy(Strategy):
             )
         with named_by_config():
             check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
+            check_context_parallel(self.config)
 
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel
@@ -82,6 +90,8 @@ class MegatronStrategy(Strategy):
             )
         with named_by_config():
             check_tensor_parallel(model_config, self.config.tp)
+            if self.config.cp > 1:
+                check_context_parallel_model(self.config, model_config)
             if self.config.pp > 1:
                 from hftrain.parallel.stages import check_family
 
@@ -107,6 +117,7 @@ class MegatronStrategy(Strategy):
             "type": "megatron",
             "tp": self.dims.tp,
             "pp": self.dims.pp,
+            **({"cp": self.dims.cp, "cp_comm": self.config.cp_comm} if self.dims.cp > 1 else {}),
             "sequence_parallel": self.config.sequence_parallel,
             "shard_optimizer": self.config.shard_optimizer,
             "checkpoint_format": "logical full tensors (reshardable)",
@@ -126,6 +137,8 @@ class MegatronStrategy(Strategy):
             sequence_parallel=self.config.sequence_parallel,
             shard_optimizer=self.config.shard_optimizer,
             pp=self.dims.pp,
+            cp=self.dims.cp,
+            cp_comm=self.config.cp_comm,
             pad_to_multiple_of=self.config.pad_to_multiple_of,
         ).setup(device_type=self.platform.device, dims=self.dims)
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
