@@ -293,6 +293,7 @@ def tiny_job(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("megatron_job")
     configs = {kind: tiny_config(kind) for kind in ("gpt2", "bert")}
     configs["distilbert"] = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    configs["bert_dropout"] = tiny_config("bert", dropout=0.1)
     for kind, config in configs.items():
         AutoModelForSequenceClassification.from_config(config).save_pretrained(root / kind)
         tiny_tokenizer("gpt2" if kind == "gpt2" else "bert").save_pretrained(root / kind)
@@ -373,11 +374,34 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         # the platform refuses fp16 on CPU first; on CUDA the megatron strategy refuses it (no gradient scaler)
         "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16"),
         "unsupported-family": (["--model_name_or_path", job["distilbert"]], {"WORLD_SIZE": "1"}, "distilbert"),
+        # context parallelism: before any process group, one line naming strategy.cp or the field to change
+        "cp-not-dividing-world": (["--cp", "2"], {"WORLD_SIZE": "1"}, "strategy.cp: tp=1 × cp=2 × pp=1 does not"),
+        "cp-with-pp": (
+            ["--cp", "2", "--pp", "2"],
+            {**_LAUNCHED_3, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+            "strategy.cp=2 with strategy.pp",
+        ),
+        "cp-buckets": (
+            ["--cp", "2", "--pad_to_multiple_of", "6"],
+            {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+            "not a multiple of 2·cp = 4",
+        ),
+        "cp-all-to-all-heads": (
+            ["--cp", "4", "--cp_comm", "all_to_all"],
+            {**_LAUNCHED_3, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+            "do not divide by cp=4",
+        ),
+        "cp-attention-dropout": (
+            ["--cp", "2", "--model_name_or_path", job["bert_dropout"]],
+            {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+            "needs attention dropout 0",
+        ),
     }
 
 
 BAD_INPUT = ["tp-not-dividing-world", "tp-not-dividing-heads", "lora", "foreign-option", "tp-with-ddp", "fp16",
-             "unsupported-family"]  # fmt: skip
+             "unsupported-family", "cp-not-dividing-world", "cp-with-pp", "cp-buckets", "cp-all-to-all-heads",
+             "cp-attention-dropout"]  # fmt: skip
 
 
 @pytest.mark.parametrize("label", BAD_INPUT)

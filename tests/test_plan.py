@@ -521,3 +521,28 @@ def test_lora_parameters_are_the_adapters_hftrain_builds(tmp_path, kind):
     adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
     tiny_config(kind).save_pretrained(tmp_path)
     assert model_from_config(str(tmp_path)).lora_parameters(4) == adapters
+
+
+def test_context_parallel_rows_split_activations_and_name_their_exchange():
+    """``--cp``: megatron rows whose activations are those of s/cp positions, with the cp exchange in the
+    communication and the all-to-all chosen where each GPU's heads divide by cp."""
+    from hftrain.plan.model_parallel import estimate
+
+    model = model_from_config("embedded:smollm2")
+    hardware = Hardware(gpus_per_node=4, gpu_memory=80e9)
+    work = Workload(micro_batch=1, seq=16384)
+    whole = estimate(1, 1, model, work, Hardware(gpus_per_node=1, gpu_memory=80e9))
+    rows = plan(model, hardware, work, cp=4).rows
+    assert [r.label for r in rows] == ["megatron tp1·cp4·pp1·dp1"]
+    (row,) = rows
+    assert row.strategy["cp"] == 4 and row.strategy["cp_comm"] == "ring"  # 3 key/value heads: no all-to-all at 4
+    assert row.activations == pytest.approx(whole.activations / 4, rel=0.02)
+    assert row.comm["intra"] > 0  # the ring's keys and values (no gradient all-reduce: one replica)
+    assert estimate(1, 1, model, work, Hardware(gpus_per_node=3, gpu_memory=80e9), cp=3).strategy["cp_comm"] == (
+        "all_to_all"
+    )
+
+
+def test_cp_with_pipeline_stages_is_refused(capsys):
+    code = main(["plan", "--model", "embedded:smollm2", "--cp", "2", "--pp", "2"])
+    assert code == 2 and "--cp 2 with --pp 2" in capsys.readouterr().err

@@ -384,7 +384,7 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
 
     from hftrain.parallel.stages import _last_non_pad_one_hot, check_family
 
-    check_family(model.config, class_name=type(model).__name__)
+    check_family(model.config, class_name=type(model).__name__, axis="cp")
     _register()
     batch = _Batch(cp_group, comm)
     for module in model.modules():

@@ -190,20 +190,24 @@ def family_of(model: torch.nn.Module) -> Any:
     return FAMILIES[config.model_type]
 
 
-def check_family(config: Any, *, class_name: str | None = None) -> None:
-    """Refuse a model family pipeline parallelism does not cover (before any model is built, from its config).
+AXIS_NAMES = {"pp": "pipeline parallelism", "cp": "context parallelism"}
+
+
+def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp") -> None:
+    """Refuse a model family the stage adapters do not cover (before any model is built, from its config).
 
     Args:
         config: the model's ``transformers`` config.
         class_name: the model's class, when there is one (it must be a ``*ForSequenceClassification``).
+        axis: the axis that needs the adapters (``"pp"``, or ``"cp"``, which pools with them), named in the refusal.
     """
     model_type = getattr(config, "model_type", None)
     name = class_name or f"{model_type} model"
     if model_type not in FAMILIES or (class_name is not None and not class_name.endswith("ForSequenceClassification")):
         raise AxisError(
-            "pp",
-            f"pipeline parallelism supports BERT, GPT-2 and Llama *ForSequenceClassification models, got "
-            f"{name} (model_type {model_type!r}); use pp 1 for this model",
+            axis,
+            f"{AXIS_NAMES[axis]} supports BERT, GPT-2 and Llama *ForSequenceClassification models, got "
+            f"{name} (model_type {model_type!r}); use {axis} 1 for this model",
         )
 
 

@@ -81,6 +81,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("layouts and output")
     out.add_argument("--tp", type=int, help="only TP × PP × DP layouts with this tensor-parallel size")
     out.add_argument("--pp", type=int, help="only layouts with this pipeline-parallel size")
+    out.add_argument(
+        "--cp", type=int, default=1, help="only layouts with this context-parallel size (sequences split over cp GPUs)"
+    )
     out.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds, formulas)")
     out.add_argument("--write-configs", metavar="DIR", help="write job/DeepSpeed/accelerate files for the choice")
     out.add_argument("--row", help="with --write-configs: this row instead of the recommendation")
@@ -104,7 +107,7 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
             "no model: give --model <folder|config.json|embedded:name>, or --layers, --hidden, "
             "--heads and --vocab (and optionally --parameters)"
         )
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "cp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} {getattr(args, name)}: must be a positive integer")
     for name in ("gpu_memory", "cpu_memory", "reserve"):  # GB, turned into bytes below
@@ -135,7 +138,11 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
         dropout=model.dropout and not args.no_dropout,
         fused_attention=args.attention == "fused",
     )
-    return plan(model, hardware, workload, tp=args.tp, pp=args.pp)
+    if args.cp > 1 and args.pp not in (None, 1):
+        raise ConfigError(
+            f"--cp {args.cp} with --pp {args.pp}: hftrain runs context parallelism without stages; use --pp 1"
+        )
+    return plan(model, hardware, workload, tp=args.tp, pp=args.pp, cp=args.cp)
 
 
 def run_plan(args: argparse.Namespace, extra: list[str]) -> int:

@@ -26,6 +26,8 @@ refuses; both keep min(p, m) micro-batches on stage 0).
 
 from __future__ import annotations
 
+import dataclasses
+
 import hftrain.plan.formulas as formulas
 from hftrain.plan.common import activation_bytes, finish
 from hftrain.plan.hardware import Hardware
@@ -33,27 +35,40 @@ from hftrain.plan.model import ModelSpec, divisors
 from hftrain.plan.rows import Row, Workload
 
 
-def layouts(model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | None = None) -> list[tuple[int, int]]:
+def layouts(
+    model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | None = None, cp: int = 1
+) -> list[tuple[int, int]]:
     """(t, p) pairs other than (1, 1): t divides the GPUs per node and the model's sizes, p divides the layers,
-    and t·p divides the world. ``tp``/``pp`` fix one (checked against the model: a size that does not divide
-    is an error).
+    and t·p (·cp) divides the world. ``tp``/``pp`` fix one (checked against the model: a size that does not divide
+    is an error). With ``cp > 1`` (context parallelism, which hftrain runs without stages) p is 1 and t may be 1.
 
     Args:
         model: the model.
         hw: the hardware.
         tp: only this tensor-parallel size.
         pp: only this pipeline-parallel size.
+        cp: the context-parallel size of every layout.
     """
     if tp is not None or pp is not None:
         model.check_parallel(tp or 1, pp or 1)
     tps = [tp] if tp else divisors(hw.gpus_per_node)
     pps = [pp] if pp else divisors(model.layers)
-    return [(t, p) for t in tps for p in pps if (t, p) != (1, 1) and hw.world % (t * p) == 0 and model.admits(t, p)]
+    if cp > 1:
+        pps = [1]
+    return [
+        (t, p)
+        for t in tps
+        for p in pps
+        if ((t, p) != (1, 1) or cp > 1) and hw.world % (t * p * cp) == 0 and model.admits(t, p)
+    ]
 
 
-def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
-    """One TP × PP × DP row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1 and
-    ZeRO-1 when dp > 1.
+def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1) -> Row:
+    """One TP × CP × PP × DP row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1 (and
+    c = 1) and ZeRO-1 when dp > 1.
+
+    Context parallelism splits every sequence over c ranks: each GPU's activations are those of s/c positions
+    (the plan's per-layer formula at s/c), and each layer exchanges keys and values (``_context_bytes``).
 
     Args:
         tp: tensor-parallel size t.
@@ -61,22 +76,26 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
         model: the model.
         work: the workload.
         hw: the hardware.
+        cp: context-parallel size c.
     """
-    dp = hw.world // (tp * pp)
+    dp = hw.world // (tp * pp * cp)
     sb = formulas.state_bytes(work.precision, deepspeed=False)
     layers = model.layers // pp
     stage = stage_parameters(model, tp, pp)
     trained = stage * model.lora_parameters(work.lora_rank) / model.parameters if work.lora_rank else stage
     # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only
-    sequence_parallel, shard_optimizer = tp > 1 and pp == 1, dp > 1 and pp == 1
+    sequence_parallel, shard_optimizer = tp > 1 and pp == 1 and cp == 1, dp > 1 and pp == 1
     in_flight = min(pp, work.accumulation)
-    label = f"megatron tp{tp}·pp{pp}·dp{dp}"
+    label = f"megatron tp{tp}·cp{cp}·pp{pp}·dp{dp}" if cp > 1 else f"megatron tp{tp}·pp{pp}·dp{dp}"
+    local = dataclasses.replace(work, seq=-(-work.seq // cp))  # the positions one GPU holds
     strategy: dict[str, object] = {
         "name": "megatron",
         "tp": tp,
         "sequence_parallel": sequence_parallel,
         "shard_optimizer": shard_optimizer,
     }
+    if cp > 1:
+        strategy.update(cp=cp, cp_comm=_context_comm(model, tp, cp))
     if pp > 1:  # hftrain's 1F1B needs at least p micro-batches; GPipe runs fewer
         schedule = "1f1b" if work.accumulation >= pp else "gpipe"
         strategy.update(pp=pp, num_microbatches=work.accumulation, schedule=schedule)
@@ -91,7 +110,7 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
         optimizer=trained * sb.optimizer / (dp if shard_optimizer else 1),
         activations=activation_bytes(
             model,
-            work,
+            local,
             hw,
             layers=layers,
             in_flight=in_flight,
@@ -100,9 +119,12 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware) -
             gathered_inputs=True,
         ),
     )
+    row.cp = cp
     row.working = _accumulation_transient(model, tp, pp, work, trained < stage) * sb.grads
     row.bubble = formulas.pipeline_bubble(pp, work.accumulation)
-    row.comm = _communication(model, tp, pp, dp, trained * sb.grads, work, hw)
+    row.comm = _communication(model, tp, pp, dp * cp, trained * sb.grads, local, hw)
+    if cp > 1:
+        row.comm["intra"] = row.comm.get("intra", 0.0) + _context_bytes(model, tp, cp, work)
     row.formulas["model states"] = (
         "max(first stage (L/p)·Ψ_layer/t + V·h/t + other embeddings, last stage (L/p)·Ψ_layer/t + head)"
         " × (params + grads) + Adam"
@@ -151,6 +173,31 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
     if pp == 1:
         return layers + vocab / tp + outside
     return max(_first_stage_parameters(model, tp, pp), layers + model.head_parameters)
+
+
+def _context_comm(model: ModelSpec, tp: int, cp: int) -> str:
+    """All-to-all where each GPU's heads and key/value heads divide by c (cheaper), else the ring."""
+    return "all_to_all" if (model.heads // tp) % cp == 0 and (model.kv_heads // tp) % cp == 0 else "ring"
+
+
+def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload) -> float:
+    """Bytes one GPU sends per step for context parallelism (``hftrain.parallel.context_parallel``), per layer and
+    micro-batch, with ``kv = b·(s/c)·h_kv·d/t`` elements of keys (as many of values) and ``q = b·(s/c)·h·d/t``:
+
+    - ring: forward (c−1) blocks of keys and values, 2·kv each; backward (c−1) of them plus c of their fp32
+      gradients: (c−1)·2·kv·e + (c−1)·2·kv·e + c·2·kv·4;
+    - all-to-all: (c−1)/c of q, k, v and the output forward, and of their gradients backward: 2·(c−1)/c·(2q + 2kv)·e.
+    """
+    e = work.element
+    head_dim = model.hidden // model.heads
+    positions = work.micro_batch * -(-work.seq // cp)
+    kv = positions * model.kv_heads * head_dim / tp
+    q = positions * model.heads * head_dim / tp
+    if _context_comm(model, tp, cp) == "all_to_all":
+        per_layer = 2 * (cp - 1) / cp * (2 * q + 2 * kv) * e
+    else:
+        per_layer = (cp - 1) * 2 * kv * e * 2 + cp * 2 * kv * 4
+    return work.accumulation * model.layers * per_layer
 
 
 def _communication(

@@ -14,7 +14,7 @@ MAX_NODES_TRIED = 4096  # "what it would need": the node count at which somethin
 
 
 def estimate_rows(
-    model: ModelSpec, hw: Hardware, work: Workload, *, tp: int | None = None, pp: int | None = None
+    model: ModelSpec, hw: Hardware, work: Workload, *, tp: int | None = None, pp: int | None = None, cp: int = 1
 ) -> list[Row]:
     """Every data-parallel strategy and every admitted TP × PP × DP layout (only layouts when tp/pp is fixed).
 
@@ -24,11 +24,13 @@ def estimate_rows(
         work: the workload.
         tp: fix the tensor-parallel size (layouts only).
         pp: fix the pipeline-parallel size (layouts only).
+        cp: the context-parallel size of every layout (layouts only when > 1).
     """
-    fixed = (tp or 1) * (pp or 1) > 1
+    fixed = (tp or 1) * (pp or 1) * cp > 1
     rows = [] if fixed else [data_parallel.estimate(label, model, work, hw) for label in data_parallel.STRATEGIES]
     return rows + [
-        model_parallel.estimate(t, p, model, work, hw) for t, p in model_parallel.layouts(model, hw, tp=tp, pp=pp)
+        model_parallel.estimate(t, p, model, work, hw, cp=cp)
+        for t, p in model_parallel.layouts(model, hw, tp=tp, pp=pp, cp=cp)
     ]
 
 
@@ -39,6 +41,7 @@ def plan(
     *,
     tp: int | None = None,
     pp: int | None = None,
+    cp: int = 1,
 ) -> Plan:
     """The plan: per-GPU memory, communication and time for each option, and one recommendation with reasons.
 
@@ -52,10 +55,11 @@ def plan(
         workload: a ``Workload`` (defaults: bf16, micro-batch 8, sequence 512).
         tp: consider only layouts with this tensor-parallel size.
         pp: consider only layouts with this pipeline-parallel size.
+        cp: consider only layouts with this context-parallel size (sequences split over cp GPUs).
     """
     work = (workload or Workload()).validate()
     hw = hardware.validate()
-    rows = estimate_rows(model, hw, work, tp=tp, pp=pp)
+    rows = estimate_rows(model, hw, work, tp=tp, pp=pp, cp=cp)
     fitting = [i for i, r in enumerate(rows) if r.fits]
     runnable = [i for i in fitting if rows[i].runnable] or fitting
     if runnable:

@@ -91,6 +91,7 @@ class Row:
     optimizer: float
     activations: float
     working: float = 0.0
+    cp: int = 1  # context-parallel size: each GPU computes s/cp positions of every sequence
     cpu_per_node: float = 0.0
     comm: dict[str, float] = field(default_factory=dict)
     comm_seconds: float = 0.0

@@ -108,7 +108,7 @@ def check_context_parallel_model(strategy: StrategyConfig, model_config: Any) ->
     from hftrain.errors import AxisError
     from hftrain.parallel.stages import check_family
 
-    check_family(model_config)
+    check_family(model_config, axis="cp")
     for field in ATTENTION_DROPOUT_FIELDS:
         if getattr(model_config, field, 0) or 0:
             raise ConfigError(
