@@ -145,3 +145,23 @@ def test_context_parallel_classifiers_equal_the_unsplit_model():
     )
     for errors in runs:
         assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_work_is_the_same_on_every_rank(cp):
+    """The query-key scores each rank computes over the whole ring (pairs wholly in the causal future skipped):
+    equal on every rank with the zigzag split, unlike a contiguous split (rank cp−1 would do 2·cp − 1 times
+    rank 0's work)."""
+    from hftrain.parallel.context_parallel import _chunks, _visible_pairs, zigzag_positions
+
+    seq = 16 * cp
+    shards = [zigzag_positions(seq, cp, r) for r in range(cp)]
+    work = [
+        sum(
+            (q.stop - q.start) * (k.stop - k.start)
+            for b in shards
+            for q, k in _visible_pairs(_chunks(s), _chunks(b), True)
+        )
+        for s in shards
+    ]
+    assert len(set(work)) == 1, work

@@ -85,12 +85,14 @@ def _sum_groups(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def _chunks(positions: torch.Tensor) -> list[tuple[slice, int, int]]:
-    """Contiguous runs of positions as ``(slice, first position, last position)``: the zigzag's two chunks (or
-    one), so that wholly-masked causal pairs are skipped by comparing two numbers."""
+    """Runs of consecutive positions, at most half of the shard long, as ``(slice, first, last position)``: the
+    zigzag's two chunks even where they meet (the middle rank's are adjacent), so that a causal pair wholly in
+    the future is skipped by comparing two numbers and every rank computes the same number of scores."""
     pos = positions.tolist()
+    longest = max(1, len(pos) // 2)
     runs, start = [], 0
     for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+        if i == len(pos) or pos[i] != pos[i - 1] + 1 or i - start == longest:
             runs.append((slice(start, i), pos[start], pos[i - 1]))
             start = i
     return runs
@@ -198,10 +200,11 @@ class _RingAttention(torch.autograd.Function):
             dk, dv = dk + _sum_groups(dkr, n_rep), dv + _sum_groups(dvr, n_rep)
             # Send the block on (its gradients with it); after the last block only the gradients go home.
             block = _Block([kb, vb, keep_b, pos_b, dk, dv] if step < cp - 1 else [dk, dv])
-            works, received = block.exchange(group)
-            for work in works:
-                work.wait()
-            block = _Block(received)
+            if cp > 1:
+                works, received = block.exchange(group)
+                for work in works:
+                    work.wait()
+                block = _Block(received)
         dk, dv = block.tensors[-2:]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 

@@ -1,0 +1,151 @@
+"""Context parallelism: per-rank memory, attention time balance and bytes exchanged, measured against cp = 1.
+
+A 2-layer classifier with SmolLM2-135M's layer shape (Llama: hidden 576, 9 query / 3 key-value heads, head dim 64,
+intermediate 1536; a 1,024-token vocabulary keeps the weights small beside the activations) runs one fp32
+forward and backward on one sequence of S tokens, split over cp = 1, 2, 4 gloo processes with
+``hftrain.parallel.apply_context_parallel`` (ring attention; all-to-all where the heads divide, at cp = 3 the
+heads do, at 2 and 4 the 3 key/value heads do not). Each rank reports:
+
+- ``peak``: VmHWM increase (``/proc/self/status``, reset through ``/proc/self/clear_refs``) over its resident
+  memory with the model built, during the step: activations, the attention's per-block scores, gradients;
+- ``scores``: the query-key scores its attention computed (forward and backward): their spread across ranks is
+  the causal load balance of the zigzag split (pairs of chunks wholly in the future are skipped);
+- ``attention s``: the time spent in its attention calls (forward and backward, waiting on the ring included);
+- ``sent MiB``: the bytes its attention sent to other ranks, against the plan's formula
+  (``hftrain.plan.model_parallel._context_bytes``).
+
+Then the longest S (of 1k-32k) whose step fits a per-process budget (``--budget-gib``, default 1.5) at each cp,
+from the measured peaks. Times are on 2 shared cores: cp = 4 runs 4 processes on 2 cores, so its step time is
+not what 4 devices would give; the memory and the balance are.
+
+Usage (about 4 minutes, 8 GB at most):
+    python benchmarks/context_parallel.py [--seqs 2048,4096,8192] [--budget-gib 1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and an uninstalled hftrain
+
+from tests.distributed import run_distributed  # noqa: E402
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _step(seq: int) -> dict:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    import hftrain.parallel.context_parallel as cp_module
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=seq, num_labels=2, pad_token_id=0, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    cp_module.apply_context_parallel(model, cp_group=dist.group.WORLD, comm="ring")
+    spent, sent = [0.0], [0]
+    ring = cp_module._RingAttention
+    forward, backward = ring.forward, ring.backward
+
+    def timed(fn):
+        def run(*args):
+            start = time.perf_counter()
+            out = fn(*args)
+            spent[0] += time.perf_counter() - start
+            return out
+
+        return staticmethod(run)
+
+    exchange, pairs = cp_module._Block.exchange, cp_module._visible_pairs
+    work = [0]
+
+    def counted_pairs(q_runs, k_runs, causal):
+        for qs, ks in pairs(q_runs, k_runs, causal):
+            work[0] += (qs.stop - qs.start) * (ks.stop - ks.start)  # query-key scores computed
+            yield qs, ks
+
+    cp_module._visible_pairs = counted_pairs
+
+    def counted(self, group):
+        sent[0] += sum(t.numel() * t.element_size() for t in self.tensors)
+        return exchange(self, group)
+
+    ring.forward, ring.backward, cp_module._Block.exchange = timed(forward), timed(backward), counted
+    ids = torch.randint(1, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([1])}
+    gc.collect()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    step = time.perf_counter() - start
+    return {
+        "rank": rank,
+        "peak": _status("VmHWM") - before,
+        "attention": spent[0],
+        "sent": sent[0],
+        "step": step,
+        "scores": work[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
+    parser.add_argument("--cps", default="1,2,4", help="comma-separated cp sizes")
+    parser.add_argument("--budget-gib", type=float, default=1.5, help="per-process memory budget for the longest S")
+    args = parser.parse_args()
+    from hftrain.plan import Workload, model_from_config
+    from hftrain.plan.model_parallel import _context_bytes
+
+    mib = 1 << 20
+    spec = dataclasses.replace(model_from_config("embedded:smollm2"), layers=2)
+    print("| S | cp | peak per rank (MiB, max) | peak × cp / peak at cp=1 | scores per rank, max/min |"
+          " attention s per rank (min-max) | sent MiB per rank (measured / plan) | step s (max) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    peaks: dict[tuple[int, int], float] = {}
+    for seq in map(int, args.seqs.split(",")):
+        for cp in map(int, args.cps.split(",")):
+            runs = run_distributed(_step, nprocs=cp, timeout=1800, seq=seq)
+            peak = max(r["peak"] for r in runs)
+            peaks[seq, cp] = peak
+            times, scores = [r["attention"] for r in runs], [r["scores"] for r in runs]
+            planned = _context_bytes(spec, 1, cp, Workload(precision="fp32", micro_batch=1, seq=seq)) if cp > 1 else 0
+            sent = max(r["sent"] for r in runs)
+            ratio = peak * cp / peaks[seq, 1] if (seq, 1) in peaks else float("nan")
+            print(
+                f"| {seq} | {cp} | {peak / mib:.0f} | {ratio:.2f} | {max(scores) / min(scores):.2f} | "
+                f"{min(times):.2f}-{max(times):.2f} | {sent / mib:.1f} / {planned / mib:.1f} | "
+                f"{max(r['step'] for r in runs):.2f} |",
+                flush=True,
+            )
+    budget = args.budget_gib * (1 << 30)
+    for cp in map(int, args.cps.split(",")):
+        fitting = [seq for (seq, c), peak in peaks.items() if c == cp and peak <= budget]
+        print(f"cp={cp}: longest measured S within {args.budget_gib} GiB per process: {max(fitting, default=0)}")
+
+
+if __name__ == "__main__":
+    main()
