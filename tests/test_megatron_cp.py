@@ -5,9 +5,9 @@ real tokens, the classified token (BERT's first, GPT-2's and Llama's last non-pa
 from example to example, and right padding masks keys on every rank. Three launches:
 - 2 processes, cp=2: BERT (not causal) and Llama (causal, grouped-query) with ring attention, GPT-2 with all-to-all;
 - 4 processes: cp=2 × tp=2 (Llama, ring) and cp=2 × dp=2 (BERT all-to-all, GPT-2 ring);
-- 1 process: the references (DDP, the whole global batch).
+- 1 process: the references (DDP, the whole global batch), and the cp=2 checkpoint resumed at cp=1.
 Each equals the reference within 1e-5 relative loss over 10 steps, with the same learning rates, samples and
-evaluation (25 examples once).
+evaluation (25 examples once); cp=2 interrupted and resumed equals uninterrupted, on 2 processes and on one.
 """
 
 from __future__ import annotations
@@ -33,8 +33,21 @@ FOUR = {
 }
 
 
-def _runs(cases: dict, world: int) -> dict:
-    results = {}
+# 96 examples, global batch 8: 12 steps per epoch; stopped at step 8, resumed at cp=2 and (one process) at cp=1
+RESUME = {"kind": "llama", "steps": 12, "save_steps": 4, "return_weights": True, "micro": GLOBAL_MICRO}
+RESUME_LONG = {k: v for k, v in LONG.items() if k != "steps"}
+
+
+def _resume_runs(root: str) -> dict:
+    options = {"strategy": "megatron", "strategy_options": {"cp": 2}, **RESUME, **RESUME_LONG}
+    full = run_tiny_training(output_dir=f"{root}/full", **options)
+    part = run_tiny_training(output_dir=f"{root}/part", stop_at_step=8, **options)
+    resumed = run_tiny_training(output_dir=f"{root}/part", resume_from_checkpoint="latest", **options)
+    return {"full": full, "part": part, "resumed": resumed}
+
+
+def _runs(cases: dict, world: int, root: str | None = None) -> dict:
+    results = _resume_runs(root) if root else {}
     for label, (kind, options) in cases.items():
         dp = world // (options.get("cp", 1) * options.get("tp", 1))
         results[label] = run_tiny_training(
@@ -43,16 +56,24 @@ def _runs(cases: dict, world: int) -> dict:
     return results
 
 
-def _references() -> dict:
+def _references(root: str) -> dict:
     kinds = {kind for kind, _ in (*TWO.values(), *FOUR.values())}
-    return {kind: run_tiny_training(kind=kind, micro=GLOBAL_MICRO, strategy="ddp", **LONG) for kind in kinds}
+    runs = {kind: run_tiny_training(kind=kind, micro=GLOBAL_MICRO, strategy="ddp", **LONG) for kind in kinds}
+    # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
+    runs["cp1"] = run_tiny_training(
+        output_dir=f"{root}/cp1", strategy="megatron", strategy_options={"tp": 1},
+        resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", trust_external_checkpoint=True,
+        **RESUME, **RESUME_LONG,
+    )  # fmt: skip
+    return runs
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    two = run_distributed(_runs, nprocs=2, timeout=900, cases=TWO, world=2)
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("megatron_cp"))
+    two = run_distributed(_runs, nprocs=2, timeout=900, cases=TWO, world=2, root=root)
     four = run_distributed(_runs, nprocs=4, timeout=900, cases=FOUR, world=4)
-    (one,) = run_distributed(_references, nprocs=1, timeout=900)
+    (one,) = run_distributed(_references, nprocs=1, timeout=900, root=root)
     return {"two": two, "four": four, "one": one}
 
 
@@ -65,3 +86,16 @@ def test_context_parallel_training_matches_single_process(runs, layout, label):
         _assert_parity(rank[label], reference)
         assert rank[label]["losses"] == runs[layout][0][label]["losses"]  # every rank logs the same loss
     assert runs[layout][0][label]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_cp2_resumes_exactly_and_its_checkpoint_resumes_at_cp1(runs):
+    """Checkpoints are unchanged by cp (no parameter is split): interrupted at step 8 and resumed at cp=2 equals
+    uninterrupted, and the cp=2 checkpoint resumed on one process continues the same run."""
+    from tests.test_megatron import _assert_same_weights, assert_resumed_equals_uninterrupted
+
+    assert_resumed_equals_uninterrupted(runs["two"])
+    full, on_one = runs["two"][0]["full"], runs["one"]["cp1"]
+    assert on_one["global_step"] == 12
+    assert on_one["losses"] == pytest.approx(full["losses"], rel=1e-5)
+    _assert_same_weights(on_one["weights"], full["weights"], atol=1e-5)

@@ -135,7 +135,8 @@ class MegatronRuntime(AccelerateRuntime):
     def layout_facts(self) -> dict[str, int]:
         """This run's layout, recorded in checkpoints."""
         dims = self.plugin.layout.dims
-        return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size}
+        context = {"cp": dims.cp} if dims.cp > 1 else {}  # checkpoints of cp = 1 keep their old layout file
+        return {"tp": dims.tp, **context, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size}
 
 
 @dataclass(frozen=True)

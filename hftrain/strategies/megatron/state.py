@@ -173,7 +173,8 @@ def check_layout(directory: Path, layout: dict[str, int]) -> None:
         )
 
     def describe(values: dict[str, Any]) -> str:
-        return " × ".join(f"{axis}={values.get(axis, 1)}" for axis in ("tp", "pp", "dp"))
+        axes = ("tp", "cp", "pp", "dp") if values.get("cp", 1) > 1 else ("tp", "pp", "dp")
+        return " × ".join(f"{axis}={values.get(axis, 1)}" for axis in axes)
 
     if saved.get("format") != FORMAT:
         raise CheckpointError(
