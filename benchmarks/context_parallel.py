@@ -35,14 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and an uninstalled hftrain
 
 from tests.distributed import run_distributed  # noqa: E402
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+from tests.memory import process_memory as _status  # noqa: E402
+from tests.memory import reset_peak  # noqa: E402
 
 
 def _step(seq: int) -> dict:
@@ -96,8 +90,7 @@ def _step(seq: int) -> dict:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([1])}
     gc.collect()
     before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
+    reset_peak()
     start = time.perf_counter()
     model(**batch).loss.backward()
     step = time.perf_counter() - start

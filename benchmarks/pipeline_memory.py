@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and an uninstalled hftrain
 
 from tests.distributed import run_distributed  # noqa: E402
+from tests.memory import process_memory as _status  # noqa: E402
 
 LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4), "tp2pp2": (2, 2)}
 BYTES_PER_PARAMETER = 16  # fp32: parameter 4 + gradient 4 + Adam exp_avg 4 + exp_avg_sq 4
@@ -78,14 +79,6 @@ def saved_model(name: str, **overrides) -> str:
         torch.manual_seed(0)
         AutoModelForSequenceClassification.from_config(smollm2_config(**overrides)).save_pretrained(folder)
     return str(folder)
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def plan_spec():

@@ -16,17 +16,10 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
+from tests.memory import process_memory as vm_rss
+from tests.memory import reset_peak
 
 VOCAB, HIDDEN = 400_000, 32
-
-
-def vm_rss(field: str = "VmRSS") -> int:
-    """This process's resident memory (or its peak, ``VmHWM``) in bytes, from ``/proc/self/status``."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _stage_memory(folder: str) -> dict:
@@ -54,8 +47,7 @@ def _stage_memory(folder: str) -> dict:
     strategy = build_strategy(StrategyConfig(name="megatron", pp=2), launch=launch_info_from_environ())
     gc.collect()
     before = vm_rss()
-    with open("/proc/self/clear_refs", "w") as clear:  # the peak from here on
-        clear.write("5")
+    reset_peak()  # the peak from here on
 
     class Trainer(SequenceClassificationTrainer):
         """Reads the peak where the run would save its final checkpoint, and saves none: a checkpoint's own cost
