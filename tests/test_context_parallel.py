@@ -46,7 +46,7 @@ def _reference(q, k, v, weights, keep, causal):
 def _compare(h: int, h_kv: int) -> dict:
     import torch.distributed as dist
 
-    from hftrain.parallel.context_parallel import all_to_all_attention, ring_attention, zigzag_positions
+    from hftrain.parallel.context_parallel import Shard, all_to_all_attention, ring_attention, zigzag_positions
 
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
@@ -58,9 +58,7 @@ def _compare(h: int, h_kv: int) -> dict:
         pos = zigzag_positions(seq, cp, rank)
         for name, attention in (("ring", ring_attention), ("all_to_all", all_to_all_attention)):
             mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-            out = attention(
-                *mine, keep=keep[:, pos], positions=pos, causal=causal, scale=d**-0.5, group=dist.group.WORLD
-            )
+            out = attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD))
             (out * weights[:, :, pos]).sum().backward()
             got = (out.detach(), *(t.grad for t in mine))
             # relative to the tensor's largest entry: fp32 sums in another order differ by a few units of 6e-8

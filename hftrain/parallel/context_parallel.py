@@ -42,6 +42,7 @@ Dropout inside attention is not supported here (the probabilities never exist wh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -209,35 +210,40 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    keep: torch.Tensor,
-    positions: torch.Tensor,
-    causal: bool,
-    scale: float,
-    group: Any,
-) -> torch.Tensor:
-    """Exact attention of this rank's queries over the whole (cp-split) sequence, by a ring of key/value blocks.
-
-    Collective over ``group`` (every cp rank calls it with its own shard, same shapes).
+@dataclass(frozen=True)
+class Shard:
+    """What context-parallel attention needs besides this rank's queries, keys and values.
 
     Args:
-        q: ``[b, h, s, d]`` this rank's queries.
-        k: ``[b, h_kv, s, d]`` its keys (``h_kv`` divides ``h``: grouped-query attention).
-        v: ``[b, h_kv, s, d]`` its values.
         keep: ``[b, s]`` bool, False at padding keys.
         positions: ``[s]`` the global position of each local token (any order, e.g. zigzag).
         causal: a query sees only keys at its position or before.
         scale: the softmax scale (usually ``d ** -0.5``).
         group: the cp process group.
+    """
+
+    keep: torch.Tensor
+    positions: torch.Tensor
+    causal: bool
+    scale: float
+    group: Any
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Exact attention of this rank's queries over the whole (cp-split) sequence, by a ring of key/value blocks.
+
+    Collective over ``shard.group`` (every cp rank calls it with its own shard, same shapes).
+
+    Args:
+        q: ``[b, h, s, d]`` this rank's queries.
+        k: ``[b, h_kv, s, d]`` its keys (``h_kv`` divides ``h``: grouped-query attention).
+        v: ``[b, h_kv, s, d]`` its values.
+        shard: the padding, positions, causality, scale and group.
 
     Returns:
         ``[b, h, s, d]`` in ``q``'s dtype (computed in fp32).
     """
-    return _RingAttention.apply(q, k, v, keep, positions, causal, scale, group)
+    return _RingAttention.apply(q, k, v, shard.keep, shard.positions, shard.causal, shard.scale, shard.group)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -270,19 +276,10 @@ def _exchange(x: torch.Tensor, group: Any, inverse: bool) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * hc, s, d)
 
 
-def all_to_all_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    keep: torch.Tensor,
-    positions: torch.Tensor,
-    causal: bool,
-    scale: float,
-    group: Any,
-) -> torch.Tensor:
+def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> torch.Tensor:
     """The same attention as :func:`ring_attention`, by two all-to-alls around whole-sequence attention on
     ``h/cp`` heads (heads and key/value heads must divide by cp). Arguments as :func:`ring_attention`."""
+    keep, positions, group = shard.keep, shard.positions, shard.group
     cp = dist.get_world_size(group)
     if q.shape[1] % cp or k.shape[1] % cp:
         raise ValueError(
@@ -294,8 +291,11 @@ def all_to_all_attention(
     dist.all_gather(all_positions, positions.contiguous(), group=group)
     whole_keep, whole_positions = torch.cat(keeps, 1), torch.cat(all_positions)
     qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
-    out = _local_attention(qh, kh, vh, whole_keep.bool(), whole_positions, causal, scale)
+    out = _local_attention(qh, kh, vh, whole_keep.bool(), whole_positions, shard.causal, shard.scale)
     return _AllToAll.apply(out, group, True)
+
+
+ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # strategy.cp_comm -> the attention
 
 
 def _local_attention(q, k, v, keep, positions, causal, scale) -> torch.Tensor:
@@ -329,11 +329,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     batch: _Batch = module.context_parallel_batch
     if dropout:
         raise ValueError("context parallelism needs attention dropout 0 (the attention probabilities are never whole)")
-    attend = ring_attention if batch.comm == "ring" else all_to_all_attention
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = bool(getattr(module, "is_causal", False))
-    out = attend(query, key, value, keep=batch.keep, positions=batch.positions, causal=causal, scale=scale,
-                 group=batch.group)  # fmt: skip
+    out = ATTENTIONS[batch.comm](query, key, value, Shard(batch.keep, batch.positions, causal, scale, batch.group))
     return out.transpose(1, 2).contiguous(), None
 
 
