@@ -376,10 +376,10 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         "unsupported-family": (["--model_name_or_path", job["distilbert"]], {"WORLD_SIZE": "1"}, "distilbert"),
         # context parallelism: before any process group, one line naming strategy.cp or the field to change
         "cp-not-dividing-world": (["--cp", "2"], {"WORLD_SIZE": "1"}, "strategy.cp: tp=1 × cp=2 × pp=1 does not"),
-        "cp-with-pp": (
-            ["--cp", "2", "--pp", "2"],
+        "cp-with-sequence-parallel": (
+            ["--cp", "2", "--tp", "2", "--sequence_parallel", "true"],
             {**_LAUNCHED_3, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
-            "strategy.cp=2 with strategy.pp",
+            "strategy.cp=2 with strategy.sequence_parallel",
         ),
         "cp-buckets": (
             ["--cp", "2", "--pad_to_multiple_of", "6"],
@@ -400,8 +400,8 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
 
 
 BAD_INPUT = ["tp-not-dividing-world", "tp-not-dividing-heads", "lora", "foreign-option", "tp-with-ddp", "fp16",
-             "unsupported-family", "cp-not-dividing-world", "cp-with-pp", "cp-buckets", "cp-all-to-all-heads",
-             "cp-attention-dropout"]  # fmt: skip
+             "unsupported-family", "cp-not-dividing-world", "cp-with-sequence-parallel", "cp-buckets",
+             "cp-all-to-all-heads", "cp-attention-dropout"]  # fmt: skip
 
 
 @pytest.mark.parametrize("label", BAD_INPUT)

@@ -4,7 +4,8 @@ Texts of 150-300 words cut at 256 tokens, so every batch is padded and long: eac
 real tokens, the classified token (BERT's first, GPT-2's and Llama's last non-pad one) sits on different cp ranks
 from example to example, and right padding masks keys on every rank. Three launches:
 - 2 processes, cp=2: BERT (not causal) and Llama (causal, grouped-query) with ring attention, GPT-2 with all-to-all;
-- 4 processes: cp=2 × tp=2 (Llama, ring) and cp=2 × dp=2 (BERT all-to-all, GPT-2 ring);
+- 4 processes: cp=2 × tp=2 (Llama, ring), cp=2 × pp=2 (Llama ring with 1F1B, BERT all-to-all with GPipe) and
+  cp=2 × dp=2 (BERT all-to-all, GPT-2 ring);
 - 1 process: the references (DDP, the whole global batch), and the cp=2 checkpoint resumed at cp=1.
 Each equals the reference within 1e-5 relative loss over 10 steps, with the same learning rates, samples and
 evaluation (25 examples once); cp=2 interrupted and resumed equals uninterrupted, on 2 processes and on one.
@@ -28,6 +29,8 @@ TWO = {
 }
 FOUR = {
     "llama-cp2tp2": ("llama", {"cp": 2, "tp": 2}),
+    "llama-cp2pp2": ("llama", {"cp": 2, "pp": 2, "num_microbatches": 2}),
+    "bert-cp2pp2-all_to_all": ("bert", {"cp": 2, "pp": 2, "cp_comm": "all_to_all", "schedule": "gpipe"}),
     "bert-cp2dp2-all_to_all": ("bert", {"cp": 2, "cp_comm": "all_to_all"}),
     "gpt2-cp2dp2": ("gpt2", {"cp": 2}),
 }
@@ -49,7 +52,7 @@ def _resume_runs(root: str) -> dict:
 def _runs(cases: dict, world: int, root: str | None = None) -> dict:
     results = _resume_runs(root) if root else {}
     for label, (kind, options) in cases.items():
-        dp = world // (options.get("cp", 1) * options.get("tp", 1))
+        dp = world // (options.get("cp", 1) * options.get("tp", 1) * options.get("pp", 1))
         results[label] = run_tiny_training(
             kind=kind, micro=GLOBAL_MICRO // dp, strategy="megatron", strategy_options=options, **LONG
         )

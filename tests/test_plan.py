@@ -532,17 +532,13 @@ def test_context_parallel_rows_split_activations_and_name_their_exchange():
     hardware = Hardware(gpus_per_node=4, gpu_memory=80e9)
     work = Workload(micro_batch=1, seq=16384)
     whole = estimate(1, 1, model, work, Hardware(gpus_per_node=1, gpu_memory=80e9))
-    rows = plan(model, hardware, work, cp=4).rows
+    rows = plan(model, hardware, work, cp=4, pp=1).rows
     assert [r.label for r in rows] == ["megatron tp1·cp4·pp1·dp1"]
     (row,) = rows
+    assert "megatron tp1·cp2·pp2·dp1" in [r.label for r in plan(model, hardware, work, cp=2).rows]
     assert row.strategy["cp"] == 4 and row.strategy["cp_comm"] == "ring"  # 3 key/value heads: no all-to-all at 4
     assert row.activations == pytest.approx(whole.activations / 4, rel=0.02)
     assert row.comm["intra"] > 0  # the ring's keys and values (no gradient all-reduce: one replica)
     assert estimate(1, 1, model, work, Hardware(gpus_per_node=3, gpu_memory=80e9), cp=3).strategy["cp_comm"] == (
         "all_to_all"
     )
-
-
-def test_cp_with_pipeline_stages_is_refused(capsys):
-    code = main(["plan", "--model", "embedded:smollm2", "--cp", "2", "--pp", "2"])
-    assert code == 2 and "--cp 2 with --pp 2" in capsys.readouterr().err

@@ -366,6 +366,34 @@ class _SumOverContext(torch.autograd.Function):
         return grad, None
 
 
+class ContextSplit:
+    """This rank's part of every sequence, for code that runs the model's modules itself (pipeline chunks).
+
+    Args:
+        batch: the per-forward state the model's attention modules read.
+    """
+
+    def __init__(self, batch: _Batch) -> None:
+        self.batch = batch
+        self.cp, self.rank = dist.get_world_size(batch.group), dist.get_rank(batch.group)
+
+    def positions(self, seq: int, device: Any = None) -> torch.Tensor:
+        """The zigzag positions this rank keeps of a whole sequence of ``seq`` tokens."""
+        if seq % (2 * self.cp):
+            raise ValueError(f"sequence length {seq} must be a multiple of 2·cp = {2 * self.cp} (pad_to_multiple_of)")
+        return zigzag_positions(seq, self.cp, self.rank, device=device)
+
+    def attend(self, keep: torch.Tensor) -> torch.Tensor:
+        """Set the attention's padding mask to this rank's ``keep`` ``[b, s/cp]``; returns its global positions."""
+        positions = self.positions(keep.shape[1] * self.cp, keep.device)
+        self.batch.keep, self.batch.positions = keep.bool(), positions
+        return positions
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``Σ`` over the cp ranks, whose backward is the same sum (:class:`_SumOverContext`)."""
+        return _SumOverContext.apply(x, self.batch.group)
+
+
 def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str = "ring") -> torch.nn.Module:
     """Make an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` run split over the sequence, in place.
 
@@ -376,6 +404,9 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
     (HF's ``ForSequenceClassificationLoss``: regression, single- or multi-label). Parameter gradients are then
     ``cp`` × one rank's share; averaging them over the cp (and dp) group, as Megatron does, gives the gradient.
 
+    The model's ``context_split`` (:class:`ContextSplit`) serves code that runs its modules itself: pipeline
+    chunks take it (``hftrain.parallel.stages.PipelineChunk``).
+
     Args:
         model: the classifier (possibly tensor-parallel already: attention sees this rank's heads).
         cp_group: the context-parallel process group.
@@ -383,7 +414,7 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
     """
     from transformers.modeling_outputs import SequenceClassifierOutput
 
-    from hftrain.parallel.stages import _last_non_pad_one_hot, check_family
+    from hftrain.parallel.stages import FAMILIES, check_family
 
     check_family(model.config, class_name=type(model).__name__, axis="cp")
     _register()
@@ -391,18 +422,15 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
     for module in model.modules():
         module.context_parallel_batch = batch
     model.set_attn_implementation(ATTENTION_NAME)
-    cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    split = model.context_split = ContextSplit(batch)
     family = model.config.model_type
     base = model.base_model
 
     def forward(input_ids, attention_mask=None, labels=None, token_type_ids=None, **_ignored):
-        seq = input_ids.shape[1]
-        if seq % (2 * cp):
-            raise ValueError(f"sequence length {seq} must be a multiple of 2·cp = {2 * cp} (pad_to_multiple_of)")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        positions = zigzag_positions(seq, cp, cp_rank, device=input_ids.device)
-        batch.keep, batch.positions = attention_mask[:, positions].bool(), positions
+        positions = split.positions(input_ids.shape[1], input_ids.device)
+        split.attend(attention_mask[:, positions])
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, positions]}
         hidden = base(
             input_ids=input_ids[:, positions],
@@ -410,12 +438,8 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
             position_ids=positions[None].expand(input_ids.shape[0], -1),
             **extra,
         ).last_hidden_state
-        if family == "bert":
-            pool = torch.zeros(input_ids.shape, dtype=hidden.dtype, device=hidden.device)
-            pool[:, 0] = 1
-        else:
-            pool = _last_non_pad_one_hot(input_ids, model.config, hidden.dtype)
-        token = _SumOverContext.apply((hidden * pool[:, positions, None]).sum(1), cp_group)
+        pool = FAMILIES[family].pool(model.config, input_ids, hidden.dtype)
+        token = split.sum((hidden * pool[:, positions, None]).sum(1))
         if family == "bert":
             logits = model.classifier(model.dropout(base.pooler.activation(base.pooler.dense(token))))
         else:

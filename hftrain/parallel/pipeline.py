@@ -248,6 +248,7 @@ def build_stage_modules(
         )
         chunk.attach_hf_names(hf_names)
         chunk.index = c  # its global stage index: schedules check it against their layout
+        chunk.context_split = getattr(model, "context_split", None)  # set by apply_context_parallel
         chunks.append(chunk)
     missing = [n for chunk in chunks for n, p in chunk.named_parameters() if p.device.type == "meta"]
     if missing:

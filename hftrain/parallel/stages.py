@@ -16,9 +16,16 @@ from hftrain.errors import AxisError
 Modules = dict[str, torch.nn.Module]
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
-    """``[1, s]`` position ids, as GPT-2 and Llama build them without a cache."""
+def _positions(hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``[1, s]`` position ids, as GPT-2 and Llama build them without a cache (or a context-parallel shard's own
+    global positions)."""
+    if positions is not None:
+        return positions.unsqueeze(0)
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _last_non_pad_one_hot(input_ids: torch.Tensor, config: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -31,6 +38,13 @@ def _last_non_pad_one_hot(input_ids: torch.Tensor, config: Any, dtype: torch.dty
         non_pad = (input_ids != pad).to(torch.int32)
         index = (torch.arange(seq, device=input_ids.device, dtype=torch.int32) * non_pad).argmax(-1)
     return torch.nn.functional.one_hot(index.long(), seq).to(dtype)
+
+
+def first_token_one_hot(input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One-hot ``[b, s]`` of the first token (BERT's pooler reads it)."""
+    pool = torch.zeros(input_ids.shape, dtype=dtype, device=input_ids.device)
+    pool[:, 0] = 1
+    return pool
 
 
 def _pool(logits: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
@@ -57,14 +71,17 @@ class BertStages:
         """Parameter-free helpers every chunk needs."""
         return {}
 
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None) -> tuple:
-        """Token ids to the activation tuple (the pooler reads the first token)."""
-        hidden = mods["embeddings"](input_ids=input_ids, token_type_ids=token_type_ids)
-        pool = torch.zeros(input_ids.shape, dtype=hidden.dtype, device=hidden.device)
-        pool[:, 0] = 1
-        return hidden, attention_mask, pool
+    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The one-hot of the token the head classifies, over the whole sequence: the first."""
+        return first_token_one_hot(input_ids, dtype)
 
-    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> dict:
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
+        """Token ids to the activation tuple (the pooler reads the first token)."""
+        position_ids = None if positions is None else _positions(input_ids, positions)
+        hidden = mods["embeddings"](input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+        return hidden, attention_mask, first_token_one_hot(input_ids, hidden.dtype)
+
+    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """The 4-D mask, built once per chunk as ``BertModel`` builds it."""
         from transformers.masking_utils import create_bidirectional_mask
 
@@ -74,26 +91,35 @@ class BertStages:
         """One ``BertLayer``."""
         return layer(hidden, context["mask"])
 
-    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-        """Pooler (first token), dropout, classifier: logits ``[b, num_labels]``."""
-        return mods["classifier"](mods["dropout"](mods["pooler"](hidden)))
+    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
+        """Pooler (the first token, picked by the one-hot: exact), dropout, classifier: logits ``[b, num_labels]``.
+
+        ``reduce`` completes the pooled token where the sequence is split (a sum over the cp ranks)."""
+        pooler = mods["pooler"]
+        token = reduce((hidden * pool.unsqueeze(-1)).sum(1))
+        return mods["classifier"](mods["dropout"](pooler.activation(pooler.dense(token))))
 
 
 class _DecoderStages:
     """Shared by GPT-2 and Llama: causal mask from the 2-D mask, head pooled at the last non-pad token."""
 
-    def causal_context(self, config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> dict:
+    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The one-hot of the token the head classifies, over the whole sequence: the last non-pad one."""
+        return _last_non_pad_one_hot(input_ids, config, dtype)
+
+    def causal_context(self, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         from transformers.masking_utils import create_causal_mask
 
-        positions = _positions(hidden)
+        positions = _positions(hidden, positions)
         causal = create_causal_mask(
             config=config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=positions
         )
         return {"mask": causal, "positions": positions}
 
-    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-        """Final norm, score on every position, then the pooled token (transformers' order of operations)."""
-        return _pool(mods["score"](mods["norm"](hidden)), pool)
+    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
+        """Final norm, score on every position, then the pooled token (transformers' order of operations);
+        ``reduce`` completes it where the sequence is split (a sum over the cp ranks)."""
+        return reduce(_pool(mods["score"](mods["norm"](hidden)), pool))
 
 
 class GPT2Stages(_DecoderStages):
@@ -116,18 +142,18 @@ class GPT2Stages(_DecoderStages):
         """Parameter-free helpers every chunk needs."""
         return {}
 
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None) -> tuple:
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
         """Token and position embeddings (plus token types, as ``GPT2Model``), then embedding dropout."""
         inputs_embeds = mods["wte"](input_ids)
-        hidden = inputs_embeds + mods["wpe"](_positions(inputs_embeds))
+        hidden = inputs_embeds + mods["wpe"](_positions(inputs_embeds, positions))
         if token_type_ids is not None:
             hidden = hidden + mods["wte"](token_type_ids)
         hidden = mods["drop"](hidden)
         return hidden, attention_mask, _last_non_pad_one_hot(input_ids, config, hidden.dtype)
 
-    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> dict:
+    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """Causal mask and positions, once per chunk."""
-        return self.causal_context(config, hidden, mask)
+        return self.causal_context(config, hidden, mask, positions)
 
     def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict) -> torch.Tensor:
         """One ``GPT2Block`` (no cache)."""
@@ -153,14 +179,14 @@ class LlamaStages(_DecoderStages):
         """The rotary embedding (buffers only): each chunk recomputes cos/sin from the positions."""
         return {"rotary_emb": model.model.rotary_emb}
 
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None) -> tuple:
-        """Token embeddings; Llama has no token types."""
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
+        """Token embeddings; Llama has no token types (positions enter through the rotary embedding)."""
         hidden = mods["embed_tokens"](input_ids)
         return hidden, attention_mask, _last_non_pad_one_hot(input_ids, config, hidden.dtype)
 
-    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> dict:
+    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """Causal mask, positions and rotary ``(cos, sin)``, once per chunk."""
-        context = self.causal_context(config, hidden, mask)
+        context = self.causal_context(config, hidden, mask, positions)
         context["rotary"] = aux["rotary_emb"](hidden, position_ids=context["positions"])
         return context
 
@@ -242,6 +268,8 @@ class PipelineChunk(torch.nn.Module):
         self.aux = torch.nn.ModuleDict(aux)
         self._hf_names: dict[str, str] = {}
         self.index: int | None = None  # global stage index, set by build_stage_modules
+        # context parallelism (hftrain.parallel.context_parallel.ContextSplit): this rank's part of each sequence
+        self.context_split: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -279,14 +307,22 @@ class PipelineChunk(torch.nn.Module):
 
         Returns the next activation tuple, or the logits ``[b, num_labels]`` from the last chunk.
         """
+        split = self.context_split
         if self.is_first:
-            hidden, mask, pool = self.family.embed(self.embed, self.config, *acts)
+            if split is None:
+                hidden, mask, pool = self.family.embed(self.embed, self.config, *acts)
+            else:  # this rank's positions of the whole sequences; the classified token found on the whole
+                input_ids, positions = acts[0], split.positions(acts[0].shape[1], acts[0].device)
+                local = [a[:, positions] for a in acts]
+                hidden, mask, _ = self.family.embed(self.embed, self.config, *local, positions=positions)
+                pool = self.family.pool(self.config, input_ids, hidden.dtype)[:, positions]
         else:
             hidden, mask, pool = acts
+        positions = None if split is None else split.attend(mask)
         if len(self.layers):
-            context = self.family.layer_context(self.aux, self.config, hidden, mask)
+            context = self.family.layer_context(self.aux, self.config, hidden, mask, positions)
             for layer in self.layers.values():
                 hidden = self.family.run_layer(layer, hidden, context)
         if self.is_last:
-            return self.family.head(self.head, hidden, pool)
+            return self.family.head(self.head, hidden, pool, *(() if split is None else (split.sum,)))
         return hidden, mask, pool

@@ -138,10 +138,6 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
         dropout=model.dropout and not args.no_dropout,
         fused_attention=args.attention == "fused",
     )
-    if args.cp > 1 and args.pp not in (None, 1):
-        raise ConfigError(
-            f"--cp {args.cp} with --pp {args.pp}: hftrain runs context parallelism without stages; use --pp 1"
-        )
     return plan(model, hardware, workload, tp=args.tp, pp=args.pp, cp=args.cp)
 
 

@@ -40,7 +40,7 @@ def layouts(
 ) -> list[tuple[int, int]]:
     """(t, p) pairs other than (1, 1): t divides the GPUs per node and the model's sizes, p divides the layers,
     and t·p (·cp) divides the world. ``tp``/``pp`` fix one (checked against the model: a size that does not divide
-    is an error). With ``cp > 1`` (context parallelism, which hftrain runs without stages) p is 1 and t may be 1.
+    is an error). With ``cp > 1`` (context parallelism) t and p may both be 1.
 
     Args:
         model: the model.
@@ -53,8 +53,6 @@ def layouts(
         model.check_parallel(tp or 1, pp or 1)
     tps = [tp] if tp else divisors(hw.gpus_per_node)
     pps = [pp] if pp else divisors(model.layers)
-    if cp > 1:
-        pps = [1]
     return [
         (t, p)
         for t in tps

@@ -81,11 +81,10 @@ def check_context_parallel(strategy: StrategyConfig) -> None:
     cp = strategy.cp
     if cp == 1:
         return
-    for option, unsupported in (("pp", strategy.pp > 1), ("sequence_parallel", strategy.sequence_parallel)):
-        if unsupported:
-            raise ConfigError(
-                f"strategy.cp={cp} with strategy.{option} is not supported yet; use cp with tp and data parallelism"
-            )
+    if strategy.sequence_parallel:
+        raise ConfigError(
+            f"strategy.cp={cp} with strategy.sequence_parallel is not supported yet; use sequence_parallel: false"
+        )
     buckets = strategy.pad_to_multiple_of
     if buckets and buckets % (2 * cp):
         raise ConfigError(

@@ -302,16 +302,18 @@ class PipelineRuntime(MegatronRuntime):
         return loss
 
     def _finalize_grads(self) -> None:
-        """Average gradients over dp (each stage's own replicas), then complete tp's sequence-parallel ones."""
+        """Average gradients over dp × cp (each stage's own replicas and sequence parts), then complete tp's
+        sequence-parallel ones."""
         from hftrain.parallel import finalize_tp_grads
         from hftrain.parallel.collectives import all_reduce_coalesced
 
         layout = self.plugin.layout
         grads = [p.grad for p in self._params.values() if p.grad is not None]
-        if layout.dp_size > 1 and grads:
-            all_reduce_coalesced(grads, layout.dp_group)
+        replicas = layout.dp_size * layout.cp_size
+        if replicas > 1 and grads:
+            all_reduce_coalesced(grads, layout.dp_cp_group or layout.dp_group)
             for grad in grads:
-                grad.div_(layout.dp_size)
+                grad.div_(replicas)
         finalize_tp_grads(self._model, tp_group=layout.tp_group)
 
     # ----------------------------------------------------------------- state
