@@ -20,6 +20,7 @@ not what 4 devices would give; the memory and the balance are.
 
 Usage (about 4 minutes, 8 GB at most):
     python benchmarks/context_parallel.py [--seqs 2048,4096,8192] [--budget-gib 1.5]
+    python benchmarks/context_parallel.py --comm all_to_all --cps 1,3 --seqs 3072   # 3 key/value heads: cp=3
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tests.memory import process_memory as _status  # noqa: E402
 from tests.memory import reset_peak  # noqa: E402
 
 
-def _step(seq: int) -> dict:
+def _step(seq: int, comm: str) -> dict:
     import gc
 
     import torch
@@ -57,10 +58,11 @@ def _step(seq: int) -> dict:
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config)
-    cp_module.apply_context_parallel(model, cp_group=dist.group.WORLD, comm="ring")
+    cp_module.apply_context_parallel(model, cp_group=dist.group.WORLD, comm=comm)
     spent, sent = [0.0], [0]
-    ring = cp_module._RingAttention
+    ring, a2a = cp_module._RingAttention, cp_module._AllToAll
     forward, backward = ring.forward, ring.backward
+    a2a_forward, a2a_backward, attention = a2a.forward, a2a.backward, cp_module.ATTENTIONS["all_to_all"]
 
     def timed(fn):
         def run(*args):
@@ -86,6 +88,23 @@ def _step(seq: int) -> dict:
         return exchange(self, group)
 
     ring.forward, ring.backward, cp_module._Block.exchange = timed(forward), timed(backward), counted
+    exchange_all = cp_module._exchange
+
+    def counted_all(x, group, inverse):  # an all-to-all sends (cp - 1)/cp of its tensor
+        size = dist.get_world_size(group)
+        sent[0] += x.numel() * x.element_size() * (size - 1) // size
+        return exchange_all(x, group, inverse)
+
+    def timed_attention(*args):
+        start = time.perf_counter()
+        out = attention(*args)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    cp_module._exchange = counted_all
+    cp_module.ATTENTIONS["all_to_all"] = timed_attention
+    a2a.backward = timed(a2a_backward)
+    del a2a_forward  # the forward all-to-alls are inside the timed attention
     ids = torch.randint(1, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([1])}
     gc.collect()
@@ -108,6 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
     parser.add_argument("--cps", default="1,2,4", help="comma-separated cp sizes")
+    parser.add_argument("--comm", default="ring", choices=("ring", "all_to_all"), help="strategy.cp_comm")
     parser.add_argument("--budget-gib", type=float, default=1.5, help="per-process memory budget for the longest S")
     args = parser.parse_args()
     from hftrain.plan import Workload, model_from_config
@@ -121,15 +141,17 @@ def main() -> None:
     peaks: dict[tuple[int, int], float] = {}
     for seq in map(int, args.seqs.split(",")):
         for cp in map(int, args.cps.split(",")):
-            runs = run_distributed(_step, nprocs=cp, timeout=1800, seq=seq)
+            runs = run_distributed(_step, nprocs=cp, timeout=1800, seq=seq, comm=args.comm)
             peak = max(r["peak"] for r in runs)
             peaks[seq, cp] = peak
             times, scores = [r["attention"] for r in runs], [r["scores"] for r in runs]
-            planned = _context_bytes(spec, 1, cp, Workload(precision="fp32", micro_batch=1, seq=seq)) if cp > 1 else 0
+            work = Workload(precision="fp32", micro_batch=1, seq=seq)
+            planned = _context_bytes(spec, 1, cp, work, comm=args.comm) if cp > 1 else 0
             sent = max(r["sent"] for r in runs)
             ratio = peak * cp / peaks[seq, 1] if (seq, 1) in peaks else float("nan")
+            balance = f"{max(scores) / min(scores):.2f}" if min(scores) else "- (whole-sequence attention)"
             print(
-                f"| {seq} | {cp} | {peak / mib:.0f} | {ratio:.2f} | {max(scores) / min(scores):.2f} | "
+                f"| {seq} | {cp} | {peak / mib:.0f} | {ratio:.2f} | {balance} | "
                 f"{min(times):.2f}-{max(times):.2f} | {sent / mib:.1f} / {planned / mib:.1f} | "
                 f"{max(r['step'] for r in runs):.2f} |",
                 flush=True,

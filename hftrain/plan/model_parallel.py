@@ -178,7 +178,7 @@ def _context_comm(model: ModelSpec, tp: int, cp: int) -> str:
     return "all_to_all" if (model.heads // tp) % cp == 0 and (model.kv_heads // tp) % cp == 0 else "ring"
 
 
-def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload) -> float:
+def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload, *, comm: str | None = None) -> float:
     """Bytes one GPU sends per step for context parallelism (``hftrain.parallel.context_parallel``), per layer and
     micro-batch, with ``kv = b·(s/c)·h_kv·d/t`` elements of keys (as many of values) and ``q = b·(s/c)·h·d/t``:
 
@@ -191,7 +191,7 @@ def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload) -> float:
     positions = work.micro_batch * -(-work.seq // cp)
     kv = positions * model.kv_heads * head_dim / tp
     q = positions * model.heads * head_dim / tp
-    if _context_comm(model, tp, cp) == "all_to_all":
+    if (comm or _context_comm(model, tp, cp)) == "all_to_all":
         per_layer = 2 * (cp - 1) / cp * (2 * q + 2 * kv) * e
     else:
         per_layer = (cp - 1) * 2 * kv * e * 2 + cp * 2 * kv * 4
