@@ -133,15 +133,3 @@ def check_connect(rendezvous: Rendezvous, *, timeout: float = 3.0) -> str | None
         return f"no answer from {rendezvous} within {timeout:g} s (a firewall, or the wrong address)"
     except OSError as error:
         return f"cannot connect to {rendezvous} ({error.strerror or error})"
-
-
-def check_listen(rendezvous: Rendezvous) -> str | None:
-    """On the rendezvous host: None when the port can be bound, else why not (e.g. already in use)."""
-    family = socket.AF_INET6 if ":" in resolve(rendezvous.addr) else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as server:
-        try:
-            server.bind((resolve(rendezvous.addr), rendezvous.port))
-        except OSError as error:
-            return f"cannot listen on {rendezvous} ({error.strerror or error}); choose a free --master_port"
-        server.listen(1)
-        return check_connect(rendezvous, timeout=1.0)

@@ -55,7 +55,6 @@ from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.pipeline import chunk_ids_of_rank
 from hftrain.parallel.timeline import TimelineRecorder
 
-INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # the first chunk's positional inputs, in order
 _CACHED_SHAPES = 8  # torch schedules kept per kind (training, evaluation), least recently used dropped
 
 

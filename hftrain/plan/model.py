@@ -13,8 +13,6 @@ from hftrain.errors import ConfigError, reading
 from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
 
 GATED_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"})
-# PEFT's default LoRA targets per family (peft.utils.constants), as (query, value) projections
-LORA_TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",)}
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
 # real model, and small enough that every formula's product stays a finite float.
 MAX_SIZE = 10**8
