@@ -177,7 +177,9 @@ class PretrainedClassifier:
             "(save_pretrained) or point to a complete model folder",
             catch=_weight_errors(),
         ):
-            model = None
+            from hftrain.models.partial import quiet_load_report
+
+            loaded = None
             if leave_out is not None and self.lora is None:
                 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
@@ -185,8 +187,8 @@ class PretrainedClassifier:
 
                 random_state = torch.get_rng_state()
                 model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(self.path))]
-                model = from_pretrained_leaving_out(model_class, self.path, leave_out, **kwargs)
-                if model is None:  # a left-out parameter was not in the checkpoint: only the whole model is exact
+                loaded = from_pretrained_leaving_out(model_class, self.path, leave_out, **kwargs)
+                if loaded is None:  # a left-out parameter was not in the checkpoint: only the whole model is exact
                     from hftrain.log import get_logger
 
                     get_logger().warning(
@@ -195,8 +197,18 @@ class PretrainedClassifier:
                         self.path,
                     )
                     torch.set_rng_state(random_state)
-            if model is None:
-                model = AutoModelForSequenceClassification.from_pretrained(self.path, **kwargs)
+            if loaded is None:
+                with quiet_load_report():
+                    loaded = AutoModelForSequenceClassification.from_pretrained(
+                        self.path, output_loading_info=True, **kwargs
+                    )
+                loaded = loaded[0], sorted(loaded[1]["missing_keys"])
+        model, initialised = loaded
+        if initialised:
+            from hftrain.log import log_main
+
+            shown = ", ".join(initialised[:6]) + (f" and {len(initialised) - 6} more" if len(initialised) > 6 else "")
+            log_main(f"classifier head initialised: {shown} (not in {self.path})")
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = self.pad_token_id
         if self.lora is not None:

@@ -38,7 +38,7 @@ LeaveOut = Callable[["nn.Module"], Iterable[str]]
 
 def from_pretrained_leaving_out(
     model_class: type[PreTrainedModel], path: Any, leave_out: LeaveOut, **kwargs: Any
-) -> PreTrainedModel | None:
+) -> tuple[PreTrainedModel, list[str]] | None:
     """``model_class.from_pretrained(path, **kwargs)`` with the submodules ``leave_out`` names left on ``meta``.
 
     Args:
@@ -50,8 +50,9 @@ def from_pretrained_leaving_out(
 
     Returns:
         The model, every parameter outside the left-out submodules loaded exactly as ``from_pretrained`` loads
-        it, the left-out ones on ``meta`` with their names and shapes; or None when a left-out parameter was not
-        in the checkpoint (the whole model would have initialised it from the random stream: build it whole).
+        it, the left-out ones on ``meta`` with their names and shapes, and the names ``from_pretrained``
+        initialised (not in the checkpoint: the new head); or None when a left-out parameter was not in the
+        checkpoint (the whole model would have initialised it from the random stream: build it whole).
     """
     from torch import nn
 
@@ -70,8 +71,8 @@ def from_pretrained_leaving_out(
         (model_class,),
         {"__init__": init, "__module__": model_class.__module__, "__qualname__": model_class.__qualname__},
     )
-    with _quiet_load_report():
-        model = partial.from_pretrained(path, **kwargs)
+    with quiet_load_report():
+        model, info = partial.from_pretrained(path, output_loading_info=True, **kwargs)
     model.__class__ = model_class
     for dotted, module in removed.items():
         parent, _, name = dotted.rpartition(".")
@@ -84,7 +85,7 @@ def from_pretrained_leaving_out(
         for dotted, module in removed.items()
         for name, _ in module.named_parameters()
     }
-    return model if left_out <= saved else None
+    return (model, sorted(info["missing_keys"])) if left_out <= saved else None
 
 
 def _checkpoint_keys(path: Any) -> set[str]:
@@ -107,8 +108,9 @@ def _checkpoint_keys(path: Any) -> set[str]:
 
 
 @contextlib.contextmanager
-def _quiet_load_report():
-    """transformers' load report would list every left-out key as UNEXPECTED; the caller checks them itself."""
+def quiet_load_report():
+    """transformers' load report is a table of every key it did not match (a new head as MISSING, a language
+    model's ``lm_head`` as UNEXPECTED, here every left-out key); hftrain says in one line what matters."""
     from transformers.utils import logging
 
     level = logging.get_verbosity()
