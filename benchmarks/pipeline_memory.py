@@ -19,8 +19,9 @@ process groups, the schedule, the loaders), which does not grow with the model; 
 model and optimizer memory against the plan.
 
 The plan is ``hftrain plan``'s estimate for that rank: its stage's parameters (the plan's formula:
-``layers·Ψ_layer/t``, plus ``V·h/t`` and the other embeddings on the first stage, plus the head on the last, with
-the stage's real layer count) × 16 bytes (fp32 parameter, gradient and two Adam moments), plus the plan's working
+``layers·Ψ_layer/t``, with the rank's own share of the key/value groups where t does not divide them, plus
+``V·h/t`` and the other embeddings on the first stage, plus the head on the last, with the stage's real layer
+count) × 16 bytes (fp32 parameter, gradient and two Adam moments), plus the plan's working
 memory on a first stage with several micro-batches (one micro-batch's embedding gradient, ``V·h/t`` × 4 bytes,
 live while autograd adds it to the accumulated one). Activations are kept small (4 sequences of 16 tokens) so
 that the model states dominate.
@@ -92,10 +93,13 @@ def plan_spec():
         return model_from_config(str(Path(folder) / "config.json"))
 
 
-def plan_stage_parameters(spec, layers: int, *, tp: int, first: bool, last: bool) -> float:
-    """``hftrain plan``'s per-GPU parameters of a stage with ``layers`` layers (``plan.model_parallel``'s terms)."""
+def plan_stage_parameters(spec, layers: int, *, tp: int, tp_rank: int, first: bool, last: bool) -> float:
+    """``hftrain plan``'s per-GPU parameters of a stage with ``layers`` layers (``plan.model_parallel``'s terms,
+    with this tp rank's share of the key/value groups)."""
+    from hftrain.plan.model_parallel import layer_parameters_per_gpu
+
     vocab = spec.vocab * spec.hidden
-    total = layers * spec.layer_parameters / tp
+    total = layers * layer_parameters_per_gpu(spec, tp, tp_rank)
     if first:
         total += vocab / tp + spec.embedding_parameters - vocab - spec.head_parameters
     if last:
@@ -194,7 +198,7 @@ def main() -> None:
         for r in sorted(runs, key=lambda r: r["rank"]):
             f = fixed[r["rank"]]
             states = BYTES_PER_PARAMETER * plan_stage_parameters(
-                spec, r["layers"], tp=tp, first=r["first"], last=r["last"]
+                spec, r["layers"], tp=tp, tp_rank=r["tp_rank"], first=r["first"], last=r["last"]
             )
             # the plan's working memory: one micro-batch's embedding gradient being added to the accumulated one
             plan = states + (4 * spec.vocab * spec.hidden / tp if r["first"] and pp > 1 else 0)

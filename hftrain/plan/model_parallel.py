@@ -150,15 +150,41 @@ def _accumulation_transient(model: ModelSpec, tp: int, pp: int, work: Workload, 
     return model.vocab * model.hidden / tp
 
 
+def layer_parameters_per_gpu(model: ModelSpec, tp: int, tp_rank: int | None = None) -> float:
+    """One transformer layer's parameters on a tensor-parallel GPU: ``Ψ_layer/t``, except that hftrain splits
+    grouped-query attention by whole key/value groups, so where ``t`` does not divide the key/value heads the
+    ranks hold ``⌈kv/t⌉`` or ``⌊kv/t⌋`` groups of the attention (SmolLM2's 3 at t=2: 2 and 1).
+
+    Args:
+        model: the model.
+        tp: tensor-parallel size t.
+        tp_rank: which rank (its own share of the groups); None for the most loaded one.
+    """
+    kv = model.kv_heads
+    if kv % tp == 0:
+        return model.layer_parameters / tp
+    head_dim = model.hidden / model.heads
+    attention = 2 * model.hidden * model.hidden + 2 * model.hidden * kv * head_dim  # q, o and k, v (no biases)
+    groups = kv // tp + (1 if tp_rank is None or tp_rank < kv % tp else 0)
+    return (model.layer_parameters - attention) / tp + attention * groups / kv
+
+
+def stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
+    """Layers of the first and of the last pipeline stage: the extra layers of an uneven split go to the last
+    stages (the first embeds), as ``hftrain.parallel.stage_layer_ranges`` cuts them."""
+    return model.layers // pp, -(-model.layers // pp)
+
+
 def _first_stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
     vocab = model.vocab * model.hidden
-    layers = model.layers // pp * model.layer_parameters / tp
+    layers = stage_layers(model, pp)[0] * layer_parameters_per_gpu(model, tp)
     return layers + vocab / tp + model.embedding_parameters - vocab - model.head_parameters
 
 
 def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
     """Parameters one GPU of the most loaded pipeline stage holds (the first, with the embeddings, or the last,
-    with the head), its layers split over ``tp`` and the vocabulary-parallel embedding too.
+    with the head), its layers split over ``tp`` (:func:`layer_parameters_per_gpu`) and the
+    vocabulary-parallel embedding too.
 
     Args:
         model: the model.
@@ -166,11 +192,11 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
         pp: pipeline-parallel size p.
     """
     vocab = model.vocab * model.hidden
-    layers = model.layers // pp * model.layer_parameters / tp
     outside = model.embedding_parameters - vocab  # replicated: positions, norms, pooler, classifier
     if pp == 1:
-        return layers + vocab / tp + outside
-    return max(_first_stage_parameters(model, tp, pp), layers + model.head_parameters)
+        return model.layers * layer_parameters_per_gpu(model, tp) + vocab / tp + outside
+    last = stage_layers(model, pp)[1] * layer_parameters_per_gpu(model, tp) + model.head_parameters
+    return max(_first_stage_parameters(model, tp, pp), last)
 
 
 def _context_comm(model: ModelSpec, tp: int, cp: int) -> str:
