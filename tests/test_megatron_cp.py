@@ -16,9 +16,11 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
+from tests import test_megatron
 from tests.test_megatron import _assert_parity
 from tests.tiny import run_tiny_training
 
+tiny_job = test_megatron.tiny_job  # the tiny model folders and CSV of the megatron job tests (a module fixture)
 LONG = {"words": (150, 300), "max_seq_length": 256, "steps": 10}
 GLOBAL_MICRO = 8
 # label -> (kind, strategy options); micro per replica = GLOBAL_MICRO / dp
@@ -102,3 +104,20 @@ def test_cp2_resumes_exactly_and_its_checkpoint_resumes_at_cp1(runs):
     assert on_one["global_step"] == 12
     assert on_one["losses"] == pytest.approx(full["losses"], rel=1e-5)
     _assert_same_weights(on_one["weights"], full["weights"], atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_cp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
+    """A real ``torchrun`` job at cp=2: trained, checkpointed and exported; the export reloads in plain
+    transformers with the trained model's logits (the job compares them on every run)."""
+    import json
+    import re
+
+    from tests.test_megatron import _job_args, _torchrun
+
+    output_dir = tmp_path / "out"
+    done = _torchrun(2, ["scripts/train.py", *_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--cp", "2")])
+    diff = float(re.search(r"reloaded it: max logit difference (\S+)", done.stdout + done.stderr).group(1))
+    assert diff <= 1e-5
+    strategy = json.loads((output_dir / "hftrain_strategy.json").read_text())
+    assert strategy["cp"] == 2 and strategy["dp_size"] == 1 and strategy["global_batch"] == 8
