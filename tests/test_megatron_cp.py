@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
 from tests import test_megatron
+from tests.distributed import run_distributed
 from tests.test_megatron import _assert_parity
 from tests.tiny import run_tiny_training
 
