@@ -27,9 +27,11 @@ from torch import nn
 
 from hftrain.parallel.collectives import reduce_from_tp, reduce_scatter_to_sequence
 
-# Name of the attribute listing a module's own parameters that see sequence-sharded activations under sequence
-# parallelism (replicated weights with partial gradients: finalize_tp_grads all-reduces them over tp).
-SEQUENCE_PARALLEL_PARAMS = "hftrain_sequence_parallel_params"
+# Name of the attribute listing a module's own parameters that are replicated over tp but receive only a partial
+# gradient on each rank: they saw sequence-sharded activations under sequence parallelism (LayerNorms, row-parallel
+# biases), or only this rank's share of a split product (LoRA's A under a column-parallel layer). finalize_tp_grads
+# all-reduces them over tp.
+PARTIAL_GRAD_PARAMS = "hftrain_partial_grad_params"
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ class RowParallelLinear(_ShardedLinear):
         super().__init__(module, tp_group=tp_group, split="in", counts=counts)
         self.sequence_parallel = sequence_parallel
         if sequence_parallel and self.bias is not None:
-            setattr(self, SEQUENCE_PARALLEL_PARAMS, ("bias",))
+            setattr(self, PARTIAL_GRAD_PARAMS, ("bias",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self._matmul(x)

@@ -26,7 +26,7 @@ from hftrain.parallel.collectives import (
     scatter_to_sequence,
 )
 from hftrain.parallel.layers import (
-    SEQUENCE_PARALLEL_PARAMS,
+    PARTIAL_GRAD_PARAMS,
     ColumnParallelLinear,
     RowParallelLinear,
     TPShard,
@@ -98,7 +98,7 @@ def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, coun
 
 def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     if ctx.sequence_parallel:
-        setattr(module, SEQUENCE_PARALLEL_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
+        setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
 
 
 def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
@@ -357,9 +357,9 @@ def clip_grad_norm_(
 def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:
     """Complete the gradients after backward, before the optimizer step (collective over ``tp_group``).
 
-    Under sequence parallelism, replicated parameters that ran on sequence chunks (LayerNorms, row-parallel
-    biases) hold partial gradients: they are all-reduced over tp (one all-reduce per dtype). Without
-    sequence parallelism there are none and nothing is communicated.
+    Replicated parameters that hold partial gradients (``PARTIAL_GRAD_PARAMS``: under sequence parallelism the
+    LayerNorms and row-parallel biases that ran on sequence chunks) are all-reduced over tp (one all-reduce per
+    dtype). When there are none (no sequence parallelism), nothing is communicated.
 
     Args:
         model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
@@ -368,7 +368,7 @@ def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:
     grads = [
         getattr(module, name).grad
         for module in model.modules()
-        for name in getattr(module, SEQUENCE_PARALLEL_PARAMS, ())
+        for name in getattr(module, PARTIAL_GRAD_PARAMS, ())
         if getattr(module, name).grad is not None
     ]
     if grads:
