@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 WORDS = [f"w{i}" for i in range(40)]
 POSITIVE = set(WORDS[:20])
@@ -85,16 +87,18 @@ def tiny_model_init(
     lora_options: dict | None = None,
     num_layers: int = 2,
     max_positions: int = 64,
+    config_overrides: dict | None = None,
 ):
     """A ``model_init`` for the trainer: a fresh tiny ``*ForSequenceClassification``, in LoRA adapters when
-    ``lora_options`` (``hftrain.config.LoraConfig`` fields) is given."""
+    ``lora_options`` (``hftrain.config.LoraConfig`` fields) is given; ``config_overrides`` set config fields
+    (e.g. ``num_attention_heads``)."""
 
     def build():
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_config(
-            tiny_config(kind, num_labels, dropout=dropout, num_layers=num_layers, max_positions=max_positions)
-        )
+        config = tiny_config(kind, num_labels, dropout=dropout, num_layers=num_layers, max_positions=max_positions)
+        config.update(config_overrides or {})
+        model = AutoModelForSequenceClassification.from_config(config)
         if lora_options is None:
             return model
         from hftrain.config import LoraConfig
@@ -178,12 +182,16 @@ def run_tiny_training(
     num_layers: int = 2,
     words: tuple[int, int] = (3, 20),
     max_seq_length: int = 32,
+    config_overrides: dict | None = None,
+    inspect: Callable[[Any], Any] | None = None,
     **training_overrides,
 ) -> dict:
     """Train a tiny model in this process group; returns losses, learning rates and final eval metrics.
 
     ``output_dir`` defaults to a fresh folder that every rank of this launch agrees on. ``lora_options``
-    (``hftrain.config.LoraConfig`` fields) trains LoRA adapters and the head instead of the full model.
+    (``hftrain.config.LoraConfig`` fields) trains LoRA adapters and the head instead of the full model;
+    ``config_overrides`` change the tiny model's config. ``inspect(trainer)``, called on every rank after training,
+    adds what it returns as ``"inspected"``.
     """
     import torch
 
@@ -219,7 +227,12 @@ def run_tiny_training(
         args,
         strategy=build_strategy(strategy_config, launch=launch_info_from_environ()),
         model_init=tiny_model_init(
-            kind, dropout=dropout, lora_options=lora_options, num_layers=num_layers, max_positions=max_seq_length * 2
+            kind,
+            dropout=dropout,
+            lora_options=lora_options,
+            num_layers=num_layers,
+            max_positions=max_seq_length * 2,
+            config_overrides=config_overrides,
         ),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
@@ -244,4 +257,5 @@ def run_tiny_training(
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
         "threads": torch.get_num_threads(),
+        "inspected": inspect(trainer) if inspect is not None else None,
     }

@@ -29,6 +29,8 @@ _EXPORTS = {
     "shard_full_tensor": "tensor_parallel",
     "load_full_state_dict": "tensor_parallel",
     "finalize_tp_grads": "tensor_parallel",
+    "check_replicas_agree": "tensor_parallel",
+    "RNGTracker": "random",
     "clip_grad_norm_": "tensor_parallel",
     "record_collectives": "collectives",
     "parallelize_model": "parallelize",

@@ -17,10 +17,16 @@ if TYPE_CHECKING:
     from torch import nn
 
     from hftrain.parallel.dims import ParallelGroups
+    from hftrain.parallel.random import RNGTracker
 
 
 def parallelize_model(
-    model: nn.Module, groups: ParallelGroups, *, sequence_parallel: bool = False, cp_comm: str = "ring"
+    model: nn.Module,
+    groups: ParallelGroups,
+    *,
+    sequence_parallel: bool = False,
+    cp_comm: str = "ring",
+    rng_tracker: RNGTracker | None = None,
 ) -> nn.Module:
     """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
 
@@ -29,12 +35,15 @@ def parallelize_model(
         groups: this rank's process groups (``ParallelDims`` validated once, by the caller's owner).
         sequence_parallel: Megatron sequence parallelism in the tensor-parallel regions.
         cp_comm: how context parallelism exchanges keys and values, ``"ring"`` or ``"all_to_all"``.
+        rng_tracker: this rank's random streams (``hftrain.parallel.random``), seeded for its tp and pp ranks.
     """
     from hftrain.parallel.plans import check_tensor_parallel
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
 
     check_tensor_parallel(model.config, groups.tp_size)
-    model = apply_tensor_parallel(model, tp_group=groups.tp_group, sequence_parallel=sequence_parallel)
+    model = apply_tensor_parallel(
+        model, tp_group=groups.tp_group, sequence_parallel=sequence_parallel, rng_tracker=rng_tracker
+    )
     if groups.cp_size > 1:
         from hftrain.parallel.context_parallel import apply_context_parallel
 

@@ -6,7 +6,10 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 - ``row``: split the input features (the partial outputs are summed);
 - ``vocab``: vocabulary-parallel embedding;
 - ``region``: the module's ``hidden_states`` input enters a tensor-parallel region (f, or the sequence
-  all-gather under sequence parallelism) once for all the column layers inside it;
+  all-gather under sequence parallelism) once for all the column layers inside it; its dropout (attention
+  probabilities on this rank's heads) draws from the rank's own ``tensor`` RNG stream (``hftrain.parallel.random``);
+- ``sequence_dropout``: a residual-stream dropout: the rank's ``tensor`` stream under sequence parallelism (it
+  drops this rank's sequence chunk), the tp group's shared default stream otherwise (even inside a region);
 - ``sequence``: a replicated module (LayerNorm) that runs on sequence chunks under sequence parallelism;
 - ``scatter`` / ``gather``: under sequence parallelism, the module's ``hidden_states`` input is cut into
   sequence chunks / its output is gathered back to the full sequence (the head needs every position).
@@ -70,10 +73,12 @@ PLANS: dict[str, TensorParallelPlan] = {
             ("attention.self.key", "column"),
             ("attention.self.value", "column"),
             ("attention.output.dense", "row"),
+            ("attention.output.dropout", "sequence_dropout"),
             ("attention.output.LayerNorm", "sequence"),
             ("intermediate", "region"),
             ("intermediate.dense", "column"),
             ("output.dense", "row"),
+            ("output.dropout", "sequence_dropout"),
             ("output.LayerNorm", "sequence"),
         ),
         model=(
@@ -96,10 +101,12 @@ PLANS: dict[str, TensorParallelPlan] = {
             ("attn", "region"),
             ("attn.c_attn", "column_qkv"),
             ("attn.c_proj", "row"),
+            ("attn.resid_dropout", "sequence_dropout"),
             ("ln_2", "sequence"),
             ("mlp", "region"),
             ("mlp.c_fc", "column"),
             ("mlp.c_proj", "row"),
+            ("mlp.dropout", "sequence_dropout"),
         ),
         model=(
             ("transformer.wte", "vocab"),

@@ -33,6 +33,7 @@ from hftrain.parallel.layers import (
     VocabParallelEmbedding,
 )
 from hftrain.parallel.plans import TensorParallelPlan, check_tensor_parallel, plan_for
+from hftrain.parallel.random import RNGTracker, run_in_stream
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
 
@@ -46,6 +47,7 @@ class _Context:
     tp_size: int
     sequence_parallel: bool
     counts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # layer path -> per-rank widths
+    rng: RNGTracker | None = None  # which random stream each region draws dropout masks from
 
 
 def _map_hidden_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -94,11 +96,20 @@ def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, count
 def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     enter = gather_from_sequence if ctx.sequence_parallel else copy_to_tp
     _map_hidden_input(module, lambda x: enter(x, ctx.tp_group))
+    if ctx.rng is not None:  # dropout on this rank's heads or features: its own stream, not its peers' copy
+        run_in_stream(module, ctx.rng, "tensor")
 
 
 def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     if ctx.sequence_parallel:
         setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
+
+
+def _sequence_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    # A residual-stream dropout: on this rank's sequence chunk under sequence parallelism (its own stream), else on
+    # activations every tp rank holds whole (the shared default stream, also when it sits inside a region).
+    if ctx.rng is not None:
+        run_in_stream(module, ctx.rng, "tensor" if ctx.sequence_parallel else "default")
 
 
 def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
@@ -118,6 +129,7 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context, Counts], None]]
     "vocab": _vocab,
     "region": _region,
     "sequence": _sequence,
+    "sequence_dropout": _sequence_dropout,
     "scatter": _scatter,
     "gather": _gather,
 }
@@ -162,7 +174,14 @@ def _apply_to_layer(layer: nn.Module, plan: TensorParallelPlan, ctx: _Context) -
             setattr(attention, attribute, getattr(attention, attribute) // ctx.tp_size)
 
 
-def parallelize_layer(layer: nn.Module, config: Any, *, tp_group: Any, sequence_parallel: bool = False) -> nn.Module:
+def parallelize_layer(
+    layer: nn.Module,
+    config: Any,
+    *,
+    tp_group: Any,
+    sequence_parallel: bool = False,
+    rng_tracker: RNGTracker | None = None,
+) -> nn.Module:
     """Split one transformer layer in place with its family's plan (what apply_tensor_parallel does per layer).
 
     For benchmarks and tests of a single layer; the caller owns the model-level entries (embedding, sequence
@@ -173,14 +192,18 @@ def parallelize_layer(layer: nn.Module, config: Any, *, tp_group: Any, sequence_
         config: the model config the layer was built from (selects the plan; its sizes are checked).
         tp_group: the tensor-parallel group.
         sequence_parallel: the layer's input and output are sequence chunks.
+        rng_tracker: the random streams dropout draws from (None: the default generator everywhere).
     """
     plan, tp_size = plan_for(config), dist.get_world_size(tp_group)
     check_tensor_parallel(config, tp_size)
-    _apply_to_layer(layer, plan, _Context(tp_group, tp_size, sequence_parallel, plan.counts(config, tp_size)))
+    ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(config, tp_size), rng_tracker)
+    _apply_to_layer(layer, plan, ctx)
     return layer
 
 
-def apply_tensor_parallel(model: nn.Module, *, tp_group: Any, sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, *, tp_group: Any, sequence_parallel: bool = False, rng_tracker: RNGTracker | None = None
+) -> nn.Module:
     """Split an unchanged HF ``*ForSequenceClassification`` model in place over ``tp_group``.
 
     Every rank must hold the same full weights (build the model with the same seed); each keeps its shard.
@@ -192,13 +215,16 @@ def apply_tensor_parallel(model: nn.Module, *, tp_group: Any, sequence_parallel:
         sequence_parallel: shard LayerNorm/dropout regions along the sequence (batches must be padded to a
             multiple of ``sequence_multiple(tp, sequence_parallel=True)``; call :func:`finalize_tp_grads`
             after backward).
+        rng_tracker: this rank's random streams (``hftrain.parallel.random``): dropout inside the tensor-parallel
+            regions and on sequence chunks draws from its per-rank ``tensor`` stream, elsewhere from the default
+            stream shared by the tp group. None keeps one stream for everything (masks repeat across tp ranks).
     """
     plan = plan_for(model.config)
     tp_size = dist.get_world_size(tp_group)
     check_tensor_parallel(model.config, tp_size)
     _refuse_unsupported(model)
     _check_replicated(model, tp_group)
-    ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(model.config, tp_size))
+    ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(model.config, tp_size), rng_tracker)
     for layer in model.get_submodule(plan.layers):
         _apply_to_layer(layer, plan, ctx)
     _apply_entries(model, plan.model, ctx)
@@ -352,6 +378,48 @@ def clip_grad_norm_(
     for grad in grads.values():
         grad.mul_(coefficient.to(grad.dtype))
     return total
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each float width
+
+
+def check_replicas_agree(model: nn.Module, *, tp_group: Any) -> None:
+    """Refuse a model whose replicated parameters are no longer bit-identical across the tp group (collective).
+
+    Tensor parallelism keeps one copy of every unsplit parameter (norms, biases of row-parallel layers, position
+    embeddings, the head) on each tp rank and relies on them staying equal; checkpoints and exports save tp rank
+    0's copy. If they drift apart (pitfall "a run resumed at a larger tensor-parallel size silently diverges":
+    different dropout masks on replicated activations), that copy is not the model the other ranks trained. The
+    check is a checksum per parameter, the sum of its elements' bit patterns as integers (exact: any change of a
+    bit changes it unless differences cancel), compared by one all-reduce (max of ``[s, -s]``) over tp.
+
+    Args:
+        model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
+        tp_group: the tensor-parallel group.
+    """
+    if dist.get_world_size(tp_group) == 1:
+        return
+    split = set(sharded_parameters(model))
+    names, sums = [], []
+    for name, param in model.named_parameters():
+        if _logical(name) in split or param.device.type == "meta":  # split, or another stage's (never built)
+            continue
+        bits = param.detach().contiguous().view(_BITS[param.element_size()])
+        names.append(_logical(name))
+        sums.append(bits.sum(dtype=torch.int64))
+    if not sums:
+        return
+    local = torch.stack(sums)
+    bounds = torch.cat([local, -local])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=tp_group)
+    differ = (bounds[: len(names)] != -bounds[len(names) :]).nonzero().flatten().tolist()
+    if differ:
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise HFTrainError(
+            f"replicated parameter '{names[differ[0]]}'{more} differs across the tensor-parallel ranks; the "
+            "ranks no longer train one model (a dropout mask or an update that was not the same on every tp rank), "
+            "so nothing was saved; resume from the last checkpoint"
+        )
 
 
 def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from hftrain.parallel.dims import ParallelDims, ParallelGroups
+    from hftrain.parallel.random import RNGTracker
 
 
 @dataclass
@@ -66,6 +67,7 @@ class MegatronPlugin:
     cp_comm: str = "ring"  # "ring" or "all_to_all"
     pad_to_multiple_of: int | None = None  # length buckets (a multiple of tp under sequence parallelism)
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
+    rng_tracker: RNGTracker | None = field(default=None, init=False, repr=False)  # set by parallelize()
 
     # ----------------------------------------------------------------- layout
     def setup(self, *, device_type: str = "cpu", dims: ParallelDims | None = None) -> MegatronPlugin:
@@ -109,17 +111,32 @@ class MegatronPlugin:
     def parallelize(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
         """Move the model and split it over this rank's groups (``hftrain.parallel.parallelize_model``), in place.
 
-        Every rank must hold the same full weights before (same seed or the same checkpoint).
+        Every rank must hold the same full weights before (same seed or the same checkpoint). The RNG tracker
+        (``hftrain.parallel.random``) is seeded here from the seed the model was built with (``torch.initial_seed``,
+        what ``set_seed`` set on every rank): the model's dropout then draws Megatron's streams.
 
         Args:
             model: an unchanged HF ``*ForSequenceClassification`` model.
             device: where the shards live (None: stay where they are).
         """
+        import torch
+
         from hftrain.parallel import parallelize_model
+        from hftrain.parallel.random import RNGTracker
 
         if device is not None:  # first: splitting runs a collective on the weights, on the group's device
             model = _to_device(model, device)
-        return parallelize_model(model, self.layout, sequence_parallel=self.sequence_parallel, cp_comm=self.cp_comm)
+        layout = self.layout
+        self.rng_tracker = RNGTracker(
+            seed=torch.initial_seed(), tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, device=device or "cpu"
+        ).seed_streams()
+        return parallelize_model(
+            model,
+            layout,
+            sequence_parallel=self.sequence_parallel,
+            cp_comm=self.cp_comm,
+            rng_tracker=self.rng_tracker,
+        )
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
         """``parallelize`` the model, then wrap it in DDP over the dp group (no pipeline stages).

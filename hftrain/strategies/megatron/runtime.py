@@ -109,18 +109,30 @@ class MegatronRuntime(AccelerateRuntime):
     # same loss, so the world mean is the mean over dp.
 
     def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
+        from hftrain.parallel import check_replicas_agree
+        from hftrain.parallel.random import save_streams
         from hftrain.strategies.megatron.state import save_state
 
-        # Scheduler and per-rank RNG through Accelerate (no model or optimizer is registered with it).
+        layout = self.plugin.layout
+        # Before anything is written: the checkpoint keeps tp rank 0's copy of every replicated parameter.
+        check_replicas_agree(self._model, tp_group=layout.tp_group)
+        # Scheduler and per-rank RNG through Accelerate (no model or optimizer is registered with it), the RNG
+        # tracker's streams per (pp, tp, cp, dp) coordinate beside them.
         self.accelerator.save_state(directory, safe_serialization=safe_serialization)
-        save_state(
-            directory, self._model, self._params, self._optimizer, groups=self.plugin.layout, layout=self.layout_facts()
-        )
+        save_streams(directory, self.plugin.rng_tracker, groups=layout)
+        save_state(directory, self._model, self._params, self._optimizer, groups=layout, layout=self.layout_facts())
 
     def load_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
+        from hftrain.log import log_main
+        from hftrain.parallel.random import load_streams
         from hftrain.strategies.megatron.state import load_state
 
         self.accelerator.load_state(directory)
+        # After Accelerate's per-rank RNG: on another layout those are other ranks' states, and the tracker's
+        # deterministic rebuild replaces them, identical over each tp group.
+        note = load_streams(directory, self.plugin.rng_tracker, groups=self.plugin.layout)
+        if note:
+            log_main(note)
         load_state(directory, self._model, self._params, optimizer.optimizer, layout=self.layout_facts())
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,243 @@
+"""The RNG tracker (``hftrain.parallel.random``) under tensor, sequence and pipeline parallelism, with dropout on.
+
+Pitfalls "dropout masks copied across tensor-parallel ranks" and "a run resumed at a larger tensor-parallel size
+silently diverges". Two launches carry the checks (starting processes is the slow part):
+
+- 2 processes: BERT and GPT-2 at tp=2 (GPT-2 also with torch's dropout kernel), BERT with sequence parallelism,
+  dropout 0.1, 20 steps: replicated parameters bit-identical across the tp ranks; the masks drawn on each rank's
+  own heads (and, under sequence parallelism, on its own sequence chunk) agree on a fraction near
+  ``(1-p)² + p²`` = 0.82, the masks on replicated activations on 1.0. At pp=2 no mask of stage 1 is drawn from a
+  generator state stage 0 drew from.
+- 1 then 4 processes: tp2 × dp2 for 20 steps, and a run resumed tp=1 (one process) → tp=2 × dp=2 → tp=4 (10 steps
+  each after the resume): replicated parameters bit-identical across every tp group.
+
+Masks are observed by wrapping hftrain's own mask function (``hftrain.models.dropout.scaled_keep_mask``) in the
+worker: the model runs unchanged, each mask is recorded with the generator state it was drawn from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.tiny import run_tiny_training
+
+P = 0.1
+INDEPENDENT = (1 - P) ** 2 + P**2  # agreement of two independent masks
+HEADS4 = {"num_attention_heads": 4}  # tp=4 needs 4 heads
+
+
+def _record_masks(limit: int = 48) -> list[dict]:
+    """Record the keep masks the ``bits`` kernel draws in this process (the first ``limit`` of each run)."""
+    import hftrain.models.dropout as dropout
+
+    original = dropout.scaled_keep_mask
+    masks: list[dict] = []
+
+    def recording(shape, p, dtype, device=None):
+        state = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        out = original(shape, p, dtype, device)
+        if len(masks) < limit:
+            masks.append({"keep": out != 0, "state": state})
+        return out
+
+    dropout.scaled_keep_mask = recording
+    return masks
+
+
+def _replicated(trainer) -> dict:
+    """This rank's unsplit parameters (the tp group's replicated ones), by HF name."""
+    from hftrain.parallel import sharded_parameters
+
+    model = trainer.runtime.unwrap_model(trainer.model)
+    split = set(sharded_parameters(model))
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n not in split and p.device.type != "meta"}
+
+
+TWO = {  # label -> (kind, strategy options, dropout kernel)
+    "bert": ("bert", {"tp": 2}, "bits"),
+    "bert-sp": ("bert", {"tp": 2, "sequence_parallel": True}, "bits"),
+    "gpt2": ("gpt2", {"tp": 2}, "bits"),
+    "gpt2-torch-kernel": ("gpt2", {"tp": 2}, "torch"),
+}
+
+
+def _two(root: str) -> dict:
+    masks = _record_masks()
+    out = {}
+    for label, (kind, options, kernel) in TWO.items():
+        masks.clear()
+        result = run_tiny_training(
+            kind=kind, strategy="megatron", strategy_options=options, steps=20, micro=8, dropout=P,
+            dropout_kernel=kernel, inspect=_replicated, output_dir=f"{root}/{label}",
+        )  # fmt: skip
+        out[label] = {"replicated": result["inspected"], "masks": list(masks), "losses": result["losses"]}
+    masks.clear()
+    run_tiny_training(
+        kind="bert", strategy="megatron", strategy_options={"pp": 2}, steps=3, micro=8, dropout=P,
+        dropout_kernel="bits", output_dir=f"{root}/pp2",
+    )  # fmt: skip
+    out["pp2"] = {"states": [m["state"] for m in masks]}
+    return out
+
+
+COMMON = {"kind": "bert", "strategy": "megatron", "dropout": P, "dropout_kernel": "bits", "save_steps": 5}
+# a model with 4 heads so that tp=4 splits it; the global batch stays 8 along the chain
+CHAIN = {**COMMON, "config_overrides": HEADS4, "trust_external_checkpoint": True}
+
+
+def _one(root: str) -> None:
+    """The first link of the chain: tp=1 on one process (a larger resume's new ranks find no RNG state of theirs)."""
+    run_tiny_training(strategy_options={"tp": 1}, steps=5, micro=8, output_dir=f"{root}/tp1", **CHAIN)
+
+
+def _four(root: str) -> dict:
+    tp2dp2 = run_tiny_training(
+        strategy_options={"tp": 2}, steps=20, micro=4, inspect=_replicated, output_dir=f"{root}/tp2dp2", **COMMON
+    )
+    chain = {**CHAIN, "inspect": _replicated}
+    tp2 = run_tiny_training(
+        strategy_options={"tp": 2}, steps=15, micro=4, output_dir=f"{root}/tp2",
+        resume_from_checkpoint=f"{root}/tp1/checkpoints/step_00000005", **chain,
+    )  # fmt: skip
+    tp4 = run_tiny_training(
+        strategy_options={"tp": 4}, steps=25, micro=8, output_dir=f"{root}/tp4",
+        resume_from_checkpoint=f"{root}/tp2/checkpoints/step_00000015", **chain,
+    )  # fmt: skip
+    return {
+        "tp2dp2": tp2dp2["inspected"],
+        "tp2": tp2["inspected"],
+        "tp4": tp4["inspected"],
+        "steps": (tp2["global_step"], tp4["global_step"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> list[dict]:
+    return run_distributed(_two, 2, root=str(tmp_path_factory.mktemp("rng2")))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[dict]:
+    root = str(tmp_path_factory.mktemp("rng4"))
+    run_distributed(_one, 1, root=root)
+    return run_distributed(_four, 4, root=root)
+
+
+def _assert_bit_identical(ranks: list[dict]) -> None:
+    first, *others = ranks
+    assert first, "no replicated parameter was found"
+    for other in others:
+        assert set(other) == set(first)
+        for name, tensor in first.items():
+            assert torch.equal(tensor, other[name]), (name, (tensor - other[name]).abs().max().item())
+
+
+def _agreements(a: list[dict], b: list[dict]) -> list[tuple[int, float]]:
+    """(mask dimensionality, fraction of equal elements) for each pair of masks drawn at the same point."""
+    assert len(a) == len(b) and a
+    pairs = []
+    for x, y in zip(a, b, strict=True):
+        assert x["keep"].shape == y["keep"].shape
+        pairs.append((x["keep"].dim(), (x["keep"] == y["keep"]).float().mean().item()))
+    return pairs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", list(TWO))
+def test_replicated_parameters_stay_bit_identical_across_tp_with_dropout(two, label):
+    _assert_bit_identical([rank[label]["replicated"] for rank in two])
+    assert len(two[0][label]["losses"]) == 20
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", ["bert", "bert-sp", "gpt2"])
+def test_attention_masks_of_different_heads_are_independent(two, label):
+    pairs = _agreements(two[0][label]["masks"], two[1][label]["masks"])
+    attention = [agreement for dim, agreement in pairs if dim == 4]  # (batch, heads, query, key)
+    assert attention
+    mean = sum(attention) / len(attention)
+    assert abs(mean - INDEPENDENT) < 0.03, (mean, INDEPENDENT)  # copies would agree on 1.0
+    if label != "bert-sp":  # every other mask is on activations all tp ranks hold whole: the same mask
+        assert all(agreement == 1.0 for dim, agreement in pairs if dim != 4)
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_chunks_draw_their_own_masks(two):
+    pairs = _agreements(two[0]["bert-sp"]["masks"], two[1]["bert-sp"]["masks"])
+    residual = [agreement for dim, agreement in pairs if dim == 3]
+    # per forward: the embeddings' dropout on whole sequences (the same mask), then each layer's two residual
+    # dropouts on this rank's half of the sequence (a mask of its own, not the other half's repeated)
+    chunks = [agreement for agreement in residual if agreement < 1.0]
+    assert residual[0] == 1.0 and chunks
+    assert abs(sum(chunks) / len(chunks) - INDEPENDENT) < 0.03
+
+
+@pytest.mark.distributed
+def test_pipeline_stages_draw_from_different_streams(two):
+    stage0, stage1 = (set(rank["pp2"]["states"]) for rank in two)
+    assert stage0 and stage1
+    assert not stage0 & stage1  # stage 1 no longer starts from stage 0's generator state
+
+
+@pytest.mark.distributed
+def test_replicated_parameters_stay_bit_identical_in_tp2_dp2(four):
+    _assert_bit_identical([four[0]["tp2dp2"], four[1]["tp2dp2"]])
+    _assert_bit_identical([four[2]["tp2dp2"], four[3]["tp2dp2"]])
+
+
+@pytest.mark.distributed
+def test_resume_at_larger_tp_keeps_replicated_parameters_identical(four):
+    assert four[0]["steps"] == (15, 25)
+    _assert_bit_identical([four[0]["tp2"], four[1]["tp2"]])  # tp=1 → tp=2, 10 steps after the resume
+    _assert_bit_identical([four[2]["tp2"], four[3]["tp2"]])
+    _assert_bit_identical([rank["tp4"] for rank in four])  # tp=2 → tp=4
+
+
+def test_streams_follow_megatron_seeding():
+    """Default stream shared by tp ranks, ``tensor`` stream per tp rank, both per stage; switching nests."""
+    from hftrain.parallel.random import RNGTracker
+
+    def draws(tp_rank: int, pp_rank: int) -> tuple[float, float, float]:
+        torch.manual_seed(7)
+        tracker = RNGTracker(seed=7, tp_rank=tp_rank, pp_rank=pp_rank).seed_streams()
+        with tracker.stream("tensor"):
+            tensor = torch.rand(()).item()
+            with tracker.stream("default"):
+                nested = torch.rand(()).item()
+        return torch.rand(()).item(), tensor, nested
+
+    (d00, t00, n00), (d10, t10, _), (d01, t01, _) = draws(0, 0), draws(1, 0), draws(0, 1)
+    assert d00 == d10 and t00 != t10  # tp ranks: one default stream, their own tensor streams
+    assert d00 != d01 and t00 != t01  # stages differ in both
+    assert n00 != d00  # the nested default draw advanced the default stream: the next default draw is the second
+    torch.manual_seed(7)
+    assert torch.rand(()).item() == n00
+
+
+def test_states_round_trip_and_a_rebuild_is_the_same_on_every_tp_rank():
+    from hftrain.parallel.random import RNGTracker
+
+    tracker = RNGTracker(seed=3, tp_rank=0, pp_rank=0).seed_streams()
+    saved = tracker.states()
+    first = [torch.rand(()).item(), None]
+    with tracker.stream("tensor"):
+        first[1] = torch.rand(()).item()
+    tracker.load_states(saved)
+    again = [torch.rand(()).item(), None]
+    with tracker.stream("tensor"):
+        again[1] = torch.rand(()).item()
+    assert first == again
+
+    def rebuilt(tp_rank: int) -> tuple[float, float]:
+        other = RNGTracker(seed=3, tp_rank=tp_rank, pp_rank=0)
+        other.rebuild(b"checkpoint bytes")
+        with other.stream("tensor"):
+            tensor = torch.rand(()).item()
+        return torch.rand(()).item(), tensor
+
+    (default0, tensor0), (default1, tensor1) = rebuilt(0), rebuilt(1)
+    assert default0 == default1 and tensor0 != tensor1
