@@ -113,6 +113,11 @@ class TrainingConfig:
     distribution with p rounded to a multiple of 2^-16, reproducible and resumable alike; 0.85x the default job's
     step time on this project's CPUs); ``torch``: torch's own dropout and SDPA's in-kernel attention dropout.
     ``auto``: ``bits`` on CPU, whose ``bernoulli_`` draws one element at a time, ``torch`` on GPU (fused kernels)."""
+    gradient_checkpointing: bool | Literal["full", "selective"] = False
+    """Activation recomputation (``hftrain.parallel.recompute``): ``true``/``full`` keeps only each transformer layer's
+    input and recomputes the layer in the backward pass; ``selective`` recomputes only the attention core (scores,
+    softmax, dropout: the part that grows with the sequence squared); ``false`` keeps everything. Dropout masks are
+    recomputed identically (torch's and the RNG tracker's streams are restored)."""
     train_sampling_strategy: Literal["group_by_length", "random", "sequential"] = "group_by_length"
     """``group_by_length`` batches texts of similar length (less padding), shuffled per epoch."""
     logging_steps: int = 10

@@ -27,6 +27,7 @@ def parallelize_model(
     sequence_parallel: bool = False,
     cp_comm: str = "ring",
     rng_tracker: RNGTracker | None = None,
+    recompute: str | None = None,
 ) -> nn.Module:
     """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
 
@@ -36,6 +37,8 @@ def parallelize_model(
         sequence_parallel: Megatron sequence parallelism in the tensor-parallel regions.
         cp_comm: how context parallelism exchanges keys and values, ``"ring"`` or ``"all_to_all"``.
         rng_tracker: this rank's random streams (``hftrain.parallel.random``), seeded for its tp and pp ranks.
+        recompute: activation recomputation, ``"full"`` or ``"selective"`` (``hftrain.parallel.recompute``), applied
+            last, on the split layers: a full-layer checkpoint replays the tracker's streams.
     """
     from hftrain.parallel.plans import check_tensor_parallel
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
@@ -48,4 +51,8 @@ def parallelize_model(
         from hftrain.parallel.context_parallel import apply_context_parallel
 
         model = apply_context_parallel(model, cp_group=groups.cp_group, comm=cp_comm)
+    if recompute is not None:
+        from hftrain.parallel.recompute import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, recompute, rng_tracker=rng_tracker)
     return model

@@ -147,6 +147,29 @@ class RNGTracker:
         finally:
             self.exit()
 
+    def checkpoint_contexts(self) -> tuple[Any, Any]:
+        """``torch.utils.checkpoint``'s ``context_fn`` for a block that enters the ``tensor`` stream inside: the
+        forward context records that stream's state, the recomputation context replays from it and then puts back
+        the state the stream had reached (Megatron's ``CheckpointFunction``). torch itself saves and restores the
+        default generator, which holds the ``default`` stream at the block's boundary."""
+        recorded: dict[str, torch.Tensor] = {}
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            recorded["tensor"] = self._stored["tensor"].clone()
+            yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            reached = self._stored["tensor"]
+            self._stored["tensor"] = recorded["tensor"].clone()
+            try:
+                yield
+            finally:
+                self._stored["tensor"] = reached
+
+        return forward(), recompute()
+
     # ----------------------------------------------------------------- state
     def _require_default(self) -> None:
         if self._active != "default":

@@ -67,6 +67,20 @@ class AccelerateRuntime:
         with self.plain_model_context():
             return model_init()
 
+    def apply_recomputation(self, model: Any, mode: str) -> str:
+        """Recompute ``model``'s activations in the backward pass (``hftrain.parallel.recompute``), before
+        ``prepare``: transformers' layer hook checkpoints inside whatever unit FSDP or ZeRO-3 later shards. Returns
+        the line to log.
+
+        Args:
+            model: the freshly built model.
+            mode: ``"full"`` or ``"selective"``.
+        """
+        from hftrain.parallel.recompute import apply_activation_checkpointing
+
+        count = apply_activation_checkpointing(model, mode)
+        return f"gradient_checkpointing: {mode} ({count} {'layers' if mode == 'full' else 'attention functions'})"
+
     # ----------------------------------------------------------------- facts
     @property
     def num_processes(self) -> int:

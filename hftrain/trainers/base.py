@@ -25,6 +25,7 @@ from hftrain.checkpoint.safety import check_no_code, check_rng_states
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
+from hftrain.parallel.recompute import recompute_mode
 from hftrain.trainers.guards import check_finite_loss
 
 if TYPE_CHECKING:
@@ -116,6 +117,9 @@ class Trainer:
         model = self.runtime.build_model(model_init)
         if args.dropout_kernel == "bits":
             use_bits_dropout(model)
+        recompute = recompute_mode(args.gradient_checkpointing)
+        if recompute is not None:  # after the attention implementation is chosen: selective wraps it
+            self._log(self.runtime.apply_recomputation(model, recompute))
         self.train_sampler = EpochSampler(
             train_dataset["length"],
             order=args.train_sampling_strategy,

@@ -66,6 +66,7 @@ class MegatronPlugin:
     cp: int = 1  # context parallelism: ranks that split every sequence (hftrain.parallel.context_parallel)
     cp_comm: str = "ring"  # "ring" or "all_to_all"
     pad_to_multiple_of: int | None = None  # length buckets (a multiple of tp under sequence parallelism)
+    recompute: str | None = None  # activation recomputation: "full", "selective" or None
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
     rng_tracker: RNGTracker | None = field(default=None, init=False, repr=False)  # set by parallelize()
 
@@ -136,6 +137,7 @@ class MegatronPlugin:
             sequence_parallel=self.sequence_parallel,
             cp_comm=self.cp_comm,
             rng_tracker=self.rng_tracker,
+            recompute=self.recompute,
         )
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:

@@ -81,6 +81,12 @@ class MegatronRuntime(AccelerateRuntime):
         self._optimizer = prepared.optimizer  # kept for save_state, as Accelerate keeps what it prepared
         return prepared, train_loader, eval_loader
 
+    def apply_recomputation(self, model: torch.nn.Module, mode: str) -> str:
+        # After the split (parallelize_model's last apply call), so that a full-layer checkpoint binds this rank's
+        # RNG tracker and a selective one wraps the attention context parallelism installs.
+        self.plugin.recompute = mode
+        return f"gradient_checkpointing: {mode} (after the model is split; the RNG tracker's streams are replayed)"
+
     def plugin_unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from hftrain.strategies.megatron.plugin import unwrap
 
