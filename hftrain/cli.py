@@ -165,9 +165,21 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     log_main(
         f"validation accuracy {accuracy:.4f} (f1 {result.metrics.get('eval_f1', float('nan')):.4f}, "
         f"{int(result.metrics.get('eval_samples', 0))} examples) after {result.global_step} steps; "
-        f"took {result.seconds:.1f} s; model saved to {result.model_dir}"
+        f"took {result.seconds:.1f} s ({_throughput(result.throughput)}); model saved to {result.model_dir}"
     )
     return 0
+
+
+def _throughput(summary: dict) -> str:
+    """The training steps' rates for the final line: real tokens/s, samples/s, TFLOP/s per process, MFU."""
+    if not summary.get("train_steps_seconds"):
+        return "no training step"
+    mfu = summary.get("train_mfu")
+    return (
+        f"{summary['train_tokens_per_second']:,.0f} tokens/s, {summary['train_samples_per_second']:.1f} samples/s, "
+        f"{summary['train_tflops_per_process']:.3f} TFLOP/s per process"
+        + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")
+    )
 
 
 def _export(args: argparse.Namespace, extra: list[str]) -> int:

@@ -118,6 +118,9 @@ class TrainingConfig:
     input and recomputes the layer in the backward pass; ``selective`` recomputes only the attention core (scores,
     softmax, dropout: the part that grows with the sequence squared); ``false`` keeps everything. Dropout masks are
     recomputed identically (torch's and the RNG tracker's streams are restored)."""
+    peak_tflops: float | None = None
+    """One process's peak TFLOP/s for MFU; null measures a matmul at the start (CPU) or takes a known GPU's
+    datasheet figure (``hftrain.trainers.throughput``)."""
     train_sampling_strategy: Literal["group_by_length", "random", "sequential"] = "group_by_length"
     """``group_by_length`` batches texts of similar length (less padding), shuffled per epoch."""
     logging_steps: int = 10

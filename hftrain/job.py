@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,8 @@ class JobResult:
     checkpoint: str | None = None
     mixed_precision: str = "no"
     """The precision the run trained and evaluated in (``auto`` resolved): predict in it to reproduce ``metrics``."""
+    throughput: dict[str, Any] = field(default_factory=dict)
+    """Tokens/s, samples/s, FLOPs and MFU of the training steps (``output_dir/run_summary.json``)."""
 
 
 def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) -> tuple[Any, Any, Any]:
@@ -147,6 +149,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         preempted=result.preempted,
         checkpoint=result.checkpoint,
         mixed_precision=trainer.args.mixed_precision,
+        throughput=result.throughput,
     )
 
 

@@ -25,6 +25,8 @@ EXPORT_DIR = "model"
 TRACKER_DIR = "runs"
 TIMELINE_PNG = "pipeline_timeline.png"
 TIMELINE_JSON = "pipeline_timeline.json"
+CURVES_PNG = "training_curves.png"
+RUN_SUMMARY_FILENAME = "run_summary.json"
 
 # What a run writes into its output_dir (the export's ``_merged`` twin and staging folders included).
 RUN_OUTPUTS = (
@@ -38,6 +40,8 @@ RUN_OUTPUTS = (
     TRAINER_STATE_FILENAME,
     TIMELINE_PNG,
     TIMELINE_JSON,
+    CURVES_PNG,
+    RUN_SUMMARY_FILENAME,
     CONFIG_FILENAME,
 )
 

@@ -20,13 +20,20 @@ import torch
 from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, read_checkpoint
 from hftrain.checkpoint.preemption import PreemptionFlag
 from hftrain.checkpoint.resume import batches_to_skip, check_resumable, check_trusted
-from hftrain.checkpoint.run import CHECKPOINTS_DIR, STRATEGY_FILENAME, TRAINER_STATE_FILENAME
+from hftrain.checkpoint.run import (
+    CHECKPOINTS_DIR,
+    CURVES_PNG,
+    RUN_SUMMARY_FILENAME,
+    STRATEGY_FILENAME,
+    TRAINER_STATE_FILENAME,
+)
 from hftrain.checkpoint.safety import check_no_code, check_rng_states
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
 from hftrain.trainers.guards import check_finite_loss
+from hftrain.trainers.throughput import FlopModel, Throughput, peak_flops
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -63,6 +70,8 @@ class TrainResult:
     """The signal that stopped the run after its checkpoint (None when it ran to ``max_steps``)."""
     checkpoint: str | None = None
     """The last checkpoint written."""
+    throughput: dict[str, Any] = field(default_factory=dict)
+    """The run's tokens/s, samples/s, FLOPs and MFU (``run_summary.json``)."""
 
 
 class Trainer:
@@ -120,6 +129,8 @@ class Trainer:
         recompute = recompute_mode(args.gradient_checkpointing)
         if recompute is not None:  # after the attention implementation is chosen: selective wraps it
             self._log(self.runtime.apply_recomputation(model, recompute))
+        # FLOPs are counted from the whole model's shapes, before any strategy splits it
+        self.throughput = Throughput(FlopModel.of(model), recompute=recompute)
         self.train_sampler = EpochSampler(
             train_dataset["length"],
             order=args.train_sampling_strategy,
@@ -223,6 +234,9 @@ class Trainer:
         progress = tqdm(
             total=self.max_steps, initial=self.state.global_step, disable=not acc.is_local_main_process, unit="step"
         )
+        self.throughput.peak = peak_flops(self.runtime.device, self.args.mixed_precision, self.args.peak_tflops)
+        self._log(f"peak per process: {self.throughput.peak[0] / 1e12:.2f} TFLOP/s ({self.throughput.peak[1]})")
+        self.throughput.restart_clock()
         start, stopped = time.perf_counter(), None
         with PreemptionFlag() as preemption:
             while self.state.global_step < self.max_steps and stopped is None:
@@ -234,6 +248,8 @@ class Trainer:
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
         self._save_trainer_state()
+        summary = self.throughput.summary(self.runtime.num_processes)
+        self._save_run_summary(summary)
         return TrainResult(
             global_step=self.state.global_step,
             train_loss=_mean([h["loss"] for h in self.state.log_history if "loss" in h]),
@@ -241,6 +257,7 @@ class Trainer:
             train_runtime=time.perf_counter() - start,
             preempted=stopped,
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            throughput=summary,
         )
 
     def _run_epoch(self, progress: Any, preemption: PreemptionFlag, stop_at_step: int | None) -> str | None:
@@ -311,6 +328,8 @@ class Trainer:
             "versions": _versions(),
         }
         self.last_checkpoint = self.checkpoints.save(self.runtime, step=self.state.global_step, meta=meta)
+        self._draw_curves()
+        self.throughput.restart_clock()  # a step's rate counts the step, not the save after it
         return self.last_checkpoint
 
     def _checkpointed_step(self) -> int | None:
@@ -412,20 +431,30 @@ class Trainer:
                 self.lr_scheduler.step()
             self.optimizer.zero_grad()
         self.state.samples_seen += batch["labels"].shape[0] * runtime.dp_size
+        self.throughput.count(batch)
         return loss
 
     def _record_step(self, local_loss: torch.Tensor, progress: Any) -> None:
         # The logged loss is the mean over the window and over processes: what one process with the
         # whole global batch would report.
-        loss = self.runtime.reduce_mean(local_loss).item()
+        # The step's token, sample and FLOP counts travel in the same all-reduce.
+        counts = torch.tensor(self.throughput.local_window(), dtype=torch.float32, device=local_loss.device)
+        means = self.runtime.reduce_mean(torch.cat([local_loss.float().reshape(1), counts])).tolist()
+        loss = means[0]
+        rates = self.throughput.close_window(means[1:], self.runtime.dp_size, self.runtime.num_processes)
         check_finite_loss(loss, step=self.state.global_step, last_checkpoint=self.last_checkpoint)
         entry = {"step": self.state.global_step, "loss": loss, "learning_rate": self.lr_scheduler.get_last_lr()[0]}
         self.state.log_history.append(entry)
         progress.update(1)
         if self.state.global_step % self.args.logging_steps == 0:
-            progress.set_postfix(loss=f"{loss:.4f}")
+            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rates['tokens_per_second']:.0f}")
             self.accelerator.log(
-                {"train/loss": loss, "train/learning_rate": entry["learning_rate"]}, step=entry["step"]
+                {
+                    "train/loss": loss,
+                    "train/learning_rate": entry["learning_rate"],
+                    **{f"train/{k}": v for k, v in rates.items()},
+                },
+                step=entry["step"],
             )
 
     def _eval_due(self) -> bool:
@@ -455,6 +484,7 @@ class Trainer:
         acc.log({k.replace("eval_", "eval/"): v for k, v in metrics.items()}, step=self.state.global_step)
         self.state.last_eval_step = self.state.global_step
         self._log(f"step {self.state.global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        self.throughput.restart_clock()
         return metrics
 
     def _log(self, message: str) -> None:
@@ -469,6 +499,21 @@ class Trainer:
             directory = Path(self.args.output_dir)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / STRATEGY_FILENAME).write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
+
+    def _draw_curves(self) -> None:
+        from hftrain.trainers.curves import render_curves
+
+        if self.accelerator.is_main_process:
+            render_curves(self.state.log_history, Path(self.args.output_dir) / CURVES_PNG)
+
+    def _save_run_summary(self, summary: dict[str, Any]) -> None:
+        """``run_summary.json`` (throughput, FLOPs, MFU) and the final training curves, on the main process."""
+        import json
+
+        if self.accelerator.is_main_process:
+            path = Path(self.args.output_dir) / RUN_SUMMARY_FILENAME
+            path.write_text(json.dumps({"global_step": self.state.global_step, **summary}, indent=2) + "\n")
+            self._draw_curves()
 
     def _save_trainer_state(self) -> None:
         import json

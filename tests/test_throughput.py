@@ -1,0 +1,68 @@
+"""Throughput a user can see: FLOPs counted from the model's shapes, tokens/s, MFU, the summary and the curves.
+
+The FLOP count of a training step (``hftrain.trainers.throughput.FlopModel``) is checked against an independent
+count, ``torch.utils.flop_counter.FlopCounterMode`` over one real forward and backward, for each family, with and
+without recomputation (which the hardware count includes and the model count does not). A real run writes
+``run_summary.json`` (tokens/s, samples/s, TFLOP/s per process, MFU against the measured peak) and
+``training_curves.png``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.tiny import run_tiny_training, tiny_config
+
+
+def _counted(kind: str, mode: str | None, batch: int = 4, length: int = 96) -> tuple[float, float, float]:
+    """(FlopCounterMode's count, the model FLOPs, the hardware FLOPs) of one training step, dropout on."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForSequenceClassification
+
+    from hftrain.models.dropout import use_bits_dropout
+    from hftrain.parallel.recompute import apply_activation_checkpointing
+    from hftrain.trainers.throughput import FlopModel
+
+    torch.manual_seed(0)
+    config = tiny_config(kind, dropout=0.1, num_layers=3, max_positions=128)
+    config.update({"hidden_size": 64, "intermediate_size": 256} if kind != "gpt2" else {"n_embd": 64})
+    model = AutoModelForSequenceClassification.from_config(config).train()
+    use_bits_dropout(model)
+    if mode:
+        apply_activation_checkpointing(model, mode)
+    ids = torch.randint(3, config.vocab_size, (batch, length))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=torch.zeros(batch, dtype=torch.long)).loss.backward()
+    model_flops, hardware_flops = FlopModel.of(model).step(batch, length, recompute=mode)
+    return counter.get_total_flops(), model_flops, hardware_flops
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("mode", [None, "full", "selective"])
+def test_flop_count_matches_flop_counter_mode(kind, mode):
+    counted, model_flops, hardware_flops = _counted(kind, mode)
+    assert abs(hardware_flops / counted - 1) < 0.05, (hardware_flops, counted)
+    if mode is None:
+        assert model_flops == hardware_flops
+    else:  # recomputation costs hardware FLOPs, not model FLOPs
+        assert model_flops < hardware_flops
+
+
+@pytest.mark.distributed
+def test_a_run_reports_tokens_per_second_mfu_and_draws_its_curves(tmp_path):
+    output_dir = tmp_path / "run"
+    result = run_tiny_training(kind="bert", steps=6, save_steps=3, eval_steps=3, output_dir=str(output_dir))
+    summary = json.loads((output_dir / "run_summary.json").read_text())
+    assert summary["global_step"] == 6 and summary["train_steps_seconds"] > 0
+    # 6 steps × 4 sequences of 3-20 words (+ [CLS]): real tokens, not padded positions
+    assert 6 * 4 * 4 <= summary["train_tokens"] <= 6 * 4 * 21
+    assert summary["train_samples"] == 24
+    assert summary["train_tokens_per_second"] > 0 and 0 < summary["train_mfu"] < 1
+    assert summary["peak_source"].startswith("measured") and summary["peak_tflops_per_process"] > 0
+    assert summary["model_flops"] == summary["hardware_flops"]  # no recomputation
+    png = output_dir / "training_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert result["global_step"] == 6
