@@ -8,6 +8,7 @@ resume checks. The config is written last, once the run is certain to start.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,3 +255,16 @@ def quiet_libraries() -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning()
+    for handler in transformers.utils.logging._get_library_root_logger().handlers:
+        handler.addFilter(_DecidedByHftrain())
+
+
+class _DecidedByHftrain(logging.Filter):
+    """Drops library warnings about a choice hftrain made for the user, who cannot act on them."""
+
+    # transformers turns the key/value cache off under gradient checkpointing, which the job asked for; a
+    # classifier never uses that cache.
+    DECIDED = ("is incompatible with gradient checkpointing",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.DECIDED)

@@ -46,6 +46,11 @@ class Platform:
 
         if torch.cuda.is_available():
             return cls(device="cuda", backend="nccl")
+        import os
+
+        # DeepSpeed gets imported by Accelerate's and transformers' unwrap helpers even when no strategy uses it; told
+        # the device detected here, it does not warn "Setting accelerator to CPU ... unable to detect it".
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         return cls(device="cpu", backend="gloo")
 
     def native_bf16(self) -> str | None:

@@ -233,8 +233,22 @@ class AccelerateRuntime:
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full state dict with the model's own names (collective; the main process holds it)."""
+        if self.accelerator.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU"):
+            return self.unwrap_model(model).state_dict()  # every rank holds it whole (Accelerate's own branch)
         return self.accelerator.get_state_dict(model)
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model inside the strategy's wrappers."""
+        import sys
+
+        if "deepspeed" not in sys.modules:
+            # Accelerate's unwrap imports DeepSpeed whenever it is installed (1-2 s and its "Setting accelerator to
+            # CPU" warning); without it imported, no DeepSpeed engine can wrap the model, and the wrappers left are
+            # DDP's and FSDP1's (FSDP2 keeps the module itself; a compiled module is kept, as Accelerate keeps it).
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.nn.parallel import DistributedDataParallel
+
+            while isinstance(model, DistributedDataParallel | FullyShardedDataParallel):
+                model = model.module
+            return model
         return self.accelerator.unwrap_model(model)
