@@ -119,7 +119,9 @@ def _keeps_its_input(module: nn.Module) -> bool:
 
 def measured_peak_flops(dtype: torch.dtype, *, seconds: float = 0.15) -> float:
     """The best rate (FLOP/s) of a ``1024³`` matmul in ``dtype`` on this process's CPU threads, over ``seconds``."""
-    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    # a generator of its own: the run's random state (dropout masks, a resumed run's restored state) is untouched
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(1024, 1024, generator=generator).to(dtype) for _ in range(2))
     torch.mm(a, b)  # warm-up: thread pool and kernel selection
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -154,7 +156,7 @@ def peak_flops(device: torch.device, mixed_precision: str, user_tflops: float | 
 def measured_peak_flops_on(device: torch.device, dtype: torch.dtype) -> float:
     """A GPU's matmul rate when no datasheet figure is known (8192³, synchronised)."""
     module = torch.get_device_module(device.type)
-    a = torch.randn(8192, 8192, dtype=dtype, device=device)
+    a = torch.randn(8192, 8192, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     torch.mm(a, a)
     module.synchronize()
     start = time.perf_counter()
