@@ -70,7 +70,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     work.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (pipeline: m)")
     work.add_argument("--lora-rank", type=int, default=0, help="LoRA r (default 0: full fine-tuning)")
-    work.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    work.add_argument(
+        "--recompute",
+        nargs="?",
+        const="full",
+        choices=("full", "selective"),
+        help="activation recomputation: full (every layer keeps its input; the default when given) or selective "
+        "(the attention core), as training.gradient_checkpointing",
+    )
     work.add_argument("--no-dropout", action="store_true", help="dropout off (default: as the model's config says)")
     work.add_argument(
         "--attention",

@@ -23,7 +23,9 @@ def activation_bytes(
 ) -> float:
     """Bytes a GPU saves for backward: ``layers`` layers × ``in_flight`` micro-batches, plus the embedding's.
 
-    Under full recomputation each layer keeps only its input, and one layer is recomputed at a time.
+    Under full recomputation each layer keeps only its input, and one layer is recomputed at a time; under
+    selective recomputation a layer keeps everything but its attention scores (the fused-attention layer), and one
+    layer's scores are recomputed at a time.
 
     Args:
         model: the model.
@@ -37,21 +39,25 @@ def activation_bytes(
     """
     mask = hw.dropout_mask_bytes if work.dropout else 0
     shape = {"seq": work.seq, "micro_batch": work.micro_batch, "hidden": model.hidden, "element": work.element}
-    full = formulas.layer_activation_bytes(
+    layer = {
         **shape,
-        heads=model.heads,
-        intermediate=model.intermediate,
-        mask=mask,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        fused_attention=work.fused_attention,
-        gated_mlp=model.gated_mlp,
-        gathered_inputs=gathered_inputs,
-    )
-    kept = (
-        formulas.recomputed_layer_bytes(**shape, tp=tp, sequence_parallel=sequence_parallel) if work.recompute else full
-    )
-    extra = full if work.recompute else 0.0
+        "heads": model.heads,
+        "intermediate": model.intermediate,
+        "mask": mask,
+        "tp": tp,
+        "sequence_parallel": sequence_parallel,
+        "gated_mlp": model.gated_mlp,
+        "gathered_inputs": gathered_inputs,
+    }
+    full = formulas.layer_activation_bytes(**layer, fused_attention=work.fused_attention)
+    if work.recompute == "full":
+        kept = formulas.recomputed_layer_bytes(**shape, tp=tp, sequence_parallel=sequence_parallel)
+    elif work.recompute == "selective":
+        kept = formulas.layer_activation_bytes(**layer, fused_attention=True)
+    else:
+        kept = full
+    # the layer being recomputed holds its activations again (full: beside its kept input; selective: its scores)
+    extra = {"full": full, "selective": full - kept}.get(work.recompute or "", 0.0)
     embedding = formulas.embedding_activation_bytes(**shape, mask=mask)
     return layers * in_flight * kept + extra + embedding
 
@@ -68,7 +74,7 @@ def compute_seconds(model: ModelSpec, work: Workload, hw: Hardware, *, model_spl
         hw: the hardware.
         model_split: GPUs one copy of the model is split over (t·p).
     """
-    k = (4 if work.lora_rank else 6) + (2 if work.recompute else 0)
+    k = (4 if work.lora_rank else 6) + (2 if work.recompute == "full" else 0)  # selective: a few percent
     tokens = work.micro_batch * work.seq * work.accumulation
     return k * model.parameters * tokens / (model_split * hw.tflops * 1e12 * hw.efficiency)
 

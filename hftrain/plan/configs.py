@@ -47,6 +47,7 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
             "per_device_train_batch_size": per_device,
             "gradient_accumulation_steps": 1 if pipelined else work.accumulation,
             "mixed_precision": PRECISION[work.precision],
+            **({"gradient_checkpointing": work.recompute} if work.recompute else {}),
         },
         "strategy": strategy,
     }

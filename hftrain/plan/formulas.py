@@ -61,7 +61,9 @@ ACTIVATION_FORMULA = (
     "m per dropout mask); fp16 with dropout (e=2, m=1): s·b·h·(34 + 5·a·s/h) (Korthikanti et al. 2022); "
     "tensor parallel t: s·b·h·(4e+2m) + (12e·s·b·h + attention)/t (fp16: s·b·h·(10 + 24/t + 5·a·s/(h·t))), "
     "with sequence parallelism all of it /t; full recomputation: e·s·b·h per layer (2·s·b·h) plus one layer "
-    "recomputed; fused attention (flash/SDPA without dropout) saves no a·s² term"
+    "recomputed; selective recomputation and fused attention (flash/SDPA without dropout) save no a·s² term; "
+    "validated: hftrain's saved tensors per layer (BERT-base, SmolLM2; off, full, selective) within 7% "
+    "(tests/test_recompute.py)"
 )
 
 

@@ -50,7 +50,7 @@ def plan_table(plan: Plan) -> str:
         f"({hw.usable_memory / GB:g} usable), CPU {hw.cpu_memory / GB:g} GB per node, links {hw.intra}/{hw.inter}",
         f"workload: {w.precision}, micro-batch {w.micro_batch} × sequence {w.seq}, accumulation {w.accumulation}, "
         f"{'LoRA r=' + str(w.lora_rank) if w.lora_rank else 'full fine-tuning'}, recompute "
-        f"{'on' if w.recompute else 'off'}, dropout {'on' if w.dropout else 'off'}, "
+        f"{w.recompute or 'off'}, dropout {'on' if w.dropout else 'off'}, "
         f"{'fused' if w.fused_attention else 'eager'} attention",
         "",
     ]

@@ -18,7 +18,8 @@ class Workload:
         seq: sequence length (s).
         accumulation: micro-batches per optimizer step (m; the pipeline's micro-batches too).
         lora_rank: LoRA r (0: full fine-tuning).
-        recompute: full activation recomputation (checkpointing every layer).
+        recompute: activation recomputation, ``"full"`` (every layer keeps its input) or ``"selective"`` (the
+            attention scores are recomputed), as ``training.gradient_checkpointing``; None: off.
         dropout: dropout on (its masks are saved for backward).
         fused_attention: a fused attention kernel (flash / SDPA) that saves no a·s² scores.
     """
@@ -28,7 +29,7 @@ class Workload:
     seq: int = 512
     accumulation: int = 1
     lora_rank: int = 0
-    recompute: bool = False
+    recompute: str | None = None
     dropout: bool = True
     fused_attention: bool = True
 
@@ -48,6 +49,8 @@ class Workload:
         ):
             if value < 1:
                 raise ConfigError(f"{name} {value}: must be a positive integer")
+        if self.recompute not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute {self.recompute!r}: choose full or selective")
         if self.lora_rank < 0:
             raise ConfigError(f"--lora-rank {self.lora_rank}: must be >= 0 (0 = full fine-tuning)")
         return self
