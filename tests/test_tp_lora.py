@@ -77,7 +77,8 @@ def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts=N
     probe = torch.randn(BATCH, SEQ, OUT * parts)
     (ref(x) * probe).sum().backward()
 
-    split_linear(holder, "proj", holder.proj, lambda m: ColumnParallelLinear(m, tp_group=group, parts=parts, counts=counts))
+    split = lambda m: ColumnParallelLinear(m, tp_group=group, parts=parts, counts=counts)  # noqa: E731
+    split_linear(holder, "proj", holder.proj, split)
     layer = holder.proj
     weight = layer.lora_B["default"].shards["weight"]
     out = TPShard(2, weight.rank, weight.size, tuple(probe.shape), parts, counts)  # output features, split like B
@@ -168,3 +169,102 @@ def test_lora_layers_split_like_their_base_match_unsplit_lora():
                 assert row == {"forward reduce_scatter": 2, "backward all_gather": 2, "grads all_reduce": 1}
             else:
                 assert row == {"forward all_reduce": 2}
+
+
+# ----------------------------------------------------------------- trainer level
+TP2, SP = {"tp": 2}, {"tp": 2, "sequence_parallel": True}
+MICRO = 8  # the whole global batch on one process and on each tp rank (dp = 1)
+GPT2_TARGETS = {"lora_r": 4, "lora_target_modules": ["c_attn", "c_proj"]}  # c_attn column_qkv, c_proj row
+LLAMA_TARGETS = {"lora_r": 4, "lora_target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+# label -> (kind, strategy options, LoRA options); the reference is the same model and LoRA on one process
+CASES = {
+    "bert": ("bert", TP2, {"lora_r": 4}),  # PEFT's default targets: query, value (column)
+    "gpt2": ("gpt2", TP2, GPT2_TARGETS),
+    "llama": ("llama", TP2, LLAMA_TARGETS),  # grouped-query: q/o split 2 + ..., unequal widths allowed
+    "llama-sp": ("llama", SP, LLAMA_TARGETS),
+    "gpt2-sp": ("gpt2", SP, GPT2_TARGETS),
+}
+# 96 examples, batch 8: 12 steps per epoch; the tp=2 checkpoint of step 8 resumes at tp=1 on one process
+RESUME = {"kind": "gpt2", "steps": 12, "save_steps": 4, "return_weights": True, "lora_options": GPT2_TARGETS}
+
+
+def _lora_tp2(root: str) -> dict:
+    runs = {
+        label: run_tiny_training(kind=kind, micro=MICRO, steps=10, strategy="megatron", strategy_options=options,
+                                 lora_options=lora, return_weights=True)
+        for label, (kind, options, lora) in CASES.items()
+    }  # fmt: skip
+    common = {**RESUME, "micro": MICRO, "strategy": "megatron", "strategy_options": TP2}
+    full = run_tiny_training(output_dir=f"{root}/full", **common)
+    part = run_tiny_training(output_dir=f"{root}/part", stop_at_step=8, **common)
+    return {"parity": runs, "full": full, "part": part}
+
+
+def _lora_one(root: str) -> dict:
+    reference = {
+        label: run_tiny_training(kind=kind, micro=MICRO, steps=10, strategy="ddp", lora_options=lora,
+                                 return_weights=True)
+        for label, (kind, _, lora) in CASES.items()
+    }  # fmt: skip
+    # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
+    resumed = run_tiny_training(
+        output_dir=f"{root}/tp1", micro=MICRO, strategy="megatron", strategy_options={"tp": 1},
+        resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", trust_external_checkpoint=True, **RESUME,
+    )  # fmt: skip
+    return {"reference": reference, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("tp_lora"))
+    two = run_distributed(_lora_tp2, nprocs=2, timeout=900, root=root)
+    (one,) = run_distributed(_lora_one, nprocs=1, timeout=900, root=root)
+    return {"two": two, "one": one, "root": root}
+
+
+def _initial_weights(kind: str, lora: dict) -> dict[str, torch.Tensor]:
+    """The model the trainer starts from (built right after its seed), with PEFT names."""
+    from transformers import set_seed
+
+    from tests.tiny import tiny_model_init
+
+    set_seed(42)
+    return {k: v.detach().clone() for k, v in tiny_model_init(kind, lora_options=lora)().state_dict().items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", list(CASES))
+def test_lora_at_tp2_matches_lora_on_one_process(lora_runs, label):
+    kind, _, lora = CASES[label]
+    ref = lora_runs["one"]["reference"][label]
+    for rank in lora_runs["two"]:
+        run = rank["parity"][label]
+        assert len(run["losses"]) == len(ref["losses"]) == 10
+        assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert run["metrics"]["eval_samples"] == 25
+    # the gathered full weights (logical PEFT names) equal the one-process run's; only adapters and head moved
+    weights, ref_weights = lora_runs["two"][0]["parity"][label]["weights"], ref["weights"]
+    assert weights.keys() == ref_weights.keys()
+    initial = _initial_weights(kind, lora)
+    moved = set()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, ref_weights[name], rtol=0, atol=1e-5, msg=name)
+        if not torch.equal(tensor, initial[name]):
+            moved.add(name)
+    assert moved and all(".lora_" in n or ".modules_to_save." in n for n in moved), sorted(moved)
+    assert any(".lora_B." in n for n in moved) and any(".lora_A." in n for n in moved)
+
+
+@pytest.mark.distributed
+def test_tp2_lora_checkpoint_resumes_at_tp1(lora_runs):
+    from safetensors.torch import load_file
+
+    full, resumed = lora_runs["two"][0]["full"], lora_runs["one"]["resumed"]
+    assert resumed["global_step"] == full["global_step"] == 12
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-5)
+    for name, tensor in full["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
+    # the checkpoint holds logical full tensors under PEFT's names (B whole, not one rank's slice)
+    state = load_file(f"{lora_runs['root']}/part/checkpoints/step_00000008/state/model.safetensors")
+    c_attn_b = state["base_model.model.transformer.h.0.attn.c_attn.lora_B.default.weight"]
+    assert c_attn_b.shape == (96, 4) and c_attn_b.abs().min(dim=1).values.gt(0).any()
