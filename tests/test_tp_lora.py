@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.test_megatron import _job_args, _torchrun, tiny_job  # noqa: F401 (tiny_job: the fixture, reused)
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,3 +269,73 @@ def test_tp2_lora_checkpoint_resumes_at_tp1(lora_runs):
     state = load_file(f"{lora_runs['root']}/part/checkpoints/step_00000008/state/model.safetensors")
     c_attn_b = state["base_model.model.transformer.h.0.attn.c_attn.lora_B.default.weight"]
     assert c_attn_b.shape == (96, 4) and c_attn_b.abs().min(dim=1).values.gt(0).any()
+
+
+# ----------------------------------------------------------------- export: a real torchrun job
+@pytest.mark.distributed
+def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(tiny_job, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    output_dir = tmp_path / "out"
+    lora = ["--use_lora", "true", "--lora_target_modules", "c_attn,c_proj", "--lora_r", "4", "--lora_alpha", "64"]
+    lora += ["--merge_lora_on_export", "true"]
+    args = _job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2", *lora)
+    log = _torchrun(2, ["scripts/train.py", *args]).stdout
+    # the export reloaded the adapter (peft onto the base) and the merged model, against the trained tp=2 logits
+    diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))
+    assert diff <= 1e-5
+    adapter_dir, merged_dir = output_dir / "model", output_dir / "model_merged"
+    adapter = load_file(adapter_dir / "adapter_model.safetensors")
+    final = load_file(output_dir / "checkpoints" / "step_00000004" / "state" / "model.safetensors")
+    lora_b = {k: v for k, v in adapter.items() if ".lora_B." in k}
+    assert len(lora_b) == 6 and all(v.abs().sum() > 0 for v in lora_b.values())  # 2 layers × c_attn, attn.c_proj, mlp.c_proj; trained
+    for name, tensor in adapter.items():  # the whole adapter (no rank's slice): the checkpoint's logical tensors
+        logical = re.sub(r"\.lora_([AB])\.weight$", r".lora_\1.default.weight", name)
+        logical = logical.replace(".score.weight", ".score.modules_to_save.default.weight")
+        assert torch.equal(tensor, final[logical]), name
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_job["gpt2"])
+    reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
+    merged = AutoModelForSequenceClassification.from_pretrained(merged_dir).eval()
+    tokenizer = tiny_tokenizer("gpt2")
+    tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(synthetic_texts(6, seed=5)[0], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        a, m = reloaded(**batch).logits, merged(**batch).logits
+    torch.testing.assert_close(a, m, rtol=0, atol=1e-5)
+    assert (a - base_logits(tiny_job["gpt2"], batch)).abs().max() > 1e-4  # the adapter changed the model
+
+
+@torch.no_grad()
+def base_logits(model_dir: str, batch: dict) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(model_dir).eval()(**batch).logits
+
+
+# ----------------------------------------------------------------- refused: one line naming the field
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ({"lora_target_modules": ["word_embeddings", "query"]}, "lora.lora_target_modules: LoRA on"),
+        ({"use_dora": True, "target_modules": ["query"]}, "use_dora=False"),
+    ],
+    ids=["embedding", "dora"],
+)
+def test_lora_that_tp_cannot_split_is_refused(case, message):
+    from peft import LoraConfig, get_peft_model
+
+    from hftrain.errors import ConfigError
+    from hftrain.parallel.lora import check_lora_layers
+    from tests.tiny import tiny_model_init
+
+    if "use_dora" in case:  # not a hftrain field: a PEFT model built by hand (the API takes any PeftModel)
+        from transformers import AutoModelForSequenceClassification
+
+        model = get_peft_model(AutoModelForSequenceClassification.from_config(tiny_config("bert")), LoraConfig(**case))
+    else:
+        model = tiny_model_init("bert", lora_options=case)()
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        check_lora_layers(model)
+    assert "\n" not in str(refused.value)
