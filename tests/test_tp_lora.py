@@ -289,12 +289,13 @@ def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(
     adapter_dir, merged_dir = output_dir / "model", output_dir / "model_merged"
     adapter = load_file(adapter_dir / "adapter_model.safetensors")
     final = load_file(output_dir / "checkpoints" / "step_00000004" / "state" / "model.safetensors")
-    lora_b = {k: v for k, v in adapter.items() if ".lora_B." in k}
-    assert len(lora_b) == 6 and all(v.abs().sum() > 0 for v in lora_b.values())  # 2 layers × c_attn, attn.c_proj, mlp.c_proj; trained
-    for name, tensor in adapter.items():  # the whole adapter (no rank's slice): the checkpoint's logical tensors
-        logical = re.sub(r"\.lora_([AB])\.weight$", r".lora_\1.default.weight", name)
-        logical = logical.replace(".score.weight", ".score.modules_to_save.default.weight")
-        assert torch.equal(tensor, final[logical]), name
+    _assert_adapter_is_checkpoint(adapter, final)
+    # a checkpoint of the tp=2 run exports the same way, launched like its run
+    checkpoint = output_dir / "checkpoints" / "step_00000002"
+    exported = tmp_path / "exported"
+    _torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported), "--output_dir", str(output_dir)])
+    step2 = load_file(checkpoint / "state" / "model.safetensors")
+    _assert_adapter_is_checkpoint(load_file(exported / "adapter_model.safetensors"), step2)
     base = AutoModelForSequenceClassification.from_pretrained(tiny_job["gpt2"])
     reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
     merged = AutoModelForSequenceClassification.from_pretrained(merged_dir).eval()
@@ -305,6 +306,16 @@ def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(
         a, m = reloaded(**batch).logits, merged(**batch).logits
     torch.testing.assert_close(a, m, rtol=0, atol=1e-5)
     assert (a - base_logits(tiny_job["gpt2"], batch)).abs().max() > 1e-4  # the adapter changed the model
+
+
+def _assert_adapter_is_checkpoint(adapter: dict, state: dict) -> None:
+    """The adapter holds the whole trained tensors (no rank's slice, not empty): the checkpoint's logical ones."""
+    lora_b = {k: v for k, v in adapter.items() if ".lora_B." in k}
+    assert len(lora_b) == 6 and all(v.abs().sum() > 0 for v in lora_b.values())  # 2 × c_attn, attn/mlp c_proj
+    for name, tensor in adapter.items():
+        logical = re.sub(r"\.lora_([AB])\.weight$", r".lora_\1.default.weight", name)
+        logical = logical.replace(".score.weight", ".score.modules_to_save.default.weight")
+        assert torch.equal(tensor, state[logical]), name
 
 
 @torch.no_grad()
