@@ -4,20 +4,17 @@
   blocks), column with unequal widths and row, with and without sequence parallelism, against the unsplit LoRA
   layer: output, input gradient and every adapter gradient after ``finalize_tp_grads`` (``B`` made non-zero first:
   at init it is zero, which would hide a wrong ``A`` gradient).
-- Trainer level (2 processes, then 1): LoRA at tp=2 equals LoRA on one process within 1e-5 relative loss over 10
-  steps for BERT (query/value), GPT-2 (c_attn column_qkv + c_proj row) and Llama (q/v column + o/down row), Llama
-  also with sequence parallelism; only adapters and the head are trainable; a tp=2 LoRA checkpoint resumes at tp=1.
+- Trainer level (2 processes, 4, then 1): LoRA at tp=2 (and tp=2 × dp=2) equals LoRA on one process within 1e-5
+  relative loss over 10 steps for BERT (query/value), GPT-2 (c_attn column_qkv + c_proj row) and Llama (q/v column
+  + o/down row), GPT-2 and Llama also with sequence parallelism; only adapters and the head move; a tp=2 LoRA
+  checkpoint resumes at tp=1 on one process equal to continuing at tp=2.
 - Export: a real ``torchrun`` tp=2 LoRA job writes a PEFT adapter that ``PeftModel.from_pretrained`` loads onto
   the base model with the merged export's logits, ``lora_B`` not all zeros.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +23,6 @@ from tests.distributed import run_distributed
 from tests.test_megatron import _job_args, _torchrun, tiny_job  # noqa: F401 (tiny_job: the fixture, reused)
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH, SEQ, HIDDEN, OUT, RANK = 3, 4, 8, 12, 4
 
 
@@ -181,10 +177,11 @@ LLAMA_TARGETS = {"lora_r": 4, "lora_target_modules": ["q_proj", "v_proj", "o_pro
 CASES = {
     "bert": ("bert", TP2, {"lora_r": 4}),  # PEFT's default targets: query, value (column)
     "gpt2": ("gpt2", TP2, GPT2_TARGETS),
-    "llama": ("llama", TP2, LLAMA_TARGETS),  # grouped-query: q/o split 2 + ..., unequal widths allowed
+    "llama": ("llama", TP2, LLAMA_TARGETS),  # grouped-query attention: 4 query / 2 key-value heads
     "llama-sp": ("llama", SP, LLAMA_TARGETS),
     "gpt2-sp": ("gpt2", SP, GPT2_TARGETS),
 }
+TP2_DP2 = ("llama", "gpt2-sp")  # also run at tp=2 × dp=2 (micro 4 per replica: the same global batch of 8)
 # 96 examples, batch 8: 12 steps per epoch; the tp=2 checkpoint of step 8 resumes at tp=1 on one process
 RESUME = {"kind": "gpt2", "steps": 12, "save_steps": 4, "return_weights": True, "lora_options": GPT2_TARGETS}
 
@@ -199,6 +196,15 @@ def _lora_tp2(root: str) -> dict:
     full = run_tiny_training(output_dir=f"{root}/full", **common)
     part = run_tiny_training(output_dir=f"{root}/part", stop_at_step=8, **common)
     return {"parity": runs, "full": full, "part": part}
+
+
+def _lora_tp2_dp2(root: str) -> dict:
+    """tp=2 × dp=2: DDP averages the adapters' gradients over dp, finalize_tp_grads completes them over tp."""
+    return {
+        label: run_tiny_training(kind=CASES[label][0], micro=MICRO // 2, steps=10, strategy="megatron",
+                                 strategy_options=CASES[label][1], lora_options=CASES[label][2])
+        for label in TP2_DP2
+    }  # fmt: skip
 
 
 def _lora_one(root: str) -> dict:
@@ -219,8 +225,9 @@ def _lora_one(root: str) -> dict:
 def lora_runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("tp_lora"))
     two = run_distributed(_lora_tp2, nprocs=2, timeout=900, root=root)
+    four = run_distributed(_lora_tp2_dp2, nprocs=4, timeout=900, root=root)
     (one,) = run_distributed(_lora_one, nprocs=1, timeout=900, root=root)
-    return {"two": two, "one": one, "root": root}
+    return {"two": two, "four": four, "one": one, "root": root}
 
 
 def _initial_weights(kind: str, lora: dict) -> dict[str, torch.Tensor]:
@@ -257,6 +264,15 @@ def test_lora_at_tp2_matches_lora_on_one_process(lora_runs, label):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("label", TP2_DP2)
+def test_lora_at_tp2_dp2_matches_lora_on_one_process(lora_runs, label):
+    ref = lora_runs["one"]["reference"][label]
+    for rank in lora_runs["four"]:
+        assert rank[label]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert rank[label]["samples_seen"] == ref["samples_seen"]
+
+
+@pytest.mark.distributed
 def test_tp2_lora_checkpoint_resumes_at_tp1(lora_runs):
     from safetensors.torch import load_file
 
@@ -273,7 +289,7 @@ def test_tp2_lora_checkpoint_resumes_at_tp1(lora_runs):
 
 # ----------------------------------------------------------------- export: a real torchrun job
 @pytest.mark.distributed
-def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(tiny_job, tmp_path):
+def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(tiny_job, tmp_path):  # noqa: F811
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
