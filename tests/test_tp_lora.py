@@ -6,7 +6,8 @@
   at init it is zero, which would hide a wrong ``A`` gradient).
 - Trainer level (2 processes, 4, then 1): LoRA at tp=2 (and tp=2 × dp=2) equals LoRA on one process within 1e-5
   relative loss over 10 steps for BERT (query/value), GPT-2 (c_attn column_qkv + c_proj row) and Llama (q/v column
-  + o/down row), GPT-2 and Llama also with sequence parallelism; only adapters and the head move; a tp=2 LoRA
+  + o/down row), GPT-2 and Llama also with sequence parallelism, GPT-2 with full recomputation; only adapters and
+  the head move; a tp=2 LoRA
   checkpoint resumes at tp=1 on one process equal to continuing at tp=2.
 - Export: a real ``torchrun`` tp=2 LoRA job writes a PEFT adapter that ``PeftModel.from_pretrained`` loads onto
   the base model with the merged export's logits, ``lora_B`` not all zeros.
@@ -192,6 +193,10 @@ def _lora_tp2(root: str) -> dict:
                                  lora_options=lora, return_weights=True)
         for label, (kind, options, lora) in CASES.items()
     }  # fmt: skip
+    # full recomputation replays each split layer's forward, adapters included
+    runs["gpt2-recompute"] = run_tiny_training(kind="gpt2", micro=MICRO, steps=10, strategy="megatron",
+                                               strategy_options=TP2, lora_options=GPT2_TARGETS,
+                                               gradient_checkpointing=True)  # fmt: skip
     common = {**RESUME, "micro": MICRO, "strategy": "megatron", "strategy_options": TP2}
     full = run_tiny_training(output_dir=f"{root}/full", **common)
     part = run_tiny_training(output_dir=f"{root}/part", stop_at_step=8, **common)
@@ -261,6 +266,13 @@ def test_lora_at_tp2_matches_lora_on_one_process(lora_runs, label):
             moved.add(name)
     assert moved and all(".lora_" in n or ".modules_to_save." in n for n in moved), sorted(moved)
     assert any(".lora_B." in n for n in moved) and any(".lora_A." in n for n in moved)
+
+
+@pytest.mark.distributed
+def test_lora_at_tp2_with_recomputation_matches_one_process(lora_runs):
+    ref = lora_runs["one"]["reference"]["gpt2"]["losses"]
+    for rank in lora_runs["two"]:
+        assert rank["parity"]["gpt2-recompute"]["losses"] == pytest.approx(ref, rel=1e-5)
 
 
 @pytest.mark.distributed
