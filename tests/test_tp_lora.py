@@ -7,10 +7,10 @@
 - Trainer level (2 processes, 4, then 1): LoRA at tp=2 (and tp=2 × dp=2) equals LoRA on one process within 1e-5
   relative loss over 10 steps for BERT (query/value), GPT-2 (c_attn column_qkv + c_proj row) and Llama (q/v column
   + o/down row), GPT-2 and Llama also with sequence parallelism, GPT-2 with full recomputation; only adapters and
-  the head move; a tp=2 LoRA
-  checkpoint resumes at tp=1 on one process equal to continuing at tp=2.
+  the head move; a tp=2 LoRA checkpoint resumes at tp=1 on one process equal to continuing at tp=2.
 - Export: a real ``torchrun`` tp=2 LoRA job writes a PEFT adapter that ``PeftModel.from_pretrained`` loads onto
-  the base model with the merged export's logits, ``lora_B`` not all zeros.
+  the base model with the merged export's logits, ``lora_B`` not all zeros, and ``hftrain export`` of its checkpoint
+  writes the same adapter; LoRA that tp cannot split (embedding, DoRA) is refused in one line.
 """
 
 from __future__ import annotations
