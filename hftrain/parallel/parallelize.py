@@ -40,10 +40,19 @@ def parallelize_model(
         recompute: activation recomputation, ``"full"`` or ``"selective"`` (``hftrain.parallel.recompute``), applied
             last, on the split layers: a full-layer checkpoint replays the tracker's streams.
     """
+    from hftrain.parallel.lora import hf_model_of
     from hftrain.parallel.plans import check_tensor_parallel
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
 
     check_tensor_parallel(model.config, groups.tp_size)
+    if (groups.pp_size > 1 or groups.cp_size > 1) and hf_model_of(model) is not model:
+        from hftrain.errors import ConfigError
+
+        # The megatron strategy refuses this before any process group; here for models split by hand.
+        raise ConfigError(
+            "lora.use_lora with strategy.pp or strategy.cp > 1 is not supported yet (LoRA runs under tp and dp); "
+            "use pp: 1 and cp: 1, or train the full model"
+        )
     model = apply_tensor_parallel(
         model, tp_group=groups.tp_group, sequence_parallel=sequence_parallel, rng_tracker=rng_tracker
     )

@@ -32,6 +32,7 @@ from hftrain.parallel.layers import (
     TPShard,
     VocabParallelEmbedding,
 )
+from hftrain.parallel.lora import check_lora_layers, hf_model_of, split_linear
 from hftrain.parallel.plans import TensorParallelPlan, check_tensor_parallel, plan_for
 from hftrain.parallel.random import RNGTracker, run_in_stream
 
@@ -76,17 +77,22 @@ def _map_hidden_output(module: nn.Module, fn: Callable[[torch.Tensor], torch.Ten
     module.register_forward_hook(hook)
 
 
+# The linear styles go through split_linear, which also splits a PEFT LoRA layer's adapters (hftrain.parallel.lora).
 def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
-    setattr(parent, name, ColumnParallelLinear(module, tp_group=ctx.tp_group, counts=counts))
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, counts=counts))
 
 
 def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
-    setattr(parent, name, ColumnParallelLinear(module, tp_group=ctx.tp_group, parts=3))
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=3))
 
 
 def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
-    row = RowParallelLinear(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, counts=counts)
-    setattr(parent, name, row)
+    split_linear(
+        parent,
+        name,
+        module,
+        lambda m: RowParallelLinear(m, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, counts=counts),
+    )
 
 
 def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
@@ -136,11 +142,8 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context, Counts], None]]
 
 
 def _refuse_unsupported(model: nn.Module) -> None:
+    check_lora_layers(model)
     for name, module in model.named_modules():
-        if hasattr(module, "lora_A"):
-            raise HFTrainError(
-                f"LoRA module '{name}' with tensor parallelism is not supported; use lora.use_lora: false"
-            )
         if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
             raise HFTrainError(f"tensor parallelism is already applied to this model (module '{name}')")
 
@@ -210,7 +213,8 @@ def apply_tensor_parallel(
     Collective over ``tp_group`` (one all-reduce checks the weights are replicated).
 
     Args:
-        model: a BERT, GPT-2 or Llama-family model (``hftrain.parallel.plans.PLANS``), without LoRA.
+        model: a BERT, GPT-2 or Llama-family model (``hftrain.parallel.plans.PLANS``), or a PEFT LoRA model of one
+            (its adapters are split with their layers, ``hftrain.parallel.lora``).
         tp_group: the tensor-parallel process group.
         sequence_parallel: shard LayerNorm/dropout regions along the sequence (batches must be padded to a
             multiple of ``sequence_multiple(tp, sequence_parallel=True)``; call :func:`finalize_tp_grads`
@@ -225,9 +229,10 @@ def apply_tensor_parallel(
     _refuse_unsupported(model)
     _check_replicated(model, tp_group)
     ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(model.config, tp_size), rng_tracker)
-    for layer in model.get_submodule(plan.layers):
+    hf_model = hf_model_of(model)  # plan paths name modules of the transformers model, inside a PeftModel too
+    for layer in hf_model.get_submodule(plan.layers):
         _apply_to_layer(layer, plan, ctx)
-    _apply_entries(model, plan.model, ctx)
+    _apply_entries(hf_model, plan.model, ctx)
     return model
 
 

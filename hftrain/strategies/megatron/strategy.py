@@ -8,7 +8,8 @@ here once and passed down to the plugin's groups. The Trainer runs through
 :class:`~hftrain.strategies.megatron.pipeline.PipelineRuntime` (stages and a schedule).
 
 Refused up front, before any process group: a ``tp`` that does not divide the world size or the model's sizes,
-an unsupported model family, LoRA (its adapters would wrap the split layers; not supported yet), and another
+an unsupported model family, LoRA with pipeline or context parallelism (LoRA's adapters are split with their
+layers under tp, ``hftrain.parallel.lora``; stages and context parallelism do not handle them yet), and another
 strategy's options (FSDP/DeepSpeed settings).
 """
 
@@ -83,11 +84,12 @@ class MegatronStrategy(Strategy):
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel
 
-        if use_lora:
-            raise ConfigError(
-                "lora.use_lora with strategy megatron is not supported (the adapters would wrap split layers); "
-                "use strategy ddp/fsdp/zero for LoRA, or train the full model with megatron"
-            )
+        for axis in ("pp", "cp"):
+            if use_lora and getattr(self.config, axis) > 1:
+                raise ConfigError(
+                    f"lora.use_lora with strategy.{axis}={getattr(self.config, axis)} is not supported yet (LoRA runs "
+                    f"under megatron's tp and dp); use {axis}: 1, or train the full model"
+                )
         with named_by_config():
             check_tensor_parallel(model_config, self.config.tp)
             if self.config.cp > 1:
