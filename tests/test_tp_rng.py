@@ -4,10 +4,11 @@ Pitfalls "dropout masks copied across tensor-parallel ranks" and "a run resumed 
 silently diverges". Two launches carry the checks (starting processes is the slow part):
 
 - 2 processes: BERT and GPT-2 at tp=2 (GPT-2 also with torch's dropout kernel), BERT with sequence parallelism,
-  dropout 0.1, 20 steps: replicated parameters bit-identical across the tp ranks; the masks drawn on each rank's
-  own heads (and, under sequence parallelism, on its own sequence chunk) agree on a fraction near
-  ``(1-p)² + p²`` = 0.82, the masks on replicated activations on 1.0. At pp=2 no mask of stage 1 is drawn from a
-  generator state stage 0 drew from.
+  BERT in LoRA adapters (LoRA dropout on a column- and a row-parallel layer), dropout 0.1, 20 steps: replicated
+  parameters bit-identical across the tp ranks; the masks drawn on each rank's own heads (on its own sequence
+  chunk under sequence parallelism, on its own input features of a row-parallel LoRA layer) agree on a fraction
+  near ``(1-p)² + p²`` = 0.82, the masks on replicated activations on 1.0. At pp=2 no mask of stage 1 is drawn
+  from a generator state stage 0 drew from.
 - 1 then 4 processes: tp2 × dp2 for 20 steps, and a run resumed tp=1 (one process) → tp=2 × dp=2 → tp=4 (10 steps
   each after the resume): replicated parameters bit-identical across every tp group.
 
@@ -75,6 +76,13 @@ def _two(root: str) -> dict:
             dropout_kernel=kernel, inspect=_replicated, output_dir=f"{root}/{label}",
         )  # fmt: skip
         out[label] = {"replicated": result["inspected"], "masks": list(masks), "losses": result["losses"]}
+    masks.clear()
+    lora = {"lora_r": 4, "lora_dropout": P, "lora_target_modules": ["query", "attention.output.dense"]}
+    result = run_tiny_training(
+        kind="bert", strategy="megatron", strategy_options={"tp": 2}, steps=5, micro=8, dropout=P,
+        dropout_kernel="bits", lora_options=lora, inspect=_replicated, output_dir=f"{root}/lora",
+    )  # fmt: skip
+    out["lora"] = {"replicated": result["inspected"], "masks": list(masks)}
     masks.clear()
     run_tiny_training(
         kind="bert", strategy="megatron", strategy_options={"pp": 2}, steps=3, micro=8, dropout=P,
@@ -174,6 +182,21 @@ def test_sequence_parallel_chunks_draw_their_own_masks(two):
     chunks = [agreement for agreement in residual if agreement < 1.0]
     assert residual[0] == 1.0 and chunks
     assert abs(sum(chunks) / len(chunks) - INDEPENDENT) < 0.03
+
+
+@pytest.mark.distributed
+def test_lora_dropout_follows_the_split(two):
+    """LoRA dropout on a column-parallel layer's input (replicated: the same mask on every rank), and on a
+    row-parallel layer's input (this rank's own features, hidden / tp = 16 wide: a mask of its own)."""
+    _assert_bit_identical([rank["lora"]["replicated"] for rank in two])
+    pairs = zip(two[0]["lora"]["masks"], two[1]["lora"]["masks"], strict=True)
+    by_width: dict[int, list[float]] = {}
+    for x, y in pairs:
+        if x["keep"].dim() == 3:
+            by_width.setdefault(x["keep"].shape[-1], []).append((x["keep"] == y["keep"]).float().mean().item())
+    assert all(agreement == 1.0 for agreement in by_width[32])  # hidden-wide: residual and column-LoRA inputs
+    split = by_width[16]  # the row-parallel attention.output.dense's input features on this rank
+    assert abs(sum(split) / len(split) - INDEPENDENT) < 0.03
 
 
 @pytest.mark.distributed

@@ -35,8 +35,12 @@ creates the adapters on already-split layers (each rank initialising its own ``B
 adapters PEFT created on the full model, identical on every rank.
 
 Not supported under tensor parallelism, refused by :func:`check_lora_layers`: LoRA variants (DoRA...), LoRA biases,
-and LoRA on anything but a linear layer (e.g. the vocabulary-parallel embedding). Dropout (``lora_dropout``) is left
-as PEFT built it.
+and LoRA on anything but a linear layer (e.g. the vocabulary-parallel embedding).
+
+Dropout (``lora_dropout``) draws from the RNG tracker's streams (``hftrain.parallel.random``) as Megatron would:
+under a column-parallel base it drops the replicated input every tp rank holds whole (the shared ``default``
+stream, also inside a region), under a row-parallel base it drops this rank's own input features (its ``tensor``
+stream).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from torch import nn
 
 from hftrain.errors import ConfigError
 from hftrain.parallel.layers import PARTIAL_GRAD_PARAMS, ColumnParallelLinear, RowParallelLinear
+from hftrain.parallel.random import RNGTracker, run_in_stream
 
 
 def hf_model_of(model: nn.Module) -> nn.Module:
@@ -99,6 +104,7 @@ def split_linear(
     name: str,
     module: nn.Module,
     split: Callable[[nn.Module], ColumnParallelLinear | RowParallelLinear],
+    rng: RNGTracker | None = None,
 ) -> None:
     """Replace ``parent.name`` by ``split(module)``; a PEFT ``lora.Linear`` stays and has its parts split instead.
 
@@ -113,6 +119,7 @@ def split_linear(
         module: an ``nn.Linear`` / ``Conv1D``, or a PEFT ``lora.Linear`` wrapping one.
         split: builds the parallel layer from a full linear module (``ColumnParallelLinear`` or
             ``RowParallelLinear`` with the plan's options).
+        rng: the RNG tracker the adapters' dropout draws from (None: the default generator).
     """
     if not is_lora_layer(module):
         setattr(parent, name, split(module))
@@ -127,6 +134,9 @@ def split_linear(
             module.lora_A[adapter] = split(module.lora_A[adapter])
             if base.sequence_parallel:
                 _mark_partial(module.lora_B[adapter])  # B ran on this rank's sequence chunk only
+        if rng is not None:  # the input is replicated (column) or this rank's own features (row)
+            stream = "default" if isinstance(base, ColumnParallelLinear) else "tensor"
+            run_in_stream(module.lora_dropout[adapter], rng, stream)
 
 
 def _mark_partial(linear: nn.Module) -> None:

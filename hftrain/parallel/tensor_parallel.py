@@ -79,11 +79,11 @@ def _map_hidden_output(module: nn.Module, fn: Callable[[torch.Tensor], torch.Ten
 
 # The linear styles go through split_linear, which also splits a PEFT LoRA layer's adapters (hftrain.parallel.lora).
 def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
-    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, counts=counts))
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, counts=counts), ctx.rng)
 
 
 def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
-    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=3))
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=3), ctx.rng)
 
 
 def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
@@ -92,6 +92,7 @@ def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts:
         name,
         module,
         lambda m: RowParallelLinear(m, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, counts=counts),
+        ctx.rng,
     )
 
 
