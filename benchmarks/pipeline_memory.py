@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and an u
 from tests.distributed import run_distributed  # noqa: E402
 from tests.memory import process_memory as _status  # noqa: E402
 
-LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4), "tp2pp2": (2, 2)}
+LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4), "tp3pp2": (3, 2)}  # SmolLM2: tp 1 or 3 (9 heads)
 BYTES_PER_PARAMETER = 16  # fp32: parameter 4 + gradient 4 + Adam exp_avg 4 + exp_avg_sq 4
 
 
@@ -99,7 +99,7 @@ def plan_stage_parameters(spec, layers: int, *, tp: int, tp_rank: int, first: bo
     from hftrain.plan.model_parallel import layer_parameters_per_gpu
 
     vocab = spec.vocab * spec.hidden
-    total = layers * layer_parameters_per_gpu(spec, tp, tp_rank)
+    total = layers * layer_parameters_per_gpu(spec, tp)
     if first:
         total += vocab / tp + spec.embedding_parameters - vocab - spec.head_parameters
     if last:
