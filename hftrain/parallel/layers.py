@@ -89,7 +89,7 @@ class TPShard:
         return self.rank % self.replicas == 0
 
     def slice_lengths(self) -> tuple[int, ...]:
-        """Every slice's length within one block (ranks ``i·replicas`` up to ``(i+1)·replicas − 1`` hold slice i)."""
+        """Every slice's length within one block (slice i is held by ranks i·replicas … (i+1)·replicas − 1)."""
         block = (self.padded or self.full_shape[self.dim]) // self.parts
         return self.counts or (block // self.slices,) * self.slices
 
