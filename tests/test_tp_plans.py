@@ -99,7 +99,9 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
     assert {a: getattr(attention, a) for a in attributes} == attributes
 
     # AdamW steps: logits, loss and full gradients equal the unsharded model's at every step
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    # eps 1e-6: Adam's first step moves a weight by lr·g/(|g| + eps), so with the default 1e-8 a gradient element
+    # near zero (1.7e-9 in llama_kv1's up_proj) turns float32 summation-order noise (2e-10) into 1.5e-4 of weight
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (ref, model)]
     losses = []
     for _step in range(3):
         expected_out, out = ref(**batch), model(**local_batch)
