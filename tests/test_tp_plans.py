@@ -331,7 +331,9 @@ def _smollm2_matches(model_dir: str) -> dict:
         grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=groups.tp_group)
         assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
         for name, param in ref.named_parameters():
-            assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+            # atol 2e-6: at tp=3, 1 of q_proj's 331,776 gradient elements in layer 12 differed by 1.2e-6 (float32
+            # summation order over 30 layers; 1e-6 held at tp=2)
+            assert_close(grads[name], param.grad, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
         q = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
         report[sequence_parallel] = {
             "q_rows": q.shape[0],

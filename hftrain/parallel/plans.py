@@ -108,6 +108,8 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
         tp: tensor-parallel size.
         multiple: each rank's rows a multiple of this too (e.g. 128, for aligned matmuls on GPUs).
     """
+    if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+        raise ConfigError(f"vocab_multiple must be a positive integer (1: a multiple of tp only), got {multiple!r}")
     step = tp * multiple
     return -(-vocab_size // step) * step
 
