@@ -384,3 +384,15 @@ def test_plan_has_tensor_parallel_rows_for_gpt2_vocabularies(tmp_path):
             assert stage_parameters(model, tp, 1) == pytest.approx(expected)
         if name == "small":
             assert not any(label.startswith("megatron tp8") for label in labels)  # 12 heads
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_plan_command_takes_gpt2_medium_at_tp(tp, capsys):
+    """``hftrain plan --tp`` with GPT-2 medium's sizes and its 50,257-token vocabulary (refused at every tp > 1 before
+    the vocabulary was padded); the model states count the padded embedding's share."""
+    from hftrain.cli import main
+
+    sizes = ["--layers", "24", "--hidden", "1024", "--heads", "16", "--vocab", str(GPT2_VOCAB)]
+    assert main(["plan", *sizes, "--tp", str(tp), "--gpus-per-node", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert f"megatron tp{tp}·pp1·dp{8 // tp}" in [row["label"] for row in rows]  # and the tp × pp layouts
