@@ -27,7 +27,7 @@ live while autograd adds it to the accumulated one). Activations are kept small 
 that the model states dominate.
 
 Usage (about 6 minutes on 2 shared cores, 8 GB of memory at most):
-    python benchmarks/pipeline_memory.py [--layouts pp1,pp2,pp4,tp2pp2]
+    python benchmarks/pipeline_memory.py [--layouts pp1,pp2,pp4,tp3pp2]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and an u
 from tests.distributed import run_distributed  # noqa: E402
 from tests.memory import process_memory as _status  # noqa: E402
 
-LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4), "tp2pp2": (2, 2)}
+LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4), "tp3pp2": (3, 2)}  # SmolLM2: tp 1 or 3 (9 heads)
 BYTES_PER_PARAMETER = 16  # fp32: parameter 4 + gradient 4 + Adam exp_avg 4 + exp_avg_sq 4
 
 
@@ -93,13 +93,13 @@ def plan_spec():
         return model_from_config(str(Path(folder) / "config.json"))
 
 
-def plan_stage_parameters(spec, layers: int, *, tp: int, tp_rank: int, first: bool, last: bool) -> float:
-    """``hftrain plan``'s per-GPU parameters of a stage with ``layers`` layers (``plan.model_parallel``'s terms,
-    with this tp rank's share of the key/value groups)."""
+def plan_stage_parameters(spec, layers: int, *, tp: int, first: bool, last: bool) -> float:
+    """``hftrain plan``'s per-GPU parameters of a stage with ``layers`` layers (``plan.model_parallel``'s terms;
+    every tp rank holds the same share since grouped-query heads split evenly)."""
     from hftrain.plan.model_parallel import layer_parameters_per_gpu
 
     vocab = spec.vocab * spec.hidden
-    total = layers * layer_parameters_per_gpu(spec, tp, tp_rank)
+    total = layers * layer_parameters_per_gpu(spec, tp)
     if first:
         total += vocab / tp + spec.embedding_parameters - vocab - spec.head_parameters
     if last:
@@ -198,7 +198,7 @@ def main() -> None:
         for r in sorted(runs, key=lambda r: r["rank"]):
             f = fixed[r["rank"]]
             states = BYTES_PER_PARAMETER * plan_stage_parameters(
-                spec, r["layers"], tp=tp, tp_rank=r["tp_rank"], first=r["first"], last=r["last"]
+                spec, r["layers"], tp=tp, first=r["first"], last=r["last"]
             )
             # the plan's working memory: one micro-batch's embedding gradient being added to the accumulated one
             plan = states + (4 * spec.vocab * spec.hidden / tp if r["first"] and pp > 1 else 0)

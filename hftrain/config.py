@@ -181,7 +181,8 @@ class StrategyConfig:
     """ZeRO only: a DeepSpeed JSON (``"auto"`` values are filled by hftrain); null builds one from these fields."""
     tp: int = 1
     """megatron only: tensor-parallel size (ranks that split each layer); must divide the world size and the
-    model's heads, key/value heads, hidden, intermediate and vocabulary sizes."""
+    model's heads, hidden and intermediate sizes, and divide or be a multiple of its key/value heads (then
+    replicated over ``tp / kv`` ranks). The vocabulary is padded to a multiple of ``tp × vocab_multiple``."""
     sequence_parallel: bool = False
     """megatron only: Megatron sequence parallelism (norm/dropout regions split along the sequence, which is
     padded to a multiple of ``tp``)."""
@@ -205,6 +206,10 @@ class StrategyConfig:
     cp_comm: Literal["ring", "all_to_all"] = "ring"
     """megatron with cp > 1: ring attention (key/value blocks passed around the cp ranks) or all-to-all
     (DeepSpeed-Ulysses: heads, and key/value heads, per tp rank must divide by ``cp``)."""
+    vocab_multiple: int = 1
+    """megatron only: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this many
+    rows (Megatron's ``make-vocab-size-divisible-by``, e.g. 128 for aligned GPU matmuls); the zero padding rows
+    never receive gradient and never reach a checkpoint's logical tensors or an export."""
     pad_to_multiple_of: int | None = None
     """megatron only: length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
     gives a few lengths and pipeline schedules (built per shape) are reused; a multiple of ``tp`` under
@@ -214,11 +219,25 @@ class StrategyConfig:
         _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
         _require(self.tp >= 1, "strategy.tp", "must be at least 1")
         _require(self.cp >= 1, "strategy.cp", "must be at least 1")
+        _require(
+            self.vocab_multiple >= 1,
+            "strategy.vocab_multiple",
+            f"must be a positive integer, got {self.vocab_multiple} (1: pad the vocabulary to a multiple of tp only; "
+            "Megatron uses 128)",
+        )
         _validate_pipeline(self)
         buckets = self.pad_to_multiple_of
         _require(buckets is None or buckets >= 1, "strategy.pad_to_multiple_of", "must be at least 1 or null")
         if self.name != "megatron":
-            megatron_only = ("tp", "cp", "cp_comm", "sequence_parallel", "shard_optimizer", "pad_to_multiple_of")
+            megatron_only = (
+                "tp",
+                "cp",
+                "cp_comm",
+                "sequence_parallel",
+                "shard_optimizer",
+                "pad_to_multiple_of",
+                "vocab_multiple",
+            )
             for key in (*megatron_only, *PIPELINE_FIELDS):
                 _require(
                     getattr(self, key) == getattr(StrategyConfig, key),

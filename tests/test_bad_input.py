@@ -282,6 +282,14 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     ),
     "cli: unknown attention kernel": (lambda c: [*c.base(), "--attn_implementation", "flash"], "attn_implementation"),
     "strategy: FSDP version 3": (lambda c: [*c.base(), "--fsdp_version", "3"], "strategy.fsdp_version"),
+    "strategy: vocabulary multiple 0": (
+        lambda c: [*c.base(), "--strategy.name", "megatron", "--vocab_multiple", "0"],
+        "strategy.vocab_multiple must be a positive integer, got 0",
+    ),
+    "strategy: vocabulary multiple not an integer": (
+        lambda c: [*c.base(), "--strategy.name", "megatron", "--vocab_multiple", "1.5"],
+        "strategy.vocab_multiple: expected an integer",
+    ),
     # ------------------------------------------------------------------ data
     "data: train_file is a directory": (lambda c: [*c.base(), "--train_file", str(c.scratch)], "is a directory"),
     "data: missing train_file": (lambda c: [*c.base(), "--train_file", str(c.scratch / "no.csv")], "file not found"),

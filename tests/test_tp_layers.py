@@ -131,7 +131,7 @@ def _all_layer_checks() -> dict:
                 report[("column", kind, sequence_parallel)] = _column_case(kind, 1, sequence_parallel, group)
             report[("column counts", kind, sequence_parallel)] = dict(counts)
             report[("column_qkv", kind, sequence_parallel)] = _column_case(kind, 3, sequence_parallel, group)
-            # unequal widths (grouped-query heads that tp does not divide): 8 + 4 of 12 features
+            # unequal widths (TPShard.counts, a generic feature; no plan uses it since heads split evenly): 8 + 4
             report[("column_unequal", kind, sequence_parallel)] = _column_case(
                 kind, 1, sequence_parallel, group, (8, 4)
             )

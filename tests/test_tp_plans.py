@@ -16,17 +16,17 @@ from tests.distributed import run_distributed
 # split parameters per family in the tiny 2-layer models: per layer (BERT: q, k, v weights and biases, attention
 # output weight, intermediate weight and bias, output weight; GPT-2: c_attn w+b, attn c_proj w, c_fc w+b, mlp
 # c_proj w; Llama: q, k, v, o, gate, up, down) + the word embeddings
-SPLIT_COUNTS = {"bert": 2 * 10 + 1, "gpt2": 2 * 6 + 1, "llama": 2 * 7 + 1, "llama_kv3": 2 * 7 + 1}
+SPLIT_COUNTS = {"bert": 2 * 10 + 1, "gpt2": 2 * 6 + 1, "llama": 2 * 7 + 1, "llama_kv1": 2 * 7 + 1}
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
     "gpt2": ("transformer.h.0.attn", {"num_heads": 1, "embed_dim": 16, "split_size": 16}),
     "llama": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
-    "llama_kv3": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+    "llama_kv1": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
 }
-KINDS = ("bert", "gpt2", "llama", "llama_kv3")
-# "llama_kv3": 6 query / 3 key-value heads of 8 (SmolLM2's 9 / 3 in small): tp=2 does not divide the key/value
-# heads, so the ranks hold whole groups, 2 + 1 key/value and 4 + 2 query heads (q/k/v/o rows [32, 16] / [16, 8])
-UNEQUAL = {"q_proj": [32, 16], "o_proj": [32, 16], "k_proj": [16, 8], "v_proj": [16, 8]}
+KINDS = ("bert", "gpt2", "llama", "llama_kv1")
+# "llama_kv1": 4 query heads of 8 and one key/value head: tp=2 replicates it (Megatron/vLLM), each rank holds the
+# whole head (k/v rows 8) beside its 2 query heads (q/o rows 16)
+REPLICATED = {"k_proj": 8, "v_proj": 8}
 
 
 def _batch(kind: str):
@@ -45,9 +45,9 @@ def _build(kind: str, seed: int = 0, dropout: float = 0.0):
 
     from tests.tiny import tiny_config
 
-    config = tiny_config(kind.removesuffix("_kv3"), dropout=dropout)
-    if kind == "llama_kv3":
-        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 48, 6, 3, 8
+    config = tiny_config(kind.removesuffix("_kv1"), dropout=dropout)
+    if kind == "llama_kv1":
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 1, 8
     torch.manual_seed(seed)
     return AutoModelForSequenceClassification.from_config(config)
 
@@ -75,8 +75,8 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
     batch = _batch(kind)
     local_batch = {k: v.chunk(groups.dp_size)[groups.dp_rank] for k, v in batch.items()}  # sharded by dp rank
 
-    # each rank holds 1/tp of every split weight (whole key/value groups when tp does not divide them), read
-    # from the live modules
+    # each rank holds 1/tp of every split weight (a whole key/value head when tp replicates them), read from the
+    # live modules
     shards = sharded_parameters(model)
     assert len(shards) == SPLIT_COUNTS[kind], sorted(shards)
     local_numel = full_numel = 0
@@ -84,23 +84,24 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
         live, full = model.get_parameter(name), ref.get_parameter(name)
         module = name.split(".")[-2]
         expected = list(shard.full_shape)
-        expected[shard.dim] = (
-            UNEQUAL[module][groups.tp_rank] if kind == "llama_kv3" and module in UNEQUAL else expected[shard.dim] // tp
-        )
+        replicated = kind == "llama_kv1" and module in REPLICATED
+        expected[shard.dim] = REPLICATED[module] if replicated else expected[shard.dim] // tp
         assert list(live.shape) == expected, name
         assert_close(live.detach(), shard_full_tensor(name, full.detach(), model))
-        local_numel, full_numel = local_numel + live.numel(), full_numel + full.numel()
+        if not replicated:
+            local_numel, full_numel = local_numel + live.numel(), full_numel + full.numel()
     total = torch.tensor(float(local_numel))
     dist.all_reduce(total, group=group)
     assert total.item() == full_numel  # the shards partition the split weights
-    if kind != "llama_kv3":
-        assert local_numel * tp == full_numel
+    assert local_numel * tp == full_numel
     path, attributes = HEAD_ATTRIBUTES[kind]
     attention = model.get_submodule(path)
     assert {a: getattr(attention, a) for a in attributes} == attributes
 
     # AdamW steps: logits, loss and full gradients equal the unsharded model's at every step
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    # eps 1e-6: Adam's first step moves a weight by lr·g/(|g| + eps), so with the default 1e-8 a gradient element
+    # near zero (1.7e-9 in llama_kv1's up_proj) turns float32 summation-order noise (2e-10) into 1.5e-4 of weight
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (ref, model)]
     losses = []
     for _step in range(3):
         expected_out, out = ref(**batch), model(**local_batch)
@@ -188,12 +189,8 @@ def test_tp_plans_match_unsharded_models(nprocs, sequence_parallel):
     for report in results:  # the comparisons are asserted inside every rank
         for kind in KINDS:
             assert all(report[(kind, sp)]["decreased"] for sp in sequence_parallel)
-        for kind in ("bert", "gpt2", "llama"):
+        for kind in KINDS:  # replicated key/value heads too: no refusal of attention dropout any more
             assert report[(kind, "dropout")] == "identical", kind
-        assert (
-            "splits this model's key/value heads unequally, which needs attention_dropout=0"
-            in report[("llama_kv3", "dropout")]
-        )
         assert "same seed" in report["unseeded"]
     assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
 
@@ -211,29 +208,27 @@ def _config(kind: str, **sizes):
     ("kind", "sizes", "tp", "named"),
     [
         ("bert", {}, 4, "num_attention_heads=2"),
-        ("bert", {"vocab_size": 63}, 2, "vocab_size=63"),
         ("bert", {"intermediate_size": 66}, 4, "intermediate_size=66"),
         ("gpt2", {"n_head": 4, "n_embd": 36}, 8, "n_head=4, n_embd=36"),
-        ("llama", {}, 4, "num_key_value_heads=2"),
         (
             "llama",
-            {
-                "hidden_size": 48,
-                "num_attention_heads": 6,
-                "num_key_value_heads": 3,
-                "head_dim": 8,
-                "attention_dropout": 0.1,
-            },
-            2,
-            "splits this model's key/value heads unequally, which needs attention_dropout=0",
+            {},
+            8,
+            r"tp=8 does not divide num_attention_heads=4 of this llama model; valid tp values for it: 1, 2, 4$",
+        ),
+        (
+            "llama",
+            {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8},
+            4,
+            "tp=4 does not divide num_attention_heads=6 and neither divides nor is a multiple of num_key_value_heads=3",
         ),
         (
             "llama",
             {"intermediate_size": 66},
             4,
-            "does not divide intermediate_size=66 and exceeds num_key_value_heads=2",
+            r"tp=4 does not divide intermediate_size=66 of this llama model; valid tp values for it: 1, 2$",
         ),
-        # SmolLM2-135M's sizes: 9 heads, 3 key/value heads: tp=2 splits whole groups (see llama_kv3), tp=4 cannot
+        # SmolLM2-135M's sizes: 9 heads, 3 key/value heads: tp 1 or 3 (tests/test_tp_shapes.py has more)
         (
             "llama",
             {
@@ -243,9 +238,9 @@ def _config(kind: str, **sizes):
                 "intermediate_size": 1536,
                 "vocab_size": 49152,
             },
-            4,
-            r"exceeds num_key_value_heads=3 \(each rank needs one\) of this llama model; "
-            r"valid tp values for it: 1, 2, 3",
+            2,
+            r"tp=2 does not divide num_attention_heads=9 and neither divides nor is a multiple of "
+            r"num_key_value_heads=3 \(split evenly or replicated\) of this llama model; valid tp values for it: 1, 3$",
         ),
     ],
 )
@@ -257,9 +252,9 @@ def test_check_tensor_parallel_names_the_size(kind, sizes, tp, named):
     check_tensor_parallel(_config(kind, **sizes), 1)
 
 
-def test_smollm2_sizes_run_at_tp_2_and_3():
+def test_smollm2_sizes_run_at_tp_3_balanced():
     from hftrain.parallel import check_tensor_parallel
-    from hftrain.parallel.plans import PLANS
+    from hftrain.parallel.plans import GroupedQuerySplit, grouped_query_split
 
     config = _config(
         "llama",
@@ -270,11 +265,12 @@ def test_smollm2_sizes_run_at_tp_2_and_3():
         intermediate_size=1536,
         vocab_size=49152,
     )
-    for tp in (1, 2, 3):
+    for tp in (1, 3):
         check_tensor_parallel(config, tp)
-    counts = PLANS["llama"].counts(config, 2)
-    assert counts["self_attn.q_proj"] == (6 * 64, 3 * 64) and counts["self_attn.k_proj"] == (2 * 64, 64)
-    assert PLANS["llama"].counts(config, 3)["self_attn.q_proj"] == (192, 192, 192)
+    # 3 query heads and 1 key/value head on every rank (no longer 6+3 / 2+1 at tp=2, which is refused)
+    assert grouped_query_split(9, 3, 3) == GroupedQuerySplit(heads=3, kv_heads=1, replicas=1)
+    with pytest.raises(ConfigError, match="valid tp values for it: 1, 3$"):
+        check_tensor_parallel(config, 2)
 
 
 def test_check_tensor_parallel_refuses_unknown_family():
@@ -294,7 +290,7 @@ def test_sequence_multiple():
 
 
 def _smollm2_matches(model_dir: str) -> dict:
-    """The real SmolLM2-135M (9 query / 3 key-value heads, 30 layers) split 2:1 at tp=2 equals the whole model."""
+    """The real SmolLM2-135M (9 query / 3 key-value heads, 30 layers) split evenly at tp=3 equals the whole model."""
     import torch
     import torch.distributed as dist
     from torch.testing import assert_close
@@ -310,7 +306,7 @@ def _smollm2_matches(model_dir: str) -> dict:
     )
 
     dist.init_process_group("gloo")
-    groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), dist.get_rank())
+    groups = build_groups(ParallelDims(dist.get_world_size(), tp=3), dist.get_rank())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = ["a gripping, beautifully acted film", "dull and far too long; I left early"]
     batch = dict(tokenizer(texts, padding="max_length", max_length=12, return_tensors="pt"))
@@ -334,7 +330,9 @@ def _smollm2_matches(model_dir: str) -> dict:
         grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=groups.tp_group)
         assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
         for name, param in ref.named_parameters():
-            assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+            # atol 2e-6: at tp=3, 1 of q_proj's 331,776 gradient elements in layer 12 differed by 1.2e-6 (float32
+            # summation order over 30 layers; 1e-6 held at tp=2)
+            assert_close(grads[name], param.grad, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
         q = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
         report[sequence_parallel] = {
             "q_rows": q.shape[0],
@@ -347,12 +345,12 @@ def _smollm2_matches(model_dir: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_smollm2_tp2_matches_unsharded():
+def test_smollm2_tp3_matches_unsharded():
     from hftrain.models import resolve_model_path
 
     model_dir = str(resolve_model_path("embedded:smollm2"))  # converts the GGUF once, before the launch
-    results = run_distributed(_smollm2_matches, nprocs=2, timeout=1200, model_dir=model_dir)
-    assert [r[False]["q_rows"] for r in results] == [6 * 64, 3 * 64]  # rank 0: 6 query heads, rank 1: 3
+    results = run_distributed(_smollm2_matches, nprocs=3, timeout=1200, model_dir=model_dir)
+    assert [r[False]["q_rows"] for r in results] == [3 * 64] * 3  # 3 query heads (and 1 key/value head) per rank
     assert all(r[sp]["split"] == 30 * 7 + 1 for r in results for sp in (False, True))
     largest = max(r[sp]["logit_diff"] for r in results for sp in (False, True))
-    print(f"\nSmolLM2-135M tp=2 vs unsharded: max logit difference {largest:.2e}")
+    print(f"\nSmolLM2-135M tp=3 vs unsharded: max logit difference {largest:.2e}")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hftrain.parallel.collectives import reduce_from_tp, reduce_scatter_to_sequence
+from hftrain.parallel.plans import padded_vocab_size
 
 # Name of the attribute listing a module's own parameters that are replicated over tp but receive only a partial
 # gradient on each rank: they saw sequence-sharded activations under sequence parallelism (LayerNorms, row-parallel
@@ -39,18 +40,27 @@ class TPShard:
     """How one parameter is split over the tensor-parallel ranks.
 
     The full tensor's dimension ``dim`` is viewed as ``parts`` equal blocks (GPT-2's ``c_attn``: 3 blocks,
-    query, key and value, each ``hidden`` wide); every block is cut into ``size`` slices and rank ``r`` holds
-    slice ``r`` of every block, concatenated in block order (so its q, k and v are its own heads'). Slices are
-    equal unless ``counts`` gives their lengths (grouped-query attention whose key/value heads tp does not
-    divide: whole key/value groups per rank, as balanced as possible).
+    query, key and value, each ``hidden`` wide); every block is cut into ``size / replicas`` slices and rank ``r``
+    holds slice ``r // replicas`` of every block, concatenated in block order (so its q, k and v are its own
+    heads'). Slices are equal unless ``counts`` gives their lengths.
+
+    ``replicas > 1``: consecutive groups of ``replicas`` ranks hold the same slice (grouped-query attention with
+    fewer key/value heads than tp: each rank holds one key/value head, shared by ``tp / kv`` ranks, as Megatron and
+    vLLM replicate them); :meth:`assemble` takes one copy of each slice.
+
+    ``padded``: the length ``dim`` is zero-padded to before it is cut (a vocabulary padded to a multiple of tp,
+    Megatron's ``make-vocab-size-divisible-by``): :meth:`local` pads then slices, :meth:`assemble` trims back to
+    ``full_shape``, so the padding never leaves the shards (checkpoints and exports hold the logical tensor).
 
     Args:
         dim: the split dimension of the full (HF-layout) tensor.
         rank: this rank's tensor-parallel rank.
         size: tensor-parallel size.
-        full_shape: shape of the unsharded tensor.
+        full_shape: shape of the unsharded (logical) tensor.
         parts: packed blocks along ``dim`` that are split separately (1 for a plain split).
-        counts: length of each rank's slice of a block, by rank (``None``: ``block / size`` each).
+        counts: length of each slice of a block, by slice (``None``: equal slices).
+        padded: the padded length of ``dim`` (``None``: no padding; only with ``parts = 1``).
+        replicas: ranks holding each slice (a divisor of ``size``).
     """
 
     dim: int
@@ -59,11 +69,29 @@ class TPShard:
     full_shape: tuple[int, ...]
     parts: int = 1
     counts: tuple[int, ...] | None = None
+    padded: int | None = None
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size % self.replicas:
+            raise ValueError(f"replicas={self.replicas} does not divide the tensor-parallel size {self.size}")
+        if self.padded is not None and (self.parts != 1 or self.padded < self.full_shape[self.dim]):
+            raise ValueError(f"padded={self.padded} needs parts=1 and at least {self.full_shape[self.dim]} rows")
+
+    @property
+    def slices(self) -> int:
+        """Distinct slices of a block (``size / replicas``)."""
+        return self.size // self.replicas
+
+    @property
+    def first_replica(self) -> bool:
+        """Whether this rank holds the first copy of its slice (the copy counted once in norms)."""
+        return self.rank % self.replicas == 0
 
     def slice_lengths(self) -> tuple[int, ...]:
-        """Every rank's slice length within one block."""
-        block = self.full_shape[self.dim] // self.parts
-        return self.counts or (block // self.size,) * self.size
+        """Every slice's length within one block (slice i is held by ranks i·replicas … (i+1)·replicas − 1)."""
+        block = (self.padded or self.full_shape[self.dim]) // self.parts
+        return self.counts or (block // self.slices,) * self.slices
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         """Shape of a rank's shard (this rank's by default).
@@ -72,37 +100,47 @@ class TPShard:
             rank: a tensor-parallel rank.
         """
         shape = list(self.full_shape)
-        shape[self.dim] = self.parts * self.slice_lengths()[self.rank if rank is None else rank]
+        shape[self.dim] = self.parts * self.slice_lengths()[(self.rank if rank is None else rank) // self.replicas]
         return tuple(shape)
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``full`` (a copy).
+        """This rank's slice of ``full`` (a copy; rows of the padding are zero).
 
         Args:
             full: a tensor of ``full_shape`` (a weight, its gradient or its optimizer state).
         """
         if tuple(full.shape) != tuple(self.full_shape):
             raise ValueError(f"expected a full tensor of shape {tuple(self.full_shape)}, got {tuple(full.shape)}")
-        lengths = self.slice_lengths()
-        blocks = full.unflatten(self.dim, (self.parts, -1)).narrow(
-            self.dim + 1, sum(lengths[: self.rank]), lengths[self.rank]
-        )
+        if self.padded is not None:
+            full = F.pad(full.movedim(self.dim, -1), (0, self.padded - full.shape[self.dim])).movedim(-1, self.dim)
+        lengths, index = self.slice_lengths(), self.rank // self.replicas
+        blocks = full.unflatten(self.dim, (self.parts, -1)).narrow(self.dim + 1, sum(lengths[:index]), lengths[index])
         return blocks.flatten(self.dim, self.dim + 1).contiguous().clone()
 
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's slice (in tp-rank order).
+        """The full (logical) tensor from every rank's slice (in tp-rank order): one copy of each replicated slice,
+        the padding trimmed.
 
         Args:
             shards: ``size`` tensors, one per tensor-parallel rank.
         """
-        blocks = [shard.unflatten(self.dim, (self.parts, -1)) for shard in shards]
-        return torch.cat(blocks, self.dim + 1).flatten(self.dim, self.dim + 1)
+        blocks = [shard.unflatten(self.dim, (self.parts, -1)) for shard in shards[:: self.replicas]]
+        full = torch.cat(blocks, self.dim + 1).flatten(self.dim, self.dim + 1)
+        return full.narrow(self.dim, 0, self.full_shape[self.dim]).contiguous()
 
 
 def _split_parameter(
-    tensor: torch.Tensor, dim: int, group: Any, parts: int = 1, counts: tuple[int, ...] | None = None
+    tensor: torch.Tensor,
+    dim: int,
+    group: Any,
+    parts: int = 1,
+    counts: tuple[int, ...] | None = None,
+    *,
+    padded: int | None = None,
+    replicas: int = 1,
 ) -> tuple[nn.Parameter, TPShard]:
-    shard = TPShard(dim, dist.get_rank(group), dist.get_world_size(group), tuple(tensor.shape), parts, counts)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    shard = TPShard(dim, rank, size, tuple(tensor.shape), parts, counts, padded, replicas)
     return nn.Parameter(shard.local(tensor.detach()), requires_grad=tensor.requires_grad), shard
 
 
@@ -116,7 +154,14 @@ class _ShardedLinear(nn.Module):
     """A linear map on a weight slice, in the replaced module's layout (``transposed``: Conv1D's ``(in, out)``)."""
 
     def __init__(
-        self, module: nn.Module, *, tp_group: Any, split: str, parts: int = 1, counts: tuple[int, ...] | None = None
+        self,
+        module: nn.Module,
+        *,
+        tp_group: Any,
+        split: str,
+        parts: int = 1,
+        counts: tuple[int, ...] | None = None,
+        replicas: int = 1,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Linear) and not _is_conv1d(module):
@@ -125,12 +170,16 @@ class _ShardedLinear(nn.Module):
         self.transposed = _is_conv1d(module)
         out_dim = 1 if self.transposed else 0
         weight_dim = out_dim if split == "out" else 1 - out_dim
-        self.weight, weight_shard = _split_parameter(module.weight, weight_dim, tp_group, parts, counts)
+        self.weight, weight_shard = _split_parameter(
+            module.weight, weight_dim, tp_group, parts, counts, replicas=replicas
+        )
         self.shards: dict[str, TPShard] = {"weight": weight_shard}
         if module.bias is None:
             self.bias = None
         elif split == "out":
-            self.bias, self.shards["bias"] = _split_parameter(module.bias, 0, tp_group, parts, counts)
+            self.bias, self.shards["bias"] = _split_parameter(
+                module.bias, 0, tp_group, parts, counts, replicas=replicas
+            )
         else:  # the input dimension is split: every rank adds the full bias once, after the reduction
             self.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
 
@@ -154,12 +203,22 @@ class ColumnParallelLinear(_ShardedLinear):
         tp_group: the tensor-parallel group.
         parts: packed blocks in the output (3 for GPT-2's ``c_attn``: each of q, k, v is split per head).
         counts: output features per rank when they are not equal (see :class:`TPShard`).
+        replicas: ranks sharing each slice of the output (key/value heads fewer than tp: rank i holds slice
+            ``i // replicas``). Each replica's weight gradient is then partial (it saw only its own query heads)
+            and ``finalize_tp_grads`` sums it over the ranks sharing the slice; the input gradient needs nothing
+            more (the region's f sums every rank's ``dY_i A_i^T``).
     """
 
     def __init__(
-        self, module: nn.Module, *, tp_group: Any, parts: int = 1, counts: tuple[int, ...] | None = None
+        self,
+        module: nn.Module,
+        *,
+        tp_group: Any,
+        parts: int = 1,
+        counts: tuple[int, ...] | None = None,
+        replicas: int = 1,
     ) -> None:
-        super().__init__(module, tp_group=tp_group, split="out", parts=parts, counts=counts)
+        super().__init__(module, tp_group=tp_group, split="out", parts=parts, counts=counts, replicas=replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)  # the bias is split like the output: fused into the matmul
@@ -172,7 +231,8 @@ class RowParallelLinear(_ShardedLinear):
     identity backward. Under sequence parallelism the sum is a reduce-scatter along the sequence forward and
     an all-gather backward. The bias is replicated and added once after the reduction (under sequence
     parallelism it sees only this rank's sequence chunk, so its gradient is all-reduced by
-    ``finalize_tp_grads``).
+    ``finalize_tp_grads``), in the reduced output's dtype: under autocast ``Y`` is bf16 as ``nn.Linear``'s output
+    (which adds the bias inside the matmul), not promoted to the fp32 bias's dtype.
 
     Args:
         module: the ``nn.Linear`` or ``Conv1D`` to split.
@@ -198,30 +258,37 @@ class RowParallelLinear(_ShardedLinear):
         partial = self._matmul(x)
         reduce = reduce_scatter_to_sequence if self.sequence_parallel else reduce_from_tp
         y = reduce(partial, self.tp_group)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
     """``Y = onehot(ids) E`` with ``E = [E_1; ...; E_p]`` split by vocabulary rows.
 
-    Rank i looks up the ids in its range ``[i·V/p, (i+1)·V/p)``, zeroes the rows of the others, and the
+    The ``V`` rows are zero-padded to ``V' = ⌈V / (p·m)⌉·p·m`` (``m``: ``vocab_multiple``, Megatron's
+    ``make-vocab-size-divisible-by``), so any vocabulary splits (GPT-2's 50,257 at p = 8: ``V'`` = 50,264), and rank
+    i holds rows ``[i·V'/p, (i+1)·V'/p)``. It looks up the ids in its range, zeroes the rows of the others, and the
     partial results are summed by Megatron's g: all-reduce forward, identity backward (so each rank's gradient
-    reaches only its own rows). Under sequence parallelism the scatter to sequence chunks happens after the
-    model's embedding block (HF adds position embeddings after the lookup), not here.
+    reaches only its own rows). Ids outside ``[0, V)`` raise ``IndexError`` as ``nn.Embedding`` does (one check of
+    the batch, before the lookup), so the padding rows are never looked up: they stay zero, get no gradient, and
+    the shard's ``padded`` length trims them from every gathered tensor (checkpoints, exports). Under sequence
+    parallelism the scatter to sequence chunks happens after the model's embedding block (HF adds position
+    embeddings after the lookup), not here.
 
     Args:
         module: the ``nn.Embedding`` to split.
         tp_group: the tensor-parallel group.
+        vocab_multiple: pad the vocabulary to a multiple of ``tp × vocab_multiple`` rows (1: of tp only).
     """
 
-    def __init__(self, module: nn.Embedding, *, tp_group: Any) -> None:
+    def __init__(self, module: nn.Embedding, *, tp_group: Any, vocab_multiple: int = 1) -> None:
         super().__init__()
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"a vocabulary-parallel embedding splits nn.Embedding, not {type(module).__name__}")
         self.tp_group = tp_group
-        self.weight, shard = _split_parameter(module.weight, 0, tp_group)
-        self.shards = {"weight": shard}
         self.num_embeddings = module.num_embeddings
+        self.padded_vocab_size = padded_vocab_size(self.num_embeddings, dist.get_world_size(tp_group), vocab_multiple)
+        self.weight, shard = _split_parameter(module.weight, 0, tp_group, padded=self.padded_vocab_size)
+        self.shards = {"weight": shard}
         rows = self.weight.shape[0]
         self.vocab_start, self.vocab_end = shard.rank * rows, (shard.rank + 1) * rows
         pad = module.padding_idx
@@ -230,10 +297,15 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ((ids < 0) | (ids >= self.num_embeddings)).any():
+            raise IndexError("index out of range in self")  # nn.Embedding's message; padding rows included
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight, self.local_padding_idx)
         return reduce_from_tp(partial.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
 
     def extra_repr(self) -> str:
-        return f"vocab [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings}, dim {self.weight.shape[1]}"
+        return (
+            f"vocab [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings} "
+            f"(padded to {self.padded_vocab_size}), dim {self.weight.shape[1]}"
+        )

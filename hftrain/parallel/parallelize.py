@@ -28,6 +28,7 @@ def parallelize_model(
     cp_comm: str = "ring",
     rng_tracker: RNGTracker | None = None,
     recompute: str | None = None,
+    vocab_multiple: int = 1,
 ) -> nn.Module:
     """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
 
@@ -39,6 +40,7 @@ def parallelize_model(
         rng_tracker: this rank's random streams (``hftrain.parallel.random``), seeded for its tp and pp ranks.
         recompute: activation recomputation, ``"full"`` or ``"selective"`` (``hftrain.parallel.recompute``), applied
             last, on the split layers: a full-layer checkpoint replays the tracker's streams.
+        vocab_multiple: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this.
     """
     from hftrain.parallel.lora import hf_model_of
     from hftrain.parallel.plans import check_tensor_parallel
@@ -54,7 +56,11 @@ def parallelize_model(
             "use pp: 1 and cp: 1, or train the full model"
         )
     model = apply_tensor_parallel(
-        model, tp_group=groups.tp_group, sequence_parallel=sequence_parallel, rng_tracker=rng_tracker
+        model,
+        tp_group=groups.tp_group,
+        sequence_parallel=sequence_parallel,
+        rng_tracker=rng_tracker,
+        vocab_multiple=vocab_multiple,
     )
     if groups.cp_size > 1:
         from hftrain.parallel.context_parallel import apply_context_parallel

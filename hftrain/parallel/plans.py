@@ -3,6 +3,8 @@
 A plan names modules by their path in the HF ``*ForSequenceClassification`` model and gives each a style:
 
 - ``column`` / ``column_qkv``: split the output features (``column_qkv``: packed q, k, v, split per head);
+- ``column_kv``: a grouped-query key or value projection: split per key/value head when tp divides them, else
+  each head replicated over ``tp / kv`` ranks (Megatron's and vLLM's rule; see :func:`grouped_query_split`);
 - ``row``: split the input features (the partial outputs are summed);
 - ``vocab``: vocabulary-parallel embedding;
 - ``region``: the module's ``hidden_states`` input enters a tensor-parallel region (f, or the sequence
@@ -16,10 +18,12 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 
 ``layer`` entries apply to every transformer layer (paths relative to it); ``model`` entries to the model.
 ``heads`` lists attention attributes holding per-rank sizes (head counts, widths) that must be divided by tp.
-``sizes`` are the config sizes tp must divide, ``minimums`` those it must not exceed, and ``counts`` gives
-unequal per-rank widths where a family allows them (Llama's grouped-query attention: whole key/value groups
-per rank, as balanced as possible, so SmolLM2-135M's 9 query / 3 key-value heads run at tp=2 as 6+3 / 2+1).
-A new family is one more entry in :data:`PLANS`.
+``sizes`` are the config sizes tp must divide; ``grouped_query`` names the attention of a grouped-query family,
+whose key/value heads tp must divide or be a multiple of (SmolLM2-135M's 9 query / 3 key/value heads: tp 1 or 3;
+tp=2 would leave one rank twice the other's attention, which Megatron refuses too). The vocabulary is not among
+the sizes: the embedding pads it to a multiple of tp (:func:`padded_vocab_size`). ``counts`` gives unequal
+per-rank widths (``TPShard.counts``) where a family wants them; no family here does. A new family is one more
+entry in :data:`PLANS`.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ class TensorParallelPlan:
         model: ``(path in the model, style)`` entries.
         heads: ``path in the layer -> attribute names`` divided by tp on the attention module.
         sizes: the config sizes that tp must divide, as ``{name: value}`` for a config.
-        minimums: the config sizes that tp must not exceed (every rank needs at least one).
         counts: ``(config, tp) -> {path in the layer: per-rank widths}`` for unequal splits.
+        grouped_query: path in the layer of a grouped-query attention (its config's ``num_attention_heads`` and
+            ``num_key_value_heads``; its ``num_key_value_groups`` is set per rank), or None.
     """
 
     layers: str
@@ -50,18 +55,63 @@ class TensorParallelPlan:
     model: tuple[tuple[str, str], ...]
     heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sizes: Callable[[Any], dict[str, int]] = lambda config: {}
-    minimums: Callable[[Any], dict[str, int]] = lambda config: {}
     counts: Callable[[Any, int], dict[str, tuple[int, ...]]] = lambda config, tp: {}
+    grouped_query: str | None = None
 
 
-def _grouped_query_counts(config: Any, tp: int) -> dict[str, tuple[int, ...]]:
-    """Per-rank widths of q/k/v/o: whole key/value groups per rank (rank r gets one more while some are left)."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_per_rank = [kv_heads // tp + (r < kv_heads % tp) for r in range(tp)]
-    q = tuple(n * (heads // kv_heads) * head_dim for n in kv_per_rank)
-    kv = tuple(n * head_dim for n in kv_per_rank)
-    return {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": q}
+@dataclass(frozen=True)
+class GroupedQuerySplit:
+    """How tp splits grouped-query attention: the query heads evenly, the key/value heads evenly when tp divides
+    them, else each replicated over ``replicas = tp / kv`` adjacent ranks (rank r holds key/value head
+    ``r // replicas``, which serves exactly its query heads).
+
+    Args:
+        heads: query heads per rank (``h / tp``).
+        kv_heads: key/value heads per rank (``kv / tp``, or 1 when replicated).
+        replicas: ranks holding each key/value head (1: split evenly).
+    """
+
+    heads: int
+    kv_heads: int
+    replicas: int
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head on a rank (the attention's ``num_key_value_groups``)."""
+        return self.heads // self.kv_heads
+
+
+def kv_heads_split(kv_heads: int, tp: int) -> bool:
+    """Whether tp can split ``kv_heads`` key/value heads evenly (tp divides them) or replicate them (a multiple)."""
+    return kv_heads % tp == 0 or tp % kv_heads == 0
+
+
+def grouped_query_split(heads: int, kv_heads: int, tp: int) -> GroupedQuerySplit:
+    """The per-rank split of ``heads`` query and ``kv_heads`` key/value heads (checked by the caller).
+
+    Args:
+        heads: query heads (tp divides them).
+        kv_heads: key/value heads (tp divides them or is a multiple of them: :func:`kv_heads_split`).
+        tp: tensor-parallel size.
+    """
+    if heads % tp or not kv_heads_split(kv_heads, tp):
+        raise ValueError(f"tp={tp} cannot split {heads} query / {kv_heads} key/value heads evenly")
+    replicas = max(tp // kv_heads, 1)
+    return GroupedQuerySplit(heads // tp, max(kv_heads // tp, 1), replicas)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """The vocabulary padded up to a multiple of ``tp × multiple`` rows (Megatron's ``make-vocab-size-divisible-by``).
+
+    Args:
+        vocab_size: the model's vocabulary ``V``.
+        tp: tensor-parallel size.
+        multiple: each rank's rows a multiple of this too (e.g. 128, for aligned matmuls on GPUs).
+    """
+    if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+        raise ConfigError(f"vocab_multiple must be a positive integer (1: a multiple of tp only), got {multiple!r}")
+    step = tp * multiple
+    return -(-vocab_size // step) * step
 
 
 PLANS: dict[str, TensorParallelPlan] = {
@@ -91,7 +141,6 @@ PLANS: dict[str, TensorParallelPlan] = {
             "num_attention_heads": c.num_attention_heads,
             "hidden_size": c.hidden_size,
             "intermediate_size": c.intermediate_size,
-            "vocab_size": c.vocab_size,
         },
     ),
     "gpt2": TensorParallelPlan(
@@ -119,7 +168,6 @@ PLANS: dict[str, TensorParallelPlan] = {
             "n_head": c.n_head,
             "n_embd": c.n_embd,
             "n_inner": c.n_inner or 4 * c.n_embd,
-            "vocab_size": c.vocab_size,
         },
     ),
     "llama": TensorParallelPlan(
@@ -128,8 +176,8 @@ PLANS: dict[str, TensorParallelPlan] = {
             ("input_layernorm", "sequence"),
             ("self_attn", "region"),
             ("self_attn.q_proj", "column"),
-            ("self_attn.k_proj", "column"),
-            ("self_attn.v_proj", "column"),
+            ("self_attn.k_proj", "column_kv"),
+            ("self_attn.v_proj", "column_kv"),
             ("self_attn.o_proj", "row"),
             ("post_attention_layernorm", "sequence"),
             ("mlp", "region"),
@@ -143,11 +191,10 @@ PLANS: dict[str, TensorParallelPlan] = {
             ("model.norm", "sequence"),
             ("model.norm", "gather"),
         ),
-        # LlamaAttention reads no head count at run time (views use -1; q/kv groups per rank stay the same ratio)
+        # LlamaAttention's views use -1; the one head count it reads, num_key_value_groups, is set per rank
         heads={},
-        sizes=lambda c: {"intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size},
-        minimums=lambda c: {"num_key_value_heads": c.num_key_value_heads},
-        counts=_grouped_query_counts,
+        sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
+        grouped_query="self_attn",
     ),
 }
 
@@ -167,12 +214,15 @@ def plan_for(config: Any) -> TensorParallelPlan:
     return PLANS[model_type]
 
 
-def _valid_tp(sizes: dict[str, int], minimums: dict[str, int]) -> list[int]:
-    largest = min([*sizes.values(), *minimums.values()])
+def _kv_heads(plan: TensorParallelPlan, config: Any) -> dict[str, int]:
+    return {"num_key_value_heads": config.num_key_value_heads} if plan.grouped_query else {}
+
+
+def _valid_tp(sizes: dict[str, int], kv_heads: dict[str, int]) -> list[int]:
     return [
         d
-        for d in range(1, largest + 1)
-        if all(v % d == 0 for v in sizes.values()) and all(v >= d for v in minimums.values())
+        for d in range(1, min(sizes.values()) + 1)
+        if all(v % d == 0 for v in sizes.values()) and all(kv_heads_split(v, d) for v in kv_heads.values())
     ]
 
 
@@ -186,26 +236,17 @@ def check_tensor_parallel(config: Any, tp: int) -> None:
     plan = plan_for(config)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise AxisError("tp", f"tp must be a positive integer, got {tp!r}")
-    sizes, minimums = plan.sizes(config), plan.minimums(config)
+    sizes, kv_heads = plan.sizes(config), _kv_heads(plan, config)
     indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
-    too_few = ", ".join(f"{name}={value}" for name, value in minimums.items() if value < tp)
+    unsplittable = ", ".join(f"{name}={value}" for name, value in kv_heads.items() if not kv_heads_split(value, tp))
     problems = [f"does not divide {indivisible}"] if indivisible else []
-    problems += [f"exceeds {too_few} (each rank needs one)"] if too_few else []
+    if unsplittable:
+        problems.append(f"neither divides nor is a multiple of {unsplittable} (split evenly or replicated)")
     if problems:
         raise AxisError(
             "tp",
             f"tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
-            f"valid tp values for it: {', '.join(map(str, _valid_tp(sizes, minimums)))}",
-        )
-    unequal = any(len(set(widths)) > 1 for widths in plan.counts(config, tp).values())
-    if unequal and getattr(config, "attention_dropout", 0.0):
-        # ranks holding different numbers of heads draw different amounts of randomness in attention dropout,
-        # after which the replicated dropouts (same stream on every tp rank) would no longer agree
-        raise AxisError(
-            "tp",
-            f"tp={tp} splits this model's key/value heads unequally, which needs attention_dropout=0 "
-            f"(it is {config.attention_dropout}); set model attention_dropout to 0 or use a tp that divides the "
-            f"key/value heads",
+            f"valid tp values for it: {', '.join(map(str, _valid_tp(sizes, kv_heads)))}",
         )
 
 

@@ -33,7 +33,13 @@ from hftrain.parallel.layers import (
     VocabParallelEmbedding,
 )
 from hftrain.parallel.lora import check_lora_layers, hf_model_of, split_linear
-from hftrain.parallel.plans import TensorParallelPlan, check_tensor_parallel, plan_for
+from hftrain.parallel.plans import (
+    GroupedQuerySplit,
+    TensorParallelPlan,
+    check_tensor_parallel,
+    grouped_query_split,
+    plan_for,
+)
 from hftrain.parallel.random import RNGTracker, run_in_stream
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
@@ -49,6 +55,32 @@ class _Context:
     sequence_parallel: bool
     counts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # layer path -> per-rank widths
     rng: RNGTracker | None = None  # which random stream each region draws dropout masks from
+    vocab_multiple: int = 1  # the vocabulary is padded to a multiple of tp × this
+    grouped_query: GroupedQuerySplit | None = None  # the per-rank heads of a grouped-query family
+
+
+def _context(
+    config: Any,
+    plan: TensorParallelPlan,
+    *,
+    tp_group: Any,
+    sequence_parallel: bool,
+    rng_tracker: RNGTracker | None,
+    vocab_multiple: int,
+) -> _Context:
+    """What the styles need to split one model: checked against the model's sizes first."""
+    tp_size = dist.get_world_size(tp_group)
+    check_tensor_parallel(config, tp_size)
+    heads = (config.num_attention_heads, config.num_key_value_heads) if plan.grouped_query else None
+    return _Context(
+        tp_group,
+        tp_size,
+        sequence_parallel,
+        plan.counts(config, tp_size),
+        rng_tracker,
+        vocab_multiple,
+        grouped_query_split(*heads, tp_size) if heads else None,
+    )
 
 
 def _map_hidden_input(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -82,6 +114,14 @@ def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, coun
     split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, counts=counts), ctx.rng)
 
 
+def _column_kv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+    # a key/value head per slice; with fewer heads than tp, tp/kv adjacent ranks hold (and train) the same one
+    replicas = ctx.grouped_query.replicas if ctx.grouped_query else 1
+    split_linear(
+        parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, replicas=replicas), ctx.rng
+    )
+
+
 def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
     split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=3), ctx.rng)
 
@@ -97,7 +137,7 @@ def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts:
 
 
 def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
-    setattr(parent, name, VocabParallelEmbedding(module, tp_group=ctx.tp_group))
+    setattr(parent, name, VocabParallelEmbedding(module, tp_group=ctx.tp_group, vocab_multiple=ctx.vocab_multiple))
 
 
 def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
@@ -132,6 +172,7 @@ def _gather(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, coun
 STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context, Counts], None]] = {
     "column": _column,
     "column_qkv": _column_qkv,
+    "column_kv": _column_kv,
     "row": _row,
     "vocab": _vocab,
     "region": _region,
@@ -176,6 +217,8 @@ def _apply_to_layer(layer: nn.Module, plan: TensorParallelPlan, ctx: _Context) -
         attention = layer.get_submodule(path)
         for attribute in attributes:
             setattr(attention, attribute, getattr(attention, attribute) // ctx.tp_size)
+    if plan.grouped_query and ctx.grouped_query:  # query heads per key/value head on this rank (repeat_kv's factor)
+        layer.get_submodule(plan.grouped_query).num_key_value_groups = ctx.grouped_query.groups
 
 
 def parallelize_layer(
@@ -198,15 +241,26 @@ def parallelize_layer(
         sequence_parallel: the layer's input and output are sequence chunks.
         rng_tracker: the random streams dropout draws from (None: the default generator everywhere).
     """
-    plan, tp_size = plan_for(config), dist.get_world_size(tp_group)
-    check_tensor_parallel(config, tp_size)
-    ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(config, tp_size), rng_tracker)
+    plan = plan_for(config)
+    ctx = _context(
+        config,
+        plan,
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+        rng_tracker=rng_tracker,
+        vocab_multiple=1,  # a layer has no embedding
+    )
     _apply_to_layer(layer, plan, ctx)
     return layer
 
 
 def apply_tensor_parallel(
-    model: nn.Module, *, tp_group: Any, sequence_parallel: bool = False, rng_tracker: RNGTracker | None = None
+    model: nn.Module,
+    *,
+    tp_group: Any,
+    sequence_parallel: bool = False,
+    rng_tracker: RNGTracker | None = None,
+    vocab_multiple: int = 1,
 ) -> nn.Module:
     """Split an unchanged HF ``*ForSequenceClassification`` model in place over ``tp_group``.
 
@@ -223,13 +277,20 @@ def apply_tensor_parallel(
         rng_tracker: this rank's random streams (``hftrain.parallel.random``): dropout inside the tensor-parallel
             regions and on sequence chunks draws from its per-rank ``tensor`` stream, elsewhere from the default
             stream shared by the tp group. None keeps one stream for everything (masks repeat across tp ranks).
+        vocab_multiple: pad the vocabulary to a multiple of ``tp × vocab_multiple`` rows (Megatron's
+            ``make-vocab-size-divisible-by``; the padding never leaves the shards).
     """
     plan = plan_for(model.config)
-    tp_size = dist.get_world_size(tp_group)
-    check_tensor_parallel(model.config, tp_size)
+    ctx = _context(
+        model.config,
+        plan,
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+        rng_tracker=rng_tracker,
+        vocab_multiple=vocab_multiple,
+    )
     _refuse_unsupported(model)
     _check_replicated(model, tp_group)
-    ctx = _Context(tp_group, tp_size, sequence_parallel, plan.counts(model.config, tp_size), rng_tracker)
     hf_model = hf_model_of(model)  # plan paths name modules of the transformers model, inside a PeftModel too
     for layer in hf_model.get_submodule(plan.layers):
         _apply_to_layer(layer, plan, ctx)
@@ -352,8 +413,9 @@ def clip_grad_norm_(
     """Clip to the global gradient norm, as one process with the whole model computes it; returns the norm.
 
     Megatron's rule: ``‖g‖² = Σ_pp (Σ_tp Σ_split g² + Σ_replicated g²)``. The squares of split parameters are
-    summed over the tp group (all-reduce); replicated parameters (norms, row-parallel biases, the head) hold the
-    same gradient on every tp rank and count once; under pipeline parallelism each stage's total is summed over the
+    summed over the tp group (all-reduce), a slice several ranks hold (key/value heads fewer than tp) by its first
+    holder only; replicated parameters (norms, row-parallel biases, the head) hold the same gradient on every tp
+    rank and count once; under pipeline parallelism each stage's total is summed over the
     pp group (all-reduce), since each stage owns its own parameters. The coefficient is
     ``torch.nn.utils.clip_grad_norm_``'s, ``min(1, max_norm / (‖g‖ + 1e-6))``, so one process matches it exactly.
 
@@ -364,15 +426,18 @@ def clip_grad_norm_(
         tp_group: the tensor-parallel group.
         pp_group: the pipeline group (None: one stage).
     """
-    split = set(sharded_parameters(model))
+    split = sharded_parameters(model)
+    # a replicated slice's other copies (the same gradient after finalize_tp_grads) are not counted again
     grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+    counted = {name for name in grads if name not in split or split[name].first_replica}
     device = next(iter(grads.values())).device if grads else None
     squares = torch.zeros(2, dtype=torch.float64, device=device)  # (split, replicated) sums of squares
     for name, grad in grads.items():
         # Each tensor's norm in fp32 (no float64 copy of a 28M-element embedding gradient: that transient cost
         # 450 MB per step on SmolLM2), its square accumulated in float64.
-        norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32)
-        squares[0 if name in split else 1] += norm.double().pow(2)
+        if name in counted:
+            norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32)
+            squares[0 if name in split else 1] += norm.double().pow(2)
     split_sq = squares[:1].clone()
     if dist.get_world_size(tp_group) > 1:
         dist.all_reduce(split_sq, group=tp_group)
@@ -431,9 +496,17 @@ def check_replicas_agree(model: nn.Module, *, tp_group: Any) -> None:
 def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:
     """Complete the gradients after backward, before the optimizer step (collective over ``tp_group``).
 
-    Replicated parameters that hold partial gradients (``PARTIAL_GRAD_PARAMS``: under sequence parallelism the
-    LayerNorms and row-parallel biases that ran on sequence chunks) are all-reduced over tp (one all-reduce per
-    dtype). When there are none (no sequence parallelism), nothing is communicated.
+    Two kinds of gradient are partial on each rank, and both are summed by one all-reduce over tp (per dtype):
+
+    - replicated parameters listed in ``PARTIAL_GRAD_PARAMS`` (under sequence parallelism the LayerNorms and
+      row-parallel biases that ran on sequence chunks): ``g = Σ_tp g_r``;
+    - slices several ranks hold (``TPShard.replicas > 1``: a key/value head shared by ``tp / kv`` ranks, each of
+      which saw only its own query heads): ``g_j = Σ_{r: r // replicas = j} g_r``, the sum over the ranks holding
+      slice ``j`` only. Without a process group per slice: every rank writes its gradient into slot ``j`` of a zero
+      buffer of all ``tp / replicas`` slots, the all-reduce sums each slot over its holders, and each rank takes
+      its slot back (the buffer is the full tensor's size).
+
+    When there are neither (no sequence parallelism, key/value heads split evenly), nothing is communicated.
 
     Args:
         model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
@@ -445,5 +518,16 @@ def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:
         for name in getattr(module, PARTIAL_GRAD_PARAMS, ())
         if getattr(module, name).grad is not None
     ]
-    if grads:
-        all_reduce_coalesced(grads, tp_group)
+    replicated = [
+        (getattr(module, name).grad, shard)
+        for module in model.modules()
+        for name, shard in getattr(module, "shards", {}).items()
+        if isinstance(shard, TPShard) and shard.replicas > 1 and getattr(module, name).grad is not None
+    ]
+    slots = [grad.new_zeros(shard.slices, *grad.shape) for grad, shard in replicated]
+    for slot, (grad, shard) in zip(slots, replicated, strict=True):
+        slot[shard.rank // shard.replicas] = grad
+    if grads or slots:
+        all_reduce_coalesced(grads + slots, tp_group)
+    for slot, (grad, shard) in zip(slots, replicated, strict=True):
+        grad.copy_(slot[shard.rank // shard.replicas])

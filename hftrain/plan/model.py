@@ -84,22 +84,25 @@ class ModelSpec:
             tp: tensor-parallel size.
             pp: pipeline-parallel size.
         """
-        # Llama-family attention splits whole key/value groups, unequally if need be (hftrain.parallel.plans)
-        whole_heads = () if self.gated_mlp else (("attention heads", self.heads), ("hidden size", self.hidden))
+        from hftrain.parallel.plans import kv_heads_split
+
+        # As hftrain.parallel.plans: the vocabulary is padded to a multiple of tp (not a constraint), the query heads
+        # split evenly, the key/value heads evenly or replicated (tp a multiple of them).
         for name, value in (
-            *whole_heads,
+            ("attention heads", self.heads),
+            ("hidden size", self.hidden),
             ("intermediate size", self.intermediate),
-            ("vocabulary", self.vocab),
         ):
             if value % tp:
                 raise ConfigError(
                     f"--tp {tp} does not divide the {name} {value} of {self.name}; valid --tp: "
                     f"{', '.join(str(d) for d in divisors(value) if d <= 64)}"
                 )
-        if self.kv_heads < tp:
+        if not kv_heads_split(self.kv_heads, tp):
+            valid = [d for d in divisors(self.heads) if d <= 64 and kv_heads_split(self.kv_heads, d)]
             raise ConfigError(
-                f"--tp {tp} exceeds the {self.kv_heads} key/value heads of {self.name} (each rank "
-                f"needs one); valid --tp: {', '.join(str(d) for d in divisors(self.kv_heads))}"
+                f"--tp {tp} neither divides nor is a multiple of the {self.kv_heads} key/value heads of {self.name} "
+                f"(they are split evenly or replicated); valid --tp: {', '.join(map(str, valid))}"
             )
         if self.layers % pp:
             raise ConfigError(

@@ -4,7 +4,8 @@ Ranks are laid out like ``hftrain.parallel.ParallelDims`` (Megatron-LM's order):
 adjacent (inside a node: t divides the GPUs per node), then data parallel, pipeline outermost. Per GPU of the
 most loaded pipeline stage (model states: the first or the last; activations: stage 0):
 
-- parameters: (L/p)·Ψ_layer/t + V·h/t (vocabulary-parallel embedding) + the rest of the embeddings (replicated)
+- parameters: (L/p)·Ψ_layer/t + V'·h/t (vocabulary-parallel embedding, V padded up to a multiple V' of t) + the
+  rest of the embeddings (replicated)
   on the first stage, (L/p)·Ψ_layer/t + the head (pooler, final norm, classifier) on the last, the larger of
   the two (p = 1: all of it); gradients the same; Adam state the same, or /dp with ``shard_optimizer``
   (ZeRO-1, which hftrain runs at p = 1 only);
@@ -124,13 +125,13 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     if cp > 1:
         row.comm["intra"] = row.comm.get("intra", 0.0) + _context_bytes(model, tp, cp, work)
     row.formulas["model states"] = (
-        "max(first stage (L/p)·Ψ_layer/t + V·h/t + other embeddings, last stage (L/p)·Ψ_layer/t + head)"
-        " × (params + grads) + Adam"
+        "max(first stage (L/p)·Ψ_layer/t + V'·h/t (V padded to a multiple V' of t) + other embeddings, "
+        "last stage (L/p)·Ψ_layer/t + head) × (params + grads) + Adam"
         + (" / dp (shard_optimizer)" if shard_optimizer else "")
         + f"; bytes per parameter {sb.params}+{sb.grads}+"
         f"{sb.optimizer}"
     )
-    row.formulas["working"] = "m > 1 micro-batches on a stage with the embedding: V·h/t of gradient being added in"
+    row.formulas["working"] = "m > 1 micro-batches on a stage with the embedding: V'·h/t of gradient being added in"
     row.formulas["communication"] = (
         "TP: 4 all-reduces of s·b·h per layer per micro-batch; DP: all-reduce 2(dp−1)/dp of the gradients; "
         "PP: s·b·h forward + backward per micro-batch per boundary"
@@ -147,26 +148,24 @@ def _accumulation_transient(model: ModelSpec, tp: int, pp: int, work: Workload, 
         return 0.0
     if pp > 1 and stage_parameters(model, tp, pp) != _first_stage_parameters(model, tp, pp):
         return 0.0
-    return model.vocab * model.hidden / tp
+    return _vocab_parameters(model, tp)[1]
 
 
-def layer_parameters_per_gpu(model: ModelSpec, tp: int, tp_rank: int | None = None) -> float:
-    """One transformer layer's parameters on a tensor-parallel GPU: ``Ψ_layer/t``, except that hftrain splits
-    grouped-query attention by whole key/value groups, so where ``t`` does not divide the key/value heads the
-    ranks hold ``⌈kv/t⌉`` or ``⌊kv/t⌋`` groups of the attention (SmolLM2's 3 at t=2: 2 and 1).
+def layer_parameters_per_gpu(model: ModelSpec, tp: int) -> float:
+    """One transformer layer's parameters on a tensor-parallel GPU (every rank the same): ``Ψ_layer/t``, except
+    that key/value heads fewer than ``t`` are replicated, one per rank, so each rank holds ``1/kv`` of the key and
+    value projections rather than ``1/t`` (``hftrain.parallel.plans.grouped_query_split``).
 
     Args:
         model: the model.
         tp: tensor-parallel size t.
-        tp_rank: which rank (its own share of the groups); None for the most loaded one.
     """
     kv = model.kv_heads
     if kv % tp == 0:
         return model.layer_parameters / tp
     head_dim = model.hidden / model.heads
-    attention = 2 * model.hidden * model.hidden + 2 * model.hidden * kv * head_dim  # q, o and k, v (no biases)
-    groups = kv // tp + (1 if tp_rank is None or tp_rank < kv % tp else 0)
-    return (model.layer_parameters - attention) / tp + attention * groups / kv
+    keys_values = 2 * model.hidden * kv * head_dim  # k and v (no biases)
+    return (model.layer_parameters - keys_values) / tp + keys_values / kv
 
 
 def stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
@@ -175,10 +174,17 @@ def stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
     return model.layers // pp, -(-model.layers // pp)
 
 
+def _vocab_parameters(model: ModelSpec, tp: int) -> tuple[float, float]:
+    """The embedding's logical ``V·h`` and one GPU's ``V'·h/t`` (the vocabulary padded to a multiple of t)."""
+    from hftrain.parallel.plans import padded_vocab_size
+
+    return model.vocab * model.hidden, padded_vocab_size(model.vocab, tp) * model.hidden / tp
+
+
 def _first_stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
-    vocab = model.vocab * model.hidden
+    vocab, vocab_per_gpu = _vocab_parameters(model, tp)
     layers = stage_layers(model, pp)[0] * layer_parameters_per_gpu(model, tp)
-    return layers + vocab / tp + model.embedding_parameters - vocab - model.head_parameters
+    return layers + vocab_per_gpu + model.embedding_parameters - vocab - model.head_parameters
 
 
 def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
@@ -191,17 +197,22 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
         tp: tensor-parallel size t.
         pp: pipeline-parallel size p.
     """
-    vocab = model.vocab * model.hidden
+    vocab, vocab_per_gpu = _vocab_parameters(model, tp)
     outside = model.embedding_parameters - vocab  # replicated: positions, norms, pooler, classifier
     if pp == 1:
-        return model.layers * layer_parameters_per_gpu(model, tp) + vocab / tp + outside
+        return model.layers * layer_parameters_per_gpu(model, tp) + vocab_per_gpu + outside
     last = stage_layers(model, pp)[1] * layer_parameters_per_gpu(model, tp) + model.head_parameters
     return max(_first_stage_parameters(model, tp, pp), last)
 
 
+def _kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
+    """Key/value heads one tensor-parallel GPU holds: kv/t, or one (replicated) when t exceeds them."""
+    return max(model.kv_heads // tp, 1)
+
+
 def _context_comm(model: ModelSpec, tp: int, cp: int) -> str:
     """All-to-all where each GPU's heads and key/value heads divide by c (cheaper), else the ring."""
-    return "all_to_all" if (model.heads // tp) % cp == 0 and (model.kv_heads // tp) % cp == 0 else "ring"
+    return "all_to_all" if (model.heads // tp) % cp == 0 and _kv_heads_per_gpu(model, tp) % cp == 0 else "ring"
 
 
 def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload, *, comm: str | None = None) -> float:
@@ -215,7 +226,7 @@ def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload, *, comm: 
     e = work.element
     head_dim = model.hidden // model.heads
     positions = work.micro_batch * -(-work.seq // cp)
-    kv = positions * model.kv_heads * head_dim / tp
+    kv = positions * _kv_heads_per_gpu(model, tp) * head_dim
     q = positions * model.heads * head_dim / tp
     if (comm or _context_comm(model, tp, cp)) == "all_to_all":
         per_layer = 2 * (cp - 1) / cp * (2 * q + 2 * kv) * e

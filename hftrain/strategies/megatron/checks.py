@@ -115,8 +115,14 @@ def check_context_parallel_model(strategy: StrategyConfig, model_config: Any) ->
                 f"{field} is {getattr(model_config, field)}; save the model with {field}: 0.0 in its config.json"
             )
     if strategy.cp_comm == "all_to_all":
-        heads = model_config.num_attention_heads // strategy.tp
-        kv = (getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads) // strategy.tp
+        from hftrain.parallel.plans import grouped_query_split
+
+        heads = model_config.num_attention_heads
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        # each tp rank's own heads (checked by check_tensor_parallel first); key/value heads fewer than tp are
+        # replicated, one per rank, which no cp > 1 divides
+        split = grouped_query_split(heads, kv_heads, strategy.tp)
+        heads, kv = split.heads, split.kv_heads
         if heads % strategy.cp or kv % strategy.cp:
             raise AxisError(
                 "cp",

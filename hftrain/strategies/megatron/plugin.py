@@ -67,6 +67,7 @@ class MegatronPlugin:
     cp_comm: str = "ring"  # "ring" or "all_to_all"
     pad_to_multiple_of: int | None = None  # length buckets (a multiple of tp under sequence parallelism)
     recompute: str | None = None  # activation recomputation: "full", "selective" or None
+    vocab_multiple: int = 1  # the embedding pads the vocabulary to a multiple of tp × this
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
     rng_tracker: RNGTracker | None = field(default=None, init=False, repr=False)  # set by parallelize()
 
@@ -138,6 +139,7 @@ class MegatronPlugin:
             cp_comm=self.cp_comm,
             rng_tracker=self.rng_tracker,
             recompute=self.recompute,
+            vocab_multiple=self.vocab_multiple,
         )
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:

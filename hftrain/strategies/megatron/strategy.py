@@ -122,6 +122,7 @@ class MegatronStrategy(Strategy):
             **({"cp": self.dims.cp, "cp_comm": self.config.cp_comm} if self.dims.cp > 1 else {}),
             "sequence_parallel": self.config.sequence_parallel,
             "shard_optimizer": self.config.shard_optimizer,
+            "vocab_multiple": self.config.vocab_multiple,
             "checkpoint_format": "logical full tensors (reshardable)",
             **(pipeline_facts(self.config) if self.dims.pp > 1 else {}),
         }
@@ -142,6 +143,7 @@ class MegatronStrategy(Strategy):
             cp=self.dims.cp,
             cp_comm=self.config.cp_comm,
             pad_to_multiple_of=self.config.pad_to_multiple_of,
+            vocab_multiple=self.config.vocab_multiple,
         ).setup(device_type=self.platform.device, dims=self.dims)
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
             from hftrain.strategies.megatron.checks import num_microbatches
