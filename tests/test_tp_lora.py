@@ -181,7 +181,9 @@ CASES = {
     "llama": ("llama", TP2, LLAMA_TARGETS),  # grouped-query attention: 4 query / 2 key-value heads
     "llama-sp": ("llama", SP, LLAMA_TARGETS),
     "gpt2-sp": ("gpt2", SP, GPT2_TARGETS),
+    "llama-kv1": ("llama", TP2, LLAMA_TARGETS),  # one key/value head, replicated on both ranks with its adapters
 }
+OVERRIDES = {"llama-kv1": {"num_key_value_heads": 1}}  # label -> the tiny config's changes
 TP2_DP2 = ("llama", "gpt2-sp")  # also run at tp=2 × dp=2 (micro 4 per replica: the same global batch of 8)
 # 96 examples, batch 8: 12 steps per epoch; the tp=2 checkpoint of step 8 resumes at tp=1 on one process
 RESUME = {"kind": "gpt2", "steps": 12, "save_steps": 4, "return_weights": True, "lora_options": GPT2_TARGETS}
@@ -190,7 +192,7 @@ RESUME = {"kind": "gpt2", "steps": 12, "save_steps": 4, "return_weights": True, 
 def _lora_tp2(root: str) -> dict:
     runs = {
         label: run_tiny_training(kind=kind, micro=MICRO, steps=10, strategy="megatron", strategy_options=options,
-                                 lora_options=lora, return_weights=True)
+                                 lora_options=lora, return_weights=True, config_overrides=OVERRIDES.get(label))
         for label, (kind, options, lora) in CASES.items()
     }  # fmt: skip
     # full recomputation replays each split layer's forward, adapters included
@@ -215,7 +217,7 @@ def _lora_tp2_dp2(root: str) -> dict:
 def _lora_one(root: str) -> dict:
     reference = {
         label: run_tiny_training(kind=kind, micro=MICRO, steps=10, strategy="ddp", lora_options=lora,
-                                 return_weights=True)
+                                 return_weights=True, config_overrides=OVERRIDES.get(label))
         for label, (kind, _, lora) in CASES.items()
     }  # fmt: skip
     # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
@@ -235,14 +237,15 @@ def lora_runs(tmp_path_factory) -> dict:
     return {"two": two, "four": four, "one": one, "root": root}
 
 
-def _initial_weights(kind: str, lora: dict) -> dict[str, torch.Tensor]:
+def _initial_weights(kind: str, lora: dict, overrides: dict | None) -> dict[str, torch.Tensor]:
     """The model the trainer starts from (built right after its seed), with PEFT names."""
     from transformers import set_seed
 
     from tests.tiny import tiny_model_init
 
     set_seed(42)
-    return {k: v.detach().clone() for k, v in tiny_model_init(kind, lora_options=lora)().state_dict().items()}
+    model = tiny_model_init(kind, lora_options=lora, config_overrides=overrides)()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.distributed
@@ -258,7 +261,7 @@ def test_lora_at_tp2_matches_lora_on_one_process(lora_runs, label):
     # the gathered full weights (logical PEFT names) equal the one-process run's; only adapters and head moved
     weights, ref_weights = lora_runs["two"][0]["parity"][label]["weights"], ref["weights"]
     assert weights.keys() == ref_weights.keys()
-    initial = _initial_weights(kind, lora)
+    initial = _initial_weights(kind, lora, OVERRIDES.get(label))
     moved = set()
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, ref_weights[name], rtol=0, atol=1e-5, msg=name)
