@@ -264,3 +264,38 @@ def test_states_round_trip_and_a_rebuild_is_the_same_on_every_tp_rank():
 
     (default0, tensor0), (default1, tensor1) = rebuilt(0), rebuilt(1)
     assert default0 == default1 and tensor0 != tensor1
+
+
+def _checksum_refusals() -> dict:
+    """A one-bit change on one rank, to a replicated norm or to one copy of a replicated key/value head, is named."""
+    import torch.distributed as dist
+    from transformers import AutoModelForSequenceClassification
+
+    from hftrain.errors import HFTrainError
+    from hftrain.parallel import apply_tensor_parallel, check_replicas_agree
+    from tests.tiny import tiny_config
+
+    dist.init_process_group("gloo")
+    outcomes = {}
+    for target in (None, "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.k_proj.weight"):
+        torch.manual_seed(0)
+        config = tiny_config("llama")
+        config.update({"num_key_value_heads": 1})  # at tp=2 both ranks hold the one key/value head
+        model = apply_tensor_parallel(AutoModelForSequenceClassification.from_config(config), tp_group=None)
+        if target and dist.get_rank() == 1:
+            with torch.no_grad():
+                model.get_parameter(target).view(torch.int32).view(-1)[0] += 1  # the last bit of one element
+        try:
+            check_replicas_agree(model, tp_group=None)
+            outcomes[target] = None
+        except HFTrainError as error:
+            outcomes[target] = str(error)
+    return outcomes
+
+
+@pytest.mark.distributed
+def test_checkpoint_checksum_names_a_replicated_parameter_that_drifted():
+    for outcomes in run_distributed(_checksum_refusals, 2):
+        assert outcomes[None] is None
+        for target in ("model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.k_proj.weight"):
+            assert outcomes[target] and f"'{target}'" in outcomes[target], outcomes[target]

@@ -462,35 +462,54 @@ def check_replicas_agree(model: nn.Module, *, tp_group: Any) -> None:
     0's copy. If they drift apart (pitfall "a run resumed at a larger tensor-parallel size silently diverges":
     different dropout masks on replicated activations), that copy is not the model the other ranks trained. The
     check is a checksum per parameter, the sum of its elements' bit patterns as integers (exact: any change of a
-    bit changes it unless differences cancel), compared by one all-reduce (max of ``[s, -s]``) over tp.
+    bit changes it unless differences cancel), compared by one all-reduce (max of ``[s, -s]``) over tp; the copies
+    of a key/value head replicated over several ranks (``TPShard.replicas``) are compared by one more.
 
     Args:
         model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
         tp_group: the tensor-parallel group.
     """
-    if dist.get_world_size(tp_group) == 1:
+    size = dist.get_world_size(tp_group)
+    if size == 1:
         return
-    split = set(sharded_parameters(model))
-    names, sums = [], []
+    split = sharded_parameters(model)
+    names, sums, copies, copy_sums = [], [], [], []
     for name, param in model.named_parameters():
-        if _logical(name) in split or param.device.type == "meta":  # split, or another stage's (never built)
+        if param.device.type == "meta":  # another stage's (never built)
             continue
-        bits = param.detach().contiguous().view(_BITS[param.element_size()])
-        names.append(_logical(name))
-        sums.append(bits.sum(dtype=torch.int64))
-    if not sums:
-        return
-    local = torch.stack(sums)
-    bounds = torch.cat([local, -local])
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=tp_group)
-    differ = (bounds[: len(names)] != -bounds[len(names) :]).nonzero().flatten().tolist()
+        shard = split.get(_logical(name))
+        if shard is None:
+            names.append(_logical(name))
+            sums.append(_checksum(param))
+        elif shard.replicas > 1:  # a key/value head held by several ranks: its copies must agree too
+            copies.append((_logical(name), shard))
+            copy_sums.append(_checksum(param))
+    differ = []
+    if sums:
+        local = torch.stack(sums)
+        bounds = torch.cat([local, -local])
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=tp_group)
+        differ = [names[i] for i in (bounds[: len(names)] != -bounds[len(names) :]).nonzero().flatten().tolist()]
+    if copies:
+        rows = torch.zeros(size, len(copies), dtype=torch.int64, device=copy_sums[0].device)  # a row per tp rank
+        rows[copies[0][1].rank] = torch.stack(copy_sums)
+        dist.all_reduce(rows, group=tp_group)
+        for i, (name, shard) in enumerate(copies):
+            held = rows[:, i].view(-1, shard.replicas)  # the ranks holding each slice, side by side
+            if (held != held[:, :1]).any():
+                differ.append(name)
     if differ:
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
         raise HFTrainError(
-            f"replicated parameter '{names[differ[0]]}'{more} differs across the tensor-parallel ranks; the "
+            f"replicated parameter '{differ[0]}'{more} differs across the tensor-parallel ranks; the "
             "ranks no longer train one model (a dropout mask or an update that was not the same on every tp rank), "
             "so nothing was saved; resume from the last checkpoint"
         )
+
+
+def _checksum(param: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor's elements' bit patterns as integers (int64): any changed bit changes it."""
+    return param.detach().contiguous().view(_BITS[param.element_size()]).sum(dtype=torch.int64)
 
 
 def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:
