@@ -5,7 +5,8 @@ Checked in README.md, CONTRIBUTING.md and docs/*.md (links also in benchmarks/RE
 - every fenced ```yaml block is a job config and loads through the strict loader (``hftrain.config.load_config``),
   unless the line before it is ``<!-- not a job config -->`` (an accelerate config, a hostfile-like fragment):
   then it must still be valid YAML;
-- every ```json block parses as JSON;
+- every ```json block parses as JSON, and a DeepSpeed one equals a file in ``ds_configs/`` (an accelerate config
+  block, one in ``accelerate_configs/``);
 - every ```python block compiles;
 - every command line in a ```bash block that runs hftrain (``hftrain ...``, ``-m hftrain ...``,
   ``scripts/train.py ...``) parses with hftrain's own argument parser without running; ``train``'s overrides go
@@ -73,7 +74,11 @@ def _cases(language: str) -> list:
 @pytest.mark.parametrize(("path", "text", "before"), _cases("yaml"))
 def test_yaml_blocks_are_job_configs(path, text, before, tmp_path):
     if before == NOT_A_JOB_CONFIG:
-        assert isinstance(yaml.safe_load(text), dict), "a YAML block marked as not a job config is still a mapping"
+        loaded = yaml.safe_load(text)
+        assert isinstance(loaded, dict), "a YAML block marked as not a job config is still a mapping"
+        if "distributed_type" in loaded:  # an accelerate config: the one it shows must be a shipped one, verbatim
+            shipped = [yaml.safe_load(f.read_text()) for f in sorted((ROOT / "accelerate_configs").glob("*.yaml"))]
+            assert loaded in shipped, "an accelerate config block differs from every file in accelerate_configs/"
         return
     config_file = tmp_path / "block.yaml"
     config_file.write_text(text)
@@ -82,7 +87,10 @@ def test_yaml_blocks_are_job_configs(path, text, before, tmp_path):
 
 @pytest.mark.parametrize(("path", "text", "before"), _cases("json"))
 def test_json_blocks_parse(path, text, before):
-    json.loads(text)
+    loaded = json.loads(text)
+    if "zero_optimization" in loaded:  # a DeepSpeed config: the one it shows must be a shipped one, verbatim
+        shipped = [json.loads(f.read_text()) for f in sorted((ROOT / "ds_configs").glob("*.json"))]
+        assert loaded in shipped, "a DeepSpeed JSON block differs from every file in ds_configs/"
 
 
 @pytest.mark.parametrize(("path", "text", "before"), _cases("python"))
