@@ -27,6 +27,7 @@ import yaml
 
 from hftrain.cli import build_parser
 from hftrain.config import load_config
+from hftrain.errors import ConfigError
 from hftrain.launch.args import translate_launcher_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,9 +169,7 @@ def github_slugs(path: Path) -> set[str]:
         if not match:
             continue
         text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", match.group(1)).lower()
-        slug = "".join(
-            ch for ch in text if ch in " -_" or unicodedata.category(ch)[0] in "LMN"
-        ).replace(" ", "-")
+        slug = "".join(ch for ch in text if ch in " -_" or unicodedata.category(ch)[0] in "LMN").replace(" ", "-")
         count = seen.get(slug, 0)
         seen[slug] = count + 1
         slugs.add(slug if count == 0 else f"{slug}-{count}")
@@ -202,8 +201,7 @@ def test_relative_links_resolve(path, target):
     if anchor:
         assert resolved.suffix == ".md", f"{path.relative_to(ROOT)}: anchor into a non-markdown file: {target}"
         assert anchor in github_slugs(resolved), (
-            f"{path.relative_to(ROOT)}: link to {target}: no such heading; "
-            f"headings: {sorted(github_slugs(resolved))}"
+            f"{path.relative_to(ROOT)}: link to {target}: no such heading; headings: {sorted(github_slugs(resolved))}"
         )
 
 
@@ -223,7 +221,7 @@ def test_the_checks_catch_a_broken_link_and_a_bad_config(tmp_path):
     assert "title" in github_slugs(page) and "no-such-heading" not in github_slugs(page)
     bad = tmp_path / "bad.yaml"
     bad.write_text("training: {learnin_rate: 1e-4}\n")
-    with pytest.raises(Exception, match="learning_rate"):
+    with pytest.raises(ConfigError, match="learning_rate"):
         load_config(bad)
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match="strategy.name"):
         load_config(None, ["--strategy.nam", "zero3"])
