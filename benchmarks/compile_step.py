@@ -1,4 +1,4 @@
-"""``torch.compile`` as a speed default: does it pay on the default job's model? (It did not; see the README.)
+"""``torch.compile`` as a speed default: does it pay on the default job's model? (It did not; see benchmarks/README.md.)
 
 Trains the embedded MiniLM for ``--steps`` steps of batch 32 on random token ids of varying lengths (10-59
 tokens, the range of the Rotten Tomatoes reviews, padded up to a multiple of ``--bucket`` so that recompilation

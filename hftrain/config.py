@@ -110,9 +110,10 @@ class TrainingConfig:
     (DeepSpeed's CPU Adam under optimizer offload)."""
     dropout_kernel: Literal["auto", "torch", "bits"] = "auto"
     """How dropout masks are drawn in training. ``bits``: 64 random bits per draw (``hftrain.models.dropout``: torch's
-    distribution with p rounded to a multiple of 2^-16, reproducible and resumable alike; 0.85x the default job's
-    step time on this project's CPUs); ``torch``: torch's own dropout and SDPA's in-kernel attention dropout.
-    ``auto``: ``bits`` on CPU, whose ``bernoulli_`` draws one element at a time, ``torch`` on GPU (fused kernels)."""
+    distribution with p rounded to a multiple of 2^-16, reproducible and resumable alike; faster on CPU: the
+    default job's ablation is in benchmarks/README.md); ``torch``: torch's own dropout and SDPA's in-kernel attention
+    dropout. ``auto``: ``bits`` on CPU, whose ``bernoulli_`` draws one element at a time, ``torch`` on GPU (fused
+    kernels)."""
     gradient_checkpointing: bool | Literal["full", "selective"] = False
     """Activation recomputation (``hftrain.parallel.recompute``): ``true``/``full`` keeps only each transformer layer's
     input and recomputes the layer in the backward pass; ``selective`` recomputes only the attention core (scores,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -39,3 +43,53 @@ def assert_refused(stderr: str, code: int, fragment: str) -> None:
     assert len(errors) == 1, lines
     assert "Traceback" not in stderr
     assert fragment in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory) -> dict[str, str]:
+    """Tiny model folders and small labelled CSVs for tests that run real jobs (one per test module).
+
+    Keys: ``model`` and ``bert`` (a tiny BERT), ``gpt2``, ``distilbert`` (a family without a tensor-parallel plan),
+    ``bert_dropout`` (dropout 0.1); ``data`` (80 rows, seed 1) and ``data_400`` (400 rows, seed 2) as CSV files
+    with columns ``text,label``; ``root``, the folder holding them.
+    """
+    from transformers import AutoModelForSequenceClassification, DistilBertConfig
+
+    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_job")
+    configs = {kind: tiny_config(kind) for kind in ("gpt2", "bert")}
+    configs["distilbert"] = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    configs["bert_dropout"] = tiny_config("bert", dropout=0.1)
+    for kind, config in configs.items():
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(root / kind)
+        tiny_tokenizer("gpt2" if kind == "gpt2" else "bert").save_pretrained(root / kind)
+    files = {"data": (80, 1), "data_400": (400, 2)}
+    for name, (rows, seed) in files.items():
+        texts, labels = synthetic_texts(rows, seed=seed)
+        lines = "".join(f"{text},{label}\n" for text, label in zip(texts, labels, strict=True))
+        (root / f"{name}.csv").write_text("text,label\n" + lines)
+    return {
+        **{kind: str(root / kind) for kind in configs},
+        "model": str(root / "bert"),
+        **{name: str(root / f"{name}.csv") for name in files},
+        "root": str(root),
+    }
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of a launched job in tests: offline, no tokenizer threads."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_ok(command: list[str], *, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``command`` from the repository root as a launched job; assert it exits 0 (its output tail if not)."""
+    done = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def torchrun(nprocs: int, args: list[str], *, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nprocs ARGS`` (e.g. ``scripts/train.py ...``) that must succeed."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs)]
+    return run_ok([*launcher, *args], timeout=timeout)

@@ -16,6 +16,7 @@ import torch
 
 from hftrain.checkpoint.manager import CheckpointError, CheckpointManager, read_checkpoint
 from hftrain.errors import HFTrainError
+from tests.conftest import launch_env
 from tests.distributed import run_distributed
 from tests.tiny import run_tiny_training
 
@@ -206,26 +207,12 @@ def test_resume_checks_model_task_strategy_and_trust(tmp_path):
 
 
 # ----------------------------------------------------------------- real processes and signals
-@pytest.fixture(scope="module")
-def tiny_job(tmp_path_factory) -> dict[str, str]:
-    from transformers import AutoModelForSequenceClassification
-
-    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("signal_job")
-    AutoModelForSequenceClassification.from_config(tiny_config("bert")).save_pretrained(root / "model")
-    tiny_tokenizer("bert").save_pretrained(root / "model")
-    texts, labels = synthetic_texts(400, seed=2)
-    (root / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels, strict=False)))
-    return {"model": str(root / "model"), "data": str(root / "train.csv")}
-
-
 def _args(job: dict[str, str], out: Path, steps: int, save_steps: int | None = None) -> list[str]:
     args = [
         "--model_name_or_path",
         job["model"],
         "--train_file",
-        job["data"],
+        job["data_400"],  # 400 rows: enough steps to interrupt
         "--output_dir",
         str(out),
         "--max_steps",
@@ -246,12 +233,8 @@ def _args(job: dict[str, str], out: Path, steps: int, save_steps: int | None = N
     return args + (["--save_steps", str(save_steps)] if save_steps else [])
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
 def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
 
 
 def _assert_same_exports(ours: Path, theirs: Path, *, atol: float) -> None:
@@ -281,7 +264,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_job, tmp
         "3",
     ]
     process = subprocess.Popen(
-        command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     checkpoints = out / "checkpoints"
 
@@ -325,7 +308,7 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
     process = subprocess.Popen(
         command,
         cwd=ROOT,
-        env=_env(),
+        env=launch_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -22,7 +22,7 @@ import pytest
 
 from hftrain.launch.slurm import training_processes
 from tests.netns import kill_tree
-from tests.test_launch import _losses, tiny_job  # noqa: F401  (a fixture)
+from tests.test_launch import _losses
 from tests.test_multinode import assert_same_exports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def _wait_for(condition, agent: subprocess.Popen, timeout: float, what: str, out
         time.sleep(0.05)
 
 
-def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, tmp_path):  # noqa: F811
+def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, tmp_path):
     rng = random.Random()
     uninterrupted = tmp_path / "uninterrupted"
     done = subprocess.run(_command(tiny_job, uninterrupted), cwd=ROOT, env=_env(), capture_output=True, text=True,
@@ -133,7 +133,7 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
     assert_same_exports(out, uninterrupted, atol=1e-6)
 
 
-def test_restarts_with_a_shared_store_are_refused_with_the_fix(tiny_job, tmp_path):  # noqa: F811
+def test_restarts_with_a_shared_store_are_refused_with_the_fix(tiny_job, tmp_path):
     command = _command(tiny_job, tmp_path / "out")
     command[command.index("--max-restarts") + 1] = "1"
     done = subprocess.run(command, cwd=ROOT, env=_env(share_store=True), capture_output=True, text=True, timeout=300)

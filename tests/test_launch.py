@@ -3,35 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_ok, torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml") if not p.name.startswith("multinode"))
 EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp": "FSDP"}
 
 pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="module")
-def tiny_job(tmp_path_factory) -> dict[str, str]:
-    """A tiny BERT saved as a model folder, and a small labelled CSV."""
-    from transformers import AutoModelForSequenceClassification
-
-    from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("tiny_job")
-    model_dir = root / "model"
-    AutoModelForSequenceClassification.from_config(tiny_config("bert")).save_pretrained(model_dir)
-    tiny_tokenizer("bert").save_pretrained(model_dir)
-    texts, labels = synthetic_texts(80, seed=1)
-    csv = root / "train.csv"
-    csv.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels, strict=False)))
-    return {"model": str(model_dir), "data": str(csv), "root": str(root)}
 
 
 def _job_args(job: dict[str, str], output_dir: Path) -> list[str]:
@@ -59,20 +43,13 @@ def _job_args(job: dict[str, str], output_dir: Path) -> list[str]:
     ]
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
 def _accelerate(config: str, args: list[str]) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}"]
-    return _run([*launcher, "scripts/train.py", *args])
+    return run_ok([*launcher, "scripts/train.py", *args])
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/train.py", *args])
+    return torchrun(2, ["scripts/train.py", *args], timeout=600)
 
 
 def _losses(output_dir: Path) -> list[float]:

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import torchrun
 from tests.distributed import run_distributed
-from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
+from tests.tiny import run_tiny_training, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("bert", "gpt2", "llama")
@@ -285,24 +283,6 @@ def test_a_checkpoint_of_another_format_is_refused_naming_both_layouts(tmp_path)
 
 
 # ----------------------------------------------------------------- a real job: torchrun, export, bad input
-@pytest.fixture(scope="module")
-def tiny_job(tmp_path_factory) -> dict[str, str]:
-    """Tiny GPT-2, BERT and DistilBERT (no TP plan) model folders and a small labelled CSV."""
-    from transformers import AutoModelForSequenceClassification, DistilBertConfig
-
-    root = tmp_path_factory.mktemp("megatron_job")
-    configs = {kind: tiny_config(kind) for kind in ("gpt2", "bert")}
-    configs["distilbert"] = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
-    configs["bert_dropout"] = tiny_config("bert", dropout=0.1)
-    for kind, config in configs.items():
-        AutoModelForSequenceClassification.from_config(config).save_pretrained(root / kind)
-        tiny_tokenizer("gpt2" if kind == "gpt2" else "bert").save_pretrained(root / kind)
-    texts, labels = synthetic_texts(80, seed=1)
-    csv = root / "train.csv"
-    csv.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in zip(texts, labels, strict=True)))
-    return {**{kind: str(root / kind) for kind in configs}, "data": str(csv), "root": str(root)}
-
-
 def _job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]:
     return [
         "--model_name_or_path", model, "--train_file", data, "--output_dir", str(output_dir), "--max_steps", "4",
@@ -312,21 +292,13 @@ def _job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]
     ]  # fmt: skip
 
 
-def _torchrun(nprocs: int, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
 @pytest.mark.distributed
 def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
     output_dir = tmp_path / "out"
-    done = _torchrun(2, ["scripts/train.py", *_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2")])
+    done = torchrun(2, ["scripts/train.py", *_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2")])
     log = done.stdout + done.stderr
     # the export reloaded the folder with plain transformers and compared logits with the trained tp=2 model
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))
@@ -343,7 +315,7 @@ def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     # a checkpoint exports the same way, launched like its run
     exported_dir = tmp_path / "exported"
     checkpoint = output_dir / "checkpoints" / "step_00000002"
-    _torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
+    torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
     reloaded = AutoModelForSequenceClassification.from_pretrained(exported_dir)
     step2 = load_file(checkpoint / "state" / "model.safetensors")
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in step2.items())
@@ -469,7 +441,7 @@ def test_smollm2_fine_tunes_with_tp3(tmp_path):
     # SmolLM2-135M has 9 query and 3 key/value heads: tp=3 gives every rank 3 query heads and 1 key/value head
     # (tp=2 is refused: it would split them 6+3 / 2+1).
     output_dir = tmp_path / "smollm2"
-    done = _torchrun(3, ["scripts/train.py", *SMOLLM2, "--tp", "3", "--output_dir", str(output_dir)])
+    done = torchrun(3, ["scripts/train.py", *SMOLLM2, "--tp", "3", "--output_dir", str(output_dir)])
     log = done.stdout + done.stderr
     state = json.loads((output_dir / "trainer_state.json").read_text())
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]

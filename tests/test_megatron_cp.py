@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests import test_megatron
 from tests.distributed import run_distributed
 from tests.test_megatron import _assert_parity
 from tests.tiny import run_tiny_training
 
-tiny_job = test_megatron.tiny_job  # the tiny model folders and CSV of the megatron job tests (a module fixture)
 LONG = {"words": (150, 300), "max_seq_length": 256, "steps": 10}
 GLOBAL_MICRO = 8
 # label -> (kind, strategy options); micro per replica = GLOBAL_MICRO / dp
@@ -113,10 +111,11 @@ def test_cp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     import json
     import re
 
-    from tests.test_megatron import _job_args, _torchrun
+    from tests.conftest import torchrun
+    from tests.test_megatron import _job_args
 
     output_dir = tmp_path / "out"
-    done = _torchrun(2, ["scripts/train.py", *_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--cp", "2")])
+    done = torchrun(2, ["scripts/train.py", *_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--cp", "2")])
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", done.stdout + done.stderr).group(1))
     assert diff <= 1e-5
     strategy = json.loads((output_dir / "hftrain_strategy.json").read_text())

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import torchrun
 from tests.distributed import run_distributed
 from tests.test_megatron import (
     _assert_same_weights,
     _job_args,
-    _torchrun,
     assert_resumed_equals_uninterrupted,
     refused_as_launched_rank0,
 )
@@ -187,7 +187,7 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
 
     output_dir = tmp_path / "out"
     pipeline = ["--tp", "2", "--pp", "2", "--num_microbatches", "4", "--schedule", "1f1b"]
-    done = _torchrun(4, ["scripts/train.py", *_job_args(pp_job["gpt2"], pp_job["data"], output_dir, *pipeline)])
+    done = torchrun(4, ["scripts/train.py", *_job_args(pp_job["gpt2"], pp_job["data"], output_dir, *pipeline)])
     log = done.stdout + done.stderr
     # the export reloaded the folder with plain transformers and compared logits with the trained pipeline
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))
@@ -212,7 +212,7 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
     assert len(timeline["events"]) == 2 * 2 * 4  # F and B of 4 micro-batches on each of 2 stages
     # a tp=2 × pp=2 checkpoint exports the same way, launched like its run
     exported_dir, checkpoint = tmp_path / "exported", output_dir / "checkpoints" / "step_00000002"
-    _torchrun(4, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
+    torchrun(4, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
     reloaded = AutoModelForSequenceClassification.from_pretrained(exported_dir).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in load_file(checkpoint / "state" / "model.safetensors").items())
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.netns import run_on_nodes, two_nodes
 from tests.test_launch import _job_args as _launch_job_args
-from tests.test_launch import _losses, tiny_job  # noqa: F401  (tiny_job is a fixture)
+from tests.test_launch import _losses
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "tests/launch_worker.py"
@@ -47,7 +47,7 @@ def nodes():
 
 
 @pytest.fixture(scope="module")
-def references(tiny_job):  # noqa: F811
+def references(tiny_job):
     """Single-process runs with the same global batch, by world size (computed when first asked for)."""
     cache: dict[int, Path] = {}
 
@@ -88,7 +88,7 @@ def _launcher(kind: str, strategy: str, *, node_rank: int, per_node: int, master
             str(node_rank), "--master_addr", master, "--master_port", str(port), WORKER, *ds]  # fmt: skip
 
 
-def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=None):  # noqa: F811
+def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=None):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{n.address} slots={per_node}\n" for n in nodes))
     port = random.randrange(20000, 30000)
@@ -126,7 +126,7 @@ CASES = [  # (launcher, strategy, processes per machine); the default suite runs
 
 
 @pytest.mark.parametrize(("kind", "strategy", "per_node"), CASES)
-def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_path, kind, strategy, per_node):  # noqa: F811
+def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_path, kind, strategy, per_node):
     codes, logs = _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node)
     assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
     world = 2 * per_node
@@ -147,7 +147,7 @@ def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_pa
     assert_same_exports(out, reference, atol=1e-5)
 
 
-def test_node_local_output_dir_is_refused_at_start(nodes, tiny_job, tmp_path):  # noqa: F811
+def test_node_local_output_dir_is_refused_at_start(nodes, tiny_job, tmp_path):
     disks = [tmp_path / "disk0", tmp_path / "disk1"]  # each machine's own disk: the same path on neither
     for disk in disks:
         disk.mkdir()
@@ -167,7 +167,7 @@ SINGLE_MACHINE = {
 
 
 @pytest.mark.parametrize("kind", list(SINGLE_MACHINE))
-def test_a_failing_rank_fails_the_launch_with_its_error(tiny_job, tmp_path, kind):  # noqa: F811
+def test_a_failing_rank_fails_the_launch_with_its_error(tiny_job, tmp_path, kind):
     # Every rank is told --local_rank=0: rank 1's own launcher environment contradicts it, so rank 1 stops.
     launcher = [sys.executable, "-m", *SINGLE_MACHINE[kind], WORKER]
     command = [*launcher, *_job_args(tiny_job, tmp_path / "out"), "--local_rank=0"]
@@ -207,7 +207,7 @@ def test_doctor_across_machines(nodes, tmp_path):
 
 
 @pytest.mark.slow
-def test_elastic_restart_across_machines(nodes, tiny_job, tmp_path):  # noqa: F811
+def test_elastic_restart_across_machines(nodes, tiny_job, tmp_path):
     """c10d rendezvous over the veth, ``--max-restarts``: a worker SIGKILLed on machine 1 restarts both groups,
     which resume from the last checkpoint and end with the losses of one process on the same global batch."""
     import signal

@@ -33,11 +33,9 @@ from hftrain.plan import (
     model_parallel,
     plan,
 )
-from tests import test_launch
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-tiny_job = test_launch.tiny_job  # the fixture: a tiny BERT model folder and a labelled CSV
 GB = 1e9
 STATE_TOLERANCE = 0.10
 ACTIVATION_TOLERANCE = 0.25

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hftrain.launch.slurm import SlurmError, expand_nodelist, launcher_command, slurm_launch
-from tests.test_launch import _job_args, tiny_job  # noqa: F401  (a fixture)
+from tests.test_launch import _job_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ STUBS = {  # Slurm's commands, as far as the batch script uses them on one node
 }
 
 
-def _batch(tiny_job, tmp_path: Path, out: Path) -> subprocess.Popen:  # noqa: F811
+def _batch(tiny_job, tmp_path: Path, out: Path) -> subprocess.Popen:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in STUBS.items():
@@ -113,7 +113,7 @@ def _batch(tiny_job, tmp_path: Path, out: Path) -> subprocess.Popen:  # noqa: F8
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def test_batch_script_checkpoints_on_usr1_requeues_and_continues(tiny_job, tmp_path):  # noqa: F811
+def test_batch_script_checkpoints_on_usr1_requeues_and_continues(tiny_job, tmp_path):
     out = tmp_path / "out"
     job = _batch(tiny_job, tmp_path, out)
     try:

@@ -20,8 +20,9 @@ import re
 import pytest
 import torch
 
+from tests.conftest import torchrun
 from tests.distributed import run_distributed
-from tests.test_megatron import _job_args, _torchrun, tiny_job  # noqa: F401 (tiny_job: the fixture, reused)
+from tests.test_megatron import _job_args
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
 BATCH, SEQ, HIDDEN, OUT, RANK = 3, 4, 8, 12, 4
@@ -313,7 +314,7 @@ def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(
     lora = ["--use_lora", "true", "--lora_target_modules", "c_attn,c_proj", "--lora_r", "4", "--lora_alpha", "64"]
     lora += ["--merge_lora_on_export", "true"]
     args = _job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2", *lora)
-    log = _torchrun(2, ["scripts/train.py", *args]).stdout
+    log = torchrun(2, ["scripts/train.py", *args]).stdout
     # the export reloaded the adapter (peft onto the base) and the merged model, against the trained tp=2 logits
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))
     assert diff <= 1e-5
@@ -324,7 +325,7 @@ def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(
     # a checkpoint of the tp=2 run exports the same way, launched like its run
     checkpoint = output_dir / "checkpoints" / "step_00000002"
     exported = tmp_path / "exported"
-    _torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported), "--output_dir", str(output_dir)])
+    torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported), "--output_dir", str(output_dir)])
     step2 = load_file(checkpoint / "state" / "model.safetensors")
     _assert_adapter_is_checkpoint(load_file(exported / "adapter_model.safetensors"), step2)
     base = AutoModelForSequenceClassification.from_pretrained(tiny_job["gpt2"])

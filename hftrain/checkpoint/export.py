@@ -1,13 +1,16 @@
 """Export a trained model as a standard ``save_pretrained`` folder under any strategy, and prove it reloads.
 
-The export is a collective call (pitfall #9): every rank gathers, the main process writes and checks.
+The export is a collective call (pitfall "save on rank 0 only hangs", docs/pitfalls.md): every rank gathers, the main
+process writes and checks.
 
 - Gather: ``accelerator.get_state_dict`` assembles the *full* state on the main process whatever the strategy
-  (ZeRO-3 partitions with ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall #1).
+  (ZeRO-3 partitions with ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall "ZeRO-3
+  save_pretrained writes empty weights", docs/pitfalls.md).
 - LoRA: PEFT filters the adapter out of that full state dict, so the adapter is complete even where each rank
   holds only a slice of it (pitfalls #2, #3); ``merge_lora`` also writes ``<directory>_merged``, a plain
   model with the adapter merged in (beside the adapter folder, so each folder is one loadable model).
-- Check: every gathered tensor must have the shape of a freshly built model's (pitfall #1); with
+- Check: every gathered tensor must have the shape of a freshly built model's (pitfall "ZeRO-3 save_pretrained
+  writes empty weights", docs/pitfalls.md); with
   ``verify_inputs`` the main process reloads what it wrote with plain transformers/peft, outside DeepSpeed's
   ``zero.Init``, and compares its logits with the trained model's.
 """
@@ -35,7 +38,8 @@ if TYPE_CHECKING:
 # still need not round the same way (DeepSpeed keeps 16-bit weights and runs norms and softmax in 16 bits), so the
 # bound is one of 16-bit rounding.
 LOGIT_TOLERANCE = {"no": 1e-5, "bf16": 3e-2, "fp16": 4e-3}
-# Prefixes wrappers put on parameter names (FSDP1 units, activation checkpointing, torch.compile) (pitfall #4).
+# Prefixes wrappers put on parameter names (FSDP1 units, activation checkpointing, torch.compile)
+# (pitfall "PEFT + FSDP1 key prefixes", docs/pitfalls.md).
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 

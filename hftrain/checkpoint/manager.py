@@ -56,7 +56,9 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- writing (collective)
     def save(self, accelerator: Accelerator, *, step: int, meta: dict[str, Any]) -> Path:
-        """Write a checkpoint of ``step``; every rank must call this (the save is collective, pitfall #9).
+        """Write a checkpoint of ``step``; every rank must call this.
+
+        The save is collective (pitfall "save on rank 0 only hangs", docs/pitfalls.md).
 
         Args:
             accelerator: the run's accelerator (its registered objects are saved too).

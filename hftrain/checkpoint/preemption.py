@@ -1,8 +1,8 @@
 """Preemption: a signal only sets a flag; the loop checkpoints collectively at the next step boundary.
 
 Doing the save inside the handler would run collectives and file I/O from an arbitrary point of the
-program (pitfall #18). SIGTERM is what schedulers and ``kill`` send; Slurm sends SIGUSR1 ahead of a time
-limit when asked (``#SBATCH --signal=USR1@120``).
+program (pitfall "preemption work done in the signal handler", docs/pitfalls.md). SIGTERM is what schedulers and
+``kill`` send; Slurm sends SIGUSR1 ahead of a time limit when asked (``#SBATCH --signal=USR1@120``).
 """
 
 from __future__ import annotations

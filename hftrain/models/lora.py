@@ -4,7 +4,8 @@ A LoRA layer computes ``y = W x + (alpha / r) · B A x`` with ``W`` frozen, ``A`
 (out × r) zero at start, so the adapted model starts equal to the base model. PEFT's ``SEQ_CLS`` task type
 adds the head (``classifier`` for BERT-style, ``score`` for GPT-style models) to ``modules_to_save``: a full
 trainable copy that is written into the adapter, or the freshly initialised head would be lost on reload
-(pitfall #5). The trainer's optimizer takes only parameters with ``requires_grad``, so nothing else changes.
+(pitfall "classification head lost with LoRA", docs/pitfalls.md). The trainer's optimizer takes only parameters with
+``requires_grad``, so nothing else changes.
 """
 
 from __future__ import annotations

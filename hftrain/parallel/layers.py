@@ -3,10 +3,9 @@
 Hand-written rather than DTensor (``parallelize_module``), because: (1) GPT-2's ``Conv1D`` (transposed
 weight) and its packed q/k/v are not handled by DTensor's Colwise/RowwiseParallel styles; (2) the parameters
 stay plain tensors with the HF names, so optimizers, clipping, ``state_dict`` and checkpoints need no DTensor
-awareness; (3) measured on this machine kind (``benchmarks/tensor_parallel.py``, tp=2, 2 cores) they ran a
-``d -> 4d -> d`` MLP and a Llama decoder layer forward+backward 1.3-2.4x faster than DTensor at d=64-256
-(DTensor's per-op dispatch dominates small layers) and equal within noise at d=1024 (0.83-1.06x); the
-README's "Tensor parallelism" section has the table.
+awareness; (3) on the small layers of CPU fine-tuning they ran faster than DTensor, whose per-op dispatch
+dominates there, and equal within noise at d=1024 (``benchmarks/tensor_parallel.py``; figures in
+benchmarks/README.md).
 
 The layers split the weight of the module they replace and keep its layout (``nn.Linear``: ``(out, in)``;
 ``Conv1D``: ``(in, out)``) and its parameter names, so a plan only changes *which slice* a rank holds.

@@ -174,7 +174,8 @@ class Strategy(ABC):
             gradient_accumulation_steps=training.gradient_accumulation_steps,
             log_with=None if training.log_with == "none" else training.log_with,
             project_dir=project_dir,
-            # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself (pitfall #15).
+            # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself
+            # (pitfall "accumulation differs under DeepSpeed", docs/pitfalls.md).
             step_scheduler_with_optimizer=False,
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
             **self.accelerator_kwargs(training),

@@ -7,7 +7,8 @@ parameters after the step; stage 3 all-gathers each layer's parameters before it
 
 The DeepSpeed JSON is the one source of batch truth: hftrain writes ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps`` and ``train_batch_size = micro × accumulation × dp size`` into it, so
-DeepSpeed's batch assertion cannot fire (pitfall #14), and rejects a JSON whose numbers contradict them.
+DeepSpeed's batch assertion cannot fire (pitfall "DeepSpeed batch-size assertion", docs/pitfalls.md), and rejects a
+JSON whose numbers contradict them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def default_ds_config(stage: int, *, offload_optimizer: bool = False, offload_pa
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
-        # Without it save_pretrained under ZeRO-3 writes each rank's empty partition (pitfall #1).
+        # Without it save_pretrained under ZeRO-3 writes each rank's empty partition
+        # (pitfall "ZeRO-3 save_pretrained writes empty weights", docs/pitfalls.md).
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
         "train_batch_size": "auto",
@@ -277,7 +279,8 @@ class Zero3Strategy(ZeroStrategy):
         """Build the model outside ``deepspeed.zero.Init``; DeepSpeed partitions it in ``prepare``.
 
         Under ``zero.Init`` transformers initialises new parameters (the classification head) on partitions,
-        and they come out different from a single-process run (pitfall #6, transformers#28244). Building
+        and they come out different from a single-process run (pitfall "ZeRO-3 leaves the new head uninitialised",
+        docs/pitfalls.md, transformers#28244). Building
         the full model once per process and letting ``deepspeed.initialize`` partition it gives exactly the
         reference initialisation; it costs one full copy of the model in host memory during construction.
         """

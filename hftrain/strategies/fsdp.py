@@ -5,7 +5,8 @@ keeps every parameter as a DTensor sharded on dim 0. Both wrap each transformer 
 ``_no_split_modules``) as its own unit, so only one layer is gathered at a time.
 
 Fixed by hftrain whatever the launcher says: ``use_orig_params=True`` for FSDP1 (real parameter names for the
-optimizer groups and PEFT, pitfall #4) and sharded resume checkpoints (``SHARDED_STATE_DICT``, pitfall #7;
+optimizer groups and PEFT, pitfall "PEFT + FSDP1 key prefixes", docs/pitfalls.md) and sharded resume checkpoints
+(``SHARDED_STATE_DICT``, pitfall "FSDP state-dict type confusion", docs/pitfalls.md;
 the ``save_pretrained`` export always gathers the full state). On CPU, Accelerate never selects FSDP by
 itself; ``Platform.force_fsdp`` sets the state after construction.
 """

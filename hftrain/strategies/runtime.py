@@ -186,7 +186,8 @@ class AccelerateRuntime:
             batch: this process's evaluation batch.
             predict: the task's ``prediction_step(model, batch)``.
         """
-        # gather_for_metrics drops the duplicates Accelerate adds to even out the last batch (pitfall #16).
+        # gather_for_metrics drops the duplicates Accelerate adds to even out the last batch
+        # (pitfall "eval skewed by padding duplicates", docs/pitfalls.md).
         return self.accelerator.gather_for_metrics(predict(model, batch))
 
     def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -211,7 +212,10 @@ class AccelerateRuntime:
         return self.accelerator.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0
 
     def skip_first_batches(self, loader: Any, num_batches: int) -> Any:
-        """``loader`` without its first ``num_batches`` batches, skipped at the sampler level (pitfall #20)."""
+        """``loader`` without its first ``num_batches`` batches, skipped at the sampler level.
+
+        Pitfall "slow batch skipping on resume", docs/pitfalls.md.
+        """
         return self.accelerator.skip_first_batches(loader, num_batches)
 
     # ----------------------------------------------------------------- state

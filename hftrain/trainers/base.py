@@ -45,7 +45,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainerState:
-    """Where training stands; optimizer steps and micro-batches are counted separately (pitfall #10)."""
+    """Where training stands; optimizer steps and micro-batches are counted separately.
+
+    Pitfall "resume with accumulation skips the wrong batches", docs/pitfalls.md.
+    """
 
     epoch: int = 0
     global_step: int = 0
@@ -266,7 +269,8 @@ class Trainer:
         self.train_loader.set_epoch(self.state.epoch)
         loader = self.train_loader
         if self._skip_batches:
-            # Resume mid-epoch: skip at the batch-sampler level, without loading the skipped data (pitfall #20).
+            # Resume mid-epoch: skip at the batch-sampler level, without loading the skipped data
+            # (pitfall "slow batch skipping on resume", docs/pitfalls.md).
             loader = runtime.skip_first_batches(self.train_loader, self._skip_batches)
             self._skip_batches = 0
         self.model.train()
@@ -356,7 +360,8 @@ class Trainer:
             topology=self.strategy_summary,
             can_reshard=self.strategy.reshardable_checkpoints,
         )
-        # load_state only after prepare, so the scheduler and optimizer it restores are the live ones (pitfall #12).
+        # load_state only after prepare, so the scheduler and optimizer it restores are the live ones
+        # (pitfall "LR schedule resets after resume", docs/pitfalls.md).
         self._load_state(path)
         self.state = _trainer_state(path, meta["trainer_state"])
         self._skip_batches = batches_to_skip(meta, self.strategy_summary)
@@ -471,7 +476,8 @@ class Trainer:
         self.model.eval()
         losses, predictions, labels = [], [], []
         for batch in self.eval_loader:
-            # Gathered over the data-parallel ranks, each example once (pitfall #16).
+            # Gathered over the data-parallel ranks, each example once
+            # (pitfall "eval skewed by padding duplicates", docs/pitfalls.md).
             loss, preds, refs = self.runtime.evaluation_step(self.model, batch, self.prediction_step)
             losses.append(loss)
             predictions.append(preds)
