@@ -162,7 +162,8 @@ def median_step(stamps: list[float]) -> float:
     Both sides train on the same batches, so the medians compare like with like; unlike the mean, a median is not
     moved by a burst of load from other tenants of the machine during a few steps.
     """
-    return statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return statistics.median(gaps) if gaps else float("nan")  # a 1-step job has no step between two ends
 
 
 def training_flops(config, batch: int, length: int) -> float:
