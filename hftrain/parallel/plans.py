@@ -21,9 +21,8 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 ``sizes`` are the config sizes tp must divide; ``grouped_query`` names the attention of a grouped-query family,
 whose key/value heads tp must divide or be a multiple of (SmolLM2-135M's 9 query / 3 key/value heads: tp 1 or 3;
 tp=2 would leave one rank twice the other's attention, which Megatron refuses too). The vocabulary is not among
-the sizes: the embedding pads it to a multiple of tp (:func:`padded_vocab_size`). ``counts`` gives unequal
-per-rank widths (``TPShard.counts``) where a family wants them; no family here does. A new family is one more
-entry in :data:`PLANS`.
+the sizes: the embedding pads it to a multiple of tp (:func:`padded_vocab_size`). A new family is one more entry in
+:data:`PLANS`.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ class TensorParallelPlan:
         model: ``(path in the model, style)`` entries.
         heads: ``path in the layer -> attribute names`` divided by tp on the attention module.
         sizes: the config sizes that tp must divide, as ``{name: value}`` for a config.
-        counts: ``(config, tp) -> {path in the layer: per-rank widths}`` for unequal splits.
         grouped_query: path in the layer of a grouped-query attention (its config's ``num_attention_heads`` and
             ``num_key_value_heads``; its ``num_key_value_groups`` is set per rank), or None.
     """
@@ -55,7 +53,6 @@ class TensorParallelPlan:
     model: tuple[tuple[str, str], ...]
     heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sizes: Callable[[Any], dict[str, int]] = lambda config: {}
-    counts: Callable[[Any, int], dict[str, tuple[int, ...]]] = lambda config, tp: {}
     grouped_query: str | None = None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,15 +45,11 @@ from hftrain.parallel.random import RNGTracker, run_in_stream
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
 
 
-Counts = tuple[int, ...] | None  # unequal per-rank widths of a split (TPShard.counts)
-
-
 @dataclass(frozen=True)
 class _Context:
     tp_group: Any
     tp_size: int
     sequence_parallel: bool
-    counts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # layer path -> per-rank widths
     rng: RNGTracker | None = None  # which random stream each region draws dropout masks from
     vocab_multiple: int = 1  # the vocabulary is padded to a multiple of tp × this
     grouped_query: GroupedQuerySplit | None = None  # the per-rank heads of a grouped-query family
@@ -76,7 +72,6 @@ def _context(
         tp_group,
         tp_size,
         sequence_parallel,
-        plan.counts(config, tp_size),
         rng_tracker,
         vocab_multiple,
         grouped_query_split(*heads, tp_size) if heads else None,
@@ -110,11 +105,11 @@ def _map_hidden_output(module: nn.Module, fn: Callable[[torch.Tensor], torch.Ten
 
 
 # The linear styles go through split_linear, which also splits a PEFT LoRA layer's adapters (hftrain.parallel.lora).
-def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
-    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, counts=counts), ctx.rng)
+def _column(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group), ctx.rng)
 
 
-def _column_kv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _column_kv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     # a key/value head per slice; with fewer heads than tp, tp/kv adjacent ranks hold (and train) the same one
     replicas = ctx.grouped_query.replicas if ctx.grouped_query else 1
     split_linear(
@@ -122,54 +117,54 @@ def _column_kv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, c
     )
 
 
-def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=3), ctx.rng)
 
 
-def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     split_linear(
         parent,
         name,
         module,
-        lambda m: RowParallelLinear(m, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, counts=counts),
+        lambda m: RowParallelLinear(m, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel),
         ctx.rng,
     )
 
 
-def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _vocab(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     setattr(parent, name, VocabParallelEmbedding(module, tp_group=ctx.tp_group, vocab_multiple=ctx.vocab_multiple))
 
 
-def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     enter = gather_from_sequence if ctx.sequence_parallel else copy_to_tp
     _map_hidden_input(module, lambda x: enter(x, ctx.tp_group))
     if ctx.rng is not None:  # dropout on this rank's heads or features: its own stream, not its peers' copy
         run_in_stream(module, ctx.rng, "tensor")
 
 
-def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     if ctx.sequence_parallel:
         setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
 
 
-def _sequence_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _sequence_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     # A residual-stream dropout: on this rank's sequence chunk under sequence parallelism (its own stream), else on
     # activations every tp rank holds whole (the shared default stream, also when it sits inside a region).
     if ctx.rng is not None:
         run_in_stream(module, ctx.rng, "tensor" if ctx.sequence_parallel else "default")
 
 
-def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     if ctx.sequence_parallel:
         _map_hidden_input(module, lambda x: scatter_to_sequence(x, ctx.tp_group))
 
 
-def _gather(parent: nn.Module, name: str, module: nn.Module, ctx: _Context, counts: Counts) -> None:
+def _gather(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     if ctx.sequence_parallel:
         _map_hidden_output(module, lambda x: gather_to_replicated(x, ctx.tp_group))
 
 
-STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context, Counts], None]] = {
+STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
     "column": _column,
     "column_qkv": _column_qkv,
     "column_kv": _column_kv,
@@ -208,7 +203,7 @@ def _check_replicated(model: nn.Module, tp_group: Any) -> None:
 def _apply_entries(root: nn.Module, entries, ctx: _Context) -> None:
     for path, style in entries:
         parent_path, _, name = path.rpartition(".")
-        STYLES[style](root.get_submodule(parent_path), name, root.get_submodule(path), ctx, ctx.counts.get(path))
+        STYLES[style](root.get_submodule(parent_path), name, root.get_submodule(path), ctx)
 
 
 def _apply_to_layer(layer: nn.Module, plan: TensorParallelPlan, ctx: _Context) -> None:

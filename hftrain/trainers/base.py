@@ -116,6 +116,7 @@ class Trainer:
         self.run_config = run_config or {}
         self.run_id = run_id
         self._skip_batches = 0
+        self._curves_entries = -1  # log entries training_curves.png was last drawn from
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         choices.append(strategy.tune_host_allocator())
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
@@ -509,8 +510,10 @@ class Trainer:
     def _draw_curves(self) -> None:
         from hftrain.trainers.curves import render_curves
 
-        if self.accelerator.is_main_process:
+        entries = len(self.state.log_history)
+        if self.accelerator.is_main_process and entries != self._curves_entries:  # nothing new: already drawn
             render_curves(self.state.log_history, Path(self.args.output_dir) / CURVES_PNG)
+            self._curves_entries = entries
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
         """``run_summary.json`` (throughput, FLOPs, MFU) and the final training curves, on the main process."""

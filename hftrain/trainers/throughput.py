@@ -190,14 +190,15 @@ class Throughput:
         ids = batch["input_ids"]
         mask = batch.get("attention_mask")
         model, hardware = self.flops.step(ids.shape[0], ids.shape[1], recompute=self.recompute)
-        self.window["tokens"] += float(mask.sum()) if mask is not None else float(ids.numel())
+        # a tensor sum, read once per optimizer step with the loss (no device sync per micro-batch)
+        self.window["tokens"] += mask.sum() if mask is not None else ids.numel()
         self.window["samples"] += ids.shape[0]
         self.window["model_flops"] += model
         self.window["hardware_flops"] += hardware
 
     def local_window(self) -> list[float]:
         """This process's counts since the last step, to reduce with the loss (``FIELDS`` order)."""
-        return [self.window[k] for k in self.FIELDS]
+        return [float(self.window[k]) for k in self.FIELDS]
 
     def close_window(self, means: list[float], replicas: int, processes: int) -> dict[str, float]:
         """End an optimizer step: its job-wide counts from the per-process means; returns its rates.
