@@ -93,7 +93,7 @@ def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
         return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec)
     run_id = saved_run_id(output_dir)
     saved = output_dir / CONFIG_FILENAME  # absent: checkpoints without a run config, replaced only by overwrite
-    same_run = saved.is_file() and not config_differences(config, _saved_config(saved))
+    same_run = saved.is_file() and not _run_differences(config, _saved_config(saved))
     if not training.overwrite_output_dir or (spec in ("auto", "latest") and same_run):
         if spec is None:
             raise ConfigError(
@@ -169,7 +169,7 @@ def check_output_dir(config: TrainConfig) -> None:
         return
     if not _holds_results(output_dir):
         return  # the config of a start that failed before its first checkpoint: nothing to protect
-    differences = config_differences(config, _saved_config(saved))
+    differences = _run_differences(config, _saved_config(saved))
     if differences:
         raise ConfigError(
             f"training.output_dir '{output_dir}' already holds a different run "
@@ -259,3 +259,13 @@ def _saved_config(saved: Path) -> TrainConfig:
     ):
         raw = yaml.safe_load(saved.read_text())
     return from_dict(raw or {}, source=str(saved))
+
+
+def _run_differences(config: TrainConfig, saved: TrainConfig) -> list[str]:
+    """The keys in which ``config`` is another run than the ``saved`` one.
+
+    The strategy is not among them: a run continues under another strategy or process count
+    (``--strategy.name fsdp --resume_from_checkpoint latest``), and the resume itself checks that the checkpoint
+    can be resharded (``hftrain.checkpoint.resume``); the run config then records the new strategy.
+    """
+    return [key for key in config_differences(config, saved) if not key.startswith("strategy.")]

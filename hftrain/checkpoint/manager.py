@@ -72,7 +72,7 @@ class CheckpointManager:
         # makes every rank raise the same one-line error, and the previous checkpoints stay as they were.
         write = _AgreedWrite(accelerator, f"checkpoint step {step} ({final})", staging, last=self.latest())
         write.phase(self._begin if main else None, staging)
-        write.phase(accelerator.save_state, str(staging / STATE_DIR), safe_serialization=True)
+        write.phase(accelerator.save_state, str(staging / STATE_DIR))
         write.phase(self._finish if main else None, staging, final, {"step": step, **meta})
         return final
 

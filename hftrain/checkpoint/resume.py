@@ -20,16 +20,25 @@ LAYOUT_KEYS = ("world_size", "tp", "pp")
 
 
 def check_resumable(
-    meta: dict[str, Any], *, path: Path, run_config: dict[str, Any], topology: dict[str, Any], can_reshard: bool
+    meta: dict[str, Any],
+    *,
+    path: Path,
+    run_config: dict[str, Any],
+    topology: dict[str, Any],
+    can_reshard: bool,
+    sharded: bool = False,
 ) -> list[str]:
-    """Refuse a checkpoint of another model, task or strategy, or an unsupported topology change.
+    """Refuse a checkpoint of another model or task, or a strategy or topology change its format cannot take.
 
     Args:
         meta: the checkpoint's metadata.
         path: the checkpoint folder, for messages.
         run_config: this run's flat config.
         topology: this run's strategy summary (strategy, world size, batch geometry).
-        can_reshard: whether this strategy's checkpoints load on another number of processes.
+        can_reshard: whether this strategy's checkpoints (in the libraries' own older formats) load on another
+            number of processes.
+        sharded: the checkpoint is in the sharded format (``hftrain.checkpoint.sharded``): it loads under any
+            strategy and process count.
 
     Returns notes to log about accepted differences.
     """
@@ -40,15 +49,17 @@ def check_resumable(
                 f"checkpoint '{path}' is of a different model or task ({key}: {saved_config.get(key)!r} there, "
                 f"{run_config[key]!r} here); resume it with its own config or start fresh"
             )
-    if saved.get("strategy") != topology["strategy"]:
+    if saved.get("strategy") != topology["strategy"] and not sharded:
         raise CheckpointError(
             f"checkpoint '{path}' was written by strategy '{saved.get('strategy')}', this run uses "
             f"'{topology['strategy']}'; resume with strategy.name: {saved.get('strategy')}, or export it "
             "(hftrain export) and fine-tune from the exported model"
         )
     # The layout: process count and, for model-parallel strategies, how the processes split the model.
-    same_layout = all(saved.get(key) == topology.get(key) for key in LAYOUT_KEYS)
-    if not same_layout and not can_reshard:
+    same_layout = saved.get("strategy") == topology["strategy"] and all(
+        saved.get(key) == topology.get(key) for key in LAYOUT_KEYS
+    )
+    if not same_layout and not (can_reshard or sharded):
         raise CheckpointError(
             f"checkpoint '{path}' was written by {saved.get('world_size')} processes and '{topology['strategy']}' "
             f"checkpoints are partitioned by process count; resume on {saved.get('world_size')} processes, or "
@@ -77,8 +88,9 @@ def check_resumable(
 
 
 def _layout(topology: dict[str, Any]) -> str:
-    """``4 processes`` or, under tensor/pipeline parallelism, ``4 processes (tp=2 × pp=1 × dp=2)``."""
-    processes = f"{topology.get('world_size')} processes"
+    """``ddp on 4 processes`` or, under tensor/pipeline parallelism, ``megatron on 4 processes (tp=2 × pp=1 ×
+    dp=2)``."""
+    processes = f"{topology.get('strategy')} on {topology.get('world_size')} processes"
     if "tp" not in topology:
         return processes
     return f"{processes} (tp={topology['tp']} × pp={topology.get('pp', 1)} × dp={topology.get('dp_size')})"

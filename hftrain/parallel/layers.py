@@ -116,6 +116,27 @@ class TPShard:
         blocks = full.unflatten(self.dim, (self.parts, -1)).narrow(self.dim + 1, sum(lengths[:index]), lengths[index])
         return blocks.flatten(self.dim, self.dim + 1).contiguous().clone()
 
+    def boxes(self, local: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """Where this rank's slice lies in the full tensor: ``(offsets, view of local)`` per block, the padding's
+        rows left out (they belong to no logical tensor). A sharded checkpoint writes and reads these in place.
+
+        Args:
+            local: this rank's shard (a weight or optimizer state shaped like it).
+        """
+        lengths, index = self.slice_lengths(), self.rank // self.replicas
+        block = (self.padded or self.full_shape[self.dim]) // self.parts
+        start, length = sum(lengths[:index]), lengths[index]
+        found = []
+        for part in range(self.parts):
+            first = part * block + start
+            keep = min(length, self.full_shape[self.dim] - first)
+            if keep <= 0:
+                continue
+            offsets = [0] * len(self.full_shape)
+            offsets[self.dim] = first
+            found.append((tuple(offsets), local.narrow(self.dim, part * length, keep)))
+        return found
+
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full (logical) tensor from every rank's slice (in tp-rank order): one copy of each replicated slice,
         the padding trimmed.

@@ -22,12 +22,14 @@ Megatron-style tensor and pipeline parallelism) subclasses it and overrides what
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
+
+    from hftrain.checkpoint.sharded import Chunked, Snapshot
 
 Batch = dict[str, "torch.Tensor"]
 
@@ -54,6 +56,8 @@ class AccelerateRuntime:
         plain_model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.accelerator = accelerator
+        self._prepared_model: Any = None
+        self._prepared_optimizer: Any = None
         self._before_load_state = before_load_state
         self._plain_model_context = plain_model_context or contextlib.nullcontext
 
@@ -142,6 +146,7 @@ class AccelerateRuntime:
             eval_loader: the full evaluation loader, or None.
         """
         model, optimizer, train_loader = self.accelerator.prepare(model, optimizer, train_loader)
+        self._prepared_model, self._prepared_optimizer = model, optimizer  # what checkpoints save and load
         eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
         return model, optimizer, train_loader, eval_loader
 
@@ -219,21 +224,89 @@ class AccelerateRuntime:
         return self.accelerator.skip_first_batches(loader, num_batches)
 
     # ----------------------------------------------------------------- state
-    def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
-        """Write model, optimizer, scheduler and per-rank RNG into ``directory`` (collective)."""
-        self.accelerator.save_state(directory, safe_serialization=safe_serialization)
+    def save_state(self, directory: str) -> None:
+        """Write this rank's part of a checkpoint's ``state/`` folder synchronously (collective).
+
+        The checkpoint manager calls the parts itself (:meth:`save_extras`, :meth:`snapshot`) to write in the
+        background; this is the same, waited for.
+        """
+        from hftrain.checkpoint.sharded import write_snapshot
+
+        self.save_extras(directory)
+        write_snapshot(directory, self.snapshot(), main=self.is_main_process)
+
+    def save_extras(self, directory: str) -> None:
+        """Scheduler, sampler and per-rank RNG through ``accelerator.save_state``: everything but the model and
+        optimizer, which :meth:`snapshot` gives to the sharded format (collective)."""
+        with _without_model_and_optimizer(self.accelerator):
+            self.accelerator.save_state(directory, safe_serialization=True)
+
+    def snapshot(self) -> Snapshot:
+        """This rank's boxes of the model's and optimizer's logical tensors (views of the live state), the
+        optimizer's parameter groups and what the export needs (``hftrain.checkpoint.sharded``)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from hftrain.checkpoint.sharded import Snapshot
+
+        model_state, optim_state = get_state_dict(self._prepared_model, self._inner_optimizer())
+        return Snapshot(
+            state=flat_state(model_state, optim_state),
+            param_groups=[
+                {**{k: v for k, v in group.items() if k != "params"}, "params": list(group["params"])}
+                for group in optim_state["param_groups"]
+            ],
+            info={"world_size": self.num_processes},
+            model=self.unwrap_model(self._prepared_model),
+        )
 
     def load_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
-        """Restore what ``save_state`` wrote into the live (prepared) model, optimizer and scheduler.
+        """Restore a checkpoint's ``state/`` into the live (prepared) model, optimizer and scheduler.
+
+        A sharded checkpoint (any strategy, any process count) loads through :meth:`load_snapshot`; one in an
+        older format through Accelerate, as it was written.
 
         Args:
             directory: a checkpoint's ``state/`` folder.
             model: the prepared model.
             optimizer: the prepared optimizer.
         """
+        from hftrain.checkpoint.sharded import is_sharded
+
+        if not is_sharded(directory):
+            self.load_legacy_state(directory, model=model, optimizer=optimizer)
+            return
+        self.load_extras(directory)
+        self.load_snapshot(directory)
+
+    def load_extras(self, directory: str) -> None:
+        """What :meth:`save_extras` wrote: scheduler, sampler and this rank's RNG (collective)."""
+        with _without_model_and_optimizer(self.accelerator):
+            self.accelerator.load_state(directory)
+
+    def load_snapshot(self, directory: str) -> None:
+        """Fill the live model and optimizer from the sharded state in ``directory`` (collective): each rank
+        reads the stored pieces overlapping its own boxes, then torch's ``set_state_dict`` puts them in place."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from hftrain.checkpoint.sharded import read_snapshot
+
+        optimizer = self._inner_optimizer()
+        # get_state_dict gives a fresh optimizer its state tensors first (a zero learning-rate step), so that
+        # the moments have somewhere to load into.
+        model_state, optim_state = get_state_dict(self._prepared_model, optimizer)
+        # The saved hyper-parameters go into the state dict's groups, which set_state_dict makes the live ones.
+        read_snapshot(directory, flat_state(model_state, optim_state), optim_state["param_groups"])
+        set_state_dict(self._prepared_model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+    def load_legacy_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
+        """Load a checkpoint written before the sharded format, with the library that wrote it (same strategy
+        and process count; ``hftrain.checkpoint.resume`` refuses the rest)."""
         if self._before_load_state is not None:
             self._before_load_state(model, getattr(optimizer, "optimizer", optimizer))
         self.accelerator.load_state(directory)
+
+    def _inner_optimizer(self) -> Any:
+        return getattr(self._prepared_optimizer, "optimizer", self._prepared_optimizer)
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full state dict with the model's own names (collective; the main process holds it)."""
@@ -256,3 +329,28 @@ class AccelerateRuntime:
                 model = model.module
             return model
         return self.accelerator.unwrap_model(model)
+
+
+@contextlib.contextmanager
+def _without_model_and_optimizer(accelerator: Accelerator) -> Iterator[None]:
+    """``accelerator.save_state``/``load_state`` of everything but the model and optimizer (the sharded format
+    holds those): Accelerate saves what it prepared, so the prepared ones are set aside for the call."""
+    models, optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models, accelerator._optimizers = [], []
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
+
+
+def flat_state(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, Chunked]:
+    """torch's ``get_state_dict`` pair as the sharded format's flat keys (``model.<name>``,
+    ``optim.<name>.<key>``), each value this rank's boxes of it (views, so a load fills them in place)."""
+    from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked
+
+    flat = {MODEL_PREFIX + name: Chunked.of(value) for name, value in model_state.items()}
+    for name, values in optim_state["state"].items():
+        for key, value in values.items():
+            if hasattr(value, "shape"):
+                flat[f"{OPTIM_PREFIX}{name}.{key}"] = Chunked.of(value)
+    return flat

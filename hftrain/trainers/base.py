@@ -354,12 +354,15 @@ class Trainer:
             return
         check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
         meta = self._read_verified(path)
+        from hftrain.checkpoint.sharded import is_sharded  # torch.distributed.checkpoint: imported when used
+
         notes = check_resumable(
             meta,
             path=path,
             run_config=self.run_config,
             topology=self.strategy_summary,
             can_reshard=self.strategy.reshardable_checkpoints,
+            sharded=is_sharded(path / STATE_DIR),
         )
         # load_state only after prepare, so the scheduler and optimizer it restores are the live ones
         # (pitfall "LR schedule resets after resume", docs/pitfalls.md).

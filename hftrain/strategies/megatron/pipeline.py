@@ -317,8 +317,8 @@ class PipelineRuntime(MegatronRuntime):
         finalize_tp_grads(self._model, tp_group=layout.tp_group)
 
     # ----------------------------------------------------------------- state
-    def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
-        super().save_state(directory, safe_serialization=safe_serialization)
+    def save_extras(self, directory: str) -> None:
+        super().save_extras(directory)
         self.write_timeline()
 
     # ----------------------------------------------------------------- timeline

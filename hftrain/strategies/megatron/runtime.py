@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
+    from hftrain.checkpoint.sharded import Snapshot
     from hftrain.strategies.megatron.plugin import MegatronPlugin
 
 
@@ -114,24 +115,27 @@ class MegatronRuntime(AccelerateRuntime):
     # reduce_mean and any_rank stay Accelerate's world-wide reductions: tp (and pp) ranks of a replica hold the
     # same loss, so the world mean is the mean over dp.
 
-    def save_state(self, directory: str, *, safe_serialization: bool = True) -> None:
+    def save_extras(self, directory: str) -> None:
         from hftrain.parallel import check_replicas_agree
         from hftrain.parallel.random import save_streams
-        from hftrain.strategies.megatron.state import save_state
 
         layout = self.plugin.layout
-        # Before anything is written: the checkpoint keeps tp rank 0's copy of every replicated parameter.
+        # Before anything is written: the checkpoint keeps one copy of every replicated parameter.
         check_replicas_agree(self._model, tp_group=layout.tp_group)
         # Scheduler and per-rank RNG through Accelerate (no model or optimizer is registered with it), the RNG
         # tracker's streams per (pp, tp, cp, dp) coordinate beside them.
-        self.accelerator.save_state(directory, safe_serialization=safe_serialization)
+        self.accelerator.save_state(directory, safe_serialization=True)
         save_streams(directory, self.plugin.rng_tracker, groups=layout)
-        save_state(directory, self._model, self._params, self._optimizer, groups=layout, layout=self.layout_facts())
 
-    def load_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
+    def snapshot(self) -> Snapshot:
+        from hftrain.strategies.megatron.state import snapshot
+
+        first_stage = self.plugin.layout.pp_rank == 0
+        return snapshot(self._model, self._params, self._optimizer, first_stage=first_stage, info=self.layout_facts())
+
+    def load_extras(self, directory: str) -> None:
         from hftrain.log import log_main
         from hftrain.parallel.random import load_streams
-        from hftrain.strategies.megatron.state import load_state
 
         self.accelerator.load_state(directory)
         # After Accelerate's per-rank RNG: on another layout those are other ranks' states, and the tracker's
@@ -139,7 +143,18 @@ class MegatronRuntime(AccelerateRuntime):
         note = load_streams(directory, self.plugin.rng_tracker, groups=self.plugin.layout)
         if note:
             log_main(note)
-        load_state(directory, self._model, self._params, optimizer.optimizer, layout=self.layout_facts())
+
+    def load_snapshot(self, directory: str) -> None:
+        from hftrain.strategies.megatron.state import load_snapshot
+
+        first_stage = self.plugin.layout.pp_rank == 0
+        load_snapshot(directory, self._model, self._params, self._optimizer, first_stage=first_stage)
+
+    def load_legacy_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
+        from hftrain.strategies.megatron.state import load_legacy_state
+
+        self.load_extras(directory)
+        load_legacy_state(directory, self._model, self._params, self._optimizer, layout=self.layout_facts())
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights gathered over tp (and merged over pp); collective."""

@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hftrain.checkpoint.manager import CheckpointError
+
+if TYPE_CHECKING:
+    from hftrain.checkpoint.sharded import Chunked, Snapshot
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -34,42 +37,84 @@ LAYOUT_FILE = "layout.json"
 FORMAT = "hftrain-logical-full-v1"
 
 
-def save_state(
+def snapshot(
+    model: torch.nn.Module,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: Any,
+    *,
+    first_stage: bool,
+    info: dict[str, Any],
+) -> Snapshot:
+    """This rank's boxes of the logical model and optimizer state (views of the live tensors; no collective).
+
+    Each split parameter gives the boxes its :class:`~hftrain.parallel.layers.TPShard` places in the full tensor
+    (vocabulary padding left out), a replicated one the whole tensor; Adam's moments are boxed like their
+    parameter. Replicas (tp for replicated parameters, dp, cp) give the same boxes and DCP writes one of each.
+
+    Args:
+        model: the tensor-parallel HF model (unwrapped).
+        params: HF name -> the parameters this rank owns (its stages' under pipeline parallelism).
+        optimizer: the inner optimizer over ``params`` (``torch.optim`` or ``ZeroRedundancyOptimizer``, whose
+            local optimizer holds the state of the parameters this dp rank owns).
+        first_stage: whether this rank holds the first pipeline stage (which contributes the buffers).
+        info: the layout, for ``sharded.json``.
+    """
+    from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Snapshot
+    from hftrain.parallel.tensor_parallel import sharded_parameters
+
+    shards = sharded_parameters(model)
+    buffers = _buffer_names(model)
+    state = {
+        MODEL_PREFIX + name: _boxes(name, tensor, shards)
+        for name, tensor in model.state_dict().items()
+        if name in params or (name in buffers and first_stage)
+    }
+    names = {id(p): n for n, p in params.items()}
+    for param, values in getattr(optimizer, "optim", optimizer).state.items():
+        name = names[id(param)]
+        for key, value in values.items():
+            if torch.is_tensor(value):
+                state[f"{OPTIM_PREFIX}{name}.{key}"] = _boxes(name, value, shards)
+    return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
+
+
+def load_snapshot(
     directory: str | Path,
     model: torch.nn.Module,
     params: dict[str, torch.nn.Parameter],
     optimizer: Any,
     *,
-    groups: Any,
-    layout: dict[str, int],
+    first_stage: bool,
 ) -> None:
-    """Write the full model and optimizer state (collective over tp, pp, and dp for a sharded optimizer).
+    """Fill this rank's parameters and optimizer state from a sharded checkpoint of any strategy and layout.
 
     Args:
-        directory: the checkpoint's ``state/`` folder (exists on the main process).
+        directory: the checkpoint's ``state/`` folder.
         model: the tensor-parallel HF model (unwrapped).
-        params: HF name -> the parameters this rank owns (all of them at ``pp = 1``).
-        optimizer: the inner optimizer over ``params`` (``torch.optim`` or ``ZeroRedundancyOptimizer``).
-        groups: the run's ``ParallelGroups``.
-        layout: ``{"tp", "dp", "pp", "world_size"}``, recorded for the refusal of impossible layout changes.
+        params: HF name -> the parameters this rank owns.
+        optimizer: the inner optimizer over ``params``.
+        first_stage: whether this rank holds the first pipeline stage.
     """
-    consolidate = getattr(optimizer, "consolidate_state_dict", None)
-    if consolidate is not None:  # ZeRO-1: dp rank 0 of each replica set collects the partitions
-        consolidate(to=0)
-    if groups.dp_rank != 0 or groups.cp_rank != 0:  # the other replicas (and sequence parts) hold the same state
-        return
-    weights = merged_weights(model, params, groups)
-    optimizer_state = _merged_optimizer_state(model, optimizer, groups)
-    if dist.get_rank() == 0:
-        from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-        directory = Path(directory)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / MODEL_FILE))
-        torch.save(optimizer_state, directory / OPTIMIZER_FILE)
-        (directory / LAYOUT_FILE).write_text(json.dumps({"format": FORMAT, **layout}) + "\n")
+    from hftrain.checkpoint.sharded import read_snapshot
+
+    _init_optim_state(getattr(optimizer, "optim", optimizer))  # the moments' tensors, to load into
+    boxes = snapshot(model, params, optimizer, first_stage=first_stage, info={})
+    read_snapshot(directory, boxes.state, optimizer.param_groups)
 
 
-def load_state(
+def _boxes(name: str, tensor: torch.Tensor, shards: dict[str, Any]) -> Chunked:
+    from hftrain.checkpoint.sharded import Chunked
+
+    tensor = tensor.detach()
+    shard = shards.get(name)
+    if shard is None or tensor.dim() == 0:
+        return Chunked.whole(tensor)
+    return Chunked(shard.full_shape, shard.boxes(tensor))
+
+
+def load_legacy_state(
     directory: str | Path,
     model: torch.nn.Module,
     params: dict[str, torch.nn.Parameter],

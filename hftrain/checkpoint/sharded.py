@@ -1,0 +1,438 @@
+"""The sharded checkpoint format: every rank writes what it owns, under logical HF names and full shapes.
+
+Layout of a checkpoint's ``state/`` folder (the manager adds ``checkpoint.json`` with checksums beside it)::
+
+    dcp/              a torch.distributed.checkpoint folder (``.metadata`` + ``__<rank>_0.distcp``), flat keys:
+                        model.<name>        every parameter and persistent buffer of the unwrapped model
+                                            (``model.state_dict()`` names), fp32 master values, full shape
+                        optim.<name>.<key>  its optimizer state (Adam's exp_avg, exp_avg_sq, step)
+    sharded.json      {"format": "hftrain-dcp-v1", "strategy", "layout"}: what wrote it
+    optimizer.json    the optimizer's parameter groups: hyper-parameters (lr, betas...) and parameter names
+    hf_model/         config.json (and adapter_config.json under LoRA): what ``hftrain convert`` needs
+    ...               Accelerate's scheduler, sampler and per-rank RNG files
+
+Every strategy describes its state as the *boxes* of each logical tensor that this rank holds
+(:class:`Chunked`): DDP the whole tensor, FSDP2 its DTensor shard, FSDP1 its ShardedTensor shards, megatron its
+tensor-parallel slices (trimmed of vocabulary padding; a replicated key/value head is the same box on several
+ranks), ZeRO its partitions of the flattened parameter (a flat range is a few boxes). DCP's planner then removes
+boxes written by several ranks (replicated tensors, spread over the ranks by size), checks that the boxes tile each
+tensor exactly, and writes each rank's boxes into its own file; a load reads, on each rank, only the stored pieces
+that overlap the boxes it holds. So a checkpoint of any strategy and process count loads under any other: the
+keys and shapes are the model's, not the layout's.
+
+Written around DCP rather than with its stock planners because those take only tensors, DTensors and
+ShardedTensors: a vocabulary shard trimmed of its padding, packed query/key/value blocks and ZeRO's flat ranges are
+none of these, and a ShardedTensor built per parameter costs a collective each. :class:`Chunked` plus the two
+planner subclasses below (``create_local_plan``, ``lookup_object``/``lookup_tensor``, DCP's documented extension
+points) carry any set of boxes; everything else (dedup, validation, storage, resharding reads) is DCP's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from hftrain.checkpoint.manager import CheckpointError
+
+FORMAT = "hftrain-dcp-v1"
+DCP_DIR = "dcp"
+INFO_FILE = "sharded.json"
+GROUPS_FILE = "optimizer.json"
+HF_DIR = "hf_model"
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+
+Box = tuple[tuple[int, ...], torch.Tensor]
+
+
+@dataclass
+class Chunked:
+    """A logical tensor of ``size`` of which this rank holds ``boxes`` (possibly none).
+
+    Args:
+        size: the full (logical) shape.
+        boxes: ``(offsets, tensor)`` pairs: ``tensor`` is the block of the full tensor starting at ``offsets``;
+            on save it is read, on load written in place (views of live state load straight into it).
+    """
+
+    size: tuple[int, ...]
+    boxes: list[Box] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.size = tuple(int(s) for s in self.size)
+        self.boxes = [(tuple(int(o) for o in offsets), t) for offsets, t in self.boxes if t.numel() > 0]
+        for offsets, tensor in self.boxes:
+            if len(offsets) != len(self.size) or any(
+                o < 0 or o + n > s for o, n, s in zip(offsets, tensor.shape, self.size, strict=True)
+            ):
+                raise ValueError(f"box at {offsets} of shape {tuple(tensor.shape)} lies outside {self.size}")
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> Chunked:
+        """All of ``tensor`` (a replicated tensor: DCP writes it once, on the least loaded rank)."""
+        return cls(tuple(tensor.shape), [((0,) * tensor.dim(), tensor)])
+
+    @classmethod
+    def of(cls, value: Any) -> Chunked:
+        """The boxes of a tensor, DTensor (FSDP2) or ShardedTensor (FSDP1) as this rank holds them."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, Chunked):
+            return value
+        if isinstance(value, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            return cls(tuple(value.shape), [(tuple(offsets), value.to_local())])
+        if isinstance(value, ShardedTensor):
+            return cls(tuple(value.size()), [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()])
+        if isinstance(value, torch.Tensor):
+            return cls.whole(value)
+        raise TypeError(f"cannot checkpoint a {type(value).__name__} as a tensor")
+
+    @classmethod
+    def flat_range(cls, size: tuple[int, ...], start: int, flat: torch.Tensor) -> Chunked:
+        """The elements ``start … start + flat.numel()`` of the row-major flattening of a tensor of ``size``.
+
+        A contiguous range is cut into boxes: a partial row, whole rows, a partial row, recursively per
+        dimension (at most ``2·dim - 1`` boxes), each a view of ``flat``. ZeRO holds its partitions this way.
+
+        Args:
+            size: the full shape.
+            start: the flat index of ``flat[0]``.
+            flat: this rank's contiguous elements (1-D).
+        """
+        return cls(size, list(_flat_boxes(tuple(size), start, flat)))
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.boxes[0][1].dtype if self.boxes else None
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape) for o, t in self.boxes]
+
+    def box_at(self, offsets: Iterable[int]) -> torch.Tensor:
+        wanted = tuple(offsets)
+        for box_offsets, tensor in self.boxes:
+            if box_offsets == wanted:
+                return tensor
+        raise KeyError(f"no box at {wanted}")
+
+    def staged(self) -> Chunked:
+        """A copy in CPU memory that the training step may not change (a background save writes it)."""
+        return Chunked(self.size, [(o, t.detach().to("cpu", copy=True).contiguous()) for o, t in self.boxes])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.boxes)
+
+
+def _flat_boxes(size: tuple[int, ...], start: int, flat: torch.Tensor) -> Iterable[Box]:
+    """Boxes covering ``flat`` = elements ``[start, start + len)`` of a row-major tensor of ``size``."""
+    if flat.numel() == 0:
+        return
+    if not size:  # a scalar
+        yield (), flat.view(())
+        return
+    inner = math.prod(size[1:])
+    end = start + flat.numel()
+    first_row, last_row = start // inner, (end - 1) // inner
+    if first_row == last_row or inner == 1 and len(size) == 1:
+        if len(size) == 1:
+            yield (start,), flat
+            return
+        # all inside one row: recurse into it
+        for offsets, t in _flat_boxes(size[1:], start - first_row * inner, flat):
+            yield (first_row, *offsets), t.unsqueeze(0)
+        return
+    position = 0
+    if start % inner:  # the partial first row
+        head = inner - start % inner
+        yield from _flat_boxes(size, start, flat[:head])
+        position, first_row = head, first_row + 1
+    whole = (end - (start + position)) // inner
+    if whole:
+        yield (first_row, *(0,) * (len(size) - 1)), flat[position : position + whole * inner].view(whole, *size[1:])
+        position += whole * inner
+    if position < flat.numel():  # the partial last row
+        yield from _flat_boxes(size, start + position, flat[position:])
+
+
+# ----------------------------------------------------------------- planners
+def _write_items(key: str, value: Chunked) -> list[WriteItem]:
+    return [
+        WriteItem(
+            index=MetadataIndex(key, torch.Size(offsets)),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape),
+                properties=TensorProperties.create_from_tensor(tensor),
+                size=torch.Size(value.size),
+            ),
+        )
+        for offsets, tensor in value.boxes
+    ]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner over a flat ``{key: Chunked}`` state (dedup, validation and metadata stay DCP's)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = [item for key, value in self.state_dict.items() for item in _write_items(key, value)]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.state_dict[index.fqn].box_at(index.offset)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's planner reading, for each ``Chunked``, the stored pieces that overlap this rank's boxes."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        # Not the base's: it first maps every value through DCP's tensor initialisation, which empties a Chunked.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        stored = self.metadata.state_dict_metadata
+        for key, value in self.state_dict.items():
+            md = stored.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"the checkpoint holds no tensor '{key}'")
+            if tuple(md.size) != value.size:
+                raise CheckpointError(
+                    f"'{key}' has shape {tuple(md.size)} in the checkpoint and {value.size} in this model"
+                )
+            requests += create_read_items_for_chunk_list(key, md, value.chunks())
+        self.plan = LoadPlan(requests)
+        return self.plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].box_at(index.offset)
+
+
+# ----------------------------------------------------------------- writing and reading
+def write(state: dict[str, Chunked], directory: str | Path, *, process_group: Any = None) -> None:
+    """Write ``state`` into the DCP folder ``directory`` (collective over ``process_group``; every rank passes its
+    own boxes of the same keys).
+
+    Args:
+        state: key -> this rank's boxes.
+        directory: the ``state/dcp`` folder.
+        process_group: the group whose ranks write together (None: the default group, or no group in one process).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        state,
+        storage_writer=FileSystemWriter(str(directory), thread_count=1, sync_files=True),
+        planner=_SavePlanner(),
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
+
+
+def read(state: dict[str, Chunked], directory: str | Path) -> None:
+    """Fill this rank's boxes of ``state`` from the DCP folder ``directory`` (collective; no rank reads more than
+    the stored pieces overlapping its boxes).
+
+    Args:
+        state: key -> this rank's boxes (written in place).
+        directory: the ``state/dcp`` folder.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(
+        state,
+        storage_reader=FileSystemReader(str(directory)),
+        planner=_LoadPlanner(),
+        no_dist=not dist.is_initialized(),
+    )
+
+
+def stored_keys(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Key -> (shape, dtype) of every tensor stored in the DCP folder ``directory`` (reads only its metadata)."""
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    return {
+        key: (tuple(md.size), md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+def is_sharded(state_dir: str | Path) -> bool:
+    """Whether ``state_dir`` holds a checkpoint in this format (older checkpoints hold the libraries' own)."""
+    return (Path(state_dir) / INFO_FILE).is_file()
+
+
+def read_info(state_dir: str | Path) -> dict[str, Any]:
+    """``sharded.json``: the format, strategy and layout that wrote ``state_dir``."""
+    path = Path(state_dir) / INFO_FILE
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"'{path}' is damaged ({error}); resume from another checkpoint") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else None
+        raise CheckpointError(
+            f"'{path}' has format {found!r}, this hftrain reads {FORMAT}; resume it with the hftrain that wrote it"
+        )
+    return info
+
+
+# ----------------------------------------------------------------- a strategy's state at one step
+@dataclass
+class Snapshot:
+    """What a strategy hands the checkpoint manager at a save: this rank's boxes and the facts beside them.
+
+    Args:
+        state: key (``model.<name>``, ``optim.<name>.<key>``) -> this rank's boxes.
+        param_groups: the optimizer's parameter groups (``params`` left out: groups are matched by position).
+        info: the layout that wrote it, for ``sharded.json``.
+        model: the unwrapped model (its config goes to ``hf_model/`` on the main process), or None.
+    """
+
+    state: dict[str, Chunked]
+    param_groups: list[dict[str, Any]]
+    info: dict[str, Any] = field(default_factory=dict)
+    model: Any = None
+
+    def staged(self) -> Snapshot:
+        """The same snapshot with every box copied to CPU memory, for a write while training goes on."""
+        return Snapshot({k: v.staged() for k, v in self.state.items()}, self.param_groups, self.info, self.model)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's boxes (its own state; replicated boxes counted on every rank that holds them)."""
+        return sum(value.nbytes for value in self.state.values())
+
+
+def write_metadata(directory: str | Path, snapshot: Snapshot) -> None:
+    """The main process's files beside the DCP folder: ``sharded.json``, ``optimizer.json``, ``hf_model/``.
+
+    Args:
+        directory: the checkpoint's ``state/`` folder.
+        snapshot: the main process's snapshot.
+    """
+    directory = Path(directory)
+    (directory / INFO_FILE).write_text(json.dumps({"format": FORMAT, **snapshot.info}, indent=1) + "\n")
+    groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in snapshot.param_groups]
+    groups = [{k: v for k, v in g.items() if v is not _SKIP} for g in groups]
+    (directory / GROUPS_FILE).write_text(json.dumps({"param_groups": groups}, indent=1) + "\n")
+    model = snapshot.model
+    if model is not None:
+        target = directory / HF_DIR
+        target.mkdir(exist_ok=True)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(target)
+        peft = getattr(model, "peft_config", None)
+        if peft:
+            next(iter(peft.values())).save_pretrained(target)
+
+
+def write_snapshot(
+    directory: str | Path, snapshot: Snapshot, *, main: bool, process_group: Any = None, metadata: bool = True
+) -> None:
+    """Write a snapshot into a checkpoint's ``state/`` folder (collective over ``process_group``).
+
+    Args:
+        directory: the ``state/`` folder (exists).
+        snapshot: this rank's snapshot.
+        main: whether this is the main process (it writes the files beside the DCP folder).
+        process_group: the group DCP coordinates over (a background save passes its own).
+        metadata: also write the main process's files (False when they were written before).
+    """
+    if main and metadata:
+        write_metadata(directory, snapshot)
+    write(snapshot.state, Path(directory) / DCP_DIR, process_group=process_group)
+
+
+def read_snapshot(directory: str | Path, state: dict[str, Chunked], param_groups: list[dict[str, Any]]) -> None:
+    """Fill ``state``'s boxes from a checkpoint's ``state/`` folder and set the optimizer's hyper-parameters.
+
+    Args:
+        directory: the ``state/`` folder.
+        state: this rank's boxes of the live model and optimizer (written in place).
+        param_groups: the live optimizer's parameter groups, once nothing else will replace them.
+    """
+    directory = Path(directory)
+    read_info(directory)
+    read(state, directory / DCP_DIR)
+    try:
+        saved = json.loads((directory / GROUPS_FILE).read_text())["param_groups"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"'{directory / GROUPS_FILE}' is damaged ({error}); resume from another checkpoint"
+        ) from None
+    restore_param_groups(param_groups, saved, where=directory.parent)
+
+
+# ----------------------------------------------------------------- the optimizer's parameter groups
+_SKIP = object()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value):
+        return list(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return _SKIP  # library internals (DeepSpeed's flat-group bookkeeping): not hyper-parameters
+
+
+def restore_param_groups(param_groups: list[dict[str, Any]], saved: list[dict[str, Any]], *, where: Path) -> None:
+    """Set each live group's hyper-parameters (lr, betas, weight decay...) to the saved group's, by position.
+
+    The scheduler restores its own counters but sets the learning rate only at its next step, so without this the
+    first step after a resume would run at the initial learning rate (pitfall "LR schedule resets after resume",
+    docs/pitfalls.md).
+
+    Args:
+        param_groups: the live optimizer's ``param_groups``.
+        saved: what :func:`write_metadata` wrote.
+        where: the checkpoint, for the message.
+    """
+    if len(saved) != len(param_groups):
+        raise CheckpointError(
+            f"checkpoint '{where}' has {len(saved)} optimizer parameter groups and this run {len(param_groups)}; "
+            "resume with the same model, LoRA and weight-decay settings"
+        )
+    for group, record in zip(param_groups, saved, strict=True):
+        for key, value in record.items():
+            if key not in group:
+                continue
+            live = group[key]
+            if isinstance(live, torch.Tensor):
+                live.fill_(value)
+            else:
+                group[key] = tuple(value) if isinstance(live, tuple) else value
