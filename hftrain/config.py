@@ -129,6 +129,9 @@ class TrainingConfig:
     """Evaluate every N optimizer steps; null evaluates at the end of each epoch."""
     save_steps: int | None = None
     save_total_limit: int | None = None
+    async_save: bool = True
+    """Write checkpoints in the background: training goes on once each rank's state is copied to CPU memory (at
+    most one save in flight; preemption and the end of the run wait for it)."""
     resume_from_checkpoint: str | None = None
     """``latest`` or ``auto`` (latest complete checkpoint in ``output_dir``, ``auto`` also when there is none),
     or a checkpoint folder."""
@@ -313,6 +316,7 @@ RUN_INVARIANT_EXEMPT = frozenset(
         "training.eval_steps",
         "training.save_steps",
         "training.save_total_limit",
+        "training.async_save",
         "training.log_with",
         "training.per_device_train_batch_size",
         "training.gradient_accumulation_steps",

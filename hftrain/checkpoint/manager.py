@@ -1,10 +1,11 @@
-"""Atomic, rotating, verified checkpoints through ``accelerator.save_state`` / ``load_state``.
+"""Atomic, rotating, verified checkpoints, written in the background or not.
 
 Layout of ``output_dir/checkpoints``::
 
     step_00000040/
-        state/            what accelerator.save_state wrote: model, optimizer, scheduler, per-rank RNG
-                          (DeepSpeed and FSDP write their own sharded layouts here)
+        state/            model and optimizer in the sharded format (``hftrain.checkpoint.sharded``: every rank
+                          writes its own shards), scheduler, sampler and per-rank RNG through accelerate.save_state
+                          (checkpoints of earlier versions: the libraries' own layouts, still loaded)
         checkpoint.json   written last: format version, trainer state, topology, config, file checksums
     .staging-step_00000050/   a checkpoint being written; never resolved, removed by the next save
 
@@ -21,6 +22,8 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,28 +56,74 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
         self.run_id = run_id
+        self._pending: _Pending | None = None
+        self._group: Any = None
 
     # ----------------------------------------------------------------- writing (collective)
-    def save(self, accelerator: Accelerator, *, step: int, meta: dict[str, Any]) -> Path:
+    def save(self, runtime: Any, *, step: int, meta: dict[str, Any], background: bool = False) -> Path:
         """Write a checkpoint of ``step``; every rank must call this.
 
-        The save is collective (pitfall "save on rank 0 only hangs", docs/pitfalls.md).
+        The save is collective (pitfall "save on rank 0 only hangs", docs/pitfalls.md). In the background, the
+        call returns once this rank's state is copied to CPU memory; a thread writes the shards, and the main
+        process publishes the checkpoint when every rank's shards are on disk. At most one save is in flight: the
+        next save, :meth:`wait` and the end of the run wait for it. A crash before the publication leaves only a
+        staging folder, which ``latest`` never takes.
 
         Args:
-            accelerator: the run's accelerator (its registered objects are saved too).
+            runtime: the run's runtime (``hftrain.strategies.runtime``): its extras and its sharded snapshot.
             step: the optimizer step.
             meta: trainer state, topology and config to store in ``checkpoint.json``.
+            background: return before the shards are written.
         """
+        from hftrain.checkpoint.sharded import DCP_DIR, write, write_metadata
+
+        self.wait()
         final = self.root / f"step_{step:08d}"
         staging = self.root / f".staging-{final.name}"
-        main = accelerator.is_main_process
+        state_dir = staging / STATE_DIR
+        main = runtime.is_main_process
         # Each phase ends in an agreement instead of a barrier: a rank that cannot write (disk full, read-only)
         # makes every rank raise the same one-line error, and the previous checkpoints stay as they were.
-        write = _AgreedWrite(accelerator, f"checkpoint step {step} ({final})", staging, last=self.latest())
-        write.phase(self._begin if main else None, staging)
-        write.phase(accelerator.save_state, str(staging / STATE_DIR))
-        write.phase(self._finish if main else None, staging, final, {"step": step, **meta})
+        agreed = _AgreedWrite(runtime, f"checkpoint step {step} ({final})", staging, last=self.latest())
+        agreed.phase(self._begin if main else None, staging)
+        agreed.phase(runtime.save_extras, str(state_dir))
+        snapshot = runtime.snapshot()
+        agreed.phase(write_metadata if main else None, state_dir, snapshot)
+        marker = {"step": step, **meta}
+        if not background:
+            agreed.phase(write, snapshot.state, state_dir / DCP_DIR)
+            agreed.phase(self._finish if main else None, staging, final, marker)
+            return final
+        staged = snapshot.staged()  # the next optimizer step changes the live tensors; the write reads the copy
+        group = self._background_group()
+
+        def write_in_background() -> None:
+            write(staged.state, state_dir / DCP_DIR, process_group=group)
+            if main:  # DCP's save returns on the coordinator after every rank's shards are written
+                self._finish(staging, final, marker)
+
+        self._pending = _Pending(agreed, final, _executor().submit(write_in_background))
         return final
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight, if any (collective: every rank calls it); returns its checkpoint.
+
+        A failure of the background write is raised here on every rank, in one line, as a synchronous save's.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.agreed.phase(pending.future.result)
+        return pending.final
+
+    def _background_group(self) -> Any:
+        """A process group of its own for the background writes (None in one process): DCP's collectives run in
+        the writing thread while the training step's run in the main one, and the two must not share a group."""
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def _begin(self, staging: Path) -> None:
         self._clear_staging()
@@ -143,6 +192,26 @@ class CheckpointManager:
                     f"checkpoint '{path}' belongs to another run (run id {other}; this output_dir's run is "
                     f"{self.run_id}); move it out of {self.root}, or set overwrite_output_dir: true to start over"
                 )
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A background save: its agreement, its checkpoint and the thread's future."""
+
+    agreed: _AgreedWrite
+    final: Path
+    future: Future
+
+
+_EXECUTOR: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    """One writer thread per process (one save in flight at a time)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hftrain-checkpoint")
+    return _EXECUTOR
 
 
 class _AgreedWrite:

@@ -359,23 +359,6 @@ def write_metadata(directory: str | Path, snapshot: Snapshot) -> None:
             next(iter(peft.values())).save_pretrained(target)
 
 
-def write_snapshot(
-    directory: str | Path, snapshot: Snapshot, *, main: bool, process_group: Any = None, metadata: bool = True
-) -> None:
-    """Write a snapshot into a checkpoint's ``state/`` folder (collective over ``process_group``).
-
-    Args:
-        directory: the ``state/`` folder (exists).
-        snapshot: this rank's snapshot.
-        main: whether this is the main process (it writes the files beside the DCP folder).
-        process_group: the group DCP coordinates over (a background save passes its own).
-        metadata: also write the main process's files (False when they were written before).
-    """
-    if main and metadata:
-        write_metadata(directory, snapshot)
-    write(snapshot.state, Path(directory) / DCP_DIR, process_group=process_group)
-
-
 def read_snapshot(directory: str | Path, state: dict[str, Chunked], param_groups: list[dict[str, Any]]) -> None:
     """Fill ``state``'s boxes from a checkpoint's ``state/`` folder and set the optimizer's hyper-parameters.
 

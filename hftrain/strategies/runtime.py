@@ -8,15 +8,16 @@ micro-batch's forward and backward, to clip, reduce and gather, and to save, loa
 DDP, FSDP and ZeRO keep going through Accelerate unchanged. A strategy that Accelerate cannot run (hftrain's
 Megatron-style tensor and pipeline parallelism) subclasses it and overrides what it owns:
 
-==========================  ====================================================================================
-``prepare``                 wrap the model, shard the loaders (by data-parallel rank), wrap the optimizer
-``forward_backward``        one micro-batch's loss and gradients (a pipeline runs its micro-batch schedule here)
-``evaluation_step``         one evaluation batch's per-example outputs, gathered so each example counts once
-``clip_grad_norm_``         the global gradient norm, each parameter counted once however it is split
+============================  ====================================================================================
+``prepare``                   wrap the model, shard the loaders (by data-parallel rank), wrap the optimizer
+``forward_backward``          one micro-batch's loss and gradients (a pipeline runs its micro-batch schedule here)
+``evaluation_step``           one evaluation batch's per-example outputs, gathered so each example counts once
+``clip_grad_norm_``           the global gradient norm, each parameter counted once however it is split
 ``reduce_mean``/``any_rank``  scalars over the data-parallel replicas
-``save_state``/``load_state``  the checkpoint's ``state/`` folder (the manager adds staging, checksums, rotation)
-``get_state_dict``          the full, unsharded state dict for ``save_pretrained`` (collective)
-==========================  ====================================================================================
+``save_extras``/``snapshot``  a checkpoint's state: this rank's shards (the manager writes, checksums, rotates)
+``load_state``                a checkpoint's state back, from any strategy and process count
+``get_state_dict``            the full, unsharded state dict for ``save_pretrained`` (collective)
+============================  ====================================================================================
 """
 
 from __future__ import annotations
@@ -224,17 +225,6 @@ class AccelerateRuntime:
         return self.accelerator.skip_first_batches(loader, num_batches)
 
     # ----------------------------------------------------------------- state
-    def save_state(self, directory: str) -> None:
-        """Write this rank's part of a checkpoint's ``state/`` folder synchronously (collective).
-
-        The checkpoint manager calls the parts itself (:meth:`save_extras`, :meth:`snapshot`) to write in the
-        background; this is the same, waited for.
-        """
-        from hftrain.checkpoint.sharded import write_snapshot
-
-        self.save_extras(directory)
-        write_snapshot(directory, self.snapshot(), main=self.is_main_process)
-
     def save_extras(self, directory: str) -> None:
         """Scheduler, sampler and per-rank RNG through ``accelerator.save_state``: everything but the model and
         optimizer, which :meth:`snapshot` gives to the sharded format (collective)."""

@@ -224,11 +224,17 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------- the loop
-    def fit(self, *, stop_at_step: int | None = None) -> TrainResult:
+    def fit(self, *, stop_at_step: int | None = None, wait_for_checkpoint: bool = True) -> TrainResult:
         """Train to ``max_steps`` optimizer steps, evaluating, logging and checkpointing on schedule.
 
         SIGTERM/SIGUSR1 (or reaching ``stop_at_step``, for time-sliced jobs) stop the run at the next step
         boundary after a checkpoint, which the same command resumes with ``resume_from_checkpoint: auto``.
+
+        Args:
+            stop_at_step: stop (with a checkpoint) after this step.
+            wait_for_checkpoint: return only once the last checkpoint is written. False lets a run that finished
+                export while its last checkpoint is written in the background (:meth:`wait_for_checkpoint`, or
+                :meth:`close`, waits for it); a stopped run always waits.
         """
         from tqdm.auto import tqdm
 
@@ -251,6 +257,8 @@ class Trainer:
             self.save_checkpoint()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
+        if wait_for_checkpoint or stopped is not None:
+            self.wait_for_checkpoint()
         self._save_trainer_state()
         summary = self.throughput.summary(self.runtime.num_processes)
         self._save_run_summary(summary)
@@ -332,10 +340,16 @@ class Trainer:
             "config": self.run_config,
             "versions": _versions(),
         }
-        self.last_checkpoint = self.checkpoints.save(self.runtime, step=self.state.global_step, meta=meta)
+        self.last_checkpoint = self.checkpoints.save(
+            self.runtime, step=self.state.global_step, meta=meta, background=self.args.async_save
+        )
         self._draw_curves()
         self.throughput.restart_clock()  # a step's rate counts the step, not the save after it
         return self.last_checkpoint
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background, if any, is complete (collective)."""
+        self.checkpoints.wait()
 
     def _checkpointed_step(self) -> int | None:
         if self.last_checkpoint is None:
@@ -547,6 +561,7 @@ class Trainer:
         """
         import gc
 
+        self.wait_for_checkpoint()
         several_processes = self.accelerator.num_processes > 1
         self.model = self.optimizer = self.train_loader = self.eval_loader = None
         self.runtime = None
