@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hftrain.launch.slurm import SlurmError, expand_nodelist, launcher_command, slurm_launch
-from tests.test_launch import _job_args
+from tests.test_launch_configs import _job_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.netns import run_on_nodes, two_nodes
-from tests.test_launch import _job_args as _launch_job_args
-from tests.test_launch import _losses
+from tests.test_launch_configs import _job_args as _launch_job_args
+from tests.test_launch_configs import _losses
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "tests/launch_worker.py"

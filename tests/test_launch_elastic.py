@@ -22,8 +22,8 @@ import pytest
 
 from hftrain.launch.slurm import training_processes
 from tests.netns import kill_tree
-from tests.test_launch import _losses
-from tests.test_multinode import assert_same_exports
+from tests.test_launch_configs import _losses
+from tests.test_launch_multinode import assert_same_exports
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, KILLS = 60, 2, 3
