@@ -18,7 +18,7 @@ BOXES = [
     (0.3, 8.6, 15.4, 1.1, "cli.py  ·  api.py",
      "hftrain train | export | plan | groups | env | doctor;  hftrain.train(config)"
      "  — the only place that reads argv and the environment", "#dbe9f6"),
-    (0.3, 7.2, 7.5, 1.1, "config.py  ·  job.py  ·  validate.py",
+    (0.3, 7.2, 7.5, 1.1, "config/  ·  job.py  ·  validate.py",
      "strict config; one validation pass before any write;\nthen write, train, export", "#dbe9f6"),
     (8.2, 7.2, 7.5, 1.1, "plan/  ·  launch/  ·  doctor.py",
      "hftrain plan (formulas, recommendation, --write-configs);\nhostfiles, rendezvous preflight, Slurm", "#eeeeee"),

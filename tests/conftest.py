@@ -1,7 +1,8 @@
-"""Fixtures shared by several test files."""
+"""Fixtures and helpers shared by several test files."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,6 +76,38 @@ def tiny_job(tmp_path_factory) -> dict[str, str]:
         **{name: str(root / f"{name}.csv") for name in files},
         "root": str(root),
     }
+
+
+def job_args(job: dict[str, str], output_dir: Path, *, steps: int = 4, data: str = "data") -> list[str]:
+    """The command line of a short job on the ``tiny_job`` files: micro-batch 4 × accumulation 2, a loss every step.
+
+    Args:
+        job: the ``tiny_job`` fixture.
+        output_dir: the run's ``output_dir``.
+        steps: optimizer steps (``--max_steps``).
+        data: which of ``tiny_job``'s CSV files trains (``data``: 80 rows, ``data_400``: 400).
+    """
+    return [
+        "--model_name_or_path", job["model"], "--train_file", job[data], "--output_dir", str(output_dir),
+        "--max_steps", str(steps), "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+        "--logging_steps", "1", "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3",
+    ]  # fmt: skip
+
+
+def logged_losses(output_dir: Path) -> list[float]:
+    """The training losses a finished run logged, in order (``output_dir/trainer_state.json``)."""
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def assert_same_exports(run: Path, reference: Path, *, atol: float) -> None:
+    """The two runs' ``save_pretrained`` exports hold the same tensors, within ``atol``."""
+    from safetensors.torch import load_file
+
+    mine, theirs = (load_file(str(out / "model" / "model.safetensors")) for out in (run, reference))
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert (tensor - theirs[name]).abs().max().item() <= atol, name
 
 
 def launch_env() -> dict[str, str]:

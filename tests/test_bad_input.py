@@ -24,31 +24,10 @@ import pytest
 
 from hftrain.cli import main
 from tests.conftest import assert_refused
-from tests.tiny import reset_accelerate_state, synthetic_texts, tiny_config, tiny_tokenizer
+from tests.tiny import reset_accelerate_state, save_model_folder, synthetic_texts, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
-
-
-def save_model_folder(path: Path, **config_changes) -> Path:
-    """A tiny BERT classifier saved with its tokenizer, as a user's model folder."""
-    from transformers import AutoModelForSequenceClassification
-
-    config = tiny_config("bert")
-    for key, value in config_changes.items():
-        setattr(config, key, value)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
-    tiny_tokenizer("bert").save_pretrained(path)
-    return path
-
-
-def write_csv(path: Path, rows: int = 60) -> Path:
-    texts, labels = synthetic_texts(rows)
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["text", "label"])
-        writer.writerows(zip(texts, labels, strict=True))
-    return path
 
 
 def checksums(directory: Path) -> dict[str, str]:

@@ -101,7 +101,8 @@ def test_resumed_equals_uninterrupted(runs, label):
     assert part["preempted"] == "stop_at_step" and part["global_step"] == 8
     assert resumed["global_step"] == full["global_step"] == 12
     assert resumed["losses"] == full["losses"]  # restored log history + identical continuation
-    assert resumed["lrs"] == full["lrs"]  # the LR schedule continues, it does not restart (pitfall #12)
+    # the LR schedule continues, it does not restart (pitfall "LR schedule resets after resume", docs/pitfalls.md)
+    assert resumed["lrs"] == full["lrs"]
     _assert_same_weights(resumed["weights"], full["weights"])
     assert resumed["metrics"] == pytest.approx(full["metrics"])
 
@@ -109,7 +110,8 @@ def test_resumed_equals_uninterrupted(runs, label):
 @pytest.mark.distributed
 @pytest.mark.parametrize("label", ["ddp-epoch-boundary", "ddp-dropout-random"])
 def test_resume_at_epoch_boundary_and_with_rng(runs, label):
-    # dropout and per-epoch shuffles only replay exactly if RNG and sampler epoch are restored (pitfall #11)
+    # dropout and per-epoch shuffles only replay exactly if RNG and sampler epoch are restored
+    # (pitfall "epoch and RNG state not restored", docs/pitfalls.md)
     run = runs["two"][label]
     assert run["resumed"]["losses"] == run["full"]["losses"]
     _assert_same_weights(run["resumed"]["weights"], run["full"]["weights"])
@@ -139,7 +141,8 @@ def test_checkpoint_layout_and_rotation(runs):
     meta = read_checkpoint(root / "step_00000012")
     assert meta["trainer_state"]["global_step"] == 12 and meta["topology"]["world_size"] == 2
     assert meta["topology"]["strategy"] == "zero3" and "torch" in meta["versions"]
-    # ZeRO writes one optimizer partition per rank (sharded checkpoints by default, pitfall #8)
+    # ZeRO writes one optimizer partition per rank: checkpoints stay sharded
+    # (pitfall "full gather at save time runs out of memory", docs/pitfalls.md)
     partitions = list((root / "step_00000012" / "state").rglob("*zero_pp_rank_1*"))
     assert partitions
 

@@ -20,7 +20,8 @@ import pytest
 
 from hftrain.checkpoint.manager import CheckpointError
 from hftrain.checkpoint.safety import check_no_code, pickled_files
-from tests.test_bad_input import STEP2, _reseal, planted_bytes, save_model_folder, write_csv
+from tests.test_bad_input import STEP2, _reseal, planted_bytes
+from tests.tiny import save_model_folder, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hftrain.config import TrainConfig, _field_owners, config_differences, load_config, save_config
+from hftrain.config import TrainConfig, config_differences, load_config, save_config
+from hftrain.config.loader import _field_owners
 from hftrain.errors import ConfigError
 
 

@@ -59,7 +59,8 @@ def test_zero_matches_single_process(reference, zero, key):
     ref, rank0, rank1 = reference[(kind, gas)], zero[0][key], zero[1][key]
     assert rank0["distributed_type"] == "DistributedType.DEEPSPEED" and rank0["num_processes"] == 2
     assert len(rank0["losses"]) == STEPS
-    # The first loss equal too: ZeRO-3 must build the head exactly as one process does (pitfall #6).
+    # The first loss equal too: ZeRO-3 must build the head exactly as one process does
+    # (pitfall "ZeRO-3 leaves the new head uninitialised", docs/pitfalls.md).
     assert rank0["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert rank1["losses"] == rank0["losses"]
     assert rank0["lrs"] == pytest.approx(ref["lrs"], rel=1e-9)

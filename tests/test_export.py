@@ -3,9 +3,11 @@
 One 2-process gloo launch trains every case a few steps, exports it (which reloads and verifies on the main
 process), and returns the trained model's logits on a batch the export never saw plus each rank's local piece
 of every trained weight. The tests then reload each folder here, outside any DeepSpeed context, and check:
-the logits (pitfall #5: the head survives), every tensor and shape of a full export (#1), trained ``lora_B`` not
-all zero (#2), the adapter equal to the concatenation of the ranks' *different* shards, not one rank's slice (#3),
-and the merged model equal to the adapter model. One job runs through the CLI and reloads with
+the logits (the head survives: pitfall "classification head lost with LoRA"), every tensor and shape of a full
+export ("ZeRO-3 save_pretrained writes empty weights"), trained ``lora_B`` not all zero ("LoRA adapter saved empty
+under ZeRO-3"), the adapter equal to the concatenation of the ranks' *different* shards, not one rank's slice
+("FSDP2 + PEFT saves one rank's adapter slice"), and the merged model equal to the adapter model (pitfalls in
+docs/pitfalls.md). One job runs through the CLI and reloads with
 ``AutoPeftModelForSequenceClassification``, as a user would.
 """
 
@@ -194,7 +196,10 @@ def test_export_reloads_to_the_trained_model(exports, case):
 
 
 def _check_full(directory: Path, kind: str) -> torch.nn.Module:
-    """Every tensor of a fresh model is written with its full shape (pitfall #1), and loads strictly."""
+    """Every tensor of a fresh model is written with its full shape, and loads strictly.
+
+    Pitfall "ZeRO-3 save_pretrained writes empty weights", docs/pitfalls.md.
+    """
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
@@ -214,10 +219,12 @@ def _check_adapter(directory: Path, kind: str, pieces0: dict, pieces1: dict, sha
 
     written = load_file(directory / "adapter_model.safetensors")
     head = "classifier" if kind == "bert" else "score"
-    assert f"base_model.model.{head}.weight" in written  # pitfall #5: the new head is saved
+    # the new head is saved (pitfall "classification head lost with LoRA", docs/pitfalls.md)
+    assert f"base_model.model.{head}.weight" in written
     lora_b = [k for k in written if "lora_B" in k]
     assert lora_b and len(lora_b) == len([k for k in written if "lora_A" in k])
-    assert all(written[k].abs().max() > 0 for k in lora_b)  # pitfall #2: trained, not the zero init
+    # trained, not the zero init (pitfall "LoRA adapter saved empty under ZeRO-3", docs/pitfalls.md)
+    assert all(written[k].abs().max() > 0 for k in lora_b)
     fresh = _fresh_model(kind)
     fresh_head = getattr(fresh, head).weight.detach().clone()
     assert _max_diff(written[f"base_model.model.{head}.weight"], fresh_head) > 0  # the head was trained
@@ -236,7 +243,9 @@ def _check_adapter(directory: Path, kind: str, pieces0: dict, pieces1: dict, sha
             assert torch.equal(piece0, pieces1[name]), name
             joined = piece0
         assert torch.equal(joined, full), name
-    if sharded:  # each rank holds only part of the adapter, so one rank's slice would not be all of it (pitfall #3)
+    # each rank holds only part of the adapter, so one rank's slice would not be all of it
+    # (pitfall "FSDP2 + PEFT saves one rank's adapter slice", docs/pitfalls.md)
+    if sharded:
         total = sum(state[name].numel() for name in pieces0)
         assert all(0 < sum(p.numel() for p in pieces.values()) < total for pieces in (pieces0, pieces1))
     return model
@@ -304,7 +313,10 @@ class _OneProcess:
 
 
 def test_an_empty_partition_is_refused_before_anything_is_written(tmp_path):
-    """What a ZeRO-3 gather without stage3_gather_16bit_weights_on_model_save hands over (pitfall #1)."""
+    """What a ZeRO-3 gather without stage3_gather_16bit_weights_on_model_save hands over.
+
+    Pitfall "ZeRO-3 save_pretrained writes empty weights", docs/pitfalls.md.
+    """
     from hftrain.checkpoint.export import export_pretrained
 
     model = _fresh_model("bert")
@@ -317,7 +329,10 @@ def test_an_empty_partition_is_refused_before_anything_is_written(tmp_path):
 
 
 def test_tied_weights_gathered_as_two_copies_reload_tied(tmp_path):
-    """Sharding gathers a tied lm_head as its own tensor; the export must write one and reload tied (#22)."""
+    """Sharding gathers a tied lm_head as its own tensor; the export must write one and reload tied.
+
+    Pitfall "tied weights duplicated on save", docs/pitfalls.md.
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hftrain.checkpoint.export import export_pretrained

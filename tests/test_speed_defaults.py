@@ -94,8 +94,7 @@ def test_defaults_are_in_effect_in_a_real_job(tmp_path):
     from hftrain.config import load_config
     from hftrain.job import prepare_job
     from hftrain.strategies import LaunchInfo
-    from tests.test_bad_input import save_model_folder, write_csv
-    from tests.tiny import reset_accelerate_state
+    from tests.tiny import reset_accelerate_state, save_model_folder, write_csv
 
     reset_accelerate_state()
     model = save_model_folder(tmp_path / "model")

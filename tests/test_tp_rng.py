@@ -1,7 +1,7 @@
 """The RNG tracker (``hftrain.parallel.random``) under tensor, sequence and pipeline parallelism, with dropout on.
 
-Pitfalls "dropout masks copied across tensor-parallel ranks" and "a run resumed at a larger tensor-parallel size
-silently diverges". Two launches carry the checks (starting processes is the slow part):
+Pitfalls "dropout masks copied across tp ranks" and "resume at a larger tp silently diverges" (docs/pitfalls.md).
+Two launches carry the checks (starting processes is the slow part):
 
 - 2 processes: BERT and GPT-2 at tp=2 (GPT-2 also with torch's dropout kernel), BERT with sequence parallelism,
   BERT in LoRA adapters (LoRA dropout on a column- and a row-parallel layer), dropout 0.1, 20 steps: replicated

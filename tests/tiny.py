@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -119,6 +121,28 @@ def synthetic_texts(n: int, seed: int = 0, words: tuple[int, int] = (3, 20)) -> 
         texts.append(" ".join(words))
         labels.append(int(sum(w in POSITIVE for w in words) * 2 > len(words)))
     return texts, labels
+
+
+def save_model_folder(path: Path, **config_changes) -> Path:
+    """A tiny BERT classifier saved with its tokenizer, as a user's model folder."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_config("bert")
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    tiny_tokenizer("bert").save_pretrained(path)
+    return path
+
+
+def write_csv(path: Path, rows: int = 60) -> Path:
+    """``rows`` synthetic labelled texts (seed 0) as a CSV file with columns ``text,label``."""
+    texts, labels = synthetic_texts(rows)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        writer.writerows(zip(texts, labels, strict=True))
+    return path
 
 
 def tiny_splits(n_train: int = 96, n_eval: int = 25, seed: int = 0, words: tuple[int, int] = (3, 20)):

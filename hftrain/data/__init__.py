@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from hftrain.data.loading import EMBEDDED_DATASETS, load_classification_splits
+from hftrain.data.embedded import EMBEDDED_DATASETS
+from hftrain.data.loading import load_classification_splits
 
 __all__ = ["EMBEDDED_DATASETS", "load_classification_splits"]

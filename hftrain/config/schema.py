@@ -1,30 +1,17 @@
-"""Strict dataclass configs: loaded from YAML, overridden from the command line, validated at load.
+"""The job config's schema: one dataclass per config-file section, each field with a docstring, and validation.
 
-A config file has one section per dataclass (``model``, ``data``, ``training``, ``strategy``, ``lora``).
-Field names follow transformers' ``TrainingArguments`` where the concept is the same, and Accelerate's
-``mixed_precision``/``log_with``. Every field name is unique across sections, so a command-line override
-may name the field alone (``--learning_rate 1e-4``) or with its section (``--training.learning_rate=1e-4``).
-Unknown keys and wrong types are errors that name the key and the closest valid one; so are an empty file, a key
-given twice, and non-finite numbers. A list field takes ``--field a b`` or ``--field a,b`` on the command line.
+Each section's ``validate()`` checks its own fields (ranges, and megatron-only options set under another strategy)
+and raises a ``ConfigError`` naming the field and the fix; checks that need the model, the batch or the process
+count are the strategy's. Loading, overrides and type coercion are in ``hftrain.config.loader``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from hftrain.errors import ConfigError
-
-CONFIG_FILENAME = "hftrain_config.yaml"
-RUN_ID_KEY = "run_id"
-"""The top-level key of a run's saved config that holds its id (``hftrain.checkpoint.run``); a job config that
-carries one (a run's saved config reused as a job config) has it ignored: a run's id comes from its output_dir."""
 
 
 @dataclass
@@ -292,8 +279,8 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> TrainConfig:
-        for section in _sections(self):
-            getattr(self, section).validate()
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -331,283 +318,6 @@ RUN_INVARIANT_EXEMPT = frozenset(
 )
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Build a validated config from an optional YAML file and command-line overrides.
-
-    Args:
-        path: YAML file with sections ``model``, ``data``, ``training``, ``strategy``; None for defaults.
-        overrides: ``["--learning_rate", "1e-4", "--training.seed=3", ...]``.
-    """
-    raw = _read_yaml(Path(path)) if path is not None else {}
-    config = from_dict(raw, source=str(path) if path else "defaults")
-    for key, values in _parse_overrides(overrides or []):
-        set_field(config, key, _override_value(key, values), source="command line")
-    return config.validate()
-
-
-def from_dict(raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
-    """Build a config from ``{section: {field: value}}``, rejecting unknown keys and wrong types."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(_sections(TrainConfig))})")
-    config = TrainConfig()
-    for section, values in raw.items():
-        if section == RUN_ID_KEY:
-            continue
-        if not isinstance(section, str):  # YAML reads `1:` as an int key
-            raise ConfigError(f"{source}: section name {section!r} is not a name; use {', '.join(_sections(config))}")
-        _check_key(section, _sections(TrainConfig), f"{source}: unknown section", "")
-        if values is None:
-            continue
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section '{section}' must be a mapping of fields")
-        for key, value in values.items():
-            if not isinstance(key, str):
-                raise ConfigError(f"{source}: key {key!r} in section '{section}' is not a field name")
-            set_field(config, f"{section}.{key}", value, source=source)
-    return config
-
-
-def config_from_flat(flat: dict[str, Any], *, source: str) -> TrainConfig:
-    """The config stored flat (``{"section.field": value}``, as checkpoints keep it)."""
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in flat.items():
-        section, name = key.split(".", 1)
-        nested.setdefault(section, {})[name] = value
-    return from_dict(nested, source=source)
-
-
-def set_field(config: TrainConfig, key: str, value: Any, *, source: str) -> None:
-    """Set ``section.field`` (or a unique bare ``field``) with type checking."""
-    section, name = _resolve_key(key, source)
-    target = getattr(config, section)
-    hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
-    setattr(target, name, coerce(value, hint, f"{section}.{name}"))
-
-
-def save_config(config: TrainConfig, directory: str | Path, *, run_id: str | None = None) -> Path:
-    """Write the resolved config as YAML into ``directory``, atomically (a reader sees the old or the new file).
-
-    Args:
-        config: the resolved config.
-        directory: the run's ``output_dir`` (it must exist).
-        run_id: the run's id, written as the top-level ``run_id`` key.
-    """
-    import os
-
-    import yaml
-
-    path = Path(directory) / CONFIG_FILENAME
-    staging = path.with_name(f".{CONFIG_FILENAME}.tmp")
-    saved: dict[str, Any] = {RUN_ID_KEY: run_id} if run_id else {}
-    staging.write_text(yaml.safe_dump({**saved, **config.to_dict()}, sort_keys=False))
-    os.replace(staging, path)
-    return path
-
-
-def config_differences(config: TrainConfig, other: TrainConfig) -> list[str]:
-    """Keys whose values differ between two configs, ignoring run-invariant-exempt fields."""
-    mine, theirs = config.flat(), other.flat()
-    return sorted(k for k in mine if k not in RUN_INVARIANT_EXEMPT and mine[k] != theirs.get(k))
-
-
-def coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check ``value`` against a type hint, converting strings from YAML/CLI where unambiguous."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return _coerce_union(value, typing.get_args(hint), key)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            hint_text = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{key}: '{value}' is not one of {', '.join(map(str, choices))}{hint_text}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        (item,) = typing.get_args(hint)
-        return [coerce(v, item, key) for v in value]
-    scalar = _SCALARS.get(hint)
-    if scalar is None:
-        raise TypeError(f"unsupported config type {hint} for {key}")
-    return scalar(value, key)
-
-
-def _coerce_union(value: Any, args: tuple[Any, ...], key: str) -> Any:
-    if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-        if type(None) in args:
-            return None
-        raise ConfigError(f"{key}: may not be null")
-    errors = []
-    for arg in (a for a in args if a is not type(None)):
-        try:
-            return coerce(value, arg, key)
-        except ConfigError as error:
-            errors.append(error)
-    raise errors[-1]
-
-
-def _to_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-        return value.lower() in ("true", "yes", "1")
-    raise ConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-def _to_int(value: Any, key: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
-
-
-def _to_float(value: Any, key: str) -> float:
-    number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):  # PyYAML reads '5e-5' (no dot) as a string
-        try:
-            number = float(value)
-        except ValueError:
-            pass
-    if number is None:
-        raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(number):  # inf/nan train on NaN from the first step
-        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
-    return number
-
-
-def _to_str(value: Any, key: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
-
-
-_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
-
-
-def _sections(config: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(config)]
-
-
-def _field_owners() -> dict[str, str]:
-    owners: dict[str, str] = {}
-    for section in dataclasses.fields(TrainConfig):
-        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
-            owners[f.name] = section.name
-    return owners
-
-
-def _resolve_key(key: str, source: str) -> tuple[str, str]:
-    owners = _field_owners()
-    if "." in key:
-        section, name = key.split(".", 1)
-        _check_key(section, _sections(TrainConfig), f"{source}: unknown section", "")
-        fields = [k for k, s in owners.items() if s == section]
-        _check_key(name, fields, f"{source}: unknown key", f"{section}.")
-        return section, name
-    _check_key(key, list(owners), f"{source}: unknown key", "")
-    return owners[key], key
-
-
-def _check_key(key: str, valid: list[str], prefix: str, qualifier: str) -> None:
-    if key in valid:
-        return
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{qualifier}{close[0]}'?" if close else f"; valid: {', '.join(valid)}"
-    raise ConfigError(f"{prefix} '{qualifier}{key}'{hint}")
-
-
-def _parse_overrides(args: list[str]) -> list[tuple[str, list[str]]]:
-    """``[(key, values)]`` from ``--key v``, ``--key=v`` and, for list fields, ``--key a b`` / ``--key a,b``."""
-    pairs, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"command line: expected '--key value' or '--key=value', got '{arg}'")
-        i += 1
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            pairs.append((key, [value]))
-            continue
-        values = []
-        while i < len(args) and not args[i].startswith("--"):  # '-1' is a value, '--seed' the next key
-            values.append(args[i])
-            i += 1
-        if not values:
-            raise ConfigError(f"command line: '{arg}' needs a value")
-        pairs.append((arg[2:], values))
-    return pairs
-
-
-def _override_value(key: str, values: list[str]) -> Any:
-    """One command-line value, or a list for a list field (``a b`` and ``a,b`` both; ``null`` for none)."""
-    section, name = _resolve_key(key, "command line")
-    hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
-    takes_list = any(typing.get_origin(arg) is list for arg in (hint, *typing.get_args(hint)))
-    if takes_list and values != ["null"] and values != ["none"]:
-        return [piece for value in values for piece in value.split(",") if piece]
-    if len(values) != 1:
-        raise ConfigError(
-            f"command line: {section}.{name} takes one value, got {len(values)} ({' '.join(values)}); "
-            "quote a value that contains spaces"
-        )
-    return values[0]
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    if path.is_dir():
-        raise ConfigError(f"--config '{path}' is a directory; pass the YAML file itself")
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file to --config")
-    try:
-        raw = yaml.load(path.read_text(), Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file '{path}' is not UTF-8 text; pass a YAML file") from None
-    except OSError as error:
-        raise ConfigError(f"config file '{path}' cannot be read ({error.strerror}); fix its permissions") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or ""
-        detail = f" ({problem})" if "duplicate" in problem else ""
-        raise ConfigError(f"config file '{path}' is not valid YAML{where}{detail}; fix its syntax") from None
-    if raw is None:  # an empty file (or only comments) is almost always the wrong file
-        raise ConfigError(f"config file '{path}' is empty; give at least one section, or drop --config for defaults")
-    return raw
-
-
-def _strict_loader() -> type:
-    """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key}'", key_node.start_mark)
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)
-
-    return StrictLoader
-
-
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key} {message}")
-
-
-_SECTION_TYPES = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}  # type: ignore[misc]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hftrain.launch.slurm import SlurmError, expand_nodelist, launcher_command, slurm_launch
-from tests.test_launch import _job_args
+from tests.conftest import job_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def _batch(tiny_job, tmp_path: Path, out: Path) -> subprocess.Popen:
     env |= {"SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}
     env |= {"SLURM_JOB_ID": "4242", "HFTRAIN_PYTHON": sys.executable, "HFTRAIN_NPROC_PER_NODE": "2"}
     env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    args = [*_job_args(tiny_job, out), "--max_steps", "40", "--save_steps", "2", "--gradient_accumulation_steps", "1"]
+    args = [*job_args(tiny_job, out), "--max_steps", "40", "--save_steps", "2", "--gradient_accumulation_steps", "1"]
     log = (tmp_path / "job.out").open("a")
     return subprocess.Popen(["bash", "scripts/slurm/hftrain.sbatch", *args], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT)  # fmt: skip

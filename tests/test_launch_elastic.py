@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 
 from hftrain.launch.slurm import training_processes
+from tests.conftest import assert_same_exports, logged_losses
 from tests.netns import kill_tree
-from tests.test_launch import _losses
-from tests.test_multinode import assert_same_exports
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, KILLS = 60, 2, 3
@@ -129,7 +128,7 @@ def test_sigkilled_worker_three_times_ends_like_an_uninterrupted_run(tiny_job, t
     resumed = re.findall(r"resumed from \S+ at step (\d+)", log)
     assert len(resumed) == KILLS, (kills, resumed, log[-4000:])
     assert all(0 < int(step) < STEPS for step in resumed), (kills, resumed)
-    assert _losses(out) == pytest.approx(_losses(uninterrupted), rel=1e-6)
+    assert logged_losses(out) == pytest.approx(logged_losses(uninterrupted), rel=1e-6)
     assert_same_exports(out, uninterrupted, atol=1e-6)
 
 

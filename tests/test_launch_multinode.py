@@ -17,18 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import assert_same_exports, job_args, logged_losses
 from tests.netns import run_on_nodes, two_nodes
-from tests.test_launch import _job_args as _launch_job_args
-from tests.test_launch import _losses
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "tests/launch_worker.py"
-GAS = 2  # _job_args: 4 optimizer steps, accumulation 2
+GAS = 2  # job_args: 4 optimizer steps, accumulation 2
 
 
 def _job_args(job: dict[str, str], output_dir: Path) -> list[str]:
     """The launch tests' tiny job in fp32: the multi-machine runs are compared with 1 process at 1e-5."""
-    return [*_launch_job_args(job, output_dir), "--mixed_precision", "no"]
+    return [*job_args(job, output_dir), "--mixed_precision", "no"]
 
 
 # micro-batch by world size: 72 training rows split into full global batches only (a partial last batch is
@@ -105,16 +104,6 @@ def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=
     return codes, [log.read_text() for log in logs]
 
 
-def assert_same_exports(run: Path, reference: Path, *, atol: float) -> None:
-    """The two runs' ``save_pretrained`` exports hold the same tensors, within ``atol``."""
-    from safetensors.torch import load_file
-
-    mine, theirs = (load_file(str(out / "model" / "model.safetensors")) for out in (run, reference))
-    assert mine.keys() == theirs.keys()
-    for name, tensor in mine.items():
-        assert (tensor - theirs[name]).abs().max().item() <= atol, name
-
-
 CASES = [  # (launcher, strategy, processes per machine); the default suite runs two, the rest are slow
     ("torchrun", "ddp", 1),
     ("deepspeed", "zero3", 1),
@@ -142,8 +131,9 @@ def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_pa
     assert sorted(digests) == [f"rank{r}.txt" for r in range(world)]
     assert len(set(digests.values())) == 1, digests  # every rank holds the same parameters
     reference = references(world)
-    assert _losses(out) == pytest.approx(_losses(reference), rel=1e-5)
-    assert len(_losses(out)) == 4 and _losses(reference)[-1] != pytest.approx(_losses(reference)[0], rel=1e-4)
+    losses, reference_losses = logged_losses(out), logged_losses(reference)
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    assert len(losses) == 4 and reference_losses[-1] != pytest.approx(reference_losses[0], rel=1e-4)
     assert_same_exports(out, reference, atol=1e-5)
 
 
@@ -251,5 +241,5 @@ def test_elastic_restart_across_machines(nodes, tiny_job, tmp_path):
     command += ["--per_device_train_batch_size", str(MICRO[2] * 2)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _losses(tmp_path / "out") == pytest.approx(_losses(reference), rel=1e-5)
+    assert logged_losses(tmp_path / "out") == pytest.approx(logged_losses(reference), rel=1e-5)
     assert_same_exports(tmp_path / "out", reference, atol=1e-5)

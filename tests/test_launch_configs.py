@@ -9,38 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_ok, torchrun
+from tests.conftest import job_args, logged_losses, run_ok, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml") if not p.name.startswith("multinode"))
 EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp": "FSDP"}
 
 pytestmark = pytest.mark.distributed
-
-
-def _job_args(job: dict[str, str], output_dir: Path) -> list[str]:
-    return [
-        "--model_name_or_path",
-        job["model"],
-        "--train_file",
-        job["data"],
-        "--output_dir",
-        str(output_dir),
-        "--max_steps",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--gradient_accumulation_steps",
-        "2",
-        "--logging_steps",
-        "1",
-        "--log_with",
-        "none",
-        "--max_seq_length",
-        "32",
-        "--learning_rate",
-        "1e-3",
-    ]
 
 
 def _accelerate(config: str, args: list[str]) -> subprocess.CompletedProcess:
@@ -52,15 +27,10 @@ def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
     return torchrun(2, ["scripts/train.py", *args], timeout=600)
 
 
-def _losses(output_dir: Path) -> list[float]:
-    state = json.loads((output_dir / "trainer_state.json").read_text())
-    return [h["loss"] for h in state["log_history"] if "loss" in h]
-
-
 @pytest.mark.parametrize("config", CONFIGS)
 def test_shipped_accelerate_config_runs(tiny_job, tmp_path, config):
     out = tmp_path / "out"
-    _accelerate(config, _job_args(tiny_job, out))
+    _accelerate(config, job_args(tiny_job, out))
     summary = json.loads((out / "hftrain_strategy.json").read_text())
     name = config.removesuffix(".yaml")
     strategy = "fsdp" if name.startswith("fsdp") else name.split("_")[0]
@@ -70,16 +40,16 @@ def test_shipped_accelerate_config_runs(tiny_job, tmp_path, config):
     assert summary["global_batch"] == 4 * 2 * 2
     if name.endswith("offload"):
         assert summary["offload_optimizer"] == "cpu"
-    assert len(_losses(out)) == 4
+    assert len(logged_losses(out)) == 4
     assert (out / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_config_named_strategy_agrees_with_accelerate_config(tiny_job, tmp_path, strategy):
     via_accelerate, via_config = tmp_path / "accelerate", tmp_path / "config"
-    _accelerate(f"{strategy}.yaml", _job_args(tiny_job, via_accelerate))
-    _torchrun([*_job_args(tiny_job, via_config), "--strategy.name", strategy])
-    assert _losses(via_config) == pytest.approx(_losses(via_accelerate), rel=1e-6)
+    _accelerate(f"{strategy}.yaml", job_args(tiny_job, via_accelerate))
+    _torchrun([*job_args(tiny_job, via_config), "--strategy.name", strategy])
+    assert logged_losses(via_config) == pytest.approx(logged_losses(via_accelerate), rel=1e-6)
     summary = json.loads((via_config / "hftrain_strategy.json").read_text())
     assert summary["strategy"] == strategy and summary["world_size"] == 2
 
@@ -92,7 +62,7 @@ def test_disagreeing_launcher_and_config_is_refused(tiny_job, tmp_path):
         "--config_file",
         "accelerate_configs/zero2.yaml",
         "scripts/train.py",
-        *_job_args(tiny_job, tmp_path / "out"),
+        *job_args(tiny_job, tmp_path / "out"),
         "--strategy.name",
         "zero3",
     ]
