@@ -138,7 +138,7 @@ def _four(root: str) -> dict:
         refused = None
     except Exception as error:
         refused = f"{type(error).__name__}: {error}"
-    layout = json.loads(Path(step8, "state", "layout.json").read_text())
+    layout = json.loads(Path(step8, "state", "sharded.json").read_text())
     return {"parity": parity, "full": full, "part": part, "resumed": resumed, "resharded": resharded,
             "refused": refused, "layout": layout, "zero1_resumed": zero_resumed, "zero1_loop": zero1_loop}  # fmt: skip
 
@@ -224,7 +224,7 @@ def assert_resumed_equals_uninterrupted(ranks: list[dict]) -> None:
 def test_resumed_equals_uninterrupted_under_tp2_dp2(runs):
     assert_resumed_equals_uninterrupted(runs["four"])
     assert runs["four"][0]["layout"] == {
-        "format": "hftrain-logical-full-v1", "tp": 2, "pp": 1, "dp": 2, "world_size": 4
+        "format": "hftrain-dcp-v1", "tp": 2, "pp": 1, "dp": 2, "world_size": 4
     }  # fmt: skip
 
 

@@ -304,6 +304,35 @@ class AccelerateRuntime:
             return self.unwrap_model(model).state_dict()  # every rank holds it whole (Accelerate's own branch)
         return self.accelerator.get_state_dict(model)
 
+    def iter_full_state(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Every tensor of the model's state dict, whole, one at a time: ``(name, tensor)`` on the main process,
+        ``(name, None)`` elsewhere (collective: every rank iterates to the end). A streamed export writes each
+        before the next is gathered, so no rank holds more than its own shards and one full tensor.
+
+        Args:
+            model: the prepared model.
+        """
+        import torch
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        if self.accelerator.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU"):
+            for name, tensor in self.unwrap_model(model).state_dict().items():  # every rank holds it whole
+                yield name, tensor if self.is_main_process else None
+            return
+        main = self.is_main_process
+        for name, value in get_model_state_dict(model).items():  # wrapper-free names; FSDP's shards
+            if isinstance(value, DTensor):  # FSDP2: all-gather of one parameter
+                full = value.full_tensor()
+            elif isinstance(value, ShardedTensor):  # FSDP1: gathered to rank 0
+                full = torch.empty(value.size(), dtype=value.dtype) if main else None
+                value.gather(dst=0, out=full)
+            else:
+                full = value
+            yield name, full if main else None
+            del full
+
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model inside the strategy's wrappers."""
         import sys

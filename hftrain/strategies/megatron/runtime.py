@@ -15,7 +15,7 @@ clipping (``hftrain.parallel.clip_grad_norm_``, summed over pp too when there ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +161,13 @@ class MegatronRuntime(AccelerateRuntime):
         from hftrain.strategies.megatron.state import merged_weights
 
         return merged_weights(self._model, self._params, self.plugin.layout)
+
+    def iter_full_state(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The full tensors one at a time, gathered over tp by the stage holding each and sent to the main
+        process (collective; see the base)."""
+        from hftrain.strategies.megatron.state import iter_full_state
+
+        return iter_full_state(self._model, self._params, self.plugin.layout)
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return self._model if self._model is not None else self.plugin_unwrap(model)

@@ -19,6 +19,7 @@ logical layout, each rank writing its own shards through ``torch.distributed.che
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,6 +173,49 @@ def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
     for part in _merged_over_stages({k: v.cpu() for k, v in full.items()}, groups.pp_group):
         merged.update(part)
     return merged
+
+
+def iter_full_state(
+    model: torch.nn.Module, params: dict[str, torch.nn.Parameter], groups: Any
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """The full weights one tensor at a time: ``(name, tensor)`` on global rank 0, ``(name, None)`` elsewhere.
+
+    Collective. Every stage's names, full shapes and dtypes are exchanged once over the pp group (plain data);
+    then, name by name, the tp ranks of the stage holding it (data-parallel and context replica 0) gather it, and
+    that stage's tp rank 0 sends it to global rank 0. No rank holds more than one full tensor beside its shards.
+
+    Args:
+        model: the tensor-parallel HF model (unwrapped).
+        params: HF name -> the parameters this rank owns.
+        groups: the run's ``ParallelGroups``.
+    """
+    from hftrain.parallel import gather_full_tensors
+    from hftrain.parallel.tensor_parallel import sharded_parameters
+
+    shards = sharded_parameters(model)
+    buffers = _buffer_names(model)
+    state = model.state_dict()
+    local = [
+        (name, tuple(shards[name].full_shape) if name in shards else tuple(tensor.shape), str(tensor.dtype))
+        for name, tensor in state.items()
+        if name in params or (name in buffers and groups.pp_rank == 0)
+    ]
+    stages = _merged_over_stages(local, groups.pp_group) if groups.pp_size > 1 else [local]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    holder = groups.dp_rank == 0 and groups.cp_rank == 0
+    for stage, entries in enumerate(stages):
+        sender = groups.dims.rank(stage, 0, 0, 0)
+        for name, shape, dtype in entries:
+            full = None
+            if stage == groups.pp_rank and holder:
+                full = gather_full_tensors({name: state[name].detach()}, model, tp_group=groups.tp_group)[name]
+            if sender != 0 and rank == sender:
+                dist.send(full.contiguous(), dst=0)
+            elif sender != 0 and rank == 0:
+                full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                dist.recv(full, src=sender)
+            yield name, full if rank == 0 else None
+            del full
 
 
 def _buffer_names(model: torch.nn.Module) -> set[str]:

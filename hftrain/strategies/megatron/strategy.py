@@ -123,7 +123,7 @@ class MegatronStrategy(Strategy):
             "sequence_parallel": self.config.sequence_parallel,
             "shard_optimizer": self.config.shard_optimizer,
             "vocab_multiple": self.config.vocab_multiple,
-            "checkpoint_format": "logical full tensors (reshardable)",
+            "checkpoint_format": "sharded (torch.distributed.checkpoint)",
             **(pipeline_facts(self.config) if self.dims.pp > 1 else {}),
         }
 
