@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hftrain.checkpoint.sharded import read_model_tensors
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
 from tests.tiny import run_tiny_training, tiny_config, tiny_tokenizer
@@ -294,7 +295,6 @@ def _job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]
 
 @pytest.mark.distributed
 def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
-    from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
     output_dir = tmp_path / "out"
@@ -307,7 +307,7 @@ def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     assert strategy["tp"] == 2 and strategy["dp_size"] == 1 and strategy["global_batch"] == 8
     # the export is the merged full model: every tensor equals the final checkpoint's logical full weights
     exported = AutoModelForSequenceClassification.from_pretrained(output_dir / "model")
-    final = load_file(output_dir / "checkpoints" / "step_00000004" / "state" / "model.safetensors")
+    final = read_model_tensors(output_dir / "checkpoints" / "step_00000004" / "state")
     state = exported.state_dict()
     assert set(final) == set(state)
     for name, tensor in final.items():
@@ -317,7 +317,7 @@ def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     checkpoint = output_dir / "checkpoints" / "step_00000002"
     torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
     reloaded = AutoModelForSequenceClassification.from_pretrained(exported_dir)
-    step2 = load_file(checkpoint / "state" / "model.safetensors")
+    step2 = read_model_tensors(checkpoint / "state")
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in step2.items())
 
 

@@ -29,9 +29,10 @@ points) carry any set of boxes; everything else (dedup, validation, storage, res
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,27 @@ class Chunked:
             flat: this rank's contiguous elements (1-D).
         """
         return cls(size, list(_flat_boxes(tuple(size), start, flat)))
+
+    def share(self, index: int, count: int) -> Chunked:
+        """The part of these boxes that replica ``index`` of ``count`` identical holders writes: an even split of
+        each box's first dimension (a scalar: replica 0's). Replicated state is then staged and written once, the
+        work spread over its holders, before DCP's planner would have to find the duplicates.
+
+        Args:
+            index: this holder's position among the replicas.
+            count: how many ranks hold these same boxes.
+        """
+        if count == 1:
+            return self
+        boxes = []
+        for offsets, tensor in self.boxes:
+            if tensor.dim() == 0:
+                boxes += [(offsets, tensor)] if index == 0 else []
+                continue
+            rows = tensor.shape[0]
+            start, end = rows * index // count, rows * (index + 1) // count
+            boxes.append(((offsets[0] + start, *offsets[1:]), tensor[start:end]))
+        return Chunked(self.size, boxes)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -250,13 +272,14 @@ def write(state: dict[str, Chunked], directory: str | Path, *, process_group: An
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(
-        state,
-        storage_writer=FileSystemWriter(str(directory), thread_count=1, sync_files=True),
-        planner=_SavePlanner(),
-        process_group=process_group,
-        no_dist=not dist.is_initialized(),
-    )
+    with _first_failure(f"writing '{directory}'"):
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(str(directory), thread_count=1, sync_files=True),
+            planner=_SavePlanner(),
+            process_group=process_group,
+            no_dist=not dist.is_initialized(),
+        )
 
 
 def read(state: dict[str, Chunked], directory: str | Path) -> None:
@@ -270,12 +293,31 @@ def read(state: dict[str, Chunked], directory: str | Path) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(
-        state,
-        storage_reader=FileSystemReader(str(directory)),
-        planner=_LoadPlanner(),
-        no_dist=not dist.is_initialized(),
-    )
+    with _first_failure(f"reading '{directory}'"):
+        dcp.load(
+            state,
+            storage_reader=FileSystemReader(str(directory)),
+            planner=_LoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+
+
+@contextlib.contextmanager
+def _first_failure(what: str) -> Iterator[None]:
+    """DCP reports a failure as every rank's traceback in one exception; raise the first rank's cause instead, in
+    one line (a disk-full ``OSError`` stays one, for the manager's message)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        failures = list(error.failures.values())  # per rank: (exception, traceback summary)
+        cause = failures[0][0] if failures and isinstance(failures[0], tuple) else error
+        if isinstance(cause, CheckpointError | OSError):
+            raise cause from None
+        if not isinstance(cause, Exception):  # the CheckpointException itself: a BaseException, kept from the user
+            cause = RuntimeError(str(cause).splitlines()[0])
+        raise CheckpointError(f"{what}: {type(cause).__name__}: {cause}") from None
 
 
 def stored_keys(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -286,6 +328,23 @@ def stored_keys(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch
         for key, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
+
+
+def read_model_tensors(state_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every ``model.*`` tensor of a checkpoint's ``state/`` folder, whole, by its model name (one process, the
+    whole model in memory: for tests and small tools; ``hftrain convert`` streams instead).
+
+    Args:
+        state_dir: a checkpoint's ``state/`` folder.
+    """
+    directory = Path(state_dir) / DCP_DIR
+    tensors = {
+        key: torch.empty(shape, dtype=dtype)
+        for key, (shape, dtype) in stored_keys(directory).items()
+        if key.startswith(MODEL_PREFIX)
+    }
+    read({key: Chunked.whole(tensor) for key, tensor in tensors.items()}, directory)
+    return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in tensors.items()}
 
 
 def is_sharded(state_dir: str | Path) -> bool:

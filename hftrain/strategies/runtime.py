@@ -239,8 +239,9 @@ class AccelerateRuntime:
         from hftrain.checkpoint.sharded import Snapshot
 
         model_state, optim_state = get_state_dict(self._prepared_model, self._inner_optimizer())
+        replicas = (self.accelerator.process_index, self.num_processes)  # plain tensors are on every rank
         return Snapshot(
-            state=flat_state(model_state, optim_state),
+            state=flat_state(model_state, optim_state, replicas=replicas),
             param_groups=[
                 {**{k: v for k, v in group.items() if k != "params"}, "params": list(group["params"])}
                 for group in optim_state["param_groups"]
@@ -362,14 +363,29 @@ def _without_model_and_optimizer(accelerator: Accelerator) -> Iterator[None]:
         accelerator._models, accelerator._optimizers = models, optimizers
 
 
-def flat_state(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, Chunked]:
+def flat_state(
+    model_state: dict[str, Any], optim_state: dict[str, Any], *, replicas: tuple[int, int] = (0, 1)
+) -> dict[str, Chunked]:
     """torch's ``get_state_dict`` pair as the sharded format's flat keys (``model.<name>``,
-    ``optim.<name>.<key>``), each value this rank's boxes of it (views, so a load fills them in place)."""
+    ``optim.<name>.<key>``), each value this rank's boxes of it (views, so a load fills them in place).
+
+    Args:
+        model_state: ``get_state_dict``'s model part (tensors, DTensors or ShardedTensors).
+        optim_state: its optimizer part.
+        replicas: ``(this rank, ranks)`` over which plain tensors are replicated: a save keeps this rank's share
+            of each (``Chunked.share``); a load, which fills everything it holds, passes the default.
+    """
+    import torch
+
     from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked
 
-    flat = {MODEL_PREFIX + name: Chunked.of(value) for name, value in model_state.items()}
+    def boxes(value: Any) -> Chunked:  # a DTensor or ShardedTensor is this rank's shard already
+        chunked = Chunked.of(value)
+        return chunked.share(*replicas) if type(value) is torch.Tensor else chunked
+
+    flat = {MODEL_PREFIX + name: boxes(value) for name, value in model_state.items()}
     for name, values in optim_state["state"].items():
         for key, value in values.items():
             if hasattr(value, "shape"):
-                flat[f"{OPTIM_PREFIX}{name}.{key}"] = Chunked.of(value)
+                flat[f"{OPTIM_PREFIX}{name}.{key}"] = boxes(value)
     return flat

@@ -130,8 +130,7 @@ class MegatronRuntime(AccelerateRuntime):
     def snapshot(self) -> Snapshot:
         from hftrain.strategies.megatron.state import snapshot
 
-        first_stage = self.plugin.layout.pp_rank == 0
-        return snapshot(self._model, self._params, self._optimizer, first_stage=first_stage, info=self.layout_facts())
+        return snapshot(self._model, self._params, self._optimizer, groups=self.plugin.layout, info=self.layout_facts())
 
     def load_extras(self, directory: str) -> None:
         from hftrain.log import log_main
@@ -147,8 +146,7 @@ class MegatronRuntime(AccelerateRuntime):
     def load_snapshot(self, directory: str) -> None:
         from hftrain.strategies.megatron.state import load_snapshot
 
-        first_stage = self.plugin.layout.pp_rank == 0
-        load_snapshot(directory, self._model, self._params, self._optimizer, first_stage=first_stage)
+        load_snapshot(directory, self._model, self._params, self._optimizer, groups=self.plugin.layout)
 
     def load_legacy_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
         from hftrain.strategies.megatron.state import load_legacy_state

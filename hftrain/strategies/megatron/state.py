@@ -43,8 +43,9 @@ def snapshot(
     params: dict[str, torch.nn.Parameter],
     optimizer: Any,
     *,
-    first_stage: bool,
+    groups: Any,
     info: dict[str, Any],
+    share: bool = True,
 ) -> Snapshot:
     """This rank's boxes of the logical model and optimizer state (views of the live tensors; no collective).
 
@@ -57,25 +58,35 @@ def snapshot(
         params: HF name -> the parameters this rank owns (its stages' under pipeline parallelism).
         optimizer: the inner optimizer over ``params`` (``torch.optim`` or ``ZeroRedundancyOptimizer``, whose
             local optimizer holds the state of the parameters this dp rank owns).
-        first_stage: whether this rank holds the first pipeline stage (which contributes the buffers).
+        groups: the run's ``ParallelGroups`` (the first stage contributes the buffers; replicas share writes).
         info: the layout, for ``sharded.json``.
+        share: keep only this rank's share of replicated boxes (a save: dp and cp replicas hold the same shards,
+            tp ranks the same unsplit tensors; ``Chunked.share``); a load fills everything it holds.
     """
     from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Snapshot
     from hftrain.parallel.tensor_parallel import sharded_parameters
 
     shards = sharded_parameters(model)
     buffers = _buffer_names(model)
+    replica = groups.dp_rank * groups.cp_size + groups.cp_rank  # same shards: dp × cp replicas
+    split = (replica, groups.dp_size * groups.cp_size) if share else (0, 1)
+    whole = (replica * groups.tp_size + groups.tp_rank, split[1] * groups.tp_size) if share else (0, 1)
+
+    def boxes(name: str, tensor: torch.Tensor) -> Chunked:
+        chunked = _boxes(name, tensor, shards)
+        return chunked.share(*(split if name in shards and tensor.dim() > 0 else whole))
+
     state = {
-        MODEL_PREFIX + name: _boxes(name, tensor, shards)
+        MODEL_PREFIX + name: boxes(name, tensor)
         for name, tensor in model.state_dict().items()
-        if name in params or (name in buffers and first_stage)
+        if name in params or (name in buffers and groups.pp_rank == 0)
     }
     names = {id(p): n for n, p in params.items()}
     for param, values in getattr(optimizer, "optim", optimizer).state.items():
         name = names[id(param)]
         for key, value in values.items():
             if torch.is_tensor(value):
-                state[f"{OPTIM_PREFIX}{name}.{key}"] = _boxes(name, value, shards)
+                state[f"{OPTIM_PREFIX}{name}.{key}"] = boxes(name, value)
     return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
 
 
@@ -85,7 +96,7 @@ def load_snapshot(
     params: dict[str, torch.nn.Parameter],
     optimizer: Any,
     *,
-    first_stage: bool,
+    groups: Any,
 ) -> None:
     """Fill this rank's parameters and optimizer state from a sharded checkpoint of any strategy and layout.
 
@@ -94,14 +105,14 @@ def load_snapshot(
         model: the tensor-parallel HF model (unwrapped).
         params: HF name -> the parameters this rank owns.
         optimizer: the inner optimizer over ``params``.
-        first_stage: whether this rank holds the first pipeline stage.
+        groups: the run's ``ParallelGroups``.
     """
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     from hftrain.checkpoint.sharded import read_snapshot
 
     _init_optim_state(getattr(optimizer, "optim", optimizer))  # the moments' tensors, to load into
-    boxes = snapshot(model, params, optimizer, first_stage=first_stage, info={})
+    boxes = snapshot(model, params, optimizer, groups=groups, info={}, share=False)
     read_snapshot(directory, boxes.state, optimizer.param_groups)
 
 

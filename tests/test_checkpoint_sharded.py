@@ -1,0 +1,203 @@
+"""The sharded checkpoint format (``hftrain.checkpoint.sharded``): every tensor written once, by the rank that owns
+it; background writes that a SIGKILL cannot turn into a partial ``latest``; checkpoints of the earlier formats still
+resume, or are refused in one line.
+
+The resume matrix across strategies and process counts is ``tests/test_checkpoint_reshard.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hftrain.checkpoint.manager import CheckpointManager, read_checkpoint
+from hftrain.checkpoint.sharded import DCP_DIR, Chunked, read, read_model_tensors, write
+from tests.conftest import job_args, launch_env, logged_losses
+from tests.distributed import run_distributed
+from tests.tiny import run_tiny_training
+
+ROOT = Path(__file__).resolve().parents[1]
+LEGACY = ROOT / "tests" / "fixtures" / "legacy"
+# The legacy fixtures were written by hftrain before the sharded format (commit f48a9de) with these settings,
+# stopped at step 3 of 6 (tests/fixtures/legacy/*/checkpoints/step_00000003).
+LEGACY_RUN = {"micro": 4, "gas": 1, "steps": 6, "save_steps": 3, "return_weights": True}
+
+
+# ----------------------------------------------------------------- the format itself (one process)
+def test_boxes_of_a_flat_range_tile_it_exactly():
+    """ZeRO's partitions are flat ranges: their boxes cover exactly the range, with at most 2·dim − 1 boxes."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        size = tuple(
+            int(s) for s in torch.randint(1, 6, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen)
+        )
+        full = torch.arange(max(1, int(torch.tensor(size).prod())), dtype=torch.float32).view(size)
+        n = full.numel()
+        start = int(torch.randint(0, n, (1,), generator=gen))
+        end = int(torch.randint(start + 1, n + 1, (1,), generator=gen))
+        chunked = Chunked.flat_range(size, start, full.reshape(-1)[start:end])
+        out = torch.full_like(full, -1.0)
+        for offsets, box in chunked.boxes:
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, box.shape, strict=True))] = box
+        flat = out.reshape(-1)
+        assert torch.equal(flat[start:end], full.reshape(-1)[start:end]), (size, start, end)
+        assert (flat[:start] == -1).all() and (flat[end:] == -1).all(), (size, start, end)
+        assert len(chunked.boxes) <= max(1, 2 * len(size) - 1)
+
+
+def test_a_load_reads_any_other_tiling_in_place(tmp_path):
+    weight = torch.randn(7, 5)
+    write({"model.w": Chunked((7, 5), [((0, 0), weight[:3]), ((3, 0), weight[3:])])}, tmp_path)
+    target = torch.zeros(7, 5)
+    read({"model.w": Chunked((7, 5), [((0, 1), target[:, 1:4])])}, tmp_path)  # a column block, across both pieces
+    assert torch.equal(target[:, 1:4], weight[:, 1:4]) and (target[:, [0, 4]] == 0).all()
+    with pytest.raises(Exception, match="shape"):
+        read({"model.w": Chunked.whole(torch.zeros(5, 7))}, tmp_path)
+
+
+# ----------------------------------------------------------------- written once, by its owner; background = sync
+def _two_ranks(root: str) -> dict:
+    """ddp×2 and megatron tp2, each saved in the background and synchronously at the same step; the legacy
+    megatron tp2 checkpoint resumed."""
+    out = {}
+    for label, strategy, options in (("ddp", "ddp", {}), ("tp2", "megatron", {"tp": 2})):
+        for mode in ("background", "sync"):
+            run_tiny_training(
+                strategy=strategy, strategy_options=options, steps=3, output_dir=f"{root}/{label}-{mode}",
+                async_save=mode == "background",
+            )  # fmt: skip
+    legacy = f"{root}/legacy-megatron"
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(LEGACY / "megatron", legacy)
+    torch.distributed.barrier()
+    opts = {"strategy": "megatron", "strategy_options": {"tp": 2}, **LEGACY_RUN}
+    out["legacy_resumed"] = run_tiny_training(output_dir=legacy, resume_from_checkpoint="latest", **opts)
+    out["legacy_full"] = run_tiny_training(output_dir=f"{root}/legacy-full", **opts)
+    try:  # a legacy checkpoint does not reshard: another strategy is refused in one line
+        run_tiny_training(output_dir=legacy, resume_from_checkpoint=f"{legacy}/checkpoints/step_00000003", **{
+            **LEGACY_RUN, "micro": 8})  # fmt: skip
+        out["legacy_refused"] = None
+    except Exception as error:
+        out["legacy_refused"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("sharded")
+    return {"root": root, "ranks": run_distributed(_two_ranks, nprocs=2, timeout=900, root=str(root))}
+
+
+def _stored(checkpoint: Path) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(checkpoint / "state" / DCP_DIR)).read_metadata()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", ["ddp", "tp2"])
+def test_every_tensor_is_written_once_and_the_writes_are_spread_over_ranks(two, label):
+    checkpoint = two["root"] / f"{label}-sync" / "checkpoints" / "step_00000003"
+    metadata = _stored(checkpoint)
+    files: dict[str, int] = {}
+    written = 0
+    for info in metadata.storage_data.values():
+        files[info.relative_path] = files.get(info.relative_path, 0) + info.length
+        written += 1
+    chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks"))
+    assert written == chunks  # one stored piece per box: a replicated tensor is not written by each rank
+    logical = sum(
+        md.size.numel() * md.properties.dtype.itemsize
+        for md in metadata.state_dict_metadata.values()
+        if hasattr(md, "chunks")
+    )
+    assert sum(files.values()) < 1.1 * logical + 64 * 1024  # not twice: nothing written by both ranks
+    assert len(files) == 2 and min(files.values()) > 0.2 * sum(files.values()), files  # both ranks write
+    if label == "tp2":  # the split weights are stored as the ranks' slices, under their full logical shape
+        word = metadata.state_dict_metadata["model.bert.embeddings.word_embeddings.weight"]
+        assert tuple(word.size) == (64, 32) and len(word.chunks) == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", ["ddp", "tp2"])
+def test_a_background_save_writes_what_a_synchronous_one_writes(two, label):
+    runs = {mode: two["root"] / f"{label}-{mode}" / "checkpoints" / "step_00000003" for mode in ("background", "sync")}
+    tensors = {mode: read_model_tensors(path / "state") for mode, path in runs.items()}
+    assert tensors["background"].keys() == tensors["sync"].keys()
+    for name, tensor in tensors["sync"].items():
+        assert torch.equal(tensors["background"][name], tensor), name
+    read_checkpoint(runs["background"])  # complete: marker and every checksum
+
+
+@pytest.mark.distributed
+def test_a_legacy_megatron_checkpoint_resumes_equal_to_the_uninterrupted_run(two):
+    rank0 = two["ranks"][0]
+    resumed, full = rank0["legacy_resumed"], rank0["legacy_full"]
+    assert resumed["global_step"] == full["global_step"] == 6
+    assert resumed["losses"][-3:] == pytest.approx(full["losses"][-3:], rel=1e-6, abs=1e-7)
+    for name, tensor in full["weights"].items():
+        assert (resumed["weights"][name] - tensor).abs().max().item() <= 1e-6, name
+    assert "written by strategy 'megatron'" in rank0["legacy_refused"]
+
+
+def test_a_legacy_ddp_checkpoint_resumes_equal_to_the_uninterrupted_run(tmp_path):
+    shutil.copytree(LEGACY / "ddp", tmp_path / "legacy")
+    resumed = run_tiny_training(output_dir=str(tmp_path / "legacy"), resume_from_checkpoint="latest", **LEGACY_RUN)
+    full = run_tiny_training(output_dir=str(tmp_path / "full"), **LEGACY_RUN)
+    assert resumed["global_step"] == 6
+    assert resumed["losses"][-3:] == pytest.approx(full["losses"][-3:], rel=1e-6, abs=1e-7)
+    for name, tensor in full["weights"].items():
+        assert (resumed["weights"][name] - tensor).abs().max().item() <= 1e-6, name
+
+
+# ----------------------------------------------------------------- SIGKILL during a background write
+def test_sigkill_during_a_background_write_resumes_from_the_last_complete_one_equal_to_uninterrupted(
+    tiny_job, tmp_path
+):
+    steps = 12
+    reference = tmp_path / "reference"
+    base = [sys.executable, "-m", "hftrain", "train"]
+    done = subprocess.run(
+        [*base, *job_args(tiny_job, reference, steps=steps, data="data_400")],
+        cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "out"
+    command = [*base, *job_args(tiny_job, out, steps=steps, data="data_400"), "--save_steps", "1"]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True
+    )
+    checkpoints = out / "checkpoints"
+
+    def writing() -> bool:  # a background write in flight: its staging folder holds shards, not yet published
+        return any(checkpoints.glob(".staging-*/state/dcp/*"))
+
+    try:
+        for _ in range(200):  # freeze the job when a write is seen; kill it only if the write is still in flight
+            while not writing() and process.poll() is None:
+                pass
+            process.send_signal(signal.SIGSTOP)
+            if writing() and CheckpointManager(checkpoints).latest() is not None:
+                break
+            process.send_signal(signal.SIGCONT)
+        process.kill()
+    finally:
+        process.kill()
+        process.wait()
+    assert list(checkpoints.glob(".staging-*")), "the kill should have hit a background write in flight"
+    latest = CheckpointManager(checkpoints).resolve("latest")
+    read_checkpoint(latest)  # the last published checkpoint is complete and verified
+    again = subprocess.run(
+        [*command, "--resume_from_checkpoint", "latest"], cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {latest}" in again.stdout + again.stderr
+    assert not list(checkpoints.glob(".staging-*"))
+    assert logged_losses(out) == pytest.approx(logged_losses(reference), rel=1e-6, abs=1e-7)
