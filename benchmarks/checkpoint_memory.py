@@ -10,6 +10,9 @@ holds whole):
   and the peak's increase over VmRSS before the save is read, with the save's wall time;
 - ``background save``: the same, written in the background: ``blocked`` is the time until training could go on
   (the save call's return: extras, snapshot and the CPU staging copy), ``total`` until the write is published;
+  ``next save``: the blocked time of a second background save, whose staging copy goes into the first one's
+  memory (the steady state of a run), and the parts of the blocked time: the extras (scheduler, RNG, a
+  pipeline's timeline) and a staging copy into fresh memory;
 - ``export``: the full weights streamed one tensor at a time (``runtime.iter_full_state``), the peak's increase
   on each rank (the main process receives each whole tensor; the writer is measured by ``hftrain convert``'s
   benchmark).
@@ -110,13 +113,13 @@ def _measure(strategy_name: str, options: dict, folder: str) -> dict:
 
     background_peak, background_time = _measured(background)
     runtime.wait_for_everyone()
-    background()  # again: the steady state (the allocator reuses the first staging copy's memory)
+    background()  # again: the steady state (the staging copy reuses the first one's memory)
     runtime.wait_for_everyone()
     start = time.perf_counter()
     runtime.save_extras(str(Path(args.output_dir) / "extras"))  # what the loop waits for besides the copy
     extras = time.perf_counter() - start
     start = time.perf_counter()
-    runtime.snapshot().staged()
+    runtime.snapshot().staged({})  # into fresh memory
     staging = time.perf_counter() - start
     runtime.wait_for_everyone()
 
@@ -149,7 +152,7 @@ def main() -> None:
     print(
         "| layout | rank | own state (MiB) | sync save: peak (MiB) | bound 1.2·own+64 | time (s) |"
         " background: peak (MiB) | blocked (s) | blocked / sync | total (s) | next save: blocked / sync |"
-        " of which extras, staging copy (s) | export stream: peak (MiB) | time (s) |"
+        " of which extras, a fresh staging copy (s) | export stream: peak (MiB) | time (s) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.layouts.split(","):

@@ -58,6 +58,7 @@ class CheckpointManager:
         self.run_id = run_id
         self._pending: _Pending | None = None
         self._group: Any = None
+        self._staging: dict[Any, Any] = {}  # background saves' CPU copies, by (key, box offsets), reused
 
     # ----------------------------------------------------------------- writing (collective)
     def save(self, runtime: Any, *, step: int, meta: dict[str, Any], background: bool = False) -> Path:
@@ -94,7 +95,9 @@ class CheckpointManager:
             agreed.phase(write, snapshot.state, state_dir / DCP_DIR)
             agreed.phase(self._finish if main else None, staging, final, marker)
             return final
-        staged = snapshot.staged()  # the next optimizer step changes the live tensors; the write reads the copy
+        # The next optimizer step changes the live tensors; the write reads a copy, in the memory of the previous
+        # save's copy (no save is in flight now), so that training waits only for a copy into warm pages.
+        staged = snapshot.staged(self._staging)
         group = self._background_group()
 
         def write_in_background() -> None:

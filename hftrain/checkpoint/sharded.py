@@ -157,9 +157,22 @@ class Chunked:
                 return tensor
         raise KeyError(f"no box at {wanted}")
 
-    def staged(self) -> Chunked:
-        """A copy in CPU memory that the training step may not change (a background save writes it)."""
-        return Chunked(self.size, [(o, t.detach().to("cpu", copy=True).contiguous()) for o, t in self.boxes])
+    def staged(self, buffers: dict[Any, torch.Tensor], key: str) -> Chunked:
+        """A copy in CPU memory that the training step does not change (a background save writes it).
+
+        Args:
+            buffers: copies kept from the previous save, by ``(key, offsets)``; reused when the shape and dtype
+                match (copying into memory already touched is several times faster than into fresh pages), and
+                updated.
+            key: this tensor's key.
+        """
+        boxes = []
+        for offsets, tensor in self.boxes:
+            buffer = buffers.get((key, offsets))
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = buffers[(key, offsets)] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            boxes.append((offsets, buffer.copy_(tensor.detach())))
+        return Chunked(self.size, boxes)
 
     @property
     def nbytes(self) -> int:
@@ -384,9 +397,14 @@ class Snapshot:
     info: dict[str, Any] = field(default_factory=dict)
     model: Any = None
 
-    def staged(self) -> Snapshot:
-        """The same snapshot with every box copied to CPU memory, for a write while training goes on."""
-        return Snapshot({k: v.staged() for k, v in self.state.items()}, self.param_groups, self.info, self.model)
+    def staged(self, buffers: dict[Any, torch.Tensor]) -> Snapshot:
+        """The same snapshot with every box copied to CPU memory, for a write while training goes on.
+
+        Args:
+            buffers: the staging copies of the previous save, reused and updated (see :meth:`Chunked.staged`).
+        """
+        state = {key: value.staged(buffers, key) for key, value in self.state.items()}
+        return Snapshot(state, self.param_groups, self.info, self.model)
 
     @property
     def nbytes(self) -> int:
