@@ -73,6 +73,12 @@ def _two_ranks(root: str) -> dict:
                 strategy=strategy, strategy_options=options, steps=3, output_dir=f"{root}/{label}-{mode}",
                 async_save=mode == "background",
             )  # fmt: skip
+    # bf16 autocast: the checkpoint and the export's weights are the fp32 master weights, equal
+    bf16 = run_tiny_training(
+        strategy="megatron", strategy_options={"tp": 2}, steps=3, output_dir=f"{root}/tp2-bf16",
+        mixed_precision="bf16", return_weights=True,
+    )  # fmt: skip
+    out["bf16_export"] = bf16["weights"]
     legacy = f"{root}/legacy-megatron"
     if torch.distributed.get_rank() == 0:
         shutil.copytree(LEGACY / "megatron", legacy)
@@ -134,6 +140,16 @@ def test_a_background_save_writes_what_a_synchronous_one_writes(two, label):
     for name, tensor in tensors["sync"].items():
         assert torch.equal(tensors["background"][name], tensor), name
     read_checkpoint(runs["background"])  # complete: marker and every checksum
+
+
+@pytest.mark.distributed
+def test_bf16_megatron_checkpoints_and_exports_hold_the_fp32_master_weights(two):
+    saved = read_model_tensors(two["root"] / "tp2-bf16" / "checkpoints" / "step_00000003" / "state")
+    exported = two["ranks"][0]["bf16_export"]
+    assert saved.keys() == exported.keys()
+    for name, tensor in saved.items():
+        assert tensor.dtype == exported[name].dtype == torch.float32, name
+        assert torch.equal(tensor, exported[name]), name
 
 
 @pytest.mark.distributed

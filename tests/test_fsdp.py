@@ -3,7 +3,7 @@
 One 2-process launch runs every FSDP case (starting processes costs more than the tiny runs themselves) and
 one 1-process launch the reference; module-scoped fixtures share them between the tests. The settings tests
 read what ``accelerate launch`` really exports for the shipped configs; a full ``accelerate launch`` training
-run of each shipped config is in ``test_launch.py``.
+run of each shipped config is in ``test_launch_configs.py``.
 """
 
 from __future__ import annotations

@@ -219,7 +219,9 @@ def iter_full_state(
         for name, shape, dtype in entries:
             full = None
             if stage == groups.pp_rank and holder:
-                full = gather_full_tensors({name: state[name].detach()}, model, tp_group=groups.tp_group)[name]
+                full = state[name].detach()
+                if groups.tp_size > 1:
+                    full = gather_full_tensors({name: full}, model, tp_group=groups.tp_group)[name]
             if sender != 0 and rank == sender:
                 dist.send(full.contiguous(), dst=0)
             elif sender != 0 and rank == 0:
