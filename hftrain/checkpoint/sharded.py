@@ -122,27 +122,6 @@ class Chunked:
         """
         return cls(size, list(_flat_boxes(tuple(size), start, flat)))
 
-    def share(self, index: int, count: int) -> Chunked:
-        """The part of these boxes that replica ``index`` of ``count`` identical holders writes: an even split of
-        each box's first dimension (a scalar: replica 0's). Replicated state is then staged and written once, the
-        work spread over its holders, before DCP's planner would have to find the duplicates.
-
-        Args:
-            index: this holder's position among the replicas.
-            count: how many ranks hold these same boxes.
-        """
-        if count == 1:
-            return self
-        boxes = []
-        for offsets, tensor in self.boxes:
-            if tensor.dim() == 0:
-                boxes += [(offsets, tensor)] if index == 0 else []
-                continue
-            rows = tensor.shape[0]
-            start, end = rows * index // count, rows * (index + 1) // count
-            boxes.append(((offsets[0] + start, *offsets[1:]), tensor[start:end]))
-        return Chunked(self.size, boxes)
-
     @property
     def dtype(self) -> torch.dtype | None:
         return self.boxes[0][1].dtype if self.boxes else None
@@ -208,6 +187,32 @@ def _flat_boxes(size: tuple[int, ...], start: int, flat: torch.Tensor) -> Iterab
         position += whole * inner
     if position < flat.numel():  # the partial last row
         yield from _flat_boxes(size, start + position, flat[position:])
+
+
+def split_replicated(state: dict[str, Chunked], keys: list[str], index: int, count: int) -> dict[str, Chunked]:
+    """Keep, of the ``keys`` that ``count`` ranks hold identically, the whole tensors this holder writes.
+
+    The tensors are dealt out largest first to the holder with the fewest bytes so far, the same way on every
+    holder (they hold the same keys and shapes), so each is written once and the bytes are spread evenly; the
+    others keep no box of it. A whole tensor is written from the live memory (a slice of one would be copied
+    first), and a background save stages only this holder's part.
+
+    Args:
+        state: this rank's boxes.
+        keys: the keys held identically by the ``count`` holders.
+        index: this rank's position among them.
+        count: how many ranks hold them.
+    """
+    if count == 1:
+        return state
+    loads = [0] * count
+    kept = dict(state)
+    for key in sorted(keys, key=lambda k: (-state[k].nbytes, k)):
+        holder = loads.index(min(loads))
+        loads[holder] += max(state[key].nbytes, 1)
+        if holder != index:
+            kept[key] = Chunked(state[key].size, [])
+    return kept
 
 
 # ----------------------------------------------------------------- planners

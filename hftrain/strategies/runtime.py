@@ -372,20 +372,16 @@ def flat_state(
     Args:
         model_state: ``get_state_dict``'s model part (tensors, DTensors or ShardedTensors).
         optim_state: its optimizer part.
-        replicas: ``(this rank, ranks)`` over which plain tensors are replicated: a save keeps this rank's share
-            of each (``Chunked.share``); a load, which fills everything it holds, passes the default.
+        replicas: ``(this rank, ranks)`` over which plain tensors are replicated: a save keeps the ones this rank
+            writes (``split_replicated``); a load, which fills everything it holds, passes the default.
     """
     import torch
 
-    from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked
+    from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked, split_replicated
 
-    def boxes(value: Any) -> Chunked:  # a DTensor or ShardedTensor is this rank's shard already
-        chunked = Chunked.of(value)
-        return chunked.share(*replicas) if type(value) is torch.Tensor else chunked
-
-    flat = {MODEL_PREFIX + name: boxes(value) for name, value in model_state.items()}
-    for name, values in optim_state["state"].items():
-        for key, value in values.items():
-            if hasattr(value, "shape"):
-                flat[f"{OPTIM_PREFIX}{name}.{key}"] = boxes(value)
-    return flat
+    values = {MODEL_PREFIX + name: value for name, value in model_state.items()}
+    for name, state in optim_state["state"].items():
+        values.update({f"{OPTIM_PREFIX}{name}.{key}": value for key, value in state.items() if hasattr(value, "shape")})
+    flat = {key: Chunked.of(value) for key, value in values.items()}
+    replicated = [key for key, value in values.items() if type(value) is torch.Tensor]  # not a DTensor's shard
+    return split_replicated(flat, replicated, *replicas)

@@ -63,30 +63,32 @@ def snapshot(
         share: keep only this rank's share of replicated boxes (a save: dp and cp replicas hold the same shards,
             tp ranks the same unsplit tensors; ``Chunked.share``); a load fills everything it holds.
     """
-    from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Snapshot
+    from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Snapshot, split_replicated
     from hftrain.parallel.tensor_parallel import sharded_parameters
 
     shards = sharded_parameters(model)
     buffers = _buffer_names(model)
-    replica = groups.dp_rank * groups.cp_size + groups.cp_rank  # same shards: dp × cp replicas
-    split = (replica, groups.dp_size * groups.cp_size) if share else (0, 1)
-    whole = (replica * groups.tp_size + groups.tp_rank, split[1] * groups.tp_size) if share else (0, 1)
-
-    def boxes(name: str, tensor: torch.Tensor) -> Chunked:
-        chunked = _boxes(name, tensor, shards)
-        return chunked.share(*(split if name in shards and tensor.dim() > 0 else whole))
-
-    state = {
-        MODEL_PREFIX + name: boxes(name, tensor)
-        for name, tensor in model.state_dict().items()
-        if name in params or (name in buffers and groups.pp_rank == 0)
-    }
+    state, split = {}, []  # split: keys of tensor-parallel slices (the others are the same on every tp rank)
+    for name, tensor in model.state_dict().items():
+        if name in params or (name in buffers and groups.pp_rank == 0):
+            state[MODEL_PREFIX + name] = _boxes(name, tensor, shards)
+            split += [MODEL_PREFIX + name] if name in shards else []
     names = {id(p): n for n, p in params.items()}
+    zero1 = hasattr(optimizer, "optim")  # ZeroRedundancyOptimizer: each dp rank holds its parameters' state only
     for param, values in getattr(optimizer, "optim", optimizer).state.items():
         name = names[id(param)]
         for key, value in values.items():
             if torch.is_tensor(value):
-                state[f"{OPTIM_PREFIX}{name}.{key}"] = boxes(name, value)
+                state[f"{OPTIM_PREFIX}{name}.{key}"] = _boxes(name, value, shards)
+                split += [f"{OPTIM_PREFIX}{name}.{key}"] if name in shards and value.dim() > 0 else []
+    if not share:
+        return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
+    # dp × cp replicas hold the same slices, and tp ranks the same unsplit tensors: each is written by one holder
+    replica, replicas = groups.dp_rank * groups.cp_size + groups.cp_rank, groups.dp_size * groups.cp_size
+    unsplit = [key for key in state if key not in split and not (zero1 and key.startswith(OPTIM_PREFIX))]
+    state = split_replicated(state, unsplit, replica * groups.tp_size + groups.tp_rank, replicas * groups.tp_size)
+    if not zero1:
+        state = split_replicated(state, split, replica, replicas)
     return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
 
 
