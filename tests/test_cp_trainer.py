@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_megatron import _assert_parity
+from tests.megatron_runs import assert_parity
 from tests.tiny import run_tiny_training
 
 LONG = {"words": (150, 300), "max_seq_length": 256, "steps": 10}
@@ -86,7 +86,7 @@ def test_context_parallel_training_matches_single_process(runs, layout, label):
     kind = (TWO | FOUR)[label][0]
     reference = runs["one"][kind]
     for rank in runs[layout]:
-        _assert_parity(rank[label], reference)
+        assert_parity(rank[label], reference)
         assert rank[label]["losses"] == runs[layout][0][label]["losses"]  # every rank logs the same loss
     assert runs[layout][0][label]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
 
@@ -95,13 +95,13 @@ def test_context_parallel_training_matches_single_process(runs, layout, label):
 def test_cp2_resumes_exactly_and_its_checkpoint_resumes_at_cp1(runs):
     """Checkpoints are unchanged by cp (no parameter is split): interrupted at step 8 and resumed at cp=2 equals
     uninterrupted, and the cp=2 checkpoint resumed on one process continues the same run."""
-    from tests.test_megatron import _assert_same_weights, assert_resumed_equals_uninterrupted
+    from tests.megatron_runs import assert_resumed_equals_uninterrupted, assert_same_weights
 
     assert_resumed_equals_uninterrupted(runs["two"])
     full, on_one = runs["two"][0]["full"], runs["one"]["cp1"]
     assert on_one["global_step"] == 12
     assert on_one["losses"] == pytest.approx(full["losses"], rel=1e-5)
-    _assert_same_weights(on_one["weights"], full["weights"], atol=1e-5)
+    assert_same_weights(on_one["weights"], full["weights"], atol=1e-5)
 
 
 @pytest.mark.distributed
@@ -112,10 +112,16 @@ def test_cp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     import re
 
     from tests.conftest import torchrun
-    from tests.test_megatron import _job_args
+    from tests.megatron_runs import megatron_job_args
 
     output_dir = tmp_path / "out"
-    done = torchrun(2, ["scripts/train.py", *_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--cp", "2")])
+    done = torchrun(
+        2,
+        [
+            "scripts/train.py",
+            *megatron_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--cp", "2"),
+        ],
+    )
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", done.stdout + done.stderr).group(1))
     assert diff <= 1e-5
     strategy = json.loads((output_dir / "hftrain_strategy.json").read_text())

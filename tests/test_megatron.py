@@ -24,6 +24,13 @@ import torch
 from hftrain.checkpoint.sharded import read_model_tensors
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
+from tests.megatron_runs import (
+    assert_parity,
+    assert_refused_before_writing,
+    assert_resumed_equals_uninterrupted,
+    assert_same_weights,
+    megatron_job_args,
+)
 from tests.tiny import run_tiny_training, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,16 +171,6 @@ def runs(tmp_path_factory) -> dict:
     return {"two": two, "four": four, "one": one}
 
 
-def _assert_parity(run: dict, ref: dict, *, rel: float = 1e-5) -> None:
-    assert len(run["losses"]) == len(ref["losses"]) == 10
-    assert run["losses"] == pytest.approx(ref["losses"], rel=rel)
-    assert run["lrs"] == pytest.approx(ref["lrs"], rel=1e-9)
-    assert run["samples_seen"] == ref["samples_seen"]  # counted per data-parallel replica, not per process
-    assert run["metrics"]["eval_samples"] == 25  # each validation example once, not once per tp rank
-    # the loss moved: a run without gradient sync or without steps could not match this
-    assert ref["losses"][-1] != pytest.approx(ref["losses"][0], rel=1e-3)
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["two", "four"], ids=["tp2", "tp2xdp2"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{k}-gas{g}" for k, g in CASES])
@@ -181,7 +178,7 @@ def test_loss_trajectory_matches_single_process(runs, layout, case):
     ranks = runs[layout]
     ref = runs["one"]["reference"][case]
     for rank in ranks:
-        _assert_parity(rank["parity"][case], ref)
+        assert_parity(rank["parity"][case], ref)
         assert rank["parity"][case]["losses"] == ranks[0]["parity"][case]["losses"]  # every rank logs the same
     assert ranks[0]["parity"][case]["metrics"] == pytest.approx(ref["metrics"], rel=1e-5)
 
@@ -192,7 +189,7 @@ def test_loss_trajectory_matches_single_process(runs, layout, case):
 )
 def test_sequence_parallel_and_zero1_match_single_process(runs, layout, label):
     # Sequence parallelism pads every batch to a multiple of tp (masked positions: the loss does not change).
-    _assert_parity(runs[layout][0]["parity"][label], runs["one"]["reference"][label])
+    assert_parity(runs[layout][0]["parity"][label], runs["one"]["reference"][label])
 
 
 @pytest.mark.distributed
@@ -200,25 +197,6 @@ def test_bf16_autocast_trains_close_to_fp32(runs):
     run, ref = runs["two"][0]["parity"]["bert-bf16"], runs["one"]["reference"]["bert-bf16"]
     assert all(math.isfinite(x) for x in run["losses"])
     assert run["losses"] == pytest.approx(ref["losses"], rel=2e-2)  # bf16 rounding, not a different model
-
-
-def _assert_same_weights(a: dict, b: dict, *, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
-
-
-def assert_resumed_equals_uninterrupted(ranks: list[dict]) -> None:
-    """Every rank's run stopped at step 8 and resumed to 12 equals the run of 12 steps in one go."""
-    for rank in ranks:
-        full, part, resumed = rank["full"], rank["part"], rank["resumed"]
-        assert part["preempted"] == "stop_at_step" and part["global_step"] == 8
-        assert resumed["global_step"] == full["global_step"] == 12
-        assert resumed["losses"] == full["losses"]
-        assert resumed["lrs"] == full["lrs"]
-        assert resumed["metrics"] == pytest.approx(full["metrics"])
-    main = ranks[0]  # the full weights, merged from the shards, are returned on the main process
-    _assert_same_weights(main["resumed"]["weights"], main["full"]["weights"], atol=1e-6)
 
 
 @pytest.mark.distributed
@@ -239,7 +217,7 @@ def test_tp2_checkpoint_resumes_at_tp1_equal_to_continuing_at_tp2(runs, label):
     assert resumed["global_step"] == 12
     assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-5)
     assert resumed["lrs"] == pytest.approx(full["lrs"], rel=1e-9)
-    _assert_same_weights(resumed["weights"], full["weights"], atol=1e-5)
+    assert_same_weights(resumed["weights"], full["weights"], atol=1e-5)
 
 
 @pytest.mark.distributed
@@ -284,21 +262,14 @@ def test_a_checkpoint_of_another_format_is_refused_naming_both_layouts(tmp_path)
 
 
 # ----------------------------------------------------------------- a real job: torchrun, export, bad input
-def _job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--model_name_or_path", model, "--train_file", data, "--output_dir", str(output_dir), "--max_steps", "4",
-        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--save_steps", "2",
-        "--logging_steps", "1", "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3",
-        "--strategy.name", "megatron", "--mixed_precision", "no", *extra,  # fp32: compared at 1e-5
-    ]  # fmt: skip
-
-
 @pytest.mark.distributed
 def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     output_dir = tmp_path / "out"
-    done = torchrun(2, ["scripts/train.py", *_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2")])
+    done = torchrun(
+        2, ["scripts/train.py", *megatron_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2")]
+    )
     log = done.stdout + done.stderr
     # the export reloaded the folder with plain transformers and compared logits with the trained tp=2 model
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))
@@ -389,42 +360,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tiny_job, tmp_path, capsys
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     output_dir = tmp_path / "out"
-    code = main(["train", *_job_args(tiny_job["bert"], tiny_job["data"], output_dir, *extra)])
-    assert_refused(code, capsys, message, output_dir)
-
-
-def refused_as_launched_rank0(
-    monkeypatch, capsys, tmp_path: Path, model: str, data: str, extra: list[str], world_size: str, message: str
-) -> None:
-    """``hftrain train`` as rank 0 of a launched job whose process group never starts: refused first, in one line.
-
-    Args:
-        monkeypatch: sets the launcher environment.
-        capsys: reads the error line.
-        tmp_path: holds the output_dir that must not be created.
-        model: the model folder.
-        data: the training CSV.
-        extra: the arguments that make the input bad.
-        world_size: the launched world size.
-        message: what the one error line must contain.
-    """
-    from hftrain.cli import main
-    from tests.distributed import free_port
-
-    launcher = {"WORLD_SIZE": world_size, "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": world_size}
-    for key, value in {**launcher, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(key, value)
-    output_dir = tmp_path / "out"
-    code = main(["train", *_job_args(model, data, output_dir, *extra)])
-    assert_refused(code, capsys, message, output_dir)
-
-
-def assert_refused(code: int, capsys, message: str, output_dir: Path) -> None:
-    """Exit 2, one ``hftrain: error:`` line containing ``message``, and no ``output_dir`` created."""
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    assert len(err) == 1 and err[0].startswith("hftrain: error: ") and message in err[0], err
-    assert not output_dir.exists()  # refused before anything was written (and before any process group)
+    code = main(["train", *megatron_job_args(tiny_job["bert"], tiny_job["data"], output_dir, *extra)])
+    assert_refused_before_writing(code, capsys, message, output_dir)
 
 
 # ----------------------------------------------------------------- the embedded SmolLM2

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_megatron import refused_as_launched_rank0
+from tests.megatron_runs import refused_as_launched_rank0
 from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
 
 LAYERS = 4  # 2 stages × 2 virtual stages for the interleaved schedule

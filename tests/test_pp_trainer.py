@@ -22,10 +22,10 @@ import torch
 
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
-from tests.test_megatron import (
-    _assert_same_weights,
-    _job_args,
+from tests.megatron_runs import (
     assert_resumed_equals_uninterrupted,
+    assert_same_weights,
+    megatron_job_args,
     refused_as_launched_rank0,
 )
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
@@ -160,7 +160,7 @@ def test_pp2_checkpoint_resumes_at_pp1_equal_to_continuing_at_pp2(runs):
     assert at_pp1["global_step"] == 12
     assert at_pp1["losses"] == pytest.approx(full["losses"], rel=1e-5)
     assert at_pp1["lrs"] == pytest.approx(full["lrs"], rel=1e-9)
-    _assert_same_weights(at_pp1["weights"], full["weights"], atol=1e-5)
+    assert_same_weights(at_pp1["weights"], full["weights"], atol=1e-5)
 
 
 # ----------------------------------------------------------------- a real job: torchrun, export, timeline
@@ -187,7 +187,7 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
 
     output_dir = tmp_path / "out"
     pipeline = ["--tp", "2", "--pp", "2", "--num_microbatches", "4", "--schedule", "1f1b"]
-    done = torchrun(4, ["scripts/train.py", *_job_args(pp_job["gpt2"], pp_job["data"], output_dir, *pipeline)])
+    done = torchrun(4, ["scripts/train.py", *megatron_job_args(pp_job["gpt2"], pp_job["data"], output_dir, *pipeline)])
     log = done.stdout + done.stderr
     # the export reloaded the folder with plain transformers and compared logits with the trained pipeline
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))

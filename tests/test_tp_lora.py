@@ -22,7 +22,7 @@ import torch
 
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
-from tests.test_megatron import _job_args
+from tests.megatron_runs import megatron_job_args
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
 BATCH, SEQ, HIDDEN, OUT, RANK = 3, 4, 8, 12, 4
@@ -313,7 +313,7 @@ def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(
     output_dir = tmp_path / "out"
     lora = ["--use_lora", "true", "--lora_target_modules", "c_attn,c_proj", "--lora_r", "4", "--lora_alpha", "64"]
     lora += ["--merge_lora_on_export", "true"]
-    args = _job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2", *lora)
+    args = megatron_job_args(tiny_job["gpt2"], tiny_job["data"], output_dir, "--tp", "2", *lora)
     log = torchrun(2, ["scripts/train.py", *args]).stdout
     # the export reloaded the adapter (peft onto the base) and the merged model, against the trained tp=2 logits
     diff = float(re.search(r"reloaded it: max logit difference (\S+)", log).group(1))

@@ -1,0 +1,83 @@
+"""Checks and command lines shared by the megatron, pipeline, context-parallel and TP-LoRA tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def assert_parity(run: dict, ref: dict, *, rel: float = 1e-5) -> None:
+    """A 10-step run equals its 1-process reference: losses, learning rates, samples and eval counts."""
+    assert len(run["losses"]) == len(ref["losses"]) == 10
+    assert run["losses"] == pytest.approx(ref["losses"], rel=rel)
+    assert run["lrs"] == pytest.approx(ref["lrs"], rel=1e-9)
+    assert run["samples_seen"] == ref["samples_seen"]  # counted per data-parallel replica, not per process
+    assert run["metrics"]["eval_samples"] == 25  # each validation example once, not once per tp rank
+    # the loss moved: a run without gradient sync or without steps could not match this
+    assert ref["losses"][-1] != pytest.approx(ref["losses"][0], rel=1e-3)
+
+
+def assert_same_weights(a: dict, b: dict, *, atol: float) -> None:
+    """Two full state dicts hold the same names and values within ``atol``."""
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
+
+
+def assert_resumed_equals_uninterrupted(ranks: list[dict]) -> None:
+    """Every rank's run stopped at step 8 and resumed to 12 equals the run of 12 steps in one go."""
+    for rank in ranks:
+        full, part, resumed = rank["full"], rank["part"], rank["resumed"]
+        assert part["preempted"] == "stop_at_step" and part["global_step"] == 8
+        assert resumed["global_step"] == full["global_step"] == 12
+        assert resumed["losses"] == full["losses"]
+        assert resumed["lrs"] == full["lrs"]
+        assert resumed["metrics"] == pytest.approx(full["metrics"])
+    main = ranks[0]  # the full weights, merged from the shards, are returned on the main process
+    assert_same_weights(main["resumed"]["weights"], main["full"]["weights"], atol=1e-6)
+
+
+def megatron_job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]:
+    """A 4-step fp32 megatron job on a tiny model folder and CSV (micro 4 × accumulation 2, a checkpoint every 2)."""
+    return [
+        "--model_name_or_path", model, "--train_file", data, "--output_dir", str(output_dir), "--max_steps", "4",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--save_steps", "2",
+        "--logging_steps", "1", "--log_with", "none", "--max_seq_length", "32", "--learning_rate", "1e-3",
+        "--strategy.name", "megatron", "--mixed_precision", "no", *extra,  # fp32: compared at 1e-5
+    ]  # fmt: skip
+
+
+def refused_as_launched_rank0(
+    monkeypatch, capsys, tmp_path: Path, model: str, data: str, extra: list[str], world_size: str, message: str
+) -> None:
+    """``hftrain train`` as rank 0 of a launched job whose process group never starts: refused first, in one line.
+
+    Args:
+        monkeypatch: sets the launcher environment.
+        capsys: reads the error line.
+        tmp_path: holds the output_dir that must not be created.
+        model: the model folder.
+        data: the training CSV.
+        extra: the arguments that make the input bad.
+        world_size: the launched world size.
+        message: what the one error line must contain.
+    """
+    from hftrain.cli import main
+    from tests.distributed import free_port
+
+    launcher = {"WORLD_SIZE": world_size, "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": world_size}
+    for key, value in {**launcher, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    output_dir = tmp_path / "out"
+    code = main(["train", *megatron_job_args(model, data, output_dir, *extra)])
+    assert_refused_before_writing(code, capsys, message, output_dir)
+
+
+def assert_refused_before_writing(code: int, capsys, message: str, output_dir: Path) -> None:
+    """Exit 2, one ``hftrain: error:`` line containing ``message``, and no ``output_dir`` created."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("hftrain: error: ") and message in err[0], err
+    assert not output_dir.exists()  # refused before anything was written (and before any process group)
