@@ -141,10 +141,13 @@ def test_checkpoint_layout_and_rotation(runs):
     meta = read_checkpoint(root / "step_00000012")
     assert meta["trainer_state"]["global_step"] == 12 and meta["topology"]["world_size"] == 2
     assert meta["topology"]["strategy"] == "zero3" and "torch" in meta["versions"]
-    # ZeRO writes one optimizer partition per rank: checkpoints stay sharded
+    # ZeRO writes the sharded format (hftrain.checkpoint.sharded): each rank its own file of its partitions, which
+    # any strategy and process count reads (tests/test_checkpoint_reshard.py), not DeepSpeed's per-rank layout
     # (pitfall "full gather at save time runs out of memory", docs/pitfalls.md)
-    partitions = list((root / "step_00000012" / "state").rglob("*zero_pp_rank_1*"))
-    assert partitions
+    state = root / "step_00000012" / "state"
+    assert json.loads((state / "sharded.json").read_text())["format"] == "hftrain-dcp-v1"
+    assert sorted(p.name for p in (state / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not list(state.rglob("*zero_pp_rank_*"))
 
 
 # ----------------------------------------------------------------- bad checkpoints (one process, no launch)

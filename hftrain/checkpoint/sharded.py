@@ -475,6 +475,11 @@ def _jsonable(value: Any) -> Any:
     return _SKIP  # library internals (DeepSpeed's flat-group bookkeeping): not hyper-parameters
 
 
+# How the writer's optimizer ran, not hyper-parameters: another implementation (ZeRO offload's CPU Adam, a fused AdamW)
+# keeps its own (a fused AdamW set to fused=False fails its next step).
+_IMPLEMENTATION_FLAGS = {"fused", "foreach", "capturable", "differentiable"}
+
+
 def restore_param_groups(param_groups: list[dict[str, Any]], saved: list[dict[str, Any]], *, where: Path) -> None:
     """Set each live group's hyper-parameters (lr, betas, weight decay...) to the saved group's, by position.
 
@@ -494,7 +499,7 @@ def restore_param_groups(param_groups: list[dict[str, Any]], saved: list[dict[st
         )
     for group, record in zip(param_groups, saved, strict=True):
         for key, value in record.items():
-            if key not in group:
+            if key not in group or key in _IMPLEMENTATION_FLAGS:
                 continue
             live = group[key]
             if isinstance(live, torch.Tensor):
