@@ -1,0 +1,252 @@
+"""``hftrain convert``: checkpoints into save_pretrained folders, one tensor at a time, checked against the source.
+
+The hftrain checkpoints here are built the way the DCP format lays them out (``state/dcp`` with ``model.<name>``
+keys written by ``torch.distributed.checkpoint`` in one process, ``state/hf_model``, ``checkpoint.json``); the
+DeepSpeed folder is written by a real 2-process ZeRO run and compared with DeepSpeed's own ``zero_to_fp32``. Each
+converted folder is reloaded with plain transformers/peft and must give the source model's logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hftrain.cli import main
+from tests.conftest import assert_refused
+from tests.tiny import tiny_config, tiny_model_init, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2_VOCAB = 50257  # GPT-2's real vocabulary: an odd row count, the largest tensor of these models
+
+
+def write_dcp_checkpoint(
+    model: torch.nn.Module, run_dir: Path, *, step: int = 40, model_path: str | None = None, extra: dict | None = None
+) -> Path:
+    """A complete new-format checkpoint of ``model`` under ``run_dir/checkpoints/step_<step>`` (one process).
+
+    Args:
+        model: the unwrapped model (a PEFT model under LoRA).
+        run_dir: the run's output_dir.
+        step: the step in the folder name.
+        model_path: recorded as ``model.model_name_or_path`` (the tokenizer's source).
+        extra: more tensors to save beside the model's (e.g. ``optim.*``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from hftrain.checkpoint.manager import FORMAT_VERSION
+    from hftrain.models.lora import is_peft_model
+
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    state = path / "state"
+    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    dcp.save({**tensors, **(extra or {})}, checkpoint_id=str(state / "dcp"), no_dist=True)
+    base = model.get_base_model() if is_peft_model(model) else model
+    base.config.save_pretrained(state / "hf_model")
+    if is_peft_model(model):
+        model.peft_config["default"].save_pretrained(state / "hf_model")
+    (state / "sharded.json").write_text(json.dumps({"format": "hftrain-dcp-v1", "strategy": "ddp", "layout": {}}))
+    files = {str(p.relative_to(path)): _sha256(p) for p in sorted(path.rglob("*")) if p.is_file()}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "run_id": "test-run",
+        "trainer_state": {"epoch": 0, "global_step": step, "micro_step": 0, "samples_seen": 0},
+        "topology": {"strategy": "ddp", "world_size": 1, "micro_batch": 4, "global_batch": 4},
+        "config": {
+            "model.model_name_or_path": model_path or "none",
+            "model.num_labels": base.config.num_labels,
+            "lora.use_lora": is_peft_model(model),
+        },
+        "files": files,
+    }
+    (path / "checkpoint.json").write_text(json.dumps(meta))
+    return path
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _inputs(vocab: int = 64) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(1, vocab, (3, 9), generator=generator), "attention_mask": torch.ones(3, 9)}
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, vocab: int = 64) -> torch.Tensor:
+    return model.eval()(**_inputs(vocab)).logits
+
+
+def _trained(model: torch.nn.Module) -> torch.nn.Module:
+    """Perturb every float tensor so that no value equals its initialisation (a LoRA B is zero at start)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator))
+    return model
+
+
+def _convert(*args: str) -> int:
+    return main(["convert", *map(str, args)])
+
+
+# ----------------------------------------------------------------- full models from a DCP checkpoint
+@pytest.mark.parametrize(("kind", "vocab"), [("bert", 64), ("gpt2", GPT2_VOCAB)], ids=["bert", "gpt2-vocab-50257"])
+def test_dcp_checkpoint_converts_to_a_model_with_identical_logits(tmp_path, kind, vocab):
+    from safetensors import safe_open
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_config(kind, vocab_size=vocab)
+    model = _trained(AutoModelForSequenceClassification.from_config(config))
+    tokenizer_dir = tmp_path / "tokenizer"
+    tiny_tokenizer(kind).save_pretrained(tokenizer_dir)
+    checkpoint = write_dcp_checkpoint(model, tmp_path / "run", model_path=str(tokenizer_dir))
+
+    assert _convert(tmp_path / "run", tmp_path / "out") == 0  # a run folder: its latest checkpoint, trusted
+    out = tmp_path / "out"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    reloaded, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    torch.testing.assert_close(_logits(reloaded, vocab), _logits(model, vocab), rtol=0, atol=0)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) == set(model.state_dict())  # what save_pretrained writes: no tied copy here
+        assert handle.metadata() == {"format": "pt"}
+    assert not list(tmp_path.glob(".staging-*"))
+    assert checkpoint.is_dir()
+
+
+def test_tied_copy_is_left_out_as_save_pretrained_does(tmp_path):
+    from safetensors import safe_open
+    from transformers import GPT2LMHeadModel
+
+    model = _trained(GPT2LMHeadModel(tiny_config("gpt2")))
+    model.tie_weights()
+    write_dcp_checkpoint(model, tmp_path / "run")
+    reference = tmp_path / "reference"
+    model.save_pretrained(reference)
+    assert _convert(tmp_path / "run", tmp_path / "out") == 0
+    with (
+        safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as ours,
+        safe_open(str(reference / "model.safetensors"), framework="pt") as theirs,
+    ):
+        assert set(ours.keys()) == set(theirs.keys())
+        assert "lm_head.weight" not in ours.keys()
+        for key in ours.keys():
+            assert torch.equal(ours.get_tensor(key), theirs.get_tensor(key)), key
+    reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
+    torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=0)
+
+
+def test_export_dtype_bf16_and_shards(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForSequenceClassification
+
+    model = _trained(AutoModelForSequenceClassification.from_config(tiny_config("bert")))
+    write_dcp_checkpoint(model, tmp_path / "run", extra={"optim.x.exp_avg": torch.ones(3)})
+    out = tmp_path / "out"
+    assert _convert(tmp_path / "run", out, "--dtype", "bfloat16", "--max_shard_size", "20KB") == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert set(index["weight_map"]) == set(model.state_dict())
+    state = model.state_dict()
+    for file in files:
+        with safe_open(str(out / file), framework="pt") as handle:
+            for key in handle.keys():
+                tensor = handle.get_tensor(key)
+                assert tensor.dtype == torch.bfloat16
+                assert torch.equal(tensor, state[key].to(torch.bfloat16)), key
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    reloaded = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
+    # bf16 rounding of the weights only: the logits stay within bf16's relative precision of the fp32 model's.
+    torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------- LoRA: adapter and merged model
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_lora_checkpoint_converts_to_an_adapter_and_a_merged_model(tmp_path, kind):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    model = _trained(tiny_model_init(kind, lora_options={"lora_r": 4, "lora_alpha": 8})())
+    base_state = {k: v.clone() for k, v in model.get_base_model().state_dict().items()}  # incl. the LoRA layers
+    write_dcp_checkpoint(model, tmp_path / "run")
+    out = tmp_path / "adapter"
+    assert _convert(tmp_path / "run", out, "--merge_lora") == 0
+
+    # The adapter has exactly PEFT's own file: names without the adapter name, same values.
+    reference = tmp_path / "reference"
+    model.save_pretrained(reference)
+    ours, theirs = load_file(out / "adapter_model.safetensors"), load_file(reference / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not any(".default." in k for k in ours)
+
+    # Loaded by peft onto a base model holding the checkpoint's frozen weights, it gives the trained logits.
+    base = AutoModelForSequenceClassification.from_config(tiny_config(kind))
+    frozen = {k.replace(".base_layer", ""): v for k, v in base_state.items() if "lora_" not in k}
+    frozen = {k: v for k, v in frozen.items() if ".modules_to_save." not in k}
+    base.load_state_dict({k.replace(".original_module", ""): v for k, v in frozen.items()})
+    expected = _logits(model)
+    torch.testing.assert_close(_logits(PeftModel.from_pretrained(base, out)), expected, rtol=0, atol=0)
+
+    # The merged model equals PEFT's merge_and_unload bit for bit, and loads in plain transformers.
+    merged_dir = tmp_path / "adapter_merged"
+    reloaded, info = AutoModelForSequenceClassification.from_pretrained(merged_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    peft_merged = model.merge_and_unload().state_dict()
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, peft_merged[key]), key
+    torch.testing.assert_close(_logits(reloaded), expected, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------- bad input
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    from transformers import AutoModelForSequenceClassification
+
+    return write_dcp_checkpoint(AutoModelForSequenceClassification.from_config(tiny_config("bert")), tmp_path / "run")
+
+
+def _refused(capsys, args: list[str], fragment: str, scratch: Path) -> None:
+    before = {str(p): p.stat().st_mtime_ns for p in scratch.rglob("*")}
+    code = main(["convert", *map(str, args)])
+    assert_refused(capsys.readouterr().err, code, fragment)
+    assert {str(p): p.stat().st_mtime_ns for p in scratch.rglob("*")} == before
+
+
+def test_bad_input_is_one_line(tmp_path, capsys, checkpoint):
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "out"
+    _refused(capsys, [tmp_path / "missing", out], "does not exist", tmp_path)
+    (tmp_path / "plain").mkdir()
+    _refused(capsys, [tmp_path / "plain", out], "is not a checkpoint", tmp_path)
+    _refused(capsys, [checkpoint, out], "--trust_external_checkpoint", tmp_path)  # a step folder, no run named
+    _refused(capsys, [checkpoint, out, "--dtype", "int8"], "--dtype", tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    _refused(capsys, [tmp_path / "run", tmp_path / "full"], "is not empty", tmp_path)
+    _refused(capsys, [tmp_path / "run", out, "--merge_lora"], "no adapter to merge", tmp_path)
+    _refused(capsys, [tmp_path / "run", out, "--max_shard_size", "lots"], "max_shard_size", tmp_path)
+    # A checkpoint of another model than its config says (the config is of a 3-label head).
+    other = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    broken = write_dcp_checkpoint(other, tmp_path / "other")
+    config = json.loads((broken / "state" / "hf_model" / "config.json").read_text())
+    config["id2label"] = {str(i): f"L{i}" for i in range(3)}
+    (broken / "state" / "hf_model" / "config.json").write_text(json.dumps(config))
+    meta = json.loads((broken / "checkpoint.json").read_text())
+    meta["files"]["state/hf_model/config.json"] = _sha256(broken / "state" / "hf_model" / "config.json")
+    (broken / "checkpoint.json").write_text(json.dumps(meta))
+    _refused(capsys, [tmp_path / "other", out], "does not hold the model its config describes", tmp_path)
+    # A damaged shard: its checksum no longer matches.
+    shard = next((checkpoint / "state" / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    _refused(capsys, [tmp_path / "run", out], "does not match its checksum", tmp_path)
+    assert not out.exists()
