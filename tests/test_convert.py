@@ -176,7 +176,6 @@ def test_lora_checkpoint_converts_to_an_adapter_and_a_merged_model(tmp_path, kin
     from transformers import AutoModelForSequenceClassification
 
     model = _trained(tiny_model_init(kind, lora_options={"lora_r": 4, "lora_alpha": 8})())
-    base_state = {k: v.clone() for k, v in model.get_base_model().state_dict().items()}  # incl. the LoRA layers
     write_dcp_checkpoint(model, tmp_path / "run")
     out = tmp_path / "adapter"
     assert _convert(tmp_path / "run", out, "--merge_lora") == 0
@@ -190,9 +189,7 @@ def test_lora_checkpoint_converts_to_an_adapter_and_a_merged_model(tmp_path, kin
 
     # Loaded by peft onto a base model holding the checkpoint's frozen weights, it gives the trained logits.
     base = AutoModelForSequenceClassification.from_config(tiny_config(kind))
-    frozen = {k.replace(".base_layer", ""): v for k, v in base_state.items() if "lora_" not in k}
-    frozen = {k: v for k, v in frozen.items() if ".modules_to_save." not in k}
-    base.load_state_dict({k.replace(".original_module", ""): v for k, v in frozen.items()})
+    base.load_state_dict(_frozen_base(model))
     expected = _logits(model)
     torch.testing.assert_close(_logits(PeftModel.from_pretrained(base, out)), expected, rtol=0, atol=0)
 
@@ -204,6 +201,13 @@ def test_lora_checkpoint_converts_to_an_adapter_and_a_merged_model(tmp_path, kin
     for key, value in reloaded.state_dict().items():
         assert torch.equal(value, peft_merged[key]), key
     torch.testing.assert_close(_logits(reloaded), expected, rtol=1e-6, atol=1e-6)
+
+
+def _frozen_base(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's weights inside a PEFT model (the frozen layers and the head's original copy)."""
+    state = peft_model.get_base_model().state_dict()
+    kept = {k: v for k, v in state.items() if "lora_" not in k and ".modules_to_save." not in k}
+    return {k.replace(".base_layer", "").replace(".original_module", ""): v for k, v in kept.items()}
 
 
 # ----------------------------------------------------------------- bad input
@@ -250,3 +254,96 @@ def test_bad_input_is_one_line(tmp_path, capsys, checkpoint):
     shard.write_bytes(shard.read_bytes()[:-8])
     _refused(capsys, [tmp_path / "run", out], "does not match its checksum", tmp_path)
     assert not out.exists()
+
+
+# ----------------------------------------------------------------- a real DeepSpeed ZeRO folder
+def _zero_save(directory: str) -> list[str]:
+    """Train a tiny BERT 2 steps under ZeRO-2 and ZeRO-3 (and a LoRA one under ZeRO-3) on 2 gloo processes, and
+    write each with ``engine.save_checkpoint`` (the body of a 2-process launch)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    written = []
+    for name, stage, lora in (("zero2", 2, None), ("zero3", 3, None), ("zero3_lora", 3, {"lora_r": 4})):
+        torch.manual_seed(0)
+        model = tiny_model_init("bert", lora_options=lora)()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": False},
+        }
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-2), config=config)
+        batch = _inputs()
+        for _ in range(2):
+            loss = engine(**{k: v[:2] for k, v in batch.items()}, labels=torch.tensor([0, 1])).loss
+            engine.backward(loss)
+            engine.step()
+        engine.save_checkpoint(f"{directory}/{name}")
+        if engine.global_rank == 0:  # the model's config, which a DeepSpeed folder lacks (convert --config)
+            tiny_config("bert").save_pretrained(f"{directory}/{name}_config")
+            if lora is not None:
+                model.peft_config["default"].save_pretrained(f"{directory}/{name}_config")
+        written.append(name)
+    return written
+
+
+@pytest.fixture(scope="module")
+def zero_folders(tmp_path_factory) -> Path:
+    from tests.distributed import run_distributed
+
+    directory = tmp_path_factory.mktemp("zero")
+    run_distributed(_zero_save, nprocs=2, directory=str(directory))
+    return directory
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_deepspeed_zero_folder_equals_zero_to_fp32(zero_folders, tmp_path, name):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors import safe_open
+    from transformers import AutoModelForSequenceClassification
+
+    folder, out = zero_folders / name, tmp_path / "out"
+    config = str(zero_folders / f"{name}_config")
+    assert _convert(folder, out, "--config", config, "--trust_external_checkpoint") == 0
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(folder))  # DeepSpeed's own, all in memory
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) == set(reference)
+        for key in handle.keys():
+            torch.testing.assert_close(handle.get_tensor(key), reference[key], rtol=0, atol=1e-7)
+    reloaded, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    plain = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    plain.load_state_dict(reference)
+    torch.testing.assert_close(_logits(reloaded), _logits(plain), rtol=0, atol=0)
+    # A global_step<N> folder itself converts the same.
+    assert _convert(folder / "global_step2", tmp_path / "tag", "--config", config, "--trust_external_checkpoint") == 0
+    assert (tmp_path / "tag" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+@pytest.mark.distributed
+def test_deepspeed_zero3_lora_folder_converts_to_adapter_and_merged(zero_folders, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    folder, out = zero_folders / "zero3_lora", tmp_path / "adapter"
+    config = str(zero_folders / "zero3_lora_config")
+    assert _convert(folder, out, "--config", config, "--merge_lora", "--trust_external_checkpoint") == 0
+    trained = tiny_model_init("bert", lora_options={"lora_r": 4})()
+    trained.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(folder)))
+    expected = _logits(trained)
+    base = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    base.load_state_dict(_frozen_base(trained))
+    torch.testing.assert_close(_logits(PeftModel.from_pretrained(base, out)), expected, rtol=0, atol=0)
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "adapter_merged")
+    torch.testing.assert_close(_logits(merged), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_deepspeed_folder_needs_config_and_trust(zero_folders, tmp_path, capsys):
+    _refused(capsys, [zero_folders / "zero3", tmp_path / "out", "--trust_external_checkpoint"], "--config", tmp_path)
+    config = zero_folders / "zero3_config"
+    _refused(capsys, [zero_folders / "zero3", tmp_path / "out", "--config", config], "--trust_external", tmp_path)
