@@ -44,6 +44,7 @@ SAFETENSORS_DTYPES = {
 }
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
+VERIFY_BLOCK_BYTES = 16 << 20  # read back a written tensor in blocks of rows of this size
 INDEX_SUFFIX = ".safetensors.index.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -199,12 +200,14 @@ class StreamedSafetensorsWriter:
             handle.truncate(8 + len(encoded) + offset)  # sparse until written; close() checks nothing is left out
         return len(encoded)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, *, verify: bool = False) -> None:
         """Cast ``tensor`` to its declared dtype and write its bytes in place; the writer keeps no reference.
 
         Args:
             name: a declared tensor name, written once.
             tensor: its full value (on any device; copied to CPU if needed).
+            verify: read the tensor back through ``safetensors.safe_open`` (a block of rows at a time, the file
+                opened afresh for each so that its mapped pages do not pile up) and compare it bit for bit.
         """
         if name not in self._where:
             raise KeyError(f"{name} is not a tensor declared for {self.prefix}")
@@ -223,6 +226,9 @@ class StreamedSafetensorsWriter:
             # A view of the tensor's own memory as bytes: no second copy (numpy has no bfloat16, uint8 it has).
             self._handle.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
         self._written.add(name)
+        if verify:
+            self._handle.flush()
+            check_tensor(self.directory / self.files[index], name, data)
 
     def close(self) -> list[str]:
         """Finish the files (and the index when sharded); return the file names written.
@@ -256,6 +262,8 @@ def write_streamed(
     directory: str | Path,
     specs: list[TensorSpec],
     tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    verify: bool = False,
     **options: object,
 ) -> list[str]:
     """Write ``tensors`` (pairs ``(name, value)``, produced one at a time) into safetensors files under ``directory``.
@@ -264,12 +272,13 @@ def write_streamed(
         directory: the folder.
         specs: every tensor's name, shape and saved dtype, in file order.
         tensors: the values; each is written and released before the next is drawn.
+        verify: read each tensor back after writing it and compare (``StreamedSafetensorsWriter.write``).
         options: ``max_shard_size``, ``prefix``, ``metadata`` of ``StreamedSafetensorsWriter``.
     """
     writer = StreamedSafetensorsWriter(directory, specs, **options)  # type: ignore[arg-type]
     try:
         for name, tensor in tensors:
-            writer.write(name, tensor)
+            writer.write(name, tensor, verify=verify)
             del tensor  # the only reference left is the producer's, which it drops for the next one
     finally:
         writer._close_handle()
@@ -310,6 +319,40 @@ def verify_written(directory: str | Path, expected: Callable[[str], torch.Tensor
                 count += 1
                 del written, source
     return count
+
+
+def check_tensor(path: Path, name: str, expected: torch.Tensor, *, block_bytes: int = VERIFY_BLOCK_BYTES) -> None:
+    """Raise ``HFTrainError`` unless ``name`` in the safetensors file ``path`` equals ``expected`` bit for bit.
+
+    Read through ``safe_open`` (the library's own parser of header and offsets) in blocks of rows of about
+    ``block_bytes``, reopening the file for each block: safetensors maps the file, and pages read through a mapping
+    stay in the process's resident set until it is closed.
+
+    Args:
+        path: the safetensors file.
+        name: the tensor's key.
+        expected: its value, in the file's dtype.
+        block_bytes: bytes compared per block.
+    """
+    from safetensors import safe_open
+
+    rows = expected.shape[0] if expected.dim() else 1
+    row_bytes = max(1, expected.numel() * expected.element_size() // max(rows, 1))
+    step = max(1, block_bytes // row_bytes)
+    for start in range(0, max(rows, 1), step):
+        with safe_open(str(path), framework="pt") as handle:
+            if expected.dim() == 0 or (start == 0 and step >= rows):
+                written = handle.get_tensor(name)
+                part = expected
+            else:
+                written = handle.get_slice(name)[start : start + step]
+                part = expected[start : start + step]
+        if written.dtype != part.dtype or written.shape != part.shape or not torch.equal(written, part):
+            raise HFTrainError(
+                f"'{path}': {name} read back differs from the value written; the write is damaged, do not use this "
+                "folder (check the disk and write it again)"
+            )
+        del written
 
 
 def _itemsize(dtype: torch.dtype) -> int:
