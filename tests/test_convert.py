@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -347,3 +350,98 @@ def test_deepspeed_folder_needs_config_and_trust(zero_folders, tmp_path, capsys)
     _refused(capsys, [zero_folders / "zero3", tmp_path / "out", "--trust_external_checkpoint"], "--config", tmp_path)
     config = zero_folders / "zero3_config"
     _refused(capsys, [zero_folders / "zero3", tmp_path / "out", "--config", config], "--trust_external", tmp_path)
+
+
+# ----------------------------------------------------------------- DCP chunks written by several ranks
+def _sharded_save(directory: str) -> None:
+    """Save full tensors as 2-rank DTensors split along dim 0, along dim 1 and replicated (a 2-process body)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    placements = {"model.rows": Shard(0), "model.cols": Shard(1), "model.replicated": Replicate()}
+    state = {
+        key: distribute_tensor(_sharded_value(key), mesh, [placements[key]])
+        if key in placements
+        else _sharded_value(key)
+        for key in SHARDED_SHAPES
+    }
+    dcp.save(state, checkpoint_id=directory)
+    dist.destroy_process_group()
+
+
+SHARDED_SHAPES = {"model.rows": (7, 6), "model.cols": (4, 10), "model.replicated": (3, 5), "model.scalar": ()}
+
+
+def _sharded_value(key: str) -> torch.Tensor:
+    return torch.randn(SHARDED_SHAPES[key], generator=torch.Generator().manual_seed(len(key)))
+
+
+@pytest.mark.distributed
+def test_dcp_tensor_read_from_chunks_of_two_ranks(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hftrain.checkpoint.convert import read_dcp_tensor
+    from tests.distributed import run_distributed
+
+    directory = tmp_path / "dcp"
+    run_distributed(_sharded_save, nprocs=2, directory=str(directory))
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    assert len({info.relative_path for info in metadata.storage_data.values()}) == 2  # each rank wrote its part
+    for key in SHARDED_SHAPES:
+        entry = metadata.state_dict_metadata[key]
+        chunks = [(tuple(i.offset), info) for i, info in metadata.storage_data.items() if i.fqn == key]
+        value = read_dcp_tensor(directory, key, tuple(entry.size), entry.properties.dtype, chunks)
+        assert torch.equal(value, _sharded_value(key)), key
+
+
+# ----------------------------------------------------------------- memory: one tensor at a time
+LARGE = {"vocab_size": GPT2_VOCAB, "n_embd": 768, "n_layer": 4, "n_head": 12, "n_positions": 128}
+MEMORY_MARGIN = 64 << 20
+
+
+def measure_convert(run_dir: str, out: str, *args: str) -> dict[str, int]:
+    """Build a GPT-2-shaped classifier of ~270 MiB (its 50,257 × 768 embedding the largest tensor, 147 MiB), write
+    its checkpoint, free it, then convert it and return the peak RSS increase over the process before converting.
+
+    Run in a fresh process (``python -c``): the peak is this process's own ``VmHWM``, reset after the checkpoint is
+    written, so neither the parameters nor pytest's memory count.
+    """
+    import gc
+
+    from transformers import AutoModelForSequenceClassification, GPT2Config
+
+    from tests.memory import process_memory, reset_peak
+
+    model = AutoModelForSequenceClassification.from_config(GPT2Config(num_labels=2, pad_token_id=0, **LARGE))
+    write_dcp_checkpoint(model, Path(run_dir))
+    sizes = [v.numel() * v.element_size() for v in model.state_dict().values()]
+    del model
+    gc.collect()
+    reset_peak()
+    before = process_memory("VmRSS")
+    assert main(["convert", run_dir, out, *args]) == 0
+    return {"peak": process_memory("VmHWM") - before, "largest": max(sizes), "total": sum(sizes)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_convert_holds_one_tensor_at_a_time(tmp_path, dtype):
+    code = (
+        "import json, sys; from tests.test_convert import measure_convert; "
+        "print(json.dumps(measure_convert(sys.argv[1], sys.argv[2], '--dtype', sys.argv[3])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run"), str(tmp_path / "out"), dtype],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured["total"] > 250 << 20 and measured["largest"] > 140 << 20
+    # The largest tensor once, plus libraries' working memory: not the model, not the tensor twice.
+    assert measured["peak"] <= measured["largest"] + MEMORY_MARGIN, measured

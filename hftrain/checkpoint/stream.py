@@ -44,7 +44,7 @@ SAFETENSORS_DTYPES = {
 }
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
-VERIFY_BLOCK_BYTES = 16 << 20  # read back a written tensor in blocks of rows of this size
+BLOCK_BYTES = 16 << 20  # a tensor is cast, written and read back in blocks of about this size
 INDEX_SUFFIX = ".safetensors.index.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -216,19 +216,24 @@ class StreamedSafetensorsWriter:
         index, offset, spec = self._where[name]
         if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, declared {spec.shape}")
-        data = tensor.detach().to(device="cpu", dtype=spec.dtype).contiguous()
+        source = tensor.detach().to(device="cpu").contiguous()
         if self._open_index != index:
             self._close_handle()
             self._handle = (self.directory / self.files[index]).open("r+b")
             self._open_index = index
         self._handle.seek(offset)
-        if spec.nbytes:
-            # A view of the tensor's own memory as bytes: no second copy (numpy has no bfloat16, uint8 it has).
-            self._handle.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
+        flat = source.view(-1)
+        step = max(1, BLOCK_BYTES // max(1, source.element_size()))
+        for start in range(0, flat.numel(), step):
+            # Cast a block at a time (an export_dtype copy of the whole tensor would be half its size again); the
+            # bytes go out through a view of the block's own memory (numpy has no bfloat16, uint8 it has).
+            block = flat[start : start + step].to(spec.dtype)
+            self._handle.write(memoryview(block.view(torch.uint8).numpy()))
+            del block
         self._written.add(name)
         if verify:
             self._handle.flush()
-            check_tensor(self.directory / self.files[index], name, data)
+            check_tensor(self.directory / self.files[index], name, source)
 
     def close(self) -> list[str]:
         """Finish the files (and the index when sharded); return the file names written.
@@ -321,8 +326,9 @@ def verify_written(directory: str | Path, expected: Callable[[str], torch.Tensor
     return count
 
 
-def check_tensor(path: Path, name: str, expected: torch.Tensor, *, block_bytes: int = VERIFY_BLOCK_BYTES) -> None:
-    """Raise ``HFTrainError`` unless ``name`` in the safetensors file ``path`` equals ``expected`` bit for bit.
+def check_tensor(path: Path, name: str, expected: torch.Tensor, *, block_bytes: int = BLOCK_BYTES) -> None:
+    """Raise ``HFTrainError`` unless ``name`` in the safetensors file ``path`` equals ``expected`` (cast to the file's
+    dtype) bit for bit.
 
     Read through ``safe_open`` (the library's own parser of header and offsets) in blocks of rows of about
     ``block_bytes``, reopening the file for each block: safetensors maps the file, and pages read through a mapping
@@ -331,7 +337,7 @@ def check_tensor(path: Path, name: str, expected: torch.Tensor, *, block_bytes: 
     Args:
         path: the safetensors file.
         name: the tensor's key.
-        expected: its value, in the file's dtype.
+        expected: its value (each block is cast to the file's dtype before comparing, as the writer cast it).
         block_bytes: bytes compared per block.
     """
     from safetensors import safe_open
@@ -347,7 +353,8 @@ def check_tensor(path: Path, name: str, expected: torch.Tensor, *, block_bytes: 
             else:
                 written = handle.get_slice(name)[start : start + step]
                 part = expected[start : start + step]
-        if written.dtype != part.dtype or written.shape != part.shape or not torch.equal(written, part):
+        part = part.to(written.dtype)
+        if written.shape != part.shape or not torch.equal(written, part):
             raise HFTrainError(
                 f"'{path}': {name} read back differs from the value written; the write is damaged, do not use this "
                 "folder (check the disk and write it again)"
