@@ -11,9 +11,9 @@ Two sources, both read without starting the world that wrote them:
 - a DeepSpeed ZeRO checkpoint folder (what ``engine.save_checkpoint`` writes: ``latest``,
   ``global_step<N>/*_optim_states.pt``): DeepSpeed's own ``zero_to_fp32`` in lazy mode gives the fp32 master
   weights; under ZeRO-3 each is gathered from the ranks' mapped partitions only when asked for (``contiguous()``).
-  Under ZeRO-1/2 DeepSpeed concatenates each parameter group's partitions first, so that source holds a group's
-  full fp32 vector (DeepSpeed's "memory usage doubles here (zero2)"). The folder has no model config: ``--config``
-  names one.
+  Under ZeRO-1/2 DeepSpeed loads the module's weights and concatenates each parameter group's partitions first, so
+  that source holds about twice the model (DeepSpeed's "memory usage doubles here (zero2)"). The folder has no
+  model config: ``--config`` names one.
 
 The names, shapes and dtypes are known up front, so ``hftrain.checkpoint.stream`` writes the safetensors headers
 first and each tensor as it is read. A full model becomes ``config.json`` + ``model.safetensors`` (tied copies left
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from hftrain.checkpoint.manager import STATE_DIR, CheckpointError
-from hftrain.checkpoint.stream import EXPORT_DTYPES, TensorSpec, saved_dtype, write_streamed
+from hftrain.checkpoint.stream import EXPORT_DTYPES, TensorSpec, parse_shard_size, saved_dtype, write_streamed
 from hftrain.errors import ConfigError, reading, writing
 from hftrain.log import get_logger
 
@@ -128,6 +128,7 @@ def convert_checkpoint(
     """
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype '{dtype}' is not one of {', '.join(EXPORT_DTYPES)}; choose one of them")
+    parse_shard_size(max_shard_size, field="--max_shard_size")  # refused before anything is read or written
     out = Path(out)
     merged = out.with_name(out.name + "_merged") if merge_lora else None
     for target in (out, merged):
