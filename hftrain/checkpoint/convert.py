@@ -46,13 +46,12 @@ from typing import Any
 import torch
 
 from hftrain.checkpoint.manager import STATE_DIR, CheckpointError
+from hftrain.checkpoint.sharded import DCP_DIR, MODEL_PREFIX
+from hftrain.checkpoint.sharded import HF_DIR as HF_MODEL_DIR
 from hftrain.checkpoint.stream import EXPORT_DTYPES, TensorSpec, parse_shard_size, saved_dtype, write_streamed
 from hftrain.errors import ConfigError, reading, writing
 from hftrain.log import get_logger
 
-DCP_DIR = "dcp"
-HF_MODEL_DIR = "hf_model"
-MODEL_PREFIX = "model."
 PEFT_PREFIX = "base_model.model."
 ADAPTER_NAME = "default"
 # LoRA variants whose merge is not W + B A · scaling: refused rather than merged wrongly.
