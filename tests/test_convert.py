@@ -445,3 +445,57 @@ def test_convert_holds_one_tensor_at_a_time(tmp_path, dtype):
     assert measured["total"] > 250 << 20 and measured["largest"] > 140 << 20
     # The largest tensor once, plus libraries' working memory: not the model, not the tensor twice.
     assert measured["peak"] <= measured["largest"] + MEMORY_MARGIN, measured
+
+
+# ----------------------------------------------------------------- checkpoints of real hftrain runs
+def _export_equals_convert(run: Path, out: Path, *, adapter: bool = False) -> None:
+    """The converted folder holds the same tensors as the run's end-of-training export (its last checkpoint)."""
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors" if adapter else "model.safetensors"
+    exported, converted = load_file(run / "model" / name), load_file(out / name)
+    assert converted.keys() == exported.keys()
+    for key, tensor in converted.items():
+        torch.testing.assert_close(tensor, exported[key], rtol=0, atol=1e-7, msg=key)
+
+
+def test_real_run_checkpoint_converts_like_its_export(tiny_job, tmp_path):
+    from tests.conftest import job_args, run_ok
+
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "hftrain", "train", *job_args(tiny_job, run), "--mixed_precision", "no"]
+    run_ok(train)
+    assert (next((run / "checkpoints").iterdir()) / "state" / "dcp" / ".metadata").is_file()
+    assert _convert(run, tmp_path / "out") == 0
+    _export_equals_convert(run, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").is_file()  # from model.model_name_or_path
+
+
+def test_real_lora_run_converts_like_its_export(tiny_job, tmp_path):
+    from tests.conftest import job_args, run_ok
+
+    run = tmp_path / "run"
+    lora = ["--use_lora", "true", "--lora_r", "4", "--merge_lora_on_export", "true", "--mixed_precision", "no"]
+    run_ok([sys.executable, "-m", "hftrain", "train", *job_args(tiny_job, run), *lora])
+    assert _convert(run, tmp_path / "out", "--merge_lora") == 0
+    _export_equals_convert(run, tmp_path / "out", adapter=True)
+    from safetensors.torch import load_file
+
+    exported, converted = (
+        load_file(run / "model_merged" / "model.safetensors"),
+        load_file(tmp_path / "out_merged" / "model.safetensors"),
+    )
+    assert converted.keys() == exported.keys()
+    for key, tensor in converted.items():
+        torch.testing.assert_close(tensor, exported[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
+def test_real_megatron_tp2_checkpoint_converts_like_its_export(tiny_job, tmp_path):
+    from tests.conftest import job_args, torchrun
+
+    run = tmp_path / "run"
+    megatron = ["--strategy.name", "megatron", "--strategy.tp", "2", "--mixed_precision", "no"]
+    torchrun(2, ["scripts/train.py", *job_args(tiny_job, run), *megatron])
+    assert _convert(run, tmp_path / "out") == 0  # one process, without the tp=2 world
+    _export_equals_convert(run, tmp_path / "out")
