@@ -3,9 +3,14 @@
 The export is a collective call (pitfall "save on rank 0 only hangs", docs/pitfalls.md): every rank gathers, the main
 process writes and checks.
 
-- Gather: ``accelerator.get_state_dict`` assembles the *full* state on the main process whatever the strategy
-  (ZeRO-3 partitions with ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall "ZeRO-3
-  save_pretrained writes empty weights", docs/pitfalls.md).
+- Stream (a full model, on a runtime with ``iter_full_state``): the runtime yields the full tensors one at a time
+  (gathered over the ranks that hold them; the fp32 master values) and the main process writes each into
+  ``model.safetensors`` as it arrives (``hftrain.checkpoint.stream``), so no rank holds more than its own shards and
+  one full tensor; each is read back and compared before it is dropped.
+- Gather (LoRA, and runtimes without ``iter_full_state``): ``accelerator.get_state_dict`` assembles the *full*
+  state on the main process whatever the strategy (ZeRO-3 partitions with
+  ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall "ZeRO-3 save_pretrained writes empty
+  weights", docs/pitfalls.md).
 - LoRA: PEFT filters the adapter out of that full state dict, so the adapter is complete even where each rank
   holds only a slice of it (pitfalls #2, #3); ``merge_lora`` also writes ``<directory>_merged``, a plain
   model with the adapter merged in (beside the adapter folder, so each folder is one loadable model).
@@ -21,6 +26,7 @@ import copy
 import dataclasses
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +59,7 @@ class ExportResult:
         is_adapter: whether ``model_dir`` holds a PEFT adapter rather than a full model.
         tensors: tensors in the gathered full state dict.
         logit_diffs: max |logit difference| per reloaded folder (``"model"``, ``"merged"``); empty unverified.
+        streamed: whether the weights were written one tensor at a time (``runtime.iter_full_state``).
     """
 
     model_dir: str
@@ -60,6 +67,7 @@ class ExportResult:
     is_adapter: bool = False
     tensors: int = 0
     logit_diffs: dict[str, float] = field(default_factory=dict)
+    streamed: bool = False
 
     @property
     def max_logit_diff(self) -> float | None:
@@ -97,38 +105,162 @@ def export_pretrained(
     accelerator.wait_for_everyone()
     # Collective: under ZeRO-3/FSDP every rank takes part in the forward and in the gather.
     expected = _trained_logits(accelerator, model, verify_inputs) if verify_inputs is not None else None
-    state_dict = accelerator.get_state_dict(model)
-    outcome: ExportResult | str | None = None
-    failure: Exception | None = None
-    if accelerator.is_main_process:
-        try:
-            with (
-                accelerator.plain_model_context(),  # the strategy's: ZeRO-3 keeps transformers out of zero.Init
-                writing(
-                    f"the export {directory}",
-                    location=directory,
-                    last_checkpoint=lambda: last_checkpoint,
-                    catch=(Exception,),  # torch/safetensors report a full disk as RuntimeError/SafetensorError
-                ),
-            ):
-                outcome = _staged_export(
-                    accelerator.unwrap_model(model),
-                    _strip_wrapper_prefixes(state_dict),
-                    tokenizer,
-                    directory,
-                    merge_lora=merge_lora,
-                    verify_inputs=verify_inputs,
-                    expected=expected,
-                    mixed_precision=accelerator.mixed_precision,
-                )
-        except Exception as error:  # the other ranks must learn of it, or they would wait for a result forever
-            failure, outcome = error, _one_line(error)
+    options = {"verify_inputs": verify_inputs, "expected": expected, "mixed_precision": accelerator.mixed_precision}
+    if _streams(accelerator, model):
+        outcome, failure = _streamed_export(accelerator, model, tokenizer, directory, last_checkpoint, **options)
+    else:
+        state_dict = accelerator.get_state_dict(model)
+        outcome, failure = _on_main(
+            accelerator,
+            directory,
+            last_checkpoint,
+            lambda: _staged_export(
+                accelerator.unwrap_model(model),
+                _strip_wrapper_prefixes(state_dict),
+                tokenizer,
+                directory,
+                merge_lora=merge_lora,
+                **options,
+            ),
+        )
     outcome = _broadcast(accelerator, outcome)
     if failure is not None:
         raise failure
     if isinstance(outcome, str):
         raise HFTrainError(f"export to '{directory}' failed on the main process: {outcome}")
     return outcome
+
+
+def _on_main(
+    accelerator: Any, directory: Path, last_checkpoint: str | Path | None, work: Callable[[], Any]
+) -> tuple[Any, Exception | None]:
+    """Run ``work`` on the main process at the export's write boundary: ``(result, None)``, or ``(its one-line
+    message, the error)`` so that the other ranks learn of it (they would wait for a result forever); other ranks
+    get ``(None, None)``."""
+    if not accelerator.is_main_process:
+        return None, None
+    try:
+        with (
+            accelerator.plain_model_context(),  # the strategy's: ZeRO-3 keeps transformers out of zero.Init
+            writing(
+                f"the export {directory}",
+                location=directory,
+                last_checkpoint=lambda: last_checkpoint,
+                catch=(Exception,),  # torch/safetensors report a full disk as RuntimeError/SafetensorError
+            ),
+        ):
+            return work(), None
+    except Exception as error:
+        return _one_line(error), error
+
+
+# ----------------------------------------------------------------- the streamed export (full models)
+def _streams(accelerator: Any, model: torch.nn.Module) -> bool:
+    """Whether the export streams: a full model, on a runtime that yields its full tensors one at a time.
+
+    A LoRA export keeps the gathered path: its adapter is small and PEFT picks its entries from a state dict. Under
+    DeepSpeed, Accelerate's generic ``iter_full_state`` would yield ZeRO-3's empty partitions: only a runtime of its
+    own (that reaches the fp32 partitions through DeepSpeed's accessors) streams there.
+    """
+    from hftrain.models.lora import is_peft_model
+
+    iterate = getattr(type(accelerator), "iter_full_state", None)
+    if iterate is None or is_peft_model(accelerator.unwrap_model(model)):
+        return False
+    if str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
+        from hftrain.strategies.runtime import AccelerateRuntime
+
+        return iterate is not AccelerateRuntime.iter_full_state
+    return True
+
+
+def _streamed_export(
+    accelerator: Any,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    directory: Path,
+    last_checkpoint: str | Path | None,
+    *,
+    verify_inputs: dict[str, torch.Tensor] | None,
+    expected: torch.Tensor | None,
+    mixed_precision: str,
+) -> tuple[ExportResult | str | None, Exception | None]:
+    """Write the full model from ``runtime.iter_full_state`` into ``model.safetensors``, one tensor at a time.
+
+    Every rank consumes the iterator to its end (each tensor is a collective); the main process writes each tensor as
+    it arrives (``hftrain.checkpoint.stream``: the headers come first, from the model's layout on the meta device),
+    reads it back, and drops it, so no rank holds more than its own shards and one full tensor. A failure on the main
+    process stops its writing, not the iteration, and is reported to every rank after it. Then config and tokenizer,
+    the reload check, and the rename into place, as the gathered export does.
+    """
+    from hftrain.checkpoint.stream import StreamedSafetensorsWriter, TensorSpec, saved_dtype
+
+    unwrapped = accelerator.unwrap_model(model)
+    stage = directory.with_name(f".staging-{directory.name}")
+    plan: dict[str, Any] = {}
+
+    def begin() -> None:
+        with torch.device("meta"):  # the model's layout with clean parameter names, at no memory cost
+            layout = _fresh_like(unwrapped)
+        plan["tied"] = _tied_keys(layout)
+        plan["specs"] = [
+            TensorSpec(name, tuple(value.shape), saved_dtype(value.dtype, torch.float32))
+            for name, value in layout.state_dict().items()
+            if name not in plan["tied"]
+        ]
+        shutil.rmtree(stage, ignore_errors=True)  # left by a killed export
+        plan["writer"] = StreamedSafetensorsWriter(stage, plan["specs"])
+
+    outcome, failure = _on_main(accelerator, directory, last_checkpoint, begin)
+    for name, tensor in accelerator.iter_full_state(model):  # collective: every rank to the end
+        if failure is None and accelerator.is_main_process:
+            name = _strip_wrapper_prefixes({name: None}).popitem()[0]
+            if name not in plan["tied"]:
+                outcome, failure = _on_main(
+                    accelerator, directory, last_checkpoint, lambda n=name, t=tensor: _write_one(plan, n, t, directory)
+                )
+        del tensor
+
+    def finish() -> ExportResult:
+        try:
+            _close_streamed(plan["writer"], directory)
+            base = _base_of(unwrapped)
+            config = copy.deepcopy(base.config)
+            config.architectures = [type(base).__name__]  # as save_pretrained records it
+            config.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+            diffs = {}
+            if expected is not None:
+                diffs["model"] = verify_export(stage, verify_inputs, expected, mixed_precision=mixed_precision)
+            _publish(stage, directory)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        return ExportResult(model_dir=str(directory), tensors=len(plan["specs"]), logit_diffs=diffs, streamed=True)
+
+    if failure is None:
+        outcome, failure = _on_main(accelerator, directory, last_checkpoint, finish)
+    elif accelerator.is_main_process:
+        shutil.rmtree(stage, ignore_errors=True)
+    return outcome, failure
+
+
+def _write_one(plan: dict[str, Any], name: str, tensor: torch.Tensor | None, directory: Path) -> None:
+    writer = plan["writer"]
+    if name not in writer:  # a name the model does not have: another model than the layout
+        raise HFTrainError(
+            f"export to '{directory}': the runtime yields {name}, which a fresh model of this config does not have; "
+            "nothing was written"
+        )
+    writer.write(name, tensor, verify=True)
+
+
+def _close_streamed(writer: Any, directory: Path) -> None:
+    try:
+        writer.close()
+    except ValueError as error:  # a tensor the model has never came: the runtime's gather is incomplete
+        raise HFTrainError(
+            f"export to '{directory}': {error}; the runtime's full state is incomplete, nothing was written"
+        ) from None
 
 
 def verify_export(

@@ -200,6 +200,10 @@ class StreamedSafetensorsWriter:
             handle.truncate(8 + len(encoded) + offset)  # sparse until written; close() checks nothing is left out
         return len(encoded)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is a declared tensor."""
+        return name in self._where
+
     def write(self, name: str, tensor: torch.Tensor, *, verify: bool = False) -> None:
         """Cast ``tensor`` to its declared dtype and write its bytes in place; the writer keeps no reference.
 
