@@ -258,7 +258,9 @@ def _dcp_source(path: Path, meta: dict[str, Any], *, trust: bool, output_dir: Pa
 
     def load(name: str) -> torch.Tensor:
         shape, dtype = shapes[name]
-        return read_dcp_tensor(dcp_dir, MODEL_PREFIX + name, shape, dtype, chunks[name])
+        with reading(f"checkpoint '{path}': {MODEL_PREFIX}{name}", "convert another checkpoint",
+                     catch=(Exception,), error_class=CheckpointError):  # fmt: skip
+            return read_dcp_tensor(dcp_dir, MODEL_PREFIX + name, shape, dtype, chunks.get(name, []))
 
     adapter_file = hf_model / "adapter_config.json"
     return _Source(
@@ -292,10 +294,13 @@ def read_dcp_tensor(
         dtype: its dtype.
         chunks: ``(offsets, _StorageInfo)`` of each saved chunk (from the metadata's ``storage_data``).
     """
+    if any(info.transform_descriptors for _, info in chunks):  # compressed or otherwise transformed: DCP's reader
+        return _dcp_load(dcp_dir, key, shape, dtype)
     result = torch.empty(shape, dtype=dtype)
+    stored = sum(math.prod(info_shape) for info_shape in _chunk_shapes(dcp_dir, chunks))
+    if stored != result.numel():  # DCP keeps each element once: the chunks must tile the tensor
+        raise ValueError(f"its stored chunks hold {stored} of its {result.numel()} elements")
     for offsets, info in chunks:
-        if info.transform_descriptors:
-            return _dcp_load(dcp_dir, key, shape, dtype)
         with (dcp_dir / info.relative_path).open("rb") as handle:
             window = _Window(handle, info.offset, info.length)
             saved = torch.load(window, map_location="meta", weights_only=True)
@@ -304,6 +309,7 @@ def read_dcp_tensor(
             )
             record = _storage_record(window, saved)
             if record is None or saved.dtype != dtype or tuple(region.shape) != tuple(saved.shape):
+                del result, region
                 return _dcp_load(dcp_dir, key, shape, dtype)
             if region.is_contiguous():
                 _read_exactly(handle, info.offset + record, region)
@@ -313,6 +319,16 @@ def read_dcp_tensor(
                 region.copy_(buffer)
                 del buffer
     return result
+
+
+def _chunk_shapes(dcp_dir: Path, chunks: list[tuple[tuple[int, ...], Any]]) -> list[tuple[int, ...]]:
+    """Each stored chunk's shape, from its archive loaded on the meta device (no data read)."""
+    shapes = []
+    for _, info in chunks:
+        with (dcp_dir / info.relative_path).open("rb") as handle:
+            shapes.append(tuple(torch.load(_Window(handle, info.offset, info.length), map_location="meta",
+                                           weights_only=True).shape))  # fmt: skip
+    return shapes
 
 
 def _dcp_load(dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
