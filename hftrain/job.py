@@ -239,6 +239,7 @@ def export_model(
             tokenized["validation"], tokenizer, pad_to_multiple_of=trainer.runtime.pad_to_multiple_of
         ),
         last_checkpoint=trainer.last_checkpoint,
+        export_dtype=config.training.export_dtype,
     )
     if is_main_process():
         get_logger().info(

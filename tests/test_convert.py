@@ -459,25 +459,31 @@ def _export_equals_convert(run: Path, out: Path, *, adapter: bool = False) -> No
         torch.testing.assert_close(tensor, exported[key], rtol=0, atol=1e-7, msg=key)
 
 
-def test_real_run_checkpoint_converts_like_its_export(tiny_job, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_run_checkpoint_converts_like_its_export(tiny_job, tmp_path, dtype):
     from tests.conftest import job_args, run_ok
 
     run = tmp_path / "run"
     train = [sys.executable, "-m", "hftrain", "train", *job_args(tiny_job, run), "--mixed_precision", "no"]
-    run_ok(train)
+    done = run_ok([*train, "--export_dtype", dtype])
+    assert "(streamed, one tensor at a time)" in done.stdout + done.stderr  # the end-of-run export streamed
     assert (next((run / "checkpoints").iterdir()) / "state" / "dcp" / ".metadata").is_file()
-    assert _convert(run, tmp_path / "out") == 0
-    _export_equals_convert(run, tmp_path / "out")
+    assert _convert(run, tmp_path / "out", "--dtype", dtype) == 0
+    _export_equals_convert(run, tmp_path / "out")  # the same fp32 master weights, cast alike
     assert (tmp_path / "out" / "tokenizer.json").is_file()  # from model.model_name_or_path
+    for folder in (run / "model", tmp_path / "out"):
+        assert json.loads((folder / "config.json").read_text())["dtype"] == dtype
 
 
-def test_real_lora_run_converts_like_its_export(tiny_job, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_lora_run_converts_like_its_export(tiny_job, tmp_path, dtype):
     from tests.conftest import job_args, run_ok
 
     run = tmp_path / "run"
     lora = ["--use_lora", "true", "--lora_r", "4", "--merge_lora_on_export", "true", "--mixed_precision", "no"]
-    run_ok([sys.executable, "-m", "hftrain", "train", *job_args(tiny_job, run), *lora])
-    assert _convert(run, tmp_path / "out", "--merge_lora") == 0
+    run_ok([sys.executable, "-m", "hftrain", "train", *job_args(tiny_job, run), *lora, "--export_dtype", dtype])
+    # Both merge the fp32 master weights, then cast.
+    assert _convert(run, tmp_path / "out", "--merge_lora", "--dtype", dtype) == 0
     _export_equals_convert(run, tmp_path / "out", adapter=True)
     from safetensors.torch import load_file
 
