@@ -65,6 +65,34 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow a checkpoint outside the run folder this command names",
     )
+    convert = commands.add_parser(
+        "convert",
+        help="turn a checkpoint (or a DeepSpeed ZeRO folder) into a save_pretrained folder, in one CPU process",
+        description="Convert a checkpoint into a save_pretrained folder (LoRA: a PEFT adapter) in one process, "
+        "one tensor at a time, without starting the world that wrote it; every written tensor is read back and "
+        "compared with the checkpoint's.",
+    )
+    convert.add_argument(
+        "checkpoint",
+        help="output_dir/checkpoints/step_<N>, a run's output_dir (its latest), or a DeepSpeed checkpoint folder",
+    )
+    convert.add_argument("out", help="a new folder for the model (LoRA: the adapter; --merge_lora adds OUT_merged)")
+    convert.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="saved dtype of the weights"
+    )
+    convert.add_argument("--merge_lora", action="store_true", help="also write the adapter merged into the model")
+    convert.add_argument(
+        "--config", help="for a DeepSpeed folder: the model's config folder (config.json, adapter_config.json)"
+    )
+    convert.add_argument("--max_shard_size", default="50GB", help="bytes per safetensors file, e.g. 5GB (default 50GB)")
+    convert.add_argument(
+        "--output_dir", help="the run folder the checkpoint belongs to (a checkpoint inside it needs no trust flag)"
+    )
+    convert.add_argument(
+        "--trust_external_checkpoint",
+        action="store_true",
+        help="allow a checkpoint outside the run folder this command names",
+    )
     groups = commands.add_parser(
         "groups",
         help="print the tensor-, pipeline- and data-parallel rank groups of a layout (starts no process)",
@@ -198,6 +226,29 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace, extra: list[str]) -> int:
+    from hftrain.checkpoint.convert import convert_checkpoint
+    from hftrain.log import log_main
+
+    result = convert_checkpoint(
+        args.checkpoint,
+        args.out,
+        dtype=args.dtype,
+        merge_lora=args.merge_lora,
+        trust=args.trust_external_checkpoint,
+        output_dir=args.output_dir,
+        config=args.config,
+        max_shard_size=args.max_shard_size,
+    )
+    what = "LoRA adapter" if result.is_adapter else "model"
+    log_main(
+        f"converted {args.checkpoint} to {result.model_dir} ({what}, {args.dtype})"
+        + (f" and the merged model to {result.merged_dir}" if result.merged_dir else "")
+        + f"; {result.tensors} tensors read back equal to the checkpoint's"
+    )
+    return 0
+
+
 def _groups(args: argparse.Namespace, extra: list[str]) -> int:
     from hftrain.parallel.dims import MAX_PRINTED_WORLD, ParallelDims, group_lines, groups_json_chunks
 
@@ -290,7 +341,15 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
     return f"zero{stage}"
 
 
-COMMANDS = {"train": _train, "env": _env, "export": _export, "groups": _groups, "doctor": _doctor, "plan": run_plan}
+COMMANDS = {
+    "train": _train,
+    "env": _env,
+    "export": _export,
+    "convert": _convert,
+    "groups": _groups,
+    "doctor": _doctor,
+    "plan": run_plan,
+}
 
 
 if __name__ == "__main__":

@@ -239,10 +239,12 @@ def export_model(
             tokenized["validation"], tokenizer, pad_to_multiple_of=trainer.runtime.pad_to_multiple_of
         ),
         last_checkpoint=trainer.last_checkpoint,
+        export_dtype=config.training.export_dtype,
     )
     if is_main_process():
         get_logger().info(
             f"exported the {'LoRA adapter' if export.is_adapter else 'model'} to {export.model_dir}"
+            + (" (streamed, one tensor at a time)" if export.streamed else "")
             + (f" and the merged model to {export.merged_dir}" if export.merged_dir else "")
             + f"; reloaded it: max logit difference {export.max_logit_diff:.2e}"
         )

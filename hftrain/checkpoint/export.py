@@ -3,9 +3,14 @@
 The export is a collective call (pitfall "save on rank 0 only hangs", docs/pitfalls.md): every rank gathers, the main
 process writes and checks.
 
-- Gather: ``accelerator.get_state_dict`` assembles the *full* state on the main process whatever the strategy
-  (ZeRO-3 partitions with ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall "ZeRO-3
-  save_pretrained writes empty weights", docs/pitfalls.md).
+- Stream (a full model, on a runtime with ``iter_full_state``): the runtime yields the full tensors one at a time
+  (gathered over the ranks that hold them; the fp32 master values) and the main process writes each into
+  ``model.safetensors`` as it arrives (``hftrain.checkpoint.stream``), so no rank holds more than its own shards and
+  one full tensor; each is read back and compared before it is dropped.
+- Gather (LoRA, and runtimes without ``iter_full_state``): ``accelerator.get_state_dict`` assembles the *full*
+  state on the main process whatever the strategy (ZeRO-3 partitions with
+  ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall "ZeRO-3 save_pretrained writes empty
+  weights", docs/pitfalls.md).
 - LoRA: PEFT filters the adapter out of that full state dict, so the adapter is complete even where each rank
   holds only a slice of it (pitfalls #2, #3); ``merge_lora`` also writes ``<directory>_merged``, a plain
   model with the adapter merged in (beside the adapter folder, so each folder is one loadable model).
@@ -21,6 +26,7 @@ import copy
 import dataclasses
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
 # still need not round the same way (DeepSpeed keeps 16-bit weights and runs norms and softmax in 16 bits), so the
 # bound is one of 16-bit rounding.
 LOGIT_TOLERANCE = {"no": 1e-5, "bf16": 3e-2, "fp16": 4e-3}
+# The same for weights saved in a 16-bit ``export_dtype`` (reloaded in fp32: what differs is their rounding only).
+EXPORT_TOLERANCE = {"float32": 0.0, "bfloat16": 3e-2, "float16": 4e-3}
 # Prefixes wrappers put on parameter names (FSDP1 units, activation checkpointing, torch.compile)
 # (pitfall "PEFT + FSDP1 key prefixes", docs/pitfalls.md).
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -53,6 +61,7 @@ class ExportResult:
         is_adapter: whether ``model_dir`` holds a PEFT adapter rather than a full model.
         tensors: tensors in the gathered full state dict.
         logit_diffs: max |logit difference| per reloaded folder (``"model"``, ``"merged"``); empty unverified.
+        streamed: whether the weights were written one tensor at a time (``runtime.iter_full_state``).
     """
 
     model_dir: str
@@ -60,6 +69,7 @@ class ExportResult:
     is_adapter: bool = False
     tensors: int = 0
     logit_diffs: dict[str, float] = field(default_factory=dict)
+    streamed: bool = False
 
     @property
     def max_logit_diff(self) -> float | None:
@@ -76,6 +86,7 @@ def export_pretrained(
     merge_lora: bool = False,
     verify_inputs: dict[str, torch.Tensor] | None = None,
     last_checkpoint: str | Path | None = None,
+    export_dtype: str = "float32",
 ) -> ExportResult:
     """Write config, tokenizer and safetensors weights (or a LoRA adapter); every rank must call it.
 
@@ -92,43 +103,177 @@ def export_pretrained(
         verify_inputs: a fixed batch (``input_ids``, ``attention_mask``...); when given, the written folders
             are reloaded and must give the trained model's logits, else ``HFTrainError``.
         last_checkpoint: named in the error when the disk is full (what the user still has).
+        export_dtype: the saved dtype of floating-point weights (``float32``, ``bfloat16``, ``float16``).
     """
     directory = Path(directory)
     accelerator.wait_for_everyone()
     # Collective: under ZeRO-3/FSDP every rank takes part in the forward and in the gather.
     expected = _trained_logits(accelerator, model, verify_inputs) if verify_inputs is not None else None
-    state_dict = accelerator.get_state_dict(model)
-    outcome: ExportResult | str | None = None
-    failure: Exception | None = None
-    if accelerator.is_main_process:
-        try:
-            with (
-                accelerator.plain_model_context(),  # the strategy's: ZeRO-3 keeps transformers out of zero.Init
-                writing(
-                    f"the export {directory}",
-                    location=directory,
-                    last_checkpoint=lambda: last_checkpoint,
-                    catch=(Exception,),  # torch/safetensors report a full disk as RuntimeError/SafetensorError
-                ),
-            ):
-                outcome = _staged_export(
-                    accelerator.unwrap_model(model),
-                    _strip_wrapper_prefixes(state_dict),
-                    tokenizer,
-                    directory,
-                    merge_lora=merge_lora,
-                    verify_inputs=verify_inputs,
-                    expected=expected,
-                    mixed_precision=accelerator.mixed_precision,
-                )
-        except Exception as error:  # the other ranks must learn of it, or they would wait for a result forever
-            failure, outcome = error, _one_line(error)
+    options = {
+        "verify_inputs": verify_inputs,
+        "expected": expected,
+        "mixed_precision": accelerator.mixed_precision,
+        "export_dtype": export_dtype,
+    }
+    if _streams(accelerator, model):
+        outcome, failure = _streamed_export(accelerator, model, tokenizer, directory, last_checkpoint, **options)
+    else:
+        state_dict = accelerator.get_state_dict(model)
+        outcome, failure = _on_main(
+            accelerator,
+            directory,
+            last_checkpoint,
+            lambda: _staged_export(
+                accelerator.unwrap_model(model),
+                _strip_wrapper_prefixes(state_dict),
+                tokenizer,
+                directory,
+                merge_lora=merge_lora,
+                **options,
+            ),
+        )
     outcome = _broadcast(accelerator, outcome)
     if failure is not None:
         raise failure
     if isinstance(outcome, str):
         raise HFTrainError(f"export to '{directory}' failed on the main process: {outcome}")
     return outcome
+
+
+def _on_main(
+    accelerator: Any, directory: Path, last_checkpoint: str | Path | None, work: Callable[[], Any]
+) -> tuple[Any, Exception | None]:
+    """Run ``work`` on the main process at the export's write boundary: ``(result, None)``, or ``(its one-line
+    message, the error)`` so that the other ranks learn of it (they would wait for a result forever); other ranks
+    get ``(None, None)``."""
+    if not accelerator.is_main_process:
+        return None, None
+    try:
+        with (
+            accelerator.plain_model_context(),  # the strategy's: ZeRO-3 keeps transformers out of zero.Init
+            writing(
+                f"the export {directory}",
+                location=directory,
+                last_checkpoint=lambda: last_checkpoint,
+                catch=(Exception,),  # torch/safetensors report a full disk as RuntimeError/SafetensorError
+            ),
+        ):
+            return work(), None
+    except Exception as error:
+        return _one_line(error), error
+
+
+# ----------------------------------------------------------------- the streamed export (full models)
+def _streams(accelerator: Any, model: torch.nn.Module) -> bool:
+    """Whether the export streams: a full model, on a runtime that yields its full tensors one at a time.
+
+    A LoRA export keeps the gathered path: its adapter is small and PEFT picks its entries from a state dict. Under
+    DeepSpeed, Accelerate's generic ``iter_full_state`` would yield ZeRO-3's empty partitions: only a runtime of its
+    own (that reaches the fp32 partitions through DeepSpeed's accessors) streams there.
+    """
+    from hftrain.models.lora import is_peft_model
+
+    iterate = getattr(type(accelerator), "iter_full_state", None)
+    if iterate is None or is_peft_model(accelerator.unwrap_model(model)):
+        return False
+    if str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
+        from hftrain.strategies.runtime import AccelerateRuntime
+
+        return iterate is not AccelerateRuntime.iter_full_state
+    return True
+
+
+def _streamed_export(
+    accelerator: Any,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    directory: Path,
+    last_checkpoint: str | Path | None,
+    *,
+    verify_inputs: dict[str, torch.Tensor] | None,
+    expected: torch.Tensor | None,
+    mixed_precision: str,
+    export_dtype: str,
+) -> tuple[ExportResult | str | None, Exception | None]:
+    """Write the full model from ``runtime.iter_full_state`` into ``model.safetensors``, one tensor at a time.
+
+    Every rank consumes the iterator to its end (each tensor is a collective); the main process writes each tensor as
+    it arrives (``hftrain.checkpoint.stream``: the headers come first, from the model's layout on the meta device),
+    reads it back, and drops it, so no rank holds more than its own shards and one full tensor. A failure on the main
+    process stops its writing, not the iteration, and is reported to every rank after it. Then config and tokenizer,
+    the reload check, and the rename into place, as the gathered export does.
+    """
+    from hftrain.checkpoint.stream import EXPORT_DTYPES, StreamedSafetensorsWriter, TensorSpec, saved_dtype
+
+    unwrapped = accelerator.unwrap_model(model)
+    stage = directory.with_name(f".staging-{directory.name}")
+    plan: dict[str, Any] = {}
+
+    def begin() -> None:
+        with torch.device("meta"):  # the model's layout with clean parameter names, at no memory cost
+            layout = _fresh_like(unwrapped)
+        plan["tied"] = _tied_keys(layout)
+        plan["specs"] = [
+            TensorSpec(name, tuple(value.shape), saved_dtype(value.dtype, EXPORT_DTYPES[export_dtype]))
+            for name, value in layout.state_dict().items()
+            if name not in plan["tied"]
+        ]
+        shutil.rmtree(stage, ignore_errors=True)  # left by a killed export
+        plan["writer"] = StreamedSafetensorsWriter(stage, plan["specs"])
+
+    outcome, failure = _on_main(accelerator, directory, last_checkpoint, begin)
+    for name, tensor in accelerator.iter_full_state(model):  # collective: every rank to the end
+        if failure is None and accelerator.is_main_process:
+            name = _strip_wrapper_prefixes({name: None}).popitem()[0]
+            if name not in plan["tied"]:
+                outcome, failure = _on_main(
+                    accelerator, directory, last_checkpoint, lambda n=name, t=tensor: _write_one(plan, n, t, directory)
+                )
+        del tensor
+
+    def finish() -> ExportResult:
+        try:
+            _close_streamed(plan["writer"], directory)
+            base = _base_of(unwrapped)
+            config = copy.deepcopy(base.config)
+            config.architectures = [type(base).__name__]  # as save_pretrained records them, and the dtype
+            config.dtype = EXPORT_DTYPES[export_dtype]
+            config.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+            diffs = {}
+            if expected is not None:
+                diffs["model"] = verify_export(
+                    stage, verify_inputs, expected, mixed_precision=mixed_precision, export_dtype=export_dtype
+                )
+            _publish(stage, directory)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        return ExportResult(model_dir=str(directory), tensors=len(plan["specs"]), logit_diffs=diffs, streamed=True)
+
+    if failure is None:
+        outcome, failure = _on_main(accelerator, directory, last_checkpoint, finish)
+    elif accelerator.is_main_process:
+        shutil.rmtree(stage, ignore_errors=True)
+    return outcome, failure
+
+
+def _write_one(plan: dict[str, Any], name: str, tensor: torch.Tensor | None, directory: Path) -> None:
+    writer = plan["writer"]
+    if name not in writer:  # a name the model does not have: another model than the layout
+        raise HFTrainError(
+            f"export to '{directory}': the runtime yields {name}, which a fresh model of this config does not have; "
+            "nothing was written"
+        )
+    writer.write(name, tensor, verify=True)
+
+
+def _close_streamed(writer: Any, directory: Path) -> None:
+    try:
+        writer.close()
+    except ValueError as error:  # a tensor the model has never came: the runtime's gather is incomplete
+        raise HFTrainError(
+            f"export to '{directory}': {error}; the runtime's full state is incomplete, nothing was written"
+        ) from None
 
 
 def verify_export(
@@ -138,6 +283,7 @@ def verify_export(
     *,
     base_model: torch.nn.Module | None = None,
     mixed_precision: str = "no",
+    export_dtype: str = "float32",
 ) -> float:
     """Reload an export with plain transformers (or peft onto ``base_model``) and compare its logits.
 
@@ -155,8 +301,10 @@ def verify_export(
         base_model: the frozen base weights the adapter applies to (it is modified); None for a full model.
         mixed_precision: the trained model's (``no``, ``bf16``, ``fp16``); its ``LOGIT_TOLERANCE`` is the largest
             accepted difference (times the largest expected logit when that exceeds 1).
+        export_dtype: the dtype the weights were saved in; a 16-bit one is reloaded in fp32 and its
+            ``EXPORT_TOLERANCE`` accepted on top (the weights' rounding).
     """
-    reloaded = _reload(Path(directory), base_model)
+    reloaded = _reload(Path(directory), base_model, upcast=export_dtype != "float32")
     logits = _logits(reloaded, inputs, mixed_precision)
     if logits.shape != expected.shape:
         raise HFTrainError(
@@ -164,7 +312,8 @@ def verify_export(
             f"{tuple(expected.shape)}; the written model is not the trained one"
         )
     diff = (logits - expected.float()).abs().max().item()
-    bound = LOGIT_TOLERANCE.get(mixed_precision, LOGIT_TOLERANCE["no"]) * max(1.0, expected.abs().max().item())
+    tolerance = LOGIT_TOLERANCE.get(mixed_precision, LOGIT_TOLERANCE["no"]) + EXPORT_TOLERANCE[export_dtype]
+    bound = tolerance * max(1.0, expected.abs().max().item())
     if not diff <= bound:  # also catches NaN
         raise HFTrainError(
             f"export '{directory}' does not reproduce the trained model: max logit difference {diff:.3g} > "
@@ -245,10 +394,15 @@ def _write_and_verify(
     verify_inputs: dict[str, torch.Tensor] | None,
     expected: torch.Tensor | None,
     mixed_precision: str,
+    export_dtype: str = "float32",
 ) -> ExportResult:
+    from hftrain.checkpoint.stream import EXPORT_DTYPES, saved_dtype
     from hftrain.models.lora import is_peft_model
 
     is_adapter = is_peft_model(unwrapped)
+    dtype = EXPORT_DTYPES[export_dtype]
+    # What is written, in the saved dtype (a copy only when it differs); a merge is computed from the fp32 values.
+    written = {k: v.to(saved_dtype(v.dtype, dtype)) for k, v in state_dict.items()}
     with torch.device("meta"):  # the model's layout with clean parameter names, at no memory cost
         layout = _fresh_like(unwrapped)
     shapes = {k: v.shape for k, v in layout.state_dict().items()}
@@ -257,22 +411,23 @@ def _write_and_verify(
     # names carry wrapper prefixes and PEFT silently drops every LoRA weight (pitfalls #3, #4), so the layout
     # filters the full state dict instead. A copy, as save_pretrained pops entries from the dict it is given.
     writer = layout if is_adapter else unwrapped
-    writer.save_pretrained(directory, state_dict=dict(state_dict), safe_serialization=True)
+    writer.save_pretrained(directory, state_dict=dict(written), safe_serialization=True)
+    if not is_adapter and export_dtype != "float32":  # save_pretrained records the model's dtype, not the dict's
+        _record_dtype(directory / "config.json", export_dtype)
     tokenizer.save_pretrained(directory)
     if is_adapter:
-        _check_adapter_written(directory, layout, state_dict)
+        _check_adapter_written(directory, layout, written)
     trained = _rebuild_on_cpu(unwrapped, state_dict) if is_adapter and (merged_dir or expected is not None) else None
     if merged_dir is not None:
-        copy.deepcopy(trained).merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)
+        copy.deepcopy(trained).merge_and_unload().to(dtype).save_pretrained(merged_dir, safe_serialization=True)
         tokenizer.save_pretrained(merged_dir)
     diffs: dict[str, float] = {}
     if expected is not None:
         base = trained.unload() if trained is not None else None
-        diffs["model"] = verify_export(
-            directory, verify_inputs, expected, base_model=base, mixed_precision=mixed_precision
-        )
+        precision = {"mixed_precision": mixed_precision, "export_dtype": export_dtype}
+        diffs["model"] = verify_export(directory, verify_inputs, expected, base_model=base, **precision)
         if merged_dir is not None:
-            diffs["merged"] = verify_export(merged_dir, verify_inputs, expected, mixed_precision=mixed_precision)
+            diffs["merged"] = verify_export(merged_dir, verify_inputs, expected, **precision)
     return ExportResult(
         model_dir=str(directory),
         merged_dir=str(merged_dir) if merged_dir else None,
@@ -280,6 +435,14 @@ def _write_and_verify(
         tensors=len(state_dict),
         logit_diffs=diffs,
     )
+
+
+def _record_dtype(config_file: Path, export_dtype: str) -> None:
+    import json
+
+    config = json.loads(config_file.read_text())
+    config["dtype"] = export_dtype
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _check_complete(
@@ -354,7 +517,7 @@ def _base_of(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def _reload(directory: Path, base_model: torch.nn.Module | None) -> torch.nn.Module:
+def _reload(directory: Path, base_model: torch.nn.Module | None, *, upcast: bool = False) -> torch.nn.Module:
     if base_model is None:
         import transformers
 
@@ -362,7 +525,8 @@ def _reload(directory: Path, base_model: torch.nn.Module | None) -> torch.nn.Mod
         architectures = transformers.AutoConfig.from_pretrained(directory).architectures or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         model_class = model_class or transformers.AutoModelForSequenceClassification
-        model, info = model_class.from_pretrained(directory, output_loading_info=True)
+        dtype = {"dtype": torch.float32} if upcast else {}  # else transformers' "auto": the saved dtype
+        model, info = model_class.from_pretrained(directory, output_loading_info=True, **dtype)
         problems = {k: v for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if (v := info.get(k))}
         if problems:  # a missing tensor would be silently initialised at random
             kind, keys = next(iter(problems.items()))

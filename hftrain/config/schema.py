@@ -119,6 +119,9 @@ class TrainingConfig:
     async_save: bool = True
     """Write checkpoints in the background: training goes on once each rank's state is copied to CPU memory (at
     most one save in flight; preemption and the end of the run wait for it)."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype of the exported weights (``output_dir/model``): the fp32 master weights, cast one tensor at a time
+    when ``bfloat16``/``float16`` (the reload check then allows that dtype's rounding)."""
     resume_from_checkpoint: str | None = None
     """``latest`` or ``auto`` (latest complete checkpoint in ``output_dir``, ``auto`` also when there is none),
     or a checkpoint folder."""
@@ -304,6 +307,7 @@ RUN_INVARIANT_EXEMPT = frozenset(
         "training.save_steps",
         "training.save_total_limit",
         "training.async_save",
+        "training.export_dtype",
         "training.log_with",
         "training.per_device_train_batch_size",
         "training.gradient_accumulation_steps",

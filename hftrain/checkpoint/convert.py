@@ -1,0 +1,706 @@
+"""``hftrain convert``: a checkpoint into a ``save_pretrained`` folder, in one CPU process, one tensor at a time.
+
+Two sources, both read without starting the world that wrote them:
+
+- an hftrain checkpoint (``output_dir/checkpoints/step_<N>``, or a run folder: its latest): the
+  ``torch.distributed.checkpoint`` folder ``state/dcp`` holds every tensor of the unwrapped model under
+  ``model.<name>`` with its full shape and fp32 master values, whatever strategy and layout wrote it; its
+  ``.metadata`` gives every name, shape and dtype, and ``dcp.load`` with a full-size destination reads one tensor
+  (DCP assembles the ranks' chunks). ``state/hf_model`` has the model's ``config.json`` (and, under LoRA,
+  ``adapter_config.json``).
+- a DeepSpeed ZeRO checkpoint folder (what ``engine.save_checkpoint`` writes: ``latest``,
+  ``global_step<N>/*_optim_states.pt``): DeepSpeed's own ``zero_to_fp32`` in lazy mode gives the fp32 master
+  weights; under ZeRO-3 each is gathered from the ranks' mapped partitions only when asked for (``contiguous()``).
+  Under ZeRO-1/2 DeepSpeed loads the module's weights and concatenates each parameter group's partitions first, so
+  that source holds about twice the model (DeepSpeed's "memory usage doubles here (zero2)"). The folder has no
+  model config: ``--config`` names one.
+
+The names, shapes and dtypes are known up front, so ``hftrain.checkpoint.stream`` writes the safetensors headers
+first and each tensor as it is read. A full model becomes ``config.json`` + ``model.safetensors`` (tied copies left
+out, as ``save_pretrained`` does); a LoRA checkpoint a PEFT adapter folder (``adapter_config.json`` +
+``adapter_model.safetensors`` under PEFT's own key names, found by asking ``get_peft_model_state_dict`` on a model
+built on the meta device), and with ``merge_lora`` also ``<out>_merged``: each adapted weight merged on its own,
+``W + B A · scaling`` (transposed for ``fan_in_fan_out`` layers), as PEFT's ``merge_and_unload`` computes it.
+
+Everything is written under a staging name, read back tensor by tensor and compared bit for bit with the
+checkpoint, then renamed into place. Pickles are unpickled only after ``checkpoint.safety`` loaded every one with
+its restricted unpickler, and a checkpoint outside the run folder the command names needs
+``--trust_external_checkpoint`` (``checkpoint.resume.check_trusted``).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import shutil
+import struct
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftrain.checkpoint.manager import STATE_DIR, CheckpointError
+from hftrain.checkpoint.sharded import DCP_DIR, MODEL_PREFIX
+from hftrain.checkpoint.sharded import HF_DIR as HF_MODEL_DIR
+from hftrain.checkpoint.stream import EXPORT_DTYPES, TensorSpec, parse_shard_size, saved_dtype, write_streamed
+from hftrain.errors import ConfigError, reading, writing
+from hftrain.log import get_logger
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_NAME = "default"
+# LoRA variants whose merge is not W + B A · scaling: refused rather than merged wrongly.
+_UNMERGEABLE = ("lora_embedding_A", "lora_magnitude_vector", "lora_E")
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What ``convert_checkpoint`` wrote.
+
+    Args:
+        model_dir: the output folder (a full model, or the LoRA adapter).
+        merged_dir: the merged full model, when ``merge_lora`` was set.
+        is_adapter: whether ``model_dir`` holds a PEFT adapter.
+        tensors: tensors written and verified, over every folder.
+        source: ``"dcp"`` (an hftrain checkpoint) or ``"zero"`` (a DeepSpeed folder).
+        tokenizer: whether tokenizer files were written.
+    """
+
+    model_dir: str
+    merged_dir: str | None
+    is_adapter: bool
+    tensors: int
+    source: str
+    tokenizer: bool
+
+
+@dataclass
+class _Source:
+    """A checkpoint's tensors by name (``load`` reads one), and the model description beside them."""
+
+    kind: str
+    path: Path
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    load: Callable[[str], torch.Tensor]
+    config: Any  # transformers PretrainedConfig
+    adapter_config: dict[str, Any] | None
+    tokenizer_from: str | None
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One tensor of an output folder: where its value comes from."""
+
+    spec: TensorSpec
+    produce: Callable[[], torch.Tensor]
+
+
+def convert_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    merge_lora: bool = False,
+    trust: bool = False,
+    output_dir: str | Path | None = None,
+    config: str | None = None,
+    max_shard_size: int | str = "50GB",
+) -> ConvertResult:
+    """Write ``checkpoint`` as a ``save_pretrained`` folder ``out`` (LoRA: a PEFT adapter), streaming.
+
+    Args:
+        checkpoint: a ``step_<N>`` folder, a run's ``output_dir`` (its latest checkpoint), or a DeepSpeed
+            checkpoint folder (holding ``latest``, or a ``global_step<N>`` folder itself).
+        out: a new (or empty) folder.
+        dtype: the saved dtype of floating-point tensors: ``float32``, ``bfloat16`` or ``float16``.
+        merge_lora: for a LoRA checkpoint, also write ``<out>_merged``, the adapter merged into the base model.
+        trust: allow a checkpoint outside the run folder the command names.
+        output_dir: the run folder the checkpoint belongs to (a checkpoint inside it needs no ``trust``).
+        config: for a DeepSpeed folder, the model's config: a folder with ``config.json`` (and
+            ``adapter_config.json`` for a LoRA run) or a cached model name.
+        max_shard_size: bytes per safetensors file (int or e.g. ``"5GB"``).
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype '{dtype}' is not one of {', '.join(EXPORT_DTYPES)}; choose one of them")
+    parse_shard_size(max_shard_size, field="--max_shard_size")  # refused before anything is read or written
+    out = Path(out)
+    merged = out.with_name(out.name + "_merged") if merge_lora else None
+    for target in (out, merged):
+        if target is not None:
+            _check_new_dir(target)
+    # Trust comes from the command: without a run folder named, nothing is inside one (as ``hftrain export``).
+    run_dir = Path(output_dir) if output_dir is not None else out
+    source = _open_source(Path(checkpoint), trust=trust, output_dir=run_dir, config=config)
+    if merge_lora and source.adapter_config is None:
+        raise ConfigError(
+            f"--merge_lora: checkpoint '{source.path}' is of a full fine-tune, there is no adapter to merge; "
+            "drop --merge_lora"
+        )
+    export_dtype = EXPORT_DTYPES[dtype]
+    folders = _plan_folders(source, export_dtype, merged is not None)
+    targets = [out] + ([merged] if merged is not None else [])
+    stages = [t.with_name(f".staging-{t.name}") for t in targets]
+    from hftrain.checkpoint.export import _publish
+
+    tensors = 0
+    tokenizer_written = False
+    with writing(f"the converted model '{out}'", location=out, catch=(OSError,)):
+        try:
+            for stage in stages:
+                shutil.rmtree(stage, ignore_errors=True)  # left by a killed convert
+            for stage, (write_config, prefix, planned) in zip(stages, folders, strict=True):
+                stage.mkdir(parents=True)
+                write_config(stage)
+                write_streamed(
+                    stage,
+                    [t.spec for t in planned],
+                    ((t.spec.name, t.produce()) for t in planned),  # one tensor alive at a time
+                    verify=True,  # each read back while its source value is still at hand
+                    prefix=prefix,
+                    max_shard_size=max_shard_size if prefix == "model" else 1 << 62,
+                )
+                tensors += len(planned)
+                tokenizer_written = _save_tokenizer(source.tokenizer_from, stage)
+            for stage, target in zip(stages, targets, strict=True):
+                _publish(stage, target)
+        finally:
+            for stage in stages:
+                shutil.rmtree(stage, ignore_errors=True)
+    if source.tokenizer_from is not None and not tokenizer_written:
+        get_logger().warning(
+            f"no tokenizer written: '{source.tokenizer_from}' has no tokenizer files here; copy them into {out}"
+        )
+    return ConvertResult(
+        model_dir=str(out),
+        merged_dir=str(merged) if merged is not None else None,
+        is_adapter=source.adapter_config is not None,
+        tensors=tensors,
+        source=source.kind,
+        tokenizer=tokenizer_written,
+    )
+
+
+# ----------------------------------------------------------------- sources
+def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | None) -> _Source:
+    """The checkpoint behind ``path``, after its trust and no-code checks."""
+    from hftrain.checkpoint.manager import MARKER, CheckpointManager, read_checkpoint
+    from hftrain.checkpoint.run import CHECKPOINTS_DIR, saved_run_id
+
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint '{path}' does not exist; give a step_<N> folder, a run's output_dir or a DeepSpeed "
+            "checkpoint folder"
+        )
+    if (path / CHECKPOINTS_DIR).is_dir():  # a run folder: its latest checkpoint, trusted as the user named the run
+        output_dir = path
+        path = CheckpointManager(path / CHECKPOINTS_DIR, run_id=saved_run_id(path)).resolve("latest")
+    if (path / MARKER).is_file():
+        if config is not None:
+            raise ConfigError(
+                f"--config: checkpoint '{path}' carries its model config (state/{HF_MODEL_DIR}); drop --config"
+            )
+        meta = read_checkpoint(path)
+        return _dcp_source(path, meta, trust=trust, output_dir=output_dir)
+    deepspeed_root = _deepspeed_root(path)
+    if deepspeed_root is not None:
+        return _zero_source(*deepspeed_root, trust=trust, output_dir=output_dir, config=config)
+    raise CheckpointError(
+        f"'{path}' is not a checkpoint: it has neither {MARKER} (an hftrain checkpoint) nor a DeepSpeed 'latest' "
+        "file or *_optim_states.pt; give a step_<N> folder, a run's output_dir or a DeepSpeed checkpoint folder"
+    )
+
+
+def _dcp_source(path: Path, meta: dict[str, Any], *, trust: bool, output_dir: Path) -> _Source:
+    from hftrain.checkpoint.resume import check_trusted
+    from hftrain.checkpoint.safety import check_no_code
+
+    state = path / STATE_DIR
+    dcp_dir = state / DCP_DIR
+    if not (dcp_dir / ".metadata").is_file():
+        raise CheckpointError(
+            f"checkpoint '{path}' has no {STATE_DIR}/{DCP_DIR}/.metadata: it was written in the per-strategy format "
+            "of an earlier hftrain; export it with hftrain export, launched like the run that wrote it"
+        )
+    hf_model = state / HF_MODEL_DIR
+    if not (hf_model / "config.json").is_file():
+        raise CheckpointError(
+            f"checkpoint '{path}' has no {STATE_DIR}/{HF_MODEL_DIR}/config.json (the model's config); it is "
+            "damaged: convert another checkpoint"
+        )
+    check_trusted(path, output_dir, trusted=trust, export=True)
+    check_no_code(path, state)  # every pickle (the DCP .metadata included) through a restricted unpickler first
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    with reading(f"checkpoint '{path}': {STATE_DIR}/{DCP_DIR}/.metadata", "convert another checkpoint",
+                 catch=(Exception,), error_class=CheckpointError):  # fmt: skip
+        metadata = FileSystemReader(str(dcp_dir)).read_metadata()
+    shapes = {
+        key[len(MODEL_PREFIX) :]: (tuple(entry.size), entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    if not shapes:
+        raise CheckpointError(
+            f"checkpoint '{path}': {STATE_DIR}/{DCP_DIR} holds no '{MODEL_PREFIX}*' tensor; it is damaged or not "
+            "hftrain's: convert another checkpoint"
+        )
+
+    chunks: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith(MODEL_PREFIX):
+            chunks.setdefault(index.fqn[len(MODEL_PREFIX) :], []).append((tuple(index.offset), info))
+
+    def load(name: str) -> torch.Tensor:
+        shape, dtype = shapes[name]
+        with reading(f"checkpoint '{path}': {MODEL_PREFIX}{name}", "convert another checkpoint",
+                     catch=(Exception,), error_class=CheckpointError):  # fmt: skip
+            return read_dcp_tensor(dcp_dir, MODEL_PREFIX + name, shape, dtype, chunks.get(name, []))
+
+    adapter_file = hf_model / "adapter_config.json"
+    return _Source(
+        kind="dcp",
+        path=path,
+        shapes=shapes,
+        load=load,
+        config=_read_config(str(hf_model), f"checkpoint '{path}': {STATE_DIR}/{HF_MODEL_DIR}/config.json"),
+        adapter_config=_read_adapter_config(adapter_file) if adapter_file.is_file() else None,
+        tokenizer_from=meta["config"].get("model.model_name_or_path"),
+    )
+
+
+# ----------------------------------------------------------------- reading one DCP tensor
+def read_dcp_tensor(
+    dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype, chunks: list[tuple[tuple[int, ...], Any]]
+) -> torch.Tensor:
+    """One tensor of a DCP folder, its chunks' bytes read straight into the full-size result.
+
+    ``dcp.load`` would do: its ``FileSystemReader`` ``torch.load``s each saved chunk into a new tensor and copies that
+    into the destination, so a tensor costs twice its size at the peak. Each chunk is a ``torch.save`` archive at a
+    known offset of a ``.distcp`` file; its tensor's shape, strides and dtype come from loading it on the meta device
+    (``weights_only``: torch's restricted unpickler, no data read), and its one storage record (stored, not
+    compressed) is read with ``readinto`` into the result's memory. A chunk that is not a plain contiguous record,
+    or that DCP stored with transforms, goes through ``dcp.load`` instead.
+
+    Args:
+        dcp_dir: the DCP folder.
+        key: the DCP key (``model.<name>``).
+        shape: the full shape.
+        dtype: its dtype.
+        chunks: ``(offsets, _StorageInfo)`` of each saved chunk (from the metadata's ``storage_data``).
+    """
+    if any(info.transform_descriptors for _, info in chunks):  # compressed or otherwise transformed: DCP's reader
+        return _dcp_load(dcp_dir, key, shape, dtype)
+    result = torch.empty(shape, dtype=dtype)
+    stored = sum(math.prod(info_shape) for info_shape in _chunk_shapes(dcp_dir, chunks))
+    if stored != result.numel():  # DCP keeps each element once: the chunks must tile the tensor
+        raise ValueError(f"its stored chunks hold {stored} of its {result.numel()} elements")
+    for offsets, info in chunks:
+        with (dcp_dir / info.relative_path).open("rb") as handle:
+            window = _Window(handle, info.offset, info.length)
+            saved = torch.load(window, map_location="meta", weights_only=True)
+            region = (
+                result[tuple(slice(o, o + s) for o, s in zip(offsets, saved.shape, strict=True))] if offsets else result
+            )
+            record = _storage_record(window, saved)
+            if record is None or saved.dtype != dtype or tuple(region.shape) != tuple(saved.shape):
+                del result, region
+                return _dcp_load(dcp_dir, key, shape, dtype)
+            if region.is_contiguous():
+                _read_exactly(handle, info.offset + record, region)
+            else:  # a chunk split along an inner dimension (e.g. a row-parallel shard): via one chunk-sized buffer
+                buffer = torch.empty(saved.shape, dtype=dtype)
+                _read_exactly(handle, info.offset + record, buffer)
+                region.copy_(buffer)
+                del buffer
+    return result
+
+
+def _chunk_shapes(dcp_dir: Path, chunks: list[tuple[tuple[int, ...], Any]]) -> list[tuple[int, ...]]:
+    """Each stored chunk's shape, from its archive loaded on the meta device (no data read)."""
+    shapes = []
+    for _, info in chunks:
+        with (dcp_dir / info.relative_path).open("rb") as handle:
+            shapes.append(tuple(torch.load(_Window(handle, info.offset, info.length), map_location="meta",
+                                           weights_only=True).shape))  # fmt: skip
+    return shapes
+
+
+def _dcp_load(dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    destination = {key: torch.empty(shape, dtype=dtype)}  # full size: DCP copies each chunk into it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no_dist's notice, once per tensor
+        dcp.load(destination, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+    return destination.pop(key)
+
+
+def _storage_record(window: _Window, saved: torch.Tensor) -> int | None:
+    """Offset in ``window`` of the bytes of ``saved``'s storage when they are exactly its values in order, else None."""
+    import zipfile
+
+    if sys.byteorder != "little" or not saved.is_contiguous() or saved.storage_offset() != 0:
+        return None
+    window.seek(0)
+    with zipfile.ZipFile(window) as archive:
+        records = [r for r in archive.infolist() if r.filename.split("/")[-2:-1] == ["data"]]
+        order = [r for r in archive.infolist() if r.filename.endswith("/byteorder")]
+        if order and archive.read(order[0]).strip() != b"little":
+            return None
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    if records[0].file_size != saved.numel() * saved.element_size():
+        return None
+    window.seek(records[0].header_offset)
+    header = window.read(30)  # the local file header: its name and extra-field lengths say where the data starts
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return records[0].header_offset + 30 + name_length + extra_length
+
+
+def _read_exactly(handle: Any, offset: int, into: torch.Tensor) -> None:
+    view = memoryview(into.view(-1).view(torch.uint8).numpy())
+    handle.seek(offset)
+    done = 0
+    while done < len(view):
+        count = handle.readinto(view[done:])
+        if not count:
+            raise CheckpointError(f"'{handle.name}' ends before the tensor it lists; the checkpoint is damaged")
+        done += count
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of an open file (one saved DCP chunk)."""
+
+    def __init__(self, handle: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._start, self._length, self._position = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, min(self._length, base + position))
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self._length - self._position)
+        if count <= 0:
+            return 0
+        self._handle.seek(self._start + self._position)
+        read = self._handle.readinto(memoryview(buffer)[:count])
+        self._position += read
+        return read
+
+
+def _deepspeed_root(path: Path) -> tuple[Path, str] | None:
+    """``(checkpoint_dir, tag)`` of a DeepSpeed folder: one holding ``latest``, or a tag folder of optim states."""
+    if path.is_dir() and (path / "latest").is_file():
+        tag = (path / "latest").read_text().strip()
+        if not (path / tag).is_dir():
+            raise CheckpointError(
+                f"DeepSpeed checkpoint '{path}': 'latest' names '{tag}', which is missing; give the folder of a "
+                "complete save, or a global_step<N> folder inside it"
+            )
+        return path, tag
+    if path.is_dir() and any(path.glob("*_optim_states.pt")):
+        return path.parent, path.name
+    return None
+
+
+def _zero_source(root: Path, tag: str, *, trust: bool, output_dir: Path, config: str | None) -> _Source:
+    from hftrain.checkpoint.safety import check_no_code
+
+    folder = root / tag
+    if config is None:
+        raise ConfigError(
+            f"DeepSpeed checkpoint '{root}' holds no model config; give --config, a folder with the model's "
+            "config.json (and adapter_config.json for LoRA) or a cached model name"
+        )
+    inside = folder.resolve().is_relative_to(output_dir.resolve())
+    if not (trust or inside):
+        raise CheckpointError(
+            f"DeepSpeed checkpoint '{root}' is outside the run folder this command names; its *.pt files are "
+            "pickles, unpickled on load (after a restricted unpickler accepted them); name the run it belongs to "
+            "with --output_dir RUN, or pass --trust_external_checkpoint if you trust it"
+        )
+    import deepspeed  # noqa: F401 - its classes are in the restricted unpickler's allow-list only once imported
+
+    check_no_code(root, folder)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with (
+        reading(
+            f"DeepSpeed checkpoint '{folder}'",
+            "give the folder of a complete ZeRO save",
+            catch=(OSError, ValueError, KeyError),
+            error_class=CheckpointError,
+        ),  # fmt: skip
+        _quiet_stdout(),
+    ):
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag, lazy_mode=True)
+    shapes = {name: (tuple(value.shape), value.dtype) for name, value in lazy.items()}
+
+    def load(name: str) -> torch.Tensor:
+        return lazy[name].contiguous()  # a ZeRO-3 GatheredTensor is assembled here, from the mapped partitions
+
+    config_dir = Path(config)
+    adapter_file = config_dir / "adapter_config.json"
+    return _Source(
+        kind="zero",
+        path=folder,
+        shapes=shapes,
+        load=load,
+        config=_read_config(config, f"--config '{config}'"),
+        adapter_config=_read_adapter_config(adapter_file) if adapter_file.is_file() else None,
+        tokenizer_from=config,
+    )
+
+
+def _read_config(where: str, what: str) -> Any:
+    from transformers import AutoConfig
+
+    with reading(what, "give a folder with the model's config.json or a cached model name",
+                 catch=(OSError, ValueError, KeyError)):  # fmt: skip
+        return AutoConfig.from_pretrained(where, local_files_only=True)
+
+
+def _read_adapter_config(path: Path) -> dict[str, Any]:
+    with reading(f"{path}", "restore the adapter_config.json PEFT wrote", catch=(OSError, ValueError)):
+        adapter = json.loads(path.read_text())
+    if adapter.get("peft_type") != "LORA":
+        raise ConfigError(f"{path}: peft_type {adapter.get('peft_type')!r} is not LORA; hftrain converts LoRA only")
+    return adapter
+
+
+# ----------------------------------------------------------------- what each folder holds
+def _plan_folders(
+    source: _Source, export_dtype: torch.dtype, merge: bool
+) -> list[tuple[Callable[[Path], None], str, list[_Target]]]:
+    """Per output folder: its config writer, its file prefix and its tensors."""
+    base, peft_model = _layout(source)
+    config = copy.deepcopy(source.config)
+    config.architectures = [type(base).__name__]
+    if hasattr(config, "dtype"):
+        config.dtype = export_dtype
+
+    def write_config(stage: Path) -> None:
+        config.save_pretrained(stage)
+
+    if peft_model is None:
+        return [(write_config, "model", _full_targets(source, base, export_dtype, prefix=""))]
+
+    def write_adapter_config(stage: Path) -> None:
+        adapter = {**source.adapter_config, "inference_mode": True}
+        (stage / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n")
+
+    folders = [(write_adapter_config, "adapter_model", _adapter_targets(source, peft_model, export_dtype))]
+    if merge:
+        folders.append((write_config, "model", _merged_targets(source, base, export_dtype)))
+    return folders
+
+
+def _layout(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The model (and its PEFT wrapper under LoRA) on the meta device, of the class whose names the checkpoint has."""
+    import transformers
+
+    candidates = []
+    for name in source.config.architectures or []:
+        if hasattr(transformers, name):
+            candidates.append(getattr(transformers, name))
+    # hftrain's own task first; a DeepSpeed folder or a config without architectures may hold another head.
+    candidates += [
+        transformers.AutoModelForSequenceClassification,
+        transformers.AutoModelForCausalLM,
+        transformers.AutoModelForMaskedLM,
+        transformers.AutoModel,
+    ]
+    names = set(source.shapes)
+    best: tuple[int, str] | None = None
+    for model_class in candidates:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                base = (
+                    model_class.from_config(copy.deepcopy(source.config))
+                    if hasattr(model_class, "from_config")
+                    else model_class(copy.deepcopy(source.config))
+                )
+            except (ValueError, TypeError, KeyError, AttributeError):  # a class that does not take this config
+                continue
+            # get_peft_model rewrites the modules it is given: the adapter's layout is built on a second copy.
+            peft_model = (
+                _peft_on(copy.deepcopy(base), source.adapter_config) if source.adapter_config is not None else None
+            )
+        layout = peft_model if peft_model is not None else base
+        expected = {k: tuple(v.shape) for k, v in layout.state_dict().items()}
+        tied = _tied(base, prefix=PEFT_PREFIX if peft_model is not None else "")
+        missing = sorted(set(expected) - names - tied)
+        extra = sorted(names - set(expected))
+        wrong = [k for k in expected if k in names and source.shapes[k][0] != expected[k]]
+        if not (missing or extra or wrong):
+            return base, peft_model
+        problem = (
+            f"lacks {len(missing)} of its tensors (e.g. {missing[0]})" if missing
+            else f"holds {len(extra)} tensors it does not have (e.g. {extra[0]})" if extra
+            else f"has {wrong[0]} of shape {source.shapes[wrong[0]][0]}, the model {expected[wrong[0]]}"
+        )  # fmt: skip
+        score = len(missing) + len(extra) + len(wrong)
+        if best is None or score < best[0]:
+            best = (score, f"{type(base).__name__}: the checkpoint {problem}")
+    raise CheckpointError(
+        f"checkpoint '{source.path}' does not hold the model its config describes ({best[1] if best else 'no class'}); "
+        "give the config of the model that was trained"
+    )
+
+
+def _peft_on(base: torch.nn.Module, adapter_config: dict[str, Any]) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    if adapter_config.get("use_dora") or adapter_config.get("lora_bias") or adapter_config.get("alpha_pattern"):
+        raise ConfigError(
+            "adapter_config.json: DoRA, LoRA biases and alpha_pattern are not converted by hftrain (its runs use "
+            "none); merge with PEFT's merge_and_unload instead"
+        )
+    known = set(LoraConfig.__dataclass_fields__)
+    config = LoraConfig(**{k: v for k, v in adapter_config.items() if k in known})
+    return get_peft_model(base, config)
+
+
+def _tied(base: torch.nn.Module, *, prefix: str) -> set[str]:
+    """The names ``save_pretrained`` leaves out as tied to another (transformers 5: ``all_tied_weights_keys``)."""
+    return {prefix + key for key in (getattr(base, "all_tied_weights_keys", None) or {})}
+
+
+def _spec(name: str, source: _Source, source_name: str, export_dtype: torch.dtype) -> TensorSpec:
+    shape, dtype = source.shapes[source_name]
+    return TensorSpec(name, shape, saved_dtype(dtype, export_dtype))
+
+
+def _full_targets(source: _Source, base: torch.nn.Module, export_dtype: torch.dtype, *, prefix: str) -> list[_Target]:
+    tied = _tied(base, prefix="")
+    return [
+        _Target(_spec(name, source, prefix + name, export_dtype), lambda key=prefix + name: source.load(key))
+        for name in base.state_dict()
+        if name not in tied
+    ]
+
+
+def _adapter_targets(source: _Source, peft_model: torch.nn.Module, export_dtype: torch.dtype) -> list[_Target]:
+    """PEFT's own adapter names: ``get_peft_model_state_dict`` run on the meta model says which tensor becomes which."""
+    from peft import get_peft_model_state_dict
+
+    state = dict(peft_model.state_dict())
+    by_identity = {id(value): name for name, value in state.items()}
+    selected = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=ADAPTER_NAME)
+    targets = []
+    for name, value in selected.items():
+        source_name = by_identity[id(value)]
+        targets.append(_Target(_spec(name, source, source_name, export_dtype), lambda k=source_name: source.load(k)))
+    return targets
+
+
+def _merged_targets(source: _Source, base: torch.nn.Module, export_dtype: torch.dtype) -> list[_Target]:
+    """The base model's tensors with each adapted weight merged: ``W + transpose(B A) · scaling``, one at a time."""
+    unmergeable = [k for k in source.shapes if any(part in k for part in _UNMERGEABLE)]
+    if unmergeable:
+        raise ConfigError(
+            f"--merge_lora: the adapter has {unmergeable[0]}, a LoRA variant hftrain does not merge; drop "
+            "--merge_lora and merge the adapter with PEFT"
+        )
+    adapter = source.adapter_config
+    fan_in_fan_out = bool(adapter.get("fan_in_fan_out"))
+    targets = []
+    tied = _tied(base, prefix="")
+    for name in base.state_dict():
+        if name in tied:
+            continue
+        module, _, leaf = name.rpartition(".")
+        stem = PEFT_PREFIX + (module + "." if module else "")
+        lora_a = f"{stem}lora_A.{ADAPTER_NAME}.weight"
+        if f"{stem}base_layer.{leaf}" in source.shapes:
+            weight = f"{stem}base_layer.{leaf}"
+            if leaf == "weight" and lora_a in source.shapes:
+                produce = _merge_producer(source, weight, lora_a, f"{stem}lora_B.{ADAPTER_NAME}.weight", adapter,
+                                          fan_in_fan_out)  # fmt: skip
+            else:
+                produce = lambda k=weight: source.load(k)  # noqa: E731
+        elif f"{stem}modules_to_save.{ADAPTER_NAME}.{leaf}" in source.shapes:  # the trained head
+            weight = f"{stem}modules_to_save.{ADAPTER_NAME}.{leaf}"
+            produce = lambda k=weight: source.load(k)  # noqa: E731
+        else:
+            weight = PEFT_PREFIX + name
+            produce = lambda k=weight: source.load(k)  # noqa: E731
+        targets.append(_Target(_spec(name, source, weight, export_dtype), produce))
+    return targets
+
+
+def _merge_producer(
+    source: _Source, weight: str, lora_a: str, lora_b: str, adapter: dict[str, Any], fan_in_fan_out: bool
+) -> Callable[[], torch.Tensor]:
+    def produce() -> torch.Tensor:
+        base, a, b = source.load(weight), source.load(lora_a), source.load(lora_b)
+        rank = a.shape[0]
+        alpha = adapter.get("lora_alpha", 8)
+        scaling = alpha / math.sqrt(rank) if adapter.get("use_rslora") else alpha / rank
+        # PEFT's get_delta_weight: transpose(B @ A, fan_in_fan_out) * scaling, added to the base weight.
+        delta = b @ a
+        if fan_in_fan_out:
+            delta = delta.T
+        return base + delta * scaling
+
+    return produce
+
+
+# ----------------------------------------------------------------- around the weights
+def _check_new_dir(target: Path) -> None:
+    from hftrain.validate import check_writable_dir
+
+    check_writable_dir(target, "convert output")
+    if target.exists() and any(target.iterdir()):
+        raise ConfigError(f"convert output '{target}' is not empty; give a new folder (nothing is overwritten)")
+
+
+def _save_tokenizer(name_or_path: str | None, stage: Path) -> bool:
+    """Copy the tokenizer of ``name_or_path`` (a local folder or a cached model) into ``stage``; False if none."""
+    if not name_or_path:
+        return False
+    from transformers import AutoTokenizer
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):  # no tokenizer files there: the folder is still a model
+        return False
+    tokenizer.save_pretrained(stage)
+    return True
+
+
+class _quiet_stdout:  # noqa: N801 - a context manager used like a function
+    """DeepSpeed's zero_to_fp32 prints progress with print(); a command keeps its output to its own lines."""
+
+    def __enter__(self) -> None:
+        import contextlib
+        import io
+
+        self._redirect = contextlib.redirect_stdout(io.StringIO())
+        self._redirect.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._redirect.__exit__(*exc)
