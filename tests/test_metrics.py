@@ -64,3 +64,16 @@ def test_compute_accepts_logits_and_tensors() -> None:
     logits = torch.nn.functional.one_hot(torch.tensor(MULTI_PREDICTIONS), 3).float() * 5.0
     metrics = compute_classification_metrics(logits, torch.tensor(MULTI_REFERENCES), num_labels=3)
     assert metrics == compute_classification_metrics(MULTI_PREDICTIONS, MULTI_REFERENCES, num_labels=3)
+
+
+@pytest.mark.parametrize("num_labels", [2, 3, 5])
+def test_compute_equals_sklearn_on_random_labels(num_labels: int) -> None:
+    """The trainer's NumPy counts against scikit-learn's accuracy and F1 (binary / macro), edge cases included."""
+    rng = np.random.default_rng(num_labels)
+    cases = [(rng.integers(0, num_labels, 50), rng.integers(0, num_labels, 50)) for _ in range(20)]
+    cases += [(np.zeros(7, dtype=int), np.zeros(7, dtype=int)), (np.ones(4, dtype=int), np.zeros(4, dtype=int))]
+    for predictions, references in cases:
+        metrics = compute_classification_metrics(predictions, references, num_labels=num_labels)
+        average = "binary" if num_labels == 2 else "macro"
+        assert metrics["accuracy"] == pytest.approx(accuracy_score(references, predictions))
+        assert metrics["f1"] == pytest.approx(f1_score(references, predictions, average=average, zero_division=0))

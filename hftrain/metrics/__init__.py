@@ -1,7 +1,13 @@
-"""Classification metrics that load offline from evaluate modules shipped inside hftrain.
+"""Classification metrics: the trainer's accuracy and F1, and evaluate modules shipped inside hftrain.
 
 `evaluate.load("accuracy")` fetches a script from the Hugging Face Hub; loading the copies in
-`hftrain/metrics/modules/` instead needs no network.
+`hftrain/metrics/modules/` (:func:`load_metric`) instead needs no network.
+
+The trainer's own metrics (:func:`compute_classification_metrics`) are counted with NumPy instead: accuracy and
+F1 are a few counts of the confusion matrix, and computing them through evaluate imports evaluate, scikit-learn and
+SciPy, 1.4 s or more per process before the first evaluation, which a short run pays in full (issue 22). The
+counts are scikit-learn's definitions (binary F1 of label 1; macro F1 over the labels present in either array),
+and `tests/test_metrics.py` checks them against scikit-learn.
 """
 
 from __future__ import annotations
@@ -49,12 +55,24 @@ def compute_classification_metrics(predictions: Any, references: Any, *, num_lab
     """
     if num_labels < 2:
         raise ConfigError(f"model.num_labels: classification metrics need at least 2 labels, got {num_labels}")
-    predicted = _as_class_ids(predictions)
-    expected = _as_class_ids(references)
-    average = "binary" if num_labels == 2 else "macro"
-    accuracy = load_metric("accuracy").compute(predictions=predicted, references=expected)
-    f1 = load_metric("f1").compute(predictions=predicted, references=expected, average=average)
-    return {"accuracy": float(accuracy["accuracy"]), "f1": float(f1["f1"])}
+    import numpy as np
+
+    predicted = np.asarray(_as_class_ids(predictions), dtype=np.int64)
+    expected = np.asarray(_as_class_ids(references), dtype=np.int64)
+    if predicted.shape != expected.shape or predicted.size == 0:
+        raise ValueError(f"{predicted.size} predictions for {expected.size} references")
+    accuracy = float((predicted == expected).mean())
+    labels = [1] if num_labels == 2 else np.union1d(predicted, expected).tolist()
+    f1 = float(np.mean([_f1(predicted == label, expected == label) for label in labels]))
+    return {"accuracy": accuracy, "f1": f1}
+
+
+def _f1(predicted: Any, expected: Any) -> float:
+    """F1 of one label from boolean arrays: ``2·tp / (2·tp + fp + fn)``, 0 when the label is nowhere (as
+    scikit-learn's ``zero_division``)."""
+    true_positives = int((predicted & expected).sum())
+    wrong = int((predicted ^ expected).sum())  # false positives + false negatives
+    return 2 * true_positives / (2 * true_positives + wrong) if true_positives + wrong else 0.0
 
 
 def _as_class_ids(values: Any) -> list[int]:
