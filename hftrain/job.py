@@ -136,12 +136,10 @@ def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
         location=output_dir,
         last_checkpoint=trainer.checkpoints.latest,
     ):
-        # The last checkpoint is written in the background while the model is exported.
-        result = trainer.fit(wait_for_checkpoint=False)
-        model_dir = None
-        if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
-            model_dir = export_model(trainer, tokenizer, tokenized, output_dir / "model", config)
-        trainer.wait_for_checkpoint()
+        result = trainer.fit()
+    model_dir = None
+    if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
+        model_dir = export_model(trainer, tokenizer, tokenized, output_dir / "model", config)
     trainer.close()
     return JobResult(
         metrics=result.metrics,

@@ -178,20 +178,26 @@ def _state_edit(name: str, edit: Callable[[Path], None]) -> Callable[[Path], Non
 
 
 def _drop_a_weight(path: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    """Remove one weight from a DCP ``.metadata`` (the test's own pickle: it is written, then loaded by hftrain)."""
+    import pickle
 
-    weights = load_file(path)
-    weights.pop(sorted(weights)[0])
-    save_file(weights, path)
+    metadata = pickle.loads(path.read_bytes())
+    name = sorted(k for k in metadata.state_dict_metadata if k.startswith("model."))[0]
+    del metadata.state_dict_metadata[name]
+    metadata.storage_data = {i: v for i, v in metadata.storage_data.items() if i.fqn != name}
+    path.write_bytes(pickle.dumps(metadata))
 
 
 def _reshape_a_weight(path: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    """Give one 2-D weight of a DCP ``.metadata`` one column fewer."""
+    import pickle
 
-    weights = load_file(path)
-    name = next(k for k in sorted(weights) if weights[k].dim() == 2)
-    weights[name] = weights[name][:, :-1].contiguous()
-    save_file(weights, path)
+    import torch
+
+    metadata = pickle.loads(path.read_bytes())
+    name, md = next((k, v) for k, v in sorted(metadata.state_dict_metadata.items()) if len(getattr(v, "size", ())) == 2)
+    md.size = torch.Size([md.size[0], md.size[1] - 1])
+    path.write_bytes(pickle.dumps(metadata))
 
 
 def _marker_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
@@ -404,7 +410,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     ),
     "resume: truncated state file": (
         lambda c: [
-            *c.base(c.run_copy(lambda r: _truncate(r / STEP4 / "state" / "optimizer.bin"))),
+            *c.base(c.run_copy(lambda r: _truncate(r / STEP4 / "state" / "dcp" / "__0_0.distcp"))),
             "--resume_from_checkpoint",
             "auto",
         ],
@@ -412,7 +418,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     ),
     "resume: missing state file": (
         lambda c: [
-            *c.base(c.run_copy(lambda r: (r / STEP4 / "state" / "model.safetensors").unlink())),
+            *c.base(c.run_copy(lambda r: (r / STEP4 / "state" / "dcp" / ".metadata").unlink())),
             "--resume_from_checkpoint",
             "auto",
         ],
@@ -469,11 +475,11 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     ),
     "resume: a planted bare pickle as the optimizer state": (
         lambda c: [
-            *c.base(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(planted_bytes("bare"))))),
+            *c.base(c.run_copy(_state_edit("dcp/.metadata", lambda p: p.write_bytes(planted_bytes("bare"))))),
             "--resume_from_checkpoint",
             "auto",
         ],
-        "optimizer.bin holds a pickled object (posix.system)",
+        "dcp/.metadata holds a pickled object (posix.system)",
     ),
     "resume: a planted pickle as an RNG state": (
         lambda c: [
@@ -489,7 +495,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
             "--trust_external_checkpoint",
             "true",
             "--resume_from_checkpoint",
-            str(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(planted_bytes()))) / STEP4),
+            str(c.run_copy(_state_edit("dcp/.metadata", lambda p: p.write_bytes(planted_bytes("bare")))) / STEP4),
         ],
         "could run code",
     ),
@@ -499,7 +505,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
             str(c.run_copy(_state_edit("custom_checkpoint_0.pkl", lambda p: p.write_bytes(planted_bytes()))) / STEP4),
             str(c.new),
         ],
-        "is outside the run folder this command names; its custom_checkpoint_0.pkl, optimizer.bin, "
+        "is outside the run folder this command names; its custom_checkpoint_0.pkl, dcp/.metadata, "
         "random_states_0.pkl are pickles",
     ),
     "export: a planted pickle with --trust_external_checkpoint": (
@@ -514,7 +520,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     "export: a planted pickle inside the run the command names": (
         lambda c: [
             "export",
-            str(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(planted_bytes())))),
+            str(c.run_copy(_state_edit("dcp/.metadata", lambda p: p.write_bytes(planted_bytes("bare"))))),
             str(c.new),
         ],
         "could run code",
@@ -522,23 +528,23 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     # ------------------------------------------------------------------ damaged state behind good checksums
     "resume: garbage optimizer state": (
         lambda c: [
-            *c.base(c.run_copy(_state_edit("optimizer.bin", lambda p: p.write_bytes(b"\x00 not a state" * 9)))),
+            *c.base(c.run_copy(_state_edit("dcp/__0_0.distcp", lambda p: p.write_bytes(b"\x00 not a state" * 9)))),
             "--resume_from_checkpoint",
             "auto",
         ],
-        "optimizer.bin is damaged",
+        "its files are damaged",
     ),
     "resume: truncated optimizer state": (
         lambda c: [
-            *c.base(c.run_copy(_state_edit("optimizer.bin", _truncate))),
+            *c.base(c.run_copy(_state_edit("dcp/__0_0.distcp", _truncate))),
             "--resume_from_checkpoint",
             "auto",
         ],
-        "optimizer.bin is damaged",
+        "its files are damaged",
     ),
     "resume: weights missing a key": (
         lambda c: [
-            *c.base(c.run_copy(_state_edit("model.safetensors", _drop_a_weight))),
+            *c.base(c.run_copy(_state_edit("dcp/.metadata", _drop_a_weight))),
             "--resume_from_checkpoint",
             "auto",
         ],
@@ -546,7 +552,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     ),
     "resume: a weight of another shape": (
         lambda c: [
-            *c.base(c.run_copy(_state_edit("model.safetensors", _reshape_a_weight))),
+            *c.base(c.run_copy(_state_edit("dcp/.metadata", _reshape_a_weight))),
             "--resume_from_checkpoint",
             "auto",
         ],
@@ -554,11 +560,11 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     ),
     "resume: garbage weights file": (
         lambda c: [
-            *c.base(c.run_copy(_state_edit("model.safetensors", lambda p: p.write_bytes(b"{garbage")))),
+            *c.base(c.run_copy(_state_edit("dcp/.metadata", lambda p: p.write_bytes(b"{garbage")))),
             "--resume_from_checkpoint",
             "auto",
         ],
-        "model.safetensors is damaged",
+        "dcp/.metadata is damaged",
     ),
     "resume: an RNG state of the wrong structure": (
         lambda c: [

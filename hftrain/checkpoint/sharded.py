@@ -264,10 +264,14 @@ class _LoadPlanner(DefaultLoadPlanner):
         for key, value in self.state_dict.items():
             md = stored.get(key)
             if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointError(f"the checkpoint holds no tensor '{key}'")
+                raise CheckpointError(
+                    f"the checkpoint's state does not load into this run: it holds no tensor '{key}'; resume from "
+                    "another checkpoint, or with the model and config that wrote it"
+                )
             if tuple(md.size) != value.size:
                 raise CheckpointError(
-                    f"'{key}' has shape {tuple(md.size)} in the checkpoint and {value.size} in this model"
+                    f"the checkpoint's state does not load into this run: '{key}' has shape {tuple(md.size)} there "
+                    f"and {value.size} here; resume with the model and config that wrote it"
                 )
             requests += create_read_items_for_chunk_list(key, md, value.chunks())
         self.plan = LoadPlan(requests)
@@ -335,7 +339,8 @@ def _first_failure(what: str) -> Iterator[None]:
             raise cause from None
         if not isinstance(cause, Exception):  # the CheckpointException itself: a BaseException, kept from the user
             cause = RuntimeError(str(cause).splitlines()[0])
-        raise CheckpointError(f"{what}: {type(cause).__name__}: {cause}") from None
+        reason = " ".join(str(cause).split())[:200]
+        raise CheckpointError(f"{what} failed, its files are damaged ({type(cause).__name__}: {reason})") from None
 
 
 def stored_keys(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -224,17 +224,15 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------- the loop
-    def fit(self, *, stop_at_step: int | None = None, wait_for_checkpoint: bool = True) -> TrainResult:
+    def fit(self, *, stop_at_step: int | None = None) -> TrainResult:
         """Train to ``max_steps`` optimizer steps, evaluating, logging and checkpointing on schedule.
 
         SIGTERM/SIGUSR1 (or reaching ``stop_at_step``, for time-sliced jobs) stop the run at the next step
-        boundary after a checkpoint, which the same command resumes with ``resume_from_checkpoint: auto``.
+        boundary after a checkpoint, which the same command resumes with ``resume_from_checkpoint: auto``. The
+        last checkpoint is written while the final evaluation runs, and complete when ``fit`` returns.
 
         Args:
             stop_at_step: stop (with a checkpoint) after this step.
-            wait_for_checkpoint: return only once the last checkpoint is written. False lets a run that finished
-                export while its last checkpoint is written in the background (:meth:`wait_for_checkpoint`, or
-                :meth:`close`, waits for it); a stopped run always waits.
         """
         from tqdm.auto import tqdm
 
@@ -251,14 +249,14 @@ class Trainer:
         with PreemptionFlag() as preemption:
             while self.state.global_step < self.max_steps and stopped is None:
                 stopped = self._run_epoch(progress, preemption, stop_at_step)
+        if self.state.global_step > (self._checkpointed_step() or 0):
+            self.save_checkpoint()  # written in the background while the final evaluation runs
         metrics = self._final_evaluation(stopped)
         progress.close()
-        if self.state.global_step > (self._checkpointed_step() or 0):
-            self.save_checkpoint()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
-        if wait_for_checkpoint or stopped is not None:
-            self.wait_for_checkpoint()
+        # Before the main process's own files: a failed background write is raised here, on every rank alike.
+        self.wait_for_checkpoint()
         self._save_trainer_state()
         summary = self.throughput.summary(self.runtime.num_processes)
         self._save_run_summary(summary)
@@ -529,7 +527,11 @@ class Trainer:
 
         entries = len(self.state.log_history)
         if self.accelerator.is_main_process and entries != self._curves_entries:  # nothing new: already drawn
-            render_curves(self.state.log_history, Path(self.args.output_dir) / CURVES_PNG)
+            try:
+                render_curves(self.state.log_history, Path(self.args.output_dir) / CURVES_PNG)
+            except OSError as error:  # a picture is not worth stopping the run for (and only this rank would)
+                self._log(f"warning: training curves not drawn ({error.strerror or error})")
+                return
             self._curves_entries = entries
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
