@@ -220,3 +220,25 @@ def test_sigkill_during_a_background_write_resumes_from_the_last_complete_one_eq
     assert f"resumed from {latest}" in again.stdout + again.stderr
     assert not list(checkpoints.glob(".staging-*"))
     assert logged_losses(out) == pytest.approx(logged_losses(reference), rel=1e-6, abs=1e-7)
+
+
+# ----------------------------------------------------------------- memory at a real size (slow)
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["tp3", "pp2", "zero3", "fsdp2"])
+def test_a_save_and_the_streamed_export_cost_each_rank_its_own_state_at_most(layout):
+    """SmolLM2-135M's shape (1.54 GB with Adam): every rank's peak RSS increase during a synchronous save stays
+    within 1.2 × its own state + 64 MiB, and during the streamed export within its own state + the largest tensor
+    (``benchmarks/checkpoint_memory.py`` prints the same per rank, with the background save's timings)."""
+    from benchmarks.checkpoint_memory import LAYOUTS, _measure
+    from benchmarks.pipeline_memory import saved_model
+
+    strategy, options, processes = LAYOUTS[layout]
+    runs = run_distributed(
+        _measure, nprocs=processes, timeout=1800, strategy_name=strategy, options=options, folder=saved_model("smollm2")
+    )
+    largest = 49152 * 576 * 4  # the embedding
+    for r in runs:
+        assert r["sync_peak"] <= 1.2 * r["own"] + 64 * 2**20, r
+        assert r["background_peak"] <= 1.2 * r["own"] + 64 * 2**20, r
+        assert r["export_peak"] <= r["own"] + largest + 64 * 2**20, r
