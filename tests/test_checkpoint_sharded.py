@@ -228,7 +228,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_last_complete_one_eq
 @pytest.mark.parametrize("layout", ["tp3", "pp2", "zero3", "fsdp2"])
 def test_a_save_and_the_streamed_export_cost_each_rank_its_own_state_at_most(layout):
     """SmolLM2-135M's shape (1.54 GB with Adam): every rank's peak RSS increase during a synchronous save stays
-    within 1.2 × its own state + 64 MiB, and during the streamed export within its own state + the largest tensor
+    within 1.2 × its own state + 64 MiB, and during the streamed export within the largest tensor + 64 MiB
     (``benchmarks/checkpoint_memory.py`` prints the same per rank, with the background save's timings)."""
     from benchmarks.checkpoint_memory import LAYOUTS, _measure
     from benchmarks.pipeline_memory import saved_model
@@ -241,4 +241,4 @@ def test_a_save_and_the_streamed_export_cost_each_rank_its_own_state_at_most(lay
     for r in runs:
         assert r["sync_peak"] <= 1.2 * r["own"] + 64 * 2**20, r
         assert r["background_peak"] <= 1.2 * r["own"] + 64 * 2**20, r
-        assert r["export_peak"] <= r["own"] + largest + 64 * 2**20, r
+        assert r["export_peak"] <= largest + 64 * 2**20, r  # beside its own shards: one full tensor at a time
