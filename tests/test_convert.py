@@ -252,7 +252,12 @@ def test_bad_input_is_one_line(tmp_path, capsys, checkpoint):
     meta["files"]["state/hf_model/config.json"] = _sha256(broken / "state" / "hf_model" / "config.json")
     (broken / "checkpoint.json").write_text(json.dumps(meta))
     _refused(capsys, [tmp_path / "other", out], "does not hold the model its config describes", tmp_path)
-    # A damaged shard: its checksum no longer matches.
+    # A file of the checkpoint missing, then a damaged shard: their checksums no longer match.
+    sharded = checkpoint / "state" / "sharded.json"
+    kept = sharded.read_bytes()
+    sharded.unlink()
+    _refused(capsys, [tmp_path / "run", out], "sharded.json is missing", tmp_path)
+    sharded.write_bytes(kept)
     shard = next((checkpoint / "state" / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-8])
     _refused(capsys, [tmp_path / "run", out], "does not match its checksum", tmp_path)
@@ -350,6 +355,14 @@ def test_deepspeed_folder_needs_config_and_trust(zero_folders, tmp_path, capsys)
     _refused(capsys, [zero_folders / "zero3", tmp_path / "out", "--trust_external_checkpoint"], "--config", tmp_path)
     config = zero_folders / "zero3_config"
     _refused(capsys, [zero_folders / "zero3", tmp_path / "out", "--config", config], "--trust_external", tmp_path)
+    # A rank's partition missing: DeepSpeed's own check, as one line.
+    import shutil
+
+    partial = tmp_path / "partial"
+    shutil.copytree(zero_folders / "zero3", partial)
+    next((partial / "global_step2").glob("zero_pp_rank_1_*_optim_states.pt")).unlink()
+    trusted = ["--config", config, "--trust_external_checkpoint"]
+    _refused(capsys, [partial, tmp_path / "out", *trusted], "optim_states.pt", tmp_path)
 
 
 # ----------------------------------------------------------------- DCP chunks written by several ranks

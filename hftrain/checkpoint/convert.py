@@ -30,6 +30,7 @@ its restricted unpickler, and a checkpoint outside the run folder the command na
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -38,7 +39,7 @@ import shutil
 import struct
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -451,7 +452,7 @@ def _zero_source(root: Path, tag: str, *, trust: bool, output_dir: Path, config:
             catch=(OSError, ValueError, KeyError),
             error_class=CheckpointError,
         ),  # fmt: skip
-        _quiet_stdout(),
+        contextlib.redirect_stdout(io.StringIO()),  # zero_to_fp32 prints its progress
     ):
         lazy = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag, lazy_mode=True)
     shapes = {name: (tuple(value.shape), value.dtype) for name, value in lazy.items()}
@@ -533,8 +534,8 @@ def _layout(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     names = set(source.shapes)
     best: tuple[int, str] | None = None
     for model_class in candidates:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with torch.device("meta"), warnings.catch_warnings(), _quiet_transformers():
+            warnings.simplefilter("ignore")  # a class that does not fit this config says so: it is only a candidate
             try:
                 base = (
                     model_class.from_config(copy.deepcopy(source.config))
@@ -692,15 +693,14 @@ def _save_tokenizer(name_or_path: str | None, stage: Path) -> bool:
     return True
 
 
-class _quiet_stdout:  # noqa: N801 - a context manager used like a function
-    """DeepSpeed's zero_to_fp32 prints progress with print(); a command keeps its output to its own lines."""
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off while candidate classes are built (``BertLMHeadModel`` asks for ``is_decoder``)."""
+    from transformers.utils import logging as hf_logging
 
-    def __enter__(self) -> None:
-        import contextlib
-        import io
-
-        self._redirect = contextlib.redirect_stdout(io.StringIO())
-        self._redirect.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._redirect.__exit__(*exc)
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
