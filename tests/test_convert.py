@@ -518,3 +518,16 @@ def test_real_megatron_tp2_checkpoint_converts_like_its_export(tiny_job, tmp_pat
     torchrun(2, ["scripts/train.py", *job_args(tiny_job, run), *megatron])
     assert _convert(run, tmp_path / "out") == 0  # one process, without the tp=2 world
     _export_equals_convert(run, tmp_path / "out")
+
+
+@pytest.mark.distributed
+def test_real_zero3_checkpoint_converts_like_its_export(tiny_job, tmp_path):
+    from tests.conftest import job_args, torchrun
+
+    run = tmp_path / "run"
+    done = torchrun(
+        2, ["scripts/train.py", *job_args(tiny_job, run), "--strategy.name", "zero3", "--mixed_precision", "no"]
+    )
+    assert "(streamed, one tensor at a time)" in done.stdout + done.stderr
+    assert _convert(run, tmp_path / "out") == 0  # ZeRO-3's flat partitions, read in one process
+    _export_equals_convert(run, tmp_path / "out")
