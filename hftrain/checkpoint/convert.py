@@ -5,9 +5,9 @@ Two sources, both read without starting the world that wrote them:
 - an hftrain checkpoint (``output_dir/checkpoints/step_<N>``, or a run folder: its latest): the
   ``torch.distributed.checkpoint`` folder ``state/dcp`` holds every tensor of the unwrapped model under
   ``model.<name>`` with its full shape and fp32 master values, whatever strategy and layout wrote it; its
-  ``.metadata`` gives every name, shape and dtype, and ``dcp.load`` with a full-size destination reads one tensor
-  (DCP assembles the ranks' chunks). ``state/hf_model`` has the model's ``config.json`` (and, under LoRA,
-  ``adapter_config.json``).
+  ``.metadata`` gives every name, shape and dtype and where each rank's chunk of a tensor lies, and
+  ``read_dcp_tensor`` reads the chunks of one tensor straight into it (``dcp.load`` would hold each chunk twice).
+  ``state/hf_model`` has the model's ``config.json`` (and, under LoRA, ``adapter_config.json``).
 - a DeepSpeed ZeRO checkpoint folder (what ``engine.save_checkpoint`` writes: ``latest``,
   ``global_step<N>/*_optim_states.pt``): DeepSpeed's own ``zero_to_fp32`` in lazy mode gives the fp32 master
   weights; under ZeRO-3 each is gathered from the ranks' mapped partitions only when asked for (``contiguous()``).
@@ -524,7 +524,8 @@ def _layout(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     for name in source.config.architectures or []:
         if hasattr(transformers, name):
             candidates.append(getattr(transformers, name))
-    # hftrain's own task first; a DeepSpeed folder or a config without architectures may hold another head.
+    # The class the config names (a base model's config may name a pretraining head), then hftrain's own task, then
+    # the heads a DeepSpeed folder of another task may hold: the first whose names and shapes match is taken.
     candidates += [
         transformers.AutoModelForSequenceClassification,
         transformers.AutoModelForCausalLM,
