@@ -7,7 +7,7 @@ process writes and checks.
   (gathered over the ranks that hold them; the fp32 master values) and the main process writes each into
   ``model.safetensors`` as it arrives (``hftrain.checkpoint.stream``), so no rank holds more than its own shards and
   one full tensor; each is read back and compared before it is dropped.
-- Gather (LoRA, and runtimes without ``iter_full_state``): ``accelerator.get_state_dict`` assembles the *full*
+- Gather (LoRA, and a runtime without ``iter_full_state``): ``accelerator.get_state_dict`` assembles the *full*
   state on the main process whatever the strategy (ZeRO-3 partitions with
   ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall "ZeRO-3 save_pretrained writes empty
   weights", docs/pitfalls.md).
@@ -167,20 +167,11 @@ def _on_main(
 def _streams(accelerator: Any, model: torch.nn.Module) -> bool:
     """Whether the export streams: a full model, on a runtime that yields its full tensors one at a time.
 
-    A LoRA export keeps the gathered path: its adapter is small and PEFT picks its entries from a state dict. Under
-    DeepSpeed, Accelerate's generic ``iter_full_state`` would yield ZeRO-3's empty partitions: only a runtime of its
-    own (that reaches the fp32 partitions through DeepSpeed's accessors) streams there.
+    A LoRA export keeps the gathered path: its adapter is small and PEFT picks its entries from a state dict.
     """
     from hftrain.models.lora import is_peft_model
 
-    iterate = getattr(type(accelerator), "iter_full_state", None)
-    if iterate is None or is_peft_model(accelerator.unwrap_model(model)):
-        return False
-    if str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
-        from hftrain.strategies.runtime import AccelerateRuntime
-
-        return iterate is not AccelerateRuntime.iter_full_state
-    return True
+    return hasattr(accelerator, "iter_full_state") and not is_peft_model(accelerator.unwrap_model(model))
 
 
 def _streamed_export(
