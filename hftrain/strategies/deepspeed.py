@@ -528,9 +528,9 @@ class ZeroRuntime(AccelerateRuntime):
             elif value in groups:
                 full = safe_get_full_fp32_param(value)  # collective
             elif self.stage == 3:  # frozen and partitioned: gather its working copy
-                from deepspeed.zero import GatheredParameters
+                import deepspeed  # deepspeed.zero is an attribute, not an importable module, in 0.19
 
-                with GatheredParameters([value]):
+                with deepspeed.zero.GatheredParameters([value]):
                     full = value.detach().float().clone() if main else None
             else:
                 full = value.detach().float()
