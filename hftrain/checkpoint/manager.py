@@ -21,8 +21,9 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,7 +106,7 @@ class CheckpointManager:
             if main:  # DCP's save returns on the coordinator after every rank's shards are written
                 self._finish(staging, final, marker)
 
-        self._pending = _Pending(agreed, final, _executor().submit(write_in_background))
+        self._pending = _Pending(agreed, final, _in_a_thread(write_in_background))
         return final
 
     def wait(self) -> Path | None:
@@ -206,15 +207,25 @@ class _Pending:
     future: Future
 
 
-_EXECUTOR: ThreadPoolExecutor | None = None
+def _in_a_thread(work: Callable[[], None]) -> Future:
+    """Run ``work`` in a thread of its own; its future holds the outcome.
 
+    A new thread per save, not a pool kept in the module: a process forked after a save (Accelerate's
+    ``notebook_launcher`` forks the notebook's kernel) would inherit a pool whose worker thread did not survive the
+    fork, and its first background save would wait forever. Not a daemon: an exiting interpreter finishes the write.
+    """
+    future: Future = Future()
 
-def _executor() -> ThreadPoolExecutor:
-    """One writer thread per process (one save in flight at a time)."""
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hftrain-checkpoint")
-    return _EXECUTOR
+    def run() -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - raised to the caller at wait()
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=run, name="hftrain-checkpoint").start()
+    return future
 
 
 class _AgreedWrite:
