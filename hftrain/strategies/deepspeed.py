@@ -360,7 +360,7 @@ class ZeroRuntime(AccelerateRuntime):
         groups = _FlatGroups(self._inner_optimizer())
         state: dict[str, Chunked] = {}
         for name, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
+            if not _is_parameter(value):
                 state[MODEL_PREFIX + name] = Chunked.whole(value.detach())  # buffers: whole on every rank
                 continue
             state[MODEL_PREFIX + name] = self._share(value, None, trained=value in groups)
@@ -408,7 +408,7 @@ class ZeroRuntime(AccelerateRuntime):
 
         model = self.unwrap_model(self._prepared_model)
         groups = _FlatGroups(self._inner_optimizer())
-        names = {n for n, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch_parameter())}
+        names = {n for n, v in model.state_dict(keep_vars=True).items() if _is_parameter(v)}
         # A fresh optimizer has no state until its first step: give it zeros of the saved keys to load into.
         stored = [key for key in stored_keys(Path(directory) / DCP_DIR) if key.startswith(OPTIM_PREFIX)]
         saved = {tuple(key[len(OPTIM_PREFIX) :].rsplit(".", 1)) for key in stored}
@@ -431,7 +431,7 @@ class ZeroRuntime(AccelerateRuntime):
         params: dict[str, torch.nn.Parameter] = {}
         steps: dict[str, torch.Tensor] = {}
         for name, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
+            if not _is_parameter(value):
                 state[MODEL_PREFIX + name] = Chunked.whole(value.detach())  # read in place
                 continue
             params[name] = value
@@ -467,7 +467,7 @@ class ZeroRuntime(AccelerateRuntime):
 
         entries = []  # (state key, param or None, optimizer key or None, live tensor for buffers)
         for name, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
+            if not _is_parameter(value):
                 entries.append((MODEL_PREFIX + name, None, None, value.detach()))
                 continue
             entries.append((MODEL_PREFIX + name, value, None, None))
@@ -523,7 +523,7 @@ class ZeroRuntime(AccelerateRuntime):
         groups = _FlatGroups(self._inner_optimizer())
         main = self.is_main_process
         for name, value in unwrapped.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
+            if not _is_parameter(value):
                 full = value.detach()
             elif value in groups:
                 full = safe_get_full_fp32_param(value)  # collective
@@ -537,10 +537,11 @@ class ZeroRuntime(AccelerateRuntime):
             yield name, (full.detach().to("cpu", copy=True) if main and full is not None else None)
 
 
-def torch_parameter() -> type:
+def _is_parameter(value: Any) -> bool:
+    """Whether a ``state_dict(keep_vars=True)`` entry is a parameter (else a persistent buffer)."""
     import torch
 
-    return torch.nn.Parameter
+    return isinstance(value, torch.nn.Parameter)
 
 
 def _rank() -> int:
