@@ -8,7 +8,8 @@ parameter, continues differently by orders of magnitude more (a negative control
 combined: one per process count writes, one per process count reads every checkpoint in turn.
 
 Under bf16 ZeRO-3, the checkpoint's ``model.*`` tensors and the export are the fp32 master weights: equal to what
-DeepSpeed's own ``zero_to_fp32`` consolidates from a DeepSpeed checkpoint of the same state.
+DeepSpeed's own ``zero_to_fp32`` consolidates from a DeepSpeed checkpoint of the same state. A ZeRO checkpoint in
+DeepSpeed's layout (hftrain before the sharded format) still resumes on its own layout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tests.distributed import run_distributed
 from tests.tiny import run_tiny_training
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 8
+# zero2×2, micro 4, step 3 of the zero2×2 writer's run, saved by hftrain before the sharded format (commit f48a9de)
+LEGACY_ZERO2 = Path(__file__).parent / "fixtures" / "legacy" / "zero2" / "checkpoints" / "step_00000003"
 TOLERANCE = 1e-6
 OFFLOAD = {"offload_optimizer": True, "offload_params": True}
 # label -> (processes, strategy, options); micro-batch = GLOBAL_BATCH / data-parallel size
@@ -49,7 +52,7 @@ def _micro(processes: int, options: dict) -> int:
     return GLOBAL_BATCH * options.get("tp", 1) * options.get("pp", 1) // processes
 
 
-def _train(label: str, layout: tuple, output_dir: str, **kwargs) -> dict:
+def _train(layout: tuple, output_dir: str, **kwargs) -> dict:
     processes, strategy, options = layout
     return run_tiny_training(
         strategy=strategy,
@@ -63,16 +66,21 @@ def _train(label: str, layout: tuple, output_dir: str, **kwargs) -> dict:
     )
 
 
+def _attempt(fn, *args, **kwargs) -> dict:
+    """``fn``'s run, or its error: reported per run so that one failure does not hide the others."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
 def _write(root: str, processes: int) -> dict:
     """Every writer of this process count trains uninterrupted, checkpointing at step 3 (and 6)."""
     runs = {}
     for label, layout in WRITERS.items():
         if layout[0] != processes:
             continue
-        try:
-            runs[label] = _train(label, layout, f"{root}/{_slug(label)}")
-        except Exception as error:  # reported per writer so one failure does not hide the others
-            runs[label] = {"error": f"{type(error).__name__}: {error}"}
+        runs[label] = _attempt(_train, layout, f"{root}/{_slug(label)}")
     return runs
 
 
@@ -84,18 +92,24 @@ def _read(root: str, processes: int, writers: list[str]) -> dict:
             continue
         for writer in writers:
             checkpoint = f"{root}/{_slug(writer)}/checkpoints/step_{SAVE_AT:08d}"
-            try:
-                runs[writer, reader] = _train(
-                    reader,
-                    layout,
-                    f"{root}/read/{_slug(writer)}-{_slug(reader)}",
-                    resume_from_checkpoint=checkpoint,
-                    trust_external_checkpoint=True,
-                )
-            except Exception as error:
-                runs[writer, reader] = {"error": f"{type(error).__name__}: {error}"}
-    if processes == 2:  # negative control: the same resume with Adam's moments dropped after the load
-        runs["control"] = _resume_without_moments(root)
+            runs[writer, reader] = _attempt(
+                _train,
+                layout,
+                f"{root}/read/{_slug(writer)}-{_slug(reader)}",
+                resume_from_checkpoint=checkpoint,
+                trust_external_checkpoint=True,
+            )
+    if processes == 2:
+        # negative control: the same resume with Adam's moments dropped after the load
+        runs["control"] = _attempt(_resume_without_moments, root)
+        # a checkpoint in DeepSpeed's own layout, written before the sharded format, still resumes (same layout)
+        runs["legacy"] = _attempt(
+            _train,
+            WRITERS["zero2×2"],
+            f"{root}/read/legacy",
+            resume_from_checkpoint=str(LEGACY_ZERO2),
+            trust_external_checkpoint=True,
+        )
     return runs
 
 
@@ -113,7 +127,6 @@ def _resume_without_moments(root: str) -> dict:
     ZeroRuntime.load_snapshot = load_then_forget
     try:
         return _train(
-            "zero3×2",
             READERS["zero3×2"],
             f"{root}/read/control",
             resume_from_checkpoint=f"{root}/{_slug('ddp×2')}/checkpoints/step_{SAVE_AT:08d}",
@@ -164,7 +177,17 @@ def test_a_checkpoint_resumes_under_another_strategy_equal_to_the_uninterrupted_
 def test_a_resume_that_drops_adams_moments_does_not_pass(matrix):
     # The tolerance above is far below what a broken resume gives: the matrix would catch a lost optimizer state.
     original, control = matrix["written"]["ddp×2"], matrix["read"]["control"]
+    assert "error" not in control, control.get("error")
     assert _max_difference(control["weights"], original["weights"]) > 100 * TOLERANCE
+
+
+@pytest.mark.distributed
+def test_a_legacy_deepspeed_checkpoint_still_resumes(matrix):
+    original, resumed = matrix["written"]["zero2×2"], matrix["read"]["legacy"]
+    assert "error" not in resumed, resumed.get("error")
+    assert not (LEGACY_ZERO2 / "state" / "sharded.json").exists()
+    assert resumed["losses"] == pytest.approx(original["losses"], abs=TOLERANCE, rel=0)
+    assert _max_difference(resumed["weights"], original["weights"]) <= TOLERANCE
 
 
 @pytest.mark.distributed
