@@ -155,25 +155,31 @@ def _slug(label: str) -> str:
     return label.replace("×", "x").replace(" ", "-").replace("+", "-")
 
 
-def _read_all(root: str, pairs: list[tuple[str, str]], *, controls: bool) -> dict:
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict:
+    """The writers' uninterrupted runs (``runs``) and the folder holding their checkpoints (``root``)."""
+    root = str(tmp_path_factory.mktemp("reshard"))
+    runs = {**run_distributed(_write, 2, root=root, processes=2)[0]}
+    runs.update(run_distributed(_write, 4, root=root, processes=4)[0])
+    return {"root": root, "runs": runs}
+
+
+def _reads(written: dict, pairs: list[tuple[str, str]], *, controls: bool) -> dict:
+    root, runs = written["root"], written["runs"]
+    pairs = [(writer, reader) for writer, reader in pairs if "error" not in runs[writer]]
     read = {**run_distributed(_read, 1, root=root, processes=1, pairs=pairs, controls=controls)[0]}
     read.update(run_distributed(_read, 2, root=root, processes=2, pairs=pairs, controls=controls)[0])
     return read
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> dict:
-    root = str(tmp_path_factory.mktemp("reshard"))
-    written = {**run_distributed(_write, 2, root=root, processes=2)[0]}
-    written.update(run_distributed(_write, 4, root=root, processes=4)[0])
-    pairs = [(writer, reader) for writer, reader in FAST_PAIRS if "error" not in written[writer]]
-    return {"root": root, "written": written, "read": _read_all(root, pairs, controls=True)}
+def fast_reads(written) -> dict:
+    return _reads(written, FAST_PAIRS, controls=True)
 
 
 @pytest.fixture(scope="module")
-def slow_reads(matrix) -> dict:
-    pairs = [(writer, reader) for writer, reader in SLOW_PAIRS if "error" not in matrix["written"][writer]]
-    return _read_all(matrix["root"], pairs, controls=False)
+def slow_reads(written) -> dict:
+    return _reads(written, SLOW_PAIRS, controls=False)
 
 
 def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -183,10 +189,10 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("writer", "reader"), PAIRS)
-def test_a_checkpoint_resumes_under_another_strategy_equal_to_the_uninterrupted_run(request, matrix, writer, reader):
-    original = matrix["written"][writer]
+def test_a_checkpoint_resumes_under_another_strategy_equal_to_the_uninterrupted_run(request, written, writer, reader):
+    original = written["runs"][writer]
     assert "error" not in original, original.get("error")
-    reads = matrix["read"] if (writer, reader) in FAST_PAIRS else request.getfixturevalue("slow_reads")
+    reads = request.getfixturevalue("fast_reads" if (writer, reader) in FAST_PAIRS else "slow_reads")
     resumed = reads[writer, reader]
     assert "error" not in resumed, resumed.get("error")
     assert resumed["global_step"] == original["global_step"] == STEPS
@@ -200,16 +206,16 @@ def test_a_checkpoint_resumes_under_another_strategy_equal_to_the_uninterrupted_
 
 
 @pytest.mark.distributed
-def test_a_resume_that_drops_adams_moments_does_not_pass(matrix):
+def test_a_resume_that_drops_adams_moments_does_not_pass(written, fast_reads):
     # The tolerance above is far below what a broken resume gives: the matrix would catch a lost optimizer state.
-    original, control = matrix["written"]["ddp×2"], matrix["read"]["control"]
+    original, control = written["runs"]["ddp×2"], fast_reads["control"]
     assert "error" not in control, control.get("error")
     assert _max_difference(control["weights"], original["weights"]) > 100 * TOLERANCE
 
 
 @pytest.mark.distributed
-def test_a_legacy_deepspeed_checkpoint_still_resumes(matrix):
-    original, resumed = matrix["written"]["zero2×2"], matrix["read"]["legacy"]
+def test_a_legacy_deepspeed_checkpoint_still_resumes(written, fast_reads):
+    original, resumed = written["runs"]["zero2×2"], fast_reads["legacy"]
     assert "error" not in resumed, resumed.get("error")
     assert not (LEGACY_ZERO2 / "state" / "sharded.json").exists()
     assert resumed["losses"] == pytest.approx(original["losses"], abs=TOLERANCE, rel=0)
@@ -217,11 +223,11 @@ def test_a_legacy_deepspeed_checkpoint_still_resumes(matrix):
 
 
 @pytest.mark.distributed
-def test_zero_writes_the_keys_and_shapes_ddp_writes_spread_over_its_ranks(matrix):
+def test_zero_writes_the_keys_and_shapes_ddp_writes_spread_over_its_ranks(written):
     from hftrain.checkpoint.sharded import DCP_DIR, read_info, stored_keys
 
     def state(label: str) -> Path:
-        return Path(matrix["root"], _slug(label), "checkpoints", f"step_{SAVE_AT:08d}", "state")
+        return Path(written["root"], _slug(label), "checkpoints", f"step_{SAVE_AT:08d}", "state")
 
     reference = stored_keys(state("ddp×2") / DCP_DIR)
     assert any(key.endswith(".exp_avg") for key in reference) and any(key.endswith(".step") for key in reference)
