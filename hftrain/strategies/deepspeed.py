@@ -354,14 +354,16 @@ class ZeroRuntime(AccelerateRuntime):
     def snapshot(self) -> Snapshot:
         """This rank's boxes of the fp32 master weights, Adam's moments and steps, and the buffers (collective
         under ZeRO-1/2: one all-reduce per tensor; none under ZeRO-3)."""
-        from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked, Snapshot
+        from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked, Snapshot, split_replicated
 
         model = self.unwrap_model(self._prepared_model)
         groups = _FlatGroups(self._inner_optimizer())
         state: dict[str, Chunked] = {}
+        replicated = []  # whole on every rank: buffers and steps, each written by one rank
         for name, value in model.state_dict(keep_vars=True).items():
             if not _is_parameter(value):
-                state[MODEL_PREFIX + name] = Chunked.whole(value.detach())  # buffers: whole on every rank
+                state[MODEL_PREFIX + name] = Chunked.whole(value.detach())
+                replicated.append(MODEL_PREFIX + name)
                 continue
             state[MODEL_PREFIX + name] = self._share(value, None, trained=value in groups)
             if value in groups:
@@ -370,8 +372,9 @@ class ZeroRuntime(AccelerateRuntime):
                 step = groups.step(value)
                 if step is not None:
                     state[f"{OPTIM_PREFIX}{name}.step"] = Chunked.whole(step)
+                    replicated.append(f"{OPTIM_PREFIX}{name}.step")
         return Snapshot(
-            state=state,
+            state=split_replicated(state, replicated, self.accelerator.process_index, self.num_processes),
             param_groups=self._inner_optimizer().param_groups,
             info={"world_size": self.num_processes, "zero_stage": self.stage},
             model=model,
