@@ -240,6 +240,39 @@ def test_zero_writes_the_keys_and_shapes_ddp_writes_spread_over_its_ranks(writte
         assert min(files.values()) > 0.3 * max(files.values()), (label, files)
 
 
+# ----------------------------------------------------------------- LoRA: frozen parameters beside trained ones
+LORA = {"lora_r": 4, "lora_alpha": 64}
+
+
+def _lora(root: str) -> dict:
+    """LoRA under ZeRO-3 and ZeRO-2 (frozen base weights: partitioned without an fp32 master, or whole on every rank),
+    each checkpoint resumed by the other stage."""
+    runs = {}
+    for label in ("zero3×2", "zero2×2"):
+        runs[label] = _attempt(_train, WRITERS[label], f"{root}/{_slug(label)}", lora_options=LORA)
+    for writer, reader in (("zero3×2", "zero2×2"), ("zero2×2", "zero3×2")):
+        runs[writer, reader] = _attempt(
+            _train,
+            READERS[reader],
+            f"{root}/read/{_slug(writer)}-{_slug(reader)}",
+            lora_options=LORA,
+            resume_from_checkpoint=f"{root}/{_slug(writer)}/checkpoints/step_{SAVE_AT:08d}",
+            trust_external_checkpoint=True,
+        )
+    return runs
+
+
+@pytest.mark.distributed
+def test_zero_lora_checkpoints_resume_under_the_other_stage(tmp_path):
+    runs = run_distributed(_lora, 2, root=str(tmp_path))[0]
+    for writer, reader in (("zero3×2", "zero2×2"), ("zero2×2", "zero3×2")):
+        original, resumed = runs[writer], runs[writer, reader]
+        assert "error" not in original and "error" not in resumed, (original.get("error"), resumed.get("error"))
+        assert any(".lora_B." in name for name in original["weights"])
+        assert resumed["losses"] == pytest.approx(original["losses"], abs=TOLERANCE, rel=0)
+        assert _max_difference(resumed["weights"], original["weights"]) <= TOLERANCE, (writer, reader)
+
+
 # ----------------------------------------------------------------- bf16 ZeRO-3: the fp32 master weights
 def _bf16_zero3(root: str) -> dict:
     def inspect(trainer):
