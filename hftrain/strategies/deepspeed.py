@@ -325,7 +325,8 @@ class ZeroRuntime(AccelerateRuntime):
       ceil(numel / N)`` (DeepSpeed pads the last partition; the padding is not saved), read with
       ``safe_get_local_fp32_param``/``safe_get_local_optimizer_state`` and cut into boxes
       (:meth:`~hftrain.checkpoint.sharded.Chunked.flat_range`). A load reads exactly those ranges and sets them
-      with the ``safe_set_local_*`` forms: no collective beyond DCP's.
+      with the ``safe_set_local_*`` forms (from scratch partitions: one copy of the rank's own state), then copies
+      them into the working partitions and regathers the parameters DeepSpeed keeps whole: no other collective.
     - ZeRO-1/2: DeepSpeed has no local accessors at these stages (a rank's fragment of a parameter is private
       bookkeeping), so the save gathers one parameter's full tensor at a time (``safe_get_full_*``, an all-reduce
       each) and keeps an even split of its dim 0: no rank holds more than its share plus the largest tensor, and the
@@ -333,6 +334,9 @@ class ZeroRuntime(AccelerateRuntime):
       :data:`LOAD_BUCKET_BYTES` at a time: each rank reads the whole fp32 model and both moments (12 bytes per
       parameter instead of its ``4 + 8/N``). The model's full weights are needed anyway (ZeRO-1/2 keep them on
       every rank); the excess is the optimizer state of the other ranks' partitions, read and dropped.
+
+    Frozen parameters (a LoRA base) have no fp32 master: their working copy is saved (as fp32) and loaded, partitioned
+    like the others under ZeRO-3, split over the ranks under ZeRO-1/2.
 
     Adam's ``step`` lives in the inner optimizer's state of each flat parameter group (a 0-dim tensor in torch's
     AdamW, an int in DeepSpeed's CPU Adam under offload); it is saved per parameter as torch's AdamW holds it and
