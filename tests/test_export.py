@@ -96,10 +96,8 @@ def _local_trainable_pieces(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         if isinstance(param, DTensor):  # FSDP2: a dim-0 shard
             local = param.to_local()
-        elif hasattr(param, "ds_tensor"):  # ZeRO-3: a flat partition, padded at the end, of the fp32 master weights
-            from deepspeed.utils import safe_get_local_fp32_param  # (the export's, not the bf16 working copy)
-
-            local = safe_get_local_fp32_param(param)
+        elif hasattr(param, "ds_tensor"):  # ZeRO-3: a flat partition, padded at the end
+            local = param.ds_tensor
         else:  # FSDP1 (use_orig_params): a flat view into this rank's shard; DDP/ZeRO-1/2: the whole tensor
             local = param.data
         pieces[name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")] = local.detach().flatten().clone()
