@@ -325,7 +325,8 @@ class ZeroRuntime(AccelerateRuntime):
       ceil(numel / N)`` (DeepSpeed pads the last partition; the padding is not saved), read with
       ``safe_get_local_fp32_param``/``safe_get_local_optimizer_state`` and cut into boxes
       (:meth:`~hftrain.checkpoint.sharded.Chunked.flat_range`). A load reads exactly those ranges and sets them
-      with the ``safe_set_local_*`` forms: no collective beyond DCP's.
+      with the ``safe_set_local_*`` forms (from scratch partitions: one copy of the rank's own state), then copies
+      them into the working partitions and regathers the parameters DeepSpeed keeps whole: no other collective.
     - ZeRO-1/2: DeepSpeed has no local accessors at these stages (a rank's fragment of a parameter is private
       bookkeeping), so the save gathers one parameter's full tensor at a time (``safe_get_full_*``, an all-reduce
       each) and keeps an even split of its dim 0: no rank holds more than its share plus the largest tensor, and the
@@ -333,6 +334,9 @@ class ZeroRuntime(AccelerateRuntime):
       :data:`LOAD_BUCKET_BYTES` at a time: each rank reads the whole fp32 model and both moments (12 bytes per
       parameter instead of its ``4 + 8/N``). The model's full weights are needed anyway (ZeRO-1/2 keep them on
       every rank); the excess is the optimizer state of the other ranks' partitions, read and dropped.
+
+    Frozen parameters (a LoRA base) have no fp32 master: their working copy is saved (as fp32) and loaded, partitioned
+    like the others under ZeRO-3, split over the ranks under ZeRO-1/2.
 
     Adam's ``step`` lives in the inner optimizer's state of each flat parameter group (a 0-dim tensor in torch's
     AdamW, an int in DeepSpeed's CPU Adam under offload); it is saved per parameter as torch's AdamW holds it and
@@ -354,14 +358,16 @@ class ZeroRuntime(AccelerateRuntime):
     def snapshot(self) -> Snapshot:
         """This rank's boxes of the fp32 master weights, Adam's moments and steps, and the buffers (collective
         under ZeRO-1/2: one all-reduce per tensor; none under ZeRO-3)."""
-        from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked, Snapshot
+        from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Chunked, Snapshot, split_replicated
 
         model = self.unwrap_model(self._prepared_model)
         groups = _FlatGroups(self._inner_optimizer())
         state: dict[str, Chunked] = {}
+        replicated = []  # whole on every rank: buffers and steps, each written by one rank
         for name, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
-                state[MODEL_PREFIX + name] = Chunked.whole(value.detach())  # buffers: whole on every rank
+            if not _is_parameter(value):
+                state[MODEL_PREFIX + name] = Chunked.whole(value.detach())
+                replicated.append(MODEL_PREFIX + name)
                 continue
             state[MODEL_PREFIX + name] = self._share(value, None, trained=value in groups)
             if value in groups:
@@ -370,8 +376,9 @@ class ZeroRuntime(AccelerateRuntime):
                 step = groups.step(value)
                 if step is not None:
                     state[f"{OPTIM_PREFIX}{name}.step"] = Chunked.whole(step)
+                    replicated.append(f"{OPTIM_PREFIX}{name}.step")
         return Snapshot(
-            state=state,
+            state=split_replicated(state, replicated, self.accelerator.process_index, self.num_processes),
             param_groups=self._inner_optimizer().param_groups,
             info={"world_size": self.num_processes, "zero_stage": self.stage},
             model=model,
@@ -408,7 +415,7 @@ class ZeroRuntime(AccelerateRuntime):
 
         model = self.unwrap_model(self._prepared_model)
         groups = _FlatGroups(self._inner_optimizer())
-        names = {n for n, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch_parameter())}
+        names = {n for n, v in model.state_dict(keep_vars=True).items() if _is_parameter(v)}
         # A fresh optimizer has no state until its first step: give it zeros of the saved keys to load into.
         stored = [key for key in stored_keys(Path(directory) / DCP_DIR) if key.startswith(OPTIM_PREFIX)]
         saved = {tuple(key[len(OPTIM_PREFIX) :].rsplit(".", 1)) for key in stored}
@@ -431,7 +438,7 @@ class ZeroRuntime(AccelerateRuntime):
         params: dict[str, torch.nn.Parameter] = {}
         steps: dict[str, torch.Tensor] = {}
         for name, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
+            if not _is_parameter(value):
                 state[MODEL_PREFIX + name] = Chunked.whole(value.detach())  # read in place
                 continue
             params[name] = value
@@ -467,7 +474,7 @@ class ZeroRuntime(AccelerateRuntime):
 
         entries = []  # (state key, param or None, optimizer key or None, live tensor for buffers)
         for name, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
+            if not _is_parameter(value):
                 entries.append((MODEL_PREFIX + name, None, None, value.detach()))
                 continue
             entries.append((MODEL_PREFIX + name, value, None, None))
@@ -523,7 +530,7 @@ class ZeroRuntime(AccelerateRuntime):
         groups = _FlatGroups(self._inner_optimizer())
         main = self.is_main_process
         for name, value in unwrapped.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch_parameter()):
+            if not _is_parameter(value):
                 full = value.detach()
             elif value in groups:
                 full = safe_get_full_fp32_param(value)  # collective
@@ -537,10 +544,11 @@ class ZeroRuntime(AccelerateRuntime):
             yield name, (full.detach().to("cpu", copy=True) if main and full is not None else None)
 
 
-def torch_parameter() -> type:
+def _is_parameter(value: Any) -> bool:
+    """Whether a ``state_dict(keep_vars=True)`` entry is a parameter (else a persistent buffer)."""
     import torch
 
-    return torch.nn.Parameter
+    return isinstance(value, torch.nn.Parameter)
 
 
 def _rank() -> int:
