@@ -101,13 +101,12 @@ def test_every_pickled_state_file_is_refused_with_every_payload(runs, strategy, 
     checkpoint = runs[strategy] / STEP2
     state = checkpoint / "state"
     names = [str(p.relative_to(state)) for p in pickled_files(state)]
-    expected = {"custom_checkpoint_0.pkl", "random_states_0.pkl"} | {
-        "ddp": {"optimizer.bin"},
-        "zero2": {
-            "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-            "pytorch_model/mp_rank_00_model_states.pt",
-        },
-        "megatron": {"optimizer.pt", "random_states_1.pkl"},
+    # Every strategy's model and optimizer are in the sharded format: DCP's .metadata is its pickle (the .distcp
+    # tensors are read with weights_only=True), beside Accelerate's scheduler and per-rank RNG files.
+    expected = {"custom_checkpoint_0.pkl", "random_states_0.pkl", "dcp/.metadata"} | {
+        "ddp": set(),
+        "zero2": {"random_states_1.pkl"},
+        "megatron": {"random_states_1.pkl"},
     }[strategy]
     assert expected <= set(names), names
     if strategy == "zero2":
@@ -137,8 +136,7 @@ def _refused(done: subprocess.CompletedProcess, fragment: str) -> None:
 def test_planted_pickles_never_run_on_resume_or_export(runs, strategy, tmp_path):
     """Resumed inside the run, exported without and with the trust flag: refused each time, nothing runs."""
     processes, extra = STRATEGIES[strategy]
-    optimizer = {"zero2": "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt", "megatron": "optimizer.pt"}
-    copy = _planted_copy(runs[strategy], tmp_path, optimizer[strategy], planted_bytes())
+    copy = _planted_copy(runs[strategy], tmp_path, "dcp/.metadata", planted_bytes("bare"))
     root = runs[strategy].parent
     resume = _run([*TORCHRUN, "-m", "hftrain", *_train_args(root, copy), *extra, "--max_steps", "4",
                    "--resume_from_checkpoint", "auto"], cwd=tmp_path)  # fmt: skip
