@@ -242,3 +242,27 @@ def test_a_save_and_the_streamed_export_cost_each_rank_its_own_state_at_most(lay
         assert r["sync_peak"] <= 1.2 * r["own"] + 64 * 2**20, r
         assert r["background_peak"] <= 1.2 * r["own"] + 64 * 2**20, r
         assert r["export_peak"] <= largest + 64 * 2**20, r  # beside its own shards: one full tensor at a time
+
+
+# ----------------------------------------------------------------- another strategy in the same output_dir
+def test_a_run_continues_under_another_strategy_in_its_own_output_dir(tiny_job, tmp_path):
+    """``--strategy.name megatron --resume_from_checkpoint <its step 3>`` continues a DDP run from there: the reshard
+    is one logged line, the run config records the new strategy, and the losses equal an uninterrupted DDP run's."""
+    import yaml
+
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    base = [sys.executable, "-m", "hftrain", "train"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:  # fp32: the two strategies' steps compared at 1e-6
+        done = subprocess.run([*base, *args, "--mixed_precision", "no"], cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    run(*job_args(tiny_job, reference, steps=6))
+    run(*job_args(tiny_job, out, steps=6), "--save_steps", "3")
+    step3 = str(out / "checkpoints" / "step_00000003")  # the run's own checkpoint, mid-way
+    done = run(*job_args(tiny_job, out, steps=6), "--strategy.name", "megatron", "--resume_from_checkpoint", step3)
+    log = done.stdout + done.stderr
+    assert "resharding checkpoint from ddp on 1 processes to megatron on 1 processes (tp=1 × pp=1 × dp=1)" in log
+    assert yaml.safe_load((out / "hftrain_config.yaml").read_text())["strategy"]["name"] == "megatron"
+    assert logged_losses(out) == pytest.approx(logged_losses(reference), rel=1e-6, abs=1e-7)
