@@ -254,7 +254,14 @@ def test_a_run_continues_under_another_strategy_in_its_own_output_dir(tiny_job, 
     base = [sys.executable, "-m", "hftrain", "train"]
 
     def run(*args: str) -> subprocess.CompletedProcess:  # fp32: the two strategies' steps compared at 1e-6
-        done = subprocess.run([*base, *args, "--mixed_precision", "no"], cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [*base, *args, "--mixed_precision", "no"],
+            cwd=ROOT,
+            env=launch_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hftrain.checkpoint.sharded import read_model_tensors
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
 from tests.megatron_runs import (
@@ -83,7 +84,7 @@ def _tp2pp2(root: str) -> dict:
         output_dir=f"{root}/pp1", strategy_options={"tp": 2}, trust_external_checkpoint=True,
         resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", **{**common, "micro": 4},
     )  # fmt: skip
-    layout = json.loads(Path(root, "part", "checkpoints", "step_00000008", "state", "layout.json").read_text())
+    layout = json.loads(Path(root, "part", "checkpoints", "step_00000008", "state", "sharded.json").read_text())
     return {"parity": parity, "full": full, "part": part, "resumed": resumed, "pp1": at_pp1, "layout": layout}
 
 
@@ -146,7 +147,7 @@ def test_every_model_and_schedule_is_covered_at_every_layout():
 def test_resumed_equals_uninterrupted_under_tp2_pp2(runs):
     assert_resumed_equals_uninterrupted(runs["tp2pp2"])  # weights merged from the tp shards and the pp stages
     assert runs["tp2pp2"][0]["layout"] == {
-        "format": "hftrain-logical-full-v1",
+        "format": "hftrain-dcp-v1",
         "tp": 2,
         "pp": 2,
         "dp": 1,
@@ -182,7 +183,6 @@ def pp_job(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.distributed
 def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, tmp_path):
-    from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
     output_dir = tmp_path / "out"
@@ -195,7 +195,7 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
     strategy = json.loads((output_dir / "hftrain_strategy.json").read_text())
     assert (strategy["tp"], strategy["pp"], strategy["dp_size"], strategy["schedule"]) == (2, 2, 1, "1f1b")
     exported = AutoModelForSequenceClassification.from_pretrained(output_dir / "model")
-    final = load_file(output_dir / "checkpoints" / "step_00000004" / "state" / "model.safetensors")
+    final = read_model_tensors(output_dir / "checkpoints" / "step_00000004" / "state")
     state = exported.state_dict()
     assert set(final) == set(state)  # every stage's tensors, merged
     for name, tensor in final.items():
@@ -214,7 +214,7 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
     exported_dir, checkpoint = tmp_path / "exported", output_dir / "checkpoints" / "step_00000002"
     torchrun(4, ["-m", "hftrain", "export", str(checkpoint), str(exported_dir), "--output_dir", str(output_dir)])
     reloaded = AutoModelForSequenceClassification.from_pretrained(exported_dir).state_dict()
-    assert all(torch.equal(reloaded[k], v) for k, v in load_file(checkpoint / "state" / "model.safetensors").items())
+    assert all(torch.equal(reloaded[k], v) for k, v in read_model_tensors(checkpoint / "state").items())
 
 
 def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], str, str]]:

@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 
+from hftrain.checkpoint.sharded import read_model_tensors
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
 from tests.megatron_runs import megatron_job_args
@@ -290,7 +291,6 @@ def test_lora_at_tp2_dp2_matches_lora_on_one_process(lora_runs, label):
 
 @pytest.mark.distributed
 def test_tp2_lora_checkpoint_resumes_at_tp1(lora_runs):
-    from safetensors.torch import load_file
 
     full, resumed = lora_runs["two"][0]["full"], lora_runs["one"]["resumed"]
     assert resumed["global_step"] == full["global_step"] == 12
@@ -298,7 +298,7 @@ def test_tp2_lora_checkpoint_resumes_at_tp1(lora_runs):
     for name, tensor in full["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
     # the checkpoint holds logical full tensors under PEFT's names (B whole, not one rank's slice)
-    state = load_file(f"{lora_runs['root']}/part/checkpoints/step_00000008/state/model.safetensors")
+    state = read_model_tensors(f"{lora_runs['root']}/part/checkpoints/step_00000008/state")
     c_attn_b = state["base_model.model.transformer.h.0.attn.c_attn.lora_B.default.weight"]
     assert c_attn_b.shape == (96, 4) and c_attn_b.abs().min(dim=1).values.gt(0).any()
 
@@ -320,13 +320,13 @@ def test_tp2_lora_job_exports_an_adapter_peft_reloads_equal_to_the_merged_model(
     assert diff <= 1e-5
     adapter_dir, merged_dir = output_dir / "model", output_dir / "model_merged"
     adapter = load_file(adapter_dir / "adapter_model.safetensors")
-    final = load_file(output_dir / "checkpoints" / "step_00000004" / "state" / "model.safetensors")
+    final = read_model_tensors(output_dir / "checkpoints" / "step_00000004" / "state")
     _assert_adapter_is_checkpoint(adapter, final)
     # a checkpoint of the tp=2 run exports the same way, launched like its run
     checkpoint = output_dir / "checkpoints" / "step_00000002"
     exported = tmp_path / "exported"
     torchrun(2, ["-m", "hftrain", "export", str(checkpoint), str(exported), "--output_dir", str(output_dir)])
-    step2 = load_file(checkpoint / "state" / "model.safetensors")
+    step2 = read_model_tensors(checkpoint / "state")
     _assert_adapter_is_checkpoint(load_file(exported / "adapter_model.safetensors"), step2)
     base = AutoModelForSequenceClassification.from_pretrained(tiny_job["gpt2"])
     reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
