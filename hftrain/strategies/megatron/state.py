@@ -1,19 +1,17 @@
-"""Megatron checkpoint state in logical, unsharded form, so that it reshards to any ``tp``, ``pp`` and ``dp``.
+"""Megatron's checkpoint state: this rank's boxes of every logical tensor, in the sharded format of every strategy.
 
-Choice: the model and the optimizer state are saved as *full* tensors under the model's HF parameter names
-(``state/model.safetensors``, ``state/optimizer.pt``: per parameter name its Adam ``exp_avg``/``exp_avg_sq``
-and ``step``, and the parameter groups' hyper-parameters with names instead of indices). Each rank owns some
-parameters (all of them at ``pp = 1``, its stages' under pipeline parallelism) and holds tp shards of them; saving
-gathers them over the tp group and, under ``pp > 1``, merges the stages over the pp group. The format does not
-depend on the layout: loading slices each full tensor into this rank's shard with the plan that split the model
-(``shard_full_tensor``), so a checkpoint of any ``tp × pp × dp`` loads on any other that fits the model.
-Scheduler and per-rank RNG go through ``accelerator.save_state`` beside these files. ``optimizer.pt`` holds only
-tensors, numbers, strings and containers and is read with ``weights_only=True``.
+Save (:func:`snapshot`): each parameter split by a :class:`~hftrain.parallel.layers.TPShard` gives the boxes its
+slice occupies in the full HF-layout tensor (``TPShard.boxes``: packed query/key/value blocks as separate ranges,
+vocabulary padding left out), an unsplit one the whole tensor; Adam's moments are boxed like their parameter. The
+dp and cp replicas of a slice, and the tp ranks of an unsplit tensor, deal the writes out among themselves
+(``split_replicated``), so each piece is written once, from live memory, with no gather: a rank's save costs its own
+state. Under ``shard_optimizer`` (ZeRO-1 over dp) each dp rank writes the moments of the parameters it owns.
+Load (:func:`load_snapshot`): the same boxes, filled in place from a checkpoint of any strategy and layout
+(``hftrain.checkpoint.sharded``). :func:`iter_full_state` streams the full weights to rank 0 one tensor at a time
+for the export; :func:`merged_weights` gathers them all (LoRA's adapter export).
 
-Cost, stated because it is the price of the simplicity: at save, the ranks of data-parallel replica 0 gather the
-full model and optimizer state, and global rank 0 holds ``(1 + optimizer state tensors) x model size`` while it
-writes, serially. At load every rank reads the full files and keeps its slices. The scalable form of the same
-logical layout, each rank writing its own shards through ``torch.distributed.checkpoint``, is issue 21.
+Checkpoints of the previous format (full tensors in ``state/model.safetensors`` and ``state/optimizer.pt``, with
+``layout.json``) still load through :func:`load_legacy_state`, which slices each full tensor to this rank's shard.
 """
 
 from __future__ import annotations
@@ -245,20 +243,6 @@ def _merged_over_stages(part: dict[str, Any], pp_group: Any) -> list[dict[str, A
     return parts
 
 
-def _merged_optimizer_state(model: torch.nn.Module, optimizer: Any, groups: Any) -> dict[str, Any]:
-    """The logical optimizer state of the whole model (collective over tp, and over pp when it is split)."""
-    own = _full_optimizer_state(model, optimizer, groups)
-    if groups.pp_size == 1:
-        return own
-    parts = _merged_over_stages(own, groups.pp_group)
-    state = {name: values for part in parts for name, values in part["state"].items()}
-    param_groups = [
-        {**group, "params": [name for part in parts for name in part["param_groups"][i]["params"]]}
-        for i, group in enumerate(parts[0]["param_groups"])
-    ]
-    return {"state": state, "param_groups": param_groups}
-
-
 def check_layout(directory: Path, layout: dict[str, int]) -> None:
     """Refuse a checkpoint whose layout cannot be resharded to this one, naming both layouts."""
     path = directory / LAYOUT_FILE
@@ -291,29 +275,6 @@ def check_layout(directory: Path, layout: dict[str, int]) -> None:
 def _flat_params(optimizer: Any) -> list[torch.nn.Parameter]:
     """Parameters in the order optimizer state dicts index them (group by group)."""
     return list(chain.from_iterable(group["params"] for group in optimizer.param_groups))
-
-
-def _full_optimizer_state(model: torch.nn.Module, optimizer: Any, groups: Any) -> dict[str, Any]:
-    """``{"state": {name: {key: full tensor}}, "param_groups": [...with names]}`` (collective over tp)."""
-    from hftrain.parallel import gather_full_tensors
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = _flat_params(optimizer)
-    local = optimizer.state_dict()  # a ZeroRedundancyOptimizer's, consolidated on dp rank 0, indexes the same way
-    state = {names[id(params[i])]: values for i, values in local["state"].items()}
-    full: dict[str, dict[str, Any]] = {name: {} for name in state}
-    keys = sorted({k for values in state.values() for k, v in values.items() if torch.is_tensor(v) and v.dim() > 0})
-    for key in keys:  # state shaped like its parameter (Adam's moments) is split, and gathered, like it
-        shaped = {name: values[key] for name, values in state.items() if key in values}
-        for name, tensor in gather_full_tensors(shaped, model, tp_group=groups.tp_group).items():
-            full[name][key] = tensor
-    for name, values in state.items():  # scalars (Adam's step) are the same on every shard
-        full[name].update({k: v for k, v in values.items() if k not in keys})
-    param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(params[i])] for i in group["params"]]}
-        for group in local["param_groups"]
-    ]
-    return {"state": full, "param_groups": param_groups}
 
 
 def _local_optimizer_state(model: torch.nn.Module, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
