@@ -7,7 +7,7 @@
 ``runtime.py``     ``MegatronRuntime``: tp × dp for the Trainer, and what every layout shares (clipping, state,
                    export, evaluation)
 ``pipeline.py``    ``PipelineRuntime``: stages and schedules (pp > 1), on top of ``MegatronRuntime``
-``state.py``       logical, reshardable checkpoint state (full tensors under HF names, merged over tp and pp)
+``state.py``       checkpoint state: this rank's boxes of each logical tensor (sharded format); streamed export
 =================  ==============================================================================================
 
 ``hftrain.parallel`` below knows neither the Trainer, nor Accelerate; nothing outside this package imports from

@@ -1,8 +1,8 @@
 """The Trainer's operations for tp × dp (``megatron`` with ``pp = 1``), and what the pipeline runtime shares.
 
 :class:`MegatronRuntime` does what Accelerate cannot for a tensor-parallel model: DDP over the dp group only,
-data sharded by dp rank, the TP-aware gradient norm, evaluation gathered over dp, logical (reshardable) checkpoint
-state and the merged export, all through the :class:`~hftrain.strategies.megatron.plugin.MegatronPlugin` adapter.
+data sharded by dp rank, the TP-aware gradient norm, evaluation gathered over dp, its boxes in the sharded checkpoints
+and the streamed export, all through the :class:`~hftrain.strategies.megatron.plugin.MegatronPlugin` adapter.
 Accelerate still provides the process group, gradient accumulation (``accumulate``/``backward``), autocast and the
 trackers.
 
