@@ -76,6 +76,10 @@ class UsageError(HFTrainError):
     """The command line itself is malformed (unknown subcommand, missing argument)."""
 
 
+class CheckpointError(HFTrainError):
+    """A checkpoint is missing, incomplete, corrupted or incompatible with this run."""
+
+
 class WriteError(HFTrainError):
     """A file of the run could not be written (disk full, read-only, permission denied).
 

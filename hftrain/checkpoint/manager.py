@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.errors import HFTrainError, WriteError, write_error
+from hftrain.errors import CheckpointError, HFTrainError, WriteError, write_error
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -37,10 +37,6 @@ FORMAT_VERSION = 1
 MARKER = "checkpoint.json"
 STATE_DIR = "state"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(HFTrainError):
-    """A checkpoint is missing, incomplete, corrupted or incompatible with this run."""
 
 
 class CheckpointManager:

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from hftrain.checkpoint.manager import CheckpointError
+from hftrain.errors import CheckpointError
 
 FORMAT = "hftrain-dcp-v1"
 DCP_DIR = "dcp"
