@@ -122,9 +122,9 @@ class MegatronRuntime(AccelerateRuntime):
         layout = self.plugin.layout
         # Before anything is written: the checkpoint keeps one copy of every replicated parameter.
         check_replicas_agree(self._model, tp_group=layout.tp_group)
-        # Scheduler and per-rank RNG through Accelerate (no model or optimizer is registered with it), the RNG
-        # tracker's streams per (pp, tp, cp, dp) coordinate beside them.
-        self.accelerator.save_state(directory, safe_serialization=True)
+        # Scheduler and per-rank RNG as every strategy saves them, the RNG tracker's streams per (pp, tp, cp, dp)
+        # coordinate beside them.
+        super().save_extras(directory)
         save_streams(directory, self.plugin.rng_tracker, groups=layout)
 
     def snapshot(self) -> Snapshot:
@@ -136,7 +136,7 @@ class MegatronRuntime(AccelerateRuntime):
         from hftrain.log import log_main
         from hftrain.parallel.random import load_streams
 
-        self.accelerator.load_state(directory)
+        super().load_extras(directory)
         # After Accelerate's per-rank RNG: on another layout those are other ranks' states, and the tracker's
         # deterministic rebuild replaces them, identical over each tp group.
         note = load_streams(directory, self.plugin.rng_tracker, groups=self.plugin.layout)
