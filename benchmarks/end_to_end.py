@@ -129,6 +129,8 @@ def child_hftrain(
     overrides = ("--output_dir", output_dir, "--overwrite_output_dir", "true", *overrides)
     if args.max_train_samples:
         overrides += ("--max_train_samples", str(args.max_train_samples))
+    if args.max_steps:
+        overrides += ("--max_steps", str(args.max_steps))
     config = load_config(None, list(overrides))
     result = run_training(config, LaunchInfo())
     end, cpu = time.time(), time.process_time()
@@ -141,6 +143,7 @@ def child_hftrain(
     )["train"]["length"]
     order = list(EpochSampler(lengths, order=config.training.train_sampling_strategy, group_size=BATCH_SIZE, seed=SEED))
     batches = [[lengths[i] for i in order[j : j + BATCH_SIZE]] for j in range(0, len(order), BATCH_SIZE)]
+    batches = batches[: result.global_step]  # a job cut short by --max_steps trained on the first batches only
     return {
         "end": end,
         "cpu_s": cpu,
@@ -236,6 +239,7 @@ def child_transformers(args: argparse.Namespace, output_dir: str, *, tuned: bool
         seed=SEED,
         use_cpu=True,
         report_to="none",
+        max_steps=args.max_steps or -1,
         **(tuned_settings() if tuned else {}),
     )
 
@@ -332,6 +336,8 @@ def run_job(name: str, args: argparse.Namespace) -> dict:
         command = [sys.executable, __file__, "--child", name, "--result", str(result_file)]
         if args.max_train_samples:
             command += ["--max_train_samples", str(args.max_train_samples)]
+        if args.max_steps:
+            command += ["--max_steps", str(args.max_steps)]
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
         load = os.getloadavg()[0]
@@ -345,11 +351,20 @@ def run_job(name: str, args: argparse.Namespace) -> dict:
     return result
 
 
+SIZES = {"1step": (None, 1), "1000": (1000, None), "3000": (3000, None), "all": (None, None)}  # rows, steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="train on 1000 rows (32 steps), one repetition each")
     parser.add_argument("--reps", type=int, help="repetitions of each job, interleaved (default 2; 1 with --quick)")
     parser.add_argument("--max_train_samples", type=int, help="train on the first N training rows")
+    parser.add_argument("--max_steps", type=int, help="stop after N optimizer steps (1: command to saved model)")
+    parser.add_argument(
+        "--sizes",
+        help=f"comma-separated job sizes, each measured in turn and summed up in one table: {', '.join(SIZES)} "
+        "(1step: one optimizer step on all rows, from the command to the saved model)",
+    )
     parser.add_argument(
         "--jobs", default=",".join(JOBS), help=f"comma-separated, run in this order each round: {', '.join(JOBS)}"
     )
@@ -367,9 +382,24 @@ def main() -> None:
     names = args.jobs.split(",")
     if unknown := set(names) - set(JOBS):
         parser.error(f"--jobs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(JOBS)}")
+    sizes = args.sizes.split(",") if args.sizes else []
+    if unknown := set(sizes) - set(SIZES):
+        parser.error(f"--sizes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SIZES)}")
+    if not sizes:
+        measure(args, names)
+        return
+    by_size = {}
+    for size in sizes:
+        args.max_train_samples, args.max_steps = SIZES[size]
+        by_size[size] = measure(args, names)
+    print_sizes(names, by_size)
+
+
+def measure(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    """Run ``names`` interleaved ``args.reps`` times at ``args``' size; print and return the medians."""
     print(
-        f"# train rows: {args.max_train_samples or 'all'}, repetitions: {args.reps}, "
-        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, trainer_tuned: {tuned_settings()}",
+        f"\n# train rows: {args.max_train_samples or 'all'}, steps: {args.max_steps or 'one epoch'}, repetitions: "
+        f"{args.reps}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, trainer_tuned: {tuned_settings()}",
         flush=True,
     )
     results: dict[str, list[dict]] = {name: [] for name in names}
@@ -386,8 +416,25 @@ def main() -> None:
     print_table(names, med)
     print_ratios(names, med)
     flops = [r["flops_per_step"] for r in results.get("hftrain", []) if "flops_per_step" in r]
-    if flops:
+    if flops and not args.max_steps:
         print_floor(flops[0], med["hftrain"]["step_s"])
+    return med
+
+
+def print_sizes(names: list[str], by_size: dict[str, dict[str, dict]]) -> None:
+    """One row per job size: each job's median wall time, and hftrain's against each Trainer's."""
+    trainers = [n for n in ("trainer_tuned", "trainer_usual") if n in names]
+    headers = [f"{n} wall s" for n in names] + [f"hftrain / {t}" for t in trainers]
+    print("\n| job size | " + " | ".join(headers) + " | accuracy (hftrain, points vs tuned) |")
+    print("|---" * (len(names) + len(trainers) + 2) + "|")
+    for size, med in by_size.items():
+        walls = [f"{med[n]['wall_s']:.1f}" for n in names]
+        ratios = [f"{med['hftrain']['wall_s'] / med[t]['wall_s']:.3f}" for t in trainers if "hftrain" in med]
+        accuracy = ""
+        if "hftrain" in med and "trainer_tuned" in med:
+            points = 100 * (med["hftrain"]["accuracy"] - med["trainer_tuned"]["accuracy"])
+            accuracy = f"{med['hftrain']['accuracy']:.4f} ({points:+.2f})"
+        print(f"| {size} | " + " | ".join(walls + ratios + [accuracy]) + " |")
 
 
 def print_table(names: list[str], med: dict[str, dict]) -> None:

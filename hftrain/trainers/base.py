@@ -32,6 +32,7 @@ from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
+from hftrain.trainers.curves import CurvesPainter
 from hftrain.trainers.guards import check_finite_loss
 from hftrain.trainers.throughput import FlopModel, Throughput, peak_flops
 
@@ -116,7 +117,7 @@ class Trainer:
         self.run_config = run_config or {}
         self.run_id = run_id
         self._skip_batches = 0
-        self._curves_entries = -1  # log entries training_curves.png was last drawn from
+        self._curves: CurvesPainter | None = None  # draws training_curves.png in the background (main process)
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         choices.append(strategy.tune_host_allocator())
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
@@ -250,8 +251,10 @@ class Trainer:
             while self.state.global_step < self.max_steps and stopped is None:
                 stopped = self._run_epoch(progress, preemption, stop_at_step)
         if self.state.global_step > (self._checkpointed_step() or 0):
-            self.save_checkpoint()  # written in the background while the final evaluation runs
+            # written in the background while the final evaluation runs; the curves are drawn once, after it
+            self.save_checkpoint(draw_curves=False)
         metrics = self._final_evaluation(stopped)
+        self._draw_curves()  # in the background, beside the checkpoint's write, the export and the end of the run
         progress.close()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
@@ -329,8 +332,12 @@ class Trainer:
         return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
 
     # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self) -> Path:
-        """Write a complete checkpoint of the current step (collective: every rank calls it)."""
+    def save_checkpoint(self, *, draw_curves: bool = True) -> Path:
+        """Write a complete checkpoint of the current step (collective: every rank calls it).
+
+        Args:
+            draw_curves: also start drawing ``training_curves.png`` (in the background) from the history so far.
+        """
         meta = {
             "run_id": self.run_id,
             "trainer_state": self.state_dict(),
@@ -341,7 +348,8 @@ class Trainer:
         self.last_checkpoint = self.checkpoints.save(
             self.runtime, step=self.state.global_step, meta=meta, background=self.args.async_save
         )
-        self._draw_curves()
+        if draw_curves:
+            self._draw_curves()
         self.throughput.restart_clock()  # a step's rate counts the step, not the save after it
         return self.last_checkpoint
 
@@ -523,25 +531,19 @@ class Trainer:
             (directory / STRATEGY_FILENAME).write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
 
     def _draw_curves(self) -> None:
-        from hftrain.trainers.curves import render_curves
-
-        entries = len(self.state.log_history)
-        if self.accelerator.is_main_process and entries != self._curves_entries:  # nothing new: already drawn
-            try:
-                render_curves(self.state.log_history, Path(self.args.output_dir) / CURVES_PNG)
-            except OSError as error:  # a picture is not worth stopping the run for (and only this rank would)
-                self._log(f"warning: training curves not drawn ({error.strerror or error})")
-                return
-            self._curves_entries = entries
+        """Start drawing ``training_curves.png`` in the background (main process); complete when ``close`` returns."""
+        if self.accelerator.is_main_process:
+            if self._curves is None:
+                self._curves = CurvesPainter(Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
+            self._curves.draw(self.state.log_history)
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
-        """``run_summary.json`` (throughput, FLOPs, MFU) and the final training curves, on the main process."""
+        """``run_summary.json`` (throughput, FLOPs, MFU), on the main process."""
         import json
 
         if self.accelerator.is_main_process:
             path = Path(self.args.output_dir) / RUN_SUMMARY_FILENAME
             path.write_text(json.dumps({"global_step": self.state.global_step, **summary}, indent=2) + "\n")
-            self._draw_curves()
 
     def _save_trainer_state(self) -> None:
         import json
@@ -564,6 +566,8 @@ class Trainer:
         import gc
 
         self.wait_for_checkpoint()
+        if self._curves is not None:
+            self._curves.wait()
         several_processes = self.accelerator.num_processes > 1
         self.model = self.optimizer = self.train_loader = self.eval_loader = None
         self.runtime = None
