@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     groups.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     groups.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     groups.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks that split each sequence)")
+    groups.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (data-parallel ranks that split the experts)"
+    )
     groups.add_argument("--json", action="store_true", help='print {"tp": [...], "pp": [...], "dp": [...]}')
     doctor = commands.add_parser(
         "doctor",
@@ -252,7 +255,7 @@ def _convert(args: argparse.Namespace, extra: list[str]) -> int:
 def _groups(args: argparse.Namespace, extra: list[str]) -> int:
     from hftrain.parallel.dims import MAX_PRINTED_WORLD, ParallelDims, group_lines, groups_json_chunks
 
-    for name in ("world_size", "tp", "pp", "cp"):
+    for name in ("world_size", "tp", "pp", "cp", "ep"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {getattr(args, name)}: must be a positive integer")
@@ -263,7 +266,7 @@ def _groups(args: argparse.Namespace, extra: list[str]) -> int:
             f"give a world size up to {MAX_PRINTED_WORLD}"
         )
     try:
-        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp).validate()
+        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep).validate()
     except AxisError as error:  # hftrain.parallel names the axis; here the value came from a flag
         raise error.named_as(f"--{error.axis.replace('_', '-')}") from None  # tp · pp must divide the world
     for piece in groups_json_chunks(dims) if args.json else group_lines(dims):

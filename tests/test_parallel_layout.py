@@ -156,3 +156,27 @@ def test_context_parallel_ranks_sit_between_tp_and_dp():
     assert "cp" not in ParallelDims(4, tp=2).rank_groups()  # without cp the groups are the three of before
     with pytest.raises(ConfigError, match=r"valid cp values with tp=2, pp=1: 1, 3"):
         ParallelDims(6, tp=2, cp=2).validate()
+
+
+def test_expert_parallel_ranks_are_carved_out_of_data_parallel():
+    """Megatron's rule: ep consecutive dp ranks split the experts, the dp ranks with the same ep rank (edp) hold the
+    same ones. 16 ranks, tp=2, pp=2 -> dp=4; ep=2 -> edp=2."""
+    dims = ParallelDims(16, tp=2, pp=2, ep=2).validate()
+    groups = dims.rank_groups()
+    assert groups["dp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["ep"][:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["edp"][:4] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for axis in ("ep", "edp"):  # every rank is in exactly one group of each
+        assert sorted(r for g in groups[axis] for r in g) == list(range(16))
+    for ep_group in groups["ep"]:  # an ep group lies inside one dp group, and meets every edp group of it once
+        dp_group = next(g for g in groups["dp"] if ep_group[0] in g)
+        assert set(ep_group) <= set(dp_group)
+    assert "ep" not in ParallelDims(4, tp=2).rank_groups()
+    with pytest.raises(ConfigError, match=r"ep=4 does not divide the data-parallel size 2.*valid ep values here: 1, 2"):
+        ParallelDims(4, tp=2, ep=4).validate()
+    done = subprocess.run(
+        [sys.executable, "-m", "hftrain", "groups", "--world-size", "8", "--tp", "2", "--ep", "2", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and json.loads(done.stdout)["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -8,6 +8,12 @@ the groups are built. Gradients are averaged over ``dp × cp`` (the ``dp_cp`` gr
 the same parameters and see the same examples, each a part of every sequence). Nothing here holds a group in a
 module global: the groups live in the :class:`ParallelGroups` returned by :func:`build_groups` and are passed on
 explicitly.
+
+Expert parallelism is carved out of data parallelism, as Megatron-LM does (``ep`` divides ``dp``): the ``ep``
+group is ``ep`` consecutive dp ranks (same pp, cp and tp coordinates), which hold different experts of every MoE
+layer and exchange tokens by all-to-all; the expert-data-parallel (``edp``) group is the ``dp / ep`` dp ranks that
+hold the same experts (dp ranks with the same ``dp_rank mod ep``), over which expert gradients are reduced. Dense
+parameters are still averaged over all of dp.
 """
 
 from __future__ import annotations
@@ -47,12 +53,19 @@ class ParallelDims:
         tp: tensor-parallel size (ranks that split every layer's weights).
         pp: pipeline-parallel size (stages).
         cp: context-parallel size (ranks that split every sequence).
+        ep: expert-parallel size (dp ranks that split the experts of every MoE layer; divides dp).
     """
 
     world_size: int
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the dp ranks holding the same experts (``dp / ep``)."""
+        return self.dp // self.ep
 
     @property
     def dp(self) -> int:
@@ -62,7 +75,13 @@ class ParallelDims:
     def validate(self) -> ParallelDims:
         """Return ``self`` if ``tp · cp · pp`` divides the world size, else raise a ConfigError naming the valid
         values."""
-        for axis, value in (("world_size", self.world_size), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp)):
+        for axis, value in (
+            ("world_size", self.world_size),
+            ("tp", self.tp),
+            ("pp", self.pp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise AxisError(axis, f"{axis} must be a positive integer, got {value!r}")
         if self.world_size % (self.tp * self.pp) == 0 and self.world_size % (self.tp * self.cp * self.pp):
@@ -80,12 +99,21 @@ class ParallelDims:
                 f"valid tp values with pp={self.pp}: {', '.join(map(str, valid_tp)) or 'none'} "
                 f"(or change the number of processes)",
             )
+        if self.dp % self.ep:
+            valid_ep = _divisors(self.dp)
+            raise AxisError(
+                "ep",
+                f"ep={self.ep} does not divide the data-parallel size {self.dp} (world {self.world_size} / "
+                f"(tp {self.tp} × cp {self.cp} × pp {self.pp})): experts are split over data-parallel ranks; "
+                f"valid ep values here: {', '.join(map(str, valid_ep))} (or launch more processes)",
+            )
         return self
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The axes whose groups are listed: tp, pp, dp, and cp (with dp_cp) when it splits sequences."""
-        return ("tp", "pp", "dp", "cp", "dp_cp") if self.cp > 1 else ("tp", "pp", "dp")
+        """The axes whose groups are listed: tp, pp, dp, cp (with dp_cp) when it splits sequences, ep and edp when
+        it splits experts."""
+        return ("tp", "pp", "dp") + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "edp") if self.ep > 1 else ())
 
     def coords(self, rank: int) -> tuple[int, int, int, int]:
         """``(pp_rank, dp_rank, cp_rank, tp_rank)`` of a global rank (the mesh's order).
@@ -121,7 +149,8 @@ class ParallelDims:
         """The groups of one axis, one at a time, in :meth:`rank_groups`' order (nothing else is held).
 
         Args:
-            axis: ``"tp"``, ``"pp"``, ``"dp"``, ``"cp"`` or ``"dp_cp"`` (the ranks gradients are averaged over).
+            axis: ``"tp"``, ``"pp"``, ``"dp"``, ``"cp"``, ``"dp_cp"`` (the ranks gradients are averaged over),
+                ``"ep"`` (consecutive dp ranks splitting the experts) or ``"edp"`` (dp ranks holding the same experts).
         """
         self.validate()
         pp_range, dp_range, cp_range, tp_range = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
@@ -136,7 +165,24 @@ class ParallelDims:
             return ([rank(p, d, c, t) for c in cp_range] for p in pp_range for d in dp_range for t in tp_range)
         if axis == "dp_cp":
             return ([rank(p, d, c, t) for d in dp_range for c in cp_range] for p in pp_range for t in tp_range)
-        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp, cp, dp_cp")
+        ep, edp = range(self.ep), range(self.edp)
+        if axis == "ep":
+            return (
+                [rank(p, g * self.ep + e, c, t) for e in ep]
+                for p in pp_range
+                for g in edp
+                for c in cp_range
+                for t in tp_range
+            )
+        if axis == "edp":
+            return (
+                [rank(p, g * self.ep + e, c, t) for g in edp]
+                for p in pp_range
+                for e in ep
+                for c in cp_range
+                for t in tp_range
+            )
+        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp, cp, dp_cp, ep, edp")
 
 
 @dataclass(frozen=True)
@@ -155,6 +201,9 @@ class ParallelGroups:
         cp_group: ranks holding the other parts of the same sequences.
         cp_rank: position in ``cp_group``.
         dp_cp_group: ``dp × cp``: the ranks gradients are averaged over (``dp_group`` when ``cp = 1``).
+        ep_group: the ``ep`` dp ranks splitting the experts (tokens are exchanged over it); None when ``ep = 1``.
+        ep_rank: position in ``ep_group`` (which experts this rank holds).
+        edp_group: the dp ranks holding the same experts (expert gradients are reduced over it); None if ``ep = 1``.
     """
 
     dims: ParallelDims
@@ -168,6 +217,13 @@ class ParallelGroups:
     cp_group: Any = None
     cp_rank: int = 0
     dp_cp_group: Any = None
+    ep_group: Any = None
+    ep_rank: int = 0
+    edp_group: Any = None
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
 
     @property
     def cp_size(self) -> int:
@@ -214,6 +270,13 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
             group = dist.new_group(ranks)
             if rank in ranks:
                 dp_cp_group = group
+    ep_group = edp_group = None
+    if dims.ep > 1:  # every rank creates every ep and edp group, in the same order
+        for axis in ("ep", "edp"):
+            for ranks in dims.iter_groups(axis):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    ep_group, edp_group = (group, edp_group) if axis == "ep" else (ep_group, group)
     return ParallelGroups(
         dims=dims,
         mesh=mesh,
@@ -226,6 +289,9 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
         cp_group=mesh.get_group("cp"),
         cp_rank=cp_rank,
         dp_cp_group=dp_cp_group,
+        ep_group=ep_group,
+        ep_rank=dp_rank % dims.ep,
+        edp_group=edp_group,
     )
 
 
@@ -251,8 +317,18 @@ def group_lines(dims: ParallelDims) -> Iterator[str]:
         "dp": "data parallel",
         "cp": "context parallel",
         "dp_cp": "gradient (dp × cp)",
+        "ep": "expert parallel",
+        "edp": "expert data parallel",
     }
-    sizes = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "dp_cp": dims.dp * dims.cp}
+    sizes = {
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "dp": dims.dp,
+        "cp": dims.cp,
+        "dp_cp": dims.dp * dims.cp,
+        "ep": dims.ep,
+        "edp": dims.edp,
+    }
     if dims.cp > 1:
         yield (
             f"world size {dims.world_size} = tp {dims.tp} × cp {dims.cp} × dp {dims.dp} × pp {dims.pp} "
@@ -262,6 +338,11 @@ def group_lines(dims: ParallelDims) -> Iterator[str]:
         yield (
             f"world size {dims.world_size} = tp {dims.tp} × dp {dims.dp} × pp {dims.pp} "
             "(Megatron-LM order: tp ranks adjacent, then dp, pp outermost)"
+        )
+    if dims.ep > 1:
+        yield (
+            f"experts: ep {dims.ep} × edp {dims.edp} = dp {dims.dp} (ep consecutive dp ranks split the experts; "
+            "expert gradients are reduced over edp, the others over dp)"
         )
     for axis in dims.axes:
         size = sizes[axis]
