@@ -37,9 +37,11 @@ def tiny_config(
     """A 2-layer config (``num_layers`` for pipelines); dropout is off by default (per-rank dropout masks cannot
     match a 1-process reference).
 
-    ``kind`` is ``"bert"``, ``"gpt2"`` or ``"llama"`` (grouped-query attention: 4 heads, 2 key/value heads).
+    ``kind`` is ``"bert"``, ``"gpt2"``, ``"llama"`` (grouped-query attention: 4 heads, 2 key/value heads), or a
+    mixture-of-experts family: ``"mixtral"`` (4 experts, top-2) or ``"qwen2_moe"`` (4 experts, top-2, a shared
+    expert, the second layer dense: ``mlp_only_layers``), both with ``router_aux_loss_coef`` 0.02.
     """
-    from transformers import BertConfig, GPT2Config, LlamaConfig
+    from transformers import BertConfig, GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
     if kind == "bert":
         return BertConfig(
@@ -53,6 +55,42 @@ def tiny_config(
             hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
             classifier_dropout=dropout,
+        )
+    if kind == "mixtral":
+        return MixtralConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,
+            max_position_embeddings=max_positions,
+            num_labels=num_labels,
+            attention_dropout=dropout,
+            pad_token_id=0,
+        )
+    if kind == "qwen2_moe":
+        return Qwen2MoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1] if num_layers > 1 else [],
+            router_aux_loss_coef=0.02,
+            max_position_embeddings=max_positions,
+            num_labels=num_labels,
+            attention_dropout=dropout,
+            pad_token_id=0,
         )
     if kind == "llama":
         return LlamaConfig(
