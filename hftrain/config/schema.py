@@ -204,6 +204,14 @@ class StrategyConfig:
     """megatron only: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this many
     rows (Megatron's ``make-vocab-size-divisible-by``, e.g. 128 for aligned GPU matmuls); the zero padding rows
     never receive gradient and never reach a checkpoint's logical tensors or an export."""
+    ep: int = 1
+    """megatron only: expert-parallel size for mixture-of-experts models (Mixtral, Qwen2-MoE): the experts of every
+    MoE layer are split over ``ep`` data-parallel ranks and tokens reach them by all-to-all; ``ep`` divides the
+    data-parallel size and the number of experts (Megatron-LM's expert parallelism)."""
+    moe_capacity_factor: float | None = None
+    """megatron only, mixture-of-experts models: null routes every token to its experts (dropless, the model's own result); a
+    number > 0 caps each expert at ``factor × tokens × top_k / experts`` tokens per rank and batch, drops the rest
+    (they keep their residual) and logs how many were dropped."""
     pad_to_multiple_of: int | None = None
     """megatron only: length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
     gives a few lengths and pipeline schedules (built per shape) are reused; a multiple of ``tp`` under
@@ -213,6 +221,13 @@ class StrategyConfig:
         _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
         _require(self.tp >= 1, "strategy.tp", "must be at least 1")
         _require(self.cp >= 1, "strategy.cp", "must be at least 1")
+        _require(self.ep >= 1, "strategy.ep", "must be at least 1")
+        factor = self.moe_capacity_factor
+        _require(
+            factor is None or factor > 0,
+            "strategy.moe_capacity_factor",
+            f"must be a number > 0 (e.g. 1.25) or null for dropless routing, got {factor}",
+        )
         _require(
             self.vocab_multiple >= 1,
             "strategy.vocab_multiple",
@@ -227,6 +242,8 @@ class StrategyConfig:
                 "tp",
                 "cp",
                 "cp_comm",
+                "ep",
+                "moe_capacity_factor",
                 "sequence_parallel",
                 "shard_optimizer",
                 "pad_to_multiple_of",
