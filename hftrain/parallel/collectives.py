@@ -9,12 +9,15 @@ function                   forward                      backward                
 ``reduce_scatter_to_seq``  reduce-scatter (sequence)    all-gather                   row-parallel out (SP)
 ``scatter_to_sequence``    keep own sequence chunk      all-gather                   replicated -> SP
 ``gather_to_replicated``   all-gather (sequence dim)    keep own chunk               SP -> replicated
+``all_reduce_both_ways``   all-reduce                   all-reduce                   a global batch sum
+``all_to_all_rows``        all-to-all (rows, v-splits)  the inverse all-to-all       MoE dispatch/combine
 =========================  ===========================  ===========================  =====================
 
 Activations are batch-first (``batch, sequence, hidden``), as in transformers, so the sequence dimension is 1
-(Megatron's is 0). gloo in torch 2.13 supports ``all_reduce``, ``all_gather`` and ``reduce_scatter`` (checked
-on this machine), so every op is one real collective. Every collective goes through :func:`_collective`, which
-also feeds :func:`record_collectives` (how the benchmark counts them per layer instead of assuming).
+(Megatron's is 0). gloo in torch 2.13 supports ``all_reduce``, ``all_gather``, ``reduce_scatter`` and
+``all_to_all_single`` with uneven splits (checked on this machine), so every op is one real collective. Every
+collective goes through :func:`_collective`, which also feeds :func:`record_collectives` (how the benchmark
+counts them per layer instead of assuming).
 """
 
 from __future__ import annotations
@@ -184,3 +187,51 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
         dist.all_reduce(flat, group=group)
         for tensor, value in zip(same, flat.split([t.numel() for t in same]), strict=True):
             tensor.copy_(value.view_as(tensor))
+
+
+def all_reduce_both_ways(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, whose gradient is the sum of every rank's gradient (all-reduce both ways).
+
+    For a term every rank's loss shares, computed from all ranks' examples (the MoE load-balancing loss over the
+    global batch): each rank's loss ``L(Σ_r x_r)`` is the same, so ``∂/∂x_r`` of the ranks' mean loss, which data
+    parallelism's gradient averaging computes, is ``(1/n) Σ_r' ∂L/∂x = ∂L/∂x``: the backward all-reduce sums the
+    ``n`` identical upstream gradients and the averaging divides them again.
+
+    Args:
+        x: this rank's part of the sum.
+        group: the ranks whose parts are summed (the examples' data-parallel group).
+    """
+    return _Conjugate.apply(x, group, 0, _all_reduce, _all_reduce)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; its gradient goes back by the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return _exchange_rows(x, output_splits, input_splits, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange_rows(grad, ctx.input_splits, ctx.output_splits, ctx.group, "backward"), None, None, None
+
+
+def _exchange_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any, phase: str):
+    _collective("all_to_all", phase)
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+    """Send ``x``'s rows to the ranks of ``group``: the first ``input_splits[0]`` rows to rank 0, the next to rank 1...;
+    receive ``output_splits[j]`` rows from rank ``j``, in rank order. Backward: the inverse exchange of the gradient.
+
+    Args:
+        x: rows grouped by destination rank (``sum(input_splits)`` of them).
+        output_splits: rows this rank receives from each rank.
+        input_splits: rows this rank sends to each rank.
+        group: the exchanging ranks (the expert-parallel group).
+    """
+    return _AllToAllRows.apply(x, output_splits, input_splits, group)

@@ -1,0 +1,398 @@
+"""Expert parallelism for HF mixture-of-experts classifiers (Mixtral, Qwen2-MoE): experts split over ``ep`` ranks.
+
+An MoE layer of ``E`` experts with top-``k`` routing, on a rank holding the ``T`` tokens of its own examples::
+
+    router (replicated)   l = x W_rᵀ  (T × E);  p = softmax(l);  (w, e) = top-k(p)   (normalised as the family does)
+    experts               y_t = Σ_j w_tj · FFN_{e_tj}(x_t),  FFN_i(x) = W_down,i (act(W_gate,i x) ⊙ W_up,i x)
+
+With expert parallelism the ``ep`` ranks of an ``ep`` group (consecutive data-parallel ranks, ``ParallelDims``) each
+hold ``E / ep`` consecutive experts, ``[r·E/ep, (r+1)·E/ep)`` on ep rank ``r``, and see different examples:
+
+1. **dispatch**: this rank's ``T·k`` (token, expert) assignments, sorted by expert (stable: token order within an
+   expert), are sent to the ranks holding their experts: the per-expert counts first (``all_to_all_single``, ``E/ep``
+   integers per rank pair), then the hidden rows (``all_to_all_single`` with those uneven splits);
+2. **experts**: every received row goes through its expert, one matmul pair per local expert over all its rows;
+3. **combine**: the outputs go back by the inverse exchange, are weighted by ``w`` on the rank that owns the token
+   and summed into its output row (``index_add`` in expert order, as transformers' own loop adds them).
+
+The backward of each exchange is the inverse exchange of the gradient (``hftrain.parallel.collectives``). Bytes on
+the wire per layer and rank, each way: ``T·k·h·(ep−1)/ep`` elements on average (dispatch and combine, forward and
+backward: 4 exchanges). Dropless by default (every assignment reaches its expert, so the layer equals the unsplit
+one); with ``capacity_factor`` each rank sends at most ``⌈factor·T·k/E⌉`` rows to each expert (the first by token
+order), drops the rest (those assignments add nothing; the token keeps its residual) and counts them.
+
+The router is replicated (it sees only this rank's tokens) and so are a family's shared experts; the expert weights
+keep their HF names and 3-D layout (``experts.gate_up_proj`` ``[E/ep, 2I, h]``, ``experts.down_proj``
+``[E/ep, h, I]``), each described by a :class:`~hftrain.parallel.layers.TPShard` along dimension 0 over the ep group
+(``expert_shards``): checkpoints write the boxes ``[r·E/ep, (r+1)·E/ep)`` of the logical tensors and any ``ep``
+reads them back. Their gradients are summed over the expert-data-parallel group (the dp ranks holding the same
+experts) and divided by ``dp``, like the dense gradients' mean over dp: a rank's expert gradient already sums the
+contributions of the tokens of its whole ep group.
+
+**Auxiliary loss.** transformers' ``*ForSequenceClassification`` heads of these families return the
+cross-entropy only; :func:`load_balancing_loss` is the family's ``load_balancing_loss_func`` (Switch Transformer's
+``E · Σ_i f_i · P_i``, padding excluded by the attention mask), with ``f`` and ``P`` summed over the examples' data
+parallel group, so that the loss of the global batch is the unsplit model's (:class:`RouterMonitor` collects the
+router logits and the per-expert token counts). hftrain writes its own exchange because torch has no dropless MoE
+dispatch (``torch.distributed`` gives the all-to-all; torchtitan's and Megatron's dispatchers are their own code).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hftrain.errors import AxisError, ConfigError
+from hftrain.parallel.collectives import all_reduce_both_ways, all_to_all_rows
+from hftrain.parallel.layers import TPShard
+
+EXPERT_SHARDS = "expert_shards"  # module attribute: parameter name -> TPShard over the ep group
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Where a family keeps its MoE blocks and how many experts it routes to (data, one entry per family).
+
+    Args:
+        layers: path of the ``ModuleList`` of decoder layers.
+        block: path in a layer of its sparse MoE block (a dense layer has no ``experts`` there and is skipped).
+        router: the block's router (returns ``(logits, top-k weights, top-k indices)``).
+        experts: the block's experts module (3-D ``gate_up_proj`` and ``down_proj``).
+        num_experts: the config attribute holding ``E``.
+        top_k: the config attribute holding ``k``.
+    """
+
+    layers: str = "model.layers"
+    block: str = "mlp"
+    router: str = "gate"
+    experts: str = "experts"
+    num_experts: str = "num_local_experts"
+    top_k: str = "num_experts_per_tok"
+
+
+EXPERT_PLANS: dict[str, ExpertPlan] = {
+    "mixtral": ExpertPlan(num_experts="num_local_experts"),
+    "qwen2_moe": ExpertPlan(num_experts="num_experts"),  # its shared expert stays replicated, as the router
+}
+
+
+def expert_plan_for(config: Any) -> ExpertPlan | None:
+    """The family's plan, or None for a dense model (no ``router_aux_loss_coef`` and no plan)."""
+    return EXPERT_PLANS.get(getattr(config, "model_type", None))
+
+
+def is_moe(config: Any) -> bool:
+    """Whether the model is a mixture of experts hftrain can route (a family in :data:`EXPERT_PLANS`)."""
+    return expert_plan_for(config) is not None
+
+
+def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float | None = None) -> None:
+    """Refuse a layout ``ep`` cannot split, in one line naming the field (no processes needed).
+
+    Args:
+        config: the model's ``PretrainedConfig``.
+        ep: expert-parallel size.
+        dp: data-parallel size (``ep`` is carved out of it).
+        capacity_factor: ``strategy.moe_capacity_factor`` (None: dropless).
+    """
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ConfigError(
+            f"strategy.moe_capacity_factor: must be a number > 0 (e.g. 1.25) or null for dropless routing, "
+            f"got {capacity_factor}"
+        )
+    plan = expert_plan_for(config)
+    if plan is None:
+        if ep > 1 or capacity_factor is not None:
+            key = "strategy.ep" if ep > 1 else "strategy.moe_capacity_factor"
+            raise ConfigError(
+                f"{key}: the model ({getattr(config, 'model_type', '?')}) is not a mixture of experts hftrain can "
+                f"route ({', '.join(sorted(EXPERT_PLANS))}); use ep: 1 and moe_capacity_factor: null for a dense model"
+            )
+        return
+    experts = getattr(config, plan.num_experts)
+    if experts % ep:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0 and dp % d == 0]
+        raise AxisError(
+            "ep",
+            f"ep={ep} does not divide the {experts} experts of this {config.model_type} model; "
+            f"valid ep values with dp={dp}: {', '.join(map(str, valid))}",
+        )
+    if dp % ep:
+        raise AxisError(
+            "ep", f"ep={ep} does not divide the data-parallel size {dp}; launch a multiple of ep × tp × pp ranks"
+        )
+
+
+# ----------------------------------------------------------------- the layer
+class ExpertParallelExperts(nn.Module):
+    """A family's experts module with this rank's ``E / ep`` experts, tokens exchanged over the ep group.
+
+    A drop-in for the HF module: ``forward(hidden_states (T × h), top_k_index (T × k), top_k_weights (T × k))``
+    returns ``T × h``; the parameters keep their names (``gate_up_proj``, ``down_proj``), holding experts
+    ``[first, first + E/ep)``. See the module docstring for the exchange and its bytes.
+
+    Args:
+        experts: the HF experts module (full weights; this rank's slice is copied, the rest freed with it).
+        ep_group: the expert-parallel group (None: one rank holds every expert).
+        capacity_factor: None for dropless routing, else the per-expert cap's factor.
+    """
+
+    def __init__(self, experts: nn.Module, *, ep_group: Any, capacity_factor: float | None = None) -> None:
+        super().__init__()
+        self.ep_group = ep_group
+        self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+        rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        self.num_experts = experts.num_experts
+        self.local_experts = self.num_experts // self.ep
+        self.first = rank * self.local_experts
+        self.act_fn = experts.act_fn
+        self.capacity_factor = capacity_factor
+        self.dropped = 0  # assignments dropped by the capacity since the counter was last read
+        shards = {}
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            shard = TPShard(dim=0, rank=rank, size=self.ep, full_shape=tuple(full.shape))
+            local = full.detach()[self.first : self.first + self.local_experts].clone()
+            setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
+            shards[name] = shard
+        setattr(self, EXPERT_SHARDS, shards)
+
+    def extra_repr(self) -> str:
+        cap = f", capacity_factor={self.capacity_factor}" if self.capacity_factor else ""
+        return f"experts {self.first}..{self.first + self.local_experts - 1} of {self.num_experts}, ep={self.ep}{cap}"
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        experts, local, ep = self.num_experts, self.local_experts, self.ep
+        flat_expert = top_k_index.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)  # assignments by expert, token order within one
+        if self.capacity_factor is not None:
+            order = self._within_capacity(order, flat_expert, tokens * k)
+        sorted_expert = flat_expert[order]
+        token_of = torch.div(order, k, rounding_mode="floor")  # the token of each sorted assignment
+        counts = torch.bincount(sorted_expert, minlength=experts)  # rows this rank sends to each expert
+        rows = hidden_states[token_of]
+        if ep > 1:
+            received_counts = torch.empty_like(counts)  # [source rank, local expert] rows this rank receives
+            dist.all_to_all_single(received_counts, counts, group=self.ep_group)
+            send = counts.view(ep, local).sum(1).tolist()
+            receive_by_source = received_counts.view(ep, local)
+            receive = receive_by_source.sum(1).tolist()
+            rows = all_to_all_rows(rows, receive, send, self.ep_group)
+            # received rows: by source rank, then by local expert; regroup them by expert for the matmuls
+            expert_of_row = (
+                torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(receive_by_source.reshape(-1))
+            )
+            regroup = torch.argsort(expert_of_row, stable=True)
+            per_expert = receive_by_source.sum(0).tolist()
+            outputs = self._run_experts(rows[regroup], per_expert)
+            outputs = outputs[torch.argsort(regroup)]  # back to the received order
+            outputs = all_to_all_rows(outputs, send, receive, self.ep_group)
+        else:
+            outputs = self._run_experts(rows, counts.tolist())
+        weights = top_k_weights.reshape(-1)[order]
+        final = torch.zeros_like(hidden_states)
+        return final.index_add(0, token_of, (outputs * weights[:, None]).to(final.dtype))
+
+    def _run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """Each local expert's FFN over its (contiguous) rows."""
+        outputs = []
+        for index, part in enumerate(rows.split(per_expert)):
+            if part.shape[0] == 0:
+                continue
+            gate, up = nn.functional.linear(part, self.gate_up_proj[index]).chunk(2, dim=-1)
+            outputs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[index]))
+        return torch.cat(outputs) if outputs else rows.new_zeros((0, rows.shape[-1]))
+
+    def _within_capacity(self, order: torch.Tensor, flat_expert: torch.Tensor, assignments: int) -> torch.Tensor:
+        """The sorted assignments each expert can take: the first ``⌈factor · T·k / E⌉`` per expert."""
+        capacity = math.ceil(self.capacity_factor * assignments / self.num_experts)
+        sorted_expert = flat_expert[order]
+        counts = torch.bincount(sorted_expert, minlength=self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(order.numel(), device=order.device) - starts[sorted_expert]
+        keep = position < capacity
+        self.dropped += int(order.numel() - keep.sum())
+        return order[keep]
+
+
+def apply_expert_parallel(model: nn.Module, *, ep_group: Any, capacity_factor: float | None = None) -> nn.Module:
+    """Replace every sparse MoE block's experts with :class:`ExpertParallelExperts` (in place).
+
+    Args:
+        model: an HF MoE ``*ForSequenceClassification`` model with the same full weights on every rank.
+        ep_group: the expert-parallel group (None: ep = 1, for a capacity factor alone).
+        capacity_factor: None for dropless routing.
+    """
+    from hftrain.parallel.lora import hf_model_of
+
+    plan = expert_plan_for(model.config)
+    if plan is None:
+        raise ConfigError(f"strategy.ep: {model.config.model_type} is not a mixture-of-experts family hftrain routes")
+    for block in moe_blocks(hf_model_of(model), plan):
+        setattr(block, plan.experts, ExpertParallelExperts(
+            getattr(block, plan.experts), ep_group=ep_group, capacity_factor=capacity_factor
+        ))  # fmt: skip
+    return model
+
+
+def moe_blocks(model: nn.Module, plan: ExpertPlan) -> Iterator[nn.Module]:
+    """The sparse MoE blocks of ``model`` in layer order (dense layers, e.g. Qwen2-MoE's ``mlp_only_layers``,
+    skipped)."""
+    for layer in model.get_submodule(plan.layers):
+        block = getattr(layer, plan.block, None)
+        if block is not None and hasattr(block, plan.experts) and hasattr(block, plan.router):
+            yield block
+
+
+def expert_parameters(model: nn.Module) -> dict[str, TPShard]:
+    """Logical HF names of the expert-parallel parameters -> their split over the ep group.
+
+    Args:
+        model: a model after :func:`apply_expert_parallel`, possibly wrapped (DDP, Accelerate, compile).
+    """
+    from hftrain.parallel.tensor_parallel import WRAPPER_PREFIXES
+
+    found = {}
+    for prefix, module in model.named_modules():
+        for name, shard in getattr(module, EXPERT_SHARDS, {}).items():
+            key = f"{prefix}.{name}" if prefix else name
+            for wrapper in WRAPPER_PREFIXES:
+                while key.startswith(wrapper):
+                    key = key[len(wrapper) :]
+            found[key] = shard
+    return found
+
+
+def dropped_assignments(model: nn.Module) -> int:
+    """Assignments the capacity dropped on this rank since the last call (and reset the counters)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, ExpertParallelExperts):
+            total, module.dropped = total + module.dropped, 0
+    return total
+
+
+# ----------------------------------------------------------------- router statistics and the auxiliary loss
+class RouterMonitor:
+    """Collects every MoE layer's router logits of the current forward (for the auxiliary loss) and counts the
+    tokens routed to each expert (the load-balance log and picture), with forward hooks on the routers.
+
+    Only forwards of the whole model are recorded (a pre-hook and a hook on the model open and close the window),
+    so the routers' re-runs under activation recomputation, in the backward pass, are not counted twice.
+
+    Args:
+        model: an HF MoE model (split or not; wrappers allowed).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from hftrain.parallel.lora import hf_model_of
+
+        hf = hf_model_of(getattr(model, "module", model))
+        self.plan = expert_plan_for(hf.config)
+        if self.plan is None:
+            raise ConfigError(f"{hf.config.model_type} is not a mixture-of-experts family hftrain routes")
+        self.num_experts = getattr(hf.config, self.plan.num_experts)
+        self.top_k = getattr(hf.config, self.plan.top_k)
+        self.coefficient = float(getattr(hf.config, "router_aux_loss_coef", 0.0) or 0.0)
+        routers = [getattr(block, self.plan.router) for block in moe_blocks(hf, self.plan)]
+        self.counts = torch.zeros(len(routers), self.num_experts, dtype=torch.float64)  # since the last take
+        self.logits: list[torch.Tensor] = []
+        self._open = False
+        hf.register_forward_pre_hook(self._begin)
+        hf.register_forward_hook(self._end)
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(self._recorder(layer))
+
+    def _begin(self, *_: Any) -> None:
+        self._open, self.logits = True, []
+
+    def _end(self, *_: Any) -> None:
+        self._open = False
+
+    def _recorder(self, layer: int):
+        def record(_module: nn.Module, _args: Any, output: Any) -> None:
+            if not self._open:
+                return
+            logits, _weights, indices = output
+            self.logits.append(logits)
+            with torch.no_grad():
+                routed = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+                self.counts[layer] += routed.to(self.counts.device, torch.float64)
+
+        return record
+
+    def take_counts(self) -> torch.Tensor:
+        """Tokens routed to each expert (layers × experts) on this rank since the last call; resets them."""
+        counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        return counts
+
+    def aux_loss(self, attention_mask: torch.Tensor | None, group: Any = None) -> torch.Tensor:
+        """``router_aux_loss_coef ×`` :func:`load_balancing_loss` of the last forward's router logits.
+
+        Args:
+            attention_mask: the batch's mask (padding excluded), or None.
+            group: the ranks the global batch's examples are split over (None: this rank's batch is all of it).
+        """
+        loss = load_balancing_loss(
+            self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask, group=group
+        )
+        self.logits = []
+        return self.coefficient * loss
+
+
+def load_balancing_loss(
+    router_logits: list[torch.Tensor],
+    *,
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+    group: Any = None,
+) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (Mixtral, Qwen2-MoE) over the global batch of ``group``.
+
+    ``L = E · Σ_i f_i · P_i`` with ``f_i`` the fraction of (real) token assignments routed to expert ``i`` (top-k of
+    the softmax, summed over layers) and ``P_i`` its mean router probability, both over every layer's tokens; the
+    sums behind ``f``, ``P`` and the token count are all-reduced over ``group`` (``P``'s both ways, so each rank's
+    router gets the gradient of the global loss: :func:`~hftrain.parallel.collectives.all_reduce_both_ways`).
+
+    Args:
+        router_logits: one ``(tokens × E)`` tensor per MoE layer, from this rank's batch.
+        num_experts: ``E``.
+        top_k: ``k``.
+        attention_mask: ``batch × sequence`` (tokens = its flattened positions), or None.
+        group: the examples' data-parallel group, or None.
+    """
+    if not router_logits:
+        return torch.zeros((), device=attention_mask.device if attention_mask is not None else None)
+    device = router_logits[0].device
+    counted = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probability = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
+    for logits in router_logits:
+        weights = torch.softmax(logits.to(device), dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        if mask is None:
+            counted = counted + torch.bincount(selected.reshape(-1), minlength=num_experts).float()
+            probability = probability + weights.float().sum(0)
+            rows = rows + weights.shape[0]
+        else:
+            routed = torch.zeros(num_experts, dtype=torch.float32, device=device)
+            counted = counted + routed.scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(top_k))
+            probability = probability + (weights.float() * mask[:, None]).sum(0)
+            rows = rows + mask.sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        totals = torch.cat([counted, rows.reshape(1)]).detach()
+        dist.all_reduce(totals, group=group)
+        counted, rows = totals[:-1], totals[-1]
+        probability = all_reduce_both_ways(probability, group)
+    return num_experts * torch.sum((counted / rows) * (probability / rows))
