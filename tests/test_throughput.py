@@ -68,24 +68,24 @@ def test_a_run_reports_tokens_per_second_mfu_and_draws_its_curves(tmp_path):
     assert result["global_step"] == 6
 
 
-def test_curves_are_drawn_in_the_background_from_a_copy_and_a_file_error_is_one_warning(tmp_path):
-    from hftrain.trainers.curves import CurvesPainter
+def test_curves_are_drawn_in_the_background_and_a_file_error_is_one_warning(tmp_path):
+    from hftrain.trainers.curves import curves_painter
 
     history = [{"step": s, "loss": 1.0 / s, "learning_rate": 1e-4} for s in range(1, 5)]
     warnings: list[str] = []
-    painter = CurvesPainter(tmp_path / "run" / "training_curves.png", warn=warnings.append)
-    painter.draw(history)  # output_dir/run does not exist: the drawing fails with an OSError
+    painter = curves_painter(tmp_path / "run" / "training_curves.png", warn=warnings.append)
+    painter.draw(history, version=len(history))  # output_dir/run does not exist: the drawing fails with an OSError
     painter.wait()
-    assert len(warnings) == 1 and warnings[0].startswith("warning: training curves not drawn")
+    assert len(warnings) == 1 and warnings[0].startswith("warning: training_curves.png not drawn")
 
     png = tmp_path / "training_curves.png"
-    painter = CurvesPainter(png, warn=warnings.append)
-    painter.draw(history)
+    painter = curves_painter(png, warn=warnings.append)
+    painter.draw(list(history), version=len(history))
     history.append({"step": 5, "loss": object(), "learning_rate": 1e-4})  # the training thread goes on logging
     painter.wait()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(warnings) == 1
-    painter.draw(history)  # an entry matplotlib cannot draw: not a file error, so it is raised, not swallowed
+    painter.draw(list(history), version=len(history))  # an entry matplotlib cannot draw: raised, not swallowed
     with pytest.raises(TypeError):
         painter.wait()
-    painter.draw(history)  # nothing new since the last drawing: nothing is drawn or raised
+    painter.draw(list(history), version=len(history))  # nothing new since the last drawing: nothing drawn or raised
     painter.wait()

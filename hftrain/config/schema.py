@@ -209,9 +209,9 @@ class StrategyConfig:
     MoE layer are split over ``ep`` data-parallel ranks and tokens reach them by all-to-all; ``ep`` divides the
     data-parallel size and the number of experts (Megatron-LM's expert parallelism)."""
     moe_capacity_factor: float | None = None
-    """megatron only, mixture-of-experts models: null routes every token to its experts (dropless, the model's own result); a
-    number > 0 caps each expert at ``factor × tokens × top_k / experts`` tokens per rank and batch, drops the rest
-    (they keep their residual) and logs how many were dropped."""
+    """megatron only, mixture-of-experts models: null routes every token to its experts (dropless, the model's own
+    result); a number > 0 caps each expert at ``factor × tokens × top_k / experts`` tokens per rank and batch, drops
+    the rest (they keep their residual) and logs how many were dropped."""
     pad_to_multiple_of: int | None = None
     """megatron only: length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
     gives a few lengths and pipeline schedules (built per shape) are reused; a multiple of ``tp`` under

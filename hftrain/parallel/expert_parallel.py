@@ -50,7 +50,7 @@ from torch import nn
 
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.collectives import all_reduce_both_ways, all_to_all_rows
-from hftrain.parallel.layers import TPShard
+from hftrain.parallel.layers import WRAPPER_PREFIXES, TPShard
 
 EXPERT_SHARDS = "expert_shards"  # module attribute: parameter name -> TPShard over the ep group
 
@@ -259,8 +259,6 @@ def expert_parameters(model: nn.Module) -> dict[str, TPShard]:
     Args:
         model: a model after :func:`apply_expert_parallel`, possibly wrapped (DDP, Accelerate, compile).
     """
-    from hftrain.parallel.tensor_parallel import WRAPPER_PREFIXES
-
     found = {}
     for prefix, module in model.named_modules():
         for name, shard in getattr(module, EXPERT_SHARDS, {}).items():
@@ -270,6 +268,42 @@ def expert_parameters(model: nn.Module) -> dict[str, TPShard]:
                     key = key[len(wrapper) :]
             found[key] = shard
     return found
+
+
+def finalize_expert_grads(model: nn.Module, *, edp_group: Any, dp_size: int) -> None:
+    """Expert gradients as data parallelism's mean would make them: summed over the expert-data-parallel group and
+    divided by ``dp`` (collective over ``edp_group``; DDP, which averages the dense gradients over dp, ignores them).
+
+    ``∂L/∂W_i = (1/dp) Σ_{dp ranks r} ∂L_r/∂W_i``; the rank holding expert ``i`` in an ep group has already summed
+    the terms of that group's ``ep`` ranks (their tokens came to it), so the ``dp / ep`` holders of ``i`` sum theirs.
+    An expert no token reached has a zero gradient (as the unsplit 3-D tensor's slice would), not None.
+
+    Args:
+        model: the model after :func:`apply_expert_parallel` (unwrapped).
+        edp_group: the dp ranks holding the same experts.
+        dp_size: the data-parallel size.
+    """
+    from hftrain.parallel.collectives import all_reduce_coalesced
+
+    grads = []
+    for module in model.modules():
+        for name in getattr(module, EXPERT_SHARDS, {}):
+            param = getattr(module, name)
+            if param.requires_grad:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+    if edp_group is not None and dist.get_world_size(edp_group) > 1:
+        all_reduce_coalesced(grads, edp_group)
+    for grad in grads:
+        grad.div_(dp_size)
+
+
+def gather_experts(local: torch.Tensor, ep_group: Any) -> torch.Tensor:
+    """The full ``[E, ...]`` tensor from every ep rank's ``[E/ep, ...]`` slice (collective over ``ep_group``)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(parts, local.contiguous(), group=ep_group)
+    return torch.cat(parts)
 
 
 def dropped_assignments(model: nn.Module) -> int:
@@ -283,8 +317,8 @@ def dropped_assignments(model: nn.Module) -> int:
 
 # ----------------------------------------------------------------- router statistics and the auxiliary loss
 class RouterMonitor:
-    """Collects every MoE layer's router logits of the current forward (for the auxiliary loss) and counts the
-    tokens routed to each expert (the load-balance log and picture), with forward hooks on the routers.
+    """Collects every MoE layer's router logits and top-k experts of the current forward, with forward hooks on the
+    routers: the auxiliary loss, and the real tokens routed to each expert (the load-balance log and picture).
 
     Only forwards of the whole model are recorded (a pre-hook and a hook on the model open and close the window),
     so the routers' re-runs under activation recomputation, in the backward pass, are not counted twice.
@@ -306,6 +340,7 @@ class RouterMonitor:
         routers = [getattr(block, self.plan.router) for block in moe_blocks(hf, self.plan)]
         self.counts = torch.zeros(len(routers), self.num_experts, dtype=torch.float64)  # since the last take
         self.logits: list[torch.Tensor] = []
+        self.selected: list[torch.Tensor] = []  # the top-k experts of each token, per layer
         self._open = False
         hf.register_forward_pre_hook(self._begin)
         hf.register_forward_hook(self._end)
@@ -313,20 +348,17 @@ class RouterMonitor:
             router.register_forward_hook(self._recorder(layer))
 
     def _begin(self, *_: Any) -> None:
-        self._open, self.logits = True, []
+        self._open, self.logits, self.selected = True, [], []
 
     def _end(self, *_: Any) -> None:
         self._open = False
 
     def _recorder(self, layer: int):
         def record(_module: nn.Module, _args: Any, output: Any) -> None:
-            if not self._open:
-                return
-            logits, _weights, indices = output
-            self.logits.append(logits)
-            with torch.no_grad():
-                routed = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
-                self.counts[layer] += routed.to(self.counts.device, torch.float64)
+            if self._open:
+                logits, _weights, indices = output
+                self.logits.append(logits)
+                self.selected.append(indices.detach())
 
         return record
 
@@ -336,16 +368,22 @@ class RouterMonitor:
         return counts
 
     def aux_loss(self, attention_mask: torch.Tensor | None, group: Any = None) -> torch.Tensor:
-        """``router_aux_loss_coef ×`` :func:`load_balancing_loss` of the last forward's router logits.
+        """``router_aux_loss_coef ×`` :func:`load_balancing_loss` of the last forward's router logits; its real
+        (unpadded) tokens are added to the per-expert counts.
 
         Args:
             attention_mask: the batch's mask (padding excluded), or None.
             group: the ranks the global batch's examples are split over (None: this rank's batch is all of it).
         """
+        with torch.no_grad():
+            mask = None if attention_mask is None else attention_mask.reshape(-1, 1).to(torch.float64)
+            for layer, selected in enumerate(self.selected):
+                routed = nn.functional.one_hot(selected, self.num_experts).to(torch.float64).sum(1)  # tokens × E
+                self.counts[layer] += (routed if mask is None else routed * mask.to(routed.device)).sum(0).cpu()
         loss = load_balancing_loss(
             self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask, group=group
         )
-        self.logits = []
+        self.logits, self.selected = [], []
         return self.coefficient * loss
 
 

@@ -32,6 +32,7 @@ from hftrain.parallel.plans import padded_vocab_size
 # biases), or only this rank's share of a split product (LoRA's A under a column-parallel layer). finalize_tp_grads
 # all-reduces them over tp.
 PARTIAL_GRAD_PARAMS = "hftrain_partial_grad_params"
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
 
 
 @dataclass(frozen=True)

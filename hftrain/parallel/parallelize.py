@@ -5,8 +5,9 @@ this is the only place that composes them, in a fixed order. Tensor parallelism 
 group (``hftrain.parallel.tensor_parallel``). Data parallelism is applied by the caller around the result (DDP
 over the dp group, or gradients averaged by hand around pipeline stages), and pipeline parallelism cuts the
 result into stages (``hftrain.parallel.pipeline``), since both wrap the model rather than change its layers.
-A new axis that changes the layers (context parallelism's attention, expert parallelism's MoE blocks) is one more
-``apply_*`` call here and one field of ``ParallelDims``.
+Context parallelism changes the attention (``hftrain.parallel.context_parallel``), expert parallelism the MoE
+blocks' experts (``hftrain.parallel.expert_parallel``): each is one more ``apply_*`` call here and one field of
+``ParallelDims``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def parallelize_model(
     rng_tracker: RNGTracker | None = None,
     recompute: str | None = None,
     vocab_multiple: int = 1,
+    moe_capacity_factor: float | None = None,
 ) -> nn.Module:
     """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
 
@@ -41,6 +43,7 @@ def parallelize_model(
         recompute: activation recomputation, ``"full"`` or ``"selective"`` (``hftrain.parallel.recompute``), applied
             last, on the split layers: a full-layer checkpoint replays the tracker's streams.
         vocab_multiple: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this.
+        moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless), under any ep.
     """
     from hftrain.parallel.lora import hf_model_of
     from hftrain.parallel.plans import check_tensor_parallel
@@ -66,6 +69,10 @@ def parallelize_model(
         from hftrain.parallel.context_parallel import apply_context_parallel
 
         model = apply_context_parallel(model, cp_group=groups.cp_group, comm=cp_comm)
+    if groups.ep_size > 1 or moe_capacity_factor is not None:
+        from hftrain.parallel.expert_parallel import apply_expert_parallel
+
+        model = apply_expert_parallel(model, ep_group=groups.ep_group, capacity_factor=moe_capacity_factor)
     if recompute is not None:
         from hftrain.parallel.recompute import apply_activation_checkpointing
 

@@ -27,6 +27,7 @@ from hftrain.parallel.collectives import (
 )
 from hftrain.parallel.layers import (
     PARTIAL_GRAD_PARAMS,
+    WRAPPER_PREFIXES,
     ColumnParallelLinear,
     RowParallelLinear,
     TPShard,
@@ -41,8 +42,6 @@ from hftrain.parallel.plans import (
     plan_for,
 )
 from hftrain.parallel.random import RNGTracker, run_in_stream
-
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
 
 
 @dataclass(frozen=True)
@@ -404,6 +403,7 @@ def clip_grad_norm_(
     *,
     tp_group: Any,
     pp_group: Any = None,
+    ep_group: Any = None,
 ) -> torch.Tensor:
     """Clip to the global gradient norm, as one process with the whole model computes it; returns the norm.
 
@@ -420,23 +420,29 @@ def clip_grad_norm_(
         max_norm: the largest allowed norm.
         tp_group: the tensor-parallel group.
         pp_group: the pipeline group (None: one stage).
+        ep_group: the expert-parallel group (None: every expert is here).
     """
+    from hftrain.parallel.expert_parallel import expert_parameters
+
     split = sharded_parameters(model)
+    experts = expert_parameters(model) if ep_group is not None else {}
     # a replicated slice's other copies (the same gradient after finalize_tp_grads) are not counted again
     grads = {name: p.grad for name, p in params.items() if p.grad is not None}
     counted = {name for name in grads if name not in split or split[name].first_replica}
     device = next(iter(grads.values())).device if grads else None
-    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (split, replicated) sums of squares
+    squares = torch.zeros(3, dtype=torch.float64, device=device)  # (split, replicated, experts) sums of squares
     for name, grad in grads.items():
         # Each tensor's norm in fp32 (no float64 copy of a 28M-element embedding gradient: that transient cost
         # 450 MB per step on SmolLM2), its square accumulated in float64.
         if name in counted:
             norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32)
-            squares[0 if name in split else 1] += norm.double().pow(2)
-    split_sq = squares[:1].clone()
+            squares[0 if name in split else 2 if name in experts else 1] += norm.double().pow(2)
+    split_sq, expert_sq = squares[:1].clone(), squares[2:].clone()
     if dist.get_world_size(tp_group) > 1:
         dist.all_reduce(split_sq, group=tp_group)
-    total_sq = split_sq + squares[1:]
+    if experts and dist.get_world_size(ep_group) > 1:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total_sq = split_sq + squares[1:2] + expert_sq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt().float().squeeze(0)

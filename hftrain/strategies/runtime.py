@@ -97,6 +97,14 @@ class AccelerateRuntime:
         return self.accelerator.num_processes
 
     @property
+    def example_group(self) -> Any:
+        """The process group a global batch's examples are split over, for a loss term computed over the whole
+        batch (a mixture of experts' load-balancing loss); None in one process."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD if self.accelerator.num_processes > 1 else None
+
+    @property
     def pad_to_multiple_of(self) -> int | None:
         """The multiple every batch's sequence length must be padded to (None: any length will do)."""
         return None

@@ -32,7 +32,8 @@ from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
-from hftrain.trainers.curves import CurvesPainter
+from hftrain.trainers.curves import BackgroundPainter, curves_painter
+from hftrain.trainers.experts import EXPERT_LOAD_PNG, ExpertLoad, render_expert_load
 from hftrain.trainers.guards import check_finite_loss
 from hftrain.trainers.throughput import FlopModel, Throughput, peak_flops
 
@@ -117,7 +118,7 @@ class Trainer:
         self.run_config = run_config or {}
         self.run_id = run_id
         self._skip_batches = 0
-        self._curves: CurvesPainter | None = None  # draws training_curves.png in the background (main process)
+        self._curves: BackgroundPainter | None = None  # draws training_curves.png in the background (main process)
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         choices.append(strategy.tune_host_allocator())
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
@@ -155,6 +156,8 @@ class Trainer:
         self.model, self.optimizer, self.train_loader, self.eval_loader = self.runtime.prepare(
             model, optimizer, train_loader, eval_loader
         )
+        self.expert_load = ExpertLoad.for_model(self.model, self.runtime.example_group)  # None: not an MoE
+        self._expert_picture: BackgroundPainter | None = None
         self.steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
         self.max_steps = self._total_steps()
         self.lr_scheduler = self.create_scheduler(self.optimizer)
@@ -168,8 +171,12 @@ class Trainer:
 
     # ----------------------------------------------------------------- task hooks (override per task)
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean loss of one micro-batch."""
-        return model(**batch).loss
+        """Mean loss of one micro-batch; a mixture of experts adds its routers' load-balancing loss over the global
+        batch (``router_aux_loss_coef ×``, as transformers' causal-LM heads do; ``hftrain.trainers.experts``)."""
+        loss = model(**batch).loss
+        if self.expert_load is not None:
+            loss = loss + self.expert_load.aux_loss(batch)
+        return loss
 
     def prediction_step(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
@@ -476,12 +483,15 @@ class Trainer:
         self.state.log_history.append(entry)
         progress.update(1)
         if self.state.global_step % self.args.logging_steps == 0:
+            if self.expert_load is not None:  # collective: every rank logs at the same steps
+                entry.update(self.expert_load.close_window())
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rates['tokens_per_second']:.0f}")
             self.accelerator.log(
                 {
                     "train/loss": loss,
                     "train/learning_rate": entry["learning_rate"],
                     **{f"train/{k}": v for k, v in rates.items()},
+                    **{f"train/{k}": v for k, v in entry.items() if k not in ("step", "loss", "learning_rate")},
                 },
                 step=entry["step"],
             )
@@ -531,11 +541,18 @@ class Trainer:
             (directory / STRATEGY_FILENAME).write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
 
     def _draw_curves(self) -> None:
-        """Start drawing ``training_curves.png`` in the background (main process); complete when ``close`` returns."""
+        """Start drawing ``training_curves.png`` (and a mixture of experts' ``expert_load.png``) in the background
+        (main process); complete when ``close`` returns."""
+        if self.expert_load is not None and self.accelerator.is_main_process:
+            if self._expert_picture is None:
+                path = Path(self.args.output_dir) / EXPERT_LOAD_PNG
+                self._expert_picture = BackgroundPainter(render_expert_load, path, warn=self._log)
+            self._expert_picture.draw(self.expert_load.picture_data(), version=self.state.global_step)
         if self.accelerator.is_main_process:
             if self._curves is None:
-                self._curves = CurvesPainter(Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
-            self._curves.draw(self.state.log_history)
+                self._curves = curves_painter(Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
+            history = self.state.log_history
+            self._curves.draw([dict(h) for h in history], version=len(history))
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
         """``run_summary.json`` (throughput, FLOPs, MFU), on the main process."""
@@ -566,8 +583,9 @@ class Trainer:
         import gc
 
         self.wait_for_checkpoint()
-        if self._curves is not None:
-            self._curves.wait()
+        for painter in (self._curves, self._expert_picture):
+            if painter is not None:
+                painter.wait()
         several_processes = self.accelerator.num_processes > 1
         self.model = self.optimizer = self.train_loader = self.eval_loader = None
         self.runtime = None

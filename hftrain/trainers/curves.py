@@ -2,7 +2,7 @@
 
 Drawn from the trainer's ``log_history`` (the same entries ``trainer_state.json`` holds) at every checkpoint and at
 the end of a run, by the main process, with matplotlib's object-oriented Agg canvas (no ``pyplot``: it is not
-thread-safe and costs ~0.3 s more to import). :class:`CurvesPainter` draws in a background thread, so a picture
+thread-safe and costs ~0.3 s more to import). :class:`BackgroundPainter` draws in a background thread, so a picture
 never holds up a training step, the final evaluation or the export: the first drawing imports matplotlib (~0.4 s)
 and each takes ~0.2 s, which a short job used to pay on its critical path twice.
 """
@@ -59,40 +59,43 @@ def render_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path |
     return path
 
 
-class CurvesPainter:
-    """Draws :func:`render_curves` in a background thread, one drawing at a time, from a copy of the history.
+class BackgroundPainter:
+    """Draws a picture (``render(data, path)``) in a background thread, one drawing at a time, from the caller's copy
+    of the data.
 
     A thread per drawing (not a pool that outlives it: a process forked later, as Accelerate's notebook launcher
     does, must not inherit a pool's lock). A picture that cannot be written (``OSError``) is a warning, never a
     stopped run; any other failure is raised by the next :meth:`draw` or :meth:`wait`.
 
     Args:
+        render: draws ``data`` into ``path``.
         path: the PNG to write.
         warn: called with one line when the picture cannot be written.
     """
 
-    def __init__(self, path: str | Path, warn: Callable[[str], None]) -> None:
+    def __init__(self, render: Callable[[Any, Path], Any], path: str | Path, warn: Callable[[str], None]) -> None:
+        self.render = render
         self.path = Path(path)
         self._warn = warn
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.drawn_entries = -1  # log entries of the last drawing started
+        self.drawn_version: Any = None  # what the last drawing started from (nothing new: no drawing)
 
-    def draw(self, log_history: list[dict[str, Any]]) -> None:
-        """Start drawing ``log_history`` (after the drawing in flight, if any); nothing new since the last: no-op."""
-        if len(log_history) == self.drawn_entries:
+    def draw(self, data: Any, *, version: Any) -> None:
+        """Start drawing ``data`` (a copy the caller no longer changes) after the drawing in flight, if any; the same
+        ``version`` as the last drawing's: no-op."""
+        if version == self.drawn_version:
             return
         self.wait()
-        entries = [dict(h) for h in log_history]
-        self.drawn_entries = len(entries)
-        self._thread = threading.Thread(target=self._render, args=(entries,), name="hftrain-curves")
+        self.drawn_version = version
+        self._thread = threading.Thread(target=self._render, args=(data,), name=f"hftrain-{self.path.stem}")
         self._thread.start()
 
-    def _render(self, entries: list[dict[str, Any]]) -> None:
+    def _render(self, data: Any) -> None:
         try:
-            render_curves(entries, self.path)
+            self.render(data, self.path)
         except OSError as error:  # a picture is not worth stopping the run for (and only this rank would)
-            self._warn(f"warning: training curves not drawn ({error.strerror or error})")
+            self._warn(f"warning: {self.path.name} not drawn ({error.strerror or error})")
         except BaseException as error:  # raised in the training thread by wait()
             self._error = error
 
@@ -104,3 +107,8 @@ class CurvesPainter:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+def curves_painter(path: str | Path, warn: Callable[[str], None]) -> BackgroundPainter:
+    """The painter of ``training_curves.png``: ``draw([dict(h) for h in log_history], version=len(log_history))``."""
+    return BackgroundPainter(render_curves, path, warn)

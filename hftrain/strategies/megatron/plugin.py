@@ -68,6 +68,8 @@ class MegatronPlugin:
     pad_to_multiple_of: int | None = None  # length buckets (a multiple of tp under sequence parallelism)
     recompute: str | None = None  # activation recomputation: "full", "selective" or None
     vocab_multiple: int = 1  # the embedding pads the vocabulary to a multiple of tp × this
+    ep: int = 1  # expert parallelism: dp ranks that split the experts of a mixture-of-experts model
+    moe_capacity_factor: float | None = None  # None: dropless routing (hftrain.parallel.expert_parallel)
     groups: ParallelGroups | None = field(default=None, init=False, repr=False)
     rng_tracker: RNGTracker | None = field(default=None, init=False, repr=False)  # set by parallelize()
 
@@ -86,7 +88,7 @@ class MegatronPlugin:
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         if dims is None:
-            dims = ParallelDims(world, tp=self.tp, pp=self.pp, cp=self.cp).validate()
+            dims = ParallelDims(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
             _init_single_process_group()
         self.groups = build_groups(dims, rank, device_type=device_type)
@@ -140,6 +142,7 @@ class MegatronPlugin:
             rng_tracker=self.rng_tracker,
             recompute=self.recompute,
             vocab_multiple=self.vocab_multiple,
+            moe_capacity_factor=self.moe_capacity_factor,
         )
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
@@ -155,6 +158,10 @@ class MegatronPlugin:
         model = self.parallelize(model, device=device)
         if layout.dp_size * layout.cp_size == 1:
             return model
+        if layout.ep_size > 1:  # experts differ between ep ranks: finalize_grads reduces them over edp instead
+            from hftrain.parallel.expert_parallel import expert_parameters
+
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(expert_parameters(model)))
         # Gradients are averaged over the ranks holding the same shard only (and its sequence parts: dp × cp);
         # DDP's no_sync serves accumulation.
         return DistributedDataParallel(model, process_group=layout.dp_cp_group or layout.dp_group)
@@ -203,6 +210,10 @@ class MegatronPlugin:
         from hftrain.parallel import finalize_tp_grads
 
         finalize_tp_grads(unwrap(model), tp_group=self.layout.tp_group)
+        if self.layout.ep_size > 1:
+            from hftrain.parallel.expert_parallel import finalize_expert_grads
+
+            finalize_expert_grads(unwrap(model), edp_group=self.layout.edp_group, dp_size=self.layout.dp_size)
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to the global gradient norm, as one process with the whole model would compute it
@@ -215,7 +226,13 @@ class MegatronPlugin:
         from hftrain.parallel import clip_grad_norm_
 
         module = unwrap(model)
-        return clip_grad_norm_(module, dict(module.named_parameters()), max_norm, tp_group=self.layout.tp_group)
+        return clip_grad_norm_(
+            module,
+            dict(module.named_parameters()),
+            max_norm,
+            tp_group=self.layout.tp_group,
+            ep_group=self.layout.ep_group,
+        )
 
     # ----------------------------------------------------------------- evaluation and state
     def gather_for_metrics(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

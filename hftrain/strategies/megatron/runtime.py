@@ -49,6 +49,12 @@ class MegatronRuntime(AccelerateRuntime):
         return self.plugin.layout.dp_size
 
     @property
+    def example_group(self) -> Any:
+        # tp (and pp) ranks of a replica hold the same examples; context-parallel ranks hold parts of them
+        layout = self.plugin.layout
+        return layout.dp_cp_group if layout.dp_size * layout.cp_size > 1 else None
+
+    @property
     def pad_to_multiple_of(self) -> int | None:
         # Length buckets, or tp under sequence parallelism (it splits the sequence over tp).
         return self.plugin.sequence_multiple
@@ -105,7 +111,14 @@ class MegatronRuntime(AccelerateRuntime):
         from hftrain.parallel import clip_grad_norm_
 
         layout = self.plugin.layout
-        return clip_grad_norm_(self._model, self._params, max_norm, tp_group=layout.tp_group, pp_group=layout.pp_group)
+        return clip_grad_norm_(
+            self._model,
+            self._params,
+            max_norm,
+            tp_group=layout.tp_group,
+            pp_group=layout.pp_group,
+            ep_group=layout.ep_group,
+        )
 
     def evaluation_step(
         self, model: torch.nn.Module, batch: Batch, predict: Callable[[torch.nn.Module, Batch], tuple]

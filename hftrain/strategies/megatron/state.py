@@ -62,15 +62,18 @@ def snapshot(
             tp ranks the same unsplit tensors; ``Chunked.share``); a load fills everything it holds.
     """
     from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Snapshot, split_replicated
+    from hftrain.parallel.expert_parallel import expert_parameters
     from hftrain.parallel.tensor_parallel import sharded_parameters
 
-    shards = sharded_parameters(model)
+    experts = expert_parameters(model)  # slices along the expert dimension over ep, the same on every tp rank
+    shards = {**sharded_parameters(model), **experts}
     buffers = _buffer_names(model)
-    state, split = {}, []  # split: keys of tensor-parallel slices (the others are the same on every tp rank)
+    state, split, by_expert = {}, [], []  # keys of tensor-parallel slices, and of expert-parallel ones
     for name, tensor in model.state_dict().items():
         if name in params or (name in buffers and groups.pp_rank == 0):
             state[MODEL_PREFIX + name] = _boxes(name, tensor, shards)
-            split += [MODEL_PREFIX + name] if name in shards else []
+            split += [MODEL_PREFIX + name] if name in shards and name not in experts else []
+            by_expert += [MODEL_PREFIX + name] if name in experts else []
     names = {id(p): n for n, p in params.items()}
     zero1 = hasattr(optimizer, "optim")  # ZeroRedundancyOptimizer: each dp rank holds its parameters' state only
     for param, values in getattr(optimizer, "optim", optimizer).state.items():
@@ -78,15 +81,21 @@ def snapshot(
         for key, value in values.items():
             if torch.is_tensor(value):
                 state[f"{OPTIM_PREFIX}{name}.{key}"] = _boxes(name, value, shards)
-                split += [f"{OPTIM_PREFIX}{name}.{key}"] if name in shards and value.dim() > 0 else []
+                sliced = name in shards and value.dim() > 0
+                split += [f"{OPTIM_PREFIX}{name}.{key}"] if sliced and name not in experts else []
+                by_expert += [f"{OPTIM_PREFIX}{name}.{key}"] if sliced and name in experts else []
     if not share:
         return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
     # dp × cp replicas hold the same slices, and tp ranks the same unsplit tensors: each is written by one holder
     replica, replicas = groups.dp_rank * groups.cp_size + groups.cp_rank, groups.dp_size * groups.cp_size
-    unsplit = [key for key in state if key not in split and not (zero1 and key.startswith(OPTIM_PREFIX))]
+    sliced = set(split) | set(by_expert)
+    unsplit = [key for key in state if key not in sliced and not (zero1 and key.startswith(OPTIM_PREFIX))]
     state = split_replicated(state, unsplit, replica * groups.tp_size + groups.tp_rank, replicas * groups.tp_size)
     if not zero1:
         state = split_replicated(state, split, replica, replicas)
+    if by_expert:  # an expert slice is held by its edp replicas (dp ranks with the same ep rank) on every tp rank
+        holder, holders = groups.dp_rank // groups.ep_size, groups.dims.edp
+        state = split_replicated(state, by_expert, holder * groups.tp_size + groups.tp_rank, holders * groups.tp_size)
     return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
 
 
@@ -161,7 +170,8 @@ def load_legacy_state(
 
 
 def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], groups: Any) -> dict[str, Any]:
-    """The full weights with HF names, gathered over tp and merged over pp (collective; every caller gets them).
+    """The full weights with HF names, gathered over tp (and ep) and merged over pp (collective; every caller gets
+    them).
 
     Args:
         model: the tensor-parallel HF model (unwrapped; under ``pp > 1`` only its stages' parameters are live).
@@ -178,6 +188,11 @@ def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
         if name in params or (name in buffers and groups.pp_rank == 0)
     }
     full = gather_full_tensors(local, model, tp_group=groups.tp_group)
+    if groups.ep_size > 1:  # expert slices, the same on every tp rank, gathered over ep (pp = 1 under ep)
+        from hftrain.parallel.expert_parallel import expert_parameters, gather_experts
+
+        for name in sorted(expert_parameters(model)):
+            full[name] = gather_experts(full[name], groups.ep_group)
     if groups.pp_size == 1:
         return full
     merged: dict[str, torch.Tensor] = {}
@@ -192,8 +207,9 @@ def iter_full_state(
     """The full weights one tensor at a time: ``(name, tensor)`` on global rank 0, ``(name, None)`` elsewhere.
 
     Collective. Every stage's names, full shapes and dtypes are exchanged once over the pp group (plain data);
-    then, name by name, the tp ranks of the stage holding it (data-parallel and context replica 0) gather it, and
-    that stage's tp rank 0 sends it to global rank 0. No rank holds more than one full tensor beside its shards.
+    then, name by name, the tp ranks of the stage holding it (data-parallel and context replica 0) gather it (an
+    expert tensor: the ep ranks of data-parallel replica 0's ep group, over ep), and that stage's tp rank 0 sends
+    it to global rank 0. No rank holds more than one full tensor beside its shards.
 
     Args:
         model: the tensor-parallel HF model (unwrapped).
@@ -201,9 +217,11 @@ def iter_full_state(
         groups: the run's ``ParallelGroups``.
     """
     from hftrain.parallel import gather_full_tensors
+    from hftrain.parallel.expert_parallel import expert_parameters, gather_experts
     from hftrain.parallel.tensor_parallel import sharded_parameters
 
-    shards = sharded_parameters(model)
+    experts = expert_parameters(model) if groups.ep_size > 1 else {}
+    shards = {**sharded_parameters(model), **experts}
     buffers = _buffer_names(model)
     state = model.state_dict()
     local = [
@@ -214,11 +232,15 @@ def iter_full_state(
     stages = _merged_over_stages(local, groups.pp_group) if groups.pp_size > 1 else [local]
     rank = dist.get_rank() if dist.is_initialized() else 0
     holder = groups.dp_rank == 0 and groups.cp_rank == 0
+    in_first_ep_group = groups.dp_rank < groups.ep_size and groups.cp_rank == 0  # its ranks hold every expert
     for stage, entries in enumerate(stages):
         sender = groups.dims.rank(stage, 0, 0, 0)
         for name, shape, dtype in entries:
             full = None
-            if stage == groups.pp_rank and holder:
+            if stage == groups.pp_rank and name in experts and in_first_ep_group:
+                full = gather_experts(state[name].detach(), groups.ep_group)  # experts are not split over tp
+                full = full if holder else None
+            elif stage == groups.pp_rank and holder:
                 full = state[name].detach()
                 if groups.tp_size > 1:
                     full = gather_full_tensors({name: full}, model, tp_group=groups.tp_group)[name]

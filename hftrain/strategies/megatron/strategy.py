@@ -1,16 +1,17 @@
 """The ``megatron`` strategy: tensor × context × pipeline × data parallelism, its layout validated once.
 
-``strategy: {name: megatron, tp: 2, cp: 1, pp: 1, sequence_parallel: false, shard_optimizer: false}``. The world
-is laid out in Megatron-LM's order (tp ranks adjacent, then cp, then dp, then pp) by one ``ParallelDims``, built
-and validated
-here once and passed down to the plugin's groups. The Trainer runs through
+``strategy: {name: megatron, tp: 2, cp: 1, pp: 1, ep: 1, sequence_parallel: false, shard_optimizer: false}``. The
+world is laid out in Megatron-LM's order (tp ranks adjacent, then cp, then dp, then pp; ep carved out of dp) by one
+``ParallelDims``, built and validated here once and passed down to the plugin's groups. The Trainer runs through
 :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
 :class:`~hftrain.strategies.megatron.pipeline.PipelineRuntime` (stages and a schedule).
 
 Refused up front, before any process group: a ``tp`` that does not divide the world size or the model's sizes,
-an unsupported model family, LoRA with pipeline or context parallelism (LoRA's adapters are split with their
-layers under tp, ``hftrain.parallel.lora``; stages and context parallelism do not handle them yet), and another
-strategy's options (FSDP/DeepSpeed settings).
+an unsupported model family, LoRA with pipeline, context or expert parallelism (LoRA's adapters are split with
+their layers under tp, ``hftrain.parallel.lora``; stages, context and expert parallelism do not handle them yet),
+``ep`` on a dense model or one that does not divide the experts and dp, ``ep`` with pipeline or context
+parallelism or ZeRO-1 (``shard_optimizer`` would mix experts of different ranks), and another strategy's options
+(FSDP/DeepSpeed settings).
 """
 
 from __future__ import annotations
@@ -69,7 +70,16 @@ class MegatronStrategy(Strategy):
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
         with named_by_config():
-            self.dims = ParallelDims(launch.world_size, tp=config.tp, pp=config.pp, cp=config.cp).validate()
+            self.dims = ParallelDims(
+                launch.world_size, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep
+            ).validate()
+        if config.ep > 1:
+            for key, alone in (("pp", 1), ("cp", 1), ("shard_optimizer", False)):
+                if getattr(config, key) != alone:
+                    raise ConfigError(
+                        f"strategy.{key} with strategy.ep={config.ep} is not supported yet (expert parallelism "
+                        f"composes with tp and dp); use {key}: {str(alone).lower()} or ep: 1"
+                    )
 
     def preflight(self, training: TrainingConfig) -> None:
         if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
@@ -83,8 +93,9 @@ class MegatronStrategy(Strategy):
 
     def check_model(self, model_config: Any, *, use_lora: bool) -> None:
         from hftrain.parallel import check_tensor_parallel
+        from hftrain.parallel.expert_parallel import check_expert_parallel
 
-        for axis in ("pp", "cp"):
+        for axis in ("pp", "cp", "ep"):
             if use_lora and getattr(self.config, axis) > 1:
                 raise ConfigError(
                     f"lora.use_lora with strategy.{axis}={getattr(self.config, axis)} is not supported yet (LoRA runs "
@@ -92,6 +103,7 @@ class MegatronStrategy(Strategy):
                 )
         with named_by_config():
             check_tensor_parallel(model_config, self.config.tp)
+            check_expert_parallel(model_config, self.dims.ep, self.dims.dp, self.config.moe_capacity_factor)
             if self.config.cp > 1:
                 check_context_parallel_model(self.config, model_config)
             if self.config.pp > 1:
@@ -120,6 +132,8 @@ class MegatronStrategy(Strategy):
             "tp": self.dims.tp,
             "pp": self.dims.pp,
             **({"cp": self.dims.cp, "cp_comm": self.config.cp_comm} if self.dims.cp > 1 else {}),
+            **({"ep": self.dims.ep, "edp": self.dims.edp} if self.dims.ep > 1 else {}),
+            **({"moe_capacity_factor": self.config.moe_capacity_factor} if self.config.moe_capacity_factor else {}),
             "sequence_parallel": self.config.sequence_parallel,
             "shard_optimizer": self.config.shard_optimizer,
             "vocab_multiple": self.config.vocab_multiple,
@@ -144,6 +158,8 @@ class MegatronStrategy(Strategy):
             cp_comm=self.config.cp_comm,
             pad_to_multiple_of=self.config.pad_to_multiple_of,
             vocab_multiple=self.config.vocab_multiple,
+            ep=self.dims.ep,
+            moe_capacity_factor=self.config.moe_capacity_factor,
         ).setup(device_type=self.platform.device, dims=self.dims)
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
             from hftrain.strategies.megatron.checks import num_microbatches

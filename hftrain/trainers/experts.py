@@ -1,0 +1,111 @@
+"""A mixture-of-experts run's router statistics: the load-balancing loss, the per-expert token counts, their picture.
+
+transformers' ``*ForSequenceClassification`` heads of MoE families return the cross-entropy only (their causal-LM
+heads add ``router_aux_loss_coef ×`` the load-balancing loss); the Trainer adds it here, over the global batch of
+the runtime's ``example_group`` (``hftrain.parallel.expert_parallel.load_balancing_loss``), under every strategy,
+so the loss is the same whatever the layout. The tokens routed to each expert are counted by hooks on the routers,
+summed over the examples' ranks at each logging step (``expert_load_max``: the most loaded expert's tokens over
+the mean, the worst layer; 1.0 is perfect balance) and drawn into ``output_dir/expert_load.png`` (the share of
+tokens of each expert in each MoE layer since the start) at every checkpoint and at the end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXPERT_LOAD_PNG = "expert_load.png"
+
+
+class ExpertLoad:
+    """Router statistics of one MoE model in training (see the module docstring).
+
+    Args:
+        model: the prepared model (wrappers allowed).
+        example_group: the ranks a global batch's examples are split over (None: one process).
+    """
+
+    def __init__(self, model: torch.nn.Module, example_group: Any) -> None:
+        from hftrain.parallel.expert_parallel import RouterMonitor
+
+        self.monitor = RouterMonitor(model)
+        self.group = example_group
+        self.model = model
+        self.total = torch.zeros_like(self.monitor.counts)  # tokens per (layer, expert) since the start, all ranks
+
+    @staticmethod
+    def for_model(model: torch.nn.Module, example_group: Any) -> ExpertLoad | None:
+        """The statistics of ``model`` if it is a mixture of experts hftrain routes, else None."""
+        from hftrain.parallel.expert_parallel import is_moe
+        from hftrain.parallel.lora import hf_model_of
+
+        inner = hf_model_of(getattr(model, "module", model))
+        return ExpertLoad(model, example_group) if is_moe(inner.config) else None
+
+    def aux_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``router_aux_loss_coef ×`` the load-balancing loss of the forward that just ran, over the global batch."""
+        return self.monitor.aux_loss(batch.get("attention_mask"), group=self.group)
+
+    def close_window(self) -> dict[str, float]:
+        """Sum the counts since the last call over the examples' ranks (collective); the figures to log."""
+        import torch.distributed as dist
+
+        from hftrain.parallel.expert_parallel import dropped_assignments
+
+        counts = self.monitor.take_counts()
+        dropped = torch.tensor([float(dropped_assignments(self.model))], dtype=torch.float64)
+        window = torch.cat([counts.reshape(-1), dropped])
+        if self.group is not None:
+            dist.all_reduce(window, group=self.group)
+        counts, dropped = window[:-1].view_as(counts), window[-1].item()
+        self.total += counts
+        mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
+        figures = {"expert_load_max": (counts / mean).max().item()}
+        if dropped:
+            figures["dropped_token_assignments"] = dropped
+        return figures
+
+    def picture_data(self) -> torch.Tensor:
+        """A copy of the counts since the start (for the background painter)."""
+        return self.total.clone()
+
+
+def render_expert_load(counts: torch.Tensor, path: str | Path) -> Path | None:
+    """A heat map of each expert's share of its layer's tokens (layers × experts), numbers in the cells.
+
+    Args:
+        counts: tokens per (MoE layer, expert).
+        path: the PNG to write (atomically).
+    """
+    import os
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if counts.sum() <= 0:
+        return None
+    share = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()
+    layers, experts = share.shape
+    figure = Figure(figsize=(max(4.0, 0.7 * experts + 2), max(2.5, 0.45 * layers + 1.5)))
+    FigureCanvasAgg(figure)
+    axis = figure.subplots()
+    image = axis.imshow(share, cmap="viridis", vmin=0, aspect="auto")
+    axis.set(
+        title=f"tokens per expert (ideal {1 / experts:.2f} each)",
+        xlabel="expert",
+        ylabel="MoE layer",
+        xticks=range(experts),
+        yticks=range(layers),
+    )
+    if layers * experts <= 256:
+        for (row, col), value in ((rc, share[rc]) for rc in ((r, c) for r in range(layers) for c in range(experts))):
+            axis.text(col, row, f"{value:.2f}", ha="center", va="center", color="white", fontsize=7)
+    figure.colorbar(image, ax=axis, label="share of the layer's tokens")
+    figure.tight_layout()
+    path = Path(path)
+    staging = path.with_name(path.name + ".tmp.png")
+    figure.savefig(staging, dpi=90)
+    os.replace(staging, path)
+    return path

@@ -1,0 +1,130 @@
+"""Expert parallelism through the Trainer: ep=2, ep2×dp2 and ep2×tp2 against one process (real gloo processes, fp32).
+
+Two MoE families (Mixtral; Qwen2-MoE with a shared expert and a dense layer), dropless, 10 steps, the global batch
+8 everywhere; every loss includes the routers' load-balancing loss (``router_aux_loss_coef`` 0.02), which the
+Trainer computes over the global batch. Each rank holds ``1/ep`` of the experts; an ep=2 run stopped at step 8 and
+resumed equals the run of 12 steps in one go, and the same checkpoint resumes at ep=1 in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.megatron_runs import assert_parity, assert_same_weights
+from tests.tiny import run_tiny_training
+
+KINDS = ("mixtral", "qwen2_moe")
+EXPERTS = 4
+# 96 examples, global batch 8: 12 steps per epoch; a checkpoint every 4 steps, the run stopped at 8 of 12
+RESUME = {"kind": "mixtral", "steps": 12, "save_steps": 4, "return_weights": True, "strategy": "megatron"}
+
+
+def _held_experts(trainer) -> dict:
+    """This rank's expert parameters (elements, and experts per MoE block) and the logged load figures."""
+    from hftrain.parallel.expert_parallel import ExpertParallelExperts
+
+    blocks = [m for m in trainer.model.modules() if isinstance(m, ExpertParallelExperts)]
+    held = sum(p.numel() for m in blocks for p in m.parameters())
+    loads = [h["expert_load_max"] for h in trainer.state.log_history if "expert_load_max" in h]
+    return {"blocks": len(blocks), "local_experts": [m.local_experts for m in blocks], "numel": held, "loads": loads}
+
+
+def _parity(kind: str, micro: int, options: dict | None, strategy: str = "megatron") -> dict:
+    return run_tiny_training(
+        kind=kind, micro=micro, steps=10, strategy=strategy, strategy_options=options, return_weights=True,
+        inspect=_held_experts,
+    )  # fmt: skip
+
+
+def _two(root: str) -> dict:
+    parity = {kind: _parity(kind, 4, {"ep": 2}) for kind in KINDS}
+    full = run_tiny_training(output_dir=f"{root}/full", micro=4, strategy_options={"ep": 2}, **RESUME)
+    part = run_tiny_training(output_dir=f"{root}/part", micro=4, strategy_options={"ep": 2}, stop_at_step=8, **RESUME)
+    resumed = run_tiny_training(
+        output_dir=f"{root}/part", micro=4, strategy_options={"ep": 2}, resume_from_checkpoint="latest", **RESUME
+    )
+    return {"parity": parity, "full": full, "part": part, "resumed": resumed}
+
+
+def _four(root: str) -> dict:
+    return {
+        kind: {"ep2xdp2": _parity(kind, 2, {"ep": 2}), "ep2xtp2": _parity(kind, 4, {"ep": 2, "tp": 2})}
+        for kind in KINDS
+    }
+
+
+def _one(root: str) -> dict:
+    reference = {kind: _parity(kind, 8, None, strategy="ddp") for kind in KINDS}
+    # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
+    at_ep1 = run_tiny_training(
+        output_dir=f"{root}/ep1", micro=8, strategy_options={"ep": 1},
+        resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", trust_external_checkpoint=True, **RESUME,
+    )  # fmt: skip
+    # the load-balancing loss is in every logged loss: without it (coefficient 0) the first step's loss is lower
+    no_aux = run_tiny_training(kind="mixtral", micro=8, steps=1, config_overrides={"router_aux_loss_coef": 0.0})
+    return {"reference": reference, "ep1": at_ep1, "no_aux": no_aux}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("ep"))
+    two = run_distributed(_two, nprocs=2, timeout=900, root=root)
+    four = run_distributed(_four, nprocs=4, timeout=900, root=root)
+    (one,) = run_distributed(_one, nprocs=1, timeout=900, root=root)
+    return {"two": two, "four": four, "one": one}
+
+
+def _check(run: dict, ref: dict, ep: int) -> None:
+    assert_parity(run, ref)
+    if run["weights"] is not None:  # the main process: the full weights, experts gathered over ep
+        assert_same_weights(run["weights"], ref["weights"], atol=1e-5)
+    held = run["inspected"]
+    assert held["local_experts"] == [EXPERTS // ep] * held["blocks"] and held["blocks"] >= 1
+    assert len(held["loads"]) == 10 and all(load >= 1.0 for load in held["loads"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", KINDS)
+def test_ep2_equals_one_process(runs, kind):
+    ref = runs["one"]["reference"][kind]
+    for rank in runs["two"]:
+        _check(rank["parity"][kind], ref, ep=2)
+    # the load figures are summed over the ranks: every rank logs the same, and so does the 1-process run
+    assert runs["two"][0]["parity"][kind]["inspected"]["loads"] == pytest.approx(ref["inspected"]["loads"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ep2xdp2", "ep2xtp2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_ep2_with_dp2_or_tp2_equals_one_process(runs, kind, layout):
+    for rank in runs["four"]:
+        _check(rank[kind][layout], runs["one"]["reference"][kind], ep=2)
+
+
+@pytest.mark.distributed
+def test_the_loss_includes_the_routers_load_balancing_loss(runs):
+    with_aux, without = runs["one"]["reference"]["mixtral"]["losses"][0], runs["one"]["no_aux"]["losses"][0]
+    # 0.02 × E·Σ f_i·P_i, which is k = 2 for a perfectly balanced router and more otherwise
+    assert 0.02 * 1.5 < with_aux - without < 0.02 * 4
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_half_the_experts(runs):
+    ref = runs["one"]["reference"]["mixtral"]["weights"]
+    every_expert = sum(v.numel() for k, v in ref.items() if ".experts." in k)
+    for rank in runs["two"]:
+        assert rank["parity"]["mixtral"]["inspected"]["numel"] * 2 == every_expert
+
+
+@pytest.mark.distributed
+def test_resume_at_ep2_equals_uninterrupted_and_the_checkpoint_resumes_at_ep1(runs):
+    for rank in runs["two"]:
+        full, part, resumed = rank["full"], rank["part"], rank["resumed"]
+        assert part["preempted"] == "stop_at_step" and part["global_step"] == 8
+        assert resumed["losses"] == full["losses"] and resumed["lrs"] == full["lrs"]
+    main = runs["two"][0]
+    assert_same_weights(main["resumed"]["weights"], main["full"]["weights"], atol=1e-6)
+    at_ep1 = runs["one"]["ep1"]  # steps 9-12 in one process, from the ep=2 checkpoint of step 8
+    assert at_ep1["losses"][-4:] == pytest.approx(main["full"]["losses"][-4:], rel=1e-5)
+    assert_same_weights(at_ep1["weights"], main["full"]["weights"], atol=1e-5)
