@@ -128,3 +128,53 @@ def test_resume_at_ep2_equals_uninterrupted_and_the_checkpoint_resumes_at_ep1(ru
     at_ep1 = runs["one"]["ep1"]  # steps 9-12 in one process, from the ep=2 checkpoint of step 8
     assert at_ep1["losses"][-4:] == pytest.approx(main["full"]["losses"][-4:], rel=1e-5)
     assert_same_weights(at_ep1["weights"], main["full"]["weights"], atol=1e-5)
+
+
+# ----------------------------------------------------------------- bad input: one line, exit 2, nothing written
+_LAUNCHED = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def _launched(world: int) -> dict[str, str]:
+    return {**_LAUNCHED, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+
+
+BAD_INPUT = {  # label -> (model, extra arguments, launcher environment, what the one line says)
+    "ep-not-dividing-dp": ("mixtral", ["--strategy.ep", "2"], _launched(1), "strategy.ep: ep=2 does not divide the"),
+    "ep-not-dividing-experts": ("mixtral", ["--strategy.ep", "3"], _launched(3), "ep=3 does not divide the 4 experts"),
+    "ep-on-dense-model": ("bert", ["--strategy.ep", "2"], _launched(2), "the model (bert) is not a mixture of experts"),
+    "capacity-not-positive": (
+        "mixtral", ["--strategy.moe_capacity_factor", "0"], _launched(1), "strategy.moe_capacity_factor must be a number > 0"
+    ),
+    "ep-with-pp": ("mixtral", ["--strategy.ep", "2", "--pp", "2"], _launched(4), "strategy.pp with strategy.ep=2"),
+    "ep-with-lora": ("mixtral", ["--strategy.ep", "2", "--use_lora", "true"], _launched(2), "lora.use_lora with"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("mixtral") / "model"
+    AutoModelForSequenceClassification.from_config(tiny_config("mixtral")).save_pretrained(path)
+    tokenizer = tiny_tokenizer("gpt2")
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("label", list(BAD_INPUT))
+def test_bad_expert_parallel_input_is_one_line_exit_2_nothing_written(
+    tiny_job, moe_folder, tmp_path, capsys, monkeypatch, label
+):
+    from hftrain.cli import main
+    from tests.megatron_runs import assert_refused_before_writing, megatron_job_args
+
+    model, extra, env, message = BAD_INPUT[label]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    output_dir = tmp_path / "out"
+    folder = moe_folder if model == "mixtral" else tiny_job["bert"]
+    code = main(["train", *megatron_job_args(folder, tiny_job["data"], output_dir, *extra)])
+    assert_refused_before_writing(code, capsys, message, output_dir)
