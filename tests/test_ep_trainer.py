@@ -44,7 +44,11 @@ def _two(root: str) -> dict:
     resumed = run_tiny_training(
         output_dir=f"{root}/part", micro=4, strategy_options={"ep": 2}, resume_from_checkpoint="latest", **RESUME
     )
-    return {"parity": parity, "full": full, "part": part, "resumed": resumed}
+    capped = run_tiny_training(
+        kind="mixtral", micro=4, steps=3, strategy="megatron", strategy_options={"ep": 2, "moe_capacity_factor": 0.5},
+        inspect=lambda t: [h.get("dropped_token_assignments", 0) for h in t.state.log_history if "loss" in h],
+    )  # fmt: skip
+    return {"parity": parity, "full": full, "part": part, "resumed": resumed, "capped": capped}
 
 
 def _four(root: str) -> dict:
@@ -110,6 +114,15 @@ def test_the_loss_includes_the_routers_load_balancing_loss(runs):
 
 
 @pytest.mark.distributed
+def test_a_capacity_factor_logs_the_dropped_assignments(runs):
+    # 4 examples of up to 33 positions per rank, top-2 of 4 experts, a cap of half the even share: many dropped
+    for rank in runs["two"]:
+        dropped = rank["capped"]["inspected"]
+        assert len(dropped) == 3 and all(count > 0 for count in dropped)
+        assert dropped == runs["two"][0]["capped"]["inspected"]  # summed over the ranks: the same on each
+
+
+@pytest.mark.distributed
 def test_each_rank_holds_half_the_experts(runs):
     ref = runs["one"]["reference"]["mixtral"]["weights"]
     every_expert = sum(v.numel() for k, v in ref.items() if ".experts." in k)
@@ -143,7 +156,7 @@ BAD_INPUT = {  # label -> (model, extra arguments, launcher environment, what th
     "ep-not-dividing-experts": ("mixtral", ["--strategy.ep", "3"], _launched(3), "ep=3 does not divide the 4 experts"),
     "ep-on-dense-model": ("bert", ["--strategy.ep", "2"], _launched(2), "the model (bert) is not a mixture of experts"),
     "capacity-not-positive": (
-        "mixtral", ["--strategy.moe_capacity_factor", "0"], _launched(1), "strategy.moe_capacity_factor must be a number > 0"
+        "mixtral", ["--strategy.moe_capacity_factor", "0"], _launched(1), "moe_capacity_factor must be a number > 0"
     ),
     "ep-with-pp": ("mixtral", ["--strategy.ep", "2", "--pp", "2"], _launched(4), "strategy.pp with strategy.ep=2"),
     "ep-with-lora": ("mixtral", ["--strategy.ep", "2", "--use_lora", "true"], _launched(2), "lora.use_lora with"),
