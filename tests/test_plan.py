@@ -150,6 +150,9 @@ SIZES = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "5000
         ([*SIZES, "--intra", "carrier-pigeon"], "--intra 'carrier-pigeon' is not a bandwidth class"),
         (["--layers", "2"], "no model: give --model"),
         ([*SIZES, "--row", "ddp"], "--row chooses what --write-configs writes"),
+        ([*SIZES, "--ep", "2"], "--ep 2: custom is a dense model (no experts to split)"),
+        (["--model", "{tmp}/model", "--ep", "2"], "is a dense model (no experts to split); drop --ep"),
+        ([*SIZES, "--ep", "0"], "--ep 0: must be a positive integer"),
         ([*SIZES, "--write-configs", "{tmp}/out"], "--write-configs needs a model that a job can load"),
         (["--model", "{tmp}/model", "--write-configs", "{tmp}/model"], "exists and is not an empty folder"),
         (["--model", "{tmp}/model", "--write-configs", "{tmp}/out", "--row", "nope"], "is not a row of this plan"),
@@ -540,3 +543,115 @@ def test_context_parallel_rows_split_activations_and_name_their_exchange():
     assert estimate(1, 1, model, work, Hardware(gpus_per_node=3, gpu_memory=80e9), cp=3).strategy["cp_comm"] == (
         "all_to_all"
     )
+
+
+# ---------------------------------------------------------------------------------------------- mixture of experts
+# Mixtral-8x7B's sizes (its config.json), built on the meta device
+MIXTRAL_8X7B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+}
+
+
+def _mixtral_8x7b(tmp_path):
+    from transformers import MixtralConfig
+
+    MixtralConfig(**MIXTRAL_8X7B, num_labels=2).save_pretrained(tmp_path / "mixtral-8x7b")
+    return model_from_config(str(tmp_path / "mixtral-8x7b"))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_moe_parameters_counted_exactly_from_a_config(tmp_path, kind):
+    """Ψ, the routed experts (E·3·h·I per MoE layer) and the rest of the MoE blocks against the real tiny model."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hftrain.plan.model import moe_layer_indices
+    from tests.tiny import tiny_config
+
+    config = tiny_config(kind)
+    config.save_pretrained(tmp_path)
+    real = AutoModelForSequenceClassification.from_config(config)
+    spec = model_from_config(str(tmp_path))
+    assert spec.parameters == sum(p.numel() for p in real.parameters())
+    width = config.intermediate_size if kind == "mixtral" else config.moe_intermediate_size
+    assert (spec.experts, spec.top_k, spec.intermediate) == (4, 2, width)
+    # Qwen2-MoE's second layer is dense (mlp_only_layers)
+    sparse = [0, 1] if kind == "mixtral" else [0]
+    assert moe_layer_indices(config) == sparse and spec.moe_layers == len(sparse)
+    assert [i for i, layer in enumerate(real.model.layers) if hasattr(layer.mlp, "experts")] == sparse
+    assert spec.expert_parameters == len(sparse) * 4 * 3 * spec.hidden * width
+    mlps = sum(p.numel() for layer in real.model.layers for p in layer.mlp.parameters())
+    assert spec.replicated_mlp_parameters == mlps - spec.expert_parameters  # routers, shared expert, dense MLP
+    outside = real.model.embed_tokens.weight.numel() + real.model.norm.weight.numel() + real.score.weight.numel()
+    assert spec.embedding_parameters == outside  # the mean layer keeps Ψ − L·Ψ_layer exact with unequal layers
+    assert spec.active_parameters == spec.parameters - spec.expert_parameters / 2  # top-2 of 4 experts
+
+
+def test_mixtral_8x7b_counted_on_the_meta_device(tmp_path):
+    """46.57B parameters (the published 46.7B less the LM head, plus a 2-label score), 12.75B active per token."""
+    spec = _mixtral_8x7b(tmp_path)
+    h, i, layers, v = 4096, 14336, 32, 32000
+    experts = layers * 8 * 3 * h * i
+    attention = 2 * h * h + 2 * h * 1024  # q, o; k, v of 8 key/value heads of 128
+    per_layer = attention + 2 * h + 8 * h  # two norms, the router
+    assert spec.expert_parameters == experts
+    assert spec.parameters == layers * per_layer + experts + v * h + h + 2 * h == 46_571_728_896
+    assert spec.active_parameters == pytest.approx(12.75e9, rel=1e-3)
+    assert spec.layer_parameters == per_layer + experts / layers
+
+
+def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_path):
+    """ep = 2 holds half of ep = 1's expert states per GPU, the rest unchanged; the all-to-all is the formula."""
+    model = _mixtral_8x7b(tmp_path)
+    hardware = Hardware(gpus_per_node=8, nodes=4)
+    work = Workload(micro_batch=2, seq=4096, accumulation=4)
+    one, two = (model_parallel.estimate(2, 1, model, work, hardware, ep=ep) for ep in (1, 2))
+    assert two.label == "megatron tp2·pp1·dp16·ep2" and two.strategy["ep"] == 2 and "ep" not in one.strategy
+    assert not one.strategy["sequence_parallel"] and not two.strategy["sequence_parallel"]  # refused with experts
+    # ZeRO-1 (dp 16): the expert part is params 4 + grads 4 + Adam 8/(dp/ep) bytes per expert parameter on the GPU
+    for row, ep in ((one, 1), (two, 2)):
+        per_gpu = model.expert_parameters / ep
+        assert row.experts == pytest.approx(per_gpu * (4 + 4 + 8 / (16 // ep)))
+    assert two.experts == pytest.approx(one.experts / 2)
+    assert one.model_states - two.model_states == pytest.approx(one.experts / 2)
+    assert one.params - two.params == pytest.approx(model.expert_parameters / 2 * 4)
+    # all-to-all per MoE layer and micro-batch: dispatch + combine, forward + backward, the (ep−1)/ep leaving
+    tokens, k, h, e = 2 * 4096, 2, 4096, 2
+    assert one.all_to_all == 0
+    assert two.all_to_all == 4 * tokens * k * h * e * (2 - 1) / 2 == formulas.all_to_all_bytes(
+        tokens=tokens, top_k=k, hidden=h, element=e, ep=2
+    )
+    # per step: m = 4 micro-batches × 32 MoE layers on the intra-node link (tp·ep = 4 consecutive GPUs), beside
+    # tp's 4 all-reduces of s·b·h per layer (the gradient all-reduces, over dp 16 and dp/ep 8, cross nodes)
+    sbh = 4096 * 2 * h * e
+    assert two.comm["intra"] == pytest.approx(4 * 32 * two.all_to_all + 4 * 32 * 4 * formulas.all_reduce_bytes(sbh, 2))
+    assert one.comm["intra"] == pytest.approx(4 * 32 * 4 * formulas.all_reduce_bytes(sbh, 2))
+    assert "all-to-all" in two.formulas["experts"]
+
+
+def test_plan_with_ep_lists_only_expert_parallel_layouts(capsys, tmp_path):
+    from tests.tiny import tiny_config
+
+    model = _mixtral_8x7b(tmp_path)
+    hardware = Hardware(gpus_per_node=8, nodes=2)
+    rows = plan(model, hardware, Workload(), ep=4).rows
+    assert rows and all(r.ep == 4 and r.label.endswith("·ep4") and r.dp % 4 == 0 for r in rows)
+    default = plan(model, hardware, Workload()).rows  # every ep dividing dp and the 8 experts, ep = 1 included
+    assert {r.ep for r in default if r.strategy["name"] == "megatron"} == {1, 2, 4, 8}
+    assert "megatron tp1·pp1·dp16·ep8" in [r.label for r in default]
+    tiny_config("mixtral").save_pretrained(tmp_path / "tiny")  # 4 experts
+    for args, message in (
+        (["--ep", "3"], "--ep 3 does not divide the 4 experts of"),
+        (["--ep", "4"], "--ep 4 divides the data-parallel size of no layout on 2 GPUs"),
+    ):
+        code, out, err = _cli(capsys, "--model", str(tmp_path / "tiny"), "--gpus-per-node", "2", *args)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+    code, out, err = _cli(capsys, "--model", str(tmp_path / "tiny"), "--gpus-per-node", "2", "--ep", "2")
+    assert code == 0 and "megatron tp1·pp1·dp2·ep2" in out and "all-to-all" in out

@@ -49,7 +49,7 @@ def parallelize_model(
     from hftrain.parallel.plans import check_tensor_parallel
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
 
-    check_tensor_parallel(model.config, groups.tp_size)
+    check_tensor_parallel(model.config, groups.tp_size, sequence_parallel=sequence_parallel)
     if (groups.pp_size > 1 or groups.cp_size > 1) and hf_model_of(model) is not model:
         from hftrain.errors import ConfigError
 

@@ -18,11 +18,24 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 
 ``layer`` entries apply to every transformer layer (paths relative to it); ``model`` entries to the model.
 ``heads`` lists attention attributes holding per-rank sizes (head counts, widths) that must be divided by tp.
+``replicated`` names the blocks of a layer that tp leaves whole (a mixture-of-experts block: router, experts, shared
+expert); see "Mixture of experts" below.
 ``sizes`` are the config sizes tp must divide; ``grouped_query`` names the attention of a grouped-query family,
 whose key/value heads tp must divide or be a multiple of (SmolLM2-135M's 9 query / 3 key/value heads: tp 1 or 3;
 tp=2 would leave one rank twice the other's attention, which Megatron refuses too). The vocabulary is not among
 the sizes: the embedding pads it to a multiple of tp (:func:`padded_vocab_size`). A new family is one more entry in
 :data:`PLANS`.
+
+Mixture of experts (``mixtral``, ``qwen2_moe``): attention is split as Llama's (q column, k/v ``column_kv``, o row;
+Qwen2-MoE's q/k/v biases are split with their rows), and the MoE block (``mlp``: the router ``mlp.gate``, the 3-D
+experts ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, Qwen2-MoE's ``shared_expert`` and
+``shared_expert_gate``), like Qwen2-MoE's dense ``mlp`` of its ``mlp_only_layers``, has no entry: it stays
+replicated over tp. Without sequence parallelism the residual stream is replicated over tp, so every tp rank runs
+the whole block on the same full hidden states, ``y = MoE(x)`` identically on each rank (no collective); its
+parameters' gradients are then equal on every tp rank, as a LayerNorm's are (clipping counts them once). The
+expert sizes are therefore not among ``sizes`` (tp does not split the experts; expert parallelism ``ep`` does).
+Sequence parallelism is refused for these families (:func:`check_tensor_parallel`): it would hand each rank
+``s / tp`` positions of the residual stream, and the replicated block needs all of them.
 """
 
 from __future__ import annotations
@@ -46,6 +59,8 @@ class TensorParallelPlan:
         sizes: the config sizes that tp must divide, as ``{name: value}`` for a config.
         grouped_query: path in the layer of a grouped-query attention (its config's ``num_attention_heads`` and
             ``num_key_value_heads``; its ``num_key_value_groups`` is set per rank), or None.
+        replicated: paths in the layer of blocks every tp rank runs whole on the full sequence (a mixture-of-experts
+            block); such a family refuses sequence parallelism.
     """
 
     layers: str
@@ -54,6 +69,7 @@ class TensorParallelPlan:
     heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sizes: Callable[[Any], dict[str, int]] = lambda config: {}
     grouped_query: str | None = None
+    replicated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,40 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
         raise ConfigError(f"vocab_multiple must be a positive integer (1: a multiple of tp only), got {multiple!r}")
     step = tp * multiple
     return -(-vocab_size // step) * step
+
+
+# Llama's attention and model entries, shared by the mixture-of-experts families (whose ``mlp`` has no entry).
+_LLAMA_ATTENTION: tuple[tuple[str, str], ...] = (
+    ("input_layernorm", "sequence"),
+    ("self_attn", "region"),
+    ("self_attn.q_proj", "column"),
+    ("self_attn.k_proj", "column_kv"),
+    ("self_attn.v_proj", "column_kv"),
+    ("self_attn.o_proj", "row"),
+    ("post_attention_layernorm", "sequence"),
+)
+_LLAMA_MODEL: tuple[tuple[str, str], ...] = (
+    ("model.embed_tokens", "vocab"),
+    ("model.layers.0", "scatter"),
+    ("model.norm", "sequence"),
+    ("model.norm", "gather"),
+)
+
+
+def _moe_plan() -> TensorParallelPlan:
+    """A mixture-of-experts family with Llama's attention and module names (Mixtral, Qwen2-MoE)."""
+    return TensorParallelPlan(
+        layers="model.layers",
+        layer=_LLAMA_ATTENTION,
+        model=_LLAMA_MODEL,
+        heads={},
+        # the experts' sizes are not split by tp (the block is replicated over tp)
+        sizes=lambda c: {"num_attention_heads": c.num_attention_heads},
+        grouped_query="self_attn",
+        replicated=("mlp",),
+    )
+
+
 
 
 PLANS: dict[str, TensorParallelPlan] = {
@@ -170,29 +220,21 @@ PLANS: dict[str, TensorParallelPlan] = {
     "llama": TensorParallelPlan(
         layers="model.layers",
         layer=(
-            ("input_layernorm", "sequence"),
-            ("self_attn", "region"),
-            ("self_attn.q_proj", "column"),
-            ("self_attn.k_proj", "column_kv"),
-            ("self_attn.v_proj", "column_kv"),
-            ("self_attn.o_proj", "row"),
-            ("post_attention_layernorm", "sequence"),
+            *_LLAMA_ATTENTION,
             ("mlp", "region"),
             ("mlp.gate_proj", "column"),
             ("mlp.up_proj", "column"),
             ("mlp.down_proj", "row"),
         ),
-        model=(
-            ("model.embed_tokens", "vocab"),
-            ("model.layers.0", "scatter"),
-            ("model.norm", "sequence"),
-            ("model.norm", "gather"),
-        ),
+        model=_LLAMA_MODEL,
         # LlamaAttention's views use -1; the one head count it reads, num_key_value_groups, is set per rank
         heads={},
         sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
         grouped_query="self_attn",
     ),
+    # mixture of experts: attention split as Llama's, the MoE block (and Qwen2-MoE's dense mlp_only_layers) replicated
+    "mixtral": _moe_plan(),
+    "qwen2_moe": _moe_plan(),
 }
 
 
@@ -223,16 +265,24 @@ def _valid_tp(sizes: dict[str, int], kv_heads: dict[str, int]) -> list[int]:
     ]
 
 
-def check_tensor_parallel(config: Any, tp: int) -> None:
-    """Refuse a model that ``tp`` cannot split, naming the size and the valid tp values (no processes needed).
+def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Refuse a model that ``tp`` cannot split, naming the size and the valid tp values (no processes needed), and
+    sequence parallelism (tp > 1) for a family with blocks replicated over tp (mixture of experts).
 
     Args:
         config: the model's ``transformers.PretrainedConfig``.
         tp: the tensor-parallel size.
+        sequence_parallel: whether sequence parallelism is asked for.
     """
     plan = plan_for(config)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise AxisError("tp", f"tp must be a positive integer, got {tp!r}")
+    if sequence_parallel and tp > 1 and plan.replicated:
+        raise ConfigError(
+            f"strategy.sequence_parallel is not supported for this {config.model_type} model: its mixture-of-experts "
+            f"blocks ({', '.join(plan.replicated)}) run whole on every tp rank and need the full sequence, which "
+            "sequence parallelism cuts into tp chunks; use sequence_parallel: false (tp still splits the attention)"
+        )
     sizes, kv_heads = plan.sizes(config), _kv_heads(plan, config)
     indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
     unsplittable = ", ".join(f"{name}={value}" for name, value in kv_heads.items() if not kv_heads_split(value, tp))

@@ -65,7 +65,7 @@ def _context(
 ) -> _Context:
     """What the styles need to split one model: checked against the model's sizes first."""
     tp_size = dist.get_world_size(tp_group)
-    check_tensor_parallel(config, tp_size)
+    check_tensor_parallel(config, tp_size, sequence_parallel=sequence_parallel)
     heads = (config.num_attention_heads, config.num_key_value_heads) if plan.grouped_query else None
     return _Context(
         tp_group,
@@ -262,7 +262,8 @@ def apply_tensor_parallel(
     Collective over ``tp_group`` (one all-reduce checks the weights are replicated).
 
     Args:
-        model: a BERT, GPT-2 or Llama-family model (``hftrain.parallel.plans.PLANS``), or a PEFT LoRA model of one
+        model: a BERT, GPT-2, Llama-family or mixture-of-experts (Mixtral, Qwen2-MoE: the MoE blocks replicated)
+            model (``hftrain.parallel.plans.PLANS``), or a PEFT LoRA model of one
             (its adapters are split with their layers, ``hftrain.parallel.lora``).
         tp_group: the tensor-parallel process group.
         sequence_parallel: shard LayerNorm/dropout regions along the sequence (batches must be padded to a

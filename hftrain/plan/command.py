@@ -91,6 +91,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--cp", type=int, default=1, help="only layouts with this context-parallel size (sequences split over cp GPUs)"
     )
+    out.add_argument(
+        "--ep",
+        type=int,
+        help="only layouts with this expert-parallel size (a mixture-of-experts model's experts split over ep of the "
+        "data-parallel GPUs; default: every ep dividing dp and the experts)",
+    )
     out.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds, formulas)")
     out.add_argument("--write-configs", metavar="DIR", help="write job/DeepSpeed/accelerate files for the choice")
     out.add_argument("--row", help="with --write-configs: this row instead of the recommendation")
@@ -114,7 +120,7 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
             "no model: give --model <folder|config.json|embedded:name>, or --layers, --hidden, "
             "--heads and --vocab (and optionally --parameters)"
         )
-    for name in ("tp", "pp", "cp"):
+    for name in ("tp", "pp", "cp", "ep"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} {getattr(args, name)}: must be a positive integer")
     for name in ("gpu_memory", "cpu_memory", "reserve"):  # GB, turned into bytes below
@@ -145,7 +151,7 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
         dropout=model.dropout and not args.no_dropout,
         fused_attention=args.attention == "fused",
     )
-    return plan(model, hardware, workload, tp=args.tp, pp=args.pp, cp=args.cp)
+    return plan(model, hardware, workload, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
 
 
 def run_plan(args: argparse.Namespace, extra: list[str]) -> int:

@@ -42,7 +42,7 @@ def activation_bytes(
     layer = {
         **shape,
         "heads": model.heads,
-        "intermediate": model.intermediate,
+        "intermediate": model.activation_intermediate,  # a MoE layer: its top-k experts' widths
         "mask": mask,
         "tp": tp,
         "sequence_parallel": sequence_parallel,
@@ -66,7 +66,8 @@ def compute_seconds(model: ModelSpec, work: Workload, hw: Hardware, *, model_spl
     """Seconds of arithmetic per step on one GPU: k·Ψ·tokens / (split · TFLOP/s · efficiency).
 
     k = 6 (forward 2 + backward 4), 8 with recomputation (one more forward), 4 with LoRA (no weight gradients
-    for the frozen weights). Tokens: micro-batch × sequence × accumulation.
+    for the frozen weights). Tokens: micro-batch × sequence × accumulation. Ψ is a MoE model's active parameters,
+    Ψ − (1 − k_e/E)·Ψ_experts.
 
     Args:
         model: the model.
@@ -76,7 +77,8 @@ def compute_seconds(model: ModelSpec, work: Workload, hw: Hardware, *, model_spl
     """
     k = (4 if work.lora_rank else 6) + (2 if work.recompute == "full" else 0)  # selective: a few percent
     tokens = work.micro_batch * work.seq * work.accumulation
-    return k * model.parameters * tokens / (model_split * hw.tflops * 1e12 * hw.efficiency)
+    # a MoE model: each token runs through k of the E experts (ModelSpec.active_parameters)
+    return k * model.active_parameters * tokens / (model_split * hw.tflops * 1e12 * hw.efficiency)
 
 
 def finish(row: Row, model: ModelSpec, work: Workload, hw: Hardware) -> Row:

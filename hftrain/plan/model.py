@@ -1,4 +1,12 @@
-"""What is planned for: a model described by its config (parameters counted exactly) or by its sizes."""
+"""What is planned for: a model described by its config (parameters counted exactly) or by its sizes.
+
+Mixture-of-experts models (Mixtral, Qwen2-MoE, ...) are read from their config: E routed experts per MoE layer
+(``num_local_experts`` / ``num_experts``), top-k (``num_experts_per_tok``), the expert width I (Mixtral's
+``intermediate_size``, Qwen2-MoE's ``moe_intermediate_size``), Qwen2-MoE's shared expert
+(``shared_expert_intermediate_size``) and its dense layers (``mlp_only_layers``, ``decoder_sparse_step``:
+:func:`moe_layer_indices`). A MoE layer's routed experts hold ``E · 3·h·I`` parameters (``gate_up_proj [E, 2I, h]``
+and ``down_proj [E, h, I]``); they are counted from the model built on the meta device (exactly, as Ψ).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,9 @@ from typing import Any
 from hftrain.errors import ConfigError, reading
 from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
 
-GATED_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"})
+GATED_MLP_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "mixtral", "qwen2_moe"}
+)
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
 # real model, and small enough that every formula's product stays a finite float.
 MAX_SIZE = 10**8
@@ -31,7 +41,8 @@ class ModelSpec:
         kv_heads: key/value heads (grouped-query attention; = heads otherwise).
         intermediate: MLP width i.
         vocab: vocabulary size V.
-        layer_parameters: parameters of one transformer layer.
+        layer_parameters: parameters of one transformer layer (the mean over the layers where they differ, as
+            Qwen2-MoE's dense and sparse layers do).
         largest_layer_parameters: the largest single module's parameters (DeepSpeed's ZeRO-3 estimator input).
         model_type: the transformers ``model_type`` (None for sizes given by hand).
         source: a local folder or ``embedded:<name>`` that a job config can load, or None.
@@ -39,6 +50,13 @@ class ModelSpec:
         dropout: whether the config has dropout on (unknown for sizes given by hand: assumed on).
         head_parameters: what the last pipeline stage holds outside its layers (pooler, final norm,
             classifier: ``hftrain.parallel.stages``' head modules); 0 when unknown (all of it counted on stage 0).
+        experts: routed experts E per MoE layer (0: a dense model).
+        top_k: experts each token is routed to (k).
+        moe_layers: layers with routed experts (the others are dense).
+        expert_parameters: the routed experts' parameters over all MoE layers (split over ``ep``).
+        replicated_mlp_parameters: the other parameters of a MoE model's ``mlp`` blocks (routers, shared experts
+            and their gates, dense layers' MLPs), which tensor parallelism leaves whole on every tp rank.
+        shared_intermediate: the shared expert's width (Qwen2-MoE; 0 when none).
     """
 
     name: str
@@ -56,10 +74,33 @@ class ModelSpec:
     counted: str = "exact"
     dropout: bool = True
     head_parameters: int = 0
+    experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+    expert_parameters: int = 0
+    replicated_mlp_parameters: int = 0
+    shared_intermediate: int = 0
 
     @property
     def gated_mlp(self) -> bool:
         return self.model_type in GATED_MLP_TYPES
+
+    @property
+    def moe(self) -> bool:
+        """Whether the model has routed experts (a mixture of experts)."""
+        return self.experts > 0
+
+    @property
+    def active_parameters(self) -> float:
+        """Parameters each token runs through: Ψ − (1 − k/E) · the routed experts' (Ψ for a dense model)."""
+        if not self.moe:
+            return self.parameters
+        return self.parameters - self.expert_parameters * (1 - self.top_k / self.experts)
+
+    @property
+    def activation_intermediate(self) -> int:
+        """The MLP width whose activations a token saves: I, or k·I (+ the shared expert's) for a MoE layer."""
+        return self.top_k * self.intermediate + self.shared_intermediate if self.moe else self.intermediate
 
     @property
     def embedding_parameters(self) -> int:
@@ -88,11 +129,11 @@ class ModelSpec:
 
         # As hftrain.parallel.plans: the vocabulary is padded to a multiple of tp (not a constraint), the query heads
         # split evenly, the key/value heads evenly or replicated (tp a multiple of them).
-        for name, value in (
-            ("attention heads", self.heads),
-            ("hidden size", self.hidden),
-            ("intermediate size", self.intermediate),
-        ):
+        # a MoE model's experts are not split by tp (its mlp blocks stay whole on every tp rank): no intermediate
+        sizes = [("attention heads", self.heads), ("hidden size", self.hidden)]
+        if not self.moe:
+            sizes.append(("intermediate size", self.intermediate))
+        for name, value in sizes:
             if value % tp:
                 raise ConfigError(
                     f"--tp {tp} does not divide the {name} {value} of {self.name}; valid --tp: "
@@ -108,6 +149,28 @@ class ModelSpec:
             raise ConfigError(
                 f"--pp {pp} does not divide the {self.layers} layers of {self.name}; valid --pp: "
                 f"{', '.join(str(d) for d in divisors(self.layers))}"
+            )
+
+    def check_experts(self, ep: int) -> None:
+        """Refuse an expert-parallel size the model cannot split (one line naming ``--ep``): a dense model takes only
+        1, a MoE model a divisor of its experts.
+
+        Args:
+            ep: expert-parallel size.
+        """
+        if not isinstance(ep, int) or ep < 1:
+            raise ConfigError(f"--ep {ep}: must be a positive integer")
+        if ep == 1:
+            return
+        if not self.moe:
+            raise ConfigError(
+                f"--ep {ep}: {self.name} is a dense model (no experts to split); drop --ep, or plan a mixture-of-"
+                "experts model (e.g. Mixtral, Qwen2-MoE)"
+            )
+        if self.experts % ep:
+            raise ConfigError(
+                f"--ep {ep} does not divide the {self.experts} experts of {self.name}; valid --ep: "
+                f"{', '.join(str(d) for d in divisors(self.experts))}"
             )
 
     def admits(self, tp: int, pp: int) -> bool:
@@ -196,7 +259,9 @@ def model_from_config(name_or_path: str) -> ModelSpec:
         config, where = _load_config(name_or_path)
         model = _meta_model(config, where)
     layers_module = _layers(model)
-    layer_params = sum(p.numel() for p in layers_module[0].parameters())
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers_module]
+    mean = sum(per_layer) / len(per_layer)  # Qwen2-MoE's dense layers are smaller than its sparse ones
+    layer_params = int(mean) if mean.is_integer() else mean
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     total = sum({id(p): p.numel() for p in model.parameters()}.values())  # tied weights once
     heads = config.num_attention_heads
@@ -208,7 +273,11 @@ def model_from_config(name_or_path: str) -> ModelSpec:
         hidden=hidden,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        # a MoE model's expert width (Qwen2-MoE's intermediate_size is its dense layers')
+        intermediate=getattr(config, "moe_intermediate_size", None)
+        or getattr(config, "intermediate_size", None)
+        or getattr(config, "n_inner", None)
+        or 4 * hidden,
         vocab=config.vocab_size,
         layer_parameters=layer_params,
         largest_layer_parameters=largest,
@@ -219,7 +288,51 @@ def model_from_config(name_or_path: str) -> ModelSpec:
         ),
         source=None if name_or_path.endswith(".json") else name_or_path,
         head_parameters=_head_parameters(model),
+        **_moe_sizes(config, layers_module),
     )
+
+
+def moe_experts(config: Any) -> int:
+    """Routed experts per MoE layer: Mixtral's ``num_local_experts``, Qwen2-MoE's ``num_experts`` (0: dense)."""
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+
+
+def moe_layer_indices(config: Any) -> list[int]:
+    """The layers with routed experts: all of them, except (Qwen2-MoE) those in ``mlp_only_layers`` and those that
+    ``decoder_sparse_step`` skips (layer i is sparse when ``(i + 1) % decoder_sparse_step == 0``).
+
+    Args:
+        config: the transformers config.
+    """
+    if not moe_experts(config):
+        return []
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _moe_sizes(config: Any, layers: Any) -> dict[str, int]:
+    """A MoE model's ``ModelSpec`` fields (none for a dense model): the experts' parameters counted from the layers'
+    ``mlp.experts`` modules, the rest of their ``mlp`` blocks (replicated over tp) beside them."""
+    experts = moe_experts(config)
+    if not experts:
+        return {}
+    expert_params = replicated = 0
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            continue
+        block = sum(p.numel() for p in mlp.parameters())
+        routed = sum(p.numel() for p in mlp.experts.parameters()) if hasattr(mlp, "experts") else 0
+        expert_params, replicated = expert_params + routed, replicated + block - routed
+    return {
+        "experts": experts,
+        "top_k": getattr(config, "num_experts_per_tok", None) or 1,
+        "moe_layers": len(moe_layer_indices(config)),
+        "expert_parameters": expert_params,
+        "replicated_mlp_parameters": replicated,
+        "shared_intermediate": getattr(config, "shared_expert_intermediate_size", None) or 0,
+    }
 
 
 def _head_parameters(model: Any) -> int:

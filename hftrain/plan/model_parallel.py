@@ -20,6 +20,20 @@ most loaded pipeline stage (model states: the first or the last; activations: st
   volume as all-gather + reduce-scatter under sequence parallelism); DP one all-reduce of the GPU's gradients;
   PP one s·b·h send forward and one backward per micro-batch and stage boundary; the bubble (p−1)/(m+p−1).
 
+Mixture of experts (``ModelSpec.moe``), with expert parallelism e (``ep``: e consecutive dp ranks split the routed
+experts of every MoE layer, Megatron's rule, so e divides dp and the experts E; ``hftrain.parallel.ParallelDims``):
+
+- parameters: a layer's routed experts ``Ψ_experts/L`` are divided by e (not by t), the rest of its ``mlp``
+  (router, shared expert, Qwen2-MoE's dense MLPs) is whole on every GPU (hftrain's tp plans replicate the MoE
+  block over tp), its attention is split over t as above; gradients the same; Adam's state the same, its dense part
+  /dp and its expert part /(dp/e) (the expert-data-parallel ranks holding the same experts) under
+  ``shard_optimizer``;
+- communication: the dense gradients all-reduced over dp, the experts' over dp/e; and the token all-to-all per MoE
+  layer and micro-batch (:func:`hftrain.plan.formulas.all_to_all_bytes`): dispatch and combine each send
+  ``T·k·h·e_b·(e−1)/e`` per GPU forward and the same again backward (T = b·s/c tokens of the GPU, k = top-k,
+  e_b bytes per element), over the intra-node link when the e group's t·c·e consecutive ranks fit in a node;
+- no sequence parallelism: the MoE block needs the whole sequence (``hftrain.parallel.plans``).
+
 Every row is hftrain's ``megatron`` strategy; with p > 1 the plan's m micro-batches of b become the
 pipeline's ``num_microbatches`` = m over a per-device batch of m·b (1F1B, or GPipe when m < p, which 1F1B
 refuses; both keep min(p, m) micro-batches on stage 0).
@@ -30,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 
 import hftrain.plan.formulas as formulas
+from hftrain.errors import ConfigError
 from hftrain.plan.common import activation_bytes, finish
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec, divisors
@@ -37,7 +52,7 @@ from hftrain.plan.rows import Row, Workload
 
 
 def layouts(
-    model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | None = None, cp: int = 1
+    model: ModelSpec, hw: Hardware, *, tp: int | None = None, pp: int | None = None, cp: int = 1, unsplit: bool = False
 ) -> list[tuple[int, int]]:
     """(t, p) pairs other than (1, 1): t divides the GPUs per node and the model's sizes, p divides the layers,
     and t·p (·cp) divides the world. ``tp``/``pp`` fix one (checked against the model: a size that does not divide
@@ -49,6 +64,7 @@ def layouts(
         tp: only this tensor-parallel size.
         pp: only this pipeline-parallel size.
         cp: the context-parallel size of every layout.
+        unsplit: include (1, 1) too (expert parallelism may split the experts alone).
     """
     if tp is not None or pp is not None:
         model.check_parallel(tp or 1, pp or 1)
@@ -58,16 +74,65 @@ def layouts(
         (t, p)
         for t in tps
         for p in pps
-        if ((t, p) != (1, 1) or cp > 1) and hw.world % (t * p * cp) == 0 and model.admits(t, p)
+        if ((t, p) != (1, 1) or cp > 1 or unsplit) and hw.world % (t * p * cp) == 0 and model.admits(t, p)
     ]
 
 
-def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1) -> Row:
-    """One TP × CP × PP × DP row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1 (and
-    c = 1) and ZeRO-1 when dp > 1.
+def expert_sizes(model: ModelSpec, dp: int) -> list[int]:
+    """The expert-parallel sizes e a layout with ``dp`` data-parallel ranks admits: the divisors of both dp and the
+    experts E (1 only for a dense model)."""
+    import math
+
+    return divisors(math.gcd(dp, model.experts)) if model.moe else [1]
+
+
+def expert_layouts(
+    model: ModelSpec,
+    hw: Hardware,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int = 1,
+    ep: int | None = None,
+) -> list[tuple[int, int, int]]:
+    """(t, p, e) triples other than (1, 1, 1) at cp = 1: the :func:`layouts`, each with every expert-parallel size e
+    that divides its dp and the experts (:func:`expert_sizes`), or only ``ep``. An ``ep`` the model cannot split
+    (a dense model, or not dividing the experts), or that divides the data-parallel size of no layout, is refused in
+    one line naming ``--ep``.
+
+    Args:
+        model: the model.
+        hw: the hardware.
+        tp: only this tensor-parallel size.
+        pp: only this pipeline-parallel size.
+        cp: the context-parallel size of every layout.
+        ep: only this expert-parallel size.
+    """
+    if ep is not None:
+        model.check_experts(ep)
+    triples = []
+    for t, p in layouts(model, hw, tp=tp, pp=pp, cp=cp, unsplit=model.moe):
+        dp = hw.world // (t * p * cp)
+        for e in [ep] if ep is not None else expert_sizes(model, dp):
+            if dp % e == 0 and ((t, p, e) != (1, 1, 1) or cp > 1):
+                triples.append((t, p, e))
+    if ep is not None and ep > 1 and not triples:
+        raise ConfigError(
+            f"--ep {ep} divides the data-parallel size of no layout on {hw.world} GPUs (ep consecutive data-parallel "
+            f"ranks split the experts); give an --ep dividing {hw.world} // (tp·pp·cp), or more GPUs"
+        )
+    return triples
+
+
+def estimate(
+    tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1, ep: int = 1
+) -> Row:
+    """One TP × CP × PP × DP (× EP) row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1
+    (and c = 1, and the model has no experts) and ZeRO-1 when dp > 1.
 
     Context parallelism splits every sequence over c ranks: each GPU's activations are those of s/c positions
-    (the plan's per-layer formula at s/c), and each layer exchanges keys and values (``_context_bytes``).
+    (the plan's per-layer formula at s/c), and each layer exchanges keys and values (``_context_bytes``). Expert
+    parallelism splits a MoE model's routed experts over e of the dp ranks (the module docstring).
 
     Args:
         tp: tensor-parallel size t.
@@ -76,16 +141,21 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         work: the workload.
         hw: the hardware.
         cp: context-parallel size c.
+        ep: expert-parallel size e (divides dp and the model's experts; 1 for a dense model).
     """
     dp = hw.world // (tp * pp * cp)
     sb = formulas.state_bytes(work.precision, deepspeed=False)
     layers = model.layers // pp
-    stage = stage_parameters(model, tp, pp)
+    stage = stage_parameters(model, tp, pp, ep)
     trained = stage * model.lora_parameters(work.lora_rank) / model.parameters if work.lora_rank else stage
-    # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only
-    sequence_parallel, shard_optimizer = tp > 1 and pp == 1 and cp == 1, dp > 1 and pp == 1
+    # the routed experts on this GPU (frozen under LoRA, which adapts the attention only)
+    experts = stage_expert_parameters(model, pp, ep)
+    trained_experts = 0.0 if work.lora_rank else experts
+    # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only; nor does a MoE model
+    sequence_parallel, shard_optimizer = tp > 1 and pp == 1 and cp == 1 and not model.moe, dp > 1 and pp == 1
     in_flight = min(pp, work.accumulation)
     label = f"megatron tp{tp}·cp{cp}·pp{pp}·dp{dp}" if cp > 1 else f"megatron tp{tp}·pp{pp}·dp{dp}"
+    label += f"·ep{ep}" if ep > 1 else ""
     local = dataclasses.replace(work, seq=-(-work.seq // cp))  # the positions one GPU holds
     strategy: dict[str, object] = {
         "name": "megatron",
@@ -98,6 +168,9 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     if pp > 1:  # hftrain's 1F1B needs at least p micro-batches; GPipe runs fewer
         schedule = "1f1b" if work.accumulation >= pp else "gpipe"
         strategy.update(pp=pp, num_microbatches=work.accumulation, schedule=schedule)
+    if ep > 1:
+        strategy["ep"] = ep
+    dense = trained - trained_experts
     row = Row(
         label,
         strategy,
@@ -106,7 +179,9 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         dp,
         params=stage * sb.params,
         grads=trained * sb.grads,
-        optimizer=trained * sb.optimizer / (dp if shard_optimizer else 1),
+        # ZeRO-1 shards the dense state over dp, the experts' over the dp/e ranks holding the same experts
+        optimizer=(dense / (dp if shard_optimizer else 1) + trained_experts / (dp // ep if shard_optimizer else 1))
+        * sb.optimizer,
         activations=activation_bytes(
             model,
             local,
@@ -119,9 +194,28 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         ),
     )
     row.cp = cp
+    row.ep = ep
+    row.experts = experts * sb.params + trained_experts * sb.grads
+    row.experts += trained_experts * sb.optimizer / (dp // ep if shard_optimizer else 1)
     row.working = _accumulation_transient(model, tp, pp, work, trained < stage) * sb.grads
     row.bubble = formulas.pipeline_bubble(pp, work.accumulation)
-    row.comm = _communication(model, tp, pp, dp * cp, trained * sb.grads, local, hw)
+    row.comm = _communication(model, tp, pp, dp * cp, dense * sb.grads, local, hw)
+    if model.moe:
+        # the experts' gradients over their dp·c/e replicas (c: context parallelism joins the dp all-reduce)
+        link = "inter" if tp * dp * cp > hw.gpus_per_node else "intra"
+        row.comm[link] = row.comm.get(link, 0.0) + formulas.all_reduce_bytes(trained_experts * sb.grads, dp * cp // ep)
+        row.all_to_all = formulas.all_to_all_bytes(
+            tokens=local.micro_batch * local.seq, top_k=model.top_k, hidden=model.hidden, element=work.element, ep=ep
+        )
+        if ep > 1:
+            link = "inter" if tp * cp * ep > hw.gpus_per_node else "intra"
+            moe_layers = -(-model.moe_layers // pp)  # the most loaded stage's
+            row.comm[link] = row.comm.get(link, 0.0) + work.accumulation * moe_layers * row.all_to_all
+        row.formulas["experts"] = (
+            "routed experts Ψ_experts·(L/p)/L / e per GPU (not split by t: the MoE block is whole on every tp rank); "
+            "Adam's expert state / (dp/e) under shard_optimizer; all-to-all per MoE layer and micro-batch: "
+            + formulas.ALL_TO_ALL_FORMULA
+        )
     if cp > 1:
         row.comm["intra"] = row.comm.get("intra", 0.0) + _context_bytes(model, tp, cp, work)
     row.formulas["model states"] = (
@@ -151,21 +245,40 @@ def _accumulation_transient(model: ModelSpec, tp: int, pp: int, work: Workload, 
     return _vocab_parameters(model, tp)[1]
 
 
-def layer_parameters_per_gpu(model: ModelSpec, tp: int) -> float:
+def layer_parameters_per_gpu(model: ModelSpec, tp: int, ep: int = 1) -> float:
     """One transformer layer's parameters on a tensor-parallel GPU (every rank the same): ``Ψ_layer/t``, except
     that key/value heads fewer than ``t`` are replicated, one per rank, so each rank holds ``1/kv`` of the key and
     value projections rather than ``1/t`` (``hftrain.parallel.plans.grouped_query_split``).
 
+    A MoE model's layer (its mean over the layers): ``(Ψ_layer − X − R)/t + R + X/e`` with ``X = Ψ_experts/L``
+    (routed experts, split over e) and ``R`` the rest of its ``mlp`` (router, shared expert, dense MLPs: whole on
+    every tp rank).
+
     Args:
         model: the model.
         tp: tensor-parallel size t.
+        ep: expert-parallel size e.
     """
+    experts = model.expert_parameters / model.layers
+    whole = model.replicated_mlp_parameters / model.layers
+    split = model.layer_parameters - experts - whole
     kv = model.kv_heads
     if kv % tp == 0:
-        return model.layer_parameters / tp
+        return split / tp + whole + experts / ep
     head_dim = model.hidden / model.heads
     keys_values = 2 * model.hidden * kv * head_dim  # k and v (no biases)
-    return (model.layer_parameters - keys_values) / tp + keys_values / kv
+    return (split - keys_values) / tp + keys_values / kv + whole + experts / ep
+
+
+def stage_expert_parameters(model: ModelSpec, pp: int, ep: int = 1) -> float:
+    """The routed experts' parameters on one GPU of the most loaded stage: ``Ψ_experts · (L_stage/L) / e``.
+
+    Args:
+        model: the model.
+        pp: pipeline-parallel size p.
+        ep: expert-parallel size e.
+    """
+    return model.expert_parameters * stage_layers(model, pp)[1] / model.layers / ep
 
 
 def stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
@@ -181,28 +294,29 @@ def _vocab_parameters(model: ModelSpec, tp: int) -> tuple[float, float]:
     return model.vocab * model.hidden, padded_vocab_size(model.vocab, tp) * model.hidden / tp
 
 
-def _first_stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
+def _first_stage_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
     vocab, vocab_per_gpu = _vocab_parameters(model, tp)
-    layers = stage_layers(model, pp)[0] * layer_parameters_per_gpu(model, tp)
+    layers = stage_layers(model, pp)[0] * layer_parameters_per_gpu(model, tp, ep)
     return layers + vocab_per_gpu + model.embedding_parameters - vocab - model.head_parameters
 
 
-def stage_parameters(model: ModelSpec, tp: int, pp: int) -> float:
+def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
     """Parameters one GPU of the most loaded pipeline stage holds (the first, with the embeddings, or the last,
-    with the head), its layers split over ``tp`` (:func:`layer_parameters_per_gpu`) and the
-    vocabulary-parallel embedding too.
+    with the head), its layers split over ``tp`` (:func:`layer_parameters_per_gpu`; a MoE model's experts over
+    ``ep``) and the vocabulary-parallel embedding too.
 
     Args:
         model: the model.
         tp: tensor-parallel size t.
         pp: pipeline-parallel size p.
+        ep: expert-parallel size e.
     """
     vocab, vocab_per_gpu = _vocab_parameters(model, tp)
     outside = model.embedding_parameters - vocab  # replicated: positions, norms, pooler, classifier
     if pp == 1:
-        return model.layers * layer_parameters_per_gpu(model, tp) + vocab_per_gpu + outside
-    last = stage_layers(model, pp)[1] * layer_parameters_per_gpu(model, tp) + model.head_parameters
-    return max(_first_stage_parameters(model, tp, pp), last)
+        return model.layers * layer_parameters_per_gpu(model, tp, ep) + vocab_per_gpu + outside
+    last = stage_layers(model, pp)[1] * layer_parameters_per_gpu(model, tp, ep) + model.head_parameters
+    return max(_first_stage_parameters(model, tp, pp, ep), last)
 
 
 def _kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:

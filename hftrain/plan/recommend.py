@@ -14,9 +14,17 @@ MAX_NODES_TRIED = 4096  # "what it would need": the node count at which somethin
 
 
 def estimate_rows(
-    model: ModelSpec, hw: Hardware, work: Workload, *, tp: int | None = None, pp: int | None = None, cp: int = 1
+    model: ModelSpec,
+    hw: Hardware,
+    work: Workload,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int = 1,
+    ep: int | None = None,
 ) -> list[Row]:
-    """Every data-parallel strategy and every admitted TP × PP × DP layout (only layouts when tp/pp is fixed).
+    """Every data-parallel strategy and every admitted TP × PP × DP (× EP) layout (only layouts when tp/pp/ep is
+    fixed).
 
     Args:
         model: the model.
@@ -25,12 +33,13 @@ def estimate_rows(
         tp: fix the tensor-parallel size (layouts only).
         pp: fix the pipeline-parallel size (layouts only).
         cp: the context-parallel size of every layout (layouts only when > 1).
+        ep: fix the expert-parallel size (layouts only when > 1; a MoE model's layouts take every ep otherwise).
     """
-    fixed = (tp or 1) * (pp or 1) * cp > 1
+    fixed = (tp or 1) * (pp or 1) * cp * (ep or 1) > 1
     rows = [] if fixed else [data_parallel.estimate(label, model, work, hw) for label in data_parallel.STRATEGIES]
     return rows + [
-        model_parallel.estimate(t, p, model, work, hw, cp=cp)
-        for t, p in model_parallel.layouts(model, hw, tp=tp, pp=pp, cp=cp)
+        model_parallel.estimate(t, p, model, work, hw, cp=cp, ep=e)
+        for t, p, e in model_parallel.expert_layouts(model, hw, tp=tp, pp=pp, cp=cp, ep=ep)
     ]
 
 
@@ -42,6 +51,7 @@ def plan(
     tp: int | None = None,
     pp: int | None = None,
     cp: int = 1,
+    ep: int | None = None,
 ) -> Plan:
     """The plan: per-GPU memory, communication and time for each option, and one recommendation with reasons.
 
@@ -56,17 +66,18 @@ def plan(
         tp: consider only layouts with this tensor-parallel size.
         pp: consider only layouts with this pipeline-parallel size.
         cp: consider only layouts with this context-parallel size (sequences split over cp GPUs).
+        ep: consider only layouts with this expert-parallel size (a MoE model's experts split over ep GPUs).
     """
     work = (workload or Workload()).validate()
     hw = hardware.validate()
-    rows = estimate_rows(model, hw, work, tp=tp, pp=pp, cp=cp)
+    rows = estimate_rows(model, hw, work, tp=tp, pp=pp, cp=cp, ep=ep)
     fitting = [i for i, r in enumerate(rows) if r.fits]
     runnable = [i for i in fitting if rows[i].runnable] or fitting
     if runnable:
         best = max(runnable, key=lambda i: (round(rows[i].tokens_per_second, -1), -i))
         return Plan(model, hw, work, rows, best, None, _reasons(rows, best, runnable, hw))
     nearest = min(range(len(rows)), key=lambda i: _overflow(rows[i], hw))
-    return Plan(model, hw, work, rows, None, nearest, _needs(rows[nearest], model, hw, work, tp=tp, pp=pp))
+    return Plan(model, hw, work, rows, None, nearest, _needs(rows[nearest], model, hw, work, tp=tp, pp=pp, ep=ep))
 
 
 def _overflow(row: Row, hw: Hardware) -> float:

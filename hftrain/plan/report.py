@@ -31,6 +31,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "activations": formulas.ACTIVATION_FORMULA,
             "communication": formulas.RING_FORMULA,
             "bubble": formulas.BUBBLE_FORMULA,
+            "all_to_all": formulas.ALL_TO_ALL_FORMULA,
         },
     }
 
@@ -45,7 +46,13 @@ def plan_table(plan: Plan) -> str:
     m, hw, w = plan.model, plan.hardware, plan.workload
     lines = [
         f"model {m.name}: Ψ = {m.parameters:,} parameters ({m.counted}), {m.layers} layers, hidden {m.hidden}, "
-        f"{m.heads} heads ({m.kv_heads} key/value), vocabulary {m.vocab:,}",
+        f"{m.heads} heads ({m.kv_heads} key/value), vocabulary {m.vocab:,}"
+        + (
+            f"; mixture of experts: {m.experts} experts, top-{m.top_k}, in {m.moe_layers} layers, "
+            f"{m.expert_parameters:,} expert parameters ({m.active_parameters:,.0f} active per token)"
+            if m.moe
+            else ""
+        ),
         f"hardware: {hw.nodes} node(s) × {hw.gpus_per_node} GPUs, {hw.gpu_memory / GB:g} GB each "
         f"({hw.usable_memory / GB:g} usable), CPU {hw.cpu_memory / GB:g} GB per node, links {hw.intra}/{hw.inter}",
         f"workload: {w.precision}, micro-batch {w.micro_batch} × sequence {w.seq}, accumulation {w.accumulation}, "
@@ -107,4 +114,6 @@ def plan_table(plan: Plan) -> str:
         f"  communication: {formulas.RING_FORMULA}",
         f"  bubble: {formulas.BUBBLE_FORMULA}",
     ]
+    if m.moe:
+        lines.append(f"  experts (per GPU /ep; all-to-all per MoE layer and micro-batch): {formulas.ALL_TO_ALL_FORMULA}")
     return "\n".join(lines)

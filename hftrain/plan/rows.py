@@ -95,6 +95,9 @@ class Row:
     activations: float
     working: float = 0.0
     cp: int = 1  # context-parallel size: each GPU computes s/cp positions of every sequence
+    ep: int = 1  # expert-parallel size: a MoE model's routed experts split over ep dp ranks
+    experts: float = 0.0  # of the model states, the bytes of the routed experts (params, grads, Adam) on this GPU
+    all_to_all: float = 0.0  # bytes this GPU sends by all-to-all per MoE layer and micro-batch (forward + backward)
     cpu_per_node: float = 0.0
     comm: dict[str, float] = field(default_factory=dict)
     comm_seconds: float = 0.0
