@@ -12,7 +12,8 @@ process writes and checks.
   ``stage3_gather_16bit_weights_on_model_save``, FSDP1/FSDP2 shards) (pitfall "ZeRO-3 save_pretrained writes empty
   weights", docs/pitfalls.md).
 - LoRA: PEFT filters the adapter out of that full state dict, so the adapter is complete even where each rank
-  holds only a slice of it (pitfalls #2, #3); ``merge_lora`` also writes ``<directory>_merged``, a plain
+  holds only a slice of it (pitfalls "LoRA adapter saved empty under ZeRO-3" and "FSDP2 + PEFT saves one rank's
+  adapter slice", docs/pitfalls.md); ``merge_lora`` also writes ``<directory>_merged``, a plain
   model with the adapter merged in (beside the adapter folder, so each folder is one loadable model).
 - Check: every gathered tensor must have the shape of a freshly built model's (pitfall "ZeRO-3 save_pretrained
   writes empty weights", docs/pitfalls.md); with
@@ -399,7 +400,8 @@ def _write_and_verify(
     shapes = {k: v.shape for k, v in layout.state_dict().items()}
     _check_complete(state_dict, shapes, _tied_keys(layout), directory)
     # PEFT picks the adapter's entries by walking the model's LoRA layers; under FSDP1 the trained model's layer
-    # names carry wrapper prefixes and PEFT silently drops every LoRA weight (pitfalls #3, #4), so the layout
+    # names carry wrapper prefixes and PEFT silently drops every LoRA weight (pitfall "PEFT + FSDP1 key prefixes",
+    # docs/pitfalls.md), so the layout
     # filters the full state dict instead. A copy, as save_pretrained pops entries from the dict it is given.
     writer = layout if is_adapter else unwrapped
     writer.save_pretrained(directory, state_dict=dict(written), safe_serialization=True)
