@@ -8,6 +8,8 @@ resumed equals the run of 12 steps in one go, and the same checkpoint resumes at
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.distributed import run_distributed
@@ -52,7 +54,9 @@ def _two(root: str) -> dict:
         kind="mixtral", micro=4, steps=3, strategy="megatron", strategy_options={"ep": 2, "moe_capacity_factor": 0.5},
         inspect=lambda t: [h.get("dropped_token_assignments", 0) for h in t.state.log_history if "loss" in h],
     )  # fmt: skip
-    return {"parity": parity, "full": full, "part": part, "resumed": resumed, "capped": capped}
+    picture = Path(root, "full", "expert_load.png")  # drawn by the main process at each checkpoint and at the end
+    png = picture.read_bytes()[:8] if picture.is_file() else None
+    return {"parity": parity, "full": full, "part": part, "resumed": resumed, "capped": capped, "png": png}
 
 
 def _four(root: str) -> dict:
@@ -123,6 +127,11 @@ def test_the_loss_includes_the_routers_load_balancing_loss(runs):
     with_aux, without = runs["one"]["reference"]["mixtral"]["losses"][0], runs["one"]["no_aux"]["losses"][0]
     # 0.02 × E·Σ f_i·P_i, which is k = 2 for a perfectly balanced router and more otherwise
     assert 0.02 * 1.5 < with_aux - without < 0.02 * 4
+
+
+@pytest.mark.distributed
+def test_the_expert_load_is_drawn(runs):
+    assert runs["two"][0]["png"] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.distributed

@@ -483,8 +483,10 @@ class Trainer:
         self.state.log_history.append(entry)
         progress.update(1)
         if self.state.global_step % self.args.logging_steps == 0:
+            shares = {}
             if self.expert_load is not None:  # collective: every rank logs at the same steps
                 entry.update(self.expert_load.close_window())
+                shares = self.expert_load.expert_shares()
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rates['tokens_per_second']:.0f}")
             self.accelerator.log(
                 {
@@ -492,6 +494,7 @@ class Trainer:
                     "train/learning_rate": entry["learning_rate"],
                     **{f"train/{k}": v for k, v in rates.items()},
                     **{f"train/{k}": v for k, v in entry.items() if k not in ("step", "loss", "learning_rate")},
+                    **{f"train/{k}": v for k, v in shares.items()},
                 },
                 step=entry["step"],
             )

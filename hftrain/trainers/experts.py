@@ -5,7 +5,8 @@ heads add ``router_aux_loss_coef ×`` the load-balancing loss); the Trainer adds
 the runtime's ``example_group`` (``hftrain.parallel.expert_parallel.load_balancing_loss``), under every strategy,
 so the loss is the same whatever the layout. The tokens routed to each expert are counted by hooks on the routers,
 summed over the examples' ranks at each logging step (``expert_load_max``: the most loaded expert's tokens over
-the mean, the worst layer; 1.0 is perfect balance) and drawn into ``output_dir/expert_load.png`` (the share of
+the mean, the worst layer, 1.0 being perfect balance, in ``log_history``; each expert's share of the tokens,
+``expert_share/<e>``, in the trackers) and drawn into ``output_dir/expert_load.png`` (the share of
 tokens of each expert in each MoE layer since the start) at every checkpoint and at the end.
 """
 
@@ -34,6 +35,7 @@ class ExpertLoad:
         self.group = example_group
         self.model = model
         self.total = torch.zeros_like(self.monitor.counts)  # tokens per (layer, expert) since the start, all ranks
+        self.window = torch.zeros_like(self.total)  # the same, over the last logging window
 
     @staticmethod
     def for_model(model: torch.nn.Module, example_group: Any) -> ExpertLoad | None:
@@ -61,11 +63,18 @@ class ExpertLoad:
             dist.all_reduce(window, group=self.group)
         counts, dropped = window[:-1].view_as(counts), window[-1].item()
         self.total += counts
+        self.window = counts
         mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
         figures = {"expert_load_max": (counts / mean).max().item()}
         if dropped:
             figures["dropped_token_assignments"] = dropped
         return figures
+
+    def expert_shares(self) -> dict[str, float]:
+        """Each expert's share of the last window's tokens, over all MoE layers (for the trackers)."""
+        per_expert = self.window.sum(dim=0)
+        total = per_expert.sum().clamp(min=1)
+        return {f"expert_share/{e}": (count / total).item() for e, count in enumerate(per_expert)}
 
     def picture_data(self) -> torch.Tensor:
         """A copy of the counts since the start (for the background painter)."""
