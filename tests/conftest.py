@@ -126,3 +126,16 @@ def torchrun(nprocs: int, args: list[str], *, timeout: float = 900) -> subproces
     """``torchrun --nproc_per_node nprocs ARGS`` (e.g. ``scripts/train.py ...``) that must succeed."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs)]
     return run_ok([*launcher, *args], timeout=timeout)
+
+
+def cli_in_process(argv: list[str]) -> tuple[int, str]:
+    """Run ``hftrain`` in this (spawned) process; its exit code and what it printed on stderr."""
+    import contextlib
+    import io
+
+    from hftrain.cli import main
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    return code, stderr.getvalue()

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from hftrain.cli import main
-from tests.conftest import assert_refused
+from tests.conftest import assert_refused, cli_in_process
+from tests.forged_checkpoints import STEP2, STEP4, planted_bytes, reseal
 from tests.tiny import reset_accelerate_state, save_model_folder, synthetic_texts, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
 
 
 def checksums(directory: Path) -> dict[str, str]:
@@ -131,48 +131,12 @@ def _plant_foreign_step6(run: Path) -> None:
     _edit_json(run / "checkpoints/step_00000006/checkpoint.json", lambda d: d.update(run_id="0123456789ab", step=6))
 
 
-def _reseal(run: Path, step: str = STEP4) -> None:
-    """Recompute checkpoint.json's checksums after an edit, as whoever forges a checkpoint can."""
-    folder = run / step
-    marker = folder / "checkpoint.json"
-    data = json.loads(marker.read_text())
-    data["files"] = {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "checkpoint.json"
-    }
-    marker.write_text(json.dumps(data))
-
-
-class Planted:
-    """Unpickling it runs a shell command that leaves a file PWNED in the working directory."""
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, ("touch PWNED",))
-
-
-def planted_bytes(kind: str = "torch") -> bytes:
-    """A pickle that runs code: in torch's zip format (what torch.load reads) or as a bare pickle."""
-    import io
-    import pickle
-
-    import torch
-
-    if kind == "bare":
-        return pickle.dumps(Planted(), protocol=2)
-    buffer = io.BytesIO()
-    torch.save({"state": Planted()}, buffer)
-    return buffer.getvalue()
-
-
 def _state_edit(name: str, edit: Callable[[Path], None]) -> Callable[[Path], None]:
     """Edit ``state/<name>`` of the run copy's step 4, then reseal its checksums."""
 
     def apply(run: Path) -> None:
         edit(run / STEP4 / "state" / name)
-        _reseal(run)
+        reseal(run)
 
     return apply
 
@@ -913,17 +877,6 @@ def test_read_only_output_dir_is_refused_up_front(good, tmp_path, tmpfs, capsys)
     assert list(disk.iterdir()) == []
 
 
-def _cli_in_process(argv: list[str]) -> tuple[int, str]:
-    """Run ``hftrain`` in this (spawned) process; its exit code and what it printed on stderr."""
-    import contextlib
-    import io
-
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        code = main(argv)
-    return code, stderr.getvalue()
-
-
 @pytest.mark.distributed
 def test_disk_full_on_two_processes_stops_both_with_one_message(good, tmp_path, tmpfs):
     """Rank 0 cannot write the checkpoint; rank 1 learns of it at the next agreement instead of hanging."""
@@ -945,7 +898,7 @@ def test_disk_full_on_two_processes_stops_both_with_one_message(good, tmp_path, 
         "--resume_from_checkpoint",
         "auto",
     ]
-    results = run_distributed(_cli_in_process, nprocs=2, timeout=300, argv=argv)
+    results = run_distributed(cli_in_process, nprocs=2, timeout=300, argv=argv)
     for code, err in results:  # rank 1 says that another process could not write
         _refused(ctx, argv, "checkpoint step 4", err, code)
     assert (

@@ -20,7 +20,7 @@ import pytest
 
 from hftrain.checkpoint.manager import CheckpointError
 from hftrain.checkpoint.safety import check_no_code, pickled_files
-from tests.test_bad_input import STEP2, _reseal, planted_bytes
+from tests.forged_checkpoints import STEP2, planted_bytes, reseal
 from tests.tiny import save_model_folder, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def _planted_copy(run: Path, where: Path, file: str, payload: bytes) -> Path:
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(run, copy)
     (copy / STEP2 / "state" / file).write_bytes(payload)
-    _reseal(copy, STEP2)
+    reseal(copy, STEP2)
     return copy
 
 

@@ -625,8 +625,10 @@ def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_pat
     # all-to-all per MoE layer and micro-batch: dispatch + combine, forward + backward, the (ep−1)/ep leaving
     tokens, k, h, e = 2 * 4096, 2, 4096, 2
     assert one.all_to_all == 0
-    assert two.all_to_all == 4 * tokens * k * h * e * (2 - 1) / 2 == formulas.all_to_all_bytes(
-        tokens=tokens, top_k=k, hidden=h, element=e, ep=2
+    assert (
+        two.all_to_all
+        == 4 * tokens * k * h * e * (2 - 1) / 2
+        == formulas.all_to_all_bytes(tokens=tokens, top_k=k, hidden=h, element=e, ep=2)
     )
     # per step: m = 4 micro-batches × 32 MoE layers on the intra-node link (tp·ep = 4 consecutive GPUs), beside
     # tp's 4 all-reduces of s·b·h per layer (the gradient all-reduces, over dp 16 and dp/ep 8, cross nodes)

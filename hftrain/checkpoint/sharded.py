@@ -295,7 +295,7 @@ def write(state: dict[str, Chunked], directory: str | Path, *, process_group: An
     import torch.distributed.checkpoint as dcp
 
     single = _single_process(dist)
-    with _first_failure(f"writing '{directory}'"):
+    with _first_failure(f"writing '{directory}'", writing=Path(directory)):
         dcp.save(
             state,
             storage_writer=FileSystemWriter(str(directory), thread_count=1, sync_files=True),
@@ -347,9 +347,15 @@ def _single_process(dist: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _first_failure(what: str) -> Iterator[None]:
+def _first_failure(what: str, writing: Path | None = None) -> Iterator[None]:
     """DCP reports a failure as every rank's traceback in one exception; raise the first rank's cause instead, in
-    one line (a disk-full ``OSError`` stays one, for the manager's message)."""
+    one line (a disk-full ``OSError`` stays one, for the manager's message).
+
+    A full disk does not always arrive as an ``OSError``: torch's zip writer, which DCP's file writer serialises
+    items through, reports the short write as ``RuntimeError: [enforce fail at inline_container.cc] unexpected
+    pos``. A write that fails while its file system has less than 1 MiB left is therefore reported as the
+    ``ENOSPC`` it is.
+    """
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -359,10 +365,27 @@ def _first_failure(what: str) -> Iterator[None]:
         cause = failures[0][0] if failures and isinstance(failures[0], tuple) else error
         if isinstance(cause, CheckpointError | OSError):
             raise cause from None
+        if writing is not None and _nearly_full(writing):
+            import errno
+            import os
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(writing)) from None
         if not isinstance(cause, Exception):  # the CheckpointException itself: a BaseException, kept from the user
             cause = RuntimeError(str(cause).splitlines()[0])
         reason = " ".join(str(cause).split())[:200]
         raise CheckpointError(f"{what} failed, its files are damaged ({type(cause).__name__}: {reason})") from None
+
+
+def _nearly_full(path: Path) -> bool:
+    """Whether the file system holding ``path`` (or its nearest existing parent) has less than 1 MiB free."""
+    import shutil
+
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < 2**20
+    except OSError:
+        return False
 
 
 def stored_keys(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -1,0 +1,46 @@
+"""Checkpoints forged on purpose, shared by the bad-input and checkpoint-trust tests: a run's step folders, a
+checksum manifest recomputed after an edit (as whoever forges a checkpoint can), and pickles that run code."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
+
+
+def reseal(run: Path, step: str = STEP4) -> None:
+    """Recompute checkpoint.json's checksums after an edit, as whoever forges a checkpoint can."""
+    folder = run / step
+    marker = folder / "checkpoint.json"
+    data = json.loads(marker.read_text())
+    data["files"] = {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "checkpoint.json"
+    }
+    marker.write_text(json.dumps(data))
+
+
+class Planted:
+    """Unpickling it runs a shell command that leaves a file PWNED in the working directory."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch PWNED",))
+
+
+def planted_bytes(kind: str = "torch") -> bytes:
+    """A pickle that runs code: in torch's zip format (what torch.load reads) or as a bare pickle."""
+    import io
+    import pickle
+
+    import torch
+
+    if kind == "bare":
+        return pickle.dumps(Planted(), protocol=2)
+    buffer = io.BytesIO()
+    torch.save({"state": Planted()}, buffer)
+    return buffer.getvalue()
