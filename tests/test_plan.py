@@ -612,21 +612,29 @@ def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_pat
     model = _mixtral_8x7b(tmp_path)
     hardware = Hardware(gpus_per_node=8, nodes=4)
     work = Workload(micro_batch=2, seq=4096, accumulation=4)
+    x = model.expert_parameters
+    # tp2 × pp2 (no ZeRO-1 under pp): the stage's 16 of 32 layers, params 4 + grads 4 + Adam 8 bytes per parameter
+    staged = [model_parallel.estimate(2, 2, model, work, hardware, ep=ep) for ep in (1, 2)]
+    assert staged[1].label == "megatron tp2·pp2·dp8·ep2" and staged[1].strategy["ep"] == 2
+    for row, ep in zip(staged, (1, 2), strict=True):
+        assert row.experts == pytest.approx(x * 16 / 32 / ep * (4 + 4 + 8))
+    assert staged[1].experts == pytest.approx(staged[0].experts / 2)
+    assert staged[0].model_states - staged[1].model_states == pytest.approx(staged[0].experts / 2)
+    # tp2 at pp1 (dp 16, ZeRO-1): the experts' params and grads halve; their Adam state is x/dp either way
     one, two = (model_parallel.estimate(2, 1, model, work, hardware, ep=ep) for ep in (1, 2))
-    assert two.label == "megatron tp2·pp1·dp16·ep2" and two.strategy["ep"] == 2 and "ep" not in one.strategy
+    assert two.label == "megatron tp2·pp1·dp16·ep2" and "ep" not in one.strategy
     assert not one.strategy["sequence_parallel"] and not two.strategy["sequence_parallel"]  # refused with experts
-    # ZeRO-1 (dp 16): the expert part is params 4 + grads 4 + Adam 8/(dp/ep) bytes per expert parameter on the GPU
     for row, ep in ((one, 1), (two, 2)):
-        per_gpu = model.expert_parameters / ep
-        assert row.experts == pytest.approx(per_gpu * (4 + 4 + 8 / (16 // ep)))
-    assert two.experts == pytest.approx(one.experts / 2)
-    assert one.model_states - two.model_states == pytest.approx(one.experts / 2)
-    assert one.params - two.params == pytest.approx(model.expert_parameters / 2 * 4)
+        assert row.experts == pytest.approx(x / ep * (4 + 4) + x / (16 // ep) / ep * 8)
+    assert one.params - two.params == pytest.approx(x / 2 * 4) and one.grads - two.grads == pytest.approx(x / 2 * 4)
+    assert one.optimizer == pytest.approx(two.optimizer)
     # all-to-all per MoE layer and micro-batch: dispatch + combine, forward + backward, the (ep−1)/ep leaving
     tokens, k, h, e = 2 * 4096, 2, 4096, 2
     assert one.all_to_all == 0
-    assert two.all_to_all == 4 * tokens * k * h * e * (2 - 1) / 2 == formulas.all_to_all_bytes(
-        tokens=tokens, top_k=k, hidden=h, element=e, ep=2
+    assert (
+        two.all_to_all
+        == 4 * tokens * k * h * e * (2 - 1) / 2
+        == formulas.all_to_all_bytes(tokens=tokens, top_k=k, hidden=h, element=e, ep=2)
     )
     # per step: m = 4 micro-batches × 32 MoE layers on the intra-node link (tp·ep = 4 consecutive GPUs), beside
     # tp's 4 all-reduces of s·b·h per layer (the gradient all-reduces, over dp 16 and dp/ep 8, cross nodes)

@@ -124,9 +124,7 @@ def expert_layouts(
     return triples
 
 
-def estimate(
-    tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1, ep: int = 1
-) -> Row:
+def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1, ep: int = 1) -> Row:
     """One TP × CP × PP × DP (× EP) row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1
     (and c = 1, and the model has no experts) and ZeRO-1 when dp > 1.
 
