@@ -2,8 +2,9 @@
 
 - tp=2 (2 gloo processes) through the megatron strategy's Trainer on tiny Mixtral and Qwen2-MoE classifiers (4
   experts, top-2; Qwen2-MoE with a shared expert and a dense second layer), fp32: losses, learning rates and the
-  final full weights equal the 1-process run's within 1e-5 over 10 steps. Both sides produce their losses by the
-  same code path (the HF classification head's loss; the router's auxiliary loss is not part of it yet).
+  final full weights equal the 1-process run's within 1e-5 over 10 steps (measured: 9e-8 relative in the losses,
+  3.4e-7 in the weights). Both sides produce their losses by the same code path (the job's loss, with whatever it
+  adds to the head's, such as the routers' auxiliary loss).
 - Each rank holds half of q/k/v/o and the vocabulary and the whole MoE block (router, 3-D experts, shared expert).
 - Sequence parallelism with a MoE family is refused in one line naming ``strategy.sequence_parallel``, exit 2,
   nothing written (the replicated MoE block needs the full sequence).

@@ -612,16 +612,23 @@ def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_pat
     model = _mixtral_8x7b(tmp_path)
     hardware = Hardware(gpus_per_node=8, nodes=4)
     work = Workload(micro_batch=2, seq=4096, accumulation=4)
+    x = model.expert_parameters
+    # tp2 × pp2 (no ZeRO-1 under pp): the stage's 16 of 32 layers, params 4 + grads 4 + Adam 8 bytes per parameter
+    staged = [model_parallel.estimate(2, 2, model, work, hardware, ep=ep) for ep in (1, 2)]
+    assert staged[1].label == "megatron tp2·pp2·dp8·ep2" and staged[1].strategy["ep"] == 2
+    for row, ep in zip(staged, (1, 2), strict=True):
+        assert row.experts == pytest.approx(x * 16 / 32 / ep * (4 + 4 + 8))
+    assert staged[1].experts == pytest.approx(staged[0].experts / 2)
+    assert staged[0].model_states - staged[1].model_states == pytest.approx(staged[0].experts / 2)
+    assert not staged[0].runnable and "formula only" in staged[1].notes[0]  # no MoE pipeline stages yet
+    # tp2 at pp1 (dp 16): the experts' params and grads halve; ZeRO-1 (its Adam state /dp) at ep = 1 only, as the
+    # megatron strategy composes ep with tp and dp alone
     one, two = (model_parallel.estimate(2, 1, model, work, hardware, ep=ep) for ep in (1, 2))
-    assert two.label == "megatron tp2·pp1·dp16·ep2" and two.strategy["ep"] == 2 and "ep" not in one.strategy
+    assert two.label == "megatron tp2·pp1·dp16·ep2" and "ep" not in one.strategy and two.runnable
     assert not one.strategy["sequence_parallel"] and not two.strategy["sequence_parallel"]  # refused with experts
-    # ZeRO-1 (dp 16): the expert part is params 4 + grads 4 + Adam 8/(dp/ep) bytes per expert parameter on the GPU
-    for row, ep in ((one, 1), (two, 2)):
-        per_gpu = model.expert_parameters / ep
-        assert row.experts == pytest.approx(per_gpu * (4 + 4 + 8 / (16 // ep)))
-    assert two.experts == pytest.approx(one.experts / 2)
-    assert one.model_states - two.model_states == pytest.approx(one.experts / 2)
-    assert one.params - two.params == pytest.approx(model.expert_parameters / 2 * 4)
+    assert one.strategy["shard_optimizer"] and not two.strategy["shard_optimizer"]
+    assert one.experts == pytest.approx(x * (4 + 4) + x / 16 * 8) and two.experts == pytest.approx(x / 2 * 16)
+    assert one.params - two.params == pytest.approx(x / 2 * 4) and one.grads - two.grads == pytest.approx(x / 2 * 4)
     # all-to-all per MoE layer and micro-batch: dispatch + combine, forward + backward, the (ep−1)/ep leaving
     tokens, k, h, e = 2 * 4096, 2, 4096, 2
     assert one.all_to_all == 0

@@ -1,4 +1,5 @@
-"""TP plans on tiny BERT, GPT-2 and Llama: TP=2 (2 gloo processes) and TP2×DP2 (4) equal the unsharded model.
+"""TP plans on tiny BERT, GPT-2, Llama and the mixture-of-experts Mixtral and Qwen2-MoE: TP=2 (2 gloo processes) and
+TP2×DP2 (4) equal the unsharded model.
 
 Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
 three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
@@ -16,14 +17,26 @@ from tests.distributed import run_distributed
 # split parameters per family in the tiny 2-layer models: per layer (BERT: q, k, v weights and biases, attention
 # output weight, intermediate weight and bias, output weight; GPT-2: c_attn w+b, attn c_proj w, c_fc w+b, mlp
 # c_proj w; Llama: q, k, v, o, gate, up, down) + the word embeddings
-SPLIT_COUNTS = {"bert": 2 * 10 + 1, "gpt2": 2 * 6 + 1, "llama": 2 * 7 + 1, "llama_kv1": 2 * 7 + 1}
+# Mixtral: q, k, v, o (its MoE block is replicated); Qwen2-MoE: q, k, v weights and biases, o
+SPLIT_COUNTS = {
+    "bert": 2 * 10 + 1,
+    "gpt2": 2 * 6 + 1,
+    "llama": 2 * 7 + 1,
+    "llama_kv1": 2 * 7 + 1,
+    "mixtral": 2 * 4 + 1,
+    "qwen2_moe": 2 * 7 + 1,
+}
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
     "gpt2": ("transformer.h.0.attn", {"num_heads": 1, "embed_dim": 16, "split_size": 16}),
     "llama": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
     "llama_kv1": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+    "mixtral": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+    "qwen2_moe": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
 }
 KINDS = ("bert", "gpt2", "llama", "llama_kv1")
+# mixture of experts: without sequence parallelism only (refused: the replicated MoE block needs the whole sequence)
+MOE_KINDS = ("mixtral", "qwen2_moe")
 # "llama_kv1": 4 query heads of 8 and one key/value head: tp=2 replicates it (Megatron/vLLM), each rank holds the
 # whole head (k/v rows 8) beside its 2 query heads (q/o rows 16)
 REPLICATED = {"k_proj": 8, "v_proj": 8}
@@ -172,7 +185,12 @@ def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
     rank = dist.get_rank()
     groups = build_groups(ParallelDims(dist.get_world_size(), tp=2), rank)
     report = {(kind, sp): _check_family(kind, sp, groups) for kind in KINDS for sp in sequence_parallel}
-    report |= {(kind, "dropout"): _dropout_stays_replicated(kind, groups) for kind in KINDS}
+    report |= {(kind, False): _check_family(kind, False, groups) for kind in MOE_KINDS}
+    report |= {(kind, "dropout"): _dropout_stays_replicated(kind, groups) for kind in KINDS + MOE_KINDS}
+    try:  # sequence parallelism with a replicated MoE block is refused before anything is split
+        apply_tensor_parallel(_build("mixtral"), tp_group=groups.tp_group, sequence_parallel=True)
+    except HFTrainError as error:
+        report["moe_sp"] = str(error)
     try:  # different weights per rank (no common seed) are refused, not silently mixed
         apply_tensor_parallel(_build("bert", seed=rank), tp_group=groups.tp_group)
     except HFTrainError as error:
@@ -189,9 +207,12 @@ def test_tp_plans_match_unsharded_models(nprocs, sequence_parallel):
     for report in results:  # the comparisons are asserted inside every rank
         for kind in KINDS:
             assert all(report[(kind, sp)]["decreased"] for sp in sequence_parallel)
-        for kind in KINDS:  # replicated key/value heads too: no refusal of attention dropout any more
+        for kind in MOE_KINDS:
+            assert report[(kind, False)]["decreased"], kind
+        for kind in KINDS + MOE_KINDS:  # replicated key/value heads too: no refusal of attention dropout any more
             assert report[(kind, "dropout")] == "identical", kind
         assert "same seed" in report["unseeded"]
+        assert report["moe_sp"].startswith("strategy.sequence_parallel is not supported for this mixtral model")
     assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
 
 

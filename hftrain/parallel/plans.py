@@ -159,8 +159,6 @@ def _moe_plan() -> TensorParallelPlan:
     )
 
 
-
-
 PLANS: dict[str, TensorParallelPlan] = {
     "bert": TensorParallelPlan(
         layers="bert.encoder.layer",

@@ -32,7 +32,9 @@ experts of every MoE layer, Megatron's rule, so e divides dp and the experts E; 
   layer and micro-batch (:func:`hftrain.plan.formulas.all_to_all_bytes`): dispatch and combine each send
   ``T·k·h·e_b·(e−1)/e`` per GPU forward and the same again backward (T = b·s/c tokens of the GPU, k = top-k,
   e_b bytes per element), over the intra-node link when the e group's t·c·e consecutive ranks fit in a node;
-- no sequence parallelism: the MoE block needs the whole sequence (``hftrain.parallel.plans``).
+- no sequence parallelism: the MoE block needs the whole sequence (``hftrain.parallel.plans``); no ZeRO-1 with
+  e > 1, and MoE rows with p > 1 or c > 1 are formula only (hftrain's megatron strategy composes ep with tp and dp,
+  and its pipeline stages and context parallelism cover no MoE family yet).
 
 Every row is hftrain's ``megatron`` strategy; with p > 1 the plan's m micro-batches of b become the
 pipeline's ``num_microbatches`` = m over a per-device batch of m·b (1F1B, or GPipe when m < p, which 1F1B
@@ -124,9 +126,7 @@ def expert_layouts(
     return triples
 
 
-def estimate(
-    tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1, ep: int = 1
-) -> Row:
+def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1, ep: int = 1) -> Row:
     """One TP × CP × PP × DP (× EP) row (the most loaded stage's GPU); at p = 1 with sequence parallelism when t > 1
     (and c = 1, and the model has no experts) and ZeRO-1 when dp > 1.
 
@@ -151,8 +151,10 @@ def estimate(
     # the routed experts on this GPU (frozen under LoRA, which adapts the attention only)
     experts = stage_expert_parameters(model, pp, ep)
     trained_experts = 0.0 if work.lora_rank else experts
-    # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only; nor does a MoE model
-    sequence_parallel, shard_optimizer = tp > 1 and pp == 1 and cp == 1 and not model.moe, dp > 1 and pp == 1
+    # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only; a MoE model's tp plan
+    # refuses sequence parallelism, and expert parallelism composes with tp and dp only (no ZeRO-1, pp or cp yet)
+    sequence_parallel = tp > 1 and pp == 1 and cp == 1 and not model.moe
+    shard_optimizer = dp > 1 and pp == 1 and ep == 1
     in_flight = min(pp, work.accumulation)
     label = f"megatron tp{tp}·cp{cp}·pp{pp}·dp{dp}" if cp > 1 else f"megatron tp{tp}·pp{pp}·dp{dp}"
     label += f"·ep{ep}" if ep > 1 else ""
@@ -195,6 +197,9 @@ def estimate(
     )
     row.cp = cp
     row.ep = ep
+    if model.moe and (pp > 1 or cp > 1):
+        row.runnable = False  # hftrain.parallel.stages covers no MoE family yet (pipeline stages, context parallelism)
+        row.notes.append("formula only: hftrain's pipeline stages and context parallelism take no MoE model yet")
     row.experts = experts * sb.params + trained_experts * sb.grads
     row.experts += trained_experts * sb.optimizer / (dp // ep if shard_optimizer else 1)
     row.working = _accumulation_transient(model, tp, pp, work, trained < stage) * sb.grads

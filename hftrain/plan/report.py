@@ -115,5 +115,7 @@ def plan_table(plan: Plan) -> str:
         f"  bubble: {formulas.BUBBLE_FORMULA}",
     ]
     if m.moe:
-        lines.append(f"  experts (per GPU /ep; all-to-all per MoE layer and micro-batch): {formulas.ALL_TO_ALL_FORMULA}")
+        lines.append(
+            f"  experts (per GPU /ep; all-to-all per MoE layer and micro-batch): {formulas.ALL_TO_ALL_FORMULA}"
+        )
     return "\n".join(lines)
