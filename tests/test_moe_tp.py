@@ -119,7 +119,7 @@ def test_sequence_parallel_with_moe_is_refused_in_one_line(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from tests.conftest import assert_refused
-    from tests.test_bad_input import _cli_in_process  # hftrain train in a spawned rank: (exit code, stderr)
+    from tests.conftest import cli_in_process  # hftrain train in a spawned rank: (exit code, stderr)
     from tests.tiny import tiny_tokenizer, write_csv
 
     model = tmp_path / "mixtral"
@@ -128,7 +128,7 @@ def test_sequence_parallel_with_moe_is_refused_in_one_line(tmp_path):
     data = write_csv(tmp_path / "data.csv")
     output_dir = tmp_path / "out"
     argv = ["train", *megatron_job_args(str(model), str(data), output_dir, "--tp", "2", "--sequence_parallel", "true")]
-    (code, err), (code1, err1) = run_distributed(_cli_in_process, nprocs=2, timeout=300, argv=argv)
+    (code, err), (code1, err1) = run_distributed(cli_in_process, nprocs=2, timeout=300, argv=argv)
     assert_refused(err, code, "strategy.sequence_parallel is not supported for this mixtral model")
     assert code1 == 2 and "Traceback" not in err1  # the other rank stops too, silently (one message per machine)
     assert not output_dir.exists()  # nothing written

@@ -102,7 +102,7 @@ class MegatronStrategy(Strategy):
                     f"under megatron's tp and dp); use {axis}: 1, or train the full model"
                 )
         with named_by_config():
-            check_tensor_parallel(model_config, self.config.tp)
+            check_tensor_parallel(model_config, self.config.tp, sequence_parallel=self.config.sequence_parallel)
             check_expert_parallel(model_config, self.dims.ep, self.dims.dp, self.config.moe_capacity_factor)
             if self.config.cp > 1:
                 check_context_parallel_model(self.config, model_config)
