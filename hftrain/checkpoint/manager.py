@@ -116,6 +116,23 @@ class CheckpointManager:
         pending.agreed.phase(pending.future.result)
         return pending.final
 
+    def settle(self, timeout: float = 300.0) -> None:
+        """Before an error leaves this rank: let the save in flight finish (its writer thread publishes it), with no
+        collective and without raising, so that the checkpoint an error message names is complete on disk.
+
+        The other ranks' writer threads take part in the write whatever their main threads do; ``timeout`` bounds
+        the wait if they are gone.
+
+        Args:
+            timeout: the longest wait, in seconds.
+        """
+        import contextlib
+
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(BaseException):
+                pending.future.result(timeout=timeout)
+
     def _background_group(self) -> Any:
         """A process group of its own for the background writes (None in one process): DCP's collectives run in
         the writing thread while the training step's run in the main one, and the two must not share a group."""

@@ -254,9 +254,13 @@ class Trainer:
         self._log(f"peak per process: {self.throughput.peak[0] / 1e12:.2f} TFLOP/s ({self.throughput.peak[1]})")
         self.throughput.restart_clock()
         start, stopped = time.perf_counter(), None
-        with PreemptionFlag() as preemption:
-            while self.state.global_step < self.max_steps and stopped is None:
-                stopped = self._run_epoch(progress, preemption, stop_at_step)
+        try:
+            with PreemptionFlag() as preemption:
+                while self.state.global_step < self.max_steps and stopped is None:
+                    stopped = self._run_epoch(progress, preemption, stop_at_step)
+        except BaseException:  # a non-finite loss, a failed step: the checkpoint being written is completed first
+            self.checkpoints.settle()
+            raise
         if self.state.global_step > (self._checkpointed_step() or 0):
             # written in the background while the final evaluation runs; the curves are drawn once, after it
             self.save_checkpoint(draw_curves=False)
