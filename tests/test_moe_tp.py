@@ -118,8 +118,10 @@ def test_check_tensor_parallel_for_moe_families(kind):
 def test_sequence_parallel_with_moe_is_refused_in_one_line(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from tests.conftest import assert_refused
-    from tests.conftest import cli_in_process  # hftrain train in a spawned rank: (exit code, stderr)
+    from tests.conftest import (
+        assert_refused,
+        cli_in_process,  # hftrain train in a spawned rank: (exit code, stderr)
+    )
     from tests.tiny import tiny_tokenizer, write_csv
 
     model = tmp_path / "mixtral"

@@ -56,41 +56,30 @@ def tiny_config(
             attention_probs_dropout_prob=dropout,
             classifier_dropout=dropout,
         )
+    moe = {  # what the two mixture-of-experts families share
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
+        "max_position_embeddings": max_positions,
+        "num_labels": num_labels,
+        "attention_dropout": dropout,
+        "pad_token_id": 0,
+    }
     if kind == "mixtral":
-        return MixtralConfig(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=48,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            router_aux_loss_coef=0.02,
-            max_position_embeddings=max_positions,
-            num_labels=num_labels,
-            attention_dropout=dropout,
-            pad_token_id=0,
-        )
+        return MixtralConfig(intermediate_size=48, num_local_experts=4, **moe)
     if kind == "qwen2_moe":
         return Qwen2MoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             intermediate_size=64,
             moe_intermediate_size=24,
             shared_expert_intermediate_size=40,
             num_experts=4,
-            num_experts_per_tok=2,
             norm_topk_prob=False,
             mlp_only_layers=[1] if num_layers > 1 else [],
-            router_aux_loss_coef=0.02,
-            max_position_embeddings=max_positions,
-            num_labels=num_labels,
-            attention_dropout=dropout,
-            pad_token_id=0,
+            **moe,
         )
     if kind == "llama":
         return LlamaConfig(

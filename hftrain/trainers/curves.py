@@ -22,8 +22,6 @@ def render_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path |
         log_history: entries with ``step`` and ``loss``/``learning_rate`` (training) or ``eval_*`` (evaluation).
         path: the PNG to write.
     """
-    import os
-
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -51,6 +49,13 @@ def render_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path |
         metric_axis.legend()
     else:
         metric_axis.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=metric_axis.transAxes)
+    return save_figure(figure, path)
+
+
+def save_figure(figure: Any, path: str | Path) -> Path:
+    """``figure`` laid out and written to ``path`` as a PNG, atomically (a staging file renamed over it)."""
+    import os
+
     figure.tight_layout()
     path = Path(path)
     staging = path.with_name(path.name + ".tmp.png")

@@ -88,10 +88,10 @@ def render_expert_load(counts: torch.Tensor, path: str | Path) -> Path | None:
         counts: tokens per (MoE layer, expert).
         path: the PNG to write (atomically).
     """
-    import os
-
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from hftrain.trainers.curves import save_figure
 
     if counts.sum() <= 0:
         return None
@@ -112,9 +112,4 @@ def render_expert_load(counts: torch.Tensor, path: str | Path) -> Path | None:
         for (row, col), value in ((rc, share[rc]) for rc in ((r, c) for r in range(layers) for c in range(experts))):
             axis.text(col, row, f"{value:.2f}", ha="center", va="center", color="white", fontsize=7)
     figure.colorbar(image, ax=axis, label="share of the layer's tokens")
-    figure.tight_layout()
-    path = Path(path)
-    staging = path.with_name(path.name + ".tmp.png")
-    figure.savefig(staging, dpi=90)
-    os.replace(staging, path)
-    return path
+    return save_figure(figure, path)
