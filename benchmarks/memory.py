@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and an uninstalled hftrain
 
 from tests.distributed import run_distributed  # noqa: E402
-from tests.test_sharding import STRATEGIES, TEST_MODEL, measure_strategies  # noqa: E402
+from tests.state_reader import STRATEGIES, TEST_MODEL, measure_strategies  # noqa: E402
 
 MODELS = {
     "tiny": TEST_MODEL,

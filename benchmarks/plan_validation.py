@@ -43,7 +43,7 @@ def _line(cells: list[str]) -> str:
 
 def model_state_table(layers: int, tensor_parallel_only: bool = False) -> list[str]:
     from hftrain.plan import Hardware, Workload, model_parallel
-    from tests.test_sharding import measure_strategies
+    from tests.state_reader import measure_strategies
 
     model = {**MEASURED_MODEL, "num_hidden_layers": layers}
     labels = [] if tensor_parallel_only else list(MEASURED_LABELS)

@@ -39,6 +39,25 @@ def assert_resumed_equals_uninterrupted(ranks: list[dict]) -> None:
     assert_same_weights(main["resumed"]["weights"], main["full"]["weights"], atol=1e-6)
 
 
+def launch_on_two_four_one(root: str, two, four, one, *, timeout: float = 900) -> dict:
+    """Run ``two``, ``four`` and ``one`` (module-level functions of ``root``) on 2, 4 and 1 gloo processes, in this
+    order (the 1-process run last: it may start a process group the others must not see); every rank's results.
+
+    Args:
+        root: a folder all three share (checkpoints written by one and read by another).
+        two: the 2-process body.
+        four: the 4-process body.
+        one: the 1-process body (its single result is returned, not a list).
+        timeout: seconds allowed for each launch.
+    """
+    from tests.distributed import run_distributed
+
+    ranks_of_two = run_distributed(two, nprocs=2, timeout=timeout, root=root)
+    ranks_of_four = run_distributed(four, nprocs=4, timeout=timeout, root=root)
+    (only,) = run_distributed(one, nprocs=1, timeout=timeout, root=root)
+    return {"two": ranks_of_two, "four": ranks_of_four, "one": only}
+
+
 def megatron_job_args(model: str, data: str, output_dir: Path, *extra: str) -> list[str]:
     """A 4-step fp32 megatron job on a tiny model folder and CSV (micro 4 × accumulation 2, a checkpoint every 2)."""
     return [

@@ -23,12 +23,12 @@ import torch
 
 from hftrain.checkpoint.sharded import read_model_tensors
 from tests.conftest import torchrun
-from tests.distributed import run_distributed
 from tests.megatron_runs import (
     assert_parity,
     assert_refused_before_writing,
     assert_resumed_equals_uninterrupted,
     assert_same_weights,
+    launch_on_two_four_one,
     megatron_job_args,
 )
 from tests.tiny import run_tiny_training, tiny_config, tiny_tokenizer
@@ -164,11 +164,7 @@ def _one(root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    root = str(tmp_path_factory.mktemp("megatron"))
-    two = run_distributed(_two, nprocs=2, timeout=900, root=root)
-    four = run_distributed(_four, nprocs=4, timeout=1500, root=root)
-    (one,) = run_distributed(_one, nprocs=1, timeout=900, root=root)
-    return {"two": two, "four": four, "one": one}
+    return launch_on_two_four_one(str(tmp_path_factory.mktemp("megatron")), _two, _four, _one, timeout=1500)
 
 
 @pytest.mark.distributed

@@ -242,7 +242,7 @@ def test_model_states_match_the_live_ranks(labels):
     """ZeRO-2/3 and FSDP2 (slow: also DDP and ZeRO-1) on 2 gloo processes, fp32, accumulation 2: the per-GPU
     estimate within 10 % of the most loaded rank (the one that must fit; ZeRO-2's ranks differ by the gradient
     straddling partitions)."""
-    from tests.test_sharding import measure_strategies
+    from tests.state_reader import measure_strategies
 
     runs = run_distributed(measure_strategies, nprocs=2, timeout=900, labels=labels, model=MEASURED_MODEL)
     estimates = _estimate_rows(MEASURED_MODEL, [MEASURED_LABELS[label] for label in labels])
