@@ -44,7 +44,8 @@ class ExpertLoad:
         from hftrain.parallel.lora import hf_model_of
 
         inner = hf_model_of(getattr(model, "module", model))
-        return ExpertLoad(model, example_group) if is_moe(inner.config) else None
+        config = getattr(inner, "config", None)  # a pipeline stage's wrapper has none (MoE families have no stages)
+        return ExpertLoad(model, example_group) if config is not None and is_moe(config) else None
 
     def aux_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``router_aux_loss_coef ×`` the load-balancing loss of the forward that just ran, over the global batch."""
