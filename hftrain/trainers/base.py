@@ -594,7 +594,7 @@ class Trainer:
             if painter is not None:
                 painter.wait()
         several_processes = self.accelerator.num_processes > 1
-        self.model = self.optimizer = self.train_loader = self.eval_loader = None
+        self.model = self.optimizer = self.train_loader = self.eval_loader = self.expert_load = None
         self.runtime = None
         self.accelerator.free_memory()
         if several_processes:
