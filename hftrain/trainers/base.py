@@ -262,8 +262,7 @@ class Trainer:
             self.checkpoints.settle()
             raise
         if self.state.global_step > (self._checkpointed_step() or 0):
-            # written in the background while the final evaluation runs; the curves are drawn once, after it
-            self.save_checkpoint(draw_curves=False)
+            self.save_checkpoint()  # written in the background while the final evaluation runs
         metrics = self._final_evaluation(stopped)
         self._draw_curves()  # in the background, beside the checkpoint's write, the export and the end of the run
         progress.close()
@@ -343,12 +342,10 @@ class Trainer:
         return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
 
     # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, *, draw_curves: bool = True) -> Path:
-        """Write a complete checkpoint of the current step (collective: every rank calls it).
-
-        Args:
-            draw_curves: also start drawing ``training_curves.png`` (in the background) from the history so far.
-        """
+    def save_checkpoint(self) -> Path:
+        """Write a complete checkpoint of the current step (collective: every rank calls it), and start drawing
+        ``training_curves.png`` in the background, except at the run's last step: ``fit`` draws it once more after
+        the final evaluation anyway."""
         meta = {
             "run_id": self.run_id,
             "trainer_state": self.state_dict(),
@@ -359,7 +356,7 @@ class Trainer:
         self.last_checkpoint = self.checkpoints.save(
             self.runtime, step=self.state.global_step, meta=meta, background=self.args.async_save
         )
-        if draw_curves:
+        if self.state.global_step < self.max_steps:
             self._draw_curves()
         self.throughput.restart_clock()  # a step's rate counts the step, not the save after it
         return self.last_checkpoint
