@@ -23,7 +23,7 @@ import torch
 from hftrain.checkpoint.sharded import read_model_tensors
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
-from tests.megatron_runs import megatron_job_args
+from tests.megatron_runs import launch_on_two_four_one, megatron_job_args
 from tests.tiny import run_tiny_training, synthetic_texts, tiny_config, tiny_tokenizer
 
 BATCH, SEQ, HIDDEN, OUT, RANK = 3, 4, 8, 12, 4
@@ -233,10 +233,7 @@ def _lora_one(root: str) -> dict:
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("tp_lora"))
-    two = run_distributed(_lora_tp2, nprocs=2, timeout=900, root=root)
-    four = run_distributed(_lora_tp2_dp2, nprocs=4, timeout=900, root=root)
-    (one,) = run_distributed(_lora_one, nprocs=1, timeout=900, root=root)
-    return {"two": two, "four": four, "one": one, "root": root}
+    return {**launch_on_two_four_one(root, _lora_tp2, _lora_tp2_dp2, _lora_one), "root": root}
 
 
 def _initial_weights(kind: str, lora: dict, overrides: dict | None) -> dict[str, torch.Tensor]:

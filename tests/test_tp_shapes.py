@@ -18,6 +18,7 @@ import pytest
 from hftrain.checkpoint.sharded import read_model_tensors
 from hftrain.errors import ConfigError
 from tests.distributed import run_distributed
+from tests.megatron_runs import launch_on_two_four_one
 from tests.tiny import run_tiny_training, tiny_config, tiny_tokenizer
 
 GPT2_VOCAB = 50_257
@@ -263,10 +264,8 @@ def _gpt2_one(root: str) -> dict:
 @pytest.fixture(scope="module")
 def gpt2_runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("gpt2_vocab"))
-    two = run_distributed(_gpt2_tp2, nprocs=2, timeout=900, root=root)
-    four = run_distributed(_gpt2_tp4, nprocs=4, timeout=900, root=root)
-    (one,) = run_distributed(_gpt2_one, nprocs=1, timeout=900, root=root)
-    return {"tp2": two, "tp4": four, "one": one, "root": root}
+    runs = launch_on_two_four_one(root, _gpt2_tp2, _gpt2_tp4, _gpt2_one)
+    return {"tp2": runs["two"], "tp4": runs["four"], "one": runs["one"], "root": root}
 
 
 @pytest.mark.distributed
