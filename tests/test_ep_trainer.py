@@ -44,6 +44,7 @@ CLIPPED = {"max_grad_norm": 0.05}  # below every step's gradient norm: each step
 def _two(root: str) -> dict:
     parity = {kind: _parity(kind, 4, {"ep": 2}) for kind in KINDS}
     parity["clipped"] = _parity("mixtral", 4, {"ep": 2}, **CLIPPED)
+    parity["gas2"] = _parity("qwen2_moe", 2, {"ep": 2}, gas=2)  # expert gradients accumulated over 2 micro-steps
     full = run_tiny_training(output_dir=f"{root}/full", micro=4, strategy_options={"ep": 2}, **RESUME)
     part = run_tiny_training(output_dir=f"{root}/part", micro=4, strategy_options={"ep": 2}, stop_at_step=8, **RESUME)
     resumed = run_tiny_training(
@@ -68,6 +69,7 @@ def _four(root: str) -> dict:
 def _one(root: str) -> dict:
     reference = {kind: _parity(kind, 8, None, strategy="ddp") for kind in KINDS}
     reference["clipped"] = _parity("mixtral", 8, None, strategy="ddp", **CLIPPED)
+    reference["gas2"] = _parity("qwen2_moe", 4, None, strategy="ddp", gas=2)
     # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
     at_ep1 = run_tiny_training(
         output_dir=f"{root}/ep1", micro=8, strategy_options={"ep": 1},
@@ -100,6 +102,13 @@ def test_ep2_equals_one_process(runs, kind):
         _check(rank["parity"][kind], ref, ep=2)
     # the load figures are summed over the ranks: every rank logs the same, and so does the 1-process run
     assert runs["two"][0]["parity"][kind]["inspected"]["loads"] == pytest.approx(ref["inspected"]["loads"])
+
+
+@pytest.mark.distributed
+def test_ep2_with_gradient_accumulation_equals_one_process(runs):
+    # micro 2 × accumulation 2 × dp 2 against micro 4 × accumulation 2: the load-balancing loss per micro-batch
+    for rank in runs["two"]:
+        _check(rank["parity"]["gas2"], runs["one"]["reference"]["gas2"], ep=2)
 
 
 @pytest.mark.distributed
