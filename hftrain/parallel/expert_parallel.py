@@ -93,19 +93,16 @@ def is_moe(config: Any) -> bool:
 
 
 def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float | None = None) -> None:
-    """Refuse a layout ``ep`` cannot split, in one line naming the field (no processes needed).
+    """Refuse an expert-parallel layout the model cannot take, in one line naming the field (no processes needed):
+    ``ep`` or a capacity factor on a dense model, ``ep`` not dividing the experts. (``ep`` dividing ``dp`` is
+    ``ParallelDims``' rule, a capacity factor > 0 the config schema's.)
 
     Args:
         config: the model's ``PretrainedConfig``.
         ep: expert-parallel size.
-        dp: data-parallel size (``ep`` is carved out of it).
+        dp: data-parallel size (the valid ``ep`` values named must divide it too).
         capacity_factor: ``strategy.moe_capacity_factor`` (None: dropless).
     """
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ConfigError(
-            f"strategy.moe_capacity_factor: must be a number > 0 (e.g. 1.25) or null for dropless routing, "
-            f"got {capacity_factor}"
-        )
     plan = expert_plan_for(config)
     if plan is None:
         if ep > 1 or capacity_factor is not None:
@@ -122,10 +119,6 @@ def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float 
             "ep",
             f"ep={ep} does not divide the {experts} experts of this {config.model_type} model; "
             f"valid ep values with dp={dp}: {', '.join(map(str, valid))}",
-        )
-    if dp % ep:
-        raise AxisError(
-            "ep", f"ep={ep} does not divide the data-parallel size {dp}; launch a multiple of ep × tp × pp ranks"
         )
 
 
@@ -344,8 +337,8 @@ class RouterMonitor:
         self._open = False
         hf.register_forward_pre_hook(self._begin)
         hf.register_forward_hook(self._end)
-        for layer, router in enumerate(routers):
-            router.register_forward_hook(self._recorder(layer))
+        for router in routers:  # in layer order, as they run
+            router.register_forward_hook(self._record)
 
     def _begin(self, *_: Any) -> None:
         self._open, self.logits, self.selected = True, [], []
@@ -353,17 +346,15 @@ class RouterMonitor:
     def _end(self, *_: Any) -> None:
         self._open = False
 
-    def _recorder(self, layer: int):
-        def record(_module: nn.Module, _args: Any, output: Any) -> None:
-            if self._open:
-                logits, _weights, indices = output
-                self.logits.append(logits)
-                self.selected.append(indices.detach())
-
-        return record
+    def _record(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self._open:
+            logits, _weights, indices = output
+            self.logits.append(logits)
+            self.selected.append(indices.detach())
 
     def take_counts(self) -> torch.Tensor:
-        """Tokens routed to each expert (layers × experts) on this rank since the last call; resets them."""
+        """Tokens routed to each expert (layers × experts) on this rank since the last call, on the routers' device;
+        resets them."""
         counts, self.counts = self.counts, torch.zeros_like(self.counts)
         return counts
 
@@ -376,10 +367,13 @@ class RouterMonitor:
             group: the ranks the global batch's examples are split over (None: this rank's batch is all of it).
         """
         with torch.no_grad():
-            mask = None if attention_mask is None else attention_mask.reshape(-1, 1).to(torch.float64)
             for layer, selected in enumerate(self.selected):
-                routed = nn.functional.one_hot(selected, self.num_experts).to(torch.float64).sum(1)  # tokens × E
-                self.counts[layer] += (routed if mask is None else routed * mask.to(routed.device)).sum(0).cpu()
+                device = selected.device
+                self.counts = self.counts.to(device)  # kept where the routers run: no host sync in the step
+                real = torch.ones(selected.shape[0], dtype=torch.float64, device=device)
+                if attention_mask is not None:
+                    real = attention_mask.reshape(-1).to(device, torch.float64)
+                self.counts[layer].scatter_add_(0, selected.reshape(-1), real.repeat_interleave(self.top_k))
         loss = load_balancing_loss(
             self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask, group=group
         )

@@ -3,9 +3,10 @@
 Mixture-of-experts models (Mixtral, Qwen2-MoE, ...) are read from their config: E routed experts per MoE layer
 (``num_local_experts`` / ``num_experts``), top-k (``num_experts_per_tok``), the expert width I (Mixtral's
 ``intermediate_size``, Qwen2-MoE's ``moe_intermediate_size``), Qwen2-MoE's shared expert
-(``shared_expert_intermediate_size``) and its dense layers (``mlp_only_layers``, ``decoder_sparse_step``:
-:func:`moe_layer_indices`). A MoE layer's routed experts hold ``E · 3·h·I`` parameters (``gate_up_proj [E, 2I, h]``
-and ``down_proj [E, h, I]``); they are counted from the model built on the meta device (exactly, as Ψ).
+(``shared_expert_intermediate_size``) and its dense layers (``mlp_only_layers``, ``decoder_sparse_step``), through
+the family's expert plan (``hftrain.parallel.expert_parallel.EXPERT_PLANS``, the one the trainer routes with). A
+MoE layer's routed experts hold ``E · 3·h·I`` parameters (``gate_up_proj [E, 2I, h]`` and ``down_proj [E, h, I]``);
+they are counted from the model built on the meta device (exactly, as Ψ).
 """
 
 from __future__ import annotations
@@ -288,49 +289,30 @@ def model_from_config(name_or_path: str) -> ModelSpec:
         ),
         source=None if name_or_path.endswith(".json") else name_or_path,
         head_parameters=_head_parameters(model),
-        **_moe_sizes(config, layers_module),
+        **_moe_sizes(config, model),
     )
 
 
-def moe_experts(config: Any) -> int:
-    """Routed experts per MoE layer: Mixtral's ``num_local_experts``, Qwen2-MoE's ``num_experts`` (0: dense)."""
-    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+def _moe_sizes(config: Any, model: Any) -> dict[str, int]:
+    """A MoE model's ``ModelSpec`` fields (none for a dense model), read through the family's expert plan, the one
+    the trainer routes with (``hftrain.parallel.expert_parallel.EXPERT_PLANS``): E and k from its config fields, the
+    MoE blocks (Qwen2-MoE's dense ``mlp_only_layers`` skipped) and their routed experts' parameters from the model
+    on the meta device, and the rest of every layer's ``mlp`` (routers, shared experts, dense MLPs: replicated
+    over tp) beside them."""
+    from hftrain.parallel.expert_parallel import expert_plan_for, moe_blocks
 
-
-def moe_layer_indices(config: Any) -> list[int]:
-    """The layers with routed experts: all of them, except (Qwen2-MoE) those in ``mlp_only_layers`` and those that
-    ``decoder_sparse_step`` skips (layer i is sparse when ``(i + 1) % decoder_sparse_step == 0``).
-
-    Args:
-        config: the transformers config.
-    """
-    if not moe_experts(config):
-        return []
-    dense = set(getattr(config, "mlp_only_layers", None) or [])
-    step = getattr(config, "decoder_sparse_step", None) or 1
-    return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
-
-
-def _moe_sizes(config: Any, layers: Any) -> dict[str, int]:
-    """A MoE model's ``ModelSpec`` fields (none for a dense model): the experts' parameters counted from the layers'
-    ``mlp.experts`` modules, the rest of their ``mlp`` blocks (replicated over tp) beside them."""
-    experts = moe_experts(config)
-    if not experts:
+    plan = expert_plan_for(config)
+    if plan is None:
         return {}
-    expert_params = replicated = 0
-    for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None:
-            continue
-        block = sum(p.numel() for p in mlp.parameters())
-        routed = sum(p.numel() for p in mlp.experts.parameters()) if hasattr(mlp, "experts") else 0
-        expert_params, replicated = expert_params + routed, replicated + block - routed
+    blocks = list(moe_blocks(model, plan))
+    routed = sum(p.numel() for block in blocks for p in getattr(block, plan.experts).parameters())
+    mlps = sum(p.numel() for layer in model.get_submodule(plan.layers) for p in getattr(layer, plan.block).parameters())
     return {
-        "experts": experts,
-        "top_k": getattr(config, "num_experts_per_tok", None) or 1,
-        "moe_layers": len(moe_layer_indices(config)),
-        "expert_parameters": expert_params,
-        "replicated_mlp_parameters": replicated,
+        "experts": getattr(config, plan.num_experts),
+        "top_k": getattr(config, plan.top_k),
+        "moe_layers": len(blocks),
+        "expert_parameters": routed,
+        "replicated_mlp_parameters": mlps - routed,
         "shared_intermediate": getattr(config, "shared_expert_intermediate_size", None) or 0,
     }
 

@@ -486,8 +486,8 @@ class Trainer:
         if self.state.global_step % self.args.logging_steps == 0:
             shares = {}
             if self.expert_load is not None:  # collective: every rank logs at the same steps
-                entry.update(self.expert_load.close_window())
-                shares = self.expert_load.expert_shares()
+                figures, shares = self.expert_load.close_window()
+                entry.update(figures)
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rates['tokens_per_second']:.0f}")
             self.accelerator.log(
                 {
@@ -547,16 +547,17 @@ class Trainer:
     def _draw_curves(self) -> None:
         """Start drawing ``training_curves.png`` (and a mixture of experts' ``expert_load.png``) in the background
         (main process); complete when ``close`` returns."""
-        if self.expert_load is not None and self.accelerator.is_main_process:
+        if not self.accelerator.is_main_process:
+            return
+        if self.expert_load is not None:
             if self._expert_picture is None:
                 path = Path(self.args.output_dir) / EXPERT_LOAD_PNG
                 self._expert_picture = BackgroundPainter(render_expert_load, path, warn=self._log)
             self._expert_picture.draw(self.expert_load.picture_data(), version=self.state.global_step)
-        if self.accelerator.is_main_process:
-            if self._curves is None:
-                self._curves = curves_painter(Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
-            history = self.state.log_history
-            self._curves.draw([dict(h) for h in history], version=len(history))
+        if self._curves is None:
+            self._curves = curves_painter(Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
+        history = self.state.log_history
+        self._curves.draw([dict(h) for h in history], version=len(history))
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
         """``run_summary.json`` (throughput, FLOPs, MFU), on the main process."""

@@ -35,7 +35,6 @@ class ExpertLoad:
         self.group = example_group
         self.model = model
         self.total = torch.zeros_like(self.monitor.counts)  # tokens per (layer, expert) since the start, all ranks
-        self.window = torch.zeros_like(self.total)  # the same, over the last logging window
 
     @staticmethod
     def for_model(model: torch.nn.Module, example_group: Any) -> ExpertLoad | None:
@@ -51,31 +50,29 @@ class ExpertLoad:
         """``router_aux_loss_coef ×`` the load-balancing loss of the forward that just ran, over the global batch."""
         return self.monitor.aux_loss(batch.get("attention_mask"), group=self.group)
 
-    def close_window(self) -> dict[str, float]:
-        """Sum the counts since the last call over the examples' ranks (collective); the figures to log."""
+    def close_window(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Sum the counts since the last call over the examples' ranks (collective, on the routers' device); the
+        figures for ``log_history`` (``expert_load_max``, dropped assignments) and for the trackers (each expert's
+        share of the window's tokens over all MoE layers)."""
         import torch.distributed as dist
 
         from hftrain.parallel.expert_parallel import dropped_assignments
 
         counts = self.monitor.take_counts()
-        dropped = torch.tensor([float(dropped_assignments(self.model))], dtype=torch.float64)
+        dropped = torch.tensor([float(dropped_assignments(self.model))], dtype=counts.dtype, device=counts.device)
         window = torch.cat([counts.reshape(-1), dropped])
         if self.group is not None:
             dist.all_reduce(window, group=self.group)
-        counts, dropped = window[:-1].view_as(counts), window[-1].item()
+        window = window.cpu()
+        counts, dropped = window[:-1].view(self.total.shape), window[-1].item()
         self.total += counts
-        self.window = counts
         mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
-        figures = {"expert_load_max": (counts / mean).max().item()}
+        history = {"expert_load_max": (counts / mean).max().item()}
         if dropped:
-            figures["dropped_token_assignments"] = dropped
-        return figures
-
-    def expert_shares(self) -> dict[str, float]:
-        """Each expert's share of the last window's tokens, over all MoE layers (for the trackers)."""
-        per_expert = self.window.sum(dim=0)
-        total = per_expert.sum().clamp(min=1)
-        return {f"expert_share/{e}": (count / total).item() for e, count in enumerate(per_expert)}
+            history["dropped_token_assignments"] = dropped
+        per_expert = counts.sum(dim=0)
+        shares = (per_expert / per_expert.sum().clamp(min=1)).tolist()
+        return history, {f"expert_share/{e}": share for e, share in enumerate(shares)}
 
     def picture_data(self) -> torch.Tensor:
         """A copy of the counts since the start (for the background painter)."""
@@ -110,7 +107,8 @@ def render_expert_load(counts: torch.Tensor, path: str | Path) -> Path | None:
         yticks=range(layers),
     )
     if layers * experts <= 256:
-        for (row, col), value in ((rc, share[rc]) for rc in ((r, c) for r in range(layers) for c in range(experts))):
-            axis.text(col, row, f"{value:.2f}", ha="center", va="center", color="white", fontsize=7)
+        for row in range(layers):
+            for col in range(experts):
+                axis.text(col, row, f"{share[row, col]:.2f}", ha="center", va="center", color="white", fontsize=7)
     figure.colorbar(image, ax=axis, label="share of the layer's tokens")
     return save_figure(figure, path)
