@@ -132,7 +132,7 @@ def child_hftrain(
     if args.max_steps:
         overrides += ("--max_steps", str(args.max_steps))
     config = load_config(None, list(overrides))
-    result = run_training(config, LaunchInfo())
+    result = run_training(config, LaunchInfo(), process_exits_after=True)  # as `hftrain train` runs it
     end, cpu = time.time(), time.process_time()
     # Padding statistics and model FLOPs, outside the timed span: replay hftrain's own sampler over the lengths.
     from hftrain.data.batching import EpochSampler, tokenize_splits

@@ -2,4 +2,4 @@ import sys
 
 from hftrain.cli import main
 
-sys.exit(main())
+sys.exit(main(process_exits_after=True))

@@ -196,7 +196,7 @@ def run_rank(config: TrainConfig, outbox: str) -> None:
     # GIL, and that thread may need the GIL to free a finished collective's tensors: a deadlock, seen in a kernel.
     os.environ["FORK_LAUNCHED"] = "1"
     try:
-        result = run_training(config, launch_info_from_environ())
+        result = run_training(config, launch_info_from_environ(), process_exits_after=True)
     except HFTrainError as error:
         _write(Path(outbox) / f"error-{int(rank):05d}.pkl", error)
         raise

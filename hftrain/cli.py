@@ -131,15 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, process_exits_after: bool = False) -> int:
     """Run a subcommand; a user error prints one line to stderr and returns exit code 2.
 
     Args:
         argv: the arguments after ``hftrain`` (``sys.argv[1:]`` when None).
+        process_exits_after: the process ends when this returns (the ``hftrain`` command, ``python -m hftrain``,
+            ``scripts/train.py``): a training job leaves its long-lived objects frozen for the garbage collector
+            (``job.collections_paused_while_setting_up``), which spares the interpreter's exit a walk over them.
     """
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
+        args.process_exits_after = process_exits_after
         if args.command != "train" and extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return COMMANDS[args.command](args, extra)
@@ -151,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         else:  # torchrun stops every rank at the first exit: the main process must get to print first
             time.sleep(SILENT_RANK_GRACE_S)
         return error.exit_code
+
+
+def entry() -> int:
+    """The ``hftrain`` command: :func:`main` on ``sys.argv``, in a process that exits when it returns."""
+    return main(process_exits_after=True)
 
 
 def reports_errors(environ: typing.Mapping[str, str]) -> bool:
@@ -183,7 +192,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     launcher = translate_launcher_args(overrides, os.environ)  # --local_rank, --deepspeed ds.json
     config = launcher.apply(load_config(args.config, launcher.overrides))
     _preflight_launch()
-    result = run_training(config, launch_info_from_environ())
+    result = run_training(config, launch_info_from_environ(), process_exits_after=args.process_exits_after)
     if result.preempted:
         from hftrain.checkpoint.preemption import PREEMPTED_EXIT_CODE
 

@@ -7,9 +7,12 @@ resume checks. The config is written last, once the run is certain to start.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,27 +123,31 @@ def write_run_config(config: TrainConfig, plan: RunPlan) -> None:
         save_config(config, output_dir, run_id=plan.run_id)
 
 
-def run_training(config: TrainConfig, launch: LaunchInfo) -> JobResult:
+def run_training(config: TrainConfig, launch: LaunchInfo, *, process_exits_after: bool = False) -> JobResult:
     """Load data and model, train with the configured strategy, export, and report.
 
     Args:
         config: the validated job config.
         launch: what the launcher set up (world size, accelerate strategy).
+        process_exits_after: the calling process ends when this returns (the CLI, a launched rank): what the job
+            froze for the garbage collector stays frozen (see ``collections_paused_while_setting_up``).
     """
     start = time.perf_counter()
-    trainer, tokenizer, tokenized = prepare_job(config, launch)
-    output_dir = Path(config.training.output_dir)
-    # A full or read-only disk during training (trackers, state files) is one line naming what survived.
-    with writing(
-        f"the run in training.output_dir '{output_dir}'",
-        location=output_dir,
-        last_checkpoint=trainer.checkpoints.latest,
-    ):
-        result = trainer.fit()
-    model_dir = None
-    if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
-        model_dir = export_model(trainer, tokenizer, tokenized, output_dir / "model", config)
-    trainer.close()
+    with collections_paused_while_setting_up(thaw=not process_exits_after) as set_up:
+        trainer, tokenizer, tokenized = prepare_job(config, launch)
+        set_up()
+        output_dir = Path(config.training.output_dir)
+        # A full or read-only disk during training (trackers, state files) is one line naming what survived.
+        with writing(
+            f"the run in training.output_dir '{output_dir}'",
+            location=output_dir,
+            last_checkpoint=trainer.checkpoints.latest,
+        ):
+            result = trainer.fit()
+        model_dir = None
+        if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
+            model_dir = export_model(trainer, tokenizer, tokenized, output_dir / "model", config)
+        trainer.close()
     return JobResult(
         metrics=result.metrics,
         seconds=time.perf_counter() - start,
@@ -208,9 +215,11 @@ def run_export(
     config.training.log_with = "none"
     # Only a folder the user named makes the checkpoint the user's own; without one, nothing is inside the run.
     config.training.output_dir = output_dir if output_dir is not None else str(target)
-    trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
-    model_dir = export_model(trainer, tokenizer, tokenized, target, config, merge_lora=merge_lora)
-    trainer.close()
+    with collections_paused_while_setting_up() as set_up:
+        trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
+        set_up()
+        model_dir = export_model(trainer, tokenizer, tokenized, target, config, merge_lora=merge_lora)
+        trainer.close()
     return str(model_dir)
 
 
@@ -247,6 +256,44 @@ def export_model(
             + f"; reloaded it: max logit difference {export.max_logit_diff:.2e}"
         )
     return Path(export.model_dir)
+
+
+@contextlib.contextmanager
+def collections_paused_while_setting_up(*, thaw: bool = True) -> Iterator[Callable[[], None]]:
+    """Python's cyclic garbage collector during a job: paused while the libraries load and the model is built, then
+    one collection, after which everything alive is frozen (``gc.freeze``) until the job ends.
+
+    Loading torch, transformers and a model creates ~500,000 long-lived objects, and each full collection walks all
+    of them (0.1-0.25 s each; a 1,000-row default job ran 9, 0.74 s in all: 7 while loading, 2 around the export, 1
+    in ``close``). Frozen, they are skipped by every later collection; nothing they hold is garbage (one collection
+    ran first). ``thaw``: unfrozen when the job ends, so that a notebook's process collects as usual afterwards; a
+    process that exits next (the CLI) skips it, since the next full collection would walk them all once more.
+
+    Args:
+        thaw: unfreeze when the job ends.
+
+    Yields:
+        ``set_up()``: call it once the job is set up (collect, freeze, resume collections).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    frozen = False
+
+    def set_up() -> None:
+        nonlocal frozen
+        gc.collect()
+        gc.freeze()
+        frozen = True
+        if was_enabled:
+            gc.enable()
+
+    try:
+        yield set_up
+    finally:
+        if frozen and thaw:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
 
 
 def quiet_libraries() -> None:

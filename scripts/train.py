@@ -8,4 +8,4 @@ import sys
 from hftrain.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(main(["train", *sys.argv[1:]], process_exits_after=True))

@@ -10,6 +10,7 @@ without recomputation (which the hardware count includes and the model count doe
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -68,24 +69,32 @@ def test_a_run_reports_tokens_per_second_mfu_and_draws_its_curves(tmp_path):
     assert result["global_step"] == 6
 
 
-def test_curves_are_drawn_in_the_background_and_a_file_error_is_one_warning(tmp_path):
-    from hftrain.trainers.curves import curves_painter
+def test_curves_are_drawn_in_a_child_process_and_a_file_error_is_one_warning(tmp_path):
+    from hftrain.pictures import BackgroundPainter
 
     history = [{"step": s, "loss": 1.0 / s, "learning_rate": 1e-4} for s in range(1, 5)]
     warnings: list[str] = []
-    painter = curves_painter(tmp_path / "run" / "training_curves.png", warn=warnings.append)
+    painter = BackgroundPainter("curves", tmp_path / "run" / "training_curves.png", warn=warnings.append)
     painter.draw(history, version=len(history))  # output_dir/run does not exist: the drawing fails with an OSError
     painter.wait()
     assert len(warnings) == 1 and warnings[0].startswith("warning: training_curves.png not drawn")
 
     png = tmp_path / "training_curves.png"
-    painter = curves_painter(png, warn=warnings.append)
-    painter.draw(list(history), version=len(history))
-    history.append({"step": 5, "loss": object(), "learning_rate": 1e-4})  # the training thread goes on logging
+    painter = BackgroundPainter("curves", png, warn=warnings.append)
+    painter.draw(history, version=len(history))
+    assert painter._child.pid != os.getpid()
+    history.append({"step": 5, "loss": 0.2, "learning_rate": 1e-4})  # the training thread goes on logging
     painter.wait()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(warnings) == 1
-    painter.draw(list(history), version=len(history))  # an entry matplotlib cannot draw: raised, not swallowed
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError):  # a value JSON cannot carry: raised in the caller, no child started
+        painter.draw([*history, {"step": 6, "loss": object(), "learning_rate": 1e-4}], version=6)
+    painter.draw([*history, {"step": 6, "loss": [[1.0, 2.0]], "learning_rate": 1e-4}], version=7)
+    with pytest.raises(RuntimeError, match="drawing training_curves.png failed: .*Error"):  # the child's error line
         painter.wait()
-    painter.draw(list(history), version=len(history))  # nothing new since the last drawing: nothing drawn or raised
+    painter.draw(history, version=7)  # nothing new since the last drawing: nothing drawn or raised
+    assert painter._child is None
     painter.wait()
+    heat_map = BackgroundPainter("expert_load", tmp_path / "expert_load.png", warn=warnings.append)
+    heat_map.draw([[3.0, 1.0], [2.0, 2.0]], version=1)  # tokens per (MoE layer, expert)
+    heat_map.wait()
+    assert (tmp_path / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(warnings) == 1

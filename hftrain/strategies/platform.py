@@ -39,6 +39,13 @@ class Platform:
     def is_cpu(self) -> bool:
         return self.device == "cpu"
 
+    @property
+    def writes_beside_compute(self) -> bool:
+        """Whether a background checkpoint write costs the computation beside it nothing: on a GPU (the kernels run
+        there, the host's cores are free), not on a CPU, where torch's intra-op threads take every core: a writer
+        thread preempts one of them, and each parallel region then waits for the preempted thread."""
+        return not self.is_cpu
+
     @classmethod
     def detect(cls) -> Platform:
         """CUDA and nccl when a GPU is visible, else CPU and gloo."""

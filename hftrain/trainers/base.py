@@ -32,8 +32,8 @@ from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
-from hftrain.trainers.curves import BackgroundPainter, curves_painter
-from hftrain.trainers.experts import EXPERT_LOAD_PNG, ExpertLoad, render_expert_load
+from hftrain.pictures import BackgroundPainter
+from hftrain.trainers.experts import EXPERT_LOAD_PNG, ExpertLoad
 from hftrain.trainers.guards import check_finite_loss
 from hftrain.trainers.throughput import FlopModel, Throughput, peak_flops
 
@@ -237,7 +237,9 @@ class Trainer:
 
         SIGTERM/SIGUSR1 (or reaching ``stop_at_step``, for time-sliced jobs) stop the run at the next step
         boundary after a checkpoint, which the same command resumes with ``resume_from_checkpoint: auto``. The
-        last checkpoint is written while the final evaluation runs, and complete when ``fit`` returns.
+        last checkpoint is written in the background, while the final evaluation runs where the two do not compete
+        for the cores (``Platform.writes_beside_compute``: a GPU) or right after it (a CPU), and is complete when
+        ``fit`` returns.
 
         Args:
             stop_at_step: stop (with a checkpoint) after this step.
@@ -261,10 +263,15 @@ class Trainer:
         except BaseException:  # a non-finite loss, a failed step: the checkpoint being written is completed first
             self.checkpoints.settle()
             raise
-        if self.state.global_step > (self._checkpointed_step() or 0):
-            self.save_checkpoint()  # written in the background while the final evaluation runs
+        # The last checkpoint is written in the background while the final evaluation runs, where the two do not
+        # compete for the cores (a GPU), else once the evaluation is done (a CPU).
+        beside = self.strategy.platform.writes_beside_compute
+        if beside and self.state.global_step > (self._checkpointed_step() or 0):
+            self.save_checkpoint()
         metrics = self._final_evaluation(stopped)
-        self._draw_curves()  # in the background, beside the checkpoint's write, the export and the end of the run
+        if self.state.global_step > (self._checkpointed_step() or 0):
+            self.save_checkpoint()
+        self._draw_curves()  # in a child process, beside the checkpoint's write, the export and the end of the run
         progress.close()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
@@ -552,12 +559,11 @@ class Trainer:
         if self.expert_load is not None:
             if self._expert_picture is None:
                 path = Path(self.args.output_dir) / EXPERT_LOAD_PNG
-                self._expert_picture = BackgroundPainter(render_expert_load, path, warn=self._log)
+                self._expert_picture = BackgroundPainter("expert_load", path, warn=self._log)
             self._expert_picture.draw(self.expert_load.picture_data(), version=self.state.global_step)
         if self._curves is None:
-            self._curves = curves_painter(Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
-        history = self.state.log_history
-        self._curves.draw([dict(h) for h in history], version=len(history))
+            self._curves = BackgroundPainter("curves", Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
+        self._curves.draw(self.state.log_history, version=len(self.state.log_history))
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
         """``run_summary.json`` (throughput, FLOPs, MFU), on the main process."""

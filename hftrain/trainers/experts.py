@@ -7,12 +7,12 @@ so the loss is the same whatever the layout. The tokens routed to each expert ar
 summed over the examples' ranks at each logging step (``expert_load_max``: the most loaded expert's tokens over
 the mean, the worst layer, 1.0 being perfect balance, in ``log_history``; each expert's share of the tokens,
 ``expert_share/<e>``, in the trackers) and drawn into ``output_dir/expert_load.png`` (the share of
-tokens of each expert in each MoE layer since the start) at every checkpoint and at the end.
+tokens of each expert in each MoE layer since the start; ``hftrain.pictures.render_expert_load``) at every
+checkpoint and at the end.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,41 +74,6 @@ class ExpertLoad:
         shares = (per_expert / per_expert.sum().clamp(min=1)).tolist()
         return history, {f"expert_share/{e}": share for e, share in enumerate(shares)}
 
-    def picture_data(self) -> torch.Tensor:
-        """A copy of the counts since the start (for the background painter)."""
-        return self.total.clone()
-
-
-def render_expert_load(counts: torch.Tensor, path: str | Path) -> Path | None:
-    """A heat map of each expert's share of its layer's tokens (layers × experts), numbers in the cells.
-
-    Args:
-        counts: tokens per (MoE layer, expert).
-        path: the PNG to write (atomically).
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from hftrain.trainers.curves import save_figure
-
-    if counts.sum() <= 0:
-        return None
-    share = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()
-    layers, experts = share.shape
-    figure = Figure(figsize=(max(4.0, 0.7 * experts + 2), max(2.5, 0.45 * layers + 1.5)))
-    FigureCanvasAgg(figure)
-    axis = figure.subplots()
-    image = axis.imshow(share, cmap="viridis", vmin=0, aspect="auto")
-    axis.set(
-        title=f"tokens per expert (ideal {1 / experts:.2f} each)",
-        xlabel="expert",
-        ylabel="MoE layer",
-        xticks=range(experts),
-        yticks=range(layers),
-    )
-    if layers * experts <= 256:
-        for row in range(layers):
-            for col in range(experts):
-                axis.text(col, row, f"{share[row, col]:.2f}", ha="center", va="center", color="white", fontsize=7)
-    figure.colorbar(image, ax=axis, label="share of the layer's tokens")
-    return save_figure(figure, path)
+    def picture_data(self) -> list[list[float]]:
+        """The counts since the start, per (MoE layer, expert) (``hftrain.pictures.render_expert_load``'s data)."""
+        return self.total.tolist()
