@@ -344,7 +344,11 @@ def _dcp_load(dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def _storage_record(window: _Window, saved: torch.Tensor) -> int | None:
-    """Offset in ``window`` of the bytes of ``saved``'s storage when they are exactly its values in order, else None."""
+    """Offset in ``window`` of the bytes of ``saved``'s storage when they are exactly its values in order, else None.
+
+    The records are read at their offsets, not through ``zipfile``'s reader: hftrain writes them without a CRC-32
+    (``sharded._without_zip_checksums``; the checkpoint's own checksums cover the files), which that reader rejects.
+    """
     import zipfile
 
     if sys.byteorder != "little" or not saved.is_contiguous() or saved.storage_offset() != 0:
@@ -353,18 +357,27 @@ def _storage_record(window: _Window, saved: torch.Tensor) -> int | None:
     with zipfile.ZipFile(window) as archive:
         records = [r for r in archive.infolist() if r.filename.split("/")[-2:-1] == ["data"]]
         order = [r for r in archive.infolist() if r.filename.endswith("/byteorder")]
-        if order and archive.read(order[0]).strip() != b"little":
+    if any(r.compress_type != zipfile.ZIP_STORED for r in records + order):
+        return None
+    if order:
+        start = _data_offset(window, order[0])
+        window.seek(start or 0)
+        if start is None or window.read(order[0].file_size).strip() != b"little":
             return None
-    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+    if len(records) != 1 or records[0].file_size != saved.numel() * saved.element_size():
         return None
-    if records[0].file_size != saved.numel() * saved.element_size():
-        return None
-    window.seek(records[0].header_offset)
-    header = window.read(30)  # the local file header: its name and extra-field lengths say where the data starts
+    return _data_offset(window, records[0])
+
+
+def _data_offset(window: _Window, record: Any) -> int | None:
+    """Where a stored zip record's bytes start: after its local file header, whose name and extra-field lengths
+    say how long it is (None: no local header there)."""
+    window.seek(record.header_offset)
+    header = window.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         return None
     name_length, extra_length = struct.unpack("<HH", header[26:30])
-    return records[0].header_offset + 30 + name_length + extra_length
+    return record.header_offset + 30 + name_length + extra_length
 
 
 def _read_exactly(handle: Any, offset: int, into: torch.Tensor) -> None:

@@ -597,6 +597,9 @@ class Trainer:
         for painter in (self._curves, self._expert_picture):
             if painter is not None:
                 painter.wait()
+        # Every rank leaves together: the main process waits for its pictures, and a launcher (torchrun) stops the
+        # ranks still running when one exits with a preempted run's code, before the main process says so.
+        self.runtime.wait_for_everyone()
         several_processes = self.accelerator.num_processes > 1
         self.model = self.optimizer = self.train_loader = self.eval_loader = self.expert_load = None
         self.runtime = None
