@@ -3,7 +3,6 @@ checksum manifest recomputed after an edit (as whoever forges a checkpoint can),
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -15,8 +14,10 @@ def reseal(run: Path, step: str = STEP4) -> None:
     folder = run / step
     marker = folder / "checkpoint.json"
     data = json.loads(marker.read_text())
+    from hftrain.checkpoint.manager import file_checksum
+
     data["files"] = {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(folder)): file_checksum(p)
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != "checkpoint.json"
     }

@@ -155,7 +155,7 @@ def _fake_checkpoint(tmp_path: Path) -> Path:
     path = tmp_path / "checkpoints" / "step_00000003"
     (path / "state").mkdir(parents=True)
     (path / "state" / "model.safetensors").write_bytes(b"weights" * 100)
-    from hftrain.checkpoint.manager import _sha256
+    from hftrain.checkpoint.manager import file_checksum
 
     marker = {
         "format_version": 1,
@@ -163,7 +163,7 @@ def _fake_checkpoint(tmp_path: Path) -> Path:
         "trainer_state": {"epoch": 0, "global_step": 3, "micro_step": 3, "samples_seen": 12},
         "topology": {"strategy": "ddp", "world_size": 1, "micro_batch": 4, "global_batch": 4},
         "config": {},
-        "files": {"state/model.safetensors": _sha256(path / "state" / "model.safetensors")},
+        "files": {"state/model.safetensors": file_checksum(path / "state" / "model.safetensors")},
     }
     (path / "checkpoint.json").write_text(json.dumps(marker))
     return path
@@ -183,6 +183,26 @@ def test_bad_checkpoints_are_refused(tmp_path):
     weights.unlink()
     with pytest.raises(CheckpointError, match="is missing"):
         read_checkpoint(good)
+
+
+def test_checkpoints_record_xxh3_checksums_and_those_written_before_with_sha256_still_verify(tmp_path):
+    import hashlib
+
+    path = _fake_checkpoint(tmp_path)
+    marker = path / "checkpoint.json"
+    meta = json.loads(marker.read_text())
+    weights = path / "state" / "model.safetensors"
+    assert meta["files"]["state/model.safetensors"].startswith("xxh3_128:")
+    meta["files"]["state/model.safetensors"] = hashlib.sha256(weights.read_bytes()).hexdigest()  # before 2026-11-24
+    marker.write_text(json.dumps(meta))
+    assert read_checkpoint(path)["step"] == 3
+    weights.write_bytes(b"other" * 100)
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        read_checkpoint(path)
+    meta["files"]["state/model.safetensors"] = "md5:0123"
+    marker.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="checksum of kind 'md5'.*the hftrain version that wrote it"):
+        read_checkpoint(path)
 
 
 def test_latest_ignores_staging_and_unmarked_folders(tmp_path):

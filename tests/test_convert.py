@@ -8,7 +8,6 @@ converted folder is reloaded with plain transformers/peft and must give the sour
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hftrain.checkpoint.manager import file_checksum
 from hftrain.cli import main
 from tests.conftest import assert_refused
 from tests.tiny import tiny_config, tiny_model_init, tiny_tokenizer
@@ -52,7 +52,7 @@ def write_dcp_checkpoint(
     if is_peft_model(model):
         model.peft_config["default"].save_pretrained(state / "hf_model")
     (state / "sharded.json").write_text(json.dumps({"format": "hftrain-dcp-v1", "strategy": "ddp", "layout": {}}))
-    files = {str(p.relative_to(path)): _sha256(p) for p in sorted(path.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(path)): file_checksum(p) for p in sorted(path.rglob("*")) if p.is_file()}
     meta = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -68,10 +68,6 @@ def write_dcp_checkpoint(
     }
     (path / "checkpoint.json").write_text(json.dumps(meta))
     return path
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _inputs(vocab: int = 64) -> dict[str, torch.Tensor]:
@@ -249,7 +245,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, checkpoint):
     config["id2label"] = {str(i): f"L{i}" for i in range(3)}
     (broken / "state" / "hf_model" / "config.json").write_text(json.dumps(config))
     meta = json.loads((broken / "checkpoint.json").read_text())
-    meta["files"]["state/hf_model/config.json"] = _sha256(broken / "state" / "hf_model" / "config.json")
+    meta["files"]["state/hf_model/config.json"] = file_checksum(broken / "state" / "hf_model" / "config.json")
     (broken / "checkpoint.json").write_text(json.dumps(meta))
     _refused(capsys, [tmp_path / "other", out], "does not hold the model its config describes", tmp_path)
     # A file of the checkpoint missing, then a damaged shard: their checksums no longer match.

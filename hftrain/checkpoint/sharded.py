@@ -309,11 +309,12 @@ def write(state: dict[str, Chunked], directory: str | Path, *, process_group: An
 def _without_zip_checksums() -> Iterator[None]:
     """``torch.save``'s CRC-32 of each record off while DCP writes (each tensor is a ``torch.save`` zip record).
 
-    Every file of a checkpoint is checksummed with SHA-256 in its ``checkpoint.json``, and verified before anything
-    loads it (``manager.read_checkpoint``), so the records' CRC-32 checks nothing more; computed by miniz at ~1 GB/s,
-    it was 0.25-0.4 s of the 0.77 s DCP write of the default job's 273 MB (MiniLM and its Adam state). ``torch.load``
-    reads records without one (only ``unzip -t`` would object). The option is torch's, process-wide: a ``torch.save``
-    in another thread during the write writes no CRC-32 either, and is read back just the same.
+    Every file of a checkpoint is checksummed in its ``checkpoint.json`` (``manager.file_checksum``), and verified
+    before anything loads it (``manager.read_checkpoint``), so the records' CRC-32 checks nothing more; computed by
+    miniz at ~1 GB/s, it was 0.25-0.4 s of the 0.77 s DCP write of the default job's 273 MB (MiniLM and its Adam
+    state). ``torch.load`` reads records without one; Python's ``zipfile`` reader rejects them, so ``hftrain
+    convert`` reads them at their offsets. The option is torch's, process-wide: a ``torch.save`` in another thread
+    during the write writes no CRC-32 either, and is read back just the same.
     """
     from torch.serialization import get_crc32_options, set_crc32_options
 

@@ -5,6 +5,7 @@ Also the strategy of a single-process run (Accelerate then wraps nothing).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,18 @@ class DDPRuntime(AccelerateRuntime):
     def __init__(self, accelerator: Accelerator, **hooks: Any) -> None:
         super().__init__(accelerator, **hooks)
         self._folds_into: torch.optim.Optimizer | None = None
+
+    def evaluation_context(self) -> contextlib.AbstractContextManager:
+        """Accelerate's autocast around the whole evaluation, so that each weight is cast to bf16/fp16 once.
+
+        The prepared model's forward enters autocast itself, and autocast drops the casts of the weights it cached
+        when its outermost context exits: at every batch, an evaluation of 20 batches cast every linear weight 20
+        times. Inside one outer context the casts are kept until the evaluation ends (the weights do not change
+        during it; a copy of the weights in 16 bits, which every training step's forward holds too). Only where each
+        process holds whole parameters: a sharded strategy gathers them for each forward, and a cache would keep
+        them all gathered.
+        """
+        return self.accelerator.autocast()
 
     def prepare(self, *components: Any) -> tuple[torch.nn.Module, Any, Any, Any]:
         """Accelerate's preparation (see the base); then the fused optimizer, if any, takes the clipping."""

@@ -187,6 +187,10 @@ class AccelerateRuntime:
         """Clip the global gradient norm of ``model`` to ``max_norm``; returns the norm before clipping."""
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
+    def evaluation_context(self) -> contextlib.AbstractContextManager:
+        """The context of a whole evaluation (every batch's forward runs inside it); nothing by default."""
+        return contextlib.nullcontext()
+
     def evaluation_step(
         self,
         model: torch.nn.Module,

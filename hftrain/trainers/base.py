@@ -520,13 +520,14 @@ class Trainer:
         acc = self.accelerator
         self.model.eval()
         losses, predictions, labels = [], [], []
-        for batch in self.eval_loader:
-            # Gathered over the data-parallel ranks, each example once
-            # (pitfall "eval skewed by padding duplicates", docs/pitfalls.md).
-            loss, preds, refs = self.runtime.evaluation_step(self.model, batch, self.prediction_step)
-            losses.append(loss)
-            predictions.append(preds)
-            labels.append(refs)
+        with self.runtime.evaluation_context():
+            for batch in self.eval_loader:
+                # Gathered over the data-parallel ranks, each example once
+                # (pitfall "eval skewed by padding duplicates", docs/pitfalls.md).
+                loss, preds, refs = self.runtime.evaluation_step(self.model, batch, self.prediction_step)
+                losses.append(loss)
+                predictions.append(preds)
+                labels.append(refs)
         self.model.train()
         predictions_all, labels_all = torch.cat(predictions), torch.cat(labels)
         metrics = {"eval_loss": torch.cat(losses).mean().item(), "eval_samples": float(len(labels_all))}
