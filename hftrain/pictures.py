@@ -9,8 +9,9 @@ import). :class:`BackgroundPainter` runs the drawing in a child process (``pytho
 the data as JSON on its stdin), not in a thread of the training process: matplotlib's import and a drawing are
 ~0.4 s of Python, which a thread runs under the training process's GIL, so whatever the main thread did meanwhile
 (the export after the final evaluation, a training step after a checkpoint) waited for it (the export of the
-1,000-row default job took 0.46 s longer beside a drawing thread). A child process runs on a core of its own and
-shares nothing; this module imports nothing heavy at the top, so the child starts in ~50 ms.
+1,000-row default job took 0.46 s longer beside a drawing thread). A child process shares no lock, and this module
+imports nothing heavy at the top, so the child starts in ~50 ms. A drawing during training runs at the lowest
+priority (it takes idle CPU time only), the run's last one at normal priority (the run waits for it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 
 CANNOT_WRITE_EXIT = 3
 """The child's exit code when the picture cannot be written (its stderr's last line says why)."""
+LOWEST_PRIORITY = 19
+"""The niceness of a drawing nobody waits for yet."""
 
 
 def render_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path | None:
@@ -137,16 +140,25 @@ class BackgroundPainter:
         self._child: subprocess.Popen[bytes] | None = None
         self.drawn_version: Any = None  # what the last drawing started from (nothing new: no drawing)
 
-    def draw(self, data: Any, *, version: Any) -> None:
+    def draw(self, data: Any, *, version: Any, awaited: bool = False) -> None:
         """Start drawing ``data`` after the drawing in flight, if any; the same ``version`` as the last drawing's:
-        no-op."""
+        no-op.
+
+        Args:
+            data: what the renderer draws (JSON-able).
+            version: what the data is of (a drawing of the same version is not repeated).
+            awaited: the caller waits for this drawing next (the end of a run): drawn at normal priority. Otherwise at
+                the lowest (``nice 19``), so that a drawing during training takes only idle CPU time: on a CPU,
+                torch's threads take every core, and one of them preempted by the drawing holds up every parallel
+                region of the step.
+        """
         if version == self.drawn_version:
             return
         self.wait()
         payload = json.dumps(data).encode()  # before the child starts: a value JSON cannot carry is the caller's
         self.drawn_version = version
         self._child = subprocess.Popen(
-            [sys.executable, "-m", __name__, self.kind, str(self.path)],
+            [sys.executable, "-m", __name__, self.kind, str(self.path), "0" if awaited else str(LOWEST_PRIORITY)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -181,11 +193,11 @@ def _child_environment() -> dict[str, str]:
 
 
 def _main(argv: list[str]) -> int:
-    """The child: ``KIND PATH``, the data as JSON on stdin; exit 0 drawn, 3 cannot write, else the traceback."""
-    kind, path = argv
+    """The child: ``KIND PATH NICE``, the data as JSON on stdin; exit 0 drawn, 3 cannot write, else the traceback."""
+    kind, path, nice = argv
     data = json.loads(sys.stdin.buffer.read())
-    if hasattr(os, "nice"):
-        os.nice(19)
+    if int(nice) and hasattr(os, "nice"):
+        os.nice(int(nice))
     try:
         RENDERERS[kind](data, Path(path))
     except OSError as error:

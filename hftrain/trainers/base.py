@@ -265,13 +265,14 @@ class Trainer:
             raise
         # The last checkpoint is written in the background while the final evaluation runs, where the two do not
         # compete for the cores (a GPU), else once the evaluation is done (a CPU).
+        due = self.state.global_step > (self._checkpointed_step() or 0)
         beside = self.strategy.platform.writes_beside_compute
-        if beside and self.state.global_step > (self._checkpointed_step() or 0):
+        if due and beside:
             self.save_checkpoint()
         metrics = self._final_evaluation(stopped)
-        if self.state.global_step > (self._checkpointed_step() or 0):
+        if due and not beside:
             self.save_checkpoint()
-        self._draw_curves()  # in a child process, beside the checkpoint's write, the export and the end of the run
+        self._draw_curves(awaited=True)  # in a child process, beside the checkpoint's write and the export
         progress.close()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
@@ -552,19 +553,19 @@ class Trainer:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / STRATEGY_FILENAME).write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
 
-    def _draw_curves(self) -> None:
+    def _draw_curves(self, *, awaited: bool = False) -> None:
         """Start drawing ``training_curves.png`` (and a mixture of experts' ``expert_load.png``) in the background
-        (main process); complete when ``close`` returns."""
+        (main process); complete when ``close`` returns. ``awaited``: the run ends next (see ``BackgroundPainter``)."""
         if not self.accelerator.is_main_process:
             return
         if self.expert_load is not None:
             if self._expert_picture is None:
                 path = Path(self.args.output_dir) / EXPERT_LOAD_PNG
                 self._expert_picture = BackgroundPainter("expert_load", path, warn=self._log)
-            self._expert_picture.draw(self.expert_load.picture_data(), version=self.state.global_step)
+            self._expert_picture.draw(self.expert_load.picture_data(), version=self.state.global_step, awaited=awaited)
         if self._curves is None:
             self._curves = BackgroundPainter("curves", Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
-        self._curves.draw(self.state.log_history, version=len(self.state.log_history))
+        self._curves.draw(self.state.log_history, version=len(self.state.log_history), awaited=awaited)
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
         """``run_summary.json`` (throughput, FLOPs, MFU), on the main process."""
