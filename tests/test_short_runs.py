@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hftrain.job import collections_paused_while_setting_up
-from tests.tiny import run_tiny_training
+from tests.tiny import reset_accelerate_state, run_tiny_training
 
 
 def test_the_collector_is_paused_while_a_job_sets_up_then_its_survivors_are_frozen():
@@ -121,3 +121,39 @@ def test_checkpoint_files_carry_no_zip_crc_and_torch_save_keeps_its_own(tmp_path
     torch.save(torch.ones(4), tmp_path / "user.pt")  # the option was restored after the write
     with zipfile.ZipFile(tmp_path / "user.pt") as archive:
         assert all(record.CRC != 0 for record in archive.infolist() if record.file_size)
+
+
+def _mapped_ranges(name: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of files called ``name``."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("/" + name):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_trained_parameters_do_not_alias_the_weights_file(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from hftrain.config import load_config
+    from hftrain.job import prepare_job
+    from hftrain.models import resolve_model_path
+    from hftrain.strategies import LaunchInfo
+
+    def in_the_file(params) -> int:
+        ranges = _mapped_ranges("model.safetensors")
+        return sum(any(a <= p.data_ptr() < b for a, b in ranges) for p in params)
+
+    # transformers maps the weights file copy-on-write and its tensors are views of it: the first optimizer step
+    # would fault in every page of every parameter it writes
+    plain = AutoModelForSequenceClassification.from_pretrained(resolve_model_path("embedded:minilm"), num_labels=2)
+    assert in_the_file(plain.parameters()) > 0
+    config = load_config(None, ["--output_dir", str(tmp_path / "run"), "--max_train_samples", "8"])
+    reset_accelerate_state()  # the Accelerator of an earlier test in this process
+    trainer, _, _ = prepare_job(config, LaunchInfo(), write=False)
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert len(trained) > 100 and in_the_file(trained) == 0
+    trainer.close()
+    reset_accelerate_state()

@@ -6,6 +6,7 @@ Also the strategy of a single-process run (Accelerate then wraps nothing).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +50,23 @@ class DDPRuntime(AccelerateRuntime):
     def __init__(self, accelerator: Accelerator, **hooks: Any) -> None:
         super().__init__(accelerator, **hooks)
         self._folds_into: torch.optim.Optimizer | None = None
+
+    def build_model(self, model_init: Callable[[], Any]) -> Any:
+        """The whole model (see the base), its trained parameters copied out of the weights file's memory map.
+
+        transformers loads safetensors weights as views of the file, mapped copy-on-write: the first optimizer step
+        then writes every page of every trained parameter one page fault and one 4-KiB copy at a time (0.27 s of
+        the default job's first step, 22.7M parameters, against 0.015 s for the next steps). One copy per parameter
+        here, at memory speed (0.024 s), makes the same private memory the first step would have made; frozen
+        parameters (LoRA's base model) stay mapped. Only where each process trains the whole model: a sharded
+        strategy copies the parameters into its own buffers anyway.
+        """
+        model = super().build_model(model_init)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.clone()
+        return model
 
     def evaluation_context(self) -> contextlib.AbstractContextManager:
         """Accelerate's autocast around the whole evaluation, so that each weight is cast to bf16/fp16 once.
