@@ -58,10 +58,13 @@ class DDPRuntime(AccelerateRuntime):
         then writes every page of every trained parameter one page fault and one 4-KiB copy at a time (0.27 s of
         the default job's first step, 22.7M parameters, against 0.015 s for the next steps). One copy per parameter
         here, at memory speed (0.024 s), makes the same private memory the first step would have made; frozen
-        parameters (LoRA's base model) stay mapped. Only where each process trains the whole model: a sharded
-        strategy copies the parameters into its own buffers anyway.
+        parameters (LoRA's base model) stay mapped. Only where each process trains the whole model in host memory: a
+        sharded strategy copies the parameters into its own buffers anyway, and a GPU run's ``prepare`` copies them
+        to the device straight from the map (a host copy first would only cost host memory).
         """
         model = super().build_model(model_init)
+        if self.device.type != "cpu":
+            return model
         with torch.no_grad():
             for param in model.parameters():
                 if param.requires_grad:
