@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,9 @@ def _measure(strategy_name: str, options: dict, folder: str) -> dict:
             del tensor
 
     export_peak, export_time = _measured(export)
+    runtime.wait_for_everyone()
+    if runtime.is_main_process:  # its checkpoints: ~4 GB per layout, left in the temporary folder otherwise
+        shutil.rmtree(args.output_dir, ignore_errors=True)
     return {
         "rank": int(os.environ.get("RANK", 0)),
         "own": own,
