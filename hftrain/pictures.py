@@ -157,13 +157,17 @@ class BackgroundPainter:
         self.wait()
         payload = json.dumps(data).encode()  # before the child starts: a value JSON cannot carry is the caller's
         self.drawn_version = version
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", __name__, self.kind, str(self.path), "0" if awaited else str(LOWEST_PRIORITY)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=_child_environment(),
-        )
+        try:
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", __name__, self.kind, str(self.path), "0" if awaited else str(LOWEST_PRIORITY)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=_child_environment(),
+            )
+        except OSError as error:  # no process to draw in (no interpreter path, no memory to start one): as a file error
+            self._warn(f"warning: {self.path.name} not drawn ({error.strerror or error})")
+            return
         try:
             self._child.stdin.write(payload)  # the child reads it all first thing: a long history never blocks long
             self._child.stdin.close()

@@ -69,7 +69,7 @@ def test_a_run_reports_tokens_per_second_mfu_and_draws_its_curves(tmp_path):
     assert result["global_step"] == 6
 
 
-def test_curves_are_drawn_in_a_child_process_and_a_file_error_is_one_warning(tmp_path):
+def test_curves_are_drawn_in_a_child_process_and_a_file_error_is_one_warning(tmp_path, monkeypatch):
     from hftrain.pictures import BackgroundPainter
 
     history = [{"step": s, "loss": 1.0 / s, "learning_rate": 1e-4} for s in range(1, 5)]
@@ -94,7 +94,11 @@ def test_curves_are_drawn_in_a_child_process_and_a_file_error_is_one_warning(tmp
     painter.draw(history, version=7)  # nothing new since the last drawing: nothing drawn or raised
     assert painter._child is None
     painter.wait()
+    monkeypatch.setattr("sys.executable", str(tmp_path / "no-python"))  # no process to draw in: one more warning
+    painter.draw(history, version=8)
+    assert len(warnings) == 2 and "not drawn" in warnings[1] and painter._child is None
+    monkeypatch.undo()
     heat_map = BackgroundPainter("expert_load", tmp_path / "expert_load.png", warn=warnings.append)
     heat_map.draw([[3.0, 1.0], [2.0, 2.0]], version=1)  # tokens per (MoE layer, expert)
     heat_map.wait()
-    assert (tmp_path / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(warnings) == 1
+    assert (tmp_path / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(warnings) == 2
