@@ -147,9 +147,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo, *, process_exits_after
         model_dir = None
         if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
             model_dir = export_model(trainer, tokenizer, tokenized, output_dir / "model", config)
-        if launch.world_size > 1:
-            collector.thaw()
-        trainer.close()
+        _close(trainer, collector, launch)
     return JobResult(
         metrics=result.metrics,
         seconds=time.perf_counter() - start,
@@ -221,9 +219,7 @@ def run_export(
         trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
         collector.set_up()
         model_dir = export_model(trainer, tokenizer, tokenized, target, config, merge_lora=merge_lora)
-        if launch.world_size > 1:
-            collector.thaw()
-        trainer.close()
+        _close(trainer, collector, launch)
     return str(model_dir)
 
 
@@ -284,6 +280,14 @@ class _Collector:
         if self.frozen:
             gc.unfreeze()
             self.frozen = False
+
+
+def _close(trainer: Any, collector: _Collector, launch: LaunchInfo) -> None:
+    """``trainer.close()``; with several processes, the collector thawed first: ``close``'s collection must free the
+    DDP reducer while the process group lives."""
+    if launch.world_size > 1:
+        collector.thaw()
+    trainer.close()
 
 
 @contextlib.contextmanager

@@ -367,13 +367,16 @@ class RouterMonitor:
             group: the ranks the global batch's examples are split over (None: this rank's batch is all of it).
         """
         with torch.no_grad():
-            for layer, selected in enumerate(self.selected):
-                device = selected.device
+            if self.selected:  # the same tokens reach every MoE layer: one weight per assignment, 0 for padding
+                device = self.selected[0].device
                 self.counts = self.counts.to(device)  # kept where the routers run: no host sync in the step
-                real = torch.ones(selected.shape[0], dtype=torch.float64, device=device)
+                tokens = self.selected[0].shape[0]
+                real = torch.ones(tokens, dtype=torch.float64, device=device)
                 if attention_mask is not None:
                     real = attention_mask.reshape(-1).to(device, torch.float64)
-                self.counts[layer].scatter_add_(0, selected.reshape(-1), real.repeat_interleave(self.top_k))
+                weights = real.repeat_interleave(self.top_k)
+            for layer, selected in enumerate(self.selected):
+                self.counts[layer].scatter_add_(0, selected.reshape(-1), weights)
         loss = load_balancing_loss(
             self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask, group=group
         )
