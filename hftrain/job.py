@@ -132,8 +132,16 @@ def run_training(config: TrainConfig, launch: LaunchInfo, *, process_exits_after
         process_exits_after: the calling process ends when this returns (the CLI, a launched rank): what the job
             froze for the garbage collector stays frozen (see ``collections_paused_while_setting_up``).
     """
+    from hftrain import pictures
+
     start = time.perf_counter()
-    with collections_paused_while_setting_up(thaw=not process_exits_after) as collector:
+    if is_main_process():  # the drawing process imports matplotlib beside this process's imports, on an idle core
+        pictures.prestart()
+    with (
+        contextlib.ExitStack() as ending,
+        collections_paused_while_setting_up(thaw=not process_exits_after) as collector,
+    ):
+        ending.callback(pictures.discard_spare)  # not taken: the job failed before its first drawing
         trainer, tokenizer, tokenized = prepare_job(config, launch)
         collector.set_up()
         output_dir = Path(config.training.output_dir)

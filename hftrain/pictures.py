@@ -5,29 +5,36 @@
 - ``expert_load.png`` (``trainers.experts.EXPERT_LOAD_PNG``): each expert's share of its MoE layer's tokens.
 
 Drawn with matplotlib's object-oriented Agg canvas (no ``pyplot``: it keeps global state and costs ~0.3 s more to
-import). :class:`BackgroundPainter` runs the drawing in a child process (``python -m hftrain.pictures KIND PATH``,
-the data as JSON on its stdin), not in a thread of the training process: matplotlib's import and a drawing are
-~0.4 s of Python, which a thread runs under the training process's GIL, so whatever the main thread did meanwhile
-(the export after the final evaluation, a training step after a checkpoint) waited for it (the export of the
-1,000-row default job took 0.46 s longer beside a drawing thread). A child process shares no lock, and this module
-imports nothing heavy at the top, so the child starts in ~50 ms. A drawing during training runs at the lowest
-priority (it takes idle CPU time only), the run's last one at normal priority (the run waits for it).
+import). :class:`BackgroundPainter` sends each drawing to a child process (``python -m hftrain.pictures serve``, one
+JSON request per line on its stdin, one answer per line on its stdout), not to a thread of the training process:
+matplotlib's import and a drawing are ~0.5 s of Python, which a thread runs under the training process's GIL, so
+whatever the main thread did meanwhile (the export after the final evaluation, a training step after a checkpoint)
+waited for it (the export of the 1,000-row default job took 0.46 s longer beside a drawing thread).
+
+The child lives as long as its painter and imports matplotlib once, when it starts; :func:`prestart` starts one at
+the beginning of a job, where the job's own imports keep one core busy and the other idle, and the first painter
+takes it. A child started for each drawing cost the run's last drawing ~0.4 s of interpreter and import on top of
+its 0.18 s, beside the final checkpoint's write and the export (the 1,000-row default job's end, from the final
+evaluation to the saved model, took 0.94 s with it and 0.70 s without the drawing). The child runs at the lowest
+priority (``nice 19``): it takes idle CPU time only. On a CPU, torch's threads take every core, and one of them
+preempted by a drawing holds up every parallel region of a step; when the run waits for its last drawing (``close``),
+the cores are idle and the drawing has them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-CANNOT_WRITE_EXIT = 3
-"""The child's exit code when the picture cannot be written (its stderr's last line says why)."""
 LOWEST_PRIORITY = 19
-"""The niceness of a drawing nobody waits for yet."""
+"""The drawing process's niceness: it takes idle CPU time only."""
 
 
 def render_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path | None:
@@ -121,9 +128,9 @@ RENDERERS: dict[str, Callable[[Any, Path], Path | None]] = {
 class BackgroundPainter:
     """Draws a picture (``RENDERERS[kind](data, path)``) in a child process, one drawing at a time.
 
-    A picture that cannot be written (an ``OSError`` in the child) is a warning, never a stopped run; any other
-    failure of the drawing is raised by the next :meth:`draw` or :meth:`wait`, with the child's error line, and data
-    JSON cannot carry by :meth:`draw` itself.
+    A picture that cannot be written (an ``OSError`` in the child), or a child that cannot be started, is a warning,
+    never a stopped run; any other failure of the drawing is raised by the next :meth:`draw` or :meth:`wait`, with
+    the child's error line, and data JSON cannot carry by :meth:`draw` itself.
 
     Args:
         kind: a key of :data:`RENDERERS`.
@@ -137,56 +144,122 @@ class BackgroundPainter:
         self.kind = kind
         self.path = Path(path)
         self._warn = warn
-        self._child: subprocess.Popen[bytes] | None = None
+        self._child: _Child | None = None
+        self.drawing = False  # a drawing is in flight
         self.drawn_version: Any = None  # what the last drawing started from (nothing new: no drawing)
 
-    def draw(self, data: Any, *, version: Any, awaited: bool = False) -> None:
+    def draw(self, data: Any, *, version: Any) -> None:
         """Start drawing ``data`` after the drawing in flight, if any; the same ``version`` as the last drawing's:
         no-op.
 
         Args:
             data: what the renderer draws (JSON-able).
             version: what the data is of (a drawing of the same version is not repeated).
-            awaited: the caller waits for this drawing next (the end of a run): drawn at normal priority. Otherwise at
-                the lowest (``nice 19``), so that a drawing during training takes only idle CPU time: on a CPU,
-                torch's threads take every core, and one of them preempted by the drawing holds up every parallel
-                region of the step.
         """
         if version == self.drawn_version:
             return
         self.wait()
-        payload = json.dumps(data).encode()  # before the child starts: a value JSON cannot carry is the caller's
+        request = json.dumps({"kind": self.kind, "path": str(self.path), "data": data}).encode() + b"\n"
         self.drawn_version = version
-        try:
-            self._child = subprocess.Popen(
-                [sys.executable, "-m", __name__, self.kind, str(self.path), "0" if awaited else str(LOWEST_PRIORITY)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                env=_child_environment(),
-            )
-        except OSError as error:  # no process to draw in (no interpreter path, no memory to start one): as a file error
-            self._warn(f"warning: {self.path.name} not drawn ({error.strerror or error})")
-            return
-        try:
-            self._child.stdin.write(payload)  # the child reads it all first thing: a long history never blocks long
-            self._child.stdin.close()
-        except BrokenPipeError:  # the child ended early: wait() reports why
-            pass
+        if self._child is None:
+            try:
+                self._child = _take_spare() or _Child()
+            except OSError as error:  # no process to draw in (no interpreter path, no memory to start one)
+                self._warn(f"warning: {self.path.name} not drawn ({error.strerror or error})")
+                return
+        self._child.send(request)
+        self.drawing = True
 
     def wait(self) -> None:
         """Wait for the drawing in flight, if any; raise what it failed with (other than a file error)."""
-        child, self._child = self._child, None
-        if child is None:
+        if not self.drawing:
             return
-        errors = child.stderr.read().decode(errors="replace").strip().splitlines()
-        child.stderr.close()
-        code = child.wait()
-        why = errors[-1] if errors else f"exit code {code}"
-        if code == CANNOT_WRITE_EXIT:  # a picture is not worth stopping the run for (and only this rank would)
-            self._warn(f"warning: {self.path.name} not drawn ({why})")
-        elif code != 0:
-            raise RuntimeError(f"drawing {self.path.name} failed: {why}")
+        self.drawing = False
+        answer = self._child.receive()
+        if answer is None:  # the child ended: its last error line says why; the next drawing starts another
+            child, self._child = self._child, None
+            raise RuntimeError(f"drawing {self.path.name} failed: {child.close()}")
+        if answer["status"] == "cannot_write":  # not worth stopping the run for (and only this rank would)
+            self._warn(f"warning: {self.path.name} not drawn ({answer['why']})")
+        elif answer["status"] != "drawn":
+            raise RuntimeError(f"drawing {self.path.name} failed: {answer['why']}")
+
+    def close(self) -> None:
+        """Wait for the drawing in flight, then end the child (it exits when its stdin closes)."""
+        try:
+            self.wait()
+        finally:
+            if self._child is not None:
+                self._child.close()
+                self._child = None
+
+
+class _Child:
+    """A ``python -m hftrain.pictures serve`` process; its stderr goes to a temporary file (a pipe nobody reads could
+    fill and stop it), read when it ends."""
+
+    def __init__(self) -> None:
+        self._errors = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, "serve", str(LOWEST_PRIORITY)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._errors,
+            env=_child_environment(),
+        )
+
+    def send(self, request: bytes) -> None:
+        try:
+            self.process.stdin.write(request)
+            self.process.stdin.flush()
+        except BrokenPipeError:  # the child ended: receive() finds no answer, close() says why
+            pass
+
+    def receive(self) -> dict[str, str] | None:
+        """The answer to the request sent last; None when the child ended without one."""
+        line = self.process.stdout.readline()
+        return json.loads(line) if line else None
+
+    def close(self) -> str:
+        """End the child (stdin closed: it exits) and return its last error line, or its exit code."""
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        code = self.process.wait()
+        self.process.stdout.close()
+        self._errors.seek(0)
+        errors = self._errors.read().decode(errors="replace").strip().splitlines()
+        self._errors.close()
+        return errors[-1] if errors else f"exit code {code}"
+
+
+_spare: _Child | None = None
+
+
+def prestart() -> None:
+    """Start a drawing process now, for the first painter to take: a job calls this first thing, so that the child's
+    interpreter and matplotlib import run beside the job's own imports, on a core those leave idle. A process that
+    cannot start is left to the painter (which warns)."""
+    global _spare
+    if _spare is None:
+        with contextlib.suppress(OSError):
+            _spare = _Child()
+
+
+def discard_spare() -> None:
+    """End the prestarted process if no painter took it (a job that failed before its first drawing)."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is not None:
+        spare.close()
+
+
+def _take_spare() -> _Child | None:
+    global _spare
+    spare, _spare = _spare, None
+    if spare is not None and spare.process.poll() is not None:  # it ended meanwhile: start another
+        spare.close()
+        return None
+    return spare
 
 
 def _child_environment() -> dict[str, str]:
@@ -196,19 +269,29 @@ def _child_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def _main(argv: list[str]) -> int:
-    """The child: ``KIND PATH NICE``, the data as JSON on stdin; exit 0 drawn, 3 cannot write, else the traceback."""
-    kind, path, nice = argv
-    data = json.loads(sys.stdin.buffer.read())
-    if int(nice) and hasattr(os, "nice"):
-        os.nice(int(nice))
-    try:
-        RENDERERS[kind](data, Path(path))
-    except OSError as error:
-        print(error.strerror or error, file=sys.stderr)
-        return CANNOT_WRITE_EXIT
-    return 0
+def _serve(nice: int) -> None:
+    """The child: matplotlib imported first, then each request line (``kind``, ``path``, ``data``) drawn and answered
+    with one line: ``drawn``, ``cannot_write`` (an ``OSError``) or ``failed`` (the error's line); ends at EOF."""
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)
+    import matplotlib.backends.backend_agg  # noqa: F401  (what every drawing needs, before the first request)
+    import matplotlib.figure  # noqa: F401
+
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        try:
+            RENDERERS[request["kind"]](request["data"], Path(request["path"]))
+            answer = {"status": "drawn"}
+        except OSError as error:
+            answer = {"status": "cannot_write", "why": str(error.strerror or error)}
+        except Exception as error:  # reported to the painter, which raises it; the next request is drawn as usual
+            answer = {"status": "failed", "why": f"{type(error).__name__}: {error}"}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+    os._exit(0)  # every answer is written and flushed: the interpreter's teardown (~0.1 s) would only delay close()
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    if sys.argv[1:2] != ["serve"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m hftrain.pictures serve NICE  (requests as JSON lines on stdin)")
+    _serve(int(sys.argv[2]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,27 +79,67 @@ def test_curves_are_drawn_in_a_child_process_and_a_file_error_is_one_warning(tmp
     painter.draw(history, version=len(history))  # output_dir/run does not exist: the drawing fails with an OSError
     painter.wait()
     assert len(warnings) == 1 and warnings[0].startswith("warning: training_curves.png not drawn")
+    painter.close()
 
     png = tmp_path / "training_curves.png"
     painter = BackgroundPainter("curves", png, warn=warnings.append)
     painter.draw(history, version=len(history))
-    assert painter._child.pid != os.getpid()
+    child = painter._child.process
+    assert child.pid != os.getpid()
     history.append({"step": 5, "loss": 0.2, "learning_rate": 1e-4})  # the training thread goes on logging
     painter.wait()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(warnings) == 1
-    with pytest.raises(TypeError):  # a value JSON cannot carry: raised in the caller, no child started
+    with pytest.raises(TypeError):  # a value JSON cannot carry: raised in the caller, nothing sent
         painter.draw([*history, {"step": 6, "loss": object(), "learning_rate": 1e-4}], version=6)
     painter.draw([*history, {"step": 6, "loss": [[1.0, 2.0]], "learning_rate": 1e-4}], version=7)
     with pytest.raises(RuntimeError, match="drawing training_curves.png failed: .*Error"):  # the child's error line
         painter.wait()
     painter.draw(history, version=7)  # nothing new since the last drawing: nothing drawn or raised
-    assert painter._child is None
+    assert not painter.drawing
     painter.wait()
+    png.unlink()
+    painter.draw(history, version=8)  # the same process draws on after a failed drawing
+    painter.wait()
+    assert png.is_file() and painter._child.process is child and child.poll() is None
+    child.kill()  # a child that dies: its drawing fails, the next one starts another process
+    child.wait()
+    painter.draw(history, version=9)
+    with pytest.raises(RuntimeError, match="drawing training_curves.png failed"):
+        painter.wait()
+    painter.draw(history, version=10)
+    painter.wait()
+    assert painter._child.process is not child
+    painter.close()
+    assert painter._child is None
     monkeypatch.setattr("sys.executable", str(tmp_path / "no-python"))  # no process to draw in: one more warning
-    painter.draw(history, version=8)
-    assert len(warnings) == 2 and "not drawn" in warnings[1] and painter._child is None
+    painter.draw(history, version=11)
+    assert len(warnings) == 2 and "not drawn" in warnings[1] and painter._child is None and not painter.drawing
     monkeypatch.undo()
     heat_map = BackgroundPainter("expert_load", tmp_path / "expert_load.png", warn=warnings.append)
     heat_map.draw([[3.0, 1.0], [2.0, 2.0]], version=1)  # tokens per (MoE layer, expert)
-    heat_map.wait()
+    heat_map.close()
     assert (tmp_path / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(warnings) == 2
+
+
+def test_a_prestarted_drawing_process_imports_matplotlib_before_the_first_drawing(tmp_path):
+    """``pictures.prestart`` (a job's first step): the child imports matplotlib while the job sets up, the first
+    painter takes it, and ``close`` ends it; a spare no painter took is ended by ``discard_spare``."""
+    import time
+
+    from hftrain import pictures
+
+    pictures.prestart()
+    spare = pictures._spare.process
+    deadline = time.monotonic() + 60
+    while "matplotlib" not in Path(f"/proc/{spare.pid}/maps").read_text():  # its compiled modules mapped: imported
+        assert time.monotonic() < deadline, "the prestarted process did not import matplotlib"
+        time.sleep(0.05)
+    painter = pictures.BackgroundPainter("curves", tmp_path / "curves.png", warn=print)
+    painter.draw([{"step": 1, "loss": 1.0, "learning_rate": 1e-4}], version=1)
+    assert painter._child.process is spare and pictures._spare is None
+    painter.close()
+    assert spare.poll() == 0 and (tmp_path / "curves.png").is_file()
+    pictures.prestart()
+    unused = pictures._spare.process
+    pictures.discard_spare()
+    assert unused.poll() == 0 and pictures._spare is None

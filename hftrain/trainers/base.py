@@ -272,7 +272,7 @@ class Trainer:
         metrics = self._final_evaluation(stopped)
         if due and not beside:
             self.save_checkpoint()
-        self._draw_curves(awaited=True)  # in a child process, beside the checkpoint's write and the export
+        self._draw_curves()  # in a child process, beside the checkpoint's write and the export
         progress.close()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
@@ -553,19 +553,19 @@ class Trainer:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / STRATEGY_FILENAME).write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
 
-    def _draw_curves(self, *, awaited: bool = False) -> None:
+    def _draw_curves(self) -> None:
         """Start drawing ``training_curves.png`` (and a mixture of experts' ``expert_load.png``) in the background
-        (main process); complete when ``close`` returns. ``awaited``: the run ends next (see ``BackgroundPainter``)."""
+        (main process); complete when ``close`` returns."""
         if not self.accelerator.is_main_process:
             return
         if self.expert_load is not None:
             if self._expert_picture is None:
                 path = Path(self.args.output_dir) / EXPERT_LOAD_PNG
                 self._expert_picture = BackgroundPainter("expert_load", path, warn=self._log)
-            self._expert_picture.draw(self.expert_load.picture_data(), version=self.state.global_step, awaited=awaited)
+            self._expert_picture.draw(self.expert_load.picture_data(), version=self.state.global_step)
         if self._curves is None:
             self._curves = BackgroundPainter("curves", Path(self.args.output_dir) / CURVES_PNG, warn=self._log)
-        self._curves.draw(self.state.log_history, version=len(self.state.log_history), awaited=awaited)
+        self._curves.draw(self.state.log_history, version=len(self.state.log_history))
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
         """``run_summary.json`` (throughput, FLOPs, MFU), on the main process."""
@@ -598,7 +598,7 @@ class Trainer:
         self.wait_for_checkpoint()
         for painter in (self._curves, self._expert_picture):
             if painter is not None:
-                painter.wait()
+                painter.close()
         # Every rank leaves together: the main process waits for its pictures, and a launcher (torchrun) stops the
         # ranks still running when one exits with a preempted run's code, before the main process says so.
         self.runtime.wait_for_everyone()
