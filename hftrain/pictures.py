@@ -200,6 +200,7 @@ class _Child:
 
     def __init__(self) -> None:
         self._errors = tempfile.TemporaryFile()
+        self.parent = os.getpid()
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, "serve", str(LOWEST_PRIORITY)],
             stdin=subprocess.PIPE,
@@ -256,6 +257,8 @@ def discard_spare() -> None:
 def _take_spare() -> _Child | None:
     global _spare
     spare, _spare = _spare, None
+    if spare is not None and spare.parent != os.getpid():  # inherited through a fork: its parent's, not ours
+        return None
     if spare is not None and spare.process.poll() is not None:  # it ended meanwhile: start another
         spare.close()
         return None
