@@ -222,8 +222,13 @@ class _Child:
         return json.loads(line) if line else None
 
     def close(self) -> str:
-        """End the child (stdin closed: it exits) and return its last error line, or its exit code."""
+        """End the child and return its last error line, or its exit code.
+
+        An empty line tells it to exit: the end of its stdin alone would not come while a process forked from this
+        one (a data loader's worker) still holds the pipe's other end.
+        """
         with contextlib.suppress(OSError):
+            self.process.stdin.write(b"\n")
             self.process.stdin.close()
         code = self.process.wait()
         self.process.stdout.close()
@@ -274,13 +279,16 @@ def _child_environment() -> dict[str, str]:
 
 def _serve(nice: int) -> None:
     """The child: matplotlib imported first, then each request line (``kind``, ``path``, ``data``) drawn and answered
-    with one line: ``drawn``, ``cannot_write`` (an ``OSError``) or ``failed`` (the error's line); ends at EOF."""
+    with one line: ``drawn``, ``cannot_write`` (an ``OSError``) or ``failed`` (the error's line); ends at an empty
+    line or at EOF."""
     if nice and hasattr(os, "nice"):
         os.nice(nice)
     import matplotlib.backends.backend_agg  # noqa: F401  (what every drawing needs, before the first request)
     import matplotlib.figure  # noqa: F401
 
     for line in sys.stdin.buffer:
+        if not line.strip():  # the painter's close()
+            break
         request = json.loads(line)
         try:
             RENDERERS[request["kind"]](request["data"], Path(request["path"]))

@@ -124,6 +124,7 @@ def test_curves_are_drawn_in_a_child_process_and_a_file_error_is_one_warning(tmp
 def test_a_prestarted_drawing_process_imports_matplotlib_before_the_first_drawing(tmp_path):
     """``pictures.prestart`` (a job's first step): the child imports matplotlib while the job sets up, the first
     painter takes it, and ``close`` ends it; a spare no painter took is ended by ``discard_spare``."""
+    import threading
     import time
 
     from hftrain import pictures
@@ -137,8 +138,19 @@ def test_a_prestarted_drawing_process_imports_matplotlib_before_the_first_drawin
     painter = pictures.BackgroundPainter("curves", tmp_path / "curves.png", warn=print)
     painter.draw([{"step": 1, "loss": 1.0, "learning_rate": 1e-4}], version=1)
     assert painter._child.process is spare and pictures._spare is None
-    painter.close()
-    assert spare.poll() == 0 and (tmp_path / "curves.png").is_file()
+    holder = os.fork()  # as a data loader's worker: it holds the pipes' ends, so closing ours is no end of input
+    if holder == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        closing = threading.Thread(target=painter.close)  # returns: the child is told to exit, not left waiting
+        closing.start()  # for an end of input
+        closing.join(30)
+        assert not closing.is_alive(), "close() waits for an end of input that the forked process holds back"
+        assert spare.poll() == 0 and (tmp_path / "curves.png").is_file()
+    finally:
+        os.kill(holder, 9)
+        os.waitpid(holder, 0)
     pictures.prestart()
     unused = pictures._spare.process
     pictures.discard_spare()
