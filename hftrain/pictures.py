@@ -185,7 +185,7 @@ class BackgroundPainter:
             raise RuntimeError(f"drawing {self.path.name} failed: {answer['why']}")
 
     def close(self) -> None:
-        """Wait for the drawing in flight, then end the child (it exits when its stdin closes)."""
+        """Wait for the drawing in flight, then end the child."""
         try:
             self.wait()
         finally:
@@ -283,6 +283,8 @@ def _serve(nice: int) -> None:
     line or at EOF."""
     if nice and hasattr(os, "nice"):
         os.nice(nice)
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # the answers' own copy of stdout; anything a library
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints goes to stderr instead, never into an answer line
     import matplotlib.backends.backend_agg  # noqa: F401  (what every drawing needs, before the first request)
     import matplotlib.figure  # noqa: F401
 
@@ -297,8 +299,8 @@ def _serve(nice: int) -> None:
             answer = {"status": "cannot_write", "why": str(error.strerror or error)}
         except Exception as error:  # reported to the painter, which raises it; the next request is drawn as usual
             answer = {"status": "failed", "why": f"{type(error).__name__}: {error}"}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
     os._exit(0)  # every answer is written and flushed: the interpreter's teardown (~0.1 s) would only delay close()
 
 

@@ -155,3 +155,23 @@ def test_a_prestarted_drawing_process_imports_matplotlib_before_the_first_drawin
     unused = pictures._spare.process
     pictures.discard_spare()
     assert unused.poll() == 0 and pictures._spare is None
+
+
+def test_what_a_drawing_prints_does_not_reach_the_answers():
+    """The drawing process answers on its own copy of stdout; a library printing to stdout meanwhile (a renderer
+    here) writes to stderr, so the painter reads one answer line per request."""
+    import subprocess
+    import sys
+
+    script = (
+        "import hftrain.pictures as pictures\n"
+        "pictures.RENDERERS['loud'] = lambda data, path: print('noise from a library', data)\n"
+        "pictures._serve(0)\n"
+    )
+    request = json.dumps({"kind": "loud", "path": "unused.png", "data": [1, 2]})
+    done = subprocess.run(
+        [sys.executable, "-c", script], input=f"{request}\n{request}\n\n", capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0
+    assert [json.loads(line) for line in done.stdout.splitlines()] == [{"status": "drawn"}] * 2
+    assert done.stderr.count("noise from a library [1, 2]") == 2
