@@ -222,6 +222,23 @@ def test_sigkill_during_a_background_write_resumes_from_the_last_complete_one_eq
     assert logged_losses(out) == pytest.approx(logged_losses(reference), rel=1e-6, abs=1e-7)
 
 
+def test_the_last_background_save_writes_the_live_states_without_a_staged_copy():
+    """The save after the last step is written from the states themselves (nothing changes them before ``fit``
+    waits for it): no staging buffer is allocated, and the checkpoint holds the final weights."""
+
+    def inspect(trainer):
+        model = trainer.runtime.unwrap_model(trainer.model)
+        return {"staged": len(trainer.checkpoints._staging), "last": str(trainer.last_checkpoint),
+                "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}  # fmt: skip
+
+    run = run_tiny_training(steps=3, async_save=True, inspect=inspect)["inspected"]
+    assert run["staged"] == 0
+    stored = read_model_tensors(Path(run["last"]) / "state")
+    assert stored.keys() <= run["weights"].keys() and len(stored) > 10
+    for name, tensor in stored.items():
+        assert torch.equal(tensor, run["weights"][name]), name
+
+
 # ----------------------------------------------------------------- memory at a real size (slow)
 @pytest.mark.slow
 @pytest.mark.distributed

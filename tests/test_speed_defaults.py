@@ -126,6 +126,50 @@ def test_host_allocator_is_tuned_on_cpu_only():
     assert Platform(device="cuda", backend="nccl").tune_host_allocator() == "host allocator: left as is (GPU)"
 
 
+HEAP_PROBE = """
+import resource, sys, torch
+from hftrain.strategies.platform import Platform
+cpu = Platform(device="cpu", backend="gloo")
+n = 96 << 20
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.set_num_threads(2)
+assert cpu.warm_heap(n) is None  # glibc not told to keep freed blocks: a freed block would be unmapped
+cpu.tune_host_allocator()
+torch.set_num_threads(1)
+assert cpu.warm_heap(n) is None  # no idle core of its own
+torch.set_num_threads(2)
+warmer = cpu.warm_heap(n)
+warmer.release()
+warmer.release()  # idempotent
+def step_tensors():  # what a first step does: many tensors, each smaller than the block, written
+    tensors = [torch.empty(n // 16, dtype=torch.uint8) for _ in range(14)]
+    for t in tensors:
+        t.fill_(1)
+    return tensors
+start = faults(); first = step_tensors(); warm = faults() - start
+start = faults(); second = step_tensors(); cold = faults() - start  # beside the first: fresh pages
+cpu.tune_host_allocator(lean=True)
+assert cpu.warm_heap(n) is None  # lean: freed blocks go back to the system
+print(warm, cold)
+"""
+
+
+def test_the_heap_warmer_faults_in_the_pages_the_next_allocation_takes():
+    """After ``Platform.warm_heap(n).release()`` tensors filling most of ``n`` bytes are written without page faults
+    (read from the process: ``ru_minflt``), while the same tensors again, beside them, fault in their pages; refused
+    without glibc's speed tuning, on one thread, and under the lean tuning."""
+    import platform as host
+    import subprocess
+    import sys
+
+    if host.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's heap is what is warmed")
+    probe = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    warm, cold = map(int, probe.stdout.split())
+    assert cold > 0 and warm * 10 < cold, (warm, cold)
+
+
 def test_resuming_under_another_resolved_precision_is_logged():
     """A checkpoint trained in bf16 resumed where 'auto' is fp32 (another CPU) continues, and says so."""
     from pathlib import Path

@@ -58,7 +58,9 @@ class CheckpointManager:
         self._staging: dict[Any, Any] = {}  # background saves' CPU copies, by (key, box offsets), reused
 
     # ----------------------------------------------------------------- writing (collective)
-    def save(self, runtime: Any, *, step: int, meta: dict[str, Any], background: bool = False) -> Path:
+    def save(
+        self, runtime: Any, *, step: int, meta: dict[str, Any], background: bool = False, live: bool = False
+    ) -> Path:
         """Write a checkpoint of ``step``; every rank must call this.
 
         The save is collective (pitfall "save on rank 0 only hangs", docs/pitfalls.md). In the background, the
@@ -72,6 +74,9 @@ class CheckpointManager:
             step: the optimizer step.
             meta: trainer state, topology and config to store in ``checkpoint.json``.
             background: return before the shards are written.
+            live: nothing changes the model and optimizer states until :meth:`wait` (the run's last save): a
+                background write reads them where they are, without the staged copy (at the end of the default job
+                a copy of 273 MB less, in time and in resident memory).
         """
         from hftrain.checkpoint.sharded import DCP_DIR, write, write_metadata
 
@@ -93,8 +98,9 @@ class CheckpointManager:
             agreed.phase(self._finish if main else None, staging, final, marker)
             return final
         # The next optimizer step changes the live tensors; the write reads a copy, in the memory of the previous
-        # save's copy (no save is in flight now), so that training waits only for a copy into warm pages.
-        staged = snapshot.staged(self._staging)
+        # save's copy (no save is in flight now), so that training waits only for a copy into warm pages. After the
+        # last step nothing changes them: the write reads them as they are.
+        staged = snapshot if live else snapshot.staged(self._staging)
         group = self._background_group()
 
         def write_in_background() -> None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.config import StrategyConfig, TrainingConfig
-    from hftrain.strategies.platform import Platform
+    from hftrain.strategies.platform import HeapWarmer, Platform
     from hftrain.strategies.runtime import AccelerateRuntime
 
 
@@ -105,6 +105,15 @@ class Strategy(ABC):
     def tune_host_allocator(self) -> str:
         """Tune the host allocator for this strategy's runs (default: the platform's speed tuning); says what it did."""
         return self.platform.tune_host_allocator()
+
+    def warm_heap(self, nbytes: int) -> HeapWarmer | None:
+        """Fault in heap for the first training step on another thread (``Platform.warm_heap``); None by default.
+
+        Args:
+            nbytes: the whole model's trained states the first step creates (gradients, optimizer moments); only a
+                strategy whose every process holds all of them in host memory warms that much (``ddp``).
+        """
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Strategy-specific facts for the start-of-run log (stage, offload, sharding...)."""

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.config import TrainingConfig
+    from hftrain.strategies.platform import HeapWarmer
 
 
 class DDPStrategy(Strategy):
@@ -32,6 +33,10 @@ class DDPStrategy(Strategy):
 
     def build_runtime(self, accelerator: Accelerator) -> DDPRuntime:
         return DDPRuntime(accelerator, **self.runtime_hooks())
+
+    def warm_heap(self, nbytes: int) -> HeapWarmer | None:
+        # every process creates all the gradients and optimizer moments in its own host memory (on a CPU)
+        return self.platform.warm_heap(nbytes)
 
 
 class DDPRuntime(AccelerateRuntime):

@@ -130,6 +130,10 @@ class Trainer:
         # Same seed on every rank: identical head initialisation and identical data order.
         set_seed(args.seed)
         model = self.runtime.build_model(model_init)
+        # The first step's gradients and AdamW's two moments, each the size of the trained parameters: their pages
+        # are faulted in on an idle core while the setup goes on, and the block is freed for them in fit()
+        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._heap = strategy.warm_heap(3 * trained)
         if args.dropout_kernel == "bits":
             use_bits_dropout(model)
         recompute = recompute_mode(args.gradient_checkpointing)
@@ -252,6 +256,7 @@ class Trainer:
         progress = tqdm(
             total=self.max_steps, initial=self.state.global_step, disable=not acc.is_local_main_process, unit="step"
         )
+        self._release_heap()  # before the first step's tensors, which then take the pages already faulted in
         self.throughput.peak = peak_flops(self.runtime.device, self.args.mixed_precision, self.args.peak_tflops)
         self._log(f"peak per process: {self.throughput.peak[0] / 1e12:.2f} TFLOP/s ({self.throughput.peak[1]})")
         self.throughput.restart_clock()
@@ -339,6 +344,12 @@ class Trainer:
         )
         return reason or "signal on another rank"
 
+    def _release_heap(self) -> None:
+        """Free the block faulted in for the first step (``Strategy.warm_heap``) into the heap, once."""
+        if self._heap is not None:
+            self._heap.release()
+            self._heap = None
+
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (one all-reduce; free in one process)."""
         return self.runtime.any_rank(flag)
@@ -362,7 +373,12 @@ class Trainer:
             "versions": _versions(),
         }
         self.last_checkpoint = self.checkpoints.save(
-            self.runtime, step=self.state.global_step, meta=meta, background=self.args.async_save
+            self.runtime,
+            step=self.state.global_step,
+            meta=meta,
+            background=self.args.async_save,
+            # the run's last step: no optimizer step changes the states before fit() waits for the write
+            live=self.state.global_step >= self.max_steps,
         )
         if self.state.global_step < self.max_steps:
             self._draw_curves()
@@ -384,6 +400,7 @@ class Trainer:
         Args:
             spec: ``latest``, ``auto`` or a checkpoint folder.
         """
+        self._release_heap()  # the loaded optimizer states take the pages faulted in for the first step
         path = self.checkpoints.resolve(spec)
         if path is None:
             self._log(f"resume_from_checkpoint: {spec}: no checkpoint yet, starting fresh")
@@ -595,6 +612,7 @@ class Trainer:
         """
         import gc
 
+        self._release_heap()
         self.wait_for_checkpoint()
         for painter in (self._curves, self._expert_picture):
             if painter is not None:
