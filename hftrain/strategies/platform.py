@@ -148,7 +148,7 @@ class Platform:
             options = {"M_MMAP_THRESHOLD": (-3, 128 << 10), "M_TRIM_THRESHOLD": (-1, 128 << 10)}
             done = "host allocator: glibc returns freed blocks >= 128 KiB at once (fixed mmap/trim thresholds)"
         else:
-            options = {"M_MMAP_THRESHOLD": (-3, 1 << 30), "M_TRIM_THRESHOLD": (-1, 1 << 30), "M_TOP_PAD": (-2, 1 << 28)}
+            options = {"M_MMAP_THRESHOLD": (-3, _KEPT), "M_TRIM_THRESHOLD": (-1, _KEPT), "M_TOP_PAD": (-2, 1 << 28)}
             done = "host allocator: glibc keeps freed blocks < 1 GiB for reuse (mmap/trim thresholds 1 GiB)"
         refused = [name for name, (option, value) in options.items() if mallopt(option, ctypes.c_int(value)) != 1]
         if refused:
@@ -179,7 +179,7 @@ class Platform:
 
         if not self.is_cpu or not _HEAP["keeps_freed"] or nbytes <= 0 or torch.get_num_threads() < 2:
             return None
-        return HeapWarmer(nbytes)
+        return HeapWarmer(min(nbytes, _KEPT - (1 << 20)))  # a block at the mmap threshold would be unmapped on free
 
     def release_freed_memory(self) -> None:
         """Give memory freed in bulk back to the system now (a pipeline rank dropping the other stages' weights).
@@ -237,6 +237,9 @@ class Platform:
         if plugin.fsdp_version == 1:
             _make_fsdp1_cpu_offload_identity()
 
+
+_KEPT = 1 << 30
+"""glibc's mmap and trim thresholds under the speed tuning: freed blocks below this stay in the heap."""
 
 _HEAP = {"keeps_freed": False}
 """Process-wide: whether glibc was told (``tune_host_allocator``, speed) to keep freed blocks < 1 GiB in the heap."""
