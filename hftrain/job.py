@@ -12,7 +12,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,10 +151,23 @@ def run_training(config: TrainConfig, launch: LaunchInfo, *, process_exits_after
             location=output_dir,
             last_checkpoint=trainer.checkpoints.latest,
         ):
-            result = trainer.fit()
-        model_dir = None
-        if result.preempted is None:  # a preempted run exports when it finishes, after it is resumed
-            model_dir = export_model(trainer, tokenizer, tokenized, output_dir / "model", config)
+            # The export is written and verified beside the last checkpoint's background write, and replaces
+            # output_dir/model only once that checkpoint is complete; a preempted run exports when it finishes,
+            # after it is resumed (fit does not call it then).
+            exported: list[Path] = []
+            result = trainer.fit(
+                beside_last_save=lambda: exported.append(
+                    export_model(
+                        trainer,
+                        tokenizer,
+                        tokenized,
+                        output_dir / "model",
+                        config,
+                        before_publish=trainer.wait_for_checkpoint,
+                    )
+                )
+            )
+        model_dir = exported[0] if exported else None
         _close(trainer, collector, launch)
     return JobResult(
         metrics=result.metrics,
@@ -239,8 +252,10 @@ def export_model(
     config: TrainConfig,
     *,
     merge_lora: bool | None = None,
+    before_publish: Callable[[], Any] | None = None,
 ) -> Path:
-    """Export and reload-verify the trained model (collective: every rank calls it)."""
+    """Export and reload-verify the trained model (collective: every rank calls it); ``before_publish`` runs on every
+    rank before the export replaces what ``directory`` holds (``export_pretrained``)."""
     from hftrain.checkpoint.export import export_pretrained, verification_batch
 
     # The saved folder is reloaded and must reproduce the trained model's logits on a few validation texts.
@@ -255,6 +270,7 @@ def export_model(
         ),
         last_checkpoint=trainer.last_checkpoint,
         export_dtype=config.training.export_dtype,
+        before_publish=before_publish,
     )
     if is_main_process():
         get_logger().info(

@@ -851,7 +851,7 @@ def test_disk_full_keeps_the_last_checkpoint_and_stages_the_export(good, tmp_pat
     ctx = Ctx(model=good.model, data=good.data, run=run, scratch=tmp_path, new=tmp_path / "unused")
     assert _train([*ctx.base(run), "--max_steps", "2"]) == 0
     _fill(disk, 120_000)  # a checkpoint takes ~340 kB, the export ~100 kB
-    before = checksums(run / STEP2)
+    before, exported = checksums(run / STEP2), checksums(run / "model")
     argv = [*ctx.base(run), "--max_steps", "4", "--resume_from_checkpoint", "auto"]
     code = _train(argv)
     err = capsys.readouterr().err
@@ -859,6 +859,8 @@ def test_disk_full_keeps_the_last_checkpoint_and_stages_the_export(good, tmp_pat
     assert f"the last complete checkpoint is {run / STEP2}" in err
     assert checksums(run / STEP2) == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]  # no staging left
+    # The export written beside the failed checkpoint was not published: the step-2 export is still the model.
+    assert exported and checksums(run / "model") == exported and not list(run.glob(".staging-*"))
     # The export: staged, so a full disk leaves no folder that looks complete.
     _fill(disk, 40_000)
     reset_accelerate_state()

@@ -394,3 +394,54 @@ def test_lora_job_exports_an_adapter_that_auto_peft_reloads(tmp_path):
     adapter = AutoPeftModelForSequenceClassification.from_pretrained(output_dir / "model").eval()
     merged = AutoModelForSequenceClassification.from_pretrained(output_dir / "model_merged").eval()
     assert _max_diff(_logits(adapter, "bert"), _logits(merged, "bert")) <= TOLERANCE
+
+
+def _publish_checks(export, target: Path) -> dict:
+    """Export to ``target`` (holding an earlier export) twice: with a ``before_publish`` that fails, then with one
+    that succeeds; what the folder held at each point."""
+    target.mkdir()
+    (target / "earlier.txt").write_text("the earlier export")
+    seen: dict = {}
+
+    def refuse() -> None:
+        seen["staged"] = sorted(p.name for p in target.parent.iterdir())
+        raise HFTrainError("the last checkpoint failed")
+
+    with pytest.raises(HFTrainError, match="the last checkpoint failed"):
+        export(target, refuse)
+    seen["after_refusal"] = sorted(p.name for p in target.parent.iterdir()), sorted(p.name for p in target.iterdir())
+    export(target, lambda: seen.setdefault("earlier_at_publish", (target / "earlier.txt").exists()))
+    seen["published"] = sorted(p.name for p in target.iterdir())
+    return seen
+
+
+@pytest.mark.parametrize("path", ["gathered", "streamed"])
+def test_an_export_replaces_the_earlier_one_only_after_before_publish(tmp_path, path):
+    """The job exports beside its last checkpoint's background write and passes the wait for it as
+    ``before_publish``: the folders are staged and verified first, the earlier export is still in place when it
+    runs, and when it fails the staged folder is removed and the earlier export stays."""
+    from hftrain.checkpoint.export import export_pretrained
+
+    if path == "gathered":
+        model = _fresh_model("bert")
+        runtime, tokenizer = _OneProcess(dict(model.state_dict())), tiny_tokenizer("bert")
+        seen = _publish_checks(
+            lambda target, hook: export_pretrained(runtime, model, tokenizer, target, before_publish=hook),
+            tmp_path / "model",
+        )
+    else:
+
+        def inspect(trainer):
+            assert hasattr(trainer.runtime, "iter_full_state")  # the DDP runtime streams
+            return _publish_checks(
+                lambda target, hook: export_pretrained(
+                    trainer.runtime, trainer.model, trainer.tokenizer, target, before_publish=hook
+                ),
+                tmp_path / "model",
+            )
+
+        seen = run_tiny_training(steps=1, inspect=inspect)["inspected"]
+    assert seen["staged"] == [".staging-model", "model"]
+    assert seen["after_refusal"] == (["model"], ["earlier.txt"])
+    assert seen["earlier_at_publish"] is True
+    assert "model.safetensors" in seen["published"] and "earlier.txt" not in seen["published"]

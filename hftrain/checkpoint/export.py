@@ -19,6 +19,9 @@ process writes and checks.
   writes empty weights", docs/pitfalls.md); with
   ``verify_inputs`` the main process reloads what it wrote with plain transformers/peft, outside DeepSpeed's
   ``zero.Init``, and compares its logits with the trained model's.
+- Publish: the folders are written and checked under staging names, and renamed into place only after
+  ``before_publish`` (a collective the caller passes: the training job waits there for its last checkpoint, whose
+  background write the export ran beside), so a run whose last checkpoint fails leaves the previous export.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def export_pretrained(
     verify_inputs: dict[str, torch.Tensor] | None = None,
     last_checkpoint: str | Path | None = None,
     export_dtype: str = "float32",
+    before_publish: Callable[[], Any] | None = None,
 ) -> ExportResult:
     """Write config, tokenizer and safetensors weights (or a LoRA adapter); every rank must call it.
 
@@ -105,6 +109,9 @@ def export_pretrained(
             are reloaded and must give the trained model's logits, else ``HFTrainError``.
         last_checkpoint: named in the error when the disk is full (what the user still has).
         export_dtype: the saved dtype of floating-point weights (``float32``, ``bfloat16``, ``float16``).
+        before_publish: called on every rank once the folders are written and verified, before they replace what
+            ``directory`` holds; what it raises is raised, with the staged folders removed and ``directory`` as it
+            was.
     """
     directory = Path(directory)
     accelerator.wait_for_everyone()
@@ -133,12 +140,32 @@ def export_pretrained(
                 **options,
             ),
         )
+    staged: list[tuple[Path, Path]] = []
+    if accelerator.is_main_process and failure is None:
+        outcome, staged = outcome
     outcome = _broadcast(accelerator, outcome)
     if failure is not None:
         raise failure
     if isinstance(outcome, str):
         raise HFTrainError(f"export to '{directory}' failed on the main process: {outcome}")
+    try:
+        if before_publish is not None:
+            before_publish()
+        published, failure = _on_main(accelerator, directory, last_checkpoint, lambda: _publish_all(staged))
+        published = _broadcast(accelerator, published)
+    finally:
+        for stage, _ in staged:
+            shutil.rmtree(stage, ignore_errors=True)  # published: gone already; else not to be published
+    if failure is not None:
+        raise failure
+    if isinstance(published, str):
+        raise HFTrainError(f"export to '{directory}' failed on the main process: {published}")
     return outcome
+
+
+def _publish_all(staged: list[tuple[Path, Path]]) -> None:
+    for stage, target in staged:
+        _publish(stage, target)
 
 
 def _on_main(
@@ -192,8 +219,9 @@ def _streamed_export(
     Every rank consumes the iterator to its end (each tensor is a collective); the main process writes each tensor as
     it arrives (``hftrain.checkpoint.stream``: the headers come first, from the model's layout on the meta device),
     reads it back, and drops it, so no rank holds more than its own shards and one full tensor. A failure on the main
-    process stops its writing, not the iteration, and is reported to every rank after it. Then config and tokenizer,
-    the reload check, and the rename into place, as the gathered export does.
+    process stops its writing, not the iteration, and is reported to every rank after it. Then config and tokenizer
+    and the reload check, as the gathered export does; on the main process the result comes with the staged folder
+    that ``export_pretrained`` renames into place.
     """
     from hftrain.checkpoint.stream import EXPORT_DTYPES, StreamedSafetensorsWriter, TensorSpec, saved_dtype
 
@@ -223,7 +251,7 @@ def _streamed_export(
                 )
         del tensor
 
-    def finish() -> ExportResult:
+    def finish() -> tuple[ExportResult, list[tuple[Path, Path]]]:
         try:
             _close_streamed(plan["writer"], directory)
             base = _base_of(unwrapped)
@@ -237,10 +265,11 @@ def _streamed_export(
                 diffs["model"] = verify_export(
                     stage, verify_inputs, expected, mixed_precision=mixed_precision, export_dtype=export_dtype
                 )
-            _publish(stage, directory)
-        finally:
+        except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
-        return ExportResult(model_dir=str(directory), tensors=len(plan["specs"]), logit_diffs=diffs, streamed=True)
+            raise
+        result = ExportResult(model_dir=str(directory), tensors=len(plan["specs"]), logit_diffs=diffs, streamed=True)
+        return result, [(stage, directory)]  # published by export_pretrained
 
     if failure is None:
         outcome, failure = _on_main(accelerator, directory, last_checkpoint, finish)
@@ -343,8 +372,9 @@ def _staged_export(
     *,
     merge_lora: bool,
     **options: Any,
-) -> ExportResult:
-    """``_write_and_verify`` into staging folders beside the targets, then rename them into place."""
+) -> tuple[ExportResult, list[tuple[Path, Path]]]:
+    """``_write_and_verify`` into staging folders beside the targets; returns them with their targets, for
+    ``export_pretrained`` to rename into place (removed here if anything fails)."""
     from hftrain.models.lora import is_peft_model
 
     merged = directory.with_name(directory.name + "_merged") if is_peft_model(unwrapped) and merge_lora else None
@@ -356,12 +386,12 @@ def _staged_export(
         result = _write_and_verify(
             unwrapped, state_dict, tokenizer, stages[0], merged_dir=stages[-1] if merged else None, **options
         )
-        for stage, target in zip(stages, targets, strict=True):
-            _publish(stage, target)
-    finally:
+    except BaseException:
         for stage in stages:
             shutil.rmtree(stage, ignore_errors=True)
-    return dataclasses.replace(result, model_dir=str(directory), merged_dir=str(merged) if merged else None)
+        raise
+    result = dataclasses.replace(result, model_dir=str(directory), merged_dir=str(merged) if merged else None)
+    return result, list(zip(stages, targets, strict=True))
 
 
 def _publish(stage: Path, target: Path) -> None:

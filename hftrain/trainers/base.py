@@ -29,6 +29,7 @@ from hftrain.checkpoint.run import (
 )
 from hftrain.checkpoint.safety import check_no_code, check_rng_states
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader, lengths_of
+from hftrain.errors import HFTrainError
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
@@ -236,7 +237,7 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------- the loop
-    def fit(self, *, stop_at_step: int | None = None) -> TrainResult:
+    def fit(self, *, stop_at_step: int | None = None, beside_last_save: Callable[[], Any] | None = None) -> TrainResult:
         """Train to ``max_steps`` optimizer steps, evaluating, logging and checkpointing on schedule.
 
         SIGTERM/SIGUSR1 (or reaching ``stop_at_step``, for time-sliced jobs) stop the run at the next step
@@ -247,6 +248,10 @@ class Trainer:
 
         Args:
             stop_at_step: stop (with a checkpoint) after this step.
+            beside_last_save: collective work for the end of a run that was not stopped, called while the last
+                checkpoint is written in the background (the job's export, which waits for the write with
+                :meth:`wait_for_checkpoint` before it replaces anything). If it fails with one of hftrain's errors
+                (raised on every rank alike), the write is waited for first, and a failed checkpoint is what is raised.
         """
         from tqdm.auto import tqdm
 
@@ -281,6 +286,8 @@ class Trainer:
         progress.close()
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
+        if beside_last_save is not None and stopped is None:
+            self._beside_last_save(beside_last_save)
         # Before the main process's own files: a failed background write is raised here, on every rank alike.
         self.wait_for_checkpoint()
         self._save_trainer_state()
@@ -343,6 +350,16 @@ class Trainer:
             f"checkpoint {self.last_checkpoint}"
         )
         return reason or "signal on another rank"
+
+    def _beside_last_save(self, work: Callable[[], Any]) -> None:
+        try:
+            work()
+        except HFTrainError:  # every rank raises it: the collective wait is safe, and its error comes first
+            self.wait_for_checkpoint()
+            raise
+        except BaseException:  # possibly on this rank only: complete the write without a collective
+            self.checkpoints.settle()
+            raise
 
     def _release_heap(self) -> None:
         """Free the block faulted in for the first step (``Strategy.warm_heap``) into the heap, once."""
