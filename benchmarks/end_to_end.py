@@ -29,6 +29,8 @@ tokenization, model loading, training, evaluation, model export); the statistics
 tokens per batch, model FLOPs) are computed afterwards, outside the timed span. "save" is hftrain's end-of-run
 checkpoint (model, optimizer, scheduler, RNG; written by default) plus its export, and on the other side the
 Trainer's end-of-training checkpoint (its default) plus ``save_model``; "train" excludes evaluation and saving.
+hftrain's export runs beside its last checkpoint's background write and waits for it before it replaces
+``output_dir/model``, so its "save" is the save call plus the export with that wait.
 "median step" is the median time between consecutive optimizer-step ends (same batches on every side). "CPU s" is
 the job process's CPU time (all threads) up to the same point. Ratios are of medians over repetitions.
 
@@ -149,7 +151,8 @@ def child_hftrain(
         "cpu_s": cpu,
         "accuracy": result.metrics["eval_accuracy"],
         "steps": result.global_step,
-        "train_s": spans["fit"] - spans["eval"] - spans["checkpoint"],
+        # the export runs inside fit, beside the last checkpoint's write (Trainer.fit(beside_last_save=...))
+        "train_s": spans["fit"] - spans["eval"] - spans["checkpoint"] - spans["export"],
         "step_median_s": median_step(stamps),
         "eval_s": spans["eval"],
         "save_s": spans["checkpoint"] + spans["export"],
