@@ -259,10 +259,11 @@ class HeapWarmer:
         import torch
 
         self._block: Any = torch.empty(nbytes, dtype=torch.uint8)  # from glibc's heap: below the mmap threshold
-        # ctypes releases the GIL for the call: the main thread goes on with its Python while the pages fault in
-        self._thread = threading.Thread(
-            target=ctypes.memset, args=(self._block.data_ptr(), 0, nbytes), name="hftrain-heap-warmer", daemon=True
-        )
+
+        def write(block: torch.Tensor) -> None:  # holds the block: a warmer dropped early frees it only after this
+            ctypes.memset(block.data_ptr(), 0, block.numel())  # ctypes releases the GIL: the main thread goes on
+
+        self._thread = threading.Thread(target=write, args=(self._block,), name="hftrain-heap-warmer", daemon=True)
         self._thread.start()
 
     def release(self) -> None:
