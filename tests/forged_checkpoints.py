@@ -45,3 +45,24 @@ def planted_bytes(kind: str = "torch") -> bytes:
     buffer = io.BytesIO()
     torch.save({"state": Planted()}, buffer)
     return buffer.getvalue()
+
+
+def symlinked_planted_dcp(run: Path, step: str = STEP4) -> Path:
+    """The symlink attack: the checkpoint's ``.distcp`` files moved to ``dcpx/`` beside ``state/``, a ``.metadata``
+    whose ``planner_data`` holds a pickle that runs code written there, ``state/dcp`` replaced by the relative
+    symlink ``../dcpx`` (which survives ``cp -a`` and tar), and the checksums recomputed. A walk of ``state/`` that
+    does not enter symlinked folders never sees the ``.metadata`` that torch's DCP reader unpickles. Returns the
+    checkpoint folder."""
+    import os
+    import pickle
+    import shutil
+
+    folder = run / step
+    dcp, moved = folder / "state" / "dcp", folder / "dcpx"
+    shutil.move(str(dcp), str(moved))
+    metadata = pickle.loads((moved / ".metadata").read_bytes())  # the test's own, just written by a real run
+    metadata.planner_data = Planted()
+    (moved / ".metadata").write_bytes(pickle.dumps(metadata))
+    os.symlink("../dcpx", dcp)
+    reseal(run, step)
+    return folder

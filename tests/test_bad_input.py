@@ -24,7 +24,7 @@ import pytest
 
 from hftrain.cli import main
 from tests.conftest import assert_refused, cli_in_process
-from tests.forged_checkpoints import STEP2, STEP4, planted_bytes, reseal
+from tests.forged_checkpoints import STEP2, STEP4, planted_bytes, reseal, symlinked_planted_dcp
 from tests.tiny import reset_accelerate_state, save_model_folder, synthetic_texts, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -489,6 +489,29 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         ],
         "could run code",
     ),
+    # A checkpoint is a tree of regular files: a symlinked state/dcp whose .metadata plants code (the walk that
+    # checks pickles never entered it, and torch's DCP reader unpickles it unrestricted) is refused before any
+    # library reads a byte, by every command that reads a checkpoint, trusted or not.
+    **{
+        f"{command}: a symlinked state/dcp with a planted .metadata{how}": (
+            lambda c, build=build: build(c, c.run_copy(symlinked_planted_dcp)),
+            "state/dcp is a symbolic link",
+        )
+        for command, how, build in (
+            ("resume", " (auto)", lambda c, r: [*c.base(r), "--resume_from_checkpoint", "auto"]),
+            ("resume", " (latest)", lambda c, r: [*c.base(r), "--resume_from_checkpoint", "latest"]),
+            (
+                "resume",
+                " (trusted external)",
+                lambda c, r: [*c.base(c.run), "--trust_external_checkpoint", "true",
+                              "--resume_from_checkpoint", str(r / STEP4)],  # fmt: skip
+            ),
+            ("export", " (the run)", lambda c, r: ["export", str(r), str(c.new)]),
+            ("export", " (trusted)", lambda c, r: ["export", str(r / STEP4), str(c.new), "--trust_external_checkpoint"]),
+            ("convert", " (the run)", lambda c, r: ["convert", str(r), str(c.new)]),
+            ("convert", " (trusted)", lambda c, r: ["convert", str(r / STEP4), str(c.new), "--trust_external_checkpoint"]),
+        )
+    },
     # ------------------------------------------------------------------ damaged state behind good checksums
     "resume: garbage optimizer state": (
         lambda c: [

@@ -205,6 +205,8 @@ class CheckpointManager:
         if self.run_id is None:
             return
         for path in found:
+            if (path / MARKER).is_symlink():
+                continue  # refused by read_checkpoint if it is the one taken; never read through a link
             try:
                 meta = json.loads((path / MARKER).read_text())
             except (ValueError, OSError):
@@ -315,6 +317,7 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
         raise CheckpointError(
             f"checkpoint '{path}' does not exist; give a step_<N> folder under output_dir/checkpoints"
         )
+    check_regular_tree(path)  # before any byte of it is read
     if not marker.is_file():
         raise CheckpointError(
             f"'{path}' is not a complete hftrain checkpoint (no {MARKER}); it may be a partial write: "
@@ -331,9 +334,58 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
             "resume it with the hftrain that wrote it, or from another checkpoint"
         )
     _check_keys(path, meta)
+    _check_step(path, meta)
     if verify_files:
         _verify_files(path, meta["files"])
     return meta
+
+
+def check_regular_tree(path: Path) -> None:
+    """Refuse a checkpoint that is not a tree of regular files and folders, before any library reads a byte of it.
+
+    A symbolic link anywhere in it (``state/dcp -> ../elsewhere``, which survives ``cp -a`` and tar) would let a
+    file be read that no check ever looked at: ``Path.rglob`` does not enter a symlinked folder, while the loaders
+    (torch's DCP reader unpickles ``.metadata``) follow the link. A FIFO or device would block or read forever. So
+    every entry below ``path`` is listed without following links (``os.walk``), and the first that is a link, or
+    neither a folder nor a regular file, is named in one line. ``path`` itself may be reached through links (a
+    symlinked scratch file system); whether it lies inside the run is :func:`~hftrain.checkpoint.resume.
+    check_trusted`'s question, asked of its real path.
+
+    Args:
+        path: a ``step_<N>`` folder (or a DeepSpeed checkpoint's tag folder).
+    """
+
+    def unreadable(error: OSError) -> None:
+        raise CheckpointError(f"checkpoint '{path}': '{error.filename}' cannot be listed ({error.strerror}); "
+                              "resume from another checkpoint")  # fmt: skip
+
+    for folder, folders, files in os.walk(path, onerror=unreadable):
+        for name in [*folders, *files]:
+            entry = Path(folder) / name
+            relative = entry.relative_to(path)
+            if entry.is_symlink():
+                raise CheckpointError(
+                    f"checkpoint '{path}': {relative} is a symbolic link (to '{os.readlink(entry)}'); a checkpoint "
+                    "is a tree of regular files, and hftrain reads none through a link: replace the link with a "
+                    "copy of what it points to (cp -rL) if you trust it, or resume from another checkpoint"
+                )
+            if not (entry.is_dir() or entry.is_file()):
+                raise CheckpointError(
+                    f"checkpoint '{path}': {relative} is neither a file nor a folder (a FIFO, socket or device); "
+                    "resume from another checkpoint"
+                )
+
+
+def _check_step(path: Path, meta: dict[str, Any]) -> None:
+    """The folder name, ``step`` and ``trainer_state.global_step`` must name the same step (a checkpoint whose
+    counters were edited would retrain from another position on these weights, and write over other steps)."""
+    step, global_step = meta["step"], meta["trainer_state"]["global_step"]
+    named = _STEP_DIR.match(path.name)
+    if step != global_step or (named is not None and int(named.group(1)) != step):
+        raise CheckpointError(
+            f"checkpoint '{path}': its folder name, {MARKER}'s step ({step}) and trainer_state.global_step "
+            f"({global_step}) disagree; it is damaged or edited: resume from another checkpoint"
+        )
 
 
 # What checkpoint.json must hold, per section: a missing key is a damaged or foreign file, not a KeyError later.
@@ -385,12 +437,34 @@ def _check_keys(path: Path, meta: dict[str, Any]) -> None:
         raise _damaged_field(path, "files", "it is not a mapping of file names to checksums")
     if not files:
         raise _damaged_field(path, "files", "it lists no file")
+    outside = next((name for name in files if not _inside_name(name)), None)
+    if outside is not None:
+        raise _damaged_field(path, "files", f"'{outside}' is not a path inside the checkpoint")
+    for section in ("config", "topology"):
+        if not isinstance(meta[section], dict):
+            raise _damaged_field(path, section, f"{type(meta[section]).__name__} is not a mapping")
+    if not isinstance(meta["topology"]["strategy"], str):
+        raise _damaged_field(path, "topology.strategy", f"{meta['topology']['strategy']!r} is not a strategy name")
     history = meta["trainer_state"].get("log_history", [])
     if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
         raise _damaged_field(path, "trainer_state.log_history", "it is not a list of records")
+    for entry in history:
+        bad = next((k for k, v in entry.items() if not _is_number(v) or k == "step" and not isinstance(v, int)), None)
+        if bad is not None:
+            raise _damaged_field(path, "trainer_state.log_history", f"'{bad}': {entry[bad]!r} is not a number")
     for name in ("run_id",):
         if meta.get(name) is not None and not isinstance(meta[name], str):
             raise _damaged_field(path, name, f"{meta[name]!r} is not a string")
+
+
+def _inside_name(name: str) -> bool:
+    """A relative path that stays below the folder it is relative to (no ``..``, not absolute)."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _damaged_field(path: Path, key: str, what: str) -> CheckpointError:

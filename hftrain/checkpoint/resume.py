@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hftrain.checkpoint.manager import CheckpointError
+from hftrain.checkpoint.manager import CheckpointError, check_regular_tree
 
 # Config keys that define the model and task: a checkpoint of another model or task cannot be resumed.
 IDENTITY_KEYS = (
@@ -27,6 +27,7 @@ def check_resumable(
     topology: dict[str, Any],
     can_reshard: bool,
     sharded: bool = False,
+    strategies: tuple[str, ...] = (),
 ) -> list[str]:
     """Refuse a checkpoint of another model or task, or a strategy or topology change its format cannot take.
 
@@ -39,10 +40,21 @@ def check_resumable(
             number of processes.
         sharded: the checkpoint is in the sharded format (``hftrain.checkpoint.sharded``): it loads under any
             strategy and process count.
+        strategies: the strategy names this hftrain knows (a checkpoint naming another is damaged).
 
     Returns notes to log about accepted differences.
     """
     saved_config, saved = meta.get("config", {}), meta.get("topology", {})
+    if strategies and saved.get("strategy") not in strategies:
+        raise CheckpointError(
+            f"checkpoint '{path}': checkpoint.json's topology.strategy {saved.get('strategy')!r} is not a strategy "
+            f"({', '.join(strategies)}); it is damaged: resume from another checkpoint"
+        )
+    if sharded:
+        from hftrain.checkpoint.manager import STATE_DIR
+        from hftrain.checkpoint.sharded import check_info
+
+        check_info(path / STATE_DIR, saved)
     for key in IDENTITY_KEYS:
         if key in run_config and saved_config.get(key) != run_config[key]:
             raise CheckpointError(
@@ -96,6 +108,48 @@ def _layout(topology: dict[str, Any]) -> str:
     return f"{processes} (tp={topology['tp']} × pp={topology.get('pp', 1)} × dp={topology.get('dp_size')})"
 
 
+def check_position(
+    meta: dict[str, Any], *, path: Path, skip: int, micro_batches: int, accumulation: int, max_steps: int
+) -> None:
+    """Refuse a trainer state that is not a position of this run: a step beyond ``max_steps``, a data position
+    beyond the epoch, or an epoch, step and data position that do not fit together.
+
+    A run at epoch ``e``, ``m`` micro-batches into it, has taken ``e · ⌈M / a⌉ + ⌈m / a⌉`` optimizer steps (``M``
+    micro-batches per epoch, ``a`` of them per step; an epoch's last window may be short). An edited counter would
+    otherwise resume silently: no training at a huge step (and a folder ``step_1000000000000000000``), or the
+    weights of step 4 retrained from step 1 over the later checkpoints.
+
+    Args:
+        meta: the checkpoint's metadata.
+        path: the checkpoint folder, for messages.
+        skip: micro-batches of the current epoch already consumed, in this run's topology (:func:`batches_to_skip`).
+        micro_batches: micro-batches per epoch on each process of this run.
+        accumulation: micro-batches per optimizer step.
+        max_steps: this run's last step.
+    """
+    state = meta["trainer_state"]
+    step, epoch = state["global_step"], state["epoch"]
+    if step > max_steps:
+        raise CheckpointError(
+            f"checkpoint '{path}' is at step {step}, beyond this run's {max_steps} steps; set training.max_steps to "
+            f"at least {step} to continue it, or export it (hftrain export)"
+        )
+    if skip > micro_batches:
+        raise CheckpointError(
+            f"checkpoint '{path}': trainer_state.micro_step {state['micro_step']} lies beyond the end of an epoch "
+            f"({micro_batches} micro-batches per process here); it is damaged or of other data: resume from another "
+            "checkpoint"
+        )
+    per_epoch = -(-micro_batches // accumulation)
+    expected = epoch * per_epoch + -(-skip // accumulation)
+    if expected != step or state.get("last_eval_step", -1) > step:
+        raise CheckpointError(
+            f"checkpoint '{path}': trainer_state (step {step}, epoch {epoch}, {skip} micro-batches into it) is not a "
+            f"position of this run, which reaches that point of the data at step {expected} ({per_epoch} steps per "
+            "epoch); it is damaged, or of other data: resume from another checkpoint, or with its training data"
+        )
+
+
 def batches_to_skip(meta: dict[str, Any], topology: dict[str, Any]) -> int:
     """Micro-batches of the current epoch this process already consumed, in this run's topology."""
     saved = meta["topology"]
@@ -122,6 +176,8 @@ def check_trusted(path: Path, output_dir: Path, *, trusted: bool, export: bool =
     from hftrain.checkpoint.manager import STATE_DIR
     from hftrain.checkpoint.safety import pickled_files
 
+    if path.is_dir():
+        check_regular_tree(path)  # a link is refused, trusted or not; and the list of pickles below is then whole
     if trusted or path.resolve().is_relative_to(output_dir.resolve()):
         return
     state = path / STATE_DIR

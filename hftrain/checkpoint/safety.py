@@ -30,7 +30,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from hftrain.checkpoint.manager import CheckpointError
+from hftrain.checkpoint.manager import CheckpointError, check_regular_tree
 
 # Globals that the checkpoints of hftrain's strategies hold besides tensors and plain data, found by loading the
 # checkpoints of every strategy (tests/test_checkpoint_trust.py): NumPy's RNG state arrays (what Accelerate adds to
@@ -92,6 +92,9 @@ def check_no_code(checkpoint: Path, state_dir: Path) -> None:
         checkpoint: the ``step_<N>`` folder, for messages.
         state_dir: its ``state/`` folder.
     """
+    # A tree of regular files first: every file a loader can reach is then one this walk finds (rglob does not enter
+    # a symlinked folder; DCP's reader would follow it to a .metadata never checked).
+    check_regular_tree(checkpoint)
     for path in sorted(state_dir.rglob("*")):
         if not path.is_file():
             continue
@@ -209,13 +212,49 @@ def _damaged(checkpoint: Path, name: str, error: BaseException) -> CheckpointErr
 
 
 def _check_rng(checkpoint: Path, name: str, loaded: Any) -> None:
-    """An RNG file must hold Accelerate's states: otherwise Accelerate skips it with an info line, silently."""
+    """An RNG file must hold Accelerate's states, each one its generator takes: Accelerate catches any failure to
+    restore them and goes on with the seeded RNG after an info line, so a run would resume on other random streams
+    without a word. Each state is set on a generator of its own here (never the process's), as the loader sets it.
+    """
+    import random
+
+    import numpy as np
+    import torch
+
     if not isinstance(loaded, dict) or any(key not in loaded for key in _RNG_KEYS):
         raise CheckpointError(
             f"checkpoint '{checkpoint}': {name} is damaged (not Accelerate's RNG states: it lacks "
             f"{', '.join(k for k in _RNG_KEYS if not isinstance(loaded, dict) or k not in loaded)}); resume from "
             "another checkpoint"
         )
+    setters = {
+        "random_state": lambda state: random.Random().setstate(state),
+        "numpy_random_seed": lambda state: np.random.RandomState().set_state(state),
+        "torch_manual_seed": lambda state: torch.Generator().set_state(state),
+        "torch_cuda_manual_seed": _check_cuda_states,  # no GPU needed to read one: checked as torch would take it
+    }
+    for key, setter in setters.items():
+        if key not in loaded:
+            continue
+        try:
+            setter(loaded[key])
+        except Exception as error:  # noqa: BLE001 - TypeError, ValueError, RuntimeError: what the loader would hit
+            reason = " ".join(str(error).split())[:120] or type(error).__name__
+            raise CheckpointError(
+                f"checkpoint '{checkpoint}': {name} is damaged (its {key} is not a state its generator takes: "
+                f"{reason}; Accelerate would skip it and resume on other random streams); resume from another "
+                "checkpoint"
+            ) from None
+
+
+def _check_cuda_states(states: Any) -> None:
+    """``torch.cuda.set_rng_state_all``'s argument: one byte tensor per GPU."""
+    import torch
+
+    if not isinstance(states, list | tuple) or not all(
+        isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.dim() == 1 for s in states
+    ):
+        raise TypeError("not a list of byte tensors, one per GPU")
 
 
 def _check_safetensors(checkpoint: Path, name: str, path: Path) -> None:
@@ -269,6 +308,13 @@ def _check_dcp(checkpoint: Path, folder: Path) -> None:
     except Exception as error:  # noqa: BLE001 - truncated, or not DCP metadata at all
         raise _damaged(checkpoint, name, error) from None
     for index, info in storage.items():
+        # DCP reads folder / relative_path: a name with a separator or '..' would read a file outside the checkpoint
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str) or Path(relative).name != relative or relative in ("", ".", ".."):
+            raise CheckpointError(
+                f"checkpoint '{checkpoint}': {name} points {index.fqn} at {relative!r}, not a file of its folder; "
+                "it is damaged or forged: resume from another checkpoint"
+            )
         if not isinstance(entries.get(index.fqn), BytesStorageMetadata):
             continue  # tensors: DCP reads them with weights_only=True
         entry = f"{folder.relative_to(checkpoint)}/{info.relative_path} ({index.fqn})"

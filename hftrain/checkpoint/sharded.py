@@ -456,6 +456,38 @@ def read_info(state_dir: str | Path) -> dict[str, Any]:
     return info
 
 
+# The layout facts a strategy records in sharded.json (``Snapshot.info``), and their least value.
+_INFO_COUNTS = {"world_size": 1, "tp": 1, "cp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
+
+
+def check_info(state_dir: str | Path, topology: dict[str, Any]) -> None:
+    """``sharded.json`` must describe the layout ``checkpoint.json``'s topology records: counts that are positive
+    integers and agree with it (a forged layout would otherwise pass as a reshard, or fail deep in DCP).
+
+    Args:
+        state_dir: the checkpoint's ``state/`` folder.
+        topology: ``checkpoint.json``'s topology (already checked by ``manager.read_checkpoint``).
+    """
+    path = Path(state_dir) / INFO_FILE
+    info = read_info(state_dir)
+    for key, least in _INFO_COUNTS.items():
+        value = info.get(key)
+        if key in info and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise CheckpointError(
+                f"'{path}' is damaged ({key} {value!r} is not an integer >= {least}); resume from another checkpoint"
+            )
+        if key in info and key in topology and value != topology[key]:
+            raise CheckpointError(
+                f"'{path}' is damaged: it records {key} {value}, checkpoint.json's topology {topology[key]}; resume "
+                "from another checkpoint"
+            )
+    if "strategy" in info and info["strategy"] != topology.get("strategy"):
+        raise CheckpointError(
+            f"'{path}' is damaged: it records strategy {info['strategy']!r}, checkpoint.json's topology "
+            f"{topology.get('strategy')!r}; resume from another checkpoint"
+        )
+
+
 # ----------------------------------------------------------------- a strategy's state at one step
 @dataclass
 class Snapshot:
@@ -563,17 +595,57 @@ def restore_param_groups(param_groups: list[dict[str, Any]], saved: list[dict[st
         saved: what :func:`write_metadata` wrote.
         where: the checkpoint, for the message.
     """
+    if not isinstance(saved, list) or not all(isinstance(record, dict) for record in saved):
+        raise CheckpointError(
+            f"checkpoint '{where}': {GROUPS_FILE} is damaged (param_groups is not a list of records); resume from "
+            "another checkpoint"
+        )
     if len(saved) != len(param_groups):
         raise CheckpointError(
             f"checkpoint '{where}' has {len(saved)} optimizer parameter groups and this run {len(param_groups)}; "
             "resume with the same model, LoRA and weight-decay settings"
         )
-    for group, record in zip(param_groups, saved, strict=True):
+    for index, (group, record) in enumerate(zip(param_groups, saved, strict=True)):
         for key, value in record.items():
             if key not in group or key in _IMPLEMENTATION_FLAGS:
                 continue
             live = group[key]
+            problem = _hyperparameter_problem(key, value, live)
+            if problem:
+                raise CheckpointError(
+                    f"checkpoint '{where}': {GROUPS_FILE} is damaged (param_groups[{index}].{key} {value!r} "
+                    f"{problem}); resume from another checkpoint"
+                )
             if isinstance(live, torch.Tensor):
                 live.fill_(value)
             else:
                 group[key] = tuple(value) if isinstance(live, tuple) else value
+
+
+# Hyper-parameters with a range (the config's own checks: a learning rate, decay or epsilon is >= 0, Adam's betas lie
+# in [0, 1)); every other one only keeps the live value's type.
+_AT_LEAST_ZERO = {"lr", "initial_lr", "weight_decay", "eps"}
+
+
+def _hyperparameter_problem(key: str, value: Any, live: Any) -> str | None:
+    """What is wrong with a saved hyper-parameter for the live one it replaces (None: nothing)."""
+
+    def number(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    if live is None:
+        return None  # an option left unset (DeepSpeed's and torch's optional flags): nothing to compare with
+    if isinstance(live, bool | str):
+        return None if type(value) is type(live) else f"is not a {type(live).__name__}"
+    if isinstance(live, tuple | list):
+        if not isinstance(value, list) or len(value) != len(live) or not all(number(v) for v in value):
+            return f"is not a list of {len(live)} numbers"
+        if key == "betas" and not all(0 <= v < 1 for v in value):
+            return "lies outside [0, 1)"
+        return None
+    if isinstance(live, int | float | torch.Tensor):
+        if not number(value):
+            return "is not a finite number"
+        if key in _AT_LEAST_ZERO and value < 0:
+            return "is negative"
+    return None

@@ -19,7 +19,7 @@ import torch
 
 from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, read_checkpoint
 from hftrain.checkpoint.preemption import PreemptionFlag
-from hftrain.checkpoint.resume import batches_to_skip, check_resumable, check_trusted
+from hftrain.checkpoint.resume import batches_to_skip, check_position, check_resumable, check_trusted
 from hftrain.checkpoint.run import (
     CHECKPOINTS_DIR,
     CURVES_PNG,
@@ -171,6 +171,7 @@ class Trainer:
             Path(args.output_dir) / CHECKPOINTS_DIR, keep=args.save_total_limit, run_id=run_id
         )
         self.last_checkpoint: Path | None = None
+        self._last_checkpoint_step: int | None = None  # its step (a trusted checkpoint's folder may be named freely)
         if args.resume_from_checkpoint:
             self.resume(args.resume_from_checkpoint)
 
@@ -389,6 +390,7 @@ class Trainer:
             "config": self.run_config,
             "versions": _versions(),
         }
+        self._last_checkpoint_step = self.state.global_step
         self.last_checkpoint = self.checkpoints.save(
             self.runtime,
             step=self.state.global_step,
@@ -407,9 +409,7 @@ class Trainer:
         self.checkpoints.wait()
 
     def _checkpointed_step(self) -> int | None:
-        if self.last_checkpoint is None:
-            return None
-        return int(self.last_checkpoint.name.split("_")[1])
+        return self._last_checkpoint_step
 
     def resume(self, spec: str) -> None:
         """Restore model, optimizer, scheduler, RNG and data position from a checkpoint (after ``prepare``).
@@ -425,6 +425,7 @@ class Trainer:
         check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
         meta = self._read_verified(path)
         from hftrain.checkpoint.sharded import is_sharded  # torch.distributed.checkpoint: imported when used
+        from hftrain.strategies import available_strategies
 
         notes = check_resumable(
             meta,
@@ -433,20 +434,25 @@ class Trainer:
             topology=self.strategy_summary,
             can_reshard=self.strategy.reshardable_checkpoints,
             sharded=is_sharded(path / STATE_DIR),
+            strategies=tuple(available_strategies()),
+        )
+        skip = batches_to_skip(meta, self.strategy_summary)
+        check_position(
+            meta,
+            path=path,
+            skip=skip,
+            micro_batches=len(self.train_loader),
+            accumulation=self.args.gradient_accumulation_steps,
+            max_steps=self.max_steps,
         )
         # load_state only after prepare, so the scheduler and optimizer it restores are the live ones
         # (pitfall "LR schedule resets after resume", docs/pitfalls.md).
         self._load_state(path)
         self.state = _trainer_state(path, meta["trainer_state"])
-        self._skip_batches = batches_to_skip(meta, self.strategy_summary)
+        self._skip_batches = skip
         self.state.micro_step = self._skip_batches
-        self.last_checkpoint = path
-        saved_world = meta["topology"]["world_size"]
-        if self.accelerator.num_processes > saved_world:
-            notes.append(
-                f"processes {saved_world} to {self.accelerator.num_processes - 1} have no RNG state in the checkpoint "
-                f"(written by {saved_world}); they keep the RNG they started with (seed {self.args.seed})"
-            )
+        self.last_checkpoint, self._last_checkpoint_step = path, self.state.global_step
+        notes += _rng_notes(meta["topology"]["world_size"], self.accelerator.num_processes, self.args.seed)
         for note in notes:
             self._log(note)
         self._log(
@@ -662,6 +668,21 @@ def _trainer_state(path: Path, saved: dict[str, Any]) -> TrainerState:
             "or written by another hftrain: resume from another checkpoint"
         )
     return TrainerState(**saved)
+
+
+def _rng_notes(saved_world: int, live_world: int, seed: int) -> list[str]:
+    """What a change of process count does to the per-process RNG states (each process restores its own rank's)."""
+    if live_world > saved_world:
+        return [
+            f"processes {saved_world} to {live_world - 1} have no RNG state in the checkpoint (written by "
+            f"{saved_world}); they keep the RNG they started with (seed {seed})"
+        ]
+    if live_world < saved_world:
+        return [
+            f"the RNG states of the checkpoint's processes {live_world} to {saved_world - 1} are not used (this run "
+            f"has {live_world}); random streams (dropout) continue from those of processes 0 to {live_world - 1}"
+        ]
+    return []
 
 
 def configure_threads(requested: int | None, local_world_size: int) -> int:
