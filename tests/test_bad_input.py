@@ -168,6 +168,53 @@ def _marker_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
     return lambda run: _edit_json(run / STEP4 / "checkpoint.json", change)
 
 
+def _as_step(step: int) -> Callable[[Path], None]:
+    """Step 4 renamed, in its folder name, step and global_step, to ``step`` (consistent, but beyond the run)."""
+
+    def apply(run: Path) -> None:
+        folder = run / f"checkpoints/step_{step:08d}"
+        shutil.move(str(run / STEP4), str(folder))
+        _edit_json(folder / "checkpoint.json", lambda d: (d.update(step=step), d["trainer_state"].update(global_step=step)))
+        reseal(run, folder.relative_to(run).as_posix())
+
+    return apply
+
+
+def _json_edit(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Edit the JSON file ``state/<name>`` of step 4, then reseal."""
+    return _state_edit(name, lambda path: _edit_json(path, change))
+
+
+def _groups_edit(**values) -> Callable[[Path], None]:
+    return _json_edit("optimizer.json", lambda d: d["param_groups"][0].update(values))
+
+
+def _rng_with_wrong_types(path: Path) -> None:
+    """Accelerate's keys, each of the wrong type (Accelerate would catch the failure and go on silently)."""
+    import torch
+
+    torch.save({"random_state": [3, [1, 2], None], "numpy_random_seed": "MT19937", "torch_manual_seed": 7}, path)
+
+
+def _tensor_record_as_a_pickle(path: Path) -> None:
+    """Point one tensor's storage in a DCP ``.metadata`` at a pickle appended to its ``.distcp`` file (torch would
+    advise loading it with weights_only=False)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = pickle.loads(path.read_bytes())
+    index = next(i for i in sorted(metadata.storage_data, key=lambda i: i.fqn)
+                 if isinstance(metadata.state_dict_metadata[i.fqn], TensorStorageMetadata) and i.fqn.startswith("model."))  # fmt: skip
+    info = metadata.storage_data[index]
+    data_file = path.parent / info.relative_path
+    payload, offset = planted_bytes(), data_file.stat().st_size
+    with data_file.open("ab") as handle:
+        handle.write(payload)
+    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(payload), info.transform_descriptors)
+    path.write_bytes(pickle.dumps(metadata))
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[:100])
 
@@ -609,6 +656,46 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         ],
         "unknown key 'steps_left'",
     ),
+    # ------------------------------------------------------------------ forged counters and state (resealed)
+    **{
+        f"resume: forged {what}": (
+            lambda c, edit=edit: [*c.base(c.run_copy(edit)), "--resume_from_checkpoint", "auto"],
+            fragment,
+        )
+        for what, edit, fragment in (
+            ("global_step 10**18", _marker_edit(lambda d: d["trainer_state"].update(global_step=10**18)), "disagree"),
+            ("global_step 1 inside step 4", _marker_edit(lambda d: d["trainer_state"].update(global_step=1)),
+             "disagree"),  # fmt: skip
+            ("step 6 inside step 4", _marker_edit(lambda d: d.update(step=6)), "disagree"),
+            ("step 100 throughout (folder, step, global_step)", _as_step(100), "beyond this run's 4 steps"),
+            ("micro_step 10**9", _marker_edit(lambda d: d["trainer_state"].update(micro_step=10**9)),
+             "beyond the end of an epoch"),  # fmt: skip
+            ("micro_step one batch beyond the epoch", _marker_edit(lambda d: d["trainer_state"].update(micro_step=8)),
+             "beyond the end of an epoch"),  # fmt: skip
+            ("epoch 99", _marker_edit(lambda d: d["trainer_state"].update(epoch=99)), "not a position of this run"),
+            ("config []", _marker_edit(lambda d: d.update(config=[])), "damaged 'config'"),
+            ("log_history step 'x'", _marker_edit(lambda d: d["trainer_state"].update(log_history=[{"step": "x"}])),
+             "damaged 'trainer_state.log_history'"),  # fmt: skip
+            ("topology.strategy 'zzz'", _marker_edit(lambda d: d["topology"].update(strategy="zzz")),
+             "topology.strategy 'zzz' is not a strategy"),  # fmt: skip
+            ("checkpoint.json []", lambda r: (r / STEP4 / "checkpoint.json").write_text("[]"), "not a JSON object"),
+            ("sharded.json strategy 5", _json_edit("sharded.json", lambda d: d.update(strategy=5)),
+             "records strategy 5"),  # fmt: skip
+            ("sharded.json world_size -7", _json_edit("sharded.json", lambda d: d.update(world_size=-7)),
+             "world_size -7 is not an integer >= 1"),  # fmt: skip
+            ("sharded.json world_size 3", _json_edit("sharded.json", lambda d: d.update(world_size=3)),
+             "records world_size 3, checkpoint.json's topology 1"),  # fmt: skip
+            ("sharded.json deleted", _state_edit("sharded.json", lambda p: p.unlink()), "sharded.json is missing"),
+            ("optimizer.json lr a string", _groups_edit(lr="0.001"), "param_groups[0].lr '0.001' is not a finite"),
+            ("optimizer.json lr -1", _groups_edit(lr=-1), "param_groups[0].lr -1 is negative"),
+            ("optimizer.json betas strings", _groups_edit(betas=["0.9", "0.999"]), "is not a list of 2 numbers"),
+            ("optimizer.json weight_decay a string", _groups_edit(weight_decay="0"), "weight_decay '0' is not a"),
+            ("RNG state with Accelerate's keys, wrong types", _state_edit("random_states_0.pkl", _rng_with_wrong_types),
+             "random_state is not a state its generator takes"),  # fmt: skip
+            ("tensor record that is a pickle", _state_edit("dcp/.metadata", _tensor_record_as_a_pickle),
+             "a tensor record holds something else"),  # fmt: skip
+        )
+    },
     # ------------------------------------------------------------------ export
     "export: process count other than the checkpoint's": (
         lambda c: ["export", str(c.run_copy(_marker_edit(lambda d: d["topology"].update(world_size=2)))), str(c.new)],
@@ -780,6 +867,23 @@ def test_a_moved_run_resumes_where_it_now_lives(good, tmp_path, capsys):
     )
     assert (tmp_path / "exported" / "model.safetensors").is_file()
     assert checksums(good.run) == before  # the original is untouched
+
+
+def test_a_trusted_checkpoint_in_a_folder_of_any_name_resumes_exactly(good, tmp_path, capsys):
+    """A step-2 checkpoint copied to ``backup-of-step-two`` and resumed into a new run with the trust flag trains
+    steps 3 and 4 to the weights of the straight 4-step run (it stopped with an IndexError after two steps when the
+    step was read from the folder name), and the run's own checkpoints are named by their steps."""
+    import torch
+
+    backup = tmp_path / "backup-of-step-two"
+    shutil.copytree(good.run / STEP2, backup)
+    ctx = Ctx(model=good.model, data=good.data, run=good.run, scratch=tmp_path, new=tmp_path / "continued")
+    resumed = [*ctx.base(ctx.new), "--resume_from_checkpoint", str(backup), "--trust_external_checkpoint", "true"]
+    assert _train(resumed) == 0
+    assert f"resumed from {backup} at step 2" in capsys.readouterr().out
+    assert sorted(p.name for p in (ctx.new / "checkpoints").iterdir()) == ["step_00000004"]
+    a, b = _weights(good.run / "model"), _weights(ctx.new / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_texts_longer_than_the_model_takes_are_truncated_to_its_limit(good, tmp_path, capsys):

@@ -20,7 +20,7 @@ import pytest
 
 from hftrain.checkpoint.manager import CheckpointError
 from hftrain.checkpoint.safety import check_no_code, pickled_files
-from tests.forged_checkpoints import STEP2, planted_bytes, reseal
+from tests.forged_checkpoints import STEP2, planted_bytes, reseal, symlinked_planted_dcp
 from tests.tiny import save_model_folder, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,6 +149,40 @@ def test_planted_pickles_never_run_on_resume_or_export(runs, strategy, tmp_path)
     )
     _refused(trusted, "could run code")
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.distributed
+def test_a_symlinked_state_dcp_never_runs_code_under_torchrun(runs, tmp_path):
+    """The symlink attack (``state/dcp -> ../dcpx`` with a planted ``.metadata``, checksums recomputed) on 2-process
+    checkpoints: ZeRO-2 resumed under torchrun, megatron tp2 resumed under torchrun, resumed on one process as ddp
+    and converted. Each is refused in one line naming the link before any library reads it; nothing runs. (On the
+    code before the refusal every one of these ran the planted command.)"""
+    for strategy in ("zero2", "megatron"):
+        copy = tmp_path / f"{strategy}-linked"
+        shutil.copytree(runs[strategy], copy)
+        symlinked_planted_dcp(copy, STEP2)
+        root = runs[strategy].parent
+        resume = [*_train_args(root, copy), "--max_steps", "4", "--resume_from_checkpoint", "auto"]
+        _refused(_run([*TORCHRUN, "-m", "hftrain", *resume, *STRATEGIES[strategy][1]], cwd=tmp_path),
+                 "state/dcp is a symbolic link")  # fmt: skip
+    one_process = _run([sys.executable, "-m", "hftrain", *resume, "--strategy.name", "ddp"], cwd=tmp_path)
+    assert one_process.returncode == 2 and "state/dcp is a symbolic link" in one_process.stderr, one_process.stderr
+    converted = _run([sys.executable, "-m", "hftrain", "convert", str(copy), str(tmp_path / "out")], cwd=tmp_path)
+    assert converted.returncode == 2 and "state/dcp is a symbolic link" in converted.stderr, converted.stderr
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+def test_a_tp2_checkpoint_resumed_on_one_process_says_which_rng_states_it_leaves(runs, tmp_path):
+    """Going down in process count: the ranks beyond the new world have RNG states nobody restores; the run says
+    so, as going up says which ranks start from their seed."""
+    copy = tmp_path / "megatron-copy"
+    shutil.copytree(runs["megatron"], copy)
+    root = runs["megatron"].parent
+    done = _run([sys.executable, "-m", "hftrain", *_train_args(root, copy), "--max_steps", "3",
+                 "--resume_from_checkpoint", "auto", "--strategy.name", "ddp"], cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the RNG states of the checkpoint's process 1 are not used" in done.stdout + done.stderr
 
 
 def test_dcp_metadata_and_its_byte_entries_are_checked(tmp_path, monkeypatch):

@@ -211,7 +211,9 @@ class CheckpointManager:
                 meta = json.loads((path / MARKER).read_text())
             except (ValueError, OSError):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
-            other = meta.get("run_id") if isinstance(meta, dict) else None
+            if not isinstance(meta, dict):
+                continue  # damaged: reported by read_checkpoint if it is the one taken
+            other = meta.get("run_id")
             if other != self.run_id:
                 raise CheckpointError(
                     f"checkpoint '{path}' belongs to another run (run id {other}; this output_dir's run is "
@@ -327,8 +329,12 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
         meta = json.loads(marker.read_text())
     except (ValueError, OSError):
         raise CheckpointError(f"checkpoint '{path}': {MARKER} is corrupted; resume from another checkpoint") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"checkpoint '{path}': {MARKER} is corrupted (not a JSON object); resume from another checkpoint"
+        )
+    if meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version")
         raise CheckpointError(
             f"checkpoint '{path}' has format version {version}, this hftrain reads {FORMAT_VERSION}; "
             "resume it with the hftrain that wrote it, or from another checkpoint"

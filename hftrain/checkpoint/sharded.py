@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,6 +395,8 @@ def _first_failure(what: str, writing: Path | None = None) -> Iterator[None]:
         if not isinstance(cause, Exception):  # the CheckpointException itself: a BaseException, kept from the user
             cause = RuntimeError(str(cause).splitlines()[0])
         reason = " ".join(str(cause).split())[:200]
+        if isinstance(cause, pickle.UnpicklingError):  # not torch's advice to load it with weights_only=False
+            reason = "a tensor record holds something else: a pickle, or another file's bytes"
         raise CheckpointError(f"{what} failed, its files are damaged ({type(cause).__name__}: {reason})") from None
 
 
@@ -437,13 +440,20 @@ def read_model_tensors(state_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def is_sharded(state_dir: str | Path) -> bool:
-    """Whether ``state_dir`` holds a checkpoint in this format (older checkpoints hold the libraries' own)."""
-    return (Path(state_dir) / INFO_FILE).is_file()
+    """Whether ``state_dir`` holds a checkpoint in this format (older checkpoints hold the libraries' own): its
+    ``sharded.json`` or its DCP folder (one without the other is a damaged checkpoint of this format, which
+    :func:`read_info` names, not an old one to load with another library's message)."""
+    return (Path(state_dir) / INFO_FILE).is_file() or (Path(state_dir) / DCP_DIR).is_dir()
 
 
 def read_info(state_dir: str | Path) -> dict[str, Any]:
     """``sharded.json``: the format, strategy and layout that wrote ``state_dir``."""
     path = Path(state_dir) / INFO_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint '{path.parent.parent}': {path.parent.name}/{INFO_FILE} is missing beside its "
+            f"{DCP_DIR}/ folder; it is damaged: resume from another checkpoint"
+        )
     try:
         info = json.loads(path.read_text())
     except (OSError, ValueError) as error:

@@ -672,15 +672,19 @@ def _trainer_state(path: Path, saved: dict[str, Any]) -> TrainerState:
 
 def _rng_notes(saved_world: int, live_world: int, seed: int) -> list[str]:
     """What a change of process count does to the per-process RNG states (each process restores its own rank's)."""
+
+    def processes(first: int, last: int) -> str:
+        return f"process {first}" if first == last else f"processes {first} to {last}"
+
     if live_world > saved_world:
         return [
-            f"processes {saved_world} to {live_world - 1} have no RNG state in the checkpoint (written by "
+            f"{processes(saved_world, live_world - 1)} of this run have no RNG state in the checkpoint (written by "
             f"{saved_world}); they keep the RNG they started with (seed {seed})"
         ]
     if live_world < saved_world:
         return [
-            f"the RNG states of the checkpoint's processes {live_world} to {saved_world - 1} are not used (this run "
-            f"has {live_world}); random streams (dropout) continue from those of processes 0 to {live_world - 1}"
+            f"the RNG states of the checkpoint's {processes(live_world, saved_world - 1)} are not used (this run has "
+            f"{live_world}); random streams (dropout) continue from those of {processes(0, live_world - 1)}"
         ]
     return []
 
