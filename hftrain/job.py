@@ -98,7 +98,9 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         from hftrain.launch.storage import check_shared_output_dir
 
         # Several machines: a checkpoint is only resumable when all their ranks write into one folder.
-        check_shared_output_dir(trainer.accelerator, config.training.output_dir)
+        check_shared_output_dir(
+            trainer.accelerator.process_index, trainer.accelerator.num_processes, config.training.output_dir
+        )
     # The trainer accepted the resume checkpoint: the run is certain to start, and may now write.
     if write and is_main_process():
         write_run_config(config, plan)

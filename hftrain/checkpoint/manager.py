@@ -102,8 +102,11 @@ class CheckpointManager:
         # last step nothing changes them: the write reads them as they are.
         staged = snapshot if live else snapshot.staged(self._staging)
         group = self._background_group()
+        device = getattr(runtime, "device", None)
 
         def write_in_background() -> None:
+            _bind_device(device)  # this rank's GPU, not cuda:0 (a new thread starts on device 0)
+            staged.wait_copied()  # the staging copies run non-blocking into pinned memory on a GPU
             write(staged.state, state_dir / DCP_DIR, process_group=group)
             if main:  # DCP's save returns on the coordinator after every rank's shards are written
                 self._finish(staging, final, marker)
@@ -230,6 +233,19 @@ class _Pending:
     future: Future
 
 
+def _bind_device(device: Any) -> None:
+    """Make ``device`` the current CUDA device of the calling thread (nothing for a CPU run).
+
+    CUDA's current device is per thread and a new thread's is 0: the writer thread of rank 3 would otherwise open a
+    context on GPU 0 and run its copies on GPU 0's current stream.
+    """
+    import torch
+
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _in_a_thread(work: Callable[[], None]) -> Future:
     """Run ``work`` in a thread of its own; its future holds the outcome.
 
@@ -283,27 +299,15 @@ class _AgreedWrite:
                 error = raised
             except Exception as raised:  # torch/safetensors report a full disk as RuntimeError/SafetensorError
                 error = write_error(raised, self.what, self.staging, lambda: self.last)
-        if not any_rank(self.accelerator, error is not None):
+        from hftrain.parallel.host import any_rank  # torch: imported when a save runs
+
+        if not any_rank(error is not None):
             return
         if self.accelerator.is_main_process:
             shutil.rmtree(self.staging, ignore_errors=True)
         if error is None:
             error = WriteError(f"another process could not write {self.what}; see its error")
         raise error
-
-
-def any_rank(accelerator: Accelerator, flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any; a synchronisation point like a barrier.
-
-    Args:
-        accelerator: the run's accelerator.
-        flag: this rank's condition.
-    """
-    if accelerator.num_processes == 1:
-        return flag
-    import torch
-
-    return accelerator.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0
 
 
 def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str, Any]:

@@ -149,9 +149,13 @@ class Chunked:
         boxes = []
         for offsets, tensor in self.boxes:
             buffer = buffers.get((key, offsets))
+            # From a GPU: into pinned memory, without blocking the host (Snapshot.staged records the event the
+            # writer waits on); from the host: a plain copy.
+            on_gpu = tensor.is_cuda
             if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = buffers[(key, offsets)] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-            boxes.append((offsets, buffer.copy_(tensor.detach())))
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=on_gpu)
+                buffers[(key, offsets)] = buffer
+            boxes.append((offsets, buffer.copy_(tensor.detach(), non_blocking=on_gpu)))
         return Chunked(self.size, boxes)
 
     @property
@@ -514,15 +518,30 @@ class Snapshot:
     param_groups: list[dict[str, Any]]
     info: dict[str, Any] = field(default_factory=dict)
     model: Any = None
+    copied: Any = None
+    """A CUDA event recorded after the staging copies from a GPU (None: nothing to wait for)."""
 
     def staged(self, buffers: dict[Any, torch.Tensor]) -> Snapshot:
         """The same snapshot with every box copied to CPU memory, for a write while training goes on.
+
+        Copies from a GPU are non-blocking into pinned memory, on the current stream, so they are ordered after
+        the step that computed the states and before the next one's in-place updates; the writer thread waits for
+        :attr:`copied` before it reads a byte (:meth:`wait_copied`).
 
         Args:
             buffers: the staging copies of the previous save, reused and updated (see :meth:`Chunked.staged`).
         """
         state = {key: value.staged(buffers, key) for key, value in self.state.items()}
-        return Snapshot(state, self.param_groups, self.info, self.model)
+        copied = None
+        if any(t.is_cuda for value in self.state.values() for _, t in value.boxes):
+            copied = torch.cuda.Event()
+            copied.record()
+        return Snapshot(state, self.param_groups, self.info, self.model, copied)
+
+    def wait_copied(self) -> None:
+        """Block until the staging copies have landed (nothing to wait for on a CPU, or for live states)."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
     @property
     def nbytes(self) -> int:

@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from hftrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from accelerate import Accelerator
 
 
 def existing_anchor(path: Path) -> Path:
@@ -26,37 +21,36 @@ def existing_anchor(path: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def check_shared_output_dir(accelerator: Accelerator, output_dir: str | Path) -> None:
-    """Refuse a multi-process run whose ranks do not all see the same ``output_dir`` (collective).
+def check_shared_output_dir(rank: int, world_size: int, output_dir: str | Path) -> None:
+    """Refuse a multi-process run whose ranks do not all see the same ``output_dir`` (collective, over the host
+    group of ``parallel.host``: an NCCL default group takes no CPU tensor).
 
     Args:
-        accelerator: the run's accelerator (its process group carries the check).
+        rank: this process's global rank.
+        world_size: the number of processes.
         output_dir: the run's output folder (it need not exist yet).
     """
-    import torch
-    from accelerate.utils import broadcast_object_list
+    from hftrain.parallel.host import all_sum, barrier, broadcast_object
 
-    token = [secrets.token_hex(8) if accelerator.is_main_process else None]
-    broadcast_object_list(token)
+    token = broadcast_object(secrets.token_hex(8) if rank == 0 else None)
     anchor = existing_anchor(Path(output_dir))
-    pattern = f".hftrain-shared-{token[0]}-rank"
-    mine = anchor / f"{pattern}{accelerator.process_index}"
+    pattern = f".hftrain-shared-{token}-rank"
+    mine = anchor / f"{pattern}{rank}"
     try:
         mine.touch()
         problem = None
     except OSError as error:  # every rank still takes part in the collectives below, so none hangs
-        problem = f"rank {accelerator.process_index} cannot write in '{anchor}' ({error.strerror})"
-    accelerator.wait_for_everyone()
+        problem = f"rank {rank} cannot write in '{anchor}' ({error.strerror})"
+    barrier()
     seen = len(list(anchor.glob(f"{pattern}*")))
-    sees_all = torch.tensor([float(problem is None and seen == accelerator.num_processes)])
-    everyone = accelerator.reduce(sees_all, reduction="sum").item()
-    accelerator.wait_for_everyone()
+    (everyone,) = all_sum([float(problem is None and seen == world_size)])
+    barrier()
     mine.unlink(missing_ok=True)
     if problem:
         raise ConfigError(f"training.output_dir: {problem}; choose a folder every rank can write")
-    if everyone != accelerator.num_processes:
+    if everyone != world_size:
         raise ConfigError(
-            f"training.output_dir '{output_dir}' is not shared by all machines: rank {accelerator.process_index} "
-            f"sees the markers of {seen} of {accelerator.num_processes} ranks, so each machine would write "
-            "checkpoints nobody can resume; put output_dir on a file system every machine mounts (e.g. NFS)"
+            f"training.output_dir '{output_dir}' is not shared by all machines: rank {rank} sees the markers of "
+            f"{seen} of {world_size} ranks, so each machine would write checkpoints nobody can resume; put "
+            "output_dir on a file system every machine mounts (e.g. NFS)"
         )

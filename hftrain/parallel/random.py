@@ -220,11 +220,12 @@ def save_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> 
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from hftrain.parallel.host import gather_bytes
+
     states = tracker.states()
     coords = torch.tensor([groups.pp_rank, groups.tp_rank, groups.cp_rank, groups.dp_rank], dtype=torch.int64)
     flat = torch.cat([coords.view(torch.uint8), states["default"].cpu(), states["tensor"].cpu()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
+    gathered = gather_bytes(flat)  # over the host group: a CUDA run's default group takes no CPU tensor
     if dist.get_rank() != 0:
         return
     size = states["default"].numel()

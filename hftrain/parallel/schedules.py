@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -52,6 +51,7 @@ from torch.distributed.pipelining import (
 )
 
 from hftrain.errors import AxisError, ConfigError
+from hftrain.parallel.host import broadcast_ints, recv_object, send_object
 from hftrain.parallel.pipeline import chunk_ids_of_rank
 from hftrain.parallel.timeline import TimelineRecorder
 
@@ -286,7 +286,7 @@ class PipelineSchedule:
     def _first_stage_args(self, inputs: dict[str, torch.Tensor] | None) -> tuple[tuple, tuple[int, int, int]]:
         """Positional inputs of the first chunk, and ``(batch, seq, has_token_types)`` agreed by all stages."""
         args: tuple = ()
-        shape = torch.zeros(3, dtype=torch.int64)
+        shape: list[int] | None = None
         if self.is_first:
             if inputs is None or "input_ids" not in inputs:
                 raise ValueError("the first pipeline stage needs inputs with input_ids")
@@ -295,10 +295,11 @@ class PipelineSchedule:
             mask = torch.ones_like(ids) if mask is None else mask.to(self.device)
             types = inputs.get("token_type_ids")
             args = (ids, mask) if types is None else (ids, mask, types.to(self.device))
-            shape = torch.tensor([ids.shape[0], ids.shape[1], int(types is not None)])
-        if self.pp > 1:  # later stages see no inputs: they learn the shape from the first
-            dist.broadcast(shape, group=self.pp_group, group_src=0)
-        return args, tuple(int(x) for x in shape)
+            shape = [ids.shape[0], ids.shape[1], int(types is not None)]
+        if self.pp > 1:  # later stages see no inputs: they learn the shape from the first, over the host group
+            shape = broadcast_ints(shape, 3, group=self.pp_group, group_src=0)
+        assert shape is not None
+        return args, tuple(shape)
 
     def _last_stage_kwargs(self, target: torch.Tensor | None, rows: slice, losses: list) -> dict:
         if not self.is_last:
@@ -496,14 +497,12 @@ class ZBVSchedule(Interleaved1F1BSchedule):
             for c in range(num_chunks):
                 if c not in local:
                     continue
-                if c > 0 and owner[c - 1] != self.pp_rank:
-                    box: list[Any] = [None]
-                    dist.recv_object_list(box, group=self.pp_group, group_src=owner[c - 1])
-                    acts = box[0]
+                if c > 0 and owner[c - 1] != self.pp_rank:  # host objects: no pickled CUDA tensor
+                    acts = recv_object(group=self.pp_group, group_src=owner[c - 1], device=self.device)
                 out = local[c](*acts)
                 acts = out if isinstance(out, tuple) else (out,)
                 if c + 1 < num_chunks and owner[c + 1] != self.pp_rank:
-                    dist.send_object_list([acts], group=self.pp_group, group_dst=owner[c + 1])
+                    send_object(acts, group=self.pp_group, group_dst=owner[c + 1])
         return acts[0] if self.is_last else None
 
 

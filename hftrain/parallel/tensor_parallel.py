@@ -186,13 +186,14 @@ def _refuse_unsupported(model: nn.Module) -> None:
 
 def _check_replicated(model: nn.Module, tp_group: Any) -> None:
     """Every tp rank must start from the same full weights (same seed); a checksum costs one all-reduce."""
+    from hftrain.parallel.host import all_max
+
     with torch.no_grad():
         # Parameters on ``meta`` (a pipeline rank's other stages, never built) are the same on every tp rank.
         sums = [p.detach().double().sum() for p in model.parameters() if p.device.type != "meta"]
-        total = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
-        bounds = torch.stack([total, -total])
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=tp_group)
-    if not torch.isclose(bounds[0], -bounds[1], rtol=0, atol=1e-9 * max(1.0, abs(total.item()))):
+        total = torch.stack(sums).sum().item() if sums else 0.0  # on the host: one sync, at build time only
+    high, negated_low = all_max([total, -total], tp_group)  # over the host group: max and min of the checksums
+    if abs(high + negated_low) > 1e-9 * max(1.0, abs(total)):
         raise HFTrainError(
             "the model's weights differ across tensor-parallel ranks; build it with the same seed on every rank "
             "(tensor parallelism splits identical full weights)"
@@ -430,7 +431,9 @@ def clip_grad_norm_(
     # a replicated slice's other copies (the same gradient after finalize_tp_grads) are not counted again
     grads = {name: p.grad for name, p in params.items() if p.grad is not None}
     counted = {name for name in grads if name not in split or split[name].first_replica}
-    device = next(iter(grads.values())).device if grads else None
+    # where the norms are summed: the gradients' device (a rank with none: its parameters', never the host by default,
+    # which an NCCL group would not take)
+    device = next(iter(grads.values())).device if grads else next(iter(params.values())).device if params else None
     squares = torch.zeros(3, dtype=torch.float64, device=device)  # (split, replicated, experts) sums of squares
     for name, grad in grads.items():
         # Each tensor's norm in fp32 (no float64 copy of a 28M-element embedding gradient: that transient cost

@@ -222,12 +222,11 @@ class AccelerateRuntime:
         return self.accelerator.reduce(tensor, reduction=reduction)
 
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any (one all-reduce; free in one process)."""
-        import torch
+        """True on every rank when ``flag`` is true on any (one all-reduce over the host group, ``parallel.host``:
+        the default group of an NCCL run takes no CPU tensor; free in one process)."""
+        from hftrain.parallel.host import any_rank
 
-        if self.num_processes == 1:
-            return flag
-        return self.accelerator.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0
+        return flag if self.num_processes == 1 else any_rank(flag)
 
     def skip_first_batches(self, loader: Any, num_batches: int) -> Any:
         """``loader`` without its first ``num_batches`` batches, skipped at the sampler level.

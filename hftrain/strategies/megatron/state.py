@@ -231,6 +231,8 @@ def iter_full_state(
     ]
     stages = _merged_over_stages(local, groups.pp_group) if groups.pp_size > 1 else [local]
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # Received where this rank computes: the default group of a CUDA run (NCCL) takes no CPU tensor.
+    device = next(iter(params.values())).device if params else torch.device("cpu")
     holder = groups.dp_rank == 0 and groups.cp_rank == 0
     in_first_ep_group = groups.dp_rank < groups.ep_size and groups.cp_rank == 0  # its ranks hold every expert
     for stage, entries in enumerate(stages):
@@ -247,7 +249,7 @@ def iter_full_state(
             if sender != 0 and rank == sender:
                 dist.send(full.contiguous(), dst=0)
             elif sender != 0 and rank == 0:
-                full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
                 dist.recv(full, src=sender)
             yield name, full if rank == 0 else None
             del full
