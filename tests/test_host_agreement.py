@@ -100,6 +100,20 @@ def _host_paths_without_a_cpu_backend(output_dir: str) -> dict:
     host.barrier()
     out["streams written"] = (streams / FILE).is_file()
 
+    # A whole model split on the host (megatron moves only the shards to the GPU afterwards): no collective of the
+    # split may take the CPU weights. Llama and a mixture of experts (tp × ep over the two ranks' groups).
+    from transformers import AutoModelForSequenceClassification
+
+    from hftrain.parallel import parallelize_model
+    from tests.tiny import tiny_config
+
+    for kind, dims in (("llama", ParallelDims(world_size=2, tp=2)), ("mixtral", ParallelDims(world_size=2, ep=2))):
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_config(tiny_config(kind))
+        split_groups = groups if dims.tp == 2 else build_groups(dims, rank)
+        parallelize_model(model, split_groups)
+        out[f"{kind} split on the host"] = all(p.device.type == "cpu" for p in model.parameters())
+
     # The pipeline: the first stage's shape broadcast, and ZBV's forward-only evaluation down and up the V.
     from hftrain.parallel.schedules import SCHEDULES
 
@@ -128,6 +142,7 @@ def test_every_host_side_collective_runs_in_a_group_without_a_cpu_backend(tmp_pa
         assert out["agreed failure"] == "WriteError", rank
         assert out["storage check"] == "ok" and out["replica check"] == "ok"
         assert out["shape"] == (2, 3, 0)
+        assert out["llama split on the host"] and out["mixtral split on the host"]
     assert results[0]["streams written"]
     expected = (__import__("torch").arange(6).view(2, 3).float() + 4).tolist()  # four chunks, each adding one
     assert results[0]["zbv logits"] == expected and results[1]["zbv logits"] is None

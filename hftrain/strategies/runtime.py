@@ -337,8 +337,10 @@ class AccelerateRuntime:
         for name, value in get_model_state_dict(model).items():  # wrapper-free names; FSDP's shards
             if isinstance(value, DTensor):  # FSDP2: all-gather of one parameter
                 full = value.full_tensor()
-            elif isinstance(value, ShardedTensor):  # FSDP1: gathered to rank 0
-                full = torch.empty(value.size(), dtype=value.dtype) if main else None
+            elif isinstance(value, ShardedTensor):  # FSDP1: gathered to rank 0, on the shards' device (NCCL's)
+                shards = value.local_shards()
+                device = shards[0].tensor.device if shards else self.device
+                full = torch.empty(value.size(), dtype=value.dtype, device=device) if main else None
                 value.gather(dst=0, out=full)
             else:
                 full = value

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hftrain.checkpoint.run import TIMELINE_JSON, TIMELINE_PNG
+from hftrain.strategies.megatron.plugin import to_device
 from hftrain.strategies.megatron.runtime import MegatronRuntime, OptimizerPlan, autocast_forward
 
 if TYPE_CHECKING:
@@ -222,8 +223,9 @@ class PipelineRuntime(MegatronRuntime):
 
         layout, device = self.plugin.layout, self.accelerator.device
         plan = OptimizerPlan.take(optimizer, model)  # the optimizer lets go of the full model's parameters
-        # Split every layer over tp (the plugin's one preparation), then keep this rank's stages and free the rest.
-        model = self.plugin.parallelize(model, device=device)
+        # Split every layer over tp on the host (the plugin's one preparation), keep this rank's stages and move
+        # only those to the device; the rest is freed below, never having reached it.
+        model = self.plugin.parallelize(model, device=device, move=False)
         stages = build_stage_modules(
             model,
             pp_rank=layout.pp_rank,
@@ -233,6 +235,8 @@ class PipelineRuntime(MegatronRuntime):
             layout=schedule_class(self.pipeline.schedule).layout,  # which chunks a rank holds (loop or V)
             ranges=self._ranges,
         )
+        for stage in stages:
+            to_device(stage, device)
         if self.mixed_precision != "no":
             for stage in stages:
                 autocast_forward(stage, self.accelerator)
@@ -253,6 +257,7 @@ class PipelineRuntime(MegatronRuntime):
         pipeline = PipelineModel(model, stages, schedule, layout)
         prepared = self._prepare_rest(plan, train_loader, eval_loader)
         release_other_stages(model, stages)
+        to_device(model, device)  # what this rank keeps outside its stages (buffers); the rest is on meta now
         self.release_freed_memory()  # resident memory drops now, not only when later allocations reuse it
         return pipeline, *prepared
 

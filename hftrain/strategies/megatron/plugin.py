@@ -112,8 +112,13 @@ class MegatronPlugin:
         return self.tp if self.sequence_parallel and self.tp > 1 else None
 
     # ----------------------------------------------------------------- wrapping
-    def parallelize(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
-        """Move the model and split it over this rank's groups (``hftrain.parallel.parallelize_model``), in place.
+    def parallelize(self, model: torch.nn.Module, *, device: Any = None, move: bool = True) -> torch.nn.Module:
+        """Split the model over this rank's groups (``hftrain.parallel.parallelize_model``) where it was built (the
+        host), then move only this rank's shards to ``device``; in place.
+
+        The whole model never reaches the GPU: a model that needs tensor parallelism because it does not fit one GPU
+        would not survive being moved there whole first. Splitting runs no collective on the weights (the replica
+        check agrees on a host checksum, ``parallel.host``).
 
         Every rank must hold the same full weights before (same seed or the same checkpoint). The RNG tracker
         (``hftrain.parallel.random``) is seeded here from the seed the model was built with (``torch.initial_seed``,
@@ -121,20 +126,20 @@ class MegatronPlugin:
 
         Args:
             model: an unchanged HF ``*ForSequenceClassification`` model.
-            device: where the shards live (None: stay where they are).
+            device: where the shards live and the RNG streams draw (None: stay where they are).
+            move: move the split model to ``device`` (False: the caller moves the parts this rank keeps, as the
+                pipeline moves only its stages).
         """
         import torch
 
         from hftrain.parallel import parallelize_model
         from hftrain.parallel.random import RNGTracker
 
-        if device is not None:  # first: splitting runs a collective on the weights, on the group's device
-            model = _to_device(model, device)
         layout = self.layout
         self.rng_tracker = RNGTracker(
             seed=torch.initial_seed(), tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, device=device or "cpu"
         ).seed_streams()
-        return parallelize_model(
+        model = parallelize_model(
             model,
             layout,
             sequence_parallel=self.sequence_parallel,
@@ -144,6 +149,7 @@ class MegatronPlugin:
             vocab_multiple=self.vocab_multiple,
             moe_capacity_factor=self.moe_capacity_factor,
         )
+        return to_device(model, device) if device is not None and move else model
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
         """``parallelize`` the model, then wrap it in DDP over the dp group (no pipeline stages).
@@ -275,7 +281,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def _to_device(model: torch.nn.Module, device: Any) -> torch.nn.Module:
+def to_device(model: torch.nn.Module, device: Any) -> torch.nn.Module:
     """``model.to(device)``, leaving parameters on ``meta`` where they are (a pipeline rank's other stages)."""
     return model._apply(lambda t: t if t.device.type == "meta" else t.to(device))
 
