@@ -304,7 +304,8 @@ def _preflight_launch() -> None:
     from hftrain.log import get_logger
     from hftrain.strategies.platform import Platform
 
-    found = preflight_launch(os.environ, backend=Platform.detect().backend)
+    platform = Platform.detect()
+    found = preflight_launch(os.environ, backend=platform.backend, gpus=platform.gpus)
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine
         for note in found.notes:
             get_logger().info(note)

@@ -320,3 +320,16 @@ def test_preflight_sets_the_interface_of_the_route_to_the_rendezvous():
     env["GLOO_SOCKET_IFNAME"] = "nosuch0"
     with pytest.raises(ConfigError, match="nosuch0, which this machine does not have"):
         preflight_launch(env, backend="gloo")
+    # Under nccl, gloo's variable is set too: hftrain's host-side agreements run over gloo groups beside NCCL's.
+    del env["GLOO_SOCKET_IFNAME"]
+    found = preflight_launch(env, backend="nccl")
+    assert env["GLOO_SOCKET_IFNAME"] == name and "NCCL_SOCKET_IFNAME" not in env
+    assert found.notes[1] == f"NCCL_SOCKET_IFNAME unset; nccl will choose (the rendezvous is reached over {name})"
+
+
+def test_more_local_processes_than_gpus_are_refused():
+    env = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    with pytest.raises(ConfigError, match=r"4 processes on this machine but 2 GPU\(s\) visible.*--nproc_per_node 2"):
+        preflight_launch(env, backend="nccl", gpus=2)
+    assert preflight_launch(env, backend="nccl", gpus=4).world_size == 4

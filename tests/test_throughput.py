@@ -175,3 +175,25 @@ def test_what_a_drawing_prints_does_not_reach_the_answers():
     assert done.returncode == 0
     assert [json.loads(line) for line in done.stdout.splitlines()] == [{"status": "drawn"}] * 2
     assert done.stderr.count("noise from a library [1, 2]") == 2
+
+
+def test_gpu_datasheet_peaks_tell_parts_and_precisions_apart():
+    """H100 PCIe is not rated as SXM, A100 not as A10, and an fp32 run is rated against the fp32 peak (or TF32's
+    when torch allows it), never against the bf16 one."""
+    import torch
+
+    from hftrain.trainers.throughput import datasheet_peak
+
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.0
+    assert datasheet_peak("NVIDIA H100 PCIe", "bf16")[0] == 756.0
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16")[0] == 312.0
+    assert datasheet_peak("NVIDIA A10", "bf16")[0] == 125.0
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert datasheet_peak("NVIDIA H100 80GB HBM3", "no") == (66.9, "NVIDIA H100 80GB HBM3 datasheet, fp32")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert datasheet_peak("NVIDIA H100 80GB HBM3", "no")[0] == 989.0 / 2
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert datasheet_peak("Some Future GPU", "bf16") is None

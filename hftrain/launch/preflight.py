@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from hftrain.errors import ConfigError, ProcessError
 from hftrain.launch.rendezvous import (
@@ -55,12 +56,13 @@ def local_world_size(environ: MutableMapping[str, str]) -> int | None:
     return _int(environ, name, minimum=1)
 
 
-def preflight_launch(environ: MutableMapping[str, str], *, backend: str) -> LaunchPreflight:
-    """Check the launcher's environment; set the interface variable of a multi-machine gloo job when unset.
+def preflight_launch(environ: MutableMapping[str, str], *, backend: str, gpus: int | None = None) -> LaunchPreflight:
+    """Check the launcher's environment; set gloo's interface variable of a multi-machine job when unset.
 
     Args:
         environ: the process environment (``os.environ``; the interface variable may be added to it).
         backend: ``gloo`` or ``nccl``.
+        gpus: GPUs visible on this machine (None: a CPU run): more local processes than GPUs would share one.
     """
     world = _int(environ, "WORLD_SIZE", default="1", minimum=1)
     if world == 1:
@@ -73,6 +75,11 @@ def preflight_launch(environ: MutableMapping[str, str], *, backend: str) -> Laun
             f"launcher environment: RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world}, local processes "
             f"{local} are inconsistent (each machine must run the same number of processes); start with one launcher"
         )
+    if gpus is not None and local > gpus:
+        raise ProcessError(
+            f"launcher environment: {local} processes on this machine but {gpus} GPU(s) visible; launch one process "
+            f"per GPU (--nproc_per_node {gpus}), or make the GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
     check_elastic(environ)
     report = LaunchPreflight(world, local, parse_rendezvous(environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")))
     if report.num_machines > 1:
@@ -83,10 +90,12 @@ def preflight_launch(environ: MutableMapping[str, str], *, backend: str) -> Laun
 def check_interface(
     environ: MutableMapping[str, str], rendezvous: Rendezvous, *, backend: str, machines: int
 ) -> list[str]:
-    """Make sure the backend talks over the interface that reaches the rendezvous; returns notes to log.
+    """Make sure the backends talk over the interface that reaches the rendezvous; returns notes to log.
 
-    gloo's variable is set when unset (and said so); nccl chooses well by itself, so it is only reported.
-    A variable naming an interface this machine lacks, or a loopback rendezvous for several machines, is an error.
+    gloo's variable is set when unset (and said so), under nccl too: hftrain's host-side agreements run over gloo
+    groups beside the NCCL ones (``parallel.host``), as FSDP's CPU offload does. nccl chooses well by itself, so
+    its variable is only reported. A variable naming an interface this machine lacks, or a loopback rendezvous for
+    several machines, is an error.
 
     Args:
         environ: the process environment.
@@ -94,7 +103,6 @@ def check_interface(
         backend: ``gloo`` or ``nccl``.
         machines: machines in the job.
     """
-    variable = INTERFACE_VARIABLES[backend]
     interface, source = interface_for(rendezvous.addr)
     addresses = interface_addresses()
     if is_loopback(interface, addresses):
@@ -102,6 +110,17 @@ def check_interface(
             f"MASTER_ADDR {rendezvous.addr} is reached over loopback ({interface}) but the job spans {machines} "
             "machines; set the launcher's master address to the main machine's address on the network they share"
         )
+    backends = ["gloo"] if backend == "gloo" else ["gloo", backend]
+    notes: list[str] = []
+    for each in backends:
+        notes += _check_variable(environ, each, rendezvous, interface, source, addresses)
+    return notes
+
+
+def _check_variable(
+    environ: MutableMapping[str, str], backend: str, rendezvous: Rendezvous, interface: str, source: str, addresses: Any
+) -> list[str]:
+    variable = INTERFACE_VARIABLES[backend]
     current = environ.get(variable)
     if current is None:
         if backend != "gloo":

@@ -60,6 +60,13 @@ class Platform:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         return cls(device="cpu", backend="gloo")
 
+    @property
+    def gpus(self) -> int | None:
+        """GPUs visible to this process (None on a CPU)."""
+        import torch
+
+        return None if self.is_cpu else torch.cuda.device_count()
+
     def native_bf16(self) -> str | None:
         """Why this device computes bf16 natively (the CPU flag or the GPU), or None when it only emulates it.
 
@@ -68,8 +75,8 @@ class Platform:
         """
         import torch
 
-        if not self.is_cpu:
-            return "CUDA bf16" if torch.cuda.is_bf16_supported() else None
+        if not self.is_cpu:  # natively: V100 and T4 emulate bf16, several times slower than fp16 or fp32
+            return "CUDA bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else None
         flags = cpu_flags()
         found = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
         return f"CPU flag {found[0]}" if found else None

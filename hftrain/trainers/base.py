@@ -512,7 +512,9 @@ class Trainer:
             if runtime.sync_gradients and self.args.max_grad_norm > 0:
                 runtime.clip_grad_norm_(self.model, self.args.max_grad_norm)
             self.optimizer.step()  # a no-op inside the window: the prepared optimizer skips it until sync_gradients
-            if runtime.sync_gradients:
+            # fp16's loss scaler skips the step of a window whose gradients overflowed: the schedule waits with it
+            # (Accelerate's prepared scheduler does the same; this one is the Trainer's own).
+            if runtime.sync_gradients and not getattr(self.optimizer, "step_was_skipped", False):
                 self.lr_scheduler.step()
             self.optimizer.zero_grad()
         self.state.samples_seen += batch["labels"].shape[0] * runtime.dp_size

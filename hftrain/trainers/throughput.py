@@ -36,8 +36,39 @@ from typing import Any
 import torch
 from torch import nn
 
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s) from NVIDIA's datasheets, by a name the device reports.
-DATASHEET_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+# Dense peaks (TFLOP/s) from NVIDIA's datasheets: (bf16/fp16 tensor cores, fp32 without TF32), by a fragment of the
+# name the device reports, most specific first ("NVIDIA H100 PCIe" and "NVIDIA H100 80GB HBM3", the SXM part, differ
+# by a third; "A100" before "A10"). V100 has no bf16: its fp16 figure.
+DATASHEET_TFLOPS: dict[str, tuple[float, float]] = {
+    "H100 PCIe": (756.0, 51.2),
+    "H100 NVL": (835.0, 60.0),
+    "H100": (989.0, 66.9),
+    "H200": (989.0, 66.9),
+    "A100": (312.0, 19.5),
+    "L40S": (362.0, 91.6),
+    "A10": (125.0, 31.2),
+    "V100": (125.0, 15.7),
+}
+
+
+def datasheet_peak(name: str, mixed_precision: str) -> tuple[float, str] | None:
+    """The datasheet peak (TFLOP/s) of a GPU named ``name`` for this precision, and what it is; None when unknown.
+
+    fp32 (``mixed_precision: no``) is rated against the fp32 peak, or the TF32 one (half the bf16 peak) when torch
+    lets fp32 matmuls use TF32 (``torch.backends.cuda.matmul.allow_tf32``), not against the bf16 peak.
+
+    Args:
+        name: ``torch.cuda.get_device_name``.
+        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"``.
+    """
+    for model, (half, fp32) in DATASHEET_TFLOPS.items():
+        if model in name:
+            if mixed_precision in ("bf16", "fp16"):
+                return half, f"{name} datasheet, dense {mixed_precision}"
+            if torch.backends.cuda.matmul.allow_tf32:
+                return half / 2, f"{name} datasheet, dense tf32"
+            return fp32, f"{name} datasheet, fp32"
+    return None
 
 
 @dataclass(frozen=True)
@@ -146,10 +177,9 @@ def peak_flops(device: torch.device, mixed_precision: str, user_tflops: float | 
     if user_tflops:
         return user_tflops * 1e12, "training.peak_tflops"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for model, tflops in DATASHEET_TFLOPS.items():
-            if model in name:
-                return tflops * 1e12, f"{name} datasheet, dense bf16"
+        found = datasheet_peak(torch.cuda.get_device_name(device), mixed_precision)
+        if found is not None:
+            return found[0] * 1e12, found[1]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
     name = str(dtype).removeprefix("torch.")
     if device.type != "cpu":
