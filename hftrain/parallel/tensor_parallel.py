@@ -459,7 +459,7 @@ def clip_grad_norm_(
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each float width
 
 
-def check_replicas_agree(model: nn.Module, *, tp_group: Any) -> None:
+def check_replicas_agree(model: nn.Module, *, tp_group: Any, exact: bool = True) -> None:
     """Refuse a model whose replicated parameters are no longer bit-identical across the tp group (collective).
 
     Tensor parallelism keeps one copy of every unsplit parameter (norms, biases of row-parallel layers, position
@@ -470,12 +470,22 @@ def check_replicas_agree(model: nn.Module, *, tp_group: Any) -> None:
     bit changes it unless differences cancel), compared by one all-reduce (max of ``[s, -s]``) over tp; the copies
     of a key/value head replicated over several ranks (``TPShard.replicas``) are compared by one more.
 
+    On a GPU some kernels are not deterministic (``index_add_`` in mixture-of-experts routing, atomics in
+    backward passes): replicated parameters then drift by a few bits in a step and a bitwise check would refuse
+    every checkpoint. With ``exact=False`` the check compares after one broadcast instead (:func:`_resync_replicas`):
+    each rank's copy against tp rank 0's within ``REPLICA_RTOL`` of its largest magnitude, and then takes rank 0's
+    bits, so the drift never accumulates past one checkpoint interval while a diverged run is still refused.
+
     Args:
         model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
         tp_group: the tensor-parallel group.
+        exact: bit-identical (deterministic kernels: a CPU), else within ``REPLICA_RTOL`` after one broadcast.
     """
     size = dist.get_world_size(tp_group)
     if size == 1:
+        return
+    if not exact:
+        _resync_replicas(model, tp_group)
         return
     split = sharded_parameters(model)
     names, sums, copies, copy_sums = [], [], [], []
@@ -509,6 +519,49 @@ def check_replicas_agree(model: nn.Module, *, tp_group: Any) -> None:
             f"replicated parameter '{differ[0]}'{more} differs across the tensor-parallel ranks; the "
             "ranks no longer train one model (a dropout mask or an update that was not the same on every tp rank), "
             "so nothing was saved; resume from the last checkpoint"
+        )
+
+
+REPLICA_RTOL = 1e-3
+"""How far a replicated parameter's copy may lie from tp rank 0's, relative to its largest magnitude, where kernels
+are not deterministic: bit-level drift of summation order is ~1e-7 per step; a replica trained on another dropout
+mask or update differs by the size of an update (the learning rate, 1e-5 to 1e-3 of the weights) in every element
+and grows from there, and is refused once it passes this bound."""
+
+
+def _resync_replicas(model: nn.Module, tp_group: Any) -> None:
+    """Compare every replicated parameter with tp rank 0's copy (one broadcast per dtype), then take its bits."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from hftrain.parallel.host import any_rank
+
+    split = sharded_parameters(model)
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, param in model.named_parameters():
+        shard = split.get(_logical(name))
+        if param.device.type != "meta" and (shard is None or shard.replicas > 1):
+            by_dtype.setdefault(param.dtype, []).append((_logical(name), param))
+    differ: list[str] = []
+    for entries in by_dtype.values():
+        mine = [param.detach() for _, param in entries]
+        reference = _flatten_dense_tensors(mine)
+        # A key/value head held by several ranks: the copies of rank 0's slice are compared and resynchronised (the
+        # other slices' copies see the same kernels; the exact check on a CPU compares them all).
+        dist.broadcast(reference, group=tp_group, group_src=0)
+        for (name, param), ref in zip(entries, _unflatten_dense_tensors(reference, mine), strict=True):
+            shard = split.get(name)
+            if shard is not None and shard.rank // shard.replicas != 0:
+                continue  # another slice than rank 0's
+            scale = max(ref.abs().max().item(), 1e-12)
+            if (param.detach() - ref).abs().max().item() > REPLICA_RTOL * scale:
+                differ.append(name)
+            else:
+                param.data.copy_(ref)
+    if any_rank(bool(differ), tp_group):
+        raise HFTrainError(
+            f"replicated parameter '{differ[0] if differ else 'of another rank'}' differs across the tensor-parallel "
+            f"ranks by more than {REPLICA_RTOL:g} of its magnitude; the ranks no longer train one model, so nothing "
+            "was saved; resume from the last checkpoint"
         )
 
 
