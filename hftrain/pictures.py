@@ -19,6 +19,13 @@ evaluation to the saved model, took 0.94 s with it and 0.70 s without the drawin
 priority (``nice 19``): it takes idle CPU time only. On a CPU, torch's threads take every core, and one of them
 preempted by a drawing holds up every parallel region of a step; when the run waits for its last drawing (``close``),
 the cores are idle and the drawing has them.
+
+A picture is a by-product: a drawing that fails, for whatever reason, is one warning line and never stops the run or
+decides its exit code. The child runs in a session of its own, so that a signal to the job's process group
+(``kill -TERM -PGID``, ``timeout``, Slurm's signal to a job step; preemption, ``hftrain/checkpoint/preemption.py``)
+reaches the training process only, which checkpoints and exits 75 while its drawing process draws on. Out of the
+group, the child still ends with its parent: at the empty line :meth:`BackgroundPainter.close` sends, at the end of
+its stdin, and on Linux at its parent's death whatever killed it (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -128,9 +136,10 @@ RENDERERS: dict[str, Callable[[Any, Path], Path | None]] = {
 class BackgroundPainter:
     """Draws a picture (``RENDERERS[kind](data, path)``) in a child process, one drawing at a time.
 
-    A picture that cannot be written (an ``OSError`` in the child), or a child that cannot be started, is a warning,
-    never a stopped run; any other failure of the drawing is raised by the next :meth:`draw` or :meth:`wait`, with
-    the child's error line, and data JSON cannot carry by :meth:`draw` itself.
+    A drawing that fails is one warning line from the next :meth:`draw` or :meth:`wait`, never a stopped run: a
+    picture that cannot be written (an ``OSError`` in the child), a renderer's error (the child's error line), a
+    child that ended (killed, out of memory; the next drawing starts another) or that cannot be started. Data JSON
+    cannot carry is the caller's bug, raised by :meth:`draw` itself.
 
     Args:
         kind: a key of :data:`RENDERERS`.
@@ -171,18 +180,16 @@ class BackgroundPainter:
         self.drawing = True
 
     def wait(self) -> None:
-        """Wait for the drawing in flight, if any; raise what it failed with (other than a file error)."""
+        """Wait for the drawing in flight, if any; one warning line if it failed."""
         if not self.drawing:
             return
         self.drawing = False
         answer = self._child.receive()
         if answer is None:  # the child ended: its last error line says why; the next drawing starts another
             child, self._child = self._child, None
-            raise RuntimeError(f"drawing {self.path.name} failed: {child.close()}")
-        if answer["status"] == "cannot_write":  # not worth stopping the run for (and only this rank would)
-            self._warn(f"warning: {self.path.name} not drawn ({answer['why']})")
-        elif answer["status"] != "drawn":
-            raise RuntimeError(f"drawing {self.path.name} failed: {answer['why']}")
+            self._warn(f"warning: {self.path.name} not drawn (the drawing process ended: {child.close()})")
+        elif answer["status"] != "drawn":  # a file error or the renderer's: a picture never stops the run (and
+            self._warn(f"warning: {self.path.name} not drawn ({answer['why']})")  # only the main process draws)
 
     def close(self) -> None:
         """Wait for the drawing in flight, then end the child."""
@@ -196,17 +203,22 @@ class BackgroundPainter:
 
 class _Child:
     """A ``python -m hftrain.pictures serve`` process; its stderr goes to a temporary file (a pipe nobody reads could
-    fill and stop it), read when it ends."""
+    fill and stop it), read when it ends.
+
+    It starts a session of its own (out of the job's process group: a signal to the group is the training process's
+    to handle, not a kill of the drawing) and ends when this process does (:func:`_end_with_parent`).
+    """
 
     def __init__(self) -> None:
         self._errors = tempfile.TemporaryFile()
         self.parent = os.getpid()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, "serve", str(LOWEST_PRIORITY)],
+            [sys.executable, "-m", __name__, "serve", str(LOWEST_PRIORITY), str(self.parent)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._errors,
             env=_child_environment(),
+            start_new_session=True,
         )
 
     def send(self, request: bytes) -> None:
@@ -277,10 +289,34 @@ def _child_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def _serve(nice: int) -> None:
+PR_SET_PDEATHSIG = 1
+"""Linux's ``prctl`` option: the signal this process gets when its parent ends (``<linux/prctl.h>``)."""
+
+
+def _end_with_parent(parent: int) -> None:
+    """End this process when ``parent`` ends, however it ends (a SIGKILL included), on Linux; elsewhere the end of
+    stdin ends it, once every process forked from the parent (a data loader's worker) has let go of the pipe.
+
+    The kernel sends the signal when the thread that started this process ends: painters are made in the training
+    loop's (main) thread. A parent that ended before the signal was asked for is seen in ``getppid``.
+
+    Args:
+        parent: the process id of the painter's process.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _serve(nice: int, parent: int | None = None) -> None:
     """The child: matplotlib imported first, then each request line (``kind``, ``path``, ``data``) drawn and answered
     with one line: ``drawn``, ``cannot_write`` (an ``OSError``) or ``failed`` (the error's line); ends at an empty
-    line or at EOF."""
+    line, at EOF, or when ``parent`` (a process id) ends."""
+    if parent is not None:
+        _end_with_parent(parent)
     if nice and hasattr(os, "nice"):
         os.nice(nice)
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # the answers' own copy of stdout; anything a library
@@ -305,6 +341,6 @@ def _serve(nice: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["serve"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m hftrain.pictures serve NICE  (requests as JSON lines on stdin)")
-    _serve(int(sys.argv[2]))
+    if sys.argv[1:2] != ["serve"] or len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m hftrain.pictures serve NICE [PARENT_PID]  (requests as JSON lines on stdin)")
+    _serve(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) == 4 else None)

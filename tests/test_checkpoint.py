@@ -358,6 +358,39 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_process_group_ends_in_the_preemption_exit_code(tiny_job, tmp_path, signum):
+    """``kill -TERM -PGID`` (``timeout``, Slurm's signal to a job step) reaches every process of the job's group: the
+    run still checkpoints and exits 75 with its "preempted" line. The process drawing training_curves.png was in
+    that group, died with it, and its failure ended the run with exit code 1 instead."""
+    from hftrain.checkpoint.preemption import PREEMPTED_EXIT_CODE
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "hftrain", "train", *_args(tiny_job, out, steps=2000, save_steps=5)]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=launch_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the job's own process group, as a scheduler starts it
+    )
+    try:
+        _wait_for(lambda: (out / "training_curves.png").is_file(), process)  # the drawing process is in use
+        os.killpg(process.pid, signum)
+        output = process.communicate(timeout=300)[0]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    stopped_at = CheckpointManager(out / "checkpoints").resolve("latest")
+    step = read_checkpoint(stopped_at)["step"]  # complete: its checksums verify
+    assert f"preempted ({signum.name}) at step {step}; checkpoint {stopped_at}" in output, output[-3000:]
+    assert 5 <= step < 2000 and "Traceback" not in output and "drawing" not in output
+
+
+@pytest.mark.distributed
 def test_export_command_from_a_zero_checkpoint(tiny_job, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     out = tmp_path / "run"
