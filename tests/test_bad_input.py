@@ -286,6 +286,18 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         lambda c: [*c.base(), "--strategy.name", "megatron", "--vocab_multiple", "1.5"],
         "strategy.vocab_multiple: expected an integer",
     ),
+    "strategy: vocabulary multiple 2**40 (an allocator traceback)": (
+        lambda c: [*c.base(), "--strategy.name", "megatron", "--vocab_multiple", "1099511627776"],
+        "strategy.vocab_multiple must be at most 65536, got 1099511627776",
+    ),
+    # MFU divides by it: 0 meant "measure" without a word, -1 printed MFU -11.9%, 1e-30 an MFU of 1.3e31%.
+    **{
+        f"cli: peak_tflops {value}": (
+            lambda c, value=value: [*c.base(), "--peak_tflops", value],
+            f"training.peak_tflops {float(value)} is not a process's peak: give TFLOP/s between 0.001 and 100,000",
+        )
+        for value in ("0", "-1", "1e-30", "1e6")
+    },
     # ------------------------------------------------------------------ data
     "data: train_file is a directory": (lambda c: [*c.base(), "--train_file", str(c.scratch)], "is a directory"),
     "data: missing train_file": (lambda c: [*c.base(), "--train_file", str(c.scratch / "no.csv")], "file not found"),

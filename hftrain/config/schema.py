@@ -65,6 +65,16 @@ class DataConfig:
             _require(value is None or value > 0, f"data.{name}", "must be positive or null")
 
 
+PEAK_TFLOPS_RANGE = (1e-3, 1e5)
+"""``training.peak_tflops``'s plausible values: from 1 GFLOP/s (a single core without vector units) to 100,000
+TFLOP/s (a hundred times an H100's dense bf16 989); outside them MFU is negative or absurd."""
+
+MAX_VOCAB_MULTIPLE = 2**16
+"""``strategy.vocab_multiple``'s bound: Megatron pads to 128; the largest vocabularies are ~2**18 rows, so a larger
+multiple only adds zero rows that every tensor-parallel rank stores and multiplies (1099511627776 asked the allocator
+for 2**40 rows)."""
+
+
 @dataclass
 class TrainingConfig:
     """The training loop, with transformers' ``TrainingArguments`` names."""
@@ -107,8 +117,9 @@ class TrainingConfig:
     softmax, dropout: the part that grows with the sequence squared); ``false`` keeps everything. Dropout masks are
     recomputed identically (torch's and the RNG tracker's streams are restored)."""
     peak_tflops: float | None = None
-    """One process's peak TFLOP/s for MFU; null measures a matmul at the start (CPU) or takes a known GPU's
-    datasheet figure (``hftrain.trainers.throughput``)."""
+    """One process's peak TFLOP/s for MFU, between 0.001 (1 GFLOP/s) and 100,000 (a hundred times a 2024 GPU's
+    dense bf16 peak); null measures a matmul at the start (CPU) or takes a known GPU's datasheet figure
+    (``hftrain.trainers.throughput``)."""
     train_sampling_strategy: Literal["group_by_length", "random", "sequential"] = "group_by_length"
     """``group_by_length`` batches texts of similar length (less padding), shuffled per epoch."""
     logging_steps: int = 10
@@ -154,6 +165,13 @@ class TrainingConfig:
         for name in ("eval_steps", "save_steps", "save_total_limit", "torch_num_threads"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"training.{name}", "must be positive or null")
+        low, high = PEAK_TFLOPS_RANGE
+        _require(
+            self.peak_tflops is None or low <= self.peak_tflops <= high,
+            "training.peak_tflops",
+            f"{self.peak_tflops} is not a process's peak: give TFLOP/s between {low} and {high:,.0f} (MFU divides by "
+            "it), or null to measure it (CPU) or take the GPU's datasheet figure",
+        )
 
 
 @dataclass
@@ -202,8 +220,9 @@ class StrategyConfig:
     (DeepSpeed-Ulysses: heads, and key/value heads, per tp rank must divide by ``cp``)."""
     vocab_multiple: int = 1
     """megatron only: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this many
-    rows (Megatron's ``make-vocab-size-divisible-by``, e.g. 128 for aligned GPU matmuls); the zero padding rows
-    never receive gradient and never reach a checkpoint's logical tensors or an export."""
+    rows (Megatron's ``make-vocab-size-divisible-by``, e.g. 128 for aligned GPU matmuls), 1 to 65536
+    (``MAX_VOCAB_MULTIPLE``); the zero padding rows never receive gradient and never reach a checkpoint's logical
+    tensors or an export."""
     ep: int = 1
     """megatron only: expert-parallel size for mixture-of-experts models (Mixtral, Qwen2-MoE): the experts of every
     MoE layer are split over ``ep`` data-parallel ranks and tokens reach them by all-to-all; ``ep`` divides the
@@ -233,6 +252,12 @@ class StrategyConfig:
             "strategy.vocab_multiple",
             f"must be a positive integer, got {self.vocab_multiple} (1: pad the vocabulary to a multiple of tp only; "
             "Megatron uses 128)",
+        )
+        _require(
+            self.vocab_multiple <= MAX_VOCAB_MULTIPLE,
+            "strategy.vocab_multiple",
+            f"must be at most {MAX_VOCAB_MULTIPLE}, got {self.vocab_multiple}: the vocabulary is padded with zero "
+            "rows to a multiple of tp × vocab_multiple, and a larger multiple only adds rows (Megatron uses 128)",
         )
         _validate_pipeline(self)
         buckets = self.pad_to_multiple_of
