@@ -176,16 +176,18 @@ class ExpertParallelExperts(nn.Module):
         if ep > 1:
             received_counts = torch.empty_like(counts)  # [source rank, local expert] rows this rank receives
             dist.all_to_all_single(received_counts, counts, group=self.ep_group)
-            send = counts.view(ep, local).sum(1).tolist()
+            # The split sizes on the host, in one read (one device sync per layer: the all-to-all needs them)
+            sent_host, received_host = torch.stack([counts, received_counts]).view(2, ep, local).tolist()
+            send = [sum(row) for row in sent_host]
+            receive = [sum(row) for row in received_host]
+            per_expert = [sum(column) for column in zip(*received_host, strict=True)]
             receive_by_source = received_counts.view(ep, local)
-            receive = receive_by_source.sum(1).tolist()
             rows = all_to_all_rows(rows, receive, send, self.ep_group)
             # received rows: by source rank, then by local expert; regroup them by expert for the matmuls
             expert_of_row = (
                 torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(receive_by_source.reshape(-1))
             )
             regroup = torch.argsort(expert_of_row, stable=True)
-            per_expert = receive_by_source.sum(0).tolist()
             outputs = self._run_experts(rows[regroup], per_expert)
             outputs = outputs[torch.argsort(regroup)]  # back to the received order
             outputs = all_to_all_rows(outputs, send, receive, self.ep_group)

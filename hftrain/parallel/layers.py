@@ -318,7 +318,10 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ((ids < 0) | (ids >= self.num_embeddings)).any():
+        inside = ((ids >= 0) & (ids < self.num_embeddings)).all()
+        if ids.is_cuda:  # checked on the device, no host sync per forward (a failure surfaces at the next sync)
+            torch._assert_async(inside, "index out of range in self")
+        elif not inside:
             raise IndexError("index out of range in self")  # nn.Embedding's message; padding rows included
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)

@@ -525,7 +525,8 @@ class Trainer:
         # The logged loss is the mean over the window and over processes: what one process with the
         # whole global batch would report.
         # The step's token, sample and FLOP counts travel in the same all-reduce.
-        counts = torch.tensor(self.throughput.local_window(), dtype=torch.float32, device=local_loss.device)
+        counts = self.throughput.local_window(local_loss.device)
+        # the step's one host read (a device sync on a GPU): the reduced loss and counts together
         means = self.runtime.reduce_mean(torch.cat([local_loss.float().reshape(1), counts])).tolist()
         loss = means[0]
         rates = self.throughput.close_window(means[1:], self.runtime.dp_size, self.runtime.num_processes)

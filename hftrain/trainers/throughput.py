@@ -230,9 +230,19 @@ class Throughput:
         self.window["model_flops"] += model
         self.window["hardware_flops"] += hardware
 
-    def local_window(self) -> list[float]:
-        """This process's counts since the last step, to reduce with the loss (``FIELDS`` order)."""
-        return [float(self.window[k]) for k in self.FIELDS]
+    def local_window(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """This process's counts since the last step on ``device``, to reduce with the loss (``FIELDS`` order).
+
+        The token count stays the device tensor it was summed into and the other counts are written by fill kernels,
+        so the step's one host read is that of the reduced loss and counts together (no sync here).
+        """
+        values = [
+            v.to(device=device, dtype=torch.float32).reshape(())
+            if isinstance(v, torch.Tensor)
+            else torch.full((), float(v), dtype=torch.float32, device=device)
+            for v in (self.window[k] for k in self.FIELDS)
+        ]
+        return torch.stack(values)
 
     def close_window(self, means: list[float], replicas: int, processes: int) -> dict[str, float]:
         """End an optimizer step: its job-wide counts from the per-process means; returns its rates.
