@@ -1,0 +1,185 @@
+"""What hftrain does on a GPU, checked in under ten minutes: one PASS/FAIL/SKIP line per check, exit 1 on a FAIL.
+
+Run by ``scripts/gpu_check.sh`` from a fresh checkout (after ``scripts/setup.sh``, or with a CUDA torch installed).
+On a machine without a GPU only the CPU net runs (the host-side collectives in a group without a CPU backend, and
+the static check that no collective takes a host tensor): it is then the gate, and every GPU line says SKIP.
+
+GPU checks (a tiny BERT classifier built locally, the embedded MiniLM job for speed):
+- ``ddp fp32 resume``: 1 process on CUDA, fp32, a background checkpoint at step 3, 6 steps; the run resumed from
+  step 3 exports the same weights (within 1e-6: cuBLAS may pick other kernels after a restart).
+- ``megatron tp1``: the megatron strategy on one GPU (its schedule, export and reload).
+- ``host syncs per step``: ``torch.cuda.set_sync_debug_mode`` counts the synchronising calls of a run of 4 and of
+  12 steps (no evaluation or checkpoint between); the difference over 8 steps must be at most 1 per step.
+- ``main job bf16``: the embedded MiniLM job for 60 steps: tokens/s, MFU and ``torch.cuda.max_memory_allocated``.
+- ``N processes``: DDP, ZeRO-2, ZeRO-3, FSDP2, megatron tp2 and pp2 under ``torchrun`` when the machine has at
+  least 2 GPUs. One GPU cannot host them: NCCL refuses two ranks on one device, and every launcher gives rank
+  ``r`` the device ``cuda:r``; they are SKIPPED there with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS: list[tuple[str, str, str]] = []
+
+
+def check(name: str, work: Callable[[], str]) -> None:
+    """Run one check; its line is ``PASS name: figures``, ``FAIL name: why`` or ``SKIP name: why``."""
+    start = time.perf_counter()
+    try:
+        detail = work()
+        status = "SKIP" if detail.startswith("skip:") else "PASS"
+        detail = detail.removeprefix("skip:").strip()
+    except Exception as error:  # noqa: BLE001 - every failure is one FAIL line, and the script goes on
+        status, detail = "FAIL", " ".join(f"{type(error).__name__}: {error}".split())[:400]
+    RESULTS.append((status, name, detail))
+    print(f"{status} {name}: {detail} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def cpu_net() -> str:
+    tests = ["tests/test_host_agreement.py", "tests/test_collective_devices.py"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(done.stdout[-600:])
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _tiny(where: Path) -> tuple[Path, Path]:
+    from tests.tiny import save_model_folder, write_csv
+
+    return save_model_folder(where / "model"), write_csv(where / "train.csv", rows=120)
+
+
+def _train(sections: dict | None = None, **fields) -> object:
+    import hftrain
+
+    return hftrain.train(sections, log_with="none", **fields)
+
+
+def ddp_fp32_resume(where: Path) -> str:
+    import torch
+    from safetensors.torch import load_file
+
+    model, data = _tiny(where)
+    common = dict(model_name_or_path=str(model), dataset_name=None, train_file=str(data), mixed_precision="no",
+                  per_device_train_batch_size=8, max_steps=6, save_steps=3)  # fmt: skip
+    _train(output_dir=str(where / "a"), **common)
+    shutil.copytree(where / "a", where / "b")
+    shutil.rmtree(where / "b" / "checkpoints" / "step_00000006")
+    shutil.rmtree(where / "b" / "model")
+    _train(output_dir=str(where / "b"), resume_from_checkpoint="auto", **common)
+    a, b = load_file(where / "a/model/model.safetensors"), load_file(where / "b/model/model.safetensors")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    if worst > 1e-6:
+        raise AssertionError(f"resumed run differs from the straight one by {worst:.2e}")
+    return f"resumed = straight within {worst:.1e}"
+
+
+def megatron_tp1(where: Path) -> str:
+    model, data = _tiny(where)
+    result = _train({"strategy": {"name": "megatron", "tp": 1}}, model_name_or_path=str(model), dataset_name=None,
+                    train_file=str(data), max_steps=6, output_dir=str(where / "m"))  # fmt: skip
+    return f"{result.global_step} steps, eval_loss {result.metrics['eval_loss']:.4f}, export reloaded"
+
+
+def host_syncs_per_step(where: Path) -> str:
+    import torch
+
+    model, data = _tiny(where)
+
+    def syncs(steps: int) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _train(model_name_or_path=str(model), dataset_name=None, train_file=str(data), max_steps=steps,
+                       save_steps=0, eval_steps=100, output_dir=str(where / f"s{steps}"))  # fmt: skip
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    few, many = syncs(4), syncs(12)
+    per_step = (many - few) / 8
+    if per_step > 1:
+        raise AssertionError(f"{per_step:.2f} host syncs per optimizer step (4 steps: {few}, 12 steps: {many})")
+    return f"{per_step:.2f} per optimizer step (4 steps: {few} in all, 12 steps: {many})"
+
+
+def main_job_bf16(where: Path) -> str:
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+    result = _train(max_steps=60, output_dir=str(where / "job"), mixed_precision="bf16")
+    figures = result.throughput if hasattr(result, "throughput") else {}
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return (f"tokens/s {figures.get('tokens_per_second', float('nan')):.0f}, MFU {figures.get('mfu', float('nan')):.3f}, "
+            f"max_memory_allocated {peak:.2f} GiB")  # fmt: skip
+
+
+def processes(where: Path, strategy: list[str], nproc: int = 2) -> Callable[[], str]:
+    def run() -> str:
+        import torch
+
+        if torch.cuda.device_count() < nproc:
+            return (f"skip: {torch.cuda.device_count()} GPU(s); NCCL refuses two ranks on one device and launchers "
+                    f"give rank r cuda:r")  # fmt: skip
+        model, data = _tiny(where)
+        out = where / "-".join(strategy)
+        args = ["train", "--model_name_or_path", str(model), "--dataset_name", "null", "--train_file", str(data),
+                "--log_with", "none", "--max_steps", "6", "--save_steps", "3", "--output_dir", str(out), *strategy]  # fmt: skip
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "hftrain"]
+        for extra in ([], ["--max_steps", "8", "--resume_from_checkpoint", "auto"]):
+            done = subprocess.run([*launcher, *args, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr[-400:])
+        state = json.loads((out / "trainer_state.json").read_text())
+        return f"trained, checkpointed, resumed to step {state['global_step']}, exported"
+
+    return run
+
+
+def main() -> int:
+    check("cpu net (host collectives without a CPU backend)", cpu_net)
+    import torch
+
+    if not torch.cuda.is_available():
+        for name in ("ddp fp32 resume", "megatron tp1", "host syncs per step", "main job bf16", "N processes"):
+            RESULTS.append(("SKIP", name, "no CUDA device"))
+            print(f"SKIP {name}: no CUDA device (the CPU net above is the gate)", flush=True)
+    else:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            where = Path(scratch)
+            for name, work in (("ddp fp32 resume", ddp_fp32_resume), ("megatron tp1", megatron_tp1),
+                               ("host syncs per step", host_syncs_per_step), ("main job bf16", main_job_bf16)):  # fmt: skip
+                folder = where / name.replace(" ", "_")
+                folder.mkdir()
+                check(name, lambda work=work, folder=folder: work(folder))
+            for strategy in (["--strategy.name", "ddp"], ["--strategy.name", "zero2"], ["--strategy.name", "zero3"],
+                             ["--strategy.name", "fsdp", "--strategy.fsdp_version", "2"],
+                             ["--strategy.name", "megatron", "--strategy.tp", "2"],
+                             ["--strategy.name", "megatron", "--strategy.pp", "2"]):  # fmt: skip
+                folder = where / "-".join(strategy).strip("-")
+                folder.mkdir()
+                check(f"2 processes {' '.join(strategy[1::2])}", processes(folder, strategy))
+    failed = [name for status, name, _ in RESULTS if status == "FAIL"]
+    print(f"{'FAIL' if failed else 'PASS'} gpu_check: {len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed "
+          f"or skipped{': failed ' + ', '.join(failed) if failed else ''}")  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
