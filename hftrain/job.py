@@ -207,17 +207,17 @@ def run_export(
         trust: allow a checkpoint outside the run folder the command names.
         output_dir: the run folder the checkpoint belongs to, as the user gives it.
     """
-    from hftrain.checkpoint.manager import CheckpointError, CheckpointManager, read_checkpoint
-    from hftrain.checkpoint.run import CHECKPOINTS_DIR, saved_run_id
+    from hftrain.checkpoint.manager import CheckpointError, read_checkpoint
+    from hftrain.checkpoint.run import CHECKPOINTS_DIR, latest_of_run
     from hftrain.errors import ConfigError
     from hftrain.validate import check_export_dir
 
     target = Path(directory)
-    check_export_dir(target)
     path = Path(checkpoint)
+    check_export_dir(target, source=path)
     if (path / CHECKPOINTS_DIR).is_dir():  # a run folder: its latest checkpoint, trusted as the user named the run
         output_dir = str(path)
-        path = CheckpointManager(path / CHECKPOINTS_DIR, run_id=saved_run_id(path)).resolve("latest")
+        path = latest_of_run(path, "export")
     meta = read_checkpoint(path)
     saved = meta["topology"]
     if saved["world_size"] != launch.world_size:

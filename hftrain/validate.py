@@ -211,15 +211,46 @@ def check_resume_request(training: TrainingConfig, *, run_id: str | None, export
     return path
 
 
-def check_export_dir(directory: Path) -> None:
-    """Refuse an export folder that cannot be written or already holds files (nothing is overwritten).
+def check_export_dir(directory: Path, source: Path) -> None:
+    """Refuse an export folder that cannot be written, already holds files (nothing is overwritten), or lies inside
+    what it exports.
 
     Args:
         directory: the folder ``hftrain export`` writes.
+        source: the checkpoint or run folder it exports, as given.
     """
+    check_outside_source(directory, source, "export directory")
     check_writable_dir(directory, "export directory")
     if directory.exists() and any(directory.iterdir()):
         raise ConfigError(f"export directory '{directory}' is not empty; give a new folder (nothing is overwritten)")
+
+
+def check_outside_source(target: Path, source: Path, field: str) -> None:
+    """Refuse a folder a command writes that lies inside the checkpoint, run folder or DeepSpeed folder it reads, or
+    inside the ``checkpoints/`` folder holding that checkpoint.
+
+    A checkpoint is only ever read: a model written into its ``state/`` changes what its checksums cover, one in the
+    run folder becomes part of that run, and one in ``checkpoints/`` takes the names (``step_<N>``, ``.staging-*``)
+    that the run's own saves write, rotate and replace.
+
+    Args:
+        target: the folder the command writes.
+        source: what it reads, as the user gave it (a missing one is refused by the reader).
+        field: the argument naming ``target``, for the message.
+    """
+    from hftrain.checkpoint.run import CHECKPOINTS_DIR
+
+    if not source.exists():
+        return
+    source = source.resolve()
+    holders = [source, source.parent] if source.parent.name == CHECKPOINTS_DIR else [source]
+    resolved = target.resolve()
+    for holder in holders:
+        if resolved.is_relative_to(holder):
+            raise ConfigError(
+                f"{field} '{target}' lies inside '{holder}', which holds the checkpoint it reads (a checkpoint is "
+                "only read, never written into); give a folder outside it"
+            )
 
 
 def _holds_results(output_dir: Path) -> bool:

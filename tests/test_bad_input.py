@@ -215,6 +215,12 @@ def _tensor_record_as_a_pickle(path: Path) -> None:
     path.write_bytes(pickle.dumps(metadata))
 
 
+def _fresh_run(ctx: Ctx) -> Path:
+    """A run folder whose run stopped before its first save: an empty ``checkpoints/``."""
+    (ctx.scratch / "fresh" / "checkpoints").mkdir(parents=True)
+    return ctx.scratch / "fresh"
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[:100])
 
@@ -720,6 +726,18 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     "export: into a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x")], "is a file"),
     "export: under a file": (lambda c: ["export", str(c.run / STEP4), c.file("f", "x") + "/out"], "not a directory"),
     "export: into a non-empty folder": (lambda c: ["export", str(c.run / STEP4), str(c.run)], "not empty"),
+    "export: into the run it exports": (
+        lambda c: ["export", str(c.run), str(c.run / "exported")],
+        "/run', which holds the checkpoint it reads",
+    ),
+    "export: into the checkpoint's state/": (
+        lambda c: ["export", str(c.run / STEP4), str(c.run / STEP4 / "state" / "exported"), "--output_dir", str(c.run)],
+        "/run/checkpoints/step_00000004', which holds the checkpoint it reads",
+    ),
+    "export: a run folder with no checkpoint yet": (
+        lambda c: ["export", str(_fresh_run(c)), str(c.new)],
+        "holds no complete checkpoint in checkpoints/ (the run stopped before its first save): nothing to export",
+    ),
     "export: checkpoint that does not exist": (
         lambda c: ["export", str(c.scratch / "nope"), str(c.new)],
         "does not exist",

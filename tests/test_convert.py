@@ -238,6 +238,17 @@ def test_bad_input_is_one_line(tmp_path, capsys, checkpoint):
     _refused(capsys, [tmp_path / "run", tmp_path / "full"], "is not empty", tmp_path)
     _refused(capsys, [tmp_path / "run", out, "--merge_lora"], "no adapter to merge", tmp_path)
     _refused(capsys, [tmp_path / "run", out, "--max_shard_size", "lots"], "max_shard_size", tmp_path)
+    # The output inside what it reads: the run folder, the checkpoint's state/, the run's checkpoints/ (whose names
+    # the run's saves rotate and replace).
+    inside = "which holds the checkpoint it reads (a checkpoint is only read, never written into)"
+    _refused(capsys, [tmp_path / "run", tmp_path / "run" / "conv_out"], inside, tmp_path)
+    _refused(capsys, [checkpoint, checkpoint / "state" / "out", "--trust_external_checkpoint"], inside, tmp_path)
+    beside = checkpoint.parent / "step_00000041"
+    _refused(capsys, [checkpoint, beside, "--output_dir", tmp_path / "run"], inside, tmp_path)
+    # A run that stopped before its first save: said in convert's words, not training's ('auto').
+    (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
+    _refused(capsys, [tmp_path / "fresh", out], "holds no complete checkpoint in checkpoints/ (the run stopped before "
+             "its first save): nothing to convert", tmp_path)  # fmt: skip
     # A checkpoint of another model than its config says (the config is of a 3-label head).
     other = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
     broken = write_dcp_checkpoint(other, tmp_path / "other")

@@ -133,7 +133,7 @@ def convert_checkpoint(
     merged = out.with_name(out.name + "_merged") if merge_lora else None
     for target in (out, merged):
         if target is not None:
-            _check_new_dir(target)
+            _check_new_dir(target, Path(checkpoint))
     # Trust comes from the command: without a run folder named, nothing is inside one (as ``hftrain export``).
     run_dir = Path(output_dir) if output_dir is not None else out
     source = _open_source(Path(checkpoint), trust=trust, output_dir=run_dir, config=config)
@@ -189,8 +189,8 @@ def convert_checkpoint(
 # ----------------------------------------------------------------- sources
 def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | None) -> _Source:
     """The checkpoint behind ``path``, after its trust and no-code checks."""
-    from hftrain.checkpoint.manager import MARKER, CheckpointManager, read_checkpoint
-    from hftrain.checkpoint.run import CHECKPOINTS_DIR, saved_run_id
+    from hftrain.checkpoint.manager import MARKER, read_checkpoint
+    from hftrain.checkpoint.run import CHECKPOINTS_DIR, latest_of_run
 
     if not path.exists():
         raise CheckpointError(
@@ -199,7 +199,7 @@ def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | Non
         )
     if (path / CHECKPOINTS_DIR).is_dir():  # a run folder: its latest checkpoint, trusted as the user named the run
         output_dir = path
-        path = CheckpointManager(path / CHECKPOINTS_DIR, run_id=saved_run_id(path)).resolve("latest")
+        path = latest_of_run(path, "convert")
     if (path / MARKER).is_file():
         if config is not None:
             raise ConfigError(
@@ -683,9 +683,10 @@ def _merge_producer(
 
 
 # ----------------------------------------------------------------- around the weights
-def _check_new_dir(target: Path) -> None:
-    from hftrain.validate import check_writable_dir
+def _check_new_dir(target: Path, source: Path) -> None:
+    from hftrain.validate import check_outside_source, check_writable_dir
 
+    check_outside_source(target, source, "convert output")
     check_writable_dir(target, "convert output")
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"convert output '{target}' is not empty; give a new folder (nothing is overwritten)")

@@ -70,6 +70,26 @@ def saved_run_id(output_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def latest_of_run(run_dir: Path, command: str) -> Path:
+    """The latest complete checkpoint of the run folder ``run_dir`` (one with ``checkpoints/``), for a command that
+    reads one: ``hftrain export`` or ``hftrain convert`` given a run folder.
+
+    Args:
+        run_dir: the run's ``output_dir``.
+        command: the command, for the message (``export``, ``convert``).
+    """
+    from hftrain.checkpoint.manager import CheckpointError, CheckpointManager
+
+    latest = CheckpointManager(run_dir / CHECKPOINTS_DIR, run_id=saved_run_id(run_dir)).resolve("auto")
+    if latest is None:  # resolve("latest") would say so in training's words (resume_from_checkpoint, 'auto')
+        raise CheckpointError(
+            f"run folder '{run_dir}' holds no complete checkpoint in {CHECKPOINTS_DIR}/ (the run stopped before its "
+            f"first save): nothing to {command}; let the run save one first (every training.save_steps steps, and at "
+            "its end), or give another checkpoint"
+        )
+    return latest
+
+
 def run_outputs(output_dir: Path) -> list[Path]:
     """The entries of an earlier run present in ``output_dir``.
 
