@@ -445,3 +445,21 @@ def test_an_export_replaces_the_earlier_one_only_after_before_publish(tmp_path, 
     assert seen["after_refusal"] == (["model"], ["earlier.txt"])
     assert seen["earlier_at_publish"] is True
     assert "model.safetensors" in seen["published"] and "earlier.txt" not in seen["published"]
+
+
+def test_a_gpu_trained_model_is_compared_with_its_cpu_reload_at_a_cross_device_tolerance():
+    """The reload computes on the CPU: logits from a GPU differ in summation order (and TF32 rounding where torch
+    allows it); fp32 gets that margin, a CPU run and autocast runs none beyond their own."""
+    import torch
+
+    from hftrain.checkpoint.export import cross_device_tolerance
+
+    assert cross_device_tolerance("cpu", "no") == 0.0 and cross_device_tolerance("cuda", "bf16") == 0.0
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert cross_device_tolerance("cuda", "no") == 1e-4
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert cross_device_tolerance("cuda", "no") == 2e-3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

@@ -122,6 +122,7 @@ def export_pretrained(
         "expected": expected,
         "mixed_precision": accelerator.mixed_precision,
         "export_dtype": export_dtype,
+        "trained_on": torch.device(accelerator.device).type,  # the reload computes on the CPU
     }
     if _streams(accelerator, model):
         outcome, failure = _streamed_export(accelerator, model, tokenizer, directory, last_checkpoint, **options)
@@ -213,6 +214,7 @@ def _streamed_export(
     expected: torch.Tensor | None,
     mixed_precision: str,
     export_dtype: str,
+    trained_on: str = "cpu",
 ) -> tuple[ExportResult | str | None, Exception | None]:
     """Write the full model from ``runtime.iter_full_state`` into ``model.safetensors``, one tensor at a time.
 
@@ -263,8 +265,9 @@ def _streamed_export(
             diffs = {}
             if expected is not None:
                 diffs["model"] = verify_export(
-                    stage, verify_inputs, expected, mixed_precision=mixed_precision, export_dtype=export_dtype
-                )
+                    stage, verify_inputs, expected, mixed_precision=mixed_precision, export_dtype=export_dtype,
+                    trained_on=trained_on,
+                )  # fmt: skip
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -305,6 +308,7 @@ def verify_export(
     base_model: torch.nn.Module | None = None,
     mixed_precision: str = "no",
     export_dtype: str = "float32",
+    trained_on: str = "cpu",
 ) -> float:
     """Reload an export with plain transformers (or peft onto ``base_model``) and compare its logits.
 
@@ -324,6 +328,9 @@ def verify_export(
             accepted difference (times the largest expected logit when that exceeds 1).
         export_dtype: the dtype the weights were saved in; a 16-bit one is reloaded in fp32 and its
             ``EXPORT_TOLERANCE`` accepted on top (the weights' rounding).
+        trained_on: the device type ``expected`` was computed on: the reload computes on the CPU, and fp32 kernels
+            of another device sum in another order (TF32 rounds too, where torch lets fp32 matmuls use it), so
+            ``cross_device_tolerance`` is accepted on top.
     """
     reloaded = _reload(Path(directory), base_model, upcast=export_dtype != "float32")
     logits = _logits(reloaded, inputs, mixed_precision)
@@ -334,6 +341,7 @@ def verify_export(
         )
     diff = (logits - expected.float()).abs().max().item()
     tolerance = LOGIT_TOLERANCE.get(mixed_precision, LOGIT_TOLERANCE["no"]) + EXPORT_TOLERANCE[export_dtype]
+    tolerance += cross_device_tolerance(trained_on, mixed_precision)
     bound = tolerance * max(1.0, expected.abs().max().item())
     if not diff <= bound:  # also catches NaN
         raise HFTrainError(
@@ -417,6 +425,7 @@ def _write_and_verify(
     expected: torch.Tensor | None,
     mixed_precision: str,
     export_dtype: str = "float32",
+    trained_on: str = "cpu",
 ) -> ExportResult:
     from hftrain.checkpoint.stream import EXPORT_DTYPES, saved_dtype
     from hftrain.models.lora import is_peft_model
@@ -447,7 +456,7 @@ def _write_and_verify(
     diffs: dict[str, float] = {}
     if expected is not None:
         base = trained.unload() if trained is not None else None
-        precision = {"mixed_precision": mixed_precision, "export_dtype": export_dtype}
+        precision = {"mixed_precision": mixed_precision, "export_dtype": export_dtype, "trained_on": trained_on}
         diffs["model"] = verify_export(directory, verify_inputs, expected, base_model=base, **precision)
         if merged_dir is not None:
             diffs["merged"] = verify_export(merged_dir, verify_inputs, expected, **precision)
@@ -564,6 +573,15 @@ def _reload(directory: Path, base_model: torch.nn.Module | None, *, upcast: bool
 
 
 @torch.no_grad()
+def cross_device_tolerance(trained_on: str, mixed_precision: str) -> float:
+    """What a reload on the CPU may differ by from logits computed on ``trained_on``, beyond the precision's own
+    tolerance: nothing on the CPU; in fp32 on a GPU ``1e-4`` (another summation order), ``2e-3`` where torch lets fp32
+    matmuls run in TF32 (10 mantissa bits); under bf16/fp16 autocast the precision's tolerance covers it."""
+    if trained_on == "cpu" or mixed_precision in ("bf16", "fp16"):
+        return 0.0
+    return 2e-3 if torch.backends.cuda.matmul.allow_tf32 else 1e-4
+
+
 def _logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mixed_precision: str = "no") -> torch.Tensor:
     device = next(model.parameters()).device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)

@@ -90,7 +90,7 @@ class MegatronPlugin:
         if dims is None:
             dims = ParallelDims(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
-            _init_single_process_group()
+            _init_single_process_group("nccl" if device_type == "cuda" else "gloo")
         self.groups = build_groups(dims, rank, device_type=device_type)
         return self
 
@@ -330,8 +330,9 @@ def _padded_to_multiple(loader: DataLoader, multiple: int) -> DataLoader:
     )
 
 
-def _init_single_process_group() -> None:
-    """A one-process gloo group on a free loopback port (a one-process run uses the same code as many)."""
+def _init_single_process_group(backend: str) -> None:
+    """A one-process group on a free loopback port (a one-process run uses the same code as many): nccl on a GPU
+    (gloo would copy every CUDA tensor of a collective through the host), gloo on a CPU."""
     import socket
 
     import torch.distributed as dist
@@ -339,4 +340,4 @@ def _init_single_process_group() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
