@@ -274,8 +274,8 @@ def _groups(args: argparse.Namespace, extra: list[str]) -> int:
             "a larger one follows the same rule, rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank: "
             f"give a world size up to {MAX_PRINTED_WORLD}"
         )
-    try:
-        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep).validate()
+    try:  # the megatron strategy's own check: a printed layout is one that training takes
+        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep).validate_trainable()
     except AxisError as error:  # hftrain.parallel names the axis; here the value came from a flag
         raise error.named_as(f"--{error.axis.replace('_', '-')}") from None  # tp · pp must divide the world
     for piece in groups_json_chunks(dims) if args.json else group_lines(dims):

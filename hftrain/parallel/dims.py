@@ -109,6 +109,24 @@ class ParallelDims:
             )
         return self
 
+    def validate_trainable(self) -> ParallelDims:
+        """Return ``self`` if it is a layout (:meth:`validate`) that hftrain's megatron runtimes train, else raise an
+        ``AxisError`` naming the axis: expert parallelism composes with tp and dp only (``expert_parallel.py`` routes
+        the tokens of whole sequences within one stage; pipeline stages and context-parallel parts of a sequence are
+        not handled yet), although Megatron-LM's rank order defines those layouts too. The megatron strategy and
+        ``hftrain groups`` both check this, so a layout that ``groups`` prints is one that training takes.
+        """
+        self.validate()
+        for axis in ("pp", "cp"):
+            size = getattr(self, axis)
+            if self.ep > 1 and size > 1:
+                raise AxisError(
+                    axis,
+                    f"{axis}={size} with ep={self.ep} is not supported yet (expert parallelism composes with tp and "
+                    f"dp); use {axis} 1 or ep 1",
+                )
+        return self
+
     @property
     def axes(self) -> tuple[str, ...]:
         """The axes whose groups are listed: tp, pp, dp, cp (with dp_cp) when it splits sequences, ep and edp when

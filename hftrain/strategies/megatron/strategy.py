@@ -69,17 +69,15 @@ class MegatronStrategy(Strategy):
                     f"strategy.{key} is not a megatron option (megatron composes tp with plain data parallelism; "
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
-        with named_by_config():
+        with named_by_config():  # the layout, and ep with pp or cp, checked as hftrain groups checks them
             self.dims = ParallelDims(
                 launch.world_size, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep
-            ).validate()
-        if config.ep > 1:
-            for key, alone in (("pp", 1), ("cp", 1), ("shard_optimizer", False)):
-                if getattr(config, key) != alone:
-                    raise ConfigError(
-                        f"strategy.{key} with strategy.ep={config.ep} is not supported yet (expert parallelism "
-                        f"composes with tp and dp); use {key}: {str(alone).lower()} or ep: 1"
-                    )
+            ).validate_trainable()
+        if config.ep > 1 and config.shard_optimizer:
+            raise ConfigError(
+                f"strategy.shard_optimizer with strategy.ep={config.ep} is not supported yet (ZeRO-1 over dp would "
+                "mix different ranks' experts); use shard_optimizer: false or ep: 1"
+            )
 
     def preflight(self, training: TrainingConfig) -> None:
         if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
