@@ -157,10 +157,21 @@ def _train_here(config: TrainConfig) -> JobResult:
 
 def _train_on_processes(config: TrainConfig, num_processes: int) -> JobResult:
     """Fork ``num_processes`` ranks with ``notebook_launcher`` and return rank 0's result (or its error)."""
+    import sys
+
     from accelerate import notebook_launcher
 
     from hftrain.models import resolve_model_path
 
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        # The ranks are forked, and a forked child cannot use a CUDA context its parent created (Accelerate's
+        # launcher would stop with a traceback); a run in this process on the GPU (train(config)) created one.
+        raise ConfigError(
+            f"num_processes: {num_processes} processes are forked from this process, which has used the GPU "
+            "already (an earlier run in it); restart the kernel and run train(..., num_processes=...) before any "
+            "run in the kernel itself, or launch with torchrun"
+        )
     # Convert an embedded GGUF model once here rather than in every rank (and fail early on a missing package).
     resolve_model_path(config.model.model_name_or_path)
     with tempfile.TemporaryDirectory(prefix="hftrain-launch-") as outbox:

@@ -314,3 +314,25 @@ def test_checkpoint_checksum_names_a_replicated_parameter_that_drifted():
             assert outcomes[target] and f"'{target}'" in outcomes[target], outcomes[target]
             assert "differs across the tensor-parallel ranks by more than" in outcomes[f"{target} diverged"]
         assert outcomes["None diverged"] is None
+
+
+def test_streams_of_another_device_type_are_rebuilt_not_loaded(tmp_path):
+    """A checkpoint's streams written by CUDA generators (16-byte Philox states) resumed on a CPU (5056-byte
+    Mersenne states), or the other way round, cannot load into this device's generator: they are rebuilt from the
+    checkpoint as after a layout change, and the line says why."""
+    import json
+    import types
+
+    from safetensors.torch import save_file
+
+    from hftrain.parallel.random import FILE, RNGTracker, load_streams
+
+    dims = types.SimpleNamespace(tp=1, cp=1, pp=1, dp=1)
+    groups = types.SimpleNamespace(dims=dims, pp_rank=0, tp_rank=0, cp_rank=0, dp_rank=0)
+    cuda_like = {f"pp0.tp0.cp0.dp0.{s}": torch.arange(16, dtype=torch.uint8) for s in ("default", "tensor")}
+    layout = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "seed": 3}
+    save_file(cuda_like, str(tmp_path / FILE), metadata={"layout": json.dumps(layout)})
+    tracker = RNGTracker(seed=3, tp_rank=0, pp_rank=0).seed_streams()
+    line = load_streams(tmp_path, tracker, groups=groups)
+    assert line is not None and "another device's generator than cpu's" in line
+    torch.rand(3)  # the rebuilt CPU streams draw

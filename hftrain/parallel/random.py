@@ -261,12 +261,17 @@ def load_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> 
         with safe_open(str(path), framework="pt") as file:
             saved = json.loads((file.metadata() or {}).get("layout", "{}"))
             coords = {"pp": groups.pp_rank, "tp": groups.tp_rank, "cp": groups.cp_rank, "dp": groups.dp_rank}
-            if {axis: saved.get(axis) for axis in here} == here:
+            first = {"pp": 0, "tp": 0, "cp": 0, "dp": 0}
+            # A generator state of another device type (a CPU run resumed on a GPU: 5056 bytes against CUDA's 16)
+            # does not load: rebuilt from the checkpoint as for another layout.
+            same_device = file.get_tensor(_key(first, "default")).numel() == _get_state(tracker.device).numel()
+            if {axis: saved.get(axis) for axis in here} == here and same_device:
                 tracker.load_states({s: file.get_tensor(_key(coords, s)) for s in STREAMS})
                 return None
-            first = {"pp": 0, "tp": 0, "cp": 0, "dp": 0}
             source = b"".join(file.get_tensor(_key(first, s)).numpy().tobytes() for s in STREAMS)
         described = " × ".join(f"{axis}={saved.get(axis)}" for axis in here)
+        if not same_device:
+            described += f", written with another device's generator than {tracker.device.type}'s"
     else:  # a checkpoint written before the tracker: seeded from what every rank agrees on, its folder's name
         source = Path(directory).resolve().parent.name.encode()
         described = "unrecorded"
