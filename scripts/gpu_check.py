@@ -124,8 +124,8 @@ def main_job_bf16(where: Path) -> str:
     result = _train(max_steps=60, output_dir=str(where / "job"), mixed_precision="bf16")
     figures = result.throughput if hasattr(result, "throughput") else {}
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return (f"tokens/s {figures.get('tokens_per_second', float('nan')):.0f}, MFU {figures.get('mfu', float('nan')):.3f}, "
-            f"max_memory_allocated {peak:.2f} GiB")  # fmt: skip
+    tokens, mfu = figures.get("tokens_per_second", float("nan")), figures.get("mfu", float("nan"))
+    return f"tokens/s {tokens:.0f}, MFU {mfu:.3f}, max_memory_allocated {peak:.2f} GiB"
 
 
 def processes(where: Path, strategy: list[str], nproc: int = 2) -> Callable[[], str]:
@@ -138,7 +138,8 @@ def processes(where: Path, strategy: list[str], nproc: int = 2) -> Callable[[], 
         model, data = _tiny(where)
         out = where / "-".join(strategy)
         args = ["train", "--model_name_or_path", str(model), "--dataset_name", "null", "--train_file", str(data),
-                "--log_with", "none", "--max_steps", "6", "--save_steps", "3", "--output_dir", str(out), *strategy]  # fmt: skip
+                "--log_with", "none", "--max_steps", "6", "--save_steps", "3", "--output_dir", str(out),
+                *strategy]  # fmt: skip
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "hftrain"]
         for extra in ([], ["--max_steps", "8", "--resume_from_checkpoint", "auto"]):
             done = subprocess.run([*launcher, *args, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -162,8 +163,9 @@ def main() -> int:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
         with tempfile.TemporaryDirectory() as scratch:
             where = Path(scratch)
-            for name, work in (("ddp fp32 resume", ddp_fp32_resume), ("megatron tp1", megatron_tp1),
-                               ("host syncs per step", host_syncs_per_step), ("main job bf16", main_job_bf16)):  # fmt: skip
+            checks = (("ddp fp32 resume", ddp_fp32_resume), ("megatron tp1", megatron_tp1),
+                      ("host syncs per step", host_syncs_per_step), ("main job bf16", main_job_bf16))  # fmt: skip
+            for name, work in checks:
                 folder = where / name.replace(" ", "_")
                 folder.mkdir()
                 check(name, lambda work=work, folder=folder: work(folder))

@@ -85,6 +85,14 @@ class TimedStage(PipelineStage):
         self.first_microbatch = 0  # the step's index of this pass's first micro-batch (a step may run two passes)
 
     def _timed(self, kind: str, microbatch: int, run: Callable[[], Any]) -> Any:
+        if self.recorder is not None and self.device.type == "cuda":  # the kernels' span, not their launch
+            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            result = run()
+            end_event.record()
+            where = (self.stage_index, self.first_microbatch + microbatch, kind)
+            self.recorder.record_device(*where, start_event, end_event)
+            return result
         start = time.time()
         result = run()
         if self.recorder is not None:

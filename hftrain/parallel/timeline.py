@@ -6,11 +6,15 @@ micro-batch's forward ``F``, backward ``B`` and, for zero-bubble schedules, weig
 step (ranks as rows, boxes over time, idle gaps left blank) with the measured bubble next to the formula.
 Times are ``time.time()`` so that ranks on one host share a clock; on several hosts the picture is only as
 good as their clock sync (the bubble is computed per rank and is not affected by clock offsets of whole ranks
-beyond the step span).
+beyond the step span). On a GPU the host only launches kernels, so a span timed on the host is the launch, not
+the work: there each pass is bracketed by CUDA events (:meth:`TimelineRecorder.record_device`), placed on the host
+clock from an event recorded with the step's start, and resolved when the events are gathered (a sync then, not
+per pass).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 KIND_COLORS = {"F": ("#9ecae1", "#4292c6"), "B": ("#fdae6b", "#e6550d"), "W": ("#a1d99b", "#31a354")}
@@ -41,13 +45,41 @@ class TimelineRecorder:
         self.max_steps = max_steps
         self.step = -1
         self.events: list[Event] = []
+        self._pending: list[tuple] = []  # device-timed passes (step, chunk, micro-batch, kind, events, anchor)
+        self._anchor: tuple[float, Any] | None = None  # (host time, CUDA event) of the current step's start
 
     def begin_step(self) -> None:
         """Start a new training step; events of steps older than ``max_steps`` are dropped."""
         self.step += 1
+        self._anchor = None
         oldest = self.step - self.max_steps + 1
         if self.events and self.events[0].step < oldest:
             self.events = [e for e in self.events if e.step >= oldest]
+        if self._pending and self._pending[0][0] < oldest:
+            self._pending = [p for p in self._pending if p[0] >= oldest]
+
+    def record_device(self, chunk: int, microbatch: int, kind: str, start: Any, end: Any) -> None:
+        """Record one pass timed by two CUDA events (``enable_timing=True``), resolved in :meth:`resolve`.
+
+        Args:
+            chunk: global stage index of the chunk.
+            microbatch: micro-batch index within the step.
+            kind: ``"F"``, ``"B"`` or ``"W"``.
+            start: the event recorded before the pass's kernels.
+            end: the event recorded after them.
+        """
+        if self._anchor is None:  # the step's first pass: its start event ties the device clock to the host's
+            self._anchor = (time.time(), start)
+        self._pending.append((max(self.step, 0), chunk, microbatch, kind, start, end, self._anchor))
+
+    def resolve(self) -> None:
+        """Turn the device-timed passes into events on the host clock (waits for their kernels)."""
+        for step, chunk, microbatch, kind, start, end, (wall, anchor) in self._pending:
+            end.synchronize()
+            begin = wall + anchor.elapsed_time(start) / 1000
+            finish = begin + start.elapsed_time(end) / 1000
+            self.events.append(Event(step, self.pp_rank, chunk, microbatch, kind, begin, finish))
+        self._pending = []
 
     def record(self, chunk: int, microbatch: int, kind: str, start: float, end: float) -> None:
         """Record one event of the current step.
@@ -71,6 +103,7 @@ def gather_events(recorder: TimelineRecorder, group: Any = None) -> list[Event]:
     """
     import torch.distributed as dist
 
+    recorder.resolve()
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, recorder.events, group=group)
     return [Event(*e) for events in gathered for e in events]
