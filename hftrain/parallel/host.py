@@ -33,10 +33,17 @@ from __future__ import annotations
 
 import pickle
 import threading
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+"""How long a collective waits for its peers before the job fails, for the host twins here and the device groups
+(``strategies.platform``). Work that one rank does while the others wait at the next agreement (the main process
+verifying every checksum of a large checkpoint before a resume, writing and reloading the export) can outlast
+NCCL's default 10 minutes (gloo's 30) on a big model; a hang still ends the job, after an hour."""
 
 _TWINS: dict[Any, Any] = {}  # group -> its host twin (the group itself when it has a CPU backend)
 _LOCK = threading.Lock()  # the checkpoint writer thread agrees too
@@ -60,7 +67,9 @@ def host_group(group: Any = None) -> Any:
                 _TWINS[pg] = group
             else:
                 ranks = dist.get_process_group_ranks(pg)
-                _TWINS[pg] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+                _TWINS[pg] = dist.new_group(
+                    ranks=ranks, backend="gloo", timeout=COLLECTIVE_TIMEOUT, use_local_synchronization=True
+                )
         return _TWINS[pg]
 
 

@@ -178,6 +178,7 @@ class Strategy(ABC):
         check_launcher_precision(training, self.launch)
         self.platform.check_precision(training.mixed_precision)
         self.preflight(training)
+        kwargs = {"kwargs_handlers": self.platform.default_handlers(), **self.accelerator_kwargs(training)}
         accelerator = Accelerator(
             mixed_precision=training.mixed_precision,
             gradient_accumulation_steps=training.gradient_accumulation_steps,
@@ -187,7 +188,7 @@ class Strategy(ABC):
             # (pitfall "accumulation differs under DeepSpeed", docs/pitfalls.md).
             step_scheduler_with_optimizer=False,
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-            **self.accelerator_kwargs(training),
+            **kwargs,
         )
         self.configure_accelerator(accelerator)
         check_synchronised(accelerator, self.launch, strategy=self.name)

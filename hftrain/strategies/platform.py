@@ -217,8 +217,15 @@ class Platform:
         """
         from accelerate.utils import InitProcessGroupKwargs
 
+        from hftrain.parallel.host import COLLECTIVE_TIMEOUT
+
         backend = f"{self.device}:{self.backend},cpu:gloo" if cpu_collectives and not self.is_cpu else self.backend
-        return [InitProcessGroupKwargs(backend=backend)]
+        return [InitProcessGroupKwargs(backend=backend, timeout=COLLECTIVE_TIMEOUT)]
+
+    def default_handlers(self) -> list:
+        """The kwargs handlers a strategy that names none gets: on a GPU the backend with ``COLLECTIVE_TIMEOUT``
+        (Accelerate's NCCL default is 10 minutes); on a CPU none (``cpu=True`` picks gloo, 30 minutes)."""
+        return [] if self.is_cpu else self.process_group_handlers()
 
     def force_fsdp(self, accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
         """Make a freshly built accelerator's state FSDP where stock Accelerate does not select it (CPU).
