@@ -237,7 +237,8 @@ def _bind_device(device: Any) -> None:
     """Make ``device`` the current CUDA device of the calling thread (nothing for a CPU run).
 
     CUDA's current device is per thread and a new thread's is 0: the writer thread of rank 3 would otherwise open a
-    context on GPU 0 and run its copies on GPU 0's current stream.
+    context on GPU 0 and run its copies on GPU 0's current stream (pitfall "checkpoint writer on the wrong GPU",
+    docs/pitfalls.md).
     """
     import torch
 
@@ -359,7 +360,7 @@ def check_regular_tree(path: Path) -> None:
     every entry below ``path`` is listed without following links (``os.walk``), and the first that is a link, or
     neither a folder nor a regular file, is named in one line. ``path`` itself may be reached through links (a
     symlinked scratch file system); whether it lies inside the run is :func:`~hftrain.checkpoint.resume.
-    check_trusted`'s question, asked of its real path.
+    check_trusted`'s question, asked of its real path. Pitfall "symlinked checkpoint runs code", docs/pitfalls.md.
 
     Args:
         path: a ``step_<N>`` folder (or a DeepSpeed checkpoint's tag folder).

@@ -13,7 +13,8 @@ NCCL ones, every host-side agreement in hftrain goes through this module, over t
   (``new_group(..., use_local_synchronization=True)``: a group's twin is named by its ranks, so the members need
   not create twins in the same order as other groups' members).
 
-Device tensors (gradients, activations, losses) never come here: they stay on the device group.
+Device tensors (gradients, activations, losses) never come here: they stay on the device group. (Pitfall "CPU
+tensor in an NCCL collective", docs/pitfalls.md.)
 
 =====================  =======================================  ==========================================
 function               collective (host twin of ``group``)      used where

@@ -117,8 +117,9 @@ class MegatronPlugin:
         host), then move only this rank's shards to ``device``; in place.
 
         The whole model never reaches the GPU: a model that needs tensor parallelism because it does not fit one GPU
-        would not survive being moved there whole first. Splitting runs no collective on the weights (the replica
-        check agrees on a host checksum, ``parallel.host``).
+        would not survive being moved there whole first (pitfall "whole model on every GPU before the split",
+        docs/pitfalls.md). Splitting runs no collective on the weights (the replica check agrees on a host checksum,
+        ``parallel.host``).
 
         Every rank must hold the same full weights before (same seed or the same checkpoint). The RNG tracker
         (``hftrain.parallel.random``) is seeded here from the seed the model was built with (``torch.initial_seed``,
