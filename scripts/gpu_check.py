@@ -8,6 +8,8 @@ GPU checks (a tiny BERT classifier built locally, the embedded MiniLM job for sp
 - ``ddp fp32 resume``: 1 process on CUDA, fp32, a background checkpoint at step 3, 6 steps; the run resumed from
   step 3 exports the same weights (within 1e-6: cuBLAS may pick other kernels after a restart).
 - ``megatron tp1``: the megatron strategy on one GPU (its schedule, export and reload).
+- ``cp fused kernels``: ring and all-to-all attention's CUDA kernels (cp = 1) against
+  ``scaled_dot_product_attention``, outputs and gradients, fp32 and bf16, causal and padded.
 - ``host syncs per step``: ``torch.cuda.set_sync_debug_mode`` counts the synchronising calls of a run of 4 and of
   12 steps (no evaluation or checkpoint between); the difference over 8 steps must be at most 1 per step.
 - ``main job bf16``: the embedded MiniLM job for 60 steps: tokens/s, MFU and ``torch.cuda.max_memory_allocated``.
@@ -117,6 +119,47 @@ def host_syncs_per_step(where: Path) -> str:
     return f"{per_step:.2f} per optimizer step (4 steps: {few} in all, 12 steps: {many})"
 
 
+CP_KERNELS = """
+import socket, torch, torch.distributed as dist, torch.nn.functional as F
+from hftrain.parallel.context_parallel import Shard, ring_attention, all_to_all_attention
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+g = torch.Generator(device="cuda").manual_seed(0)
+b, h, hkv, seq, d = 2, 4, 2, 64, 64
+worst = 0.0
+for dtype, bound in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+    for causal in (False, True):
+        q, k, v = (torch.randn(b, n, seq, d, device="cuda", generator=g, dtype=dtype) for n in (h, hkv, hkv))
+        keep = torch.arange(seq, device="cuda")[None] < torch.tensor([[seq], [seq - 9]], device="cuda")
+        mask = keep[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril() if causal else True)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        out_ref = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1), attn_mask=mask)
+        out_ref.float().square().sum().backward()
+        for attention in (ring_attention, all_to_all_attention):
+            mine = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attention(*mine, Shard(keep, torch.arange(seq, device="cuda"), causal, d ** -0.5, dist.group.WORLD))
+            out.float().square().sum().backward()
+            for got, want in zip((out, *(t.grad for t in mine)), (out_ref, *(t.grad for t in ref))):
+                error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                worst = max(worst, error / bound)
+print(f"RESULT {worst:.3f}")
+"""
+
+
+def cp_kernels(where: Path) -> str:
+    """Ring and all-to-all attention's fused CUDA kernels (cp = 1, one process) against
+    ``scaled_dot_product_attention``: outputs and gradients, fp32 and bf16, causal and padded."""
+    done = subprocess.run([sys.executable, "-c", CP_KERNELS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(done.stderr[-400:])
+    share = float(lines[0].split()[1])
+    if share > 1:
+        raise AssertionError(f"largest error {share:.2f} of its bound (fp32 1e-4, bf16 3e-2 of the largest entry)")
+    return f"largest error {share:.3f} of its bound (fp32 1e-4, bf16 3e-2 of the largest entry)"
+
+
 def main_job_bf16(where: Path) -> str:
     import torch
 
@@ -156,7 +199,8 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        for name in ("ddp fp32 resume", "megatron tp1", "host syncs per step", "main job bf16", "N processes"):
+        for name in ("ddp fp32 resume", "megatron tp1", "cp fused kernels", "host syncs per step", "main job bf16",
+                     "N processes"):  # fmt: skip
             RESULTS.append(("SKIP", name, "no CUDA device"))
             print(f"SKIP {name}: no CUDA device (the CPU net above is the gate)", flush=True)
     else:
@@ -164,7 +208,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as scratch:
             where = Path(scratch)
             checks = (("ddp fp32 resume", ddp_fp32_resume), ("megatron tp1", megatron_tp1),
-                      ("host syncs per step", host_syncs_per_step), ("main job bf16", main_job_bf16))  # fmt: skip
+                      ("cp fused kernels", cp_kernels), ("host syncs per step", host_syncs_per_step),
+                      ("main job bf16", main_job_bf16))  # fmt: skip
             for name, work in checks:
                 folder = where / name.replace(" ", "_")
                 folder.mkdir()

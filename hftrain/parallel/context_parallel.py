@@ -10,14 +10,17 @@ nothing else.
 **Ring attention** (:func:`ring_attention`; Liu et al. 2023, the exact blockwise softmax of FlashAttention). The
 key/value blocks travel around the ring: at step ``t`` rank ``r`` holds the block of rank ``(r − t) mod cp``,
 sends it on to ``r + 1`` and receives the next from ``r − 1`` (``batch_isend_irecv``, started before the block's
-computation and waited for after it, so communication overlaps compute). For each block, in fp32::
+computation and waited for after it, so communication overlaps compute). Each block runs one fused attention
+kernel in the training dtype (:data:`BLOCK_KERNELS`: torch's flash kernel on a CPU, its memory-efficient kernel on
+CUDA, each taking the block's additive mask and returning ``O_j`` and ``lse_j``), with the scores masked to −∞ where
+the key is padding or (causal) its position is after the query's; the blocks are merged in fp32::
 
-    S = Q Kᵀ · scale,  masked to −∞ where the key is padding or (causal) its position is after the query's
-    m' = max(m, rowmax S);   l' = l·e^(m − m') + Σ e^(S − m');   O' = O·e^(m − m') + e^(S − m') V
+    lse' = log(e^lse + e^lse_j);   O' = O·e^(lse − lse') + O_j·e^(lse_j − lse')
 
-and after the last block ``out = O / l`` and ``lse = m + log l`` (the online softmax: exact, not approximate). A
-(query chunk, key chunk) pair that is entirely in the causal future is skipped, so with the zigzag layout every
-rank does the same work. The backward pass goes around the ring again with FlashAttention's gradients, per block::
+(the online softmax: exact, not approximate). A (query chunk, key chunk) pair that is entirely in the causal
+future is skipped, so with the zigzag layout every rank does the same work. The backward pass goes around the ring
+again with the kernel's backward per block, given the whole attention's ``out`` and ``lse`` (FlashAttention's
+gradients)::
 
     P = e^(S − lse),  D = rowsum(dO ∘ out),  dV_j += Pᵀ dO,  dS = P ∘ (dO V_jᵀ − D),
     dQ += dS K_j · scale,  dK_j += dSᵀ Q · scale
@@ -133,46 +136,118 @@ def _visible_pairs(q_runs, k_runs, causal: bool):
             yield q_slice, k_slice
 
 
+# ----------------------------------------------------------------------------- fused attention of one block
+@dataclass(frozen=True)
+class BlockKernel:
+    """Fused attention of one (query run, key run) block that also returns its log-sum-exp, and its backward.
+
+    ``forward(q, k, v, bias, scale) -> (out, lse)``: ``q, k, v`` ``[b, h, sq|sk, d]`` in the training dtype, ``bias``
+    ``[b, h, sq, sk]`` additive (0 or −∞) in that dtype; ``out`` in that dtype, ``lse`` ``[b, h, sq]`` fp32.
+    ``backward(dout, q, k, v, bias, out, lse, scale) -> (dq, dk, dv)`` with the *whole* attention's ``out`` and
+    ``lse`` of these queries (FlashAttention's backward of one block: ``P = e^(S − lse)``, ``D = rowsum(dO ∘ out)``).
+    A kernel computes the scores in tiles and never keeps the ``sq × sk`` probabilities.
+    """
+
+    forward: Any
+    backward: Any
+
+
+def _cpu_forward(q, k, v, bias, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+
+
+def _cpu_backward(dout, q, k, v, bias, out, lse, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
+    )
+
+
+def _cuda_forward(q, k, v, bias, scale):
+    # memory-efficient attention (flash takes no bias); its log-sum-exp is padded to a multiple of 32 queries
+    out, lse, _seed, _offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, False, scale=scale
+    )
+    return out, lse[..., : q.shape[2]]
+
+
+def _cuda_backward(dout, q, k, v, bias, out, lse, scale):
+    padded = -(-q.shape[2] // 32) * 32
+    lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+    no_dropout = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed and offset: unused at p = 0
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, lse, no_dropout, no_dropout, 0.0, [True, True, True, False], False, scale=scale
+    )
+    return dq, dk, dv
+
+
+BLOCK_KERNELS = {"cpu": BlockKernel(_cpu_forward, _cpu_backward), "cuda": BlockKernel(_cuda_forward, _cuda_backward)}
+"""The fused block kernel of each device type (torch's own: flash for CPU, memory-efficient on CUDA, both taking an
+additive mask and returning the log-sum-exp, as torch's ring attention uses them)."""
+
+
+def block_kernel(device: torch.device) -> BlockKernel:
+    """The fused kernel for ``device``; another device type is one line (no slow fallback)."""
+    kernel = BLOCK_KERNELS.get(device.type)
+    if kernel is None:
+        raise ValueError(f"context parallelism has no fused attention kernel for device '{device.type}'")
+    return kernel
+
+
+def _bias(visible: torch.Tensor, dtype: torch.dtype, heads: int) -> torch.Tensor:
+    """An additive mask ``[b, heads, sq, sk]`` (0 where visible, −∞ elsewhere), its rows 16-element aligned (the
+    memory-efficient kernel reads the mask in aligned vectors, as ``scaled_dot_product_attention`` pads it)."""
+    b, _, sq, sk = visible.shape
+    aligned = -(-sk // 16) * 16
+    storage = torch.full((b, heads, sq, aligned), NEG_INF, dtype=dtype, device=visible.device)
+    bias = storage[..., :sk]
+    bias.masked_fill_(visible.expand(b, heads, sq, sk), 0.0)
+    return bias
+
+
+def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> tuple:
+    """The online softmax over two parts of the keys: ``lse' = log(e^lse + e^lse_b)``,
+    ``o' = o·e^(lse − lse') + o_b·e^(lse_b − lse')`` (rows that saw no key yet keep ``lse = −∞``, ``o = 0``)."""
+    new = torch.logaddexp(lse, lse_b)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    merged = o * torch.exp(lse - safe)[..., None] + o_b.float() * torch.exp(lse_b - safe)[..., None]
+    return merged, new
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, positions, causal, scale, group):
         cp = dist.get_world_size(group)
         n_rep = q.shape[1] // k.shape[1]
-        qf = q.float()
+        kernel = block_kernel(q.device)
         b, h, sq, d = q.shape
-        m = torch.full((b, h, sq), NEG_INF, device=q.device)
-        l = torch.zeros((b, h, sq), device=q.device)  # noqa: E741 - the paper's name
-        o = torch.zeros((b, h, sq, d), device=q.device)
+        lse = torch.full((b, h, sq), NEG_INF, device=q.device)
+        o = torch.zeros((b, h, sq, d), device=q.device)  # merged in fp32; each block computed in q's dtype
         q_runs = _chunks(positions)
         keep_f = keep.to(torch.uint8)
         block = _Block([k, v, keep_f, positions])
         for step in range(cp):
             pending = block.exchange(group) if step < cp - 1 else None
             kb, vb, keep_b, pos_b = block.tensors
-            kr, vr = _repeat_kv(kb.float(), n_rep), _repeat_kv(vb.float(), n_rep)
+            kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
             for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
-                s = (qf[:, :, qs] @ kr[:, :, ks].transpose(-1, -2)) * scale
                 visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
-                s = s.masked_fill(~visible, NEG_INF)
-                m_old = m[:, :, qs]
-                m_new = torch.maximum(m_old, s.amax(-1))
-                safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - safe[..., None])
-                alpha = torch.exp(m_old - safe)
-                l[:, :, qs] = l[:, :, qs] * alpha + p.sum(-1)
-                o[:, :, qs] = o[:, :, qs] * alpha[..., None] + p @ vr[:, :, ks]
-                m[:, :, qs] = m_new
+                o_b, lse_b = kernel.forward(
+                    q[:, :, qs], kr[:, :, ks], vr[:, :, ks], _bias(visible, q.dtype, h), scale
+                )
+                # a query row with no visible key in this block contributes nothing (a kernel reports lse 0 there)
+                lse_b = lse_b.masked_fill(~visible.any(-1), NEG_INF)
+                o[:, :, qs], lse[:, :, qs] = _merge(o[:, :, qs], lse[:, :, qs], o_b, lse_b)
             if pending is not None:
                 works, received = pending
                 for work in works:
                     work.wait()
                 block = _Block(received)
-        empty = l == 0  # padding queries that see no key: output 0, and no gradient through them
-        out = torch.where(empty[..., None], torch.zeros_like(o), o / l.clamp_min(1e-30)[..., None])
-        lse = torch.where(empty, torch.full_like(m, float("inf")), m + torch.log(l.clamp_min(1e-30)))
+        empty = torch.isneginf(lse)  # padding queries that see no key: output 0, and no gradient through them
+        out = torch.where(empty[..., None], torch.zeros_like(o), o).to(q.dtype)
+        lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
         ctx.save_for_backward(q, k, v, keep_f, positions, out, lse)
         ctx.causal, ctx.scale, ctx.group = causal, scale, group
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -180,24 +255,27 @@ class _RingAttention(torch.autograd.Function):
         causal, scale, group = ctx.causal, ctx.scale, ctx.group
         cp = dist.get_world_size(group)
         n_rep = q.shape[1] // k.shape[1]
-        qf, do = q.float(), grad_out.float()
-        delta = (do * out).sum(-1)  # D = rowsum(dO ∘ out)
-        dq = torch.zeros_like(qf)
+        kernel = block_kernel(q.device)
+        do = grad_out.to(q.dtype).contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
         q_runs = _chunks(positions)
         block = _Block([k, v, keep_f, positions, torch.zeros_like(k, dtype=torch.float32),
                         torch.zeros_like(v, dtype=torch.float32)])  # fmt: skip
         for step in range(cp):
             kb, vb, keep_b, pos_b, dk, dv = block.tensors
-            kr, vr = _repeat_kv(kb.float(), n_rep), _repeat_kv(vb.float(), n_rep)
-            dkr, dvr = torch.zeros_like(kr), torch.zeros_like(vr)
+            kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
+            dkr = torch.zeros_like(kr, dtype=torch.float32)
+            dvr = torch.zeros_like(vr, dtype=torch.float32)
             for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
-                s = (qf[:, :, qs] @ kr[:, :, ks].transpose(-1, -2)) * scale
                 visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
-                p = torch.exp(s - lse[:, :, qs, None]).masked_fill(~visible, 0.0)
-                dvr[:, :, ks] += p.transpose(-1, -2) @ do[:, :, qs]
-                ds = p * (do[:, :, qs] @ vr[:, :, ks].transpose(-1, -2) - delta[:, :, qs, None])
-                dq[:, :, qs] += (ds @ kr[:, :, ks]) * scale
-                dkr[:, :, ks] += (ds.transpose(-1, -2) @ qf[:, :, qs]) * scale
+                dq_b, dk_b, dv_b = kernel.backward(
+                    do[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kr[:, :, ks].contiguous(),
+                    vr[:, :, ks].contiguous(), _bias(visible, q.dtype, q.shape[1]), out[:, :, qs].contiguous(),
+                    lse[:, :, qs].contiguous(), scale,
+                )  # fmt: skip
+                dq[:, :, qs] += dq_b.float()
+                dkr[:, :, ks] += dk_b.float()
+                dvr[:, :, ks] += dv_b.float()
             dk, dv = dk + _sum_groups(dkr, n_rep), dv + _sum_groups(dvr, n_rep)
             # Send the block on (its gradients with it); after the last block only the gradients go home.
             block = _Block([kb, vb, keep_b, pos_b, dk, dv] if step < cp - 1 else [dk, dv])
@@ -241,7 +319,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sha
         shard: the padding, positions, causality, scale and group.
 
     Returns:
-        ``[b, h, s, d]`` in ``q``'s dtype (computed in fp32).
+        ``[b, h, s, d]`` in ``q``'s dtype (each block in it, merged in fp32).
     """
     return _RingAttention.apply(q, k, v, shard.keep, shard.positions, shard.causal, shard.scale, shard.group)
 
@@ -299,14 +377,17 @@ ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # str
 
 
 def _local_attention(q, k, v, keep, positions, causal, scale) -> torch.Tensor:
-    """Masked softmax attention in fp32 on one rank (the all-to-all's inner attention); padding queries → 0."""
+    """Masked attention on one rank (the all-to-all's inner attention) by ``scaled_dot_product_attention`` (a fused
+    kernel: flash on a CPU, memory-efficient on CUDA; no ``S × S`` probabilities kept), in the training dtype;
+    padding queries, which see no key, → 0 (they attend to every key and are zeroed, never a NaN)."""
     n_rep = q.shape[1] // k.shape[1]
-    s = (q.float() @ _repeat_kv(k.float(), n_rep).transpose(-1, -2)) * scale
     visible = _mask(positions, positions, keep, causal)
-    s = s.masked_fill(~visible, NEG_INF)
     any_visible = visible.any(-1, keepdim=True)
-    p = torch.softmax(torch.where(any_visible, s, torch.zeros_like(s)), -1) * any_visible
-    return (p @ _repeat_kv(v.float(), n_rep)).to(q.dtype)
+    mask = visible | ~any_visible
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), attn_mask=mask, scale=scale
+    )
+    return out * any_visible.to(out.dtype)
 
 
 # ----------------------------------------------------------------------------- a classifier over cp ranks
