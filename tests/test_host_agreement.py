@@ -54,6 +54,7 @@ def _host_paths_without_a_cpu_backend(output_dir: str) -> dict:
     out["all_max"] = host.all_max([float(rank), -float(rank)])
     out["broadcast_ints"] = host.broadcast_ints([4, 7, 1] if rank == 0 else None, 3)
     out["broadcast_object"] = host.broadcast_object({"token": "abc"} if rank == 0 else None)
+    out["once_per_machine"] = host.once_per_machine("the same error", local_rank=rank)
     host.barrier()
 
     # The checkpoint manager's agreement: a failure on rank 1 is raised on both ranks.
@@ -139,6 +140,7 @@ def test_every_host_side_collective_runs_in_a_group_without_a_cpu_backend(tmp_pa
         assert out["all_max"] == [1.0, 0.0]
         assert out["broadcast_ints"] == [4, 7, 1]
         assert out["broadcast_object"] == {"token": "abc"}
+        assert out["once_per_machine"] is (rank == 0)
         assert out["agreed failure"] == "WriteError", rank
         assert out["storage check"] == "ok" and out["replica check"] == "ok"
         assert out["shape"] == (2, 3, 0)
@@ -146,3 +148,35 @@ def test_every_host_side_collective_runs_in_a_group_without_a_cpu_backend(tmp_pa
     assert results[0]["streams written"]
     expected = (__import__("torch").arange(6).view(2, 3).float() + 4).tolist()  # four chunks, each adding one
     assert results[0]["zbv logits"] == expected and results[1]["zbv logits"] is None
+
+
+def _who_prints(cases: dict[str, list[str | None]]) -> dict[str, bool]:
+    """Each case's lines (one per rank) through ``once_per_machine``, on two machines of two processes each."""
+    import torch.distributed as dist
+
+    from hftrain.parallel import host
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    return {name: host.once_per_machine(lines[rank], local_rank=rank % 2) for name, lines in cases.items()}
+
+
+@pytest.mark.distributed
+def test_an_error_every_rank_meets_is_printed_once_per_machine():
+    """Two ranks of a machine that fail alike (a damaged shared checkpoint file) print one line, not two; a line
+    that only one rank has (its own RNG file) is printed by that rank; each machine prints its own."""
+    same, own = "checkpoint 'c': its files are damaged", "checkpoint 'c': state/random_states_1.pkl is missing"
+    cases = {
+        "alike everywhere": [same, same, same, same],
+        "rank 1 its own": [same, own, same, same],
+        "only rank 1": [None, own, None, None],
+        "only the second machine": [None, None, same, same],
+    }
+    results = run_distributed(_who_prints, 4, cases=cases, timeout=300)
+    printed = {name: [results[rank][name] for rank in range(4)] for name in cases}
+    assert printed == {
+        "alike everywhere": [True, False, True, False],
+        "rank 1 its own": [True, True, True, False],
+        "only rank 1": [False, True, False, False],
+        "only the second machine": [False, False, True, False],
+    }

@@ -26,6 +26,7 @@ function               collective (host twin of ``group``)      used where
 ``broadcast_object``   broadcast of a small pickled object      the shared-storage check's token
 ``barrier``            barrier                                  the shared-storage check
 ``gather_bytes``       all-gather of equal-length byte rows     RNG streams into the checkpoint
+``once_per_machine``   all-reduce (max) of one number per rank  which rank prints an error all ranks met
 ``send_object``        send/recv of a pickled object            ZBV evaluation, the export of later stages
 =====================  =======================================  ==========================================
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -92,6 +94,28 @@ def any_rank(flag: bool, group: Any = None) -> bool:
         group: the ranks that agree (None: all).
     """
     return all_max([float(flag)], group)[0] > 0
+
+
+def once_per_machine(line: str | None, *, local_rank: int) -> bool:
+    """Whether this rank prints ``line``, an error that the ranks met at one point (None where this rank did not
+    fail): once per machine for each distinct line. The machine's first process (local rank 0) prints its own line;
+    another prints only a line its machine's first process does not (a file only it reads), so ranks that failed
+    alike say it once, as the CLI says a bad input (``hftrain.cli.reports_errors``).
+
+    Collective over all ranks: every rank calls it, failed or not. Ranks are numbered machine by machine, as the
+    launchers number them: a machine's first process is ``rank - local_rank``.
+
+    Args:
+        line: this rank's error line, or None.
+        local_rank: this rank's index on its machine (the launcher's ``LOCAL_RANK``).
+    """
+    world = _size(None)
+    rank = dist.get_rank() if world > 1 else 0
+    codes = [0.0] * world  # each rank's line as a number (CRC-32 + 1, exact in float64), 0: no error
+    if line is not None:
+        codes[rank] = float(zlib.crc32(line.encode()) + 1)
+    codes = all_max(codes)  # an all-gather: every other rank adds 0 at this rank's place
+    return line is not None and (local_rank == 0 or codes[rank - local_rank] != codes[rank])
 
 
 def all_sum(values: list[float], group: Any = None) -> list[float]:

@@ -228,6 +228,21 @@ class AccelerateRuntime:
 
         return flag if self.num_processes == 1 else any_rank(flag)
 
+    def reports(self, error: Exception | None) -> bool:
+        """Whether this rank prints ``error`` (None: it did not fail), met where every rank fails together (collective:
+        every rank calls it): once per machine for each distinct line (``parallel.host.once_per_machine``). Set it as
+        the error's ``every_rank``, which the CLI reads.
+
+        Args:
+            error: what this rank failed with, or None.
+        """
+        from hftrain.parallel.host import once_per_machine
+
+        line = None if error is None else str(error)
+        if self.num_processes == 1:
+            return line is not None
+        return once_per_machine(line, local_rank=self.accelerator.local_process_index)
+
     def skip_first_batches(self, loader: Any, num_batches: int) -> Any:
         """``loader`` without its first ``num_batches`` batches, skipped at the sampler level.
 
