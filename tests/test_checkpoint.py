@@ -391,11 +391,6 @@ def test_a_signal_to_the_process_group_ends_in_the_preemption_exit_code(tiny_job
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs Trainer._load_state (hftrain/trainers/base.py) to set a failed load's every_rank from "
-    "runtime.reports(error), called on every rank, instead of True (issue 41, section 4)",
-)
 def test_a_damaged_zero_checkpoint_is_said_once_per_machine_under_torchrun(tiny_job, tmp_path):
     """A ZeRO-2 checkpoint with a truncated shard and its checksums recomputed fails to load on both ranks of the
     machine alike: one line, not one per rank, on resume and on export (a missing weight or another shape in the

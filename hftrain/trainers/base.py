@@ -495,8 +495,11 @@ class Trainer:
                 "resume from another checkpoint, or with the config that wrote it"
             )
         if self._any_rank(error is not None):
+            # Collective: a rank whose load failed differently (only its RNG file) says why; ranks that failed
+            # alike say it once per machine.
+            says = self.runtime.reports(error)
             if error is not None:
-                error.every_rank = True  # the load can fail on one rank only (its RNG file): that rank says why
+                error.every_rank = says
             raise error or CheckpointError(f"checkpoint '{path}' failed to load on another process; see its error")
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
