@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,26 @@ def _assert_same_exports(ours: Path, theirs: Path, *, atol: float) -> None:
     _assert_same_weights(load_file(ours / "model.safetensors"), load_file(theirs / "model.safetensors"), atol=atol)
 
 
+def _signal_the_group(
+    command: list[str], ready: Callable[[], bool], signum: int, *, settle: float = 0.0
+) -> tuple[subprocess.Popen, str]:
+    """Start ``command`` in a process group of its own (as a scheduler starts a job), send ``signum`` to the whole
+    group once ``ready()`` (and ``settle`` seconds more), and return the process and its output."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(ready, process)
+        time.sleep(settle)
+        os.killpg(process.pid, signum)
+        output = process.communicate(timeout=300)[0]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process, output
+
+
 def _wait_for(predicate, process: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -331,23 +352,9 @@ def test_sigterm_to_a_two_process_job_checkpoints_and_the_rerun_matches(tiny_job
     done = _run([*torchrun, *_args(tiny_job, reference, steps=steps)])
     assert done.returncode == 0, done.stderr[-3000:]
     command = [*torchrun, *_args(tiny_job, preempted, steps=steps), "--resume_from_checkpoint", "auto"]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=launch_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(lambda: (preempted / "hftrain_strategy.json").is_file(), process)
-        time.sleep(0.5)
-        os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: the whole job gets SIGTERM
-        output = process.communicate(timeout=300)[0]
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    # what a scheduler does: the whole job gets SIGTERM
+    process, output = _signal_the_group(command, lambda: (preempted / "hftrain_strategy.json").is_file(),
+                                        signal.SIGTERM, settle=0.5)  # fmt: skip
     assert "preempted (SIGTERM)" in output, output[-3000:]
     stopped_at = CheckpointManager(preempted / "checkpoints").resolve("latest")
     assert 0 < read_checkpoint(stopped_at)["step"] < steps
@@ -367,22 +374,8 @@ def test_a_signal_to_the_process_group_ends_in_the_preemption_exit_code(tiny_job
 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hftrain", "train", *_args(tiny_job, out, steps=2000, save_steps=5)]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=launch_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the job's own process group, as a scheduler starts it
-    )
-    try:
-        _wait_for(lambda: (out / "training_curves.png").is_file(), process)  # the drawing process is in use
-        os.killpg(process.pid, signum)
-        output = process.communicate(timeout=300)[0]
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    # once the drawing process is in use
+    process, output = _signal_the_group(command, lambda: (out / "training_curves.png").is_file(), signum)
     assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
     stopped_at = CheckpointManager(out / "checkpoints").resolve("latest")
     step = read_checkpoint(stopped_at)["step"]  # complete: its checksums verify

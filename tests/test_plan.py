@@ -606,6 +606,20 @@ def test_mixtral_8x7b_counted_on_the_meta_device(tmp_path):
     assert spec.layer_parameters == per_layer + experts / layers
 
 
+def test_the_plan_offers_only_expert_layouts_that_training_takes(tmp_path):
+    """Expert parallelism composes with tp and dp only in training (ParallelDims.validate_trainable): the plan's
+    layouts keep ep > 1 to pp = cp = 1, and asking for --ep with --pp is one line."""
+    from hftrain.errors import ConfigError
+
+    model = _mixtral_8x7b(tmp_path)
+    hardware = Hardware(gpus_per_node=8, nodes=4)
+    triples = model_parallel.expert_layouts(model, hardware)
+    assert any(e > 1 for _, _, e in triples) and any(p > 1 for _, p, _ in triples)
+    assert all(p == 1 for _, p, e in triples if e > 1), triples
+    with pytest.raises(ConfigError, match="composes expert parallelism with tp and dp only"):
+        model_parallel.expert_layouts(model, hardware, pp=2, ep=2)
+
+
 def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_path):
     """ep = 2 holds half of ep = 1's expert states per GPU, the rest unchanged; the all-to-all is the formula."""
     model = _mixtral_8x7b(tmp_path)

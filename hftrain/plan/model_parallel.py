@@ -98,7 +98,8 @@ def expert_layouts(
     ep: int | None = None,
 ) -> list[tuple[int, int, int]]:
     """(t, p, e) triples other than (1, 1, 1) at cp = 1: the :func:`layouts`, each with every expert-parallel size e
-    that divides its dp and the experts (:func:`expert_sizes`), or only ``ep``. An ``ep`` the model cannot split
+    that divides its dp and the experts (:func:`expert_sizes`), or only ``ep``, kept where training takes the layout
+    (``ParallelDims.validate_trainable``: ep > 1 composes with tp and dp only). An ``ep`` the model cannot split
     (a dense model, or not dividing the experts), or that divides the data-parallel size of no layout, is refused in
     one line naming ``--ep``.
 
@@ -110,14 +111,27 @@ def expert_layouts(
         cp: the context-parallel size of every layout.
         ep: only this expert-parallel size.
     """
+    from hftrain.errors import AxisError
+    from hftrain.parallel.dims import ParallelDims
+
     if ep is not None:
         model.check_experts(ep)
+    if ep is not None and ep > 1 and ((pp or 1) > 1 or cp > 1):
+        raise ConfigError(
+            f"--ep {ep} with --pp {pp or 1} / --cp {cp}: training composes expert parallelism with tp and dp only; "
+            "drop --pp/--cp or --ep"
+        )
     triples = []
     for t, p in layouts(model, hw, tp=tp, pp=pp, cp=cp, unsplit=model.moe):
         dp = hw.world // (t * p * cp)
         for e in [ep] if ep is not None else expert_sizes(model, dp):
-            if dp % e == 0 and ((t, p, e) != (1, 1, 1) or cp > 1):
-                triples.append((t, p, e))
+            if dp % e or ((t, p, e) == (1, 1, 1) and cp == 1):
+                continue
+            try:  # only what training takes (the one layout check, ParallelDims.validate_trainable)
+                ParallelDims(hw.world, tp=t, pp=p, cp=cp, ep=e).validate_trainable()
+            except AxisError:
+                continue
+            triples.append((t, p, e))
     if ep is not None and ep > 1 and not triples:
         raise ConfigError(
             f"--ep {ep} divides the data-parallel size of no layout on {hw.world} GPUs (ep consecutive data-parallel "
