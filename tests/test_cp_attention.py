@@ -43,11 +43,39 @@ def _reference(q, k, v, weights, keep, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _with_cuda_contract(kernel):
+    """``kernel`` that first checks its arguments as torch's memory-efficient CUDA kernel (the ring's kernel on a GPU)
+    does: it broadcasts no dimension of the additive mask (``attn_bias: wrong shape (seqlenQ dimension)`` for a
+    ``[b, h, 1, sk]`` mask, which the CPU's flash kernel takes), wants it in the query's dtype with a contiguous, aligned
+    last dimension, and the log-sum-exp ``[b, h, sq]``. The ring runs through it on CPU, so a GPU-only shape error
+    is caught here."""
+    from hftrain.parallel.context_parallel import BlockKernel
+
+    def check(q, k, bias):
+        expected = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        assert bias.dim() == 4 and tuple(bias.shape) == expected, f"bias {tuple(bias.shape)}, kernel wants {expected}"
+        assert bias.dtype == q.dtype and bias.stride(3) == 1 and bias.stride(2) % 16 == 0, bias.stride()
+        assert q.stride(-1) == 1 and k.stride(-1) == 1
+
+    def forward(q, k, v, bias, scale):
+        check(q, k, bias)
+        return kernel.forward(q, k, v, bias, scale)
+
+    def backward(dout, q, k, v, bias, out, lse, scale):
+        check(q, k, bias)
+        assert lse.shape == q.shape[:3], (lse.shape, q.shape)
+        return kernel.backward(dout, q, k, v, bias, out, lse, scale)
+
+    return BlockKernel(forward, backward)
+
+
 def _compare(h: int, h_kv: int) -> dict:
     import torch.distributed as dist
 
+    from hftrain.parallel import context_parallel
     from hftrain.parallel.context_parallel import Shard, all_to_all_attention, ring_attention, zigzag_positions
 
+    context_parallel.BLOCK_KERNELS["cpu"] = _with_cuda_contract(context_parallel.BLOCK_KERNELS["cpu"])
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
     b, seq, d = 3, 8 * cp, 8

@@ -102,7 +102,7 @@ class CheckpointManager:
         # last step nothing changes them: the write reads them as they are.
         staged = snapshot if live else snapshot.staged(self._staging)
         group = self._background_group()
-        device = getattr(runtime, "device", None)
+        device = _with_index(getattr(runtime, "device", None))
 
         def write_in_background() -> None:
             _bind_device(device)  # this rank's GPU, not cuda:0 (a new thread starts on device 0)
@@ -231,6 +231,17 @@ class _Pending:
     agreed: _AgreedWrite
     final: Path
     future: Future
+
+
+def _with_index(device: Any) -> Any:
+    """``device`` with its index: a bare ``cuda`` (Accelerate's device of a 1-process run) names the calling thread's
+    current GPU, which the writer thread, starting on GPU 0, must be told by number."""
+    import torch
+
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _bind_device(device: Any) -> None:

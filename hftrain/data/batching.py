@@ -111,7 +111,13 @@ class SortedSampler(Sampler[int]):
 
 
 def build_dataloader(
-    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, *, batch_size: int, sampler: Sampler, num_workers: int = 0
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    batch_size: int,
+    sampler: Sampler,
+    num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """A loader that pads each batch to its longest example.
 
@@ -121,6 +127,7 @@ def build_dataloader(
         batch_size: examples per process per micro-batch.
         sampler: the index order.
         num_workers: loader worker processes.
+        pin_memory: collate into pinned host memory (a GPU run: its copies to the device then do not wait).
     """
     from transformers import DataCollatorWithPadding
 
@@ -130,6 +137,7 @@ def build_dataloader(
         sampler=sampler,
         collate_fn=DataCollatorWithPadding(tokenizer),
         num_workers=num_workers,
+        pin_memory=pin_memory,
         # A loader without its own generator draws worker seeds from the global torch RNG each time an
         # epoch starts, so a resumed run (which starts its iterator later) would see shifted dropout masks.
         generator=torch.Generator().manual_seed(0),

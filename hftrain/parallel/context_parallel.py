@@ -193,15 +193,17 @@ def block_kernel(device: torch.device) -> BlockKernel:
     return kernel
 
 
-def _bias(visible: torch.Tensor, dtype: torch.dtype, heads: int) -> torch.Tensor:
-    """An additive mask ``[b, heads, sq, sk]`` (0 where visible, −∞ elsewhere), its rows 16-element aligned (the
-    memory-efficient kernel reads the mask in aligned vectors, as ``scaled_dot_product_attention`` pads it)."""
-    b, _, sq, sk = visible.shape
+def _bias(visible: torch.Tensor, dtype: torch.dtype, heads: int, sq: int) -> torch.Tensor:
+    """An additive mask ``[b, heads, sq, sk]`` (0 where visible, −∞ elsewhere) from ``visible`` ``[b, 1, 1|sq, sk]``,
+    shaped as the memory-efficient CUDA kernel requires (every dimension its full size: it broadcasts none), one
+    ``[b, 1, sq, sk]`` copy expanded over the heads (stride 0, as ``scaled_dot_product_attention`` passes a mask), its
+    rows 16-element aligned (the kernel reads the mask in aligned vectors, as that function pads it)."""
+    b, sk = visible.shape[0], visible.shape[-1]
     aligned = -(-sk // 16) * 16
-    storage = torch.full((b, heads, sq, aligned), NEG_INF, dtype=dtype, device=visible.device)
+    storage = torch.full((b, 1, sq, aligned), NEG_INF, dtype=dtype, device=visible.device)
     bias = storage[..., :sk]
-    bias.masked_fill_(visible.expand(b, heads, sq, sk), 0.0)
-    return bias
+    bias.masked_fill_(visible.expand(b, 1, sq, sk), 0.0)
+    return bias.expand(b, heads, sq, sk)
 
 
 def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> tuple:
@@ -231,9 +233,8 @@ class _RingAttention(torch.autograd.Function):
             kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
             for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
                 visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
-                o_b, lse_b = kernel.forward(
-                    q[:, :, qs], kr[:, :, ks], vr[:, :, ks], _bias(visible, q.dtype, h), scale
-                )
+                q_b = q[:, :, qs]
+                o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], _bias(visible, q.dtype, h, q_b.shape[2]), scale)
                 # a query row with no visible key in this block contributes nothing (a kernel reports lse 0 there)
                 lse_b = lse_b.masked_fill(~visible.any(-1), NEG_INF)
                 o[:, :, qs], lse[:, :, qs] = _merge(o[:, :, qs], lse[:, :, qs], o_b, lse_b)
@@ -268,9 +269,10 @@ class _RingAttention(torch.autograd.Function):
             dvr = torch.zeros_like(vr, dtype=torch.float32)
             for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
                 visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
+                q_b = q[:, :, qs].contiguous()
                 dq_b, dk_b, dv_b = kernel.backward(
-                    do[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kr[:, :, ks].contiguous(),
-                    vr[:, :, ks].contiguous(), _bias(visible, q.dtype, q.shape[1]), out[:, :, qs].contiguous(),
+                    do[:, :, qs].contiguous(), q_b, kr[:, :, ks].contiguous(), vr[:, :, ks].contiguous(),
+                    _bias(visible, q.dtype, q.shape[1], q_b.shape[2]), out[:, :, qs].contiguous(),
                     lse[:, :, qs].contiguous(), scale,
                 )  # fmt: skip
                 dq[:, :, qs] += dq_b.float()

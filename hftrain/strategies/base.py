@@ -187,7 +187,9 @@ class Strategy(ABC):
             # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself
             # (pitfall "accumulation differs under DeepSpeed", docs/pitfalls.md).
             step_scheduler_with_optimizer=False,
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            dataloader_config=DataLoaderConfiguration(
+                use_seedable_sampler=True, non_blocking=self.platform.pinned_batches
+            ),
             **kwargs,
         )
         self.configure_accelerator(accelerator)

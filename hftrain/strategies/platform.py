@@ -46,6 +46,13 @@ class Platform:
         thread preempts one of them, and each parallel region then waits for the preempted thread."""
         return not self.is_cpu
 
+    @property
+    def pinned_batches(self) -> bool:
+        """Whether batches are collated into pinned host memory and copied to the device without waiting: on a GPU a
+        copy from pageable memory synchronises the host with the device, once per tensor of every batch (three per
+        micro-batch of a classifier: the host would wait for each step's kernels before it could queue the next)."""
+        return not self.is_cpu
+
     @classmethod
     def detect(cls) -> Platform:
         """CUDA and nccl when a GPU is visible, else CPU and gloo."""

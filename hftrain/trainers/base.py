@@ -155,6 +155,7 @@ class Trainer:
             batch_size=args.per_device_train_batch_size,
             sampler=self.train_sampler,
             num_workers=args.dataloader_num_workers,
+            pin_memory=self.strategy.platform.pinned_batches,
         )
         eval_loader = self._eval_loader(eval_dataset)
         optimizer = self.create_optimizer(model)
@@ -235,6 +236,7 @@ class Trainer:
             batch_size=self.args.per_device_eval_batch_size,
             sampler=SortedSampler(lengths_of(dataset)),
             num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.strategy.platform.pinned_batches,
         )
 
     # ----------------------------------------------------------------- the loop

@@ -205,6 +205,7 @@ class MegatronPlugin:
             process_index=layout.dp_rank,
             put_on_device=device is not None,
             use_seedable_sampler=True,
+            non_blocking=loader.pin_memory,  # pinned batches (a GPU run): their copies do not wait for the device
         )
 
     # ----------------------------------------------------------------- step
@@ -327,6 +328,7 @@ def _padded_to_multiple(loader: DataLoader, multiple: int) -> DataLoader:
         sampler=loader.sampler,
         collate_fn=dataclasses.replace(collate, pad_to_multiple_of=multiple),
         num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
         generator=loader.generator,
     )
 
