@@ -11,7 +11,11 @@ GPU checks (a tiny BERT classifier built locally, the embedded MiniLM job for sp
 - ``cp fused kernels``: ring and all-to-all attention's CUDA kernels (cp = 1) against
   ``scaled_dot_product_attention``, outputs and gradients, fp32 and bf16, causal and padded.
 - ``host syncs per step``: ``torch.cuda.set_sync_debug_mode`` counts the synchronising calls of a run of 4 and of
-  12 steps (no evaluation or checkpoint between); the difference over 8 steps must be at most 1 per step.
+  12 steps (no evaluation or checkpoint between), each attributed to the innermost line outside torch that made
+  it; hftrain's and Accelerate's must be at most 1 per step (the step's one read of the reduced loss). The model's
+  own are listed apart: transformers reads the padding mask on the host to drop an all-ones mask.
+- ``attention per shape``: ``scaled_dot_product_attention`` at the main job's shapes per backend, a new sequence
+  length against a repeated one (informational: a backend that plans per shape shows here).
 - ``main job bf16``: the embedded MiniLM job for 60 steps: tokens/s, MFU and ``torch.cuda.max_memory_allocated``.
 - ``N processes``: DDP, ZeRO-2, ZeRO-3, FSDP2, megatron tp2 and pp2 under ``torchrun`` when the machine has at
   least 2 GPUs. One GPU cannot host them: NCCL refuses two ranks on one device, and every launcher gives rank
@@ -112,9 +116,12 @@ def host_syncs_per_step(where: Path) -> str:
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" not in str(message):
                 return
-            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and not f.filename.endswith("warnings.py")]  # fmt: skip
             site = frames[-1] if frames else None
-            name = (site.filename.split("site-packages/")[-1].split("/hftrain/")[-1] if site else filename)
+            name = site.filename if site else filename
+            name = f"hftrain/{name.split('/hftrain/')[-1]}" if "/hftrain/" in name else name
+            name = f"transformers/{name.split('/transformers/')[-1]}" if "/transformers/" in name else name
             sites[f"{name}:{site.lineno if site else lineno}"] += 1
 
         with warnings.catch_warnings():
@@ -181,6 +188,39 @@ def cp_kernels(where: Path) -> str:
     return f"largest error {share:.3f} of its bound (fp32 1e-4, bf16 3e-2 of the largest entry)"
 
 
+def attention_shapes(where: Path) -> str:
+    """``scaled_dot_product_attention`` of the main job's shapes (MiniLM: 12 heads of 32, batch 32, a padding mask,
+    bf16) per backend, forward and backward: the first call of each new sequence length (as ``group_by_length``
+    batches bring) against a repeated one. A backend that builds a plan per shape shows here."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(seq: int) -> float:
+        q, k, v = (torch.randn(32, 12, seq, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        mask = torch.ones(32, 1, seq, seq, device="cuda", dtype=torch.bool)
+        mask[::2, ..., seq // 2 :] = False
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1).sum().backward()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    figures = []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, None):
+        try:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                run(40)
+                new = [run(seq) for seq in range(41, 49)]
+                same = [run(48) for _ in range(8)]
+            name = backend.name.lower() if backend is not None else "default"
+            figures.append(f"{name} new shape {sum(new) / 8:.1f} ms, repeated {sum(same) / 8:.1f} ms")
+        except RuntimeError as error:
+            figures.append(f"{backend.name.lower()}: {str(error).splitlines()[0][:60]}")
+    return "; ".join(figures)
+
+
 def main_job_bf16(where: Path) -> str:
     import torch
 
@@ -222,7 +262,7 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         for name in ("ddp fp32 resume", "megatron tp1", "cp fused kernels", "host syncs per step", "main job bf16",
-                     "N processes"):  # fmt: skip
+                     "attention per shape", "N processes"):  # fmt: skip
             RESULTS.append(("SKIP", name, "no CUDA device"))
             print(f"SKIP {name}: no CUDA device (the CPU net above is the gate)", flush=True)
     else:
@@ -231,6 +271,7 @@ def main() -> int:
             where = Path(scratch)
             checks = (("ddp fp32 resume", ddp_fp32_resume), ("megatron tp1", megatron_tp1),
                       ("cp fused kernels", cp_kernels), ("host syncs per step", host_syncs_per_step),
+                      ("attention per shape", attention_shapes),
                       ("main job bf16", main_job_bf16))  # fmt: skip
             for name, work in checks:
                 folder = where / name.replace(" ", "_")
