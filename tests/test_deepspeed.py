@@ -148,3 +148,25 @@ def test_launcher_and_config_must_agree():
         launch_info_from_environ({**env, "ACCELERATE_USE_FSDP": "true"})
     assert launch_info_from_environ({"ACCELERATE_USE_FSDP": "true"}).accelerate_strategy == "fsdp"
     assert launch_info_from_environ({}).accelerate_strategy is None
+
+
+def test_model_sized_limits_are_filled_from_the_hidden_size_and_numbers_are_kept():
+    """DeepSpeed's 5e8-element reduce bucket and 1e9 live/reuse limits would keep a whole model gathered per rank
+    below 1e9 parameters (issue 42): the shipped JSONs say "auto" and hftrain sizes them from the model."""
+    import types
+
+    from hftrain.errors import ConfigError
+    from hftrain.strategies.deepspeed import MODEL_SIZED, default_ds_config, fill_model_sized
+
+    config = default_ds_config(3)
+    config["zero_optimization"]["stage3_max_live_parameters"] = 123  # a user's number stays
+    filled = fill_model_sized(config, types.SimpleNamespace(hidden_size=64))
+    zero = config["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 64 * 64 and zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
+    assert zero["stage3_param_persistence_threshold"] == 640 and zero["stage3_max_reuse_distance"] == 24 * 64 * 64
+    assert zero["stage3_max_live_parameters"] == 123 and "stage3_max_live_parameters" not in filled
+    assert not any(value == "auto" for value in zero.values())
+    stage2 = default_ds_config(2)["zero_optimization"]
+    assert [k for k in MODEL_SIZED if k in stage2] == ["reduce_bucket_size"]  # ZeRO-2 reads no stage3_ key
+    with pytest.raises(ConfigError, match="zero_optimization.reduce_bucket_size.*no hidden_size"):
+        fill_model_sized(default_ds_config(2), types.SimpleNamespace())

@@ -29,6 +29,45 @@ if TYPE_CHECKING:
     from hftrain.strategies.zero_runtime import ZeroRuntime
 
 
+MODEL_SIZED: dict[str, tuple[int, Any]] = {
+    # zero_optimization key: (the lowest stage that reads it, its value from the model's hidden size h)
+    "reduce_bucket_size": (1, lambda h: h * h),
+    "stage3_prefetch_bucket_size": (3, lambda h: int(0.9 * h * h)),
+    "stage3_param_persistence_threshold": (3, lambda h: 10 * h),
+    "stage3_max_live_parameters": (3, lambda h: 24 * h * h),
+    "stage3_max_reuse_distance": (3, lambda h: 24 * h * h),
+}
+"""DeepSpeed's buffer and residency limits that hftrain sets from the model where the JSON says ``"auto"`` (the
+shipped configs do). The first three are the HF integration's own values (Accelerate and transformers fill them
+alike); DeepSpeed's defaults (5e8-element reduce bucket, 1e9 live parameters and reuse distance) are sized for
+models of billions of parameters and, below that, keep the whole gradient in one bucket copy and every gathered
+ZeRO-3 layer alive from its forward until its backward: a whole unsharded model on each rank. hftrain's limits keep
+about two transformer layers (12h² parameters each) gathered at a time: the memory ZeRO-3 promises, for one more
+all-gather of a layer that the backward reuses. What each one trades: docs/strategies.md."""
+
+
+def fill_model_sized(config: dict[str, Any], model_config: Any) -> dict[str, int]:
+    """Fill the ``"auto"`` keys of :data:`MODEL_SIZED` in ``config`` from the model's hidden size; returns them.
+
+    Args:
+        config: the DeepSpeed config, modified in place.
+        model_config: the model's ``transformers`` config (``hidden_size``, or the largest of ``hidden_sizes``).
+    """
+    zero = config.get("zero_optimization", {})
+    auto = [key for key in MODEL_SIZED if zero.get(key) == "auto"]
+    if not auto:
+        return {}
+    hidden = getattr(model_config, "hidden_size", None) or max(getattr(model_config, "hidden_sizes", None) or [0])
+    if not hidden:
+        raise ConfigError(
+            f"DeepSpeed JSON: zero_optimization.{auto[0]} is \"auto\" but the model's config has no hidden_size to "
+            "size it from; give a number"
+        )
+    filled = {key: int(MODEL_SIZED[key][1](hidden)) for key in auto}
+    zero.update(filled)
+    return filled
+
+
 def default_ds_config(stage: int, *, offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, Any]:
     """The DeepSpeed JSON hftrain ships for a stage (``ds_configs/zero*.json`` are these, written out).
 
@@ -46,6 +85,7 @@ def default_ds_config(stage: int, *, offload_optimizer: bool = False, offload_pa
         # Without it save_pretrained under ZeRO-3 writes each rank's empty partition
         # (pitfall "ZeRO-3 save_pretrained writes empty weights", docs/pitfalls.md).
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    zero.update({key: "auto" for key, (lowest, _) in MODEL_SIZED.items() if stage >= lowest})
     return {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
@@ -122,7 +162,13 @@ class ZeroStrategy(Strategy):
         """A runtime that checkpoints ZeRO's partitions in the sharded format (``hftrain.strategies.zero_runtime``)."""
         from hftrain.strategies.zero_runtime import ZeroRuntime
 
-        return ZeroRuntime(accelerator, stage=self.stage, **self.runtime_hooks())
+        plugin = self._plugin
+        return ZeroRuntime(
+            accelerator,
+            stage=self.stage,
+            size_from_model=lambda model: fill_model_sized(plugin.deepspeed_config, model.config),
+            **self.runtime_hooks(),
+        )
 
     def describe(self) -> dict[str, Any]:
         zero = self._base_config().get("zero_optimization", {})

@@ -6,7 +6,7 @@ checkpoint and an export need from DeepSpeed's partitions, through its public pe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from hftrain.strategies.runtime import AccelerateRuntime
@@ -53,13 +53,24 @@ class ZeroRuntime(AccelerateRuntime):
     Args:
         accelerator: the run's accelerator (DeepSpeed's engine inside).
         stage: the ZeRO stage, 1, 2 or 3.
+        size_from_model: fills the DeepSpeed JSON's model-sized ``"auto"`` values from the model, before the engine
+            is built (``strategies.deepspeed.fill_model_sized``).
         before_load_state: passed on (legacy checkpoints).
         plain_model_context: passed on (the export's reload outside ``zero.Init``).
     """
 
-    def __init__(self, accelerator: Accelerator, *, stage: int, **hooks: Any) -> None:
+    def __init__(
+        self, accelerator: Accelerator, *, stage: int, size_from_model: Callable[[Any], Any], **hooks: Any
+    ) -> None:
         super().__init__(accelerator, **hooks)
         self.stage = stage
+        self._size_from_model = size_from_model
+
+    def prepare(self, model: Any, optimizer: Any, train_loader: Any, eval_loader: Any) -> tuple[Any, Any, Any, Any]:
+        """Size DeepSpeed's buckets and residency limits from the model (its JSON's ``"auto"`` values), then prepare
+        as Accelerate does (which builds DeepSpeed's engine from that JSON)."""
+        self._size_from_model(model)
+        return super().prepare(model, optimizer, train_loader, eval_loader)
 
     # ----------------------------------------------------------------- save
     def snapshot(self) -> Snapshot:
