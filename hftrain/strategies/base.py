@@ -102,9 +102,19 @@ class Strategy(ABC):
         """What an Accelerate runtime needs from this strategy: its load hook and model-construction context."""
         return {"before_load_state": self.before_load_state, "plain_model_context": self.model_init_context}
 
+    shards_model_states: ClassVar[bool] = False
+    """Whether the point of this strategy is to hold less than a whole model's states per rank (ZeRO, FSDP)."""
+
     def tune_host_allocator(self) -> str:
-        """Tune the host allocator for this strategy's runs (default: the platform's speed tuning); says what it did."""
-        return self.platform.tune_host_allocator()
+        """Tune the host allocator for this strategy's runs; says what it did.
+
+        The platform's speed tuning keeps freed blocks below 1 GiB in the heap for reuse. Under a sharding strategy
+        that would keep the whole model each rank builds before it is partitioned, and every gathered layer freed
+        since, resident for the rest of the run: a ZeRO-3 or FSDP2 rank then holds as much as one process training
+        alone (issue 42, ``benchmarks/memory_timeline.py``). Those strategies take the lean setting: freed blocks of a
+        layer's size go back to the system at once.
+        """
+        return self.platform.tune_host_allocator(lean=self.shards_model_states)
 
     def warm_heap(self, nbytes: int) -> HeapWarmer | None:
         """Fault in heap for the first training step on another thread (``Platform.warm_heap``); None by default.

@@ -101,6 +101,7 @@ class ZeroStrategy(Strategy):
     """DeepSpeed ZeRO at ``stage`` through Accelerate's ``DeepSpeedPlugin``."""
 
     stage: ClassVar[int]
+    shards_model_states = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -56,6 +56,8 @@ class FSDPStrategy(Strategy):
         launch: what the launcher set up (its ``FSDP_*`` settings must agree with ``config``).
     """
 
+    shards_model_states = True
+
     name = "fsdp"
 
     def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
