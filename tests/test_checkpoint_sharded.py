@@ -62,6 +62,26 @@ def test_a_load_reads_any_other_tiling_in_place(tmp_path):
         read({"model.w": Chunked.whole(torch.zeros(5, 7))}, tmp_path)
 
 
+def test_views_of_a_larger_storage_are_written_from_their_own_memory(tmp_path):
+    """DCP's writer clones a view of a larger storage and keeps every clone until the file is written: a live ZeRO-3
+    snapshot (views of DeepSpeed's flat partitions) cost the rank its whole state once more (issue 42). The planner
+    hands DCP aliases whose storage is their own bytes: same memory, nothing for DCP to clone, same file."""
+    from hftrain.checkpoint.sharded import _own_storage
+
+    flat = torch.randn(1000)
+    for view in (flat[100:300], flat[200:500].view(30, 10), flat.bfloat16()[7:9]):
+        alias = _own_storage(view)
+        assert alias.untyped_storage().nbytes() == view.nbytes and alias.data_ptr() == view.data_ptr()
+        assert alias.dtype == view.dtype and alias.shape == view.shape and torch.equal(alias, view)
+    strided = flat.view(100, 10)[:, :3]  # not contiguous: left to DCP's clone
+    assert _own_storage(strided) is strided
+    write({"w": Chunked.flat_range((400,), 0, flat[:400]), "v": Chunked.flat_range((10, 60), 0, flat[400:1000])},
+          tmp_path)  # fmt: skip
+    target = {"w": torch.zeros(400), "v": torch.zeros(10, 60)}
+    read({"w": Chunked.whole(target["w"]), "v": Chunked.whole(target["v"])}, tmp_path)
+    assert torch.equal(target["w"], flat[:400]) and torch.equal(target["v"].reshape(-1), flat[400:])
+
+
 # ----------------------------------------------------------------- written once, by its owner; background = sync
 def _two_ranks(root: str) -> dict:
     """ddp×2 and megatron tp2, each saved in the background and synchronously at the same step; the legacy

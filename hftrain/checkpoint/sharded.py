@@ -248,7 +248,23 @@ class _SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.state_dict[index.fqn].box_at(index.offset)
+        return _own_storage(self.state_dict[index.fqn].box_at(index.offset))
+
+
+def _own_storage(box: torch.Tensor) -> torch.Tensor:
+    """``box`` as a tensor whose storage is exactly its own bytes, sharing its memory (a contiguous CPU view).
+
+    DCP's writer clones a tensor that views a larger storage (torch saves whole storages), and keeps every clone
+    until its file is written (``filesystem._write_files_from_queue`` collects them for its safetensors format): a
+    live snapshot's boxes are views of DeepSpeed's flat partitions and of fused weights, so the last checkpoint of
+    a ZeRO-3 run copied the rank's whole state once more (+0.94 GB for 1 GB of views, issue 42). The alias is
+    written the same bytes as the clone, with no copy.
+    """
+    if box.device.type != "cpu" or not box.is_contiguous() or box.numel() == 0:
+        return box
+    if box.untyped_storage().nbytes() == box.nbytes:
+        return box
+    return torch.from_numpy(box.detach().reshape(-1).view(torch.uint8).numpy()).view(box.dtype).view(box.shape)
 
 
 class _LoadPlanner(DefaultLoadPlanner):
