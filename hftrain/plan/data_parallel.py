@@ -142,10 +142,12 @@ def _trained(model: ModelSpec, work: Workload) -> float:
 
 
 def _working(spec: Sharding, model: ModelSpec, sb: formulas.StateBytes, trained: float) -> float:
-    """Transient buffers: gathered layers (current + prefetched) when parameters are sharded; DeepSpeed's
-    gradient-reduction bucket (its default reduce_bucket_size, 5e8 elements, or the model if smaller)."""
+    """Transient buffers: gathered layers (current + prefetched) when parameters are sharded (hftrain's ZeRO-3 limits
+    keep about two layers gathered: ``stage3_max_live_parameters`` 24h²); DeepSpeed's gradient-reduction bucket,
+    ``reduce_bucket_size`` elements: h² in hftrain's shipped JSONs (``strategies.deepspeed.MODEL_SIZED``; DeepSpeed's
+    own default, 5e8, held a whole model below 500M parameters)."""
     gathered = 2 * model.largest_layer_parameters * sb.params if spec.params else 0.0
-    bucket = min(5e8, trained) * sb.grads if spec.deepspeed and not spec.offload_optimizer else 0.0
+    bucket = min(model.hidden**2, trained) * sb.grads if spec.deepspeed and not spec.offload_optimizer else 0.0
     return gathered + bucket
 
 
