@@ -77,7 +77,6 @@ def _train(sections: dict | None = None, **fields) -> object:
 
 
 def ddp_fp32_resume(where: Path) -> str:
-    import torch
     from safetensors.torch import load_file
 
     model, data = _tiny(where)
@@ -106,6 +105,7 @@ def host_syncs_per_step(where: Path) -> str:
     """Synchronising CUDA calls per optimizer step, each attributed to the innermost line outside torch that made it
     (hftrain's own, Accelerate's, or the model's: transformers checks a padding mask on the host to drop it)."""
     import collections
+
     import torch
 
     model, data = _tiny(where)
@@ -140,8 +140,10 @@ def host_syncs_per_step(where: Path) -> str:
     model_own = sum(n for site, n in growth.items() if site.startswith("transformers/"))
     ours = sum(growth.values()) - model_own
     where_from = ", ".join(f"{site} {n:.2f}" for site, n in sorted(growth.items(), key=lambda x: -x[1])[:6])
-    figures = (f"{ours:.2f} per optimizer step outside the model, {model_own:.2f} in the model's forward (4 steps: "
-               f"{sum(few.values())} in all, 12 steps: {sum(many.values())}); per step by site: {where_from or 'none'}")
+    figures = (
+        f"{ours:.2f} per optimizer step outside the model, {model_own:.2f} in the model's forward (4 steps: "
+        f"{sum(few.values())} in all, 12 steps: {sum(many.values())}); per step by site: {where_from or 'none'}"
+    )
     if ours > 1:
         raise AssertionError(figures)
     return figures
@@ -160,9 +162,11 @@ for dtype, bound in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
     for causal in (False, True):
         q, k, v = (torch.randn(b, n, seq, d, device="cuda", generator=g, dtype=dtype) for n in (h, hkv, hkv))
         keep = torch.arange(seq, device="cuda")[None] < torch.tensor([[seq], [seq - 9]], device="cuda")
-        mask = keep[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril() if causal else True)
+        tril = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
+        mask = keep[:, None, None, :] & (tril if causal else True)
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        out_ref = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1), attn_mask=mask)
+        k2, v2 = ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1)
+        out_ref = F.scaled_dot_product_attention(ref[0], k2, v2, attn_mask=mask)
         out_ref.float().square().sum().backward()
         for attention in (ring_attention, all_to_all_attention):
             mine = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -46,9 +46,9 @@ def _reference(q, k, v, weights, keep, causal):
 def _with_cuda_contract(kernel):
     """``kernel`` that first checks its arguments as torch's memory-efficient CUDA kernel (the ring's kernel on a GPU)
     does: it broadcasts no dimension of the additive mask (``attn_bias: wrong shape (seqlenQ dimension)`` for a
-    ``[b, h, 1, sk]`` mask, which the CPU's flash kernel takes), wants it in the query's dtype with a contiguous, aligned
-    last dimension, and the log-sum-exp ``[b, h, sq]``. The ring runs through it on CPU, so a GPU-only shape error
-    is caught here."""
+    ``[b, h, 1, sk]`` mask, which the CPU's flash kernel takes), wants it in the query's dtype with a contiguous,
+    aligned last dimension, and the log-sum-exp ``[b, h, sq]``. The ring runs through it on CPU, so a GPU-only shape
+    error is caught here."""
     from hftrain.parallel.context_parallel import BlockKernel
 
     def check(q, k, bias):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+
 from hftrain.errors import ConfigError
 
 

@@ -194,10 +194,10 @@ def block_kernel(device: torch.device) -> BlockKernel:
 
 
 def _bias(visible: torch.Tensor, dtype: torch.dtype, heads: int, sq: int) -> torch.Tensor:
-    """An additive mask ``[b, heads, sq, sk]`` (0 where visible, −∞ elsewhere) from ``visible`` ``[b, 1, 1|sq, sk]``,
-    shaped as the memory-efficient CUDA kernel requires (every dimension its full size: it broadcasts none), one
-    ``[b, 1, sq, sk]`` copy expanded over the heads (stride 0, as ``scaled_dot_product_attention`` passes a mask), its
-    rows 16-element aligned (the kernel reads the mask in aligned vectors, as that function pads it)."""
+    """An additive mask ``[b, heads, sq, sk]`` (0 where visible, −∞ elsewhere) from ``visible`` ``[b, 1, 1|sq,
+    sk]``, shaped as the memory-efficient CUDA kernel requires (every dimension its full size: it broadcasts none),
+    one ``[b, 1, sq, sk]`` copy expanded over the heads (stride 0, as ``scaled_dot_product_attention`` passes a
+    mask), its rows 16-element aligned (the kernel reads the mask in aligned vectors, as that function pads it)."""
     b, sk = visible.shape[0], visible.shape[-1]
     aligned = -(-sk // 16) * 16
     storage = torch.full((b, 1, sq, aligned), NEG_INF, dtype=dtype, device=visible.device)
@@ -234,7 +234,8 @@ class _RingAttention(torch.autograd.Function):
             for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
                 visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
                 q_b = q[:, :, qs]
-                o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], _bias(visible, q.dtype, h, q_b.shape[2]), scale)
+                bias = _bias(visible, q.dtype, h, q_b.shape[2])
+                o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], bias, scale)
                 # a query row with no visible key in this block contributes nothing (a kernel reports lse 0 there)
                 lse_b = lse_b.masked_fill(~visible.any(-1), NEG_INF)
                 o[:, :, qs], lse[:, :, qs] = _merge(o[:, :, qs], lse[:, :, qs], o_b, lse_b)

@@ -60,7 +60,7 @@ def fill_model_sized(config: dict[str, Any], model_config: Any) -> dict[str, int
     hidden = getattr(model_config, "hidden_size", None) or max(getattr(model_config, "hidden_sizes", None) or [0])
     if not hidden:
         raise ConfigError(
-            f"DeepSpeed JSON: zero_optimization.{auto[0]} is \"auto\" but the model's config has no hidden_size to "
+            f'DeepSpeed JSON: zero_optimization.{auto[0]} is "auto" but the model\'s config has no hidden_size to '
             "size it from; give a number"
         )
     filled = {key: int(MODEL_SIZED[key][1](hidden)) for key in auto}

@@ -1,7 +1,8 @@
 """ZeRO-1/2/3's state in the sharded checkpoint format and the streamed export: :class:`ZeroRuntime`.
 
 The ZeRO strategies (``hftrain.strategies.deepspeed``) run through Accelerate's runtime; this subclass adds what a
-checkpoint and an export need from DeepSpeed's partitions, through its public per-parameter accessors only.
+checkpoint and an export need from DeepSpeed's partitions, through its public per-parameter accessors (and, for a
+ZeRO-1/2 save, the per-parameter fragment mapping those accessors read).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ LOAD_BUCKET_BYTES = 256 * 2**20
 class ZeroRuntime(AccelerateRuntime):
     """Accelerate's runtime with ZeRO's partitions checkpointed in the sharded format (``hftrain.checkpoint.sharded``).
 
-    Every parameter is reached through DeepSpeed's public per-parameter accessors (``deepspeed.utils``), never its
-    flat buffers, and saved under the model's own names with its fp32 master values (under bf16 too) and Adam's
+    Every parameter is reached through DeepSpeed's per-parameter accessors (``deepspeed.utils``), never its flat
+    buffers, and saved under the model's own names with its fp32 master values (under bf16 too) and Adam's
     moments, so a ZeRO checkpoint resumes under any strategy and process count and any checkpoint resumes here:
 
     - ZeRO-3: each rank holds the flat range ``[rank·part, rank·part + part)`` of every parameter, ``part =
@@ -38,10 +39,11 @@ class ZeroRuntime(AccelerateRuntime):
       a parameter where DeepSpeed's own full accessor does (``param._hp_mapping``: its flat start in the parameter
       and a view of the fp32 partition or optimizer state), and writes it in place as ZeRO-3's ranges: no copy and
       no collective (``_z12_fragment``). Without that mapping it gathers one parameter's full tensor at a time
-      (``safe_get_full_*``, an all-reduce each) and keeps a copy of an even split of its dim 0. The setters take full tensors too, so a load reads full tensors, a bucket of
-      :data:`LOAD_BUCKET_BYTES` at a time: each rank reads the whole fp32 model and both moments (12 bytes per
-      parameter instead of its ``4 + 8/N``). The model's full weights are needed anyway (ZeRO-1/2 keep them on
-      every rank); the excess is the optimizer state of the other ranks' partitions, read and dropped.
+      (``safe_get_full_*``, an all-reduce each) and keeps a copy of an even split of its dim 0. The setters take
+      full tensors, so a load reads full tensors, a bucket of :data:`LOAD_BUCKET_BYTES` at a time: each rank
+      reads the whole fp32 model and both moments (12 bytes per parameter instead of its ``4 + 8/N``). The model's
+      full weights are needed anyway (ZeRO-1/2 keep them on every rank); the excess is the optimizer state of the
+      other ranks' partitions, read and dropped.
 
     Frozen parameters (a LoRA base) have no fp32 master: their working copy is saved (as fp32) and loaded, partitioned
     like the others under ZeRO-3, split over the ranks under ZeRO-1/2.
