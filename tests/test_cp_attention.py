@@ -84,10 +84,19 @@ def _compare(h: int, h_kv: int) -> dict:
         q, k, v, weights, keep = _inputs(0, b, h, h_kv, seq, d)
         expected = _reference(q, k, v, weights, keep, causal)
         pos = zigzag_positions(seq, cp, rank)
-        for name, attention in (("ring", ring_attention), ("all_to_all", all_to_all_attention)):
+        runs = context_parallel.zigzag_runs(seq, cp)
+        for name, attention in (("ring", ring_attention), ("all_to_all", all_to_all_attention), ("ring, runs", None)):
             mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-            out = attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD))
-            (out * weights[:, :, pos]).sum().backward()
+            if attention is None:  # the runs known on the host: the ring reads no positions from the tensors
+                chunks, context_parallel._chunks = context_parallel._chunks, None
+                try:
+                    out = ring_attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, runs))
+                    (out * weights[:, :, pos]).sum().backward()
+                finally:
+                    context_parallel._chunks = chunks
+            else:
+                out = attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD))
+                (out * weights[:, :, pos]).sum().backward()
             got = (out.detach(), *(t.grad for t in mine))
             # relative to the tensor's largest entry: fp32 sums in another order differ by a few units of 6e-8
             errors[f"{name} causal={causal}"] = max(

@@ -45,6 +45,7 @@ Dropout inside attention is not supported here (the probabilities never exist wh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,13 @@ def _chunks(positions: torch.Tensor) -> list[tuple[slice, int, int]]:
             runs.append((slice(start, i), pos[start], pos[i - 1]))
             start = i
     return runs
+
+
+@functools.lru_cache(maxsize=64)
+def zigzag_runs(seq_len: int, cp: int) -> tuple[tuple[tuple[slice, int, int], ...], ...]:
+    """:func:`_chunks` of every cp rank's zigzag positions, computed on the host from ``(seq_len, cp)``: the ring
+    then reads no positions from the device (a ``.tolist()`` of a GPU tensor per ring step waits for the GPU)."""
+    return tuple(tuple(_chunks(zigzag_positions(seq_len, cp, r))) for r in range(cp))
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_keep: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -217,21 +225,22 @@ def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.T
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, positions, causal, scale, group):
-        cp = dist.get_world_size(group)
+    def forward(ctx, q, k, v, keep, positions, causal, scale, group, runs):
+        cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
         b, h, sq, d = q.shape
         lse = torch.full((b, h, sq), NEG_INF, device=q.device)
         o = torch.zeros((b, h, sq, d), device=q.device)  # merged in fp32; each block computed in q's dtype
-        q_runs = _chunks(positions)
+        q_runs = runs[me] if runs else _chunks(positions)
         keep_f = keep.to(torch.uint8)
         block = _Block([k, v, keep_f, positions])
         for step in range(cp):
             pending = block.exchange(group) if step < cp - 1 else None
             kb, vb, keep_b, pos_b = block.tensors
             kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
-            for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
+            k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)  # the block came from rank me − step
+            for qs, ks in _visible_pairs(q_runs, k_runs, causal):
                 visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
                 q_b = q[:, :, qs]
                 bias = _bias(visible, q.dtype, h, q_b.shape[2])
@@ -248,19 +257,19 @@ class _RingAttention(torch.autograd.Function):
         out = torch.where(empty[..., None], torch.zeros_like(o), o).to(q.dtype)
         lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
         ctx.save_for_backward(q, k, v, keep_f, positions, out, lse)
-        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        ctx.causal, ctx.scale, ctx.group, ctx.runs = causal, scale, group, runs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, keep_f, positions, out, lse = ctx.saved_tensors
-        causal, scale, group = ctx.causal, ctx.scale, ctx.group
-        cp = dist.get_world_size(group)
+        causal, scale, group, runs = ctx.causal, ctx.scale, ctx.group, ctx.runs
+        cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
         do = grad_out.to(q.dtype).contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        q_runs = _chunks(positions)
+        q_runs = runs[me] if runs else _chunks(positions)
         block = _Block([k, v, keep_f, positions, torch.zeros_like(k, dtype=torch.float32),
                         torch.zeros_like(v, dtype=torch.float32)])  # fmt: skip
         for step in range(cp):
@@ -268,7 +277,8 @@ class _RingAttention(torch.autograd.Function):
             kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
             dkr = torch.zeros_like(kr, dtype=torch.float32)
             dvr = torch.zeros_like(vr, dtype=torch.float32)
-            for qs, ks in _visible_pairs(q_runs, _chunks(pos_b), causal):
+            k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)
+            for qs, ks in _visible_pairs(q_runs, k_runs, causal):
                 visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
                 q_b = q[:, :, qs].contiguous()
                 dq_b, dk_b, dv_b = kernel.backward(
@@ -288,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
                     work.wait()
                 block = _Block(received)
         dk, dv = block.tensors[-2:]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -301,6 +311,8 @@ class Shard:
         causal: a query sees only keys at its position or before.
         scale: the softmax scale (usually ``d ** -0.5``).
         group: the cp process group.
+        runs: every cp rank's :func:`_chunks`, known on the host (:func:`zigzag_runs`); None: read from
+            ``positions`` (a device read per ring step).
     """
 
     keep: torch.Tensor
@@ -308,6 +320,7 @@ class Shard:
     causal: bool
     scale: float
     group: Any
+    runs: tuple | None = None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -324,7 +337,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sha
     Returns:
         ``[b, h, s, d]`` in ``q``'s dtype (each block in it, merged in fp32).
     """
-    return _RingAttention.apply(q, k, v, shard.keep, shard.positions, shard.causal, shard.scale, shard.group)
+    return _RingAttention.apply(
+        q, k, v, shard.keep, shard.positions, shard.causal, shard.scale, shard.group, shard.runs
+    )
 
 
 class _AllToAll(torch.autograd.Function):
@@ -405,6 +420,7 @@ class _Batch:
         self.group, self.comm = group, comm
         self.keep: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.runs: tuple | None = None  # every cp rank's runs of positions, on the host (zigzag_runs)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -415,7 +431,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         raise ValueError("context parallelism needs attention dropout 0 (the attention probabilities are never whole)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = bool(getattr(module, "is_causal", False))
-    out = ATTENTIONS[batch.comm](query, key, value, Shard(batch.keep, batch.positions, causal, scale, batch.group))
+    shard = Shard(batch.keep, batch.positions, causal, scale, batch.group, batch.runs)
+    out = ATTENTIONS[batch.comm](query, key, value, shard)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -469,8 +486,9 @@ class ContextSplit:
 
     def attend(self, keep: torch.Tensor) -> torch.Tensor:
         """Set the attention's padding mask to this rank's ``keep`` ``[b, s/cp]``; returns its global positions."""
-        positions = self.positions(keep.shape[1] * self.cp, keep.device)
-        self.batch.keep, self.batch.positions = keep.bool(), positions
+        seq = keep.shape[1] * self.cp
+        positions = self.positions(seq, keep.device)
+        self.batch.keep, self.batch.positions, self.batch.runs = keep.bool(), positions, zigzag_runs(seq, self.cp)
         return positions
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
