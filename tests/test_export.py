@@ -303,6 +303,11 @@ class _OneProcess:
 
         return contextlib.nullcontext()
 
+    def evaluation_context(self):  # the runtime's context of a forward-only pass: nothing for one process
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def wait_for_everyone(self) -> None:
         pass
 

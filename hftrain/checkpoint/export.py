@@ -596,7 +596,8 @@ def _trained_logits(accelerator: Accelerator, model: torch.nn.Module, inputs: di
     was_training = model.training
     model.eval()
     try:
-        output = model(**{k: v.to(accelerator.device) for k, v in inputs.items() if k != "labels"})
+        with accelerator.evaluation_context():  # the runtime's: under ZeRO-3 it releases what the forward prefetched
+            output = model(**{k: v.to(accelerator.device) for k, v in inputs.items() if k != "labels"})
     finally:
         model.train(was_training)
     return output.logits.float().cpu()

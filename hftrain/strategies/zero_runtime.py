@@ -7,6 +7,7 @@ ZeRO-1/2 save, the per-parameter fragment mapping those accessors read).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,23 @@ class ZeroRuntime(AccelerateRuntime):
         as Accelerate does (which builds DeepSpeed's engine from that JSON)."""
         self._size_from_model(model)
         return super().prepare(model, optimizer, train_loader, eval_loader)
+
+    def evaluation_context(self) -> contextlib.AbstractContextManager:
+        """Under ZeRO-3, a forward-only pass (an evaluation, the export's logits) ends with DeepSpeed's engine
+        releasing what its prefetcher gathered (``empty_partition_cache``, its public API): the prefetch follows the
+        training trace, and a parameter it left in flight made the next ``GatheredParameters`` (a LoRA export's
+        frozen weights, a user's gather) fail with "Cannot partition a param in flight" (DeepSpeed 0.19.8, seen once
+        the prefetch bucket and persistence threshold were sized from the model, as the HF integration sizes them)."""
+        if self.stage != 3:
+            return super().evaluation_context()
+        return self._released_after()
+
+    @contextlib.contextmanager
+    def _released_after(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self._prepared_model.empty_partition_cache()
 
     # ----------------------------------------------------------------- save
     def snapshot(self) -> Snapshot:
