@@ -213,15 +213,15 @@ def attention_shapes(where: Path) -> str:
 
     figures = []
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, None):
+        name = backend.name.lower() if backend is not None else "default"
         try:
             with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 run(40)
                 new = [run(seq) for seq in range(41, 49)]
                 same = [run(48) for _ in range(8)]
-            name = backend.name.lower() if backend is not None else "default"
             figures.append(f"{name} new shape {sum(new) / 8:.1f} ms, repeated {sum(same) / 8:.1f} ms")
         except RuntimeError as error:
-            figures.append(f"{backend.name.lower()}: {str(error).splitlines()[0][:60]}")
+            figures.append(f"{name}: {str(error).splitlines()[0][:60]}")
     return "; ".join(figures)
 
 

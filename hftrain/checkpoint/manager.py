@@ -245,7 +245,8 @@ def _with_index(device: Any) -> Any:
 
 
 def _bind_device(device: Any) -> None:
-    """Make ``device`` the current CUDA device of the calling thread (nothing for a CPU run).
+    """Make ``device`` (indexed, :func:`_with_index`) the current CUDA device of the calling thread (nothing for a CPU
+    run).
 
     CUDA's current device is per thread and a new thread's is 0: the writer thread of rank 3 would otherwise open a
     context on GPU 0 and run its copies on GPU 0's current stream (pitfall "checkpoint writer on the wrong GPU",
@@ -253,7 +254,6 @@ def _bind_device(device: Any) -> None:
     """
     import torch
 
-    device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
 
