@@ -133,12 +133,19 @@ def load_splits(config: TrainConfig | str | Path | None = None, **fields: Any) -
         **fields: config fields to change, as in ``train``.
     """
     from hftrain.data.loading import load_classification_splits
+    from hftrain.job import requested_problem_type
+    from hftrain.models.checks import check_model_folder
 
     _show_errors_as_one_line()
     config = with_fields(config if isinstance(config, TrainConfig) else make_config(config), **fields)
     sources = {name: getattr(config.data, name) for name in _SPLIT_FIELDS}
+    problem_type = requested_problem_type(config.model, check_model_folder(config.model))
     return load_classification_splits(
-        **sources, num_labels=config.model.num_labels, seed=config.training.seed, log=lambda _: None
+        **sources,
+        num_labels=config.model.num_labels,
+        seed=config.training.seed,
+        log=lambda _: None,
+        problem_type=problem_type,
     )
 
 

@@ -201,9 +201,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             f"same command with --resume_from_checkpoint auto to continue (exit code {PREEMPTED_EXIT_CODE})"
         )
         return PREEMPTED_EXIT_CODE
-    accuracy = result.metrics.get("eval_accuracy", float("nan"))
+    from hftrain.metrics import headline
+
+    nan = float("nan")
+    (first, first_value), (second, second_value) = headline(result.metrics) or (("accuracy", nan), ("f1", nan))
     log_main(
-        f"validation accuracy {accuracy:.4f} (f1 {result.metrics.get('eval_f1', float('nan')):.4f}, "
+        f"validation {first} {first_value:.4f} ({second} {second_value:.4f}, "
         f"{int(result.metrics.get('eval_samples', 0))} examples) after {result.global_step} steps; "
         f"took {result.seconds:.1f} s ({_throughput(result.throughput)}); model saved to {result.model_dir}"
     )

@@ -22,6 +22,8 @@ from hftrain.errors import writing
 from hftrain.log import get_logger, is_main_process
 
 if TYPE_CHECKING:
+    from hftrain.config import ModelConfig
+    from hftrain.models.checks import ModelFacts
     from hftrain.strategies import LaunchInfo
     from hftrain.validate import RunPlan
 
@@ -52,6 +54,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         write: create ``output_dir`` and save the config (a training run); an export writes nothing there.
     """
     from hftrain.data.batching import tokenize_splits
+    from hftrain.data.labels import problem_type_of
     from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer, model_init_fn
     from hftrain.models.checks import check_tokenizer, effective_max_length
@@ -81,14 +84,16 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         max_eval_samples=data.max_eval_samples,
         seed=config.training.seed,
         log=note,
+        problem_type=requested_problem_type(config.model, model_facts),
     )
+    problem_type = problem_type_of(splits["train"].features)
     max_length = effective_max_length(data.max_seq_length, model_facts, tokenizer, note)
     tokenized = tokenize_splits(splits, tokenizer, max_seq_length=max_length)
     trainer = SequenceClassificationTrainer(
         dataclasses.replace(config.training, resume_from_checkpoint=plan.resume),
         run_id=plan.run_id,
         strategy=strategy,
-        model_init=model_init_fn(config.model, tokenizer, config.lora),
+        model_init=model_init_fn(config.model, tokenizer, config.lora, problem_type),
         tokenizer=tokenizer,
         train_dataset=tokenized["train"],
         eval_dataset=tokenized["validation"],
@@ -105,6 +110,23 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     if write and is_main_process():
         write_run_config(config, plan)
     return trainer, tokenizer, tokenized
+
+
+def requested_problem_type(model: ModelConfig, facts: ModelFacts) -> str | None:
+    """The task asked for before the data is read: ``model.problem_type``, else the folder's ``config.json``'s
+    (checked against ``num_labels``), else None (the data decides; ``hftrain.data.labels``).
+
+    Args:
+        model: the ``model`` config section.
+        facts: what the model-folder check read (its ``config.json``'s ``problem_type``).
+    """
+    from hftrain.data.labels import check_problem_type
+
+    if model.problem_type != "auto":
+        return model.problem_type
+    if facts.problem_type is not None:
+        check_problem_type(facts.problem_type, model.num_labels, f"'{facts.path / 'config.json'}'")
+    return facts.problem_type
 
 
 def write_run_config(config: TrainConfig, plan: RunPlan) -> None:

@@ -313,6 +313,36 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         "model.num_labels",
     ),
     "data: label names": (lambda c: [*c.base(), "--train_file", c.file("t.csv", "text,label\nw1,pos\n")], "integer"),
+    "data: a fraction as a class id": (
+        lambda c: [*c.base(), "--train_file", c.file("t.csv", "text,label\nw1,0\nw2,0.5\n")],
+        "found 0.5 at row 2; for a numeric target set model.num_labels: 1 (model.problem_type: regression)",
+    ),
+    "data: a list label for single-label": (
+        lambda c: [*c.base(), "--problem_type", "single_label_classification", "--train_file",
+                   c.file("t.jsonl", '{"text": "w1", "label": [0, 1]}\n')],
+        "found the list [0, 1] at row 1; for several labels per text set model.problem_type: multi_label",
+    ),  # fmt: skip
+    "data: a word as a regression target": (
+        lambda c: [*c.base(), "--model_name_or_path", _regressor(c), "--num_labels", "1", "--train_file",
+                   c.file("t.csv", "text,label\nw1,0.5\nw2,high\n")],
+        "t.csv must be numbers, found 'high' at row 2",
+    ),
+    "data: a list as a regression target": (
+        lambda c: [*c.base(), "--model_name_or_path", _regressor(c), "--num_labels", "1", "--problem_type",
+                   "regression", "--train_file",
+                   c.file("t.jsonl", '{"text": "w1", "label": 0.5}\n{"text": "w2", "label": [1, 2]}\n')],
+        "regression trains one target per text",
+    ),  # fmt: skip
+    "data: a multi-label class id out of range": (
+        lambda c: [*c.base(), "--model_name_or_path", _regressor(c, num_labels=3), "--num_labels", "3",
+                   "--train_file",
+                   c.file("t.jsonl", '{"text": "w1", "label": [0, 2]}\n{"text": "w2", "label": [3]}\n')],
+        "must be lists of class ids 0..2 (or multi-hot lists of 3 values in [0, 1]), found [3] at row 2",
+    ),  # fmt: skip
+    "model: regression with two outputs": (
+        lambda c: [*c.base(), "--problem_type", "regression"],
+        "model.num_labels: regression (from model.problem_type) trains one target, but model.num_labels is 2",
+    ),
     "data: empty file": (lambda c: [*c.base(), "--train_file", c.file("t.csv", "")], "is empty"),
     "data: header only": (lambda c: [*c.base(), "--train_file", c.file("t.csv", "text,label\n")], "no data rows"),
     "data: unsupported type": (lambda c: [*c.base(), "--train_file", c.file("t.txt", "w1 1\n")], "unsupported file"),
@@ -747,6 +777,11 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         "lacks 'topology'",
     ),
 }
+
+
+def _regressor(ctx: Ctx, num_labels: int = 1) -> str:
+    """A tiny BERT folder whose trained head has ``num_labels`` outputs (the good run's has 2)."""
+    return str(save_model_folder(ctx.scratch / f"head{num_labels}", num_labels=num_labels))
 
 
 def _refused(ctx: Ctx, argv: list[str], fragment: str, stderr: str, code: int) -> None:

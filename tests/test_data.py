@@ -45,6 +45,7 @@ def _load(
     max_eval_samples: int | None = None,
     seed: int = 0,
     log: Any = None,
+    problem_type: str | None = None,
 ):
     """Call load_classification_splits with test defaults."""
     return load_classification_splits(
@@ -59,6 +60,7 @@ def _load(
         max_eval_samples=max_eval_samples,
         seed=seed,
         log=log if log is not None else (lambda message: None),
+        problem_type=problem_type,
     )
 
 
@@ -363,3 +365,50 @@ def test_embedded_dataset_rejects_validation_file(tmp_path: Path) -> None:
     dev = _write_csv(tmp_path / "dev.csv", _rows(4))
     with pytest.raises(ConfigError, match="data.validation_file"):
         _load(dataset_name="embedded:chinese_reviews", validation_file=dev)
+
+
+# ---------------------------------------------------------------------------
+# Tasks: what each label column becomes (hftrain.data.labels)
+# ---------------------------------------------------------------------------
+
+
+def _labels(splits) -> list:
+    return sorted(list(splits["train"]["label"][:]) + list(splits["validation"]["label"][:]), key=repr)
+
+
+def test_lists_of_ids_are_multi_label_as_multi_hot(tmp_path: Path) -> None:
+    from hftrain.data.labels import MULTI_LABEL, problem_type_of
+
+    rows = [{"text": f"t{i}", "label": label} for i, label in enumerate([[0, 2], [1], 2, [], [0, 1, 2]])]
+    splits = _load(_write_jsonl(tmp_path / "m.jsonl", rows), num_labels=3)
+    assert problem_type_of(splits["train"].features) == MULTI_LABEL
+    assert splits["train"].features["label"].feature.dtype == "float32"
+    assert _labels(splits) == sorted([[1, 0, 1], [0, 1, 0], [0, 0, 1], [0, 0, 0], [1, 1, 1]], key=repr)
+
+
+def test_multi_hot_rows_stay_as_written(tmp_path: Path) -> None:
+    rows = [{"text": f"t{i}", "label": label} for i, label in enumerate([[1, 0, 1], [0, 0.5, 0], [0, 0, 0]] * 2)]
+    splits = _load(_write_jsonl(tmp_path / "h.jsonl", rows), num_labels=3)
+    assert sorted(map(tuple, _labels(splits))) == sorted([(1, 0, 1), (0, 0.5, 0), (0, 0, 0)] * 2)
+
+
+def test_one_output_is_regression_on_float_labels(tmp_path: Path) -> None:
+    from hftrain.data.labels import REGRESSION, problem_type_of
+
+    rows = [{"text": f"t{i}", "label": value} for i, value in enumerate([0.25, -3, "1.5", 7.0, 2])]
+    splits = _load(_write_csv(tmp_path / "r.csv", rows), num_labels=1)
+    assert problem_type_of(splits["train"].features) == REGRESSION
+    assert splits["train"].features["label"].dtype == "float32"
+    assert sorted(_labels(splits)) == [-3.0, 0.25, 1.5, 2.0, 7.0]
+
+
+def test_the_requested_task_converts_class_ids(tmp_path: Path) -> None:
+    """A model folder whose config.json says multi-label, trained on single-label data: one-hot rows."""
+    splits = _load(_write_csv(tmp_path / "s.csv", _rows(6)), problem_type="multi_label_classification")
+    assert _labels(splits) == sorted([[1.0, 0.0], [0.0, 1.0]] * 3, key=repr)
+
+
+def test_an_embedded_dataset_as_regression_targets() -> None:
+    splits = _load(dataset_name="embedded:rotten_tomatoes", num_labels=1, max_train_samples=8, max_eval_samples=4)
+    assert splits["train"].features["label"].dtype == "float32"
+    assert set(splits["train"]["label"]) <= {0.0, 1.0}

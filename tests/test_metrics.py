@@ -77,3 +77,36 @@ def test_compute_equals_sklearn_on_random_labels(num_labels: int) -> None:
         average = "binary" if num_labels == 2 else "macro"
         assert metrics["accuracy"] == pytest.approx(accuracy_score(references, predictions))
         assert metrics["f1"] == pytest.approx(f1_score(references, predictions, average=average, zero_division=0))
+
+
+@pytest.mark.parametrize("num_labels", [2, 3, 6])
+def test_multi_label_metrics_equal_sklearn(num_labels: int) -> None:
+    """Subset accuracy and micro / macro F1 of multi-hot rows against scikit-learn's, empty labels included."""
+    from hftrain.metrics import compute_multi_label_metrics
+
+    rng = np.random.default_rng(num_labels)
+    cases = [(rng.integers(0, 2, (40, num_labels)), rng.integers(0, 2, (40, num_labels))) for _ in range(10)]
+    cases.append((np.zeros((5, num_labels), dtype=int), np.zeros((5, num_labels), dtype=int)))  # no label anywhere
+    for predictions, references in cases:
+        metrics = compute_multi_label_metrics(predictions, references)
+        assert metrics["accuracy"] == pytest.approx(accuracy_score(references, predictions))
+        for average in ("micro", "macro"):
+            expected = f1_score(references, predictions, average=average, zero_division=0)
+            assert metrics[f"f1_{average}"] == pytest.approx(expected)
+
+
+def test_regression_metrics_equal_numpy_and_scipy() -> None:
+    from scipy.stats import pearsonr
+
+    from hftrain.metrics import compute_regression_metrics
+
+    rng = np.random.default_rng(0)
+    references = rng.normal(size=50)
+    predictions = references + rng.normal(scale=0.5, size=50)
+    metrics = compute_regression_metrics(predictions.tolist(), references.tolist())
+    assert metrics["mse"] == pytest.approx(np.mean((predictions - references) ** 2))
+    assert metrics["rmse"] == pytest.approx(metrics["mse"] ** 0.5)
+    assert metrics["mae"] == pytest.approx(np.mean(np.abs(predictions - references)))
+    assert metrics["pearson"] == pytest.approx(pearsonr(predictions, references).statistic)
+    # a constant prediction has no correlation to measure: 0, not NaN
+    assert compute_regression_metrics([1.0] * 4, [0.0, 1.0, 2.0, 3.0])["pearson"] == 0.0

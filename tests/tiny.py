@@ -172,14 +172,42 @@ def write_csv(path: Path, rows: int = 60) -> Path:
     return path
 
 
-def tiny_splits(n_train: int = 96, n_eval: int = 25, seed: int = 0, words: tuple[int, int] = (3, 20)):
-    """A DatasetDict with ``train``/``validation`` splits of synthetic text."""
-    from datasets import Dataset, DatasetDict
+TASK_LABELS = {"single_label_classification": 2, "multi_label_classification": 3, "regression": 1}
+"""``num_labels`` of each task's synthetic labels (``task_labels``)."""
 
-    texts, labels = synthetic_texts(n_train + n_eval, seed, words)
+
+def task_labels(texts: list[str], problem_type: str) -> tuple[list, object]:
+    """Learnable labels of ``texts`` for a task, and their ``datasets`` feature: single-label (most words positive),
+    multi-label (most words positive; 'w0' present; more than 10 words) or regression (the share of positive
+    words)."""
+    import datasets
+
+    shares = [sum(w in POSITIVE for w in text.split()) / len(text.split()) for text in texts]
+    if problem_type == "regression":
+        return shares, datasets.Value("float32")
+    if problem_type == "multi_label_classification":
+        rows = [[float(share > 0.5), float("w0" in t.split()), float(len(t.split()) > 10)] for t, share in
+                zip(texts, shares, strict=True)]  # fmt: skip
+        return rows, datasets.Sequence(datasets.Value("float32"), length=3)
+    return [int(share > 0.5) for share in shares], datasets.Value("int64")
+
+
+def tiny_splits(
+    n_train: int = 96,
+    n_eval: int = 25,
+    seed: int = 0,
+    words: tuple[int, int] = (3, 20),
+    problem_type: str = "single_label_classification",
+):
+    """A DatasetDict with ``train``/``validation`` splits of synthetic text, labelled for ``problem_type``."""
+    from datasets import Dataset, DatasetDict, Features, Value
+
+    texts, _ = synthetic_texts(n_train + n_eval, seed, words)
+    labels, feature = task_labels(texts, problem_type)
+    features = Features({"text": Value("string"), "label": feature})
     return DatasetDict(
-        train=Dataset.from_dict({"text": texts[:n_train], "label": labels[:n_train]}),
-        validation=Dataset.from_dict({"text": texts[n_train:], "label": labels[n_train:]}),
+        train=Dataset.from_dict({"text": texts[:n_train], "label": labels[:n_train]}, features=features),
+        validation=Dataset.from_dict({"text": texts[n_train:], "label": labels[n_train:]}, features=features),
     )
 
 
@@ -235,6 +263,7 @@ def run_tiny_training(
     max_seq_length: int = 32,
     config_overrides: dict | None = None,
     inspect: Callable[[Any], Any] | None = None,
+    problem_type: str = "single_label_classification",
     **training_overrides,
 ) -> dict:
     """Train a tiny model in this process group; returns losses, learning rates and final eval metrics.
@@ -242,7 +271,8 @@ def run_tiny_training(
     ``output_dir`` defaults to a fresh folder that every rank of this launch agrees on. ``lora_options``
     (``hftrain.config.LoraConfig`` fields) trains LoRA adapters and the head instead of the full model;
     ``config_overrides`` change the tiny model's config. ``inspect(trainer)``, called on every rank after training,
-    adds what it returns as ``"inspected"``.
+    adds what it returns as ``"inspected"``. ``problem_type`` picks the task (``TASK_LABELS``): its labels, its
+    ``num_labels`` and the model config's ``problem_type``.
     """
     import torch
 
@@ -259,7 +289,10 @@ def run_tiny_training(
     tokenizer = tiny_tokenizer(kind)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    splits = tokenize_splits(tiny_splits(n_train, n_eval, words=words), tokenizer, max_seq_length=max_seq_length)
+    splits = tiny_splits(n_train, n_eval, words=words, problem_type=problem_type)
+    splits = tokenize_splits(splits, tokenizer, max_seq_length=max_seq_length)
+    if problem_type != "single_label_classification":
+        config_overrides = {"problem_type": problem_type, **(config_overrides or {})}
     args = TrainingConfig(
         output_dir=output_dir,
         per_device_train_batch_size=micro,
@@ -279,6 +312,7 @@ def run_tiny_training(
         strategy=build_strategy(strategy_config, launch=launch_info_from_environ()),
         model_init=tiny_model_init(
             kind,
+            num_labels=TASK_LABELS[problem_type],
             dropout=dropout,
             lora_options=lora_options,
             num_layers=num_layers,

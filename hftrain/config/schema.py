@@ -21,13 +21,21 @@ class ModelConfig:
     model_name_or_path: str = "embedded:minilm"
     """A local model folder, or an embedded model (``embedded:minilm``, ``embedded:smollm2``)."""
     num_labels: int = 2
-    """Number of classes of the sequence-classification head."""
+    """Outputs of the sequence-classification head: the number of classes (``1`` for regression)."""
+    problem_type: Literal["auto", "single_label_classification", "multi_label_classification", "regression"] = "auto"
+    """The task, transformers' ``problem_type``: one class per text (cross entropy), several (BCE; the label column
+    holds lists of class ids or multi-hot rows), or a number (MSE, ``num_labels: 1``). ``auto``: the model folder's
+    ``config.json`` says, else the data (lists: multi-label; ``num_labels: 1``: regression; else single-label)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """transformers' attention kernel (its ``attn_implementation``). On CPU, eager measured no faster in the default
     job (length-grouped batches: 0.210 vs 0.201 s/step; random order: 2-4% faster), so sdpa stays the default."""
 
     def validate(self) -> None:
-        _require(self.num_labels >= 2, "model.num_labels", "must be at least 2")
+        _require(self.num_labels >= 1, "model.num_labels", "must be at least 1 (1: regression)")
+        if self.problem_type != "auto":
+            from hftrain.data.labels import check_problem_type
+
+            check_problem_type(self.problem_type, self.num_labels, "model.problem_type")
 
 
 @dataclass

@@ -4,8 +4,9 @@ Sources are local CSV/JSON/Parquet files or small datasets embedded in installed
 (``hftrain.data.embedded``; no network access is needed). Every problem with the data is reported as one
 actionable `DataError` / `ConfigError` line naming the config field or file (and, for a bad value, its column
 and first row). Texts are strings (numbers are taken as their text; JSON lists and objects are
-refused, not stringified); labels are whole numbers in [0, num_labels) (booleans are refused: which
-class true is must be written in the file, not guessed).
+refused, not stringified); the labels are those of the run's task (``hftrain.data.labels``: class ids in
+[0, num_labels), lists of class ids or multi-hot rows, or numbers; booleans are refused: which class true is
+must be written in the file, not guessed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hftrain.data.embedded import EMBEDDED_DATASETS, load_embedded
+from hftrain.data.labels import decide_problem_type, model_labels, shown
 from hftrain.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -46,11 +48,13 @@ def load_classification_splits(
     max_eval_samples: int | None,
     seed: int,
     log: Callable[[str], None] = print,
+    problem_type: str | None = None,
 ) -> datasets.DatasetDict:
     """Load and validate a classification dataset as splits "train" and "validation".
 
-    Each split has exactly the columns "text" (string) and "label" (int64 in [0, num_labels)),
-    in a deterministic order: the same on every process for a given seed.
+    Each split has exactly the columns "text" (string) and "label" (the task's: int64 class ids in
+    [0, num_labels), float32 multi-hot rows, or float32 numbers; ``hftrain.data.labels.problem_type_of`` reads
+    the task back from the features), in a deterministic order: the same on every process for a given seed.
 
     Args:
         dataset_name: an embedded dataset name (see EMBEDDED_DATASETS); exclusive with train_file.
@@ -64,6 +68,8 @@ def load_classification_splits(
         max_eval_samples: keep only the first N validation rows (after splitting), if given.
         seed: seed of the train/validation split.
         log: receives one-line progress messages (e.g. dropped-row counts).
+        problem_type: the task (``model.problem_type``, or the model's ``config.json``); None: the training
+            labels decide (``hftrain.data.labels.decide_problem_type``).
     """
     import datasets
 
@@ -72,14 +78,17 @@ def load_classification_splits(
     _check_max_samples(max_eval_samples, "data.max_eval_samples")
     if dataset_name is not None:
         frame = load_embedded(dataset_name, log=log)
-        _check_label_range(frame["label"], num_labels, dataset_name, "label")
-        train = _to_dataset(frame)
+        problem_type = decide_problem_type(problem_type, num_labels, frame["label"], dataset_name)
+        train = _to_dataset(frame, problem_type, num_labels, dataset_name, "label")
     else:
-        train = _load_local(train_file, "data.train_file", text_column, label_column, num_labels, log)
+        frame = _read_local(train_file, "data.train_file", text_column, label_column, log)
+        problem_type = decide_problem_type(problem_type, num_labels, frame["label"], str(train_file))
+        train = _to_dataset(frame, problem_type, num_labels, str(train_file), label_column)
     if validation_file is None:
         train, validation = _split(train, validation_split_percentage, seed, dataset_name or str(train_file))
     else:
-        validation = _load_local(validation_file, "data.validation_file", text_column, label_column, num_labels, log)
+        frame = _read_local(validation_file, "data.validation_file", text_column, label_column, log)
+        validation = _to_dataset(frame, problem_type, num_labels, str(validation_file), label_column)
     return datasets.DatasetDict(
         {"train": _head(train, max_train_samples), "validation": _head(validation, max_eval_samples)}
     )
@@ -127,32 +136,26 @@ def _check_max_samples(value: int | None, field: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _load_local(
+def _read_local(
     path: str | os.PathLike[str],
     field: str,
     text_column: str,
     label_column: str,
-    num_labels: int,
     log: Callable[[str], None],
-) -> datasets.Dataset:
-    """Read a local file and return its validated text/label rows.
+) -> pd.DataFrame:
+    """Read a local file: its text and label columns, texts checked, rows missing either dropped.
 
     Args:
         path: the file to read.
         field: config field that named the file (data.train_file or data.validation_file).
         text_column: name of the text column.
         label_column: name of the label column.
-        num_labels: number of classes.
         log: receives the dropped-row count.
     """
     frame = _read_file(path, field)
     frame = _select_columns(frame, str(path), text_column, label_column)
     _check_texts(frame["text"], str(path), text_column)
-    frame = _drop_missing(frame, str(path), field, log)
-    numbers = _whole_number_labels(frame["label"], str(path), label_column)
-    _check_label_range(numbers, num_labels, str(path), label_column)
-    frame["label"] = numbers.astype("int64")
-    return _to_dataset(frame)
+    return _drop_missing(frame, str(path), field, log)
 
 
 def _file_format(path: Path, field: str) -> str:
@@ -265,17 +268,9 @@ def _check_texts(texts: pd.Series, source: str, text_column: str) -> None:
     value = texts[row]
     kind = "an object" if isinstance(value, dict) else "a list"
     raise DataError(
-        f"data.text_column: column {text_column!r} of {source} holds {kind} at row {row + 1} ({_shown(value)}), "
+        f"data.text_column: column {text_column!r} of {source} holds {kind} at row {row + 1} ({shown(value)}), "
         "not a text; write each text as one string in the file"
     )
-
-
-def _shown(value: object, limit: int = 60) -> str:
-    """A value from the file as it may be echoed in a message: its repr, cut short."""
-    if hasattr(value, "tolist"):  # numpy arrays and scalars: as the plain Python values they hold
-        value = value.tolist()
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _drop_missing(frame: pd.DataFrame, source: str, field: str, log: Callable[[str], None]) -> pd.DataFrame:
@@ -304,93 +299,24 @@ def _drop_missing(frame: pd.DataFrame, source: str, field: str, log: Callable[[s
     return kept
 
 
-def _whole_number_labels(labels: pd.Series, source: str, label_column: str) -> pd.Series:
-    """The labels as whole numbers, accepting ints and whole-number floats or strings.
-
-    A column of signed integers stays as it is (exact); anything else becomes float64, so that a label too large
-    for int64 (``1e30``) is still its own value in the range check.
-
-    Args:
-        labels: the label column with no missing values, indexed by row (0-based) in the file.
-        source: file name for error messages.
-        label_column: original column name for error messages.
-    """
-    import numpy as np
-    import pandas as pd
-
-    where = f"data.label_column: labels in column {label_column!r} of {source} must be integer class ids"
-    if pd.api.types.is_bool_dtype(labels) or labels.dtype == object:
-        boolean = labels.map(lambda value: isinstance(value, (bool, np.bool_)))
-        if boolean.any():
-            row = boolean.idxmax()
-            raise DataError(
-                f"{where} 0..num_labels-1, found {_shown(labels[row])} (a boolean) at row {row + 1}; which class true "
-                "is cannot be guessed: write the classes as integers (e.g. 0 and 1) in the file"
-            )
-    if pd.api.types.is_signed_integer_dtype(labels):
-        return labels.astype("int64")
-    numbers = pd.to_numeric(labels, errors="coerce").astype("float64")
-    # NaN here means "not a number at all" (e.g. "pos"); fractions like 0.5 are not class ids.
-    bad = ~np.isfinite(numbers) | (numbers != np.round(numbers))
-    if bad.any():
-        row = bad.idxmax()
-        raise DataError(
-            f"{where} 0..num_labels-1, found {_shown(labels[row])} at row {row + 1}; map label names to integers in "
-            "the file"
-        )
-    return numbers
-
-
-def _label_text(value: float | int) -> str:
-    """A label as the user wrote it: ``7`` for an integer, ``1e+30`` for a float beyond the exact whole numbers.
+def _to_dataset(
+    frame: pd.DataFrame, problem_type: str, num_labels: int, source: str, label_column: str
+) -> datasets.Dataset:
+    """Build a Dataset with exactly the columns text (string) and label (the task's, checked).
 
     Args:
-        value: a label (an integer, or a whole-number float).
-    """
-    if isinstance(value, float) and abs(value) >= 2**53:
-        return f"{value:g}"
-    return str(int(value))
-
-
-def _check_label_range(labels: pd.Series, num_labels: int, source: str, label_column: str) -> None:
-    """Require every label to lie in [0, num_labels).
-
-    Args:
-        labels: whole-number labels (int64, or float64 before the cast, so that a huge one keeps its value).
-        num_labels: number of classes (model.num_labels).
-        source: file name for error messages.
-        label_column: original column name for error messages.
-    """
-    bad = labels[(labels < 0) | (labels >= num_labels)]
-    if bad.empty:
-        return
-    first = bad.iloc[0].item()  # a Python int or float
-    fix = "fix the labels"
-    if first >= num_labels:
-        largest = labels.max().item()
-        fix = (
-            f"set model.num_labels to at least {int(largest) + 1} or {fix}"
-            if largest < 2**20
-            else f"{fix} (class ids count from 0; model.num_labels is the number of classes)"
-        )
-    raise DataError(
-        f"model.num_labels: label {_label_text(first)} in column {label_column!r} of {source} is outside "
-        f"[0, {num_labels}) for model.num_labels={num_labels}; {fix}"
-    )
-
-
-def _to_dataset(frame: pd.DataFrame) -> datasets.Dataset:
-    """Build a Dataset with exactly the columns text (string) and label (int64).
-
-    Args:
-        frame: columns "text" and "label", already validated.
+        frame: columns "text" and "label", texts checked, no missing values.
+        problem_type: the run's task.
+        num_labels: ``model.num_labels``.
+        source: the file or dataset, for messages.
+        label_column: the label column's name in the file, for messages.
     """
     import datasets
 
-    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.Value("int64")})
-    return datasets.Dataset.from_pandas(
-        frame[["text", "label"]].reset_index(drop=True), features=features, preserve_index=False
-    )
+    labels, feature = model_labels(frame["label"], problem_type, num_labels, source, label_column)
+    rows = frame[["text"]].assign(label=labels).reset_index(drop=True)
+    features = datasets.Features({"text": datasets.Value("string"), "label": feature})
+    return datasets.Dataset.from_pandas(rows, features=features, preserve_index=False)
 
 
 # ---------------------------------------------------------------------------

@@ -125,7 +125,10 @@ def model_config(config: ModelConfig) -> PretrainedConfig:
 
 
 def model_init_fn(
-    config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora: LoraConfig | None = None
+    config: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    lora: LoraConfig | None = None,
+    problem_type: str | None = None,
 ) -> PretrainedClassifier:
     """A callable that builds the classification model (called by the trainer's runtime, in the strategy's context).
 
@@ -133,8 +136,10 @@ def model_init_fn(
         config: the ``model`` config section.
         tokenizer: supplies the pad id GPT-style heads pool on.
         lora: the ``lora`` section; with ``use_lora`` the model is wrapped in LoRA adapters (``hftrain.models.lora``).
+        problem_type: the run's task (``hftrain.data.labels``), written into the model's config (and so into the
+            exported ``config.json``); None leaves the folder's.
     """
-    return PretrainedClassifier(config, tokenizer.pad_token_id, lora)
+    return PretrainedClassifier(config, tokenizer.pad_token_id, lora, problem_type)
 
 
 class PretrainedClassifier:
@@ -145,13 +150,21 @@ class PretrainedClassifier:
         config: the ``model`` config section.
         pad_token_id: the tokenizer's pad id (GPT-style heads pool the last non-pad token).
         lora: the ``lora`` section, or None.
+        problem_type: the run's task, set on the model's config; None leaves the folder's.
     """
 
-    def __init__(self, config: ModelConfig, pad_token_id: int | None, lora: LoraConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        pad_token_id: int | None,
+        lora: LoraConfig | None = None,
+        problem_type: str | None = None,
+    ) -> None:
         self.path = resolve_model_path(config.model_name_or_path)
         self.config = config
         self.pad_token_id = pad_token_id
         self.lora = lora if lora is not None and lora.use_lora else None
+        self.problem_type = problem_type
 
     def __call__(self) -> PreTrainedModel | PeftModel:
         """The whole model."""
@@ -171,6 +184,8 @@ class PretrainedClassifier:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
         kwargs = {"num_labels": self.config.num_labels, "attn_implementation": self.config.attn_implementation}
+        if self.problem_type is not None:
+            kwargs["problem_type"] = self.problem_type
         with reading(
             f"model.model_name_or_path: the weights in '{self.path}' do not load",
             "they are damaged or do not match its config.json (sizes): save the model there again "

@@ -63,11 +63,13 @@ class ModelFacts:
         path: the folder ``from_pretrained`` loads.
         max_length: the most tokens the model takes in one text (None when it declares no limit).
         vocab_size: rows of its input embedding (None when it declares none).
+        problem_type: the task its ``config.json`` names (``problem_type``), or None.
     """
 
     path: Path
     max_length: int | None
     vocab_size: int | None
+    problem_type: str | None = None
 
 
 def check_model_folder(config: ModelConfig) -> ModelFacts:
@@ -94,7 +96,12 @@ def check_model_folder(config: ModelConfig) -> ModelFacts:
     model_config = _auto_config(path)
     _check_head(path, model_config, config.num_labels)
     _build_on_meta(path, model_config, config.num_labels)
-    return ModelFacts(path=path, max_length=_max_positions(model_config), vocab_size=_vocab_size(model_config))
+    return ModelFacts(
+        path=path,
+        max_length=_max_positions(model_config),
+        vocab_size=_vocab_size(model_config),
+        problem_type=getattr(model_config, "problem_type", None),
+    )
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase, facts: ModelFacts) -> None:
