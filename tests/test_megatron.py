@@ -317,7 +317,11 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         "tp-with-ddp": (["--tp", "2", "--strategy.name", "ddp"], {"WORLD_SIZE": "2"}, "strategy.tp is a megatron"),
         # the platform refuses fp16 on CPU first; on CUDA the megatron strategy refuses it (no gradient scaler)
         "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16"),
-        "unsupported-family": (["--model_name_or_path", job["distilbert"]], {"WORLD_SIZE": "1"}, "distilbert"),
+        "unsupported-family": (
+            ["--model_name_or_path", job["albert"]],
+            {"WORLD_SIZE": "1"},
+            "strategy.tp: tensor parallelism cannot split this ALBERT model: its layers share one set of weights",
+        ),
         # context parallelism: before any process group, one line naming strategy.cp or the field to change
         "cp-not-dividing-world": (["--cp", "2"], {"WORLD_SIZE": "1"}, "strategy.cp: tp=1 × cp=2 × pp=1 does not"),
         "cp-with-sequence-parallel": (

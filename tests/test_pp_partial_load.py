@@ -23,9 +23,9 @@ def _builder(folder):
 
 
 def _leave_out_first_layer_and_embeddings(model):
-    from hftrain.parallel.stages import family_of
+    from hftrain.parallel.families import stages_of
 
-    family = family_of(model)
+    family = stages_of(model)
     names = {id(m): n for n, m in model.named_modules()}
     modules = [family.layers(model)[0], *family.embed_modules(model).values()]
     return [names[id(m)] for m in modules if any(True for _ in m.parameters())]

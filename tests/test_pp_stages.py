@@ -6,6 +6,7 @@ import pytest
 
 from hftrain.errors import ConfigError
 from hftrain.parallel.pipeline import chunk_ids_of_rank, stage_layer_ranges
+from tests.tiny import FAMILY_KINDS
 
 
 def test_ranges_by_layer_count():
@@ -81,8 +82,7 @@ def _model(kind: str, layers: int):
 
     from tests.tiny import tiny_config
 
-    config = tiny_config(kind)
-    config.num_hidden_layers = layers
+    config = tiny_config(kind, num_layers=layers)  # per-layer types (sliding windows) follow the layer count
     torch.manual_seed(0)
     return AutoModelForSequenceClassification.from_config(config)
 
@@ -98,10 +98,15 @@ def _batch():
     return ids, mask, torch.tensor([0, 1, 1, 0, 1])
 
 
-@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
+STAGED_KINDS = ["bert", "gpt2", "llama", *(k for k in FAMILY_KINDS if k != "qwen3_moe")]
+LAYOUTS = [(2, 1, "layers"), (3, 1, "parameters"), (2, 2, "layers")]
+
+
 @pytest.mark.parametrize(
-    ("pp", "virtual_stages", "balance"), [(2, 1, "layers"), (3, 1, "parameters"), (2, 2, "layers")]
-)
+    ("kind", "pp", "virtual_stages", "balance"),
+    [("bert", *layout) for layout in LAYOUTS] + [(kind, 2, 2, "layers") for kind in STAGED_KINDS[1:]]
+    + [(kind, 3, 1, "parameters") for kind in ("gpt2", "llama")],
+)  # fmt: skip
 def test_chunks_in_sequence_equal_model(kind, pp, virtual_stages, balance):
     """All ranks' chunks run in global order in one process give the model's logits, loss and grads exactly."""
     import torch
@@ -154,7 +159,7 @@ def test_unsupported_model_refused():
 
     from hftrain.parallel import build_stage_modules
 
-    with pytest.raises(ConfigError, match="pipeline parallelism supports BERT, GPT-2 and Llama"):
+    with pytest.raises(ConfigError, match="pipeline parallelism has no entry for model type None"):
         build_stage_modules(torch.nn.Linear(2, 2), pp_rank=0, pp=2)
 
 

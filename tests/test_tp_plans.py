@@ -1,5 +1,8 @@
 """TP plans on tiny BERT, GPT-2, Llama and the mixture-of-experts Mixtral and Qwen2-MoE: TP=2 (2 gloo processes) and
-TP2×DP2 (4) equal the unsharded model.
+TP2×DP2 (4) equal the unsharded model; every other family with a plan (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R,
+ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Qwen3-MoE) at TP=2 with sequence
+parallelism (MoE: without), its special layers on (sliding windows, soft-capping, qk-norm, scaled embeddings,
+fused qkv).
 
 Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
 three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
@@ -25,6 +28,12 @@ SPLIT_COUNTS = {
     "llama_kv1": 2 * 7 + 1,
     "mixtral": 2 * 4 + 1,
     "qwen2_moe": 2 * 7 + 1,
+    # BERT's layout (DistilBERT: q, k, v w+b, out_lin w, lin1 w+b, lin2 w); GPT-NeoX: fused qkv w+b, dense w,
+    # h_to_4h w+b, 4h_to_h w; Qwen2: q, k, v w+b, o, gate, up, down; Qwen3-MoE: q, k, v, o
+    **dict.fromkeys(("roberta", "xlm-roberta", "electra", "distilbert", "qwen2"), 2 * 10 + 1),
+    "gpt_neox": 2 * 6 + 1,
+    **dict.fromkeys(("mistral", "qwen3", "gemma", "gemma2", "gemma3_text"), 2 * 7 + 1),
+    "qwen3_moe": 2 * 4 + 1,
 }
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
@@ -33,10 +42,21 @@ HEAD_ATTRIBUTES = {
     "llama_kv1": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
     "mixtral": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
     "qwen2_moe": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+    "roberta": ("roberta.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
+    "xlm-roberta": ("roberta.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
+    "electra": ("electra.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
+    "distilbert": ("distilbert.transformer.layer.0.attention", {}),  # its views take the head count from -1
+    "gpt_neox": ("gpt_neox.layers.0.attention", {}),
+    **{
+        kind: ("model.layers.0.self_attn", {"num_key_value_groups": 2})
+        for kind in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe")
+    },
 }
 KINDS = ("bert", "gpt2", "llama", "llama_kv1")
 # mixture of experts: without sequence parallelism only (refused: the replicated MoE block needs the whole sequence)
 MOE_KINDS = ("mixtral", "qwen2_moe")
+# the other families with a tensor-parallel plan: at tp2 (2 processes) with sequence parallelism (MoE: without)
+FAMILY_SP = {kind: kind != "qwen3_moe" for kind in SPLIT_COUNTS if kind not in (*KINDS, *MOE_KINDS)}
 # "llama_kv1": 4 query heads of 8 and one key/value head: tp=2 replicates it (Megatron/vLLM), each rank holds the
 # whole head (k/v rows 8) beside its 2 query heads (q/o rows 16)
 REPLICATED = {"k_proj": 8, "v_proj": 8}
@@ -46,10 +66,11 @@ def _batch(kind: str):
     import torch
 
     generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, 64, (4, 8), generator=generator)
-    ids[1, 5:] = 0  # right padding (pad id 0 in every tiny config)
-    ids[3, 3:] = 0
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([0, 1, 1, 0])}
+    ids = torch.randint(3, 64, (4, 8), generator=generator)
+    pad = 1 if kind in ("roberta", "xlm-roberta", "electra") else 0  # the tiny configs' pad ids
+    ids[1, 5:] = pad  # right padding
+    ids[3, 3:] = pad
+    return {"input_ids": ids, "attention_mask": (ids != pad).long(), "labels": torch.tensor([0, 1, 1, 0])}
 
 
 def _build(kind: str, seed: int = 0, dropout: float = 0.0):
@@ -147,7 +168,7 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
         fresh = apply_tensor_parallel(_build(kind), tp_group=group, sequence_parallel=sequence_parallel)
         load_full_state_dict(fresh, ref.state_dict())
         assert_close(fresh(**batch).logits, ref(**batch).logits)
-    return {"losses": losses, "decreased": losses[-1] < losses[0]}
+    return {"losses": losses, "decreased": losses[-1] < losses[0], "moved": losses[-1] != losses[0]}
 
 
 def _dropout_stays_replicated(kind: str, groups) -> str:
@@ -187,6 +208,9 @@ def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
     report = {(kind, sp): _check_family(kind, sp, groups) for kind in KINDS for sp in sequence_parallel}
     report |= {(kind, False): _check_family(kind, False, groups) for kind in MOE_KINDS}
     report |= {(kind, "dropout"): _dropout_stays_replicated(kind, groups) for kind in KINDS + MOE_KINDS}
+    if groups.dp_size == 1:  # the other families at tp2 only (the 2-process launch)
+        report |= {(kind, sp): _check_family(kind, sp, groups) for kind, sp in FAMILY_SP.items()}
+        report |= {(kind, "dropout"): _dropout_stays_replicated(kind, groups) for kind in FAMILY_SP}
     try:  # sequence parallelism with a replicated MoE block is refused before anything is split
         apply_tensor_parallel(_build("mixtral"), tp_group=groups.tp_group, sequence_parallel=True)
     except HFTrainError as error:
@@ -211,6 +235,10 @@ def test_tp_plans_match_unsharded_models(nprocs, sequence_parallel):
             assert report[(kind, False)]["decreased"], kind
         for kind in KINDS + MOE_KINDS:  # replicated key/value heads too: no refusal of attention dropout any more
             assert report[(kind, "dropout")] == "identical", kind
+        if nprocs == 2:
+            for kind, sp in FAMILY_SP.items():
+                assert report[(kind, sp)]["moved"], kind  # trained (each step compared inside the ranks)
+                assert report[(kind, "dropout")] == "identical", kind
         assert "same seed" in report["unseeded"]
         assert report["moe_sp"].startswith("strategy.sequence_parallel is not supported for this mixtral model")
     assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
@@ -295,12 +323,16 @@ def test_smollm2_sizes_run_at_tp_3_balanced():
 
 
 def test_check_tensor_parallel_refuses_unknown_family():
-    from transformers import DistilBertConfig
+    from transformers import AlbertConfig, BartConfig, Olmo2Config
 
     from hftrain.parallel import check_tensor_parallel
 
-    with pytest.raises(ConfigError, match="no plan for model type 'distilbert'; supported: bert, gpt2, llama"):
-        check_tensor_parallel(DistilBertConfig(), 2)
+    with pytest.raises(ConfigError, match="tensor parallelism has no entry for model type 'bart' .supported: BERT"):
+        check_tensor_parallel(BartConfig(), 2)
+    with pytest.raises(ConfigError, match="cannot split this ALBERT model: its layers share one set of weights"):
+        check_tensor_parallel(AlbertConfig(), 2)
+    with pytest.raises(ConfigError, match="OLMo-2 model: its q/k norms normalise over every head"):
+        check_tensor_parallel(Olmo2Config(), 2)
 
 
 def test_sequence_multiple():

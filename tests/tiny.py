@@ -43,6 +43,8 @@ def tiny_config(
     """
     from transformers import BertConfig, GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
+    if kind in FAMILY_KINDS:
+        return family_config(kind, num_labels, vocab_size, dropout, num_layers, max_positions)
     if kind == "bert":
         return BertConfig(
             vocab_size=vocab_size,
@@ -107,6 +109,62 @@ def tiny_config(
         summary_first_dropout=dropout,
         pad_token_id=0,
     )
+
+
+FAMILY_KINDS = (
+    "roberta", "xlm-roberta", "electra", "distilbert", "gpt_neox", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+    "gemma3_text", "phi3", "olmo2", "qwen3_moe",
+)  # fmt: skip
+"""The families beyond the first five (``family_config``), each with its special layers switched on."""
+
+
+def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, num_layers: int, max_positions: int):
+    """A tiny config of one of ``FAMILY_KINDS`` that keeps the family's special layers on: sliding windows of 4
+    tokens (shorter than the test texts) where the family has them, soft-capped attention (Gemma-2), qk-norm
+    (Qwen3, Gemma-3, OLMo-2), scaled embeddings (Gemma), fused qkv (GPT-NeoX, Phi-3), a factorised embedding
+    (ELECTRA's 16 → 32 projection), grouped-query attention (4 heads, 2 key/value heads) in every decoder.
+    """
+    from transformers import CONFIG_MAPPING
+
+    if kind in ("roberta", "xlm-roberta", "electra"):
+        extra = {"embedding_size": 16} if kind == "electra" else {}
+        return CONFIG_MAPPING[kind](
+            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=max_positions + 2, num_labels=num_labels, pad_token_id=1,
+            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout, **extra,
+        )  # fmt: skip
+    if kind == "distilbert":
+        return CONFIG_MAPPING[kind](
+            vocab_size=vocab_size, dim=32, n_layers=num_layers, n_heads=2, hidden_dim=64,
+            max_position_embeddings=max_positions, num_labels=num_labels, dropout=dropout, attention_dropout=dropout,
+            seq_classif_dropout=dropout, pad_token_id=0,
+        )  # fmt: skip
+    decoder = {
+        "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": num_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": max_positions,
+        "num_labels": num_labels, "attention_dropout": dropout, "pad_token_id": 0, "bos_token_id": 2,
+        "eos_token_id": 2,
+    }  # fmt: skip
+    sliding = {"sliding_window": 4}
+    extra: dict = {
+        "mistral": sliding,
+        "qwen2": {**sliding, "use_sliding_window": True, "max_window_layers": 1},
+        "qwen3": {**sliding, "use_sliding_window": True, "max_window_layers": 1},
+        "gemma": {},
+        "gemma2": {**sliding, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+        "gemma3_text": {**sliding, "sliding_window_pattern": 2},
+        "phi3": {**sliding, "resid_pdrop": dropout, "embd_pdrop": dropout},
+        "olmo2": {},
+        "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                      "router_aux_loss_coef": 0.02, "norm_topk_prob": True},
+        "gpt_neox": {"rotary_pct": 0.5, "hidden_dropout": dropout, "use_parallel_residual": True},
+    }[kind]  # fmt: skip
+    if kind == "gpt_neox":
+        decoder = {k: v for k, v in decoder.items() if k not in ("num_key_value_heads", "head_dim")}
+    config = CONFIG_MAPPING[kind](**decoder, **extra)
+    if kind == "gemma2":
+        config._attn_implementation = "eager"  # soft-capping runs in eager attention only (as transformers says)
+    return config
 
 
 def tiny_model_init(

@@ -497,7 +497,8 @@ class ContextSplit:
 
 
 def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str = "ring") -> torch.nn.Module:
-    """Make an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` run split over the sequence, in place.
+    """Make an HF ``*ForSequenceClassification`` of a family context parallelism takes (``hftrain.parallel.families``:
+    BERT, GPT-2, GPT-NeoX and the rotary decoders without sliding windows) run split over the sequence, in place.
 
     Every cp rank then calls the model with the *same* whole batch (padded to a multiple of ``2·cp``); each keeps
     its zigzag positions of ``input_ids`` (and ``token_type_ids``), runs the base model on them with their global
@@ -516,16 +517,16 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
     """
     from transformers.modeling_outputs import SequenceClassifierOutput
 
-    from hftrain.parallel.stages import FAMILIES, check_family
+    from hftrain.parallel.families import stages_for
 
-    check_family(model.config, class_name=type(model).__name__, axis="cp")
+    stages = stages_for(model.config, class_name=type(model).__name__, axis="cp")
+    head = stages.head_modules(model)
     _register()
     batch = _Batch(cp_group, comm)
     for module in model.modules():
         module.context_parallel_batch = batch
     model.set_attn_implementation(ATTENTION_NAME)
     split = model.context_split = ContextSplit(batch)
-    family = model.config.model_type
     base = model.base_model
 
     def forward(input_ids, attention_mask=None, labels=None, token_type_ids=None, **_ignored):
@@ -540,12 +541,9 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
             position_ids=positions[None].expand(input_ids.shape[0], -1),
             **extra,
         ).last_hidden_state
-        pool = FAMILIES[family].pool(model.config, input_ids, hidden.dtype)
+        pool = stages.pool(model.config, input_ids, hidden.dtype)
         token = split.sum((hidden * pool[:, positions, None]).sum(1))
-        if family == "bert":
-            logits = model.classifier(model.dropout(base.pooler.activation(base.pooler.dense(token))))
-        else:
-            logits = model.score(token)
+        logits = stages.classify(head, token)  # the family's head on the pooled token (after the base's final norm)
         loss = None
         if labels is not None:
             from transformers.loss.loss_utils import ForSequenceClassificationLoss

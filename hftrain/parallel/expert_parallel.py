@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,46 +49,11 @@ from torch import nn
 
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.collectives import all_reduce_both_ways, all_to_all_rows
+from hftrain.parallel.families import expert_plan_for, moe_families
 from hftrain.parallel.layers import WRAPPER_PREFIXES, TPShard
+from hftrain.parallel.plans import ExpertPlan
 
 EXPERT_SHARDS = "expert_shards"  # module attribute: parameter name -> TPShard over the ep group
-
-
-@dataclass(frozen=True)
-class ExpertPlan:
-    """Where a family keeps its MoE blocks and how many experts it routes to (data, one entry per family).
-
-    Args:
-        layers: path of the ``ModuleList`` of decoder layers.
-        block: path in a layer of its sparse MoE block (a dense layer has no ``experts`` there and is skipped).
-        router: the block's router (returns ``(logits, top-k weights, top-k indices)``).
-        experts: the block's experts module (3-D ``gate_up_proj`` and ``down_proj``).
-        num_experts: the config attribute holding ``E``.
-        top_k: the config attribute holding ``k``.
-    """
-
-    layers: str = "model.layers"
-    block: str = "mlp"
-    router: str = "gate"
-    experts: str = "experts"
-    num_experts: str = "num_local_experts"
-    top_k: str = "num_experts_per_tok"
-
-
-EXPERT_PLANS: dict[str, ExpertPlan] = {
-    "mixtral": ExpertPlan(num_experts="num_local_experts"),
-    "qwen2_moe": ExpertPlan(num_experts="num_experts"),  # its shared expert stays replicated, as the router
-}
-
-
-def expert_plan_for(config: Any) -> ExpertPlan | None:
-    """The family's plan, or None for a dense model (no ``router_aux_loss_coef`` and no plan)."""
-    return EXPERT_PLANS.get(getattr(config, "model_type", None))
-
-
-def is_moe(config: Any) -> bool:
-    """Whether the model is a mixture of experts hftrain can route (a family in :data:`EXPERT_PLANS`)."""
-    return expert_plan_for(config) is not None
 
 
 def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float | None = None) -> None:
@@ -109,7 +73,7 @@ def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float 
             key = "strategy.ep" if ep > 1 else "strategy.moe_capacity_factor"
             raise ConfigError(
                 f"{key}: the model ({getattr(config, 'model_type', '?')}) is not a mixture of experts hftrain can "
-                f"route ({', '.join(sorted(EXPERT_PLANS))}); use ep: 1 and moe_capacity_factor: null for a dense model"
+                f"route ({', '.join(moe_families())}); use ep: 1 and moe_capacity_factor: null for a dense model"
             )
         return
     experts = getattr(config, plan.num_experts)

@@ -293,7 +293,9 @@ class VocabParallelEmbedding(nn.Module):
     the batch, before the lookup), so the padding rows are never looked up: they stay zero, get no gradient, and
     the shard's ``padded`` length trims them from every gathered tensor (checkpoints, exports). Under sequence
     parallelism the scatter to sequence chunks happens after the model's embedding block (HF adds position
-    embeddings after the lookup), not here.
+    embeddings after the lookup), not here. A scaled embedding (Gemma's ``*TextScaledWordEmbedding``,
+    ``Y = onehot(ids) E · √hidden``) keeps its ``embed_scale``: the summed lookup is multiplied by it, as the module
+    multiplies its own lookup.
 
     Args:
         module: the ``nn.Embedding`` to split.
@@ -316,6 +318,12 @@ class VocabParallelEmbedding(nn.Module):
         self.local_padding_idx = (
             pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
         )
+        scale = getattr(module, "embed_scale", None)  # a non-persistent buffer: never in a state dict
+        self.embed_scale: torch.Tensor | None
+        if isinstance(scale, torch.Tensor):
+            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         inside = ((ids >= 0) & (ids < self.num_embeddings)).all()
@@ -326,7 +334,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight, self.local_padding_idx)
-        return reduce_from_tp(partial.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+        embedded = reduce_from_tp(partial.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+        return embedded if self.embed_scale is None else embedded * self.embed_scale.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (

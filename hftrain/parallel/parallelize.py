@@ -45,8 +45,8 @@ def parallelize_model(
         vocab_multiple: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this.
         moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless), under any ep.
     """
+    from hftrain.parallel.families import check_tensor_parallel
     from hftrain.parallel.lora import hf_model_of
-    from hftrain.parallel.plans import check_tensor_parallel
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
 
     check_tensor_parallel(model.config, groups.tp_size, sequence_parallel=sequence_parallel)

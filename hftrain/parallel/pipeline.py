@@ -164,9 +164,9 @@ def stage_ranges(model: torch.nn.Module, *, pp: int, virtual_stages: int = 1, ba
         virtual_stages: chunks per rank.
         balance: ``"layers"`` or ``"parameters"``.
     """
-    from hftrain.parallel.stages import family_of
+    from hftrain.parallel.families import stages_of
 
-    family = family_of(model)
+    family = stages_of(model)
     layers = family.layers(model)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     sizes[0] += _numel(family.embed_modules(model))
@@ -189,9 +189,9 @@ def other_stages_modules(
         virtual_stages: chunks per rank.
         layout: ``"loop"`` or ``"v"`` (:func:`chunk_ids_of_rank`).
     """
-    from hftrain.parallel.stages import family_of
+    from hftrain.parallel.families import stages_of
 
-    family = family_of(model)
+    family = stages_of(model)
     owned = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, layout=layout)
     kept = {i for c in owned for i in ranges[c]}
     layers = family.layers(model)
@@ -227,9 +227,10 @@ def build_stage_modules(
         ranges: the split, when it was decided before (on the whole model, before tensor parallelism split its
             layers); None computes it from ``model``.
     """
-    from hftrain.parallel.stages import PipelineChunk, family_of
+    from hftrain.parallel.families import stages_of
+    from hftrain.parallel.stages import PipelineChunk
 
-    family = family_of(model)
+    family = stages_of(model)
     layers = family.layers(model)
     embed, head = family.embed_modules(model), family.head_modules(model)
     if ranges is None:

@@ -1,11 +1,15 @@
-"""Tensor-parallel plans as data, one entry per model family (keyed by ``config.model_type``).
+"""Tensor-parallel and expert plans as data: the types of a family's entries (``hftrain.parallel.families`` holds
+the entries, one per model family) and the arithmetic of splitting heads and vocabularies.
 
 A plan names modules by their path in the HF ``*ForSequenceClassification`` model and gives each a style:
 
-- ``column`` / ``column_qkv``: split the output features (``column_qkv``: packed q, k, v, split per head);
+- ``column`` / ``column_qkv``: split the output features (``column_qkv``: packed q, k, v, split per head;
+  GPT-NeoX's fused ``query_key_value`` is per head already, so plain ``column`` splits it by heads);
 - ``column_kv``: a grouped-query key or value projection: split per key/value head when tp divides them, else
   each head replicated over ``tp / kv`` ranks (Megatron's and vLLM's rule; see :func:`grouped_query_split`);
 - ``row``: split the input features (the partial outputs are summed);
+- ``head_shared``: a replicated module applied to each rank's own heads (Qwen3's and Gemma-3's per-head q/k norms:
+  transformers' ``replicated_with_grad_allreduce``): its gradient is each rank's heads' share, summed over tp;
 - ``vocab``: vocabulary-parallel embedding;
 - ``region``: the module's ``hidden_states`` input enters a tensor-parallel region (f, or the sequence
   all-gather under sequence parallelism) once for all the column layers inside it; its dropout (attention
@@ -24,7 +28,7 @@ expert); see "Mixture of experts" below.
 whose key/value heads tp must divide or be a multiple of (SmolLM2-135M's 9 query / 3 key/value heads: tp 1 or 3;
 tp=2 would leave one rank twice the other's attention, which Megatron refuses too). The vocabulary is not among
 the sizes: the embedding pads it to a multiple of tp (:func:`padded_vocab_size`). A new family is one more entry in
-:data:`PLANS`.
+``hftrain.parallel.families.FAMILIES``.
 
 Mixture of experts (``mixtral``, ``qwen2_moe``): attention is split as Llama's (q column, k/v ``column_kv``, o row;
 Qwen2-MoE's q/k/v biases are split with their rows), and the MoE block (``mlp``: the router ``mlp.gate``, the 3-D
@@ -44,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hftrain.errors import AxisError, ConfigError
+from hftrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,27 @@ class TensorParallelPlan:
     sizes: Callable[[Any], dict[str, int]] = lambda config: {}
     grouped_query: str | None = None
     replicated: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Where a mixture-of-experts family keeps its MoE blocks and how many experts it routes to.
+
+    Args:
+        layers: path of the ``ModuleList`` of decoder layers.
+        block: path in a layer of its sparse MoE block (a dense layer has no ``experts`` there and is skipped).
+        router: the block's router (returns ``(logits, top-k weights, top-k indices)``).
+        experts: the block's experts module (3-D ``gate_up_proj`` and ``down_proj``).
+        num_experts: the config attribute holding ``E``.
+        top_k: the config attribute holding ``k``.
+    """
+
+    layers: str = "model.layers"
+    block: str = "mlp"
+    router: str = "gate"
+    experts: str = "experts"
+    num_experts: str = "num_local_experts"
+    top_k: str = "num_experts_per_tok"
 
 
 @dataclass(frozen=True)
@@ -125,174 +150,6 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
         raise ConfigError(f"vocab_multiple must be a positive integer (1: a multiple of tp only), got {multiple!r}")
     step = tp * multiple
     return -(-vocab_size // step) * step
-
-
-# Llama's attention and model entries, shared by the mixture-of-experts families (whose ``mlp`` has no entry).
-_LLAMA_ATTENTION: tuple[tuple[str, str], ...] = (
-    ("input_layernorm", "sequence"),
-    ("self_attn", "region"),
-    ("self_attn.q_proj", "column"),
-    ("self_attn.k_proj", "column_kv"),
-    ("self_attn.v_proj", "column_kv"),
-    ("self_attn.o_proj", "row"),
-    ("post_attention_layernorm", "sequence"),
-)
-_LLAMA_MODEL: tuple[tuple[str, str], ...] = (
-    ("model.embed_tokens", "vocab"),
-    ("model.layers.0", "scatter"),
-    ("model.norm", "sequence"),
-    ("model.norm", "gather"),
-)
-
-
-def _moe_plan() -> TensorParallelPlan:
-    """A mixture-of-experts family with Llama's attention and module names (Mixtral, Qwen2-MoE)."""
-    return TensorParallelPlan(
-        layers="model.layers",
-        layer=_LLAMA_ATTENTION,
-        model=_LLAMA_MODEL,
-        heads={},
-        # the experts' sizes are not split by tp (the block is replicated over tp)
-        sizes=lambda c: {"num_attention_heads": c.num_attention_heads},
-        grouped_query="self_attn",
-        replicated=("mlp",),
-    )
-
-
-PLANS: dict[str, TensorParallelPlan] = {
-    "bert": TensorParallelPlan(
-        layers="bert.encoder.layer",
-        layer=(
-            ("attention.self", "region"),
-            ("attention.self.query", "column"),
-            ("attention.self.key", "column"),
-            ("attention.self.value", "column"),
-            ("attention.output.dense", "row"),
-            ("attention.output.dropout", "sequence_dropout"),
-            ("attention.output.LayerNorm", "sequence"),
-            ("intermediate", "region"),
-            ("intermediate.dense", "column"),
-            ("output.dense", "row"),
-            ("output.dropout", "sequence_dropout"),
-            ("output.LayerNorm", "sequence"),
-        ),
-        model=(
-            ("bert.embeddings.word_embeddings", "vocab"),
-            ("bert.encoder.layer.0", "scatter"),
-            ("bert.encoder", "gather"),
-        ),
-        heads={"attention.self": ("num_attention_heads", "all_head_size")},
-        sizes=lambda c: {
-            "num_attention_heads": c.num_attention_heads,
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-        },
-    ),
-    "gpt2": TensorParallelPlan(
-        layers="transformer.h",
-        layer=(
-            ("ln_1", "sequence"),
-            ("attn", "region"),
-            ("attn.c_attn", "column_qkv"),
-            ("attn.c_proj", "row"),
-            ("attn.resid_dropout", "sequence_dropout"),
-            ("ln_2", "sequence"),
-            ("mlp", "region"),
-            ("mlp.c_fc", "column"),
-            ("mlp.c_proj", "row"),
-            ("mlp.dropout", "sequence_dropout"),
-        ),
-        model=(
-            ("transformer.wte", "vocab"),
-            ("transformer.h.0", "scatter"),
-            ("transformer.ln_f", "sequence"),
-            ("transformer.ln_f", "gather"),
-        ),
-        heads={"attn": ("num_heads", "embed_dim", "split_size")},
-        sizes=lambda c: {
-            "n_head": c.n_head,
-            "n_embd": c.n_embd,
-            "n_inner": c.n_inner or 4 * c.n_embd,
-        },
-    ),
-    "llama": TensorParallelPlan(
-        layers="model.layers",
-        layer=(
-            *_LLAMA_ATTENTION,
-            ("mlp", "region"),
-            ("mlp.gate_proj", "column"),
-            ("mlp.up_proj", "column"),
-            ("mlp.down_proj", "row"),
-        ),
-        model=_LLAMA_MODEL,
-        # LlamaAttention's views use -1; the one head count it reads, num_key_value_groups, is set per rank
-        heads={},
-        sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
-        grouped_query="self_attn",
-    ),
-    # mixture of experts: attention split as Llama's, the MoE block (and Qwen2-MoE's dense mlp_only_layers) replicated
-    "mixtral": _moe_plan(),
-    "qwen2_moe": _moe_plan(),
-}
-
-
-def plan_for(config: Any) -> TensorParallelPlan:
-    """The plan of a model's family, or a ConfigError naming the supported families.
-
-    Args:
-        config: the model's ``transformers.PretrainedConfig``.
-    """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in PLANS:
-        raise ConfigError(
-            f"tensor parallelism has no plan for model type '{model_type}'; supported: {', '.join(sorted(PLANS))} "
-            f"(use strategy ddp/fsdp/zero* for this model)"
-        )
-    return PLANS[model_type]
-
-
-def _kv_heads(plan: TensorParallelPlan, config: Any) -> dict[str, int]:
-    return {"num_key_value_heads": config.num_key_value_heads} if plan.grouped_query else {}
-
-
-def _valid_tp(sizes: dict[str, int], kv_heads: dict[str, int]) -> list[int]:
-    return [
-        d
-        for d in range(1, min(sizes.values()) + 1)
-        if all(v % d == 0 for v in sizes.values()) and all(kv_heads_split(v, d) for v in kv_heads.values())
-    ]
-
-
-def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Refuse a model that ``tp`` cannot split, naming the size and the valid tp values (no processes needed), and
-    sequence parallelism (tp > 1) for a family with blocks replicated over tp (mixture of experts).
-
-    Args:
-        config: the model's ``transformers.PretrainedConfig``.
-        tp: the tensor-parallel size.
-        sequence_parallel: whether sequence parallelism is asked for.
-    """
-    plan = plan_for(config)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise AxisError("tp", f"tp must be a positive integer, got {tp!r}")
-    if sequence_parallel and tp > 1 and plan.replicated:
-        raise ConfigError(
-            f"strategy.sequence_parallel is not supported for this {config.model_type} model: its mixture-of-experts "
-            f"blocks ({', '.join(plan.replicated)}) run whole on every tp rank and need the full sequence, which "
-            "sequence parallelism cuts into tp chunks; use sequence_parallel: false (tp still splits the attention)"
-        )
-    sizes, kv_heads = plan.sizes(config), _kv_heads(plan, config)
-    indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
-    unsplittable = ", ".join(f"{name}={value}" for name, value in kv_heads.items() if not kv_heads_split(value, tp))
-    problems = [f"does not divide {indivisible}"] if indivisible else []
-    if unsplittable:
-        problems.append(f"neither divides nor is a multiple of {unsplittable} (split evenly or replicated)")
-    if problems:
-        raise AxisError(
-            "tp",
-            f"tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
-            f"valid tp values for it: {', '.join(map(str, _valid_tp(sizes, kv_heads)))}",
-        )
 
 
 def sequence_multiple(tp: int, *, sequence_parallel: bool) -> int:

@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from hftrain.errors import AxisError
-
 Modules = dict[str, torch.nn.Module]
 
 
@@ -52,20 +50,42 @@ def _pool(logits: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     return (logits * pool.unsqueeze(-1)).sum(1)
 
 
-class BertStages:
-    """BERT: embeddings → ``bert.encoder.layer[i]`` → pooler (first token) → dropout → classifier."""
+class EncoderStages:
+    """BERT-style encoders: embeddings (ELECTRA: then its ``embeddings_project``) → ``layer[i]`` → the head on the
+    first token: BERT's pooler → dropout → classifier; RoBERTa's, XLM-R's and ELECTRA's classification head (it
+    takes the first token itself); DistilBERT's ``pre_classifier`` → ReLU → dropout → classifier.
+
+    Args:
+        base: the base model's attribute (``bert``, ``roberta``, ``electra``, ``distilbert``).
+        layers: the path of its ``ModuleList`` of layers inside the base model.
+        head: ``"pooler"`` (BERT), ``"classification_head"`` (RoBERTa, XLM-R, ELECTRA) or ``"pre_classifier"``
+            (DistilBERT).
+    """
+
+    def __init__(self, base: str, layers: str = "encoder.layer", head: str = "pooler") -> None:
+        self.base, self.layers_path, self.head_kind = base, layers, head
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The transformer layers, in order."""
-        return model.bert.encoder.layer
+        return getattr(model, self.base).get_submodule(self.layers_path)
 
     def embed_modules(self, model: torch.nn.Module) -> Modules:
         """Modules of the first chunk's embedding."""
-        return {"embeddings": model.bert.embeddings}
+        base = getattr(model, self.base)
+        project = getattr(base, "embeddings_project", None)  # ELECTRA with embedding_size != hidden_size
+        return {"embeddings": base.embeddings, **({"project": project} if project is not None else {})}
 
     def head_modules(self, model: torch.nn.Module) -> Modules:
         """Modules of the last chunk's head."""
-        return {"pooler": model.bert.pooler, "dropout": model.dropout, "classifier": model.classifier}
+        if self.head_kind == "pooler":
+            return {
+                "pooler": getattr(model, self.base).pooler,
+                "dropout": model.dropout,
+                "classifier": model.classifier,
+            }
+        if self.head_kind == "pre_classifier":
+            return {"pre_classifier": model.pre_classifier, "dropout": model.dropout, "classifier": model.classifier}
+        return {"classifier": model.classifier}
 
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """Parameter-free helpers every chunk needs."""
@@ -76,53 +96,59 @@ class BertStages:
         return first_token_one_hot(input_ids, dtype)
 
     def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
-        """Token ids to the activation tuple (the pooler reads the first token)."""
-        position_ids = None if positions is None else _positions(input_ids, positions)
-        hidden = mods["embeddings"](input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+        """Token ids to the activation tuple (the head reads the first token)."""
+        kwargs = {} if positions is None else {"position_ids": _positions(input_ids, positions)}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        hidden = mods["embeddings"](input_ids=input_ids, **kwargs)
+        if "project" in mods:
+            hidden = mods["project"](hidden)
         return hidden, attention_mask, first_token_one_hot(input_ids, hidden.dtype)
 
     def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
-        """The 4-D mask, built once per chunk as ``BertModel`` builds it."""
+        """The 4-D mask, built once per chunk as the HF encoder builds it."""
         from transformers.masking_utils import create_bidirectional_mask
 
         return {"mask": create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)}
 
-    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict) -> torch.Tensor:
-        """One ``BertLayer``."""
+    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
+        """One encoder layer."""
         return layer(hidden, context["mask"])
 
     def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
-        """Pooler (the first token, picked by the one-hot: exact), dropout, classifier: logits ``[b, num_labels]``.
+        """The head on the first token (picked by the one-hot: exact): logits ``[b, num_labels]``.
 
         ``reduce`` completes the pooled token where the sequence is split (a sum over the cp ranks)."""
-        pooler = mods["pooler"]
-        token = reduce((hidden * pool.unsqueeze(-1)).sum(1))
-        return mods["classifier"](mods["dropout"](pooler.activation(pooler.dense(token))))
+        return self.classify(mods, reduce((hidden * pool.unsqueeze(-1)).sum(1)))
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """The family's classification head on the pooled token ``[b, hidden]``."""
+        if self.head_kind == "pooler":
+            pooler = mods["pooler"]
+            return mods["classifier"](mods["dropout"](pooler.activation(pooler.dense(token))))
+        if self.head_kind == "pre_classifier":
+            return mods["classifier"](mods["dropout"](torch.relu(mods["pre_classifier"](token))))
+        return mods["classifier"](token.unsqueeze(1))  # the head takes features[:, 0, :] itself
 
 
-class _DecoderStages:
-    """Shared by GPT-2 and Llama: causal mask from the 2-D mask, head pooled at the last non-pad token."""
+class _LastTokenStages:
+    """Shared by the decoders: the head pooled at the last non-pad token."""
 
     def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The one-hot of the token the head classifies, over the whole sequence: the last non-pad one."""
         return _last_non_pad_one_hot(input_ids, config, dtype)
-
-    def causal_context(self, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = _positions(hidden, positions)
-        causal = create_causal_mask(
-            config=config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=positions
-        )
-        return {"mask": causal, "positions": positions}
 
     def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
         """Final norm, score on every position, then the pooled token (transformers' order of operations);
         ``reduce`` completes it where the sequence is split (a sum over the cp ranks)."""
         return reduce(_pool(mods["score"](mods["norm"](hidden)), pool))
 
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """The score on the pooled (already normed) token."""
+        return mods["score"](token)
 
-class GPT2Stages(_DecoderStages):
+
+class GPT2Stages(_LastTokenStages):
     """GPT-2: ``wte + wpe`` → dropout → ``transformer.h[i]`` → ``ln_f`` → score at the last non-pad token."""
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -153,87 +179,117 @@ class GPT2Stages(_DecoderStages):
 
     def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """Causal mask and positions, once per chunk."""
-        return self.causal_context(config, hidden, mask, positions)
+        from transformers.masking_utils import create_causal_mask
 
-    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict) -> torch.Tensor:
+        positions = _positions(hidden, positions)
+        causal = create_causal_mask(
+            config=config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=positions
+        )
+        return {"mask": causal, "positions": positions}
+
+    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
         """One ``GPT2Block`` (no cache)."""
         return layer(hidden, None, context["mask"], position_ids=context["positions"], use_cache=False)
 
 
-class LlamaStages(_DecoderStages):
-    """Llama: ``embed_tokens`` → ``layers[i]`` with rotary embeddings → ``norm`` → score at the last non-pad token."""
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class DecoderStages(_LastTokenStages):
+    """Rotary decoders (Llama and the families that share its forward: Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo-2,
+    GPT-NeoX, the mixtures of experts): the token embedding (a Gemma's scales itself by √hidden) → ``layers[i]`` with
+    rotary embeddings → the final norm → score at the last non-pad token.
+
+    Each layer gets the mask its model gives it: per ``config.layer_types`` (full or sliding-window attention:
+    Qwen2/3, Gemma-2/3), sliding for every layer where the config has a ``sliding_window`` and no layer types
+    (Mistral, Mixtral, Phi-3, Qwen3-MoE), causal otherwise; and the rotary embedding of its layer type where the
+    rotary module takes one (Gemma-3's local and global bases).
+
+    Args:
+        base: the base model's attribute (``model``, ``gpt_neox``).
+        embed: the token embedding's attribute in it.
+        norm: the final norm's attribute in it.
+        dropout: the embedding dropout's attribute (GPT-NeoX's ``emb_dropout``), or None.
+        cache_argument: the name the layers take the cache by (GPT-NeoX: ``layer_past``).
+    """
+
+    def __init__(
+        self,
+        base: str = "model",
+        embed: str = "embed_tokens",
+        norm: str = "norm",
+        dropout: str | None = None,
+        cache_argument: str = "past_key_values",
+    ) -> None:
+        self.base, self.embed_name, self.norm_name, self.dropout = base, embed, norm, dropout
+        self.cache_argument = cache_argument
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
-        """The decoder layers, in order (as many as the config says, like ``LlamaModel``)."""
-        return model.model.layers[: model.config.num_hidden_layers]
+        """The decoder layers, in order (as many as the config says, like the HF model)."""
+        return getattr(model, self.base).layers[: model.config.num_hidden_layers]
 
     def embed_modules(self, model: torch.nn.Module) -> Modules:
         """Modules of the first chunk's embedding."""
-        return {"embed_tokens": model.model.embed_tokens}
+        base = getattr(model, self.base)
+        mods = {"embed": getattr(base, self.embed_name)}
+        if self.dropout is not None:
+            mods["dropout"] = getattr(base, self.dropout)
+        return mods
 
     def head_modules(self, model: torch.nn.Module) -> Modules:
         """Modules of the last chunk's head."""
-        return {"norm": model.model.norm, "score": model.score}
+        return {"norm": getattr(getattr(model, self.base), self.norm_name), "score": model.score}
 
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """The rotary embedding (buffers only): each chunk recomputes cos/sin from the positions."""
-        return {"rotary_emb": model.model.rotary_emb}
+        return {"rotary_emb": getattr(model, self.base).rotary_emb}
 
     def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
-        """Token embeddings; Llama has no token types (positions enter through the rotary embedding)."""
-        hidden = mods["embed_tokens"](input_ids)
+        """Token embeddings (and the embedding dropout); no token types (positions enter through the rotary)."""
+        hidden = mods["embed"](input_ids)
+        if "dropout" in mods:
+            hidden = mods["dropout"](hidden)
         return hidden, attention_mask, _last_non_pad_one_hot(input_ids, config, hidden.dtype)
 
-    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
-        """Causal mask, positions and rotary ``(cos, sin)``, once per chunk."""
-        context = self.causal_context(config, hidden, mask, positions)
-        context["rotary"] = aux["rotary_emb"](hidden, position_ids=context["positions"])
-        return context
+    @staticmethod
+    def layer_types(config: Any) -> list[str]:
+        """Each layer's attention, full or sliding-window (see the class doc)."""
+        types = getattr(config, "layer_types", None)
+        if types is not None:
+            return list(types)
+        sliding = getattr(config, "sliding_window", None) is not None
+        return [SLIDING if sliding else FULL] * config.num_hidden_layers
 
-    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict) -> torch.Tensor:
-        """One ``LlamaDecoderLayer`` (no cache)."""
+    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
+        """The masks and rotary ``(cos, sin)`` of the layer types this model has, and positions, once per chunk."""
+        import inspect
+
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        positions = _positions(hidden, positions)
+        types = self.layer_types(config)
+        kinds = sorted(set(types))
+        kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": mask, "past_key_values": None,
+                  "position_ids": positions}  # fmt: skip
+        builders = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+        masks = {kind: builders[kind](**kwargs) for kind in kinds}
+        rotary = aux["rotary_emb"]
+        if "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma-3: a base per layer type
+            rotaries = {kind: rotary(hidden, positions, kind) for kind in kinds}
+        else:
+            rotaries = dict.fromkeys(kinds, rotary(hidden, position_ids=positions))
+        return {"types": types, "masks": masks, "rotary": rotaries, "positions": positions}
+
+    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
+        """Decoder layer ``index`` (no cache), with its layer type's mask and rotary embedding."""
+        kind = context["types"][index]
         return layer(
             hidden,
-            attention_mask=context["mask"],
-            position_embeddings=context["rotary"],
+            attention_mask=context["masks"][kind],
+            position_embeddings=context["rotary"][kind],
             position_ids=context["positions"],
-            past_key_values=None,
             use_cache=False,
-        )
-
-
-FAMILIES: dict[str, Any] = {"bert": BertStages(), "gpt2": GPT2Stages(), "llama": LlamaStages()}
-
-
-def family_of(model: torch.nn.Module) -> Any:
-    """The stage adapter for ``model``; ``AxisError`` (pp) for a model pipeline parallelism does not cover.
-
-    Args:
-        model: an HF ``*ForSequenceClassification`` model.
-    """
-    config = getattr(model, "config", None)
-    check_family(config, class_name=type(model).__name__)
-    return FAMILIES[config.model_type]
-
-
-AXIS_NAMES = {"pp": "pipeline parallelism", "cp": "context parallelism"}
-
-
-def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp") -> None:
-    """Refuse a model family the stage adapters do not cover (before any model is built, from its config).
-
-    Args:
-        config: the model's ``transformers`` config.
-        class_name: the model's class, when there is one (it must be a ``*ForSequenceClassification``).
-        axis: the axis that needs the adapters (``"pp"``, or ``"cp"``, which pools with them), named in the refusal.
-    """
-    model_type = getattr(config, "model_type", None)
-    name = class_name or f"{model_type} model"
-    if model_type not in FAMILIES or (class_name is not None and not class_name.endswith("ForSequenceClassification")):
-        raise AxisError(
-            axis,
-            f"{AXIS_NAMES[axis]} supports BERT, GPT-2 and Llama *ForSequenceClassification models, got "
-            f"{name} (model_type {model_type!r}); use {axis} 1 for this model",
+            **{self.cache_argument: None},
         )
 
 
@@ -241,7 +297,7 @@ class PipelineChunk(torch.nn.Module):
     """One pipeline chunk: optional embedding, a run of HF layers, optional pooling head.
 
     Args:
-        family: the model family's adapter from :data:`FAMILIES`.
+        family: the model family's stage adapter (``hftrain.parallel.families``).
         config: the HF model config (mask creation reads it).
         embed: the embedding modules (first chunk only), by short name.
         layers: the HF layers of this chunk, by their layer index.
@@ -321,8 +377,8 @@ class PipelineChunk(torch.nn.Module):
         positions = None if split is None else split.attend(mask)
         if len(self.layers):
             context = self.family.layer_context(self.aux, self.config, hidden, mask, positions)
-            for layer in self.layers.values():
-                hidden = self.family.run_layer(layer, hidden, context)
+            for index, layer in self.layers.items():
+                hidden = self.family.run_layer(layer, hidden, context, int(index))
         if self.is_last:
             return self.family.head(self.head, hidden, pool, *(() if split is None else (split.sum,)))
         return hidden, mask, pool

@@ -25,6 +25,7 @@ from hftrain.parallel.collectives import (
     gather_to_replicated,
     scatter_to_sequence,
 )
+from hftrain.parallel.families import check_tensor_parallel, plan_for
 from hftrain.parallel.layers import (
     PARTIAL_GRAD_PARAMS,
     WRAPPER_PREFIXES,
@@ -34,13 +35,7 @@ from hftrain.parallel.layers import (
     VocabParallelEmbedding,
 )
 from hftrain.parallel.lora import check_lora_layers, hf_model_of, split_linear
-from hftrain.parallel.plans import (
-    GroupedQuerySplit,
-    TensorParallelPlan,
-    check_tensor_parallel,
-    grouped_query_split,
-    plan_for,
-)
+from hftrain.parallel.plans import GroupedQuerySplit, TensorParallelPlan, grouped_query_split
 from hftrain.parallel.random import RNGTracker, run_in_stream
 
 
@@ -146,6 +141,12 @@ def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) ->
         setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
 
 
+def _head_shared(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # applied to this rank's heads only: its gradient is this rank's share of the heads' sum, complete after the
+    # all-reduce over tp in finalize_tp_grads (transformers' replicated_with_grad_allreduce)
+    setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
+
+
 def _sequence_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     # A residual-stream dropout: on this rank's sequence chunk under sequence parallelism (its own stream), else on
     # activations every tp rank holds whole (the shared default stream, also when it sits inside a region).
@@ -171,6 +172,7 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
     "vocab": _vocab,
     "region": _region,
     "sequence": _sequence,
+    "head_shared": _head_shared,
     "sequence_dropout": _sequence_dropout,
     "scatter": _scatter,
     "gather": _gather,
@@ -263,8 +265,8 @@ def apply_tensor_parallel(
     Collective over ``tp_group`` (one all-reduce checks the weights are replicated).
 
     Args:
-        model: a BERT, GPT-2, Llama-family or mixture-of-experts (Mixtral, Qwen2-MoE: the MoE blocks replicated)
-            model (``hftrain.parallel.plans.PLANS``), or a PEFT LoRA model of one
+        model: a model of a family with a tensor-parallel plan (``hftrain.parallel.families``; mixtures of
+            experts: the MoE blocks replicated), or a PEFT LoRA model of one
             (its adapters are split with their layers, ``hftrain.parallel.lora``).
         tp_group: the tensor-parallel process group.
         sequence_parallel: shard LayerNorm/dropout regions along the sequence (batches must be padded to a

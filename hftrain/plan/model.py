@@ -4,9 +4,10 @@ Mixture-of-experts models (Mixtral, Qwen2-MoE, ...) are read from their config: 
 (``num_local_experts`` / ``num_experts``), top-k (``num_experts_per_tok``), the expert width I (Mixtral's
 ``intermediate_size``, Qwen2-MoE's ``moe_intermediate_size``), Qwen2-MoE's shared expert
 (``shared_expert_intermediate_size``) and its dense layers (``mlp_only_layers``, ``decoder_sparse_step``), through
-the family's expert plan (``hftrain.parallel.expert_parallel.EXPERT_PLANS``, the one the trainer routes with). A
+the family's expert plan (``hftrain.parallel.families``, the registry the trainer routes and splits with). A
 MoE layer's routed experts hold ``E · 3·h·I`` parameters (``gate_up_proj [E, 2I, h]`` and ``down_proj [E, h, I]``);
-they are counted from the model built on the meta device (exactly, as Ψ).
+they are counted from the model built on the meta device (exactly, as Ψ). Which parallel axes a family takes
+(``axes``) comes from the same registry, so a row the trainer would refuse is marked formula-only.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from typing import Any
 from hftrain.errors import ConfigError, reading
 from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
 
-GATED_MLP_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "mixtral", "qwen2_moe"}
-)
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
 # real model, and small enough that every formula's product stays a finite float.
 MAX_SIZE = 10**8
@@ -58,6 +56,9 @@ class ModelSpec:
         replicated_mlp_parameters: the other parameters of a MoE model's ``mlp`` blocks (routers, shared experts
             and their gates, dense layers' MLPs), which tensor parallelism leaves whole on every tp rank.
         shared_intermediate: the shared expert's width (Qwen2-MoE; 0 when none).
+        gated: a gated MLP (SwiGLU: three matrices), from the family's registry entry (False when unknown).
+        axes: the model-parallel axes hftrain's trainer takes for this model (``tp``, ``pp``, ``cp``, ``ep``), from
+            the family's registry entry; every axis for sizes given by hand (formula-only).
     """
 
     name: str
@@ -81,10 +82,12 @@ class ModelSpec:
     expert_parameters: int = 0
     replicated_mlp_parameters: int = 0
     shared_intermediate: int = 0
+    gated: bool = False
+    axes: frozenset[str] = frozenset({"tp", "pp", "cp", "ep"})
 
     @property
     def gated_mlp(self) -> bool:
-        return self.model_type in GATED_MLP_TYPES
+        return self.gated
 
     @property
     def moe(self) -> bool:
@@ -181,6 +184,29 @@ class ModelSpec:
         except ConfigError:
             return False
         return True
+
+
+def is_gated_mlp(config: Any) -> bool:
+    """Whether the family's MLP is gated (its registry entry)."""
+    from hftrain.parallel.families import is_gated_mlp as gated
+
+    return gated(config)
+
+
+def trainable_axes(config: Any) -> frozenset[str]:
+    """The model-parallel axes the trainer takes for ``config`` (each checked as the trainer checks it)."""
+    from hftrain.parallel.families import check_family, expert_plan_for, plan_for
+
+    axes = set()
+    for axis, check in (("tp", plan_for), ("pp", check_family), ("cp", lambda c: check_family(c, axis="cp"))):
+        try:
+            check(config)
+        except ConfigError:
+            continue
+        axes.add(axis)
+    if expert_plan_for(config) is not None:
+        axes.add("ep")
+    return frozenset(axes)
 
 
 def divisors(n: int) -> list[int]:
@@ -289,17 +315,20 @@ def model_from_config(name_or_path: str) -> ModelSpec:
         ),
         source=None if name_or_path.endswith(".json") else name_or_path,
         head_parameters=_head_parameters(model),
+        gated=is_gated_mlp(config),
+        axes=trainable_axes(config),
         **_moe_sizes(config, model),
     )
 
 
 def _moe_sizes(config: Any, model: Any) -> dict[str, int]:
     """A MoE model's ``ModelSpec`` fields (none for a dense model), read through the family's expert plan, the one
-    the trainer routes with (``hftrain.parallel.expert_parallel.EXPERT_PLANS``): E and k from its config fields, the
+    the trainer routes with (``hftrain.parallel.families``): E and k from its config fields, the
     MoE blocks (Qwen2-MoE's dense ``mlp_only_layers`` skipped) and their routed experts' parameters from the model
     on the meta device, and the rest of every layer's ``mlp`` (routers, shared experts, dense MLPs: replicated
     over tp) beside them."""
-    from hftrain.parallel.expert_parallel import expert_plan_for, moe_blocks
+    from hftrain.parallel.expert_parallel import moe_blocks
+    from hftrain.parallel.families import expert_plan_for
 
     plan = expert_plan_for(config)
     if plan is None:
@@ -319,10 +348,10 @@ def _moe_sizes(config: Any, model: Any) -> dict[str, int]:
 
 def _head_parameters(model: Any) -> int:
     """Parameters of the modules hftrain's pipeline puts on the last stage (0 for a family it cannot split)."""
-    from hftrain.parallel.stages import family_of
+    from hftrain.parallel.families import stages_of
 
     try:
-        family = family_of(model)
+        family = stages_of(model)
     except ConfigError:
         return 0
     return sum(p.numel() for module in family.head_modules(model).values() for p in module.parameters())

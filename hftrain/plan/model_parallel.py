@@ -34,7 +34,7 @@ experts of every MoE layer, Megatron's rule, so e divides dp and the experts E; 
   e_b bytes per element), over the intra-node link when the e group's t·c·e consecutive ranks fit in a node;
 - no sequence parallelism: the MoE block needs the whole sequence (``hftrain.parallel.plans``); no ZeRO-1 with
   e > 1, and MoE rows with p > 1 or c > 1 are formula only (hftrain's megatron strategy composes ep with tp and dp,
-  and its pipeline stages and context parallelism cover no MoE family yet).
+  and rows whose axes the model's family does not take are formula-only: ``hftrain.parallel.families``).
 
 Every row is hftrain's ``megatron`` strategy; with p > 1 the plan's m micro-batches of b become the
 pipeline's ``num_microbatches`` = m over a per-device batch of m·b (1F1B, or GPipe when m < p, which 1F1B
@@ -211,9 +211,10 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     )
     row.cp = cp
     row.ep = ep
-    if model.moe and (pp > 1 or cp > 1):
-        row.runnable = False  # hftrain.parallel.stages covers no MoE family yet (pipeline stages, context parallelism)
-        row.notes.append("formula only: hftrain's pipeline stages and context parallelism take no MoE model yet")
+    refused = [axis for axis, size in (("tp", tp), ("pp", pp), ("cp", cp)) if size > 1 and axis not in model.axes]
+    if refused:  # the family's registry entry (hftrain.parallel.families): what the trainer would refuse
+        row.runnable = False
+        row.notes.append(f"formula only: hftrain's trainer takes no {'/'.join(refused)} for this model family")
     row.experts = experts * sb.params + trained_experts * sb.grads
     row.experts += trained_experts * sb.optimizer / (dp // ep if shard_optimizer else 1)
     row.working = _accumulation_transient(model, tp, pp, work, trained < stage) * sb.grads

@@ -20,7 +20,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         data.update(model_states=row.model_states, total=row.total)
         rows.append(data)
     return {
-        "model": dataclasses.asdict(plan.model),
+        "model": {**dataclasses.asdict(plan.model), "axes": sorted(plan.model.axes)},
         "hardware": dataclasses.asdict(plan.hardware),
         "workload": dataclasses.asdict(plan.workload),
         "rows": rows,

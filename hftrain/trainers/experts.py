@@ -39,11 +39,11 @@ class ExpertLoad:
     @staticmethod
     def for_model(model: torch.nn.Module, example_group: Any) -> ExpertLoad | None:
         """The statistics of ``model`` if it is a mixture of experts hftrain routes, else None."""
-        from hftrain.parallel.expert_parallel import is_moe
+        from hftrain.parallel.families import is_moe
         from hftrain.parallel.lora import hf_model_of
 
         inner = hf_model_of(getattr(model, "module", model))
-        config = getattr(inner, "config", None)  # a pipeline stage's wrapper has none (MoE families have no stages)
+        config = getattr(inner, "config", None)  # a pipeline stage's wrapper has none
         return ExpertLoad(model, example_group) if config is not None and is_moe(config) else None
 
     def aux_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

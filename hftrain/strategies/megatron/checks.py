@@ -105,7 +105,7 @@ def check_context_parallel_model(strategy: StrategyConfig, model_config: Any) ->
         model_config: the model's ``transformers`` config.
     """
     from hftrain.errors import AxisError
-    from hftrain.parallel.stages import check_family
+    from hftrain.parallel.families import check_family
 
     check_family(model_config, axis="cp")
     for field in ATTENTION_DROPOUT_FIELDS:

@@ -105,7 +105,7 @@ class MegatronStrategy(Strategy):
             if self.config.cp > 1:
                 check_context_parallel_model(self.config, model_config)
             if self.config.pp > 1:
-                from hftrain.parallel.stages import check_family
+                from hftrain.parallel.families import check_family
 
                 check_family(model_config)
                 check_pipeline_model(self.config, model_config)

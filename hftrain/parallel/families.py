@@ -1,0 +1,559 @@
+"""The model families hftrain splits: one registry entry per family, read by every axis and by ``hftrain plan``.
+
+An entry (:class:`Family`) holds what hftrain knows of a family: its tensor-parallel plan (``hftrain.parallel.plans``
+styles), its pipeline stage adapter (``hftrain.parallel.stages``; context parallelism pools and classifies with it
+too), its expert plan (mixtures of experts), why an axis cannot run it (one line), and the planner's facts. The
+axes look their family up here (:func:`plan_for`, :func:`stages_for`, :func:`expert_plan_for`,
+:func:`check_family`), and so does ``hftrain plan``, so the planner never offers a layout the trainer refuses.
+
+Where transformers ships a family's own tensor-parallel plan (``config.base_model_tp_plan``, e.g.
+``"layers.*.self_attn.q_proj": "colwise"``), the entry is derived from it (:func:`derived_plan`): ``colwise`` is a
+column split (per key/value head for ``k_proj``/``v_proj`` of grouped-query attention), ``rowwise`` a row split,
+``replicated_with_grad_allreduce`` (per-head q/k norms) a replicated module whose gradient is summed over tp; what
+transformers' plan cannot say is written beside it: the norms that run on sequence chunks under sequence
+parallelism. Styles hftrain does not split (``colwise_gather_output``: a norm over every head, OLMo-2's q/k norms;
+Phi-3's fused ``qkv_proj``) are refused for tp with the reason. A family transformers adds later whose plan has
+exactly Llama's modules is found without an entry (:func:`family_of`), checked against the model's modules when it
+is split.
+
+| family | tp (+sp) | pp | cp | ep |
+|---|---|---|---|---|
+| BERT, ELECTRA, DistilBERT | yes | yes | yes | |
+| RoBERTa, XLM-R | yes | yes | no (positions are numbered from the pads) | |
+| GPT-2 | yes | yes | yes | |
+| GPT-NeoX | yes (fused qkv, per head) | yes | yes | |
+| Llama, Qwen2, Qwen3, Gemma, Mistral | yes | yes | unless sliding windows | |
+| Gemma-2, Gemma-3 (text) | yes | yes | no: sliding windows (Gemma-2: soft-capped attention) | |
+| Phi-3, OLMo-2 | no (fused qkv; q/k norms over every head) | yes | yes | |
+| Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | no (router loss spans layers) | no | yes |
+| ALBERT, DeBERTa-v2, ModernBERT | refused, with the reason | | | |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hftrain.errors import AxisError, ConfigError
+from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan, kv_heads_split
+from hftrain.parallel.stages import DecoderStages, EncoderStages, GPT2Stages
+
+AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What hftrain knows of one model family.
+
+    Args:
+        name: how messages and the README name it (``"Qwen3"``).
+        tp: its tensor-parallel plan, or a function of the config giving it (derived from transformers' plan); None
+            where tp cannot split it (``refusals["tp"]`` says why).
+        stages: its pipeline stage adapter (also context parallelism's pooling and head); None: no pp and no cp.
+        experts: its expert plan (a mixture of experts), or None.
+        refusals: ``axis -> why`` for the axes it cannot take (one line each).
+        cp_refusal: a function of the config giving why context parallelism cannot be exact for it (sliding
+            windows, soft-capping), or None when it can.
+        gated_mlp: its MLP is gated (three matrices: the planner's FLOPs and sizes).
+    """
+
+    name: str
+    tp: TensorParallelPlan | Callable[[Any], TensorParallelPlan] | None = None
+    stages: Any = None
+    experts: ExpertPlan | None = None
+    refusals: dict[str, str] = field(default_factory=dict)
+    cp_refusal: Callable[[Any], str | None] = lambda config: None
+    gated_mlp: bool = False
+
+    def tp_plan(self, config: Any) -> TensorParallelPlan | None:
+        """This family's tensor-parallel plan for ``config`` (None: refused)."""
+        return self.tp(config) if callable(self.tp) else self.tp
+
+
+# ----------------------------------------------------------------------------- tensor-parallel plans
+# Llama's attention and model entries, shared by the decoders that name their modules as Llama does.
+_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
+_GEMMA2_NORMS = (*_LLAMA_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_LLAMA_ATTENTION: tuple[tuple[str, str], ...] = (
+    ("input_layernorm", "sequence"),
+    ("self_attn", "region"),
+    ("self_attn.q_proj", "column"),
+    ("self_attn.k_proj", "column_kv"),
+    ("self_attn.v_proj", "column_kv"),
+    ("self_attn.o_proj", "row"),
+    ("post_attention_layernorm", "sequence"),
+)
+_LLAMA_MODEL: tuple[tuple[str, str], ...] = (
+    ("model.embed_tokens", "vocab"),
+    ("model.layers.0", "scatter"),
+    ("model.norm", "sequence"),
+    ("model.norm", "gather"),
+)
+# transformers' tp styles -> hftrain's (k_proj / v_proj of grouped-query attention: per key/value head)
+_HF_STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "head_shared"}
+_LLAMA_LINEARS = frozenset(
+    f"layers.*.{name}"
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+)  # fmt: skip
+
+
+def derived_plan(config: Any, *, norms: tuple[str, ...] = _LLAMA_NORMS) -> TensorParallelPlan:
+    """A Llama-layout decoder's plan derived from transformers' ``base_model_tp_plan`` (see the module doc).
+
+    Args:
+        config: the model's config (its ``base_model_tp_plan``, head counts and sizes).
+        norms: the layer's norms on the residual stream (sequence chunks under sequence parallelism).
+    """
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
+    unsupported = {key: style for key, style in hf_plan.items() if style not in _HF_STYLES}
+    if unsupported or not _LLAMA_LINEARS <= set(hf_plan):
+        raise ConfigError(
+            f"tensor parallelism cannot split this {config.model_type} model: transformers' plan for it "
+            f"({', '.join(f'{k}: {v}' for k, v in sorted(unsupported.items())) or 'no Llama-layout plan'}) is not "
+            "one hftrain splits; use strategy ddp/fsdp/zero* or pp for this model"
+        )
+    layer: list[tuple[str, str]] = [(norm, "sequence") for norm in norms]
+    layer += [("self_attn", "region"), ("mlp", "region")]
+    for key, style in sorted(hf_plan.items()):
+        path = key.removeprefix("layers.*.")
+        grouped = path in ("self_attn.k_proj", "self_attn.v_proj")
+        layer.append((path, "column_kv" if grouped and style == "colwise" else _HF_STYLES[style]))
+    return TensorParallelPlan(
+        layers="model.layers",
+        layer=tuple(layer),
+        model=_LLAMA_MODEL,
+        sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
+        grouped_query="self_attn",
+    )
+
+
+def _moe_plan(*, head_norms: bool = False) -> TensorParallelPlan:
+    """A mixture-of-experts family with Llama's attention and module names (the MoE block has no entry: replicated
+    over tp; ``head_norms``: Qwen3-MoE's per-head q/k norms)."""
+    norms = (("self_attn.q_norm", "head_shared"), ("self_attn.k_norm", "head_shared")) if head_norms else ()
+    return TensorParallelPlan(
+        layers="model.layers",
+        layer=(*_LLAMA_ATTENTION, *norms),
+        model=_LLAMA_MODEL,
+        heads={},
+        # the experts' sizes are not split by tp (the block is replicated over tp)
+        sizes=lambda c: {"num_attention_heads": c.num_attention_heads},
+        grouped_query="self_attn",
+        replicated=("mlp",),
+    )
+
+
+def _encoder_plan(base: str) -> TensorParallelPlan:
+    """BERT's layer layout under another base model (RoBERTa, XLM-R, ELECTRA)."""
+    return TensorParallelPlan(
+        layers=f"{base}.encoder.layer",
+        layer=(
+            ("attention.self", "region"),
+            ("attention.self.query", "column"),
+            ("attention.self.key", "column"),
+            ("attention.self.value", "column"),
+            ("attention.output.dense", "row"),
+            ("attention.output.dropout", "sequence_dropout"),
+            ("attention.output.LayerNorm", "sequence"),
+            ("intermediate", "region"),
+            ("intermediate.dense", "column"),
+            ("output.dense", "row"),
+            ("output.dropout", "sequence_dropout"),
+            ("output.LayerNorm", "sequence"),
+        ),
+        model=(
+            (f"{base}.embeddings.word_embeddings", "vocab"),
+            (f"{base}.encoder.layer.0", "scatter"),
+            (f"{base}.encoder", "gather"),
+        ),
+        heads={"attention.self": ("num_attention_heads", "all_head_size")},
+        sizes=lambda c: {
+            "num_attention_heads": c.num_attention_heads,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+        },
+    )
+
+
+_GPT2_PLAN = TensorParallelPlan(
+    layers="transformer.h",
+    layer=(
+        ("ln_1", "sequence"),
+        ("attn", "region"),
+        ("attn.c_attn", "column_qkv"),
+        ("attn.c_proj", "row"),
+        ("attn.resid_dropout", "sequence_dropout"),
+        ("ln_2", "sequence"),
+        ("mlp", "region"),
+        ("mlp.c_fc", "column"),
+        ("mlp.c_proj", "row"),
+        ("mlp.dropout", "sequence_dropout"),
+    ),
+    model=(
+        ("transformer.wte", "vocab"),
+        ("transformer.h.0", "scatter"),
+        ("transformer.ln_f", "sequence"),
+        ("transformer.ln_f", "gather"),
+    ),
+    heads={"attn": ("num_heads", "embed_dim", "split_size")},
+    sizes=lambda c: {"n_head": c.n_head, "n_embd": c.n_embd, "n_inner": c.n_inner or 4 * c.n_embd},
+)
+
+# GPT-NeoX's fused query_key_value is laid out per head ([h, 3, d]): a plain column split keeps whole heads.
+_GPT_NEOX_PLAN = TensorParallelPlan(
+    layers="gpt_neox.layers",
+    layer=(
+        ("input_layernorm", "sequence"),
+        ("post_attention_layernorm", "sequence"),
+        ("attention", "region"),
+        ("attention.query_key_value", "column"),
+        ("attention.dense", "row"),
+        ("post_attention_dropout", "sequence_dropout"),
+        ("mlp", "region"),
+        ("mlp.dense_h_to_4h", "column"),
+        ("mlp.dense_4h_to_h", "row"),
+        ("post_mlp_dropout", "sequence_dropout"),
+    ),
+    model=(
+        ("gpt_neox.embed_in", "vocab"),
+        ("gpt_neox.layers.0", "scatter"),
+        ("gpt_neox.final_layer_norm", "sequence"),
+        ("gpt_neox.final_layer_norm", "gather"),
+    ),
+    sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
+)
+
+_DISTILBERT_PLAN = TensorParallelPlan(
+    layers="distilbert.transformer.layer",
+    layer=(
+        ("attention", "region"),
+        ("attention.q_lin", "column"),
+        ("attention.k_lin", "column"),
+        ("attention.v_lin", "column"),
+        ("attention.out_lin", "row"),
+        ("sa_layer_norm", "sequence"),
+        ("ffn", "region"),
+        ("ffn.lin1", "column"),
+        ("ffn.lin2", "row"),
+        ("ffn.dropout", "sequence_dropout"),
+        ("output_layer_norm", "sequence"),
+    ),
+    model=(
+        ("distilbert.embeddings.word_embeddings", "vocab"),
+        ("distilbert.transformer.layer.0", "scatter"),
+        ("distilbert.transformer", "gather"),
+    ),
+    sizes=lambda c: {"n_heads": c.n_heads, "dim": c.dim, "hidden_dim": c.hidden_dim},
+)
+
+
+# ----------------------------------------------------------------------------- context parallelism's limits
+def _sliding_windows(config: Any) -> str | None:
+    """Why hftrain's ring attention (causal or bidirectional masks only) cannot run a model with sliding windows."""
+    if "sliding_attention" in DecoderStages.layer_types(config):
+        return (
+            f"its sliding-window attention (sliding_window {config.sliding_window}) is not among the masks hftrain's "
+            "context-parallel attention builds; use cp 1 (or a config without sliding windows)"
+        )
+    return None
+
+
+def _gemma2_attention(config: Any) -> str | None:
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return (
+            f"its soft-capped attention logits (attn_logit_softcapping {config.attn_logit_softcapping}) are not in "
+            "hftrain's context-parallel attention; use cp 1"
+        )
+    return _sliding_windows(config)
+
+
+_POSITIONS_FROM_PADS = (
+    "its position ids count the non-pad tokens of the whole sequence (padding_idx + cumulative sum), which a "
+    "sequence shard cannot number alone; use cp 1 (BERT, ELECTRA, DistilBERT, GPT-2 and the rotary decoders take cp)"
+)
+
+
+# ----------------------------------------------------------------------------- the registry
+_MOE_STAGES = {
+    "pp": "its router loss (transformers' load_balancing_loss_func) is one product of every layer's routing "
+    "statistics, which no pipeline stage holds whole; use pp 1 (tp, ep and dp split it)",
+    "cp": "its router loss needs every token's routing of the whole sequence, which a sequence shard does not "
+    "see; use cp 1 (tp, ep and dp split it)",
+}
+
+_LLAMA_STAGES = DecoderStages()
+
+FAMILIES: dict[str, Family] = {
+    "bert": Family("BERT", tp=_encoder_plan("bert"), stages=EncoderStages("bert")),
+    "roberta": Family(
+        "RoBERTa",
+        tp=_encoder_plan("roberta"),
+        stages=EncoderStages("roberta", head="classification_head"),
+        cp_refusal=lambda c: _POSITIONS_FROM_PADS,
+    ),
+    "xlm-roberta": Family(
+        "XLM-RoBERTa",
+        tp=_encoder_plan("roberta"),
+        stages=EncoderStages("roberta", head="classification_head"),
+        cp_refusal=lambda c: _POSITIONS_FROM_PADS,
+    ),
+    "electra": Family(
+        "ELECTRA",
+        tp=_encoder_plan("electra"),
+        stages=EncoderStages("electra", head="classification_head"),
+    ),
+    "distilbert": Family(
+        "DistilBERT",
+        tp=_DISTILBERT_PLAN,
+        stages=EncoderStages("distilbert", layers="transformer.layer", head="pre_classifier"),
+    ),
+    "gpt2": Family("GPT-2", tp=_GPT2_PLAN, stages=GPT2Stages()),
+    "gpt_neox": Family(
+        "GPT-NeoX",
+        tp=_GPT_NEOX_PLAN,
+        stages=DecoderStages(
+            base="gpt_neox",
+            embed="embed_in",
+            norm="final_layer_norm",
+            dropout="emb_dropout",
+            cache_argument="layer_past",
+        ),
+    ),
+    "llama": Family("Llama", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
+    "mistral": Family("Mistral", tp=derived_plan, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
+    "qwen2": Family("Qwen2", tp=derived_plan, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
+    "qwen3": Family("Qwen3", tp=derived_plan, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
+    "gemma": Family("Gemma", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
+    "gemma2": Family(
+        "Gemma-2",
+        tp=lambda c: derived_plan(c, norms=_GEMMA2_NORMS),
+        stages=_LLAMA_STAGES,
+        cp_refusal=_gemma2_attention,
+        gated_mlp=True,
+    ),
+    "gemma3_text": Family(
+        "Gemma-3 (text)",
+        tp=lambda c: derived_plan(c, norms=_GEMMA2_NORMS),
+        stages=_LLAMA_STAGES,
+        cp_refusal=_sliding_windows,
+        gated_mlp=True,
+    ),
+    "phi3": Family(
+        "Phi-3",
+        stages=_LLAMA_STAGES,
+        refusals={
+            "tp": "its fused qkv_proj and gate_up_proj (transformers: colwise_gather_output) are not split by "
+            "hftrain yet; use pp, or strategy ddp/fsdp/zero*"
+        },
+        cp_refusal=_sliding_windows,
+        gated_mlp=True,
+    ),
+    "olmo2": Family(
+        "OLMo-2",
+        stages=_LLAMA_STAGES,
+        refusals={
+            "tp": "its q/k norms normalise over every head at once (transformers gathers q and k: "
+            "colwise_gather_output), which hftrain does not split yet; use pp, or strategy ddp/fsdp/zero*"
+        },
+        gated_mlp=True,
+    ),
+    "mixtral": Family(
+        "Mixtral",
+        tp=_moe_plan(),
+        experts=ExpertPlan(num_experts="num_local_experts"),
+        refusals=_MOE_STAGES,
+        gated_mlp=True,
+    ),
+    "qwen2_moe": Family(
+        "Qwen2-MoE",
+        tp=_moe_plan(),
+        experts=ExpertPlan(num_experts="num_experts"),  # its shared expert stays replicated, as the router
+        refusals=_MOE_STAGES,
+        gated_mlp=True,
+    ),
+    "qwen3_moe": Family(
+        "Qwen3-MoE",
+        tp=_moe_plan(head_norms=True),
+        experts=ExpertPlan(num_experts="num_experts"),
+        refusals=_MOE_STAGES,
+        gated_mlp=True,
+    ),
+    "albert": Family(
+        "ALBERT",
+        refusals=dict.fromkeys(
+            ("tp", "pp", "cp"),
+            "its layers share one set of weights (every layer is the same module), so stages would hold copies of "
+            "one layer and tp would split it once for all: hftrain does not split it; use strategy ddp/fsdp/zero*",
+        ),
+    ),
+    "deberta-v2": Family(
+        "DeBERTa-v2",
+        refusals=dict.fromkeys(
+            ("tp", "pp", "cp"),
+            "its disentangled relative-position attention (shared relative embeddings read by every layer) is not "
+            "split by hftrain yet; use strategy ddp/fsdp/zero*",
+        ),
+    ),
+    "modernbert": Family(
+        "ModernBERT",
+        refusals=dict.fromkeys(
+            ("tp", "pp", "cp"),
+            "its fused Wqkv, alternating local/global attention and unpadded batches are not split by hftrain yet; "
+            "use strategy ddp/fsdp/zero*",
+        ),
+    ),
+}
+
+
+def family_of(config: Any) -> Family | None:
+    """The registry entry of a model's family: by ``model_type``, else found by layout (a config whose
+    transformers tp plan names exactly Llama's modules, e.g. a family added to transformers later); None when
+    neither.
+
+    Args:
+        config: the model's ``transformers.PretrainedConfig``.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
+    if set(hf_plan) == _LLAMA_LINEARS and set(hf_plan.values()) <= {"colwise", "rowwise"}:
+        return Family(f"{model_type} (Llama layout)", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True)
+    return None
+
+
+def _supported(axis: str) -> str:
+    if axis == "tp":
+        return ", ".join(f.name for f in FAMILIES.values() if f.tp is not None)
+    return ", ".join(f.name for f in FAMILIES.values() if f.stages is not None)
+
+
+def _refusal(config: Any, axis: str, family: Family | None) -> str:
+    model_type = getattr(config, "model_type", None)
+    if family is not None and axis in family.refusals:
+        return f"{AXIS_NAMES[axis]} cannot split this {family.name} model: {family.refusals[axis]}"
+    return (
+        f"{AXIS_NAMES[axis]} has no entry for model type {model_type!r} (supported: {_supported(axis)}); "
+        f"use {axis} 1 (strategy ddp/fsdp/zero* for this model)"
+    )
+
+
+def plan_for(config: Any) -> TensorParallelPlan:
+    """The tensor-parallel plan of a model's family, or a one-line refusal naming why (and the families that have one).
+
+    Args:
+        config: the model's ``transformers.PretrainedConfig``.
+    """
+    family = family_of(config)
+    plan = family.tp_plan(config) if family is not None and family.tp is not None else None
+    if plan is None:
+        raise AxisError("tp", _refusal(config, "tp", family))
+    return plan
+
+
+def stages_for(config: Any, *, class_name: str | None = None, axis: str = "pp") -> Any:
+    """The stage adapter of a model's family, checked (:func:`check_family`).
+
+    Args:
+        config: the model's config.
+        class_name: the model's class, when there is one.
+        axis: ``"pp"`` or ``"cp"`` (which pools and classifies with the adapter).
+    """
+    check_family(config, class_name=class_name, axis=axis)
+    family = family_of(config)
+    assert family is not None
+    return family.stages
+
+
+def stages_of(model: Any) -> Any:
+    """The stage adapter for ``model`` (an HF ``*ForSequenceClassification``); ``AxisError`` (pp) otherwise."""
+    return stages_for(getattr(model, "config", None), class_name=type(model).__name__)
+
+
+def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp") -> None:
+    """Refuse a model ``axis`` cannot split (before any model is built, from its config), in one line naming why.
+
+    Args:
+        config: the model's ``transformers`` config.
+        class_name: the model's class, when there is one (it must be a ``*ForSequenceClassification``).
+        axis: ``"pp"`` or ``"cp"``.
+    """
+    family = family_of(config)
+    if family is None or family.stages is None or axis in family.refusals:
+        raise AxisError(axis, _refusal(config, axis, family))
+    if class_name is not None and not class_name.endswith("ForSequenceClassification"):
+        raise AxisError(
+            axis, f"{AXIS_NAMES[axis]} splits *ForSequenceClassification models, got {class_name}; use {axis} 1"
+        )
+    if axis == "cp":
+        reason = family.cp_refusal(config)
+        if reason is not None:
+            raise AxisError("cp", f"context parallelism cannot split this {family.name} model exactly: {reason}")
+
+
+def expert_plan_for(config: Any) -> ExpertPlan | None:
+    """The family's expert plan, or None for a dense model."""
+    family = family_of(config)
+    return None if family is None else family.experts
+
+
+def is_moe(config: Any) -> bool:
+    """Whether the model is a mixture of experts hftrain can route (a family with an expert plan)."""
+    return expert_plan_for(config) is not None
+
+
+def moe_families() -> list[str]:
+    """The model types hftrain routes experts for."""
+    return sorted(t for t, f in FAMILIES.items() if f.experts is not None)
+
+
+def is_gated_mlp(config: Any) -> bool:
+    """Whether the family's MLP is gated (three matrices; the planner's FLOPs and sizes)."""
+    family = family_of(config)
+    return family is not None and family.gated_mlp
+
+
+def _kv_heads(plan: TensorParallelPlan, config: Any) -> dict[str, int]:
+    return {"num_key_value_heads": config.num_key_value_heads} if plan.grouped_query else {}
+
+
+def _valid_tp(sizes: dict[str, int], kv_heads: dict[str, int]) -> list[int]:
+    return [
+        d
+        for d in range(1, min(sizes.values()) + 1)
+        if all(v % d == 0 for v in sizes.values()) and all(kv_heads_split(v, d) for v in kv_heads.values())
+    ]
+
+
+def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Refuse a model that ``tp`` cannot split, naming the size and the valid tp values (no processes needed), and
+    sequence parallelism (tp > 1) for a family with blocks replicated over tp (mixture of experts).
+
+    Args:
+        config: the model's ``transformers.PretrainedConfig``.
+        tp: the tensor-parallel size.
+        sequence_parallel: whether sequence parallelism is asked for.
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise AxisError("tp", f"tp must be a positive integer, got {tp!r}")
+    plan = plan_for(config)
+    if sequence_parallel and tp > 1 and plan.replicated:
+        raise ConfigError(
+            f"strategy.sequence_parallel is not supported for this {config.model_type} model: its mixture-of-experts "
+            f"blocks ({', '.join(plan.replicated)}) run whole on every tp rank and need the full sequence, which "
+            "sequence parallelism cuts into tp chunks; use sequence_parallel: false (tp still splits the attention)"
+        )
+    sizes, kv_heads = plan.sizes(config), _kv_heads(plan, config)
+    indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
+    unsplittable = ", ".join(f"{name}={value}" for name, value in kv_heads.items() if not kv_heads_split(value, tp))
+    problems = [f"does not divide {indivisible}"] if indivisible else []
+    if unsplittable:
+        problems.append(f"neither divides nor is a multiple of {unsplittable} (split evenly or replicated)")
+    if problems:
+        raise AxisError(
+            "tp",
+            f"tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
+            f"valid tp values for it: {', '.join(map(str, _valid_tp(sizes, kv_heads)))}",
+        )
