@@ -318,8 +318,8 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         # the platform refuses fp16 on CPU first; on CUDA the megatron strategy refuses it (no gradient scaler)
         "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16"),
         "unsupported-family": (
-            ["--model_name_or_path", job["albert"]],
-            {"WORLD_SIZE": "1"},
+            ["--model_name_or_path", job["albert"], "--tp", "2"],
+            {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
             "strategy.tp: tensor parallelism cannot split this ALBERT model: its layers share one set of weights",
         ),
         # context parallelism: before any process group, one line naming strategy.cp or the field to change

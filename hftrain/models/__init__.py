@@ -170,6 +170,27 @@ class PretrainedClassifier:
         """The whole model."""
         return self.build()
 
+    def attention(self) -> str:
+        """``model.attn_implementation``, or eager for a family transformers has no SDPA attention for (Gemma-2's
+        soft-capped logits, DeBERTa-v2's relative attention), said in one line: transformers would refuse to load
+        it with SDPA."""
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+        requested = self.config.attn_implementation
+        if requested != "sdpa":
+            return requested
+        model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(AutoConfig.from_pretrained(self.path)), None)
+        if model_class is None or getattr(model_class, "_supports_sdpa", True):
+            return requested
+        from hftrain.log import log_main
+
+        log_main(
+            f"model.attn_implementation: {model_class.__name__} has no SDPA attention in transformers; using eager "
+            "(set model.attn_implementation: eager to silence this line)"
+        )
+        return "eager"
+
     def build(self, leave_out: LeaveOut | None = None) -> PreTrainedModel | PeftModel:
         """The model, with the submodules ``leave_out`` names (given the model on ``meta``) never materialized.
 
@@ -183,7 +204,7 @@ class PretrainedClassifier:
         import torch
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        kwargs = {"num_labels": self.config.num_labels, "attn_implementation": self.config.attn_implementation}
+        kwargs = {"num_labels": self.config.num_labels, "attn_implementation": self.attention()}
         if self.problem_type is not None:
             kwargs["problem_type"] = self.problem_type
         with reading(

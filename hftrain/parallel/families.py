@@ -453,6 +453,15 @@ def plan_for(config: Any) -> TensorParallelPlan:
     return plan
 
 
+def has_tp_plan(config: Any) -> bool:
+    """Whether tensor parallelism can split the model (its family has a plan for it)."""
+    try:
+        plan_for(config)
+    except ConfigError:
+        return False
+    return True
+
+
 def stages_for(config: Any, *, class_name: str | None = None, axis: str = "pp") -> Any:
     """The stage adapter of a model's family, checked (:func:`check_family`).
 
@@ -538,6 +547,8 @@ def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = Fal
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise AxisError("tp", f"tp must be a positive integer, got {tp!r}")
+    if tp == 1 and not has_tp_plan(config):
+        return  # nothing to split: the family runs whole on each rank (under pp, cp or dp)
     plan = plan_for(config)
     if sequence_parallel and tp > 1 and plan.replicated:
         raise ConfigError(

@@ -45,7 +45,7 @@ def parallelize_model(
         vocab_multiple: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this.
         moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless), under any ep.
     """
-    from hftrain.parallel.families import check_tensor_parallel
+    from hftrain.parallel.families import check_tensor_parallel, has_tp_plan
     from hftrain.parallel.lora import hf_model_of
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -58,13 +58,14 @@ def parallelize_model(
             "lora.use_lora with strategy.pp or strategy.cp > 1 is not supported yet (LoRA runs under tp and dp); "
             "use pp: 1 and cp: 1, or train the full model"
         )
-    model = apply_tensor_parallel(
-        model,
-        tp_group=groups.tp_group,
-        sequence_parallel=sequence_parallel,
-        rng_tracker=rng_tracker,
-        vocab_multiple=vocab_multiple,
-    )
+    if groups.tp_size > 1 or has_tp_plan(model.config):  # at tp 1 a family without a plan stays whole
+        model = apply_tensor_parallel(
+            model,
+            tp_group=groups.tp_group,
+            sequence_parallel=sequence_parallel,
+            rng_tracker=rng_tracker,
+            vocab_multiple=vocab_multiple,
+        )
     if groups.cp_size > 1:
         from hftrain.parallel.context_parallel import apply_context_parallel
 

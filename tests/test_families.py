@@ -1,0 +1,205 @@
+"""Every family in the registry (``hftrain.parallel.families``) trains under each axis it takes, through the Trainer,
+equal to its 1-process run; the axes it does not take are refused in one line; ``hftrain plan`` marks runnable
+exactly the axes the trainer takes.
+
+The families beyond the first five (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R, ELECTRA, DistilBERT, GPT-NeoX,
+Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE), tiny but with their special layers on
+(sliding windows shorter than the texts, soft-capping, qk-norm, scaled embeddings, fused qkv, ELECTRA's embedding
+projection). Three launches: one process (the references); 2 processes for tp=2, pp=2, cp=2 and ep=2 (each where
+the family takes it); 4 processes for tp=2 × pp=2. Each run equals its reference within 1e-5 (fp32): losses every
+step, the final evaluation, and the trained weights (gathered as the export gathers them) loaded strictly into
+the plain transformers class. BERT, GPT-2, Llama, Mixtral and Qwen2-MoE have their own tests (``test_pp_trainer``,
+``test_cp_trainer``, ``test_ep_trainer``, ``test_tp_plans``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.tiny import FAMILY_KINDS, run_tiny_training
+
+STEPS = 3
+COMMON = {"steps": STEPS, "n_train": 48, "n_eval": 10, "max_seq_length": 16, "return_weights": True, "num_layers": 2}
+GLOBAL_MICRO = 8
+
+
+def _axes(kind: str) -> frozenset[str]:
+    from hftrain.plan.model import trainable_axes
+    from tests.tiny import tiny_config
+
+    return trainable_axes(tiny_config(kind))
+
+
+def _layouts(world: int) -> dict[str, dict]:
+    """layout label -> strategy options, for the launch of ``world`` processes."""
+    if world == 4:
+        return {"tp2pp2": {"tp": 2, "pp": 2, "num_microbatches": 2}}
+    return {"tp2": {"tp": 2}, "pp2": {"pp": 2, "num_microbatches": 2}, "cp2": {"cp": 2}, "ep2": {"ep": 2}}
+
+
+def _needs(options: dict) -> set[str]:
+    return {axis for axis in ("tp", "pp", "cp", "ep") if options.get(axis, 1) > 1}
+
+
+def _runs(world: int) -> dict:
+    import torch.distributed as dist
+
+    results = {}
+    for kind in FAMILY_KINDS:
+        axes = _axes(kind)
+        for label, options in _layouts(world).items():
+            if not _needs(options) <= axes:
+                continue
+            dp = world // (options.get("tp", 1) * options.get("pp", 1) * options.get("cp", 1))
+            run = run_tiny_training(
+                kind=kind, micro=GLOBAL_MICRO // dp, strategy="megatron", strategy_options=options, **COMMON
+            )
+            results[(kind, label)] = run if dist.get_rank() == 0 else {"losses": run["losses"]}
+    return results
+
+
+def _references() -> dict:
+    return {kind: run_tiny_training(kind=kind, micro=GLOBAL_MICRO, **COMMON) for kind in FAMILY_KINDS}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    (reference,) = run_distributed(_references, nprocs=1, timeout=900)
+    return {
+        "reference": reference,
+        2: run_distributed(_runs, nprocs=2, timeout=1500, world=2),
+        4: run_distributed(_runs, nprocs=4, timeout=1500, world=4),
+    }
+
+
+def _expected_cases() -> list[tuple[str, str, int]]:
+    cases = []
+    for world in (2, 4):
+        for label, options in _layouts(world).items():
+            cases += [(kind, label, world) for kind in FAMILY_KINDS if _needs(options) <= _axes(kind)]
+    return cases
+
+
+def test_the_registry_gives_each_family_its_axes():
+    """What the table below runs: every new family takes pp but the mixtures of experts; tp all but Phi-3 and
+    OLMo-2; cp those without sliding windows, soft-capping or pad-numbered positions; ep the mixtures of experts."""
+    expected = {
+        "roberta": "tp pp", "xlm-roberta": "tp pp", "electra": "tp pp cp", "distilbert": "tp pp cp",
+        "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
+        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "pp", "olmo2": "pp cp", "qwen3_moe": "tp ep",
+    }  # fmt: skip
+    assert {kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS} == expected
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("kind", "layout", "world"), _expected_cases(), ids=lambda v: str(v))
+def test_each_family_under_each_axis_equals_one_process(runs, kind, layout, world):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config
+
+    ref = runs["reference"][kind]
+    ranks = runs[world]
+    run = ranks[0][(kind, layout)]
+    assert len(run["losses"]) == len(ref["losses"]) == STEPS
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert all(rank[(kind, layout)]["losses"] == run["losses"] for rank in ranks)  # every rank logs the same loss
+    assert run["metrics"] == pytest.approx(ref["metrics"], rel=1e-5, abs=1e-6)
+    assert ref["losses"][-1] != ref["losses"][0]  # it trained
+    # the gathered weights (what the export writes) load strictly into the plain class and equal the reference's
+    # within 1e-5: Adam moves a weight whose gradient is near zero by lr·g/(|g| + eps), so float32 summation-order
+    # noise in such a gradient (GPT-NeoX's qkv bias: 1e-9) reaches the weight as 1e-6 (tests/test_tp_plans.py)
+    plain = AutoModelForSequenceClassification.from_config(tiny_config(kind, max_positions=32))
+    plain.load_state_dict(run["weights"], strict=True)
+    for name, tensor in ref["weights"].items():
+        torch.testing.assert_close(run["weights"][name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _model_folder(root, kind: str, **config_changes) -> str:
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config, tiny_tokenizer
+
+    config = tiny_config(kind)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    path = root / kind
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    tokenizer = tiny_tokenizer("bert" if kind in ("albert", "roberta") else "gpt2")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
+    "albert-tp2": ("albert", ["--tp", "2"], "2", "strategy.tp: tensor parallelism cannot split this ALBERT model: "
+                   "its layers share one set of weights"),
+    "roberta-cp2": ("roberta", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this RoBERTa "
+                    "model exactly: its position ids count the non-pad tokens"),
+    "phi3-tp2": ("phi3", ["--tp", "2"], "2", "strategy.tp: tensor parallelism cannot split this Phi-3 model: its "
+                 "fused qkv_proj"),
+    "qwen3_moe-pp2": ("qwen3_moe", ["--pp", "2"], "2", "strategy.pp: pipeline parallelism cannot split this "
+                      "Qwen3-MoE model: its router loss"),
+    "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
+                   "soft-capped attention logits"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("label", list(REFUSALS))
+def test_an_axis_a_family_cannot_take_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch, label):
+    from tests.megatron_runs import refused_as_launched_rank0
+    from tests.tiny import write_csv
+
+    kind, extra, world, message = REFUSALS[label]
+    if kind == "albert":
+        from transformers import AlbertConfig, AutoModelForSequenceClassification
+
+        from tests.tiny import tiny_tokenizer
+
+        path = tmp_path / "albert"
+        config = AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64, pad_token_id=0)  # fmt: skip
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+        tiny_tokenizer("bert").save_pretrained(path)
+        model = str(path)
+    else:
+        model = _model_folder(tmp_path, kind)
+    data = str(write_csv(tmp_path / "train.csv"))
+    capsys.readouterr()  # the folders' save progress
+    refused_as_launched_rank0(monkeypatch, capsys, tmp_path, model, data, extra, world, message)
+
+
+def test_a_family_without_sdpa_trains_with_eager_said_in_one_line(tmp_path, capsys):
+    """Gemma-2 (soft-capped attention: transformers has no SDPA path for it) under the default sdpa setting."""
+    from hftrain.cli import main
+    from tests.tiny import write_csv
+
+    model = _model_folder(tmp_path, "gemma2")
+    out = tmp_path / "out"
+    code = main(["train", "--model_name_or_path", model, "--dataset_name", "null", "--log_with", "none",
+                 "--train_file", str(write_csv(tmp_path / "train.csv")), "--max_steps", "2",
+                 "--per_device_train_batch_size", "8", "--output_dir", str(out), "--mixed_precision", "no"])  # fmt: skip
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-2000:]
+    assert "Gemma2ForSequenceClassification has no SDPA attention in transformers; using eager" in printed.out
+    assert (out / "model" / "config.json").is_file()
+
+
+def test_the_plan_marks_runnable_exactly_what_train_takes(tmp_path):
+    """``hftrain plan`` reads the registry: a family's tp/pp/cp rows are runnable only for the axes it takes."""
+    from hftrain.plan.model import model_from_config
+    from hftrain.plan.model_parallel import estimate
+    from hftrain.plan.hardware import Hardware
+    from hftrain.plan.rows import Workload
+
+    for kind in ("phi3", "qwen3_moe", "roberta", "gemma"):
+        model = model_from_config(_model_folder(tmp_path, kind))
+        axes = _axes(kind)
+        assert model.axes == axes
+        for axis, layout in (("tp", (2, 1, 1)), ("pp", (1, 2, 1)), ("cp", (1, 1, 2))):
+            tp, pp, cp = layout
+            row = estimate(tp, pp, model, Workload(), Hardware(gpus_per_node=8), cp=cp)
+            assert row.runnable == (axis in axes), (kind, axis)
+    assert model_from_config(_model_folder(tmp_path / "moe", "qwen3_moe")).moe  # counted as a mixture of experts
