@@ -20,11 +20,11 @@ A directory holding only the config of a start that failed before its first chec
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hftrain.checkpoint.run import check_outside_source, check_writable_dir
 from hftrain.config import CONFIG_FILENAME, config_differences, from_dict
 from hftrain.errors import ConfigError, reading
 
@@ -128,27 +128,6 @@ def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
     return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec, replaces=True, notes=notes)
 
 
-def check_writable_dir(path: Path, field: str) -> None:
-    """Refuse a target folder that is a file, lies under a file, or cannot be created or written.
-
-    Args:
-        path: the folder a command will create or write into.
-        field: the config field or argument that named it, for the message.
-    """
-    if path.is_file():
-        raise ConfigError(f"{field} '{path}' is a file; choose a directory path")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{field} '{path}': '{existing}' is a file, not a directory; choose another path")
-    # access() also reports a read-only file system (EROFS) to root, for whom permissions are no obstacle.
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{field} '{path}' is not writable ('{existing}' is read-only or not yours); choose a writable location"
-        )
-
-
 def check_output_dir(config: TrainConfig) -> None:
     """Refuse an ``output_dir`` that cannot be written, or that holds another run, unless overwriting is allowed.
 
@@ -223,34 +202,6 @@ def check_export_dir(directory: Path, source: Path) -> None:
     check_writable_dir(directory, "export directory")
     if directory.exists() and any(directory.iterdir()):
         raise ConfigError(f"export directory '{directory}' is not empty; give a new folder (nothing is overwritten)")
-
-
-def check_outside_source(target: Path, source: Path, field: str) -> None:
-    """Refuse a folder a command writes that lies inside the checkpoint, run folder or DeepSpeed folder it reads, or
-    inside the ``checkpoints/`` folder holding that checkpoint.
-
-    A checkpoint is only ever read: a model written into its ``state/`` changes what its checksums cover, one in the
-    run folder becomes part of that run, and one in ``checkpoints/`` takes the names (``step_<N>``, ``.staging-*``)
-    that the run's own saves write, rotate and replace.
-
-    Args:
-        target: the folder the command writes.
-        source: what it reads, as the user gave it (a missing one is refused by the reader).
-        field: the argument naming ``target``, for the message.
-    """
-    from hftrain.checkpoint.run import CHECKPOINTS_DIR
-
-    if not source.exists():
-        return
-    source = source.resolve()
-    holders = [source, source.parent] if source.parent.name == CHECKPOINTS_DIR else [source]
-    resolved = target.resolve()
-    for holder in holders:
-        if resolved.is_relative_to(holder):
-            raise ConfigError(
-                f"{field} '{target}' lies inside '{holder}', which holds the checkpoint it reads (a checkpoint is "
-                "only read, never written into); give a folder outside it"
-            )
 
 
 def _holds_results(output_dir: Path) -> bool:

@@ -225,3 +225,24 @@ def test_the_checks_catch_a_broken_link_and_a_bad_config(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="strategy.name"):
         load_config(None, ["--strategy.nam", "zero3"])
+
+
+def test_no_import_circle_and_no_import_from_a_lower_layer_to_a_higher_one(tmp_path):
+    """docs/architecture.md's layering, held by scripts/check_layers.py (which fails on a planted upward import)."""
+    import subprocess
+    import sys
+
+    script = ROOT / "scripts" / "check_layers.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout
+    assert "import circles: 0" in result.stdout and "higher one: 0" in result.stdout
+    # the check can fail: a copy of the tree where parallel/ imports the trainers
+    import shutil
+
+    shutil.copytree(ROOT / "hftrain", tmp_path / "hftrain")
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    (tmp_path / "hftrain" / "parallel" / "planted.py").write_text("from hftrain.trainers import base\n")
+    planted = subprocess.run(
+        [sys.executable, str(tmp_path / "scripts" / "check_layers.py")], capture_output=True, text=True, check=False
+    )
+    assert planted.returncode == 1 and "hftrain.parallel.planted imports hftrain.trainers" in planted.stdout

@@ -684,7 +684,7 @@ def _merge_producer(
 
 # ----------------------------------------------------------------- around the weights
 def _check_new_dir(target: Path, source: Path) -> None:
-    from hftrain.validate import check_outside_source, check_writable_dir
+    from hftrain.checkpoint.run import check_outside_source, check_writable_dir
 
     check_outside_source(target, source, "convert output")
     check_writable_dir(target, "convert output")

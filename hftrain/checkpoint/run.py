@@ -12,11 +12,13 @@ before anything of the new run is written; entries hftrain did not write are lef
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from pathlib import Path
 
 from hftrain.config import CONFIG_FILENAME, RUN_ID_KEY
+from hftrain.errors import ConfigError
 
 STRATEGY_FILENAME = "hftrain_strategy.json"
 TRAINER_STATE_FILENAME = "trainer_state.json"
@@ -113,3 +115,50 @@ def remove_run_outputs(output_dir: Path) -> list[str]:
             entry.unlink()
         removed.append(entry.name)
     return removed
+
+
+def check_writable_dir(path: Path, field: str) -> None:
+    """Refuse a target folder that is a file, lies under a file, or cannot be created or written.
+
+    Args:
+        path: the folder a command will create or write into.
+        field: the config field or argument that named it, for the message.
+    """
+    if path.is_file():
+        raise ConfigError(f"{field} '{path}' is a file; choose a directory path")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{field} '{path}': '{existing}' is a file, not a directory; choose another path")
+    # access() also reports a read-only file system (EROFS) to root, for whom permissions are no obstacle.
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{field} '{path}' is not writable ('{existing}' is read-only or not yours); choose a writable location"
+        )
+
+
+def check_outside_source(target: Path, source: Path, field: str) -> None:
+    """Refuse a folder a command writes that lies inside the checkpoint, run folder or DeepSpeed folder it reads, or
+    inside the ``checkpoints/`` folder holding that checkpoint.
+
+    A checkpoint is only ever read: a model written into its ``state/`` changes what its checksums cover, one in the
+    run folder becomes part of that run, and one in ``checkpoints/`` takes the names (``step_<N>``, ``.staging-*``)
+    that the run's own saves write, rotate and replace.
+
+    Args:
+        target: the folder the command writes.
+        source: what it reads, as the user gave it (a missing one is refused by the reader).
+        field: the argument naming ``target``, for the message.
+    """
+    if not source.exists():
+        return
+    source = source.resolve()
+    holders = [source, source.parent] if source.parent.name == CHECKPOINTS_DIR else [source]
+    resolved = target.resolve()
+    for holder in holders:
+        if resolved.is_relative_to(holder):
+            raise ConfigError(
+                f"{field} '{target}' lies inside '{holder}', which holds the checkpoint it reads (a checkpoint is "
+                "only read, never written into); give a folder outside it"
+            )
