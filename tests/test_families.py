@@ -82,12 +82,11 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 
 def test_the_registry_gives_each_family_its_axes():
-    """What the table below runs: every new family takes pp but the mixtures of experts; tp all but Phi-3 and
-    OLMo-2; cp those without sliding windows, soft-capping or pad-numbered positions; ep the mixtures of experts."""
+    """What the table below runs: every new family takes pp but the mixtures of experts; tp all but Phi-3; cp those without sliding windows, soft-capping or pad-numbered positions; ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp", "xlm-roberta": "tp pp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
-        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "pp", "olmo2": "pp cp", "qwen3_moe": "tp ep",
+        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "pp", "olmo2": "tp pp cp", "qwen3_moe": "tp ep",
     }  # fmt: skip
     assert {kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS} == expected
 

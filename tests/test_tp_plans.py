@@ -1,6 +1,6 @@
 """TP plans on tiny BERT, GPT-2, Llama and the mixture-of-experts Mixtral and Qwen2-MoE: TP=2 (2 gloo processes) and
 TP2×DP2 (4) equal the unsharded model; every other family with a plan (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R,
-ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Qwen3-MoE) at TP=2 with sequence
+ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, OLMo-2, Qwen3-MoE) at TP=2 with sequence
 parallelism (MoE: without), its special layers on (sliding windows, soft-capping, qk-norm, scaled embeddings,
 fused qkv).
 
@@ -34,6 +34,7 @@ SPLIT_COUNTS = {
     "gpt_neox": 2 * 6 + 1,
     **dict.fromkeys(("mistral", "qwen3", "gemma", "gemma2", "gemma3_text"), 2 * 7 + 1),
     "qwen3_moe": 2 * 4 + 1,
+    "olmo2": 2 * 9 + 1,  # q, k, v, o, gate, up, down and the q/k norms over the whole width
 }
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
@@ -49,7 +50,7 @@ HEAD_ATTRIBUTES = {
     "gpt_neox": ("gpt_neox.layers.0.attention", {}),
     **{
         kind: ("model.layers.0.self_attn", {"num_key_value_groups": 2})
-        for kind in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe")
+        for kind in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "olmo2")
     },
 }
 KINDS = ("bert", "gpt2", "llama", "llama_kv1")
@@ -323,7 +324,7 @@ def test_smollm2_sizes_run_at_tp_3_balanced():
 
 
 def test_check_tensor_parallel_refuses_unknown_family():
-    from transformers import AlbertConfig, BartConfig, Olmo2Config
+    from transformers import AlbertConfig, BartConfig, Phi3Config
 
     from hftrain.parallel import check_tensor_parallel
 
@@ -331,8 +332,8 @@ def test_check_tensor_parallel_refuses_unknown_family():
         check_tensor_parallel(BartConfig(), 2)
     with pytest.raises(ConfigError, match="cannot split this ALBERT model: its layers share one set of weights"):
         check_tensor_parallel(AlbertConfig(), 2)
-    with pytest.raises(ConfigError, match="OLMo-2 model: its q/k norms normalise over every head"):
-        check_tensor_parallel(Olmo2Config(), 2)
+    with pytest.raises(ConfigError, match="Phi-3 model: its fused qkv_proj"):
+        check_tensor_parallel(Phi3Config(), 2)
 
 
 def test_sequence_multiple():

@@ -154,7 +154,9 @@ def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, n
         "gemma2": {**sliding, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
         "gemma3_text": {**sliding, "sliding_window_pattern": 2},
         "phi3": {**sliding, "resid_pdrop": dropout, "embd_pdrop": dropout},
-        "olmo2": {},
+        # OLMo-2 normalises q and k over their width: at the default init (0.02) a tiny model's q is ~2e-3 and 1/√v
+        # scales fp32 rounding 400-fold; real sizes are far from that, and so is init 0.2
+        "olmo2": {"initializer_range": 0.2},
         "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
                       "router_aux_loss_coef": 0.02, "norm_topk_prob": True},
         "gpt_neox": {"rotary_pct": 0.5, "hidden_dropout": dropout, "use_parallel_residual": True},

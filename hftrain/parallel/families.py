@@ -11,8 +11,9 @@ Where transformers ships a family's own tensor-parallel plan (``config.base_mode
 column split (per key/value head for ``k_proj``/``v_proj`` of grouped-query attention), ``rowwise`` a row split,
 ``replicated_with_grad_allreduce`` (per-head q/k norms) a replicated module whose gradient is summed over tp; what
 transformers' plan cannot say is written beside it: the norms that run on sequence chunks under sequence
-parallelism. Styles hftrain does not split (``colwise_gather_output``: a norm over every head, OLMo-2's q/k norms;
-Phi-3's fused ``qkv_proj``) are refused for tp with the reason. A family transformers adds later whose plan has
+parallelism. Where transformers' plan gathers (``colwise_gather_output``) the entry is written by hand: OLMo-2's q/k norms over
+every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` is refused for tp with the
+reason. A family transformers adds later whose plan has
 exactly Llama's modules is found without an entry (:func:`family_of`), checked against the model's modules when it
 is split.
 
@@ -24,7 +25,8 @@ is split.
 | GPT-NeoX | yes (fused qkv, per head) | yes | yes | |
 | Llama, Qwen2, Qwen3, Gemma, Mistral | yes | yes | unless sliding windows | |
 | Gemma-2, Gemma-3 (text) | yes | yes | no: sliding windows (Gemma-2: soft-capped attention) | |
-| Phi-3, OLMo-2 | no (fused qkv; q/k norms over every head) | yes | yes | |
+| OLMo-2 | yes (q/k norms over every head: their sum of squares all-reduced over tp) | yes | yes | |
+| Phi-3 | no (fused qkv_proj with grouped-query parts) | yes | unless sliding windows | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | no (router loss spans layers) | no | yes |
 | ALBERT, DeBERTa-v2, ModernBERT | refused, with the reason | | | |
 """
@@ -249,6 +251,31 @@ _DISTILBERT_PLAN = TensorParallelPlan(
 )
 
 
+# OLMo-2: no input norm, norms after attention and MLP, and q/k norms over every head at once (transformers' plan
+# gathers q and k for them: colwise_gather_output); hftrain splits those norms with their projections instead.
+_OLMO2_PLAN = TensorParallelPlan(
+    layers="model.layers",
+    layer=(
+        ("self_attn", "region"),
+        ("self_attn.q_proj", "column"),
+        ("self_attn.k_proj", "column_kv"),
+        ("self_attn.v_proj", "column_kv"),
+        ("self_attn.q_norm", "width_norm"),
+        ("self_attn.k_norm", "width_norm_kv"),
+        ("self_attn.o_proj", "row"),
+        ("post_attention_layernorm", "sequence"),
+        ("mlp", "region"),
+        ("mlp.gate_proj", "column"),
+        ("mlp.up_proj", "column"),
+        ("mlp.down_proj", "row"),
+        ("post_feedforward_layernorm", "sequence"),
+    ),
+    model=_LLAMA_MODEL,
+    sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
+    grouped_query="self_attn",
+)
+
+
 # ----------------------------------------------------------------------------- context parallelism's limits
 def _sliding_windows(config: Any) -> str | None:
     """Why hftrain's ring attention (causal or bidirectional masks only) cannot run a model with sliding windows."""
@@ -350,15 +377,7 @@ FAMILIES: dict[str, Family] = {
         cp_refusal=_sliding_windows,
         gated_mlp=True,
     ),
-    "olmo2": Family(
-        "OLMo-2",
-        stages=_LLAMA_STAGES,
-        refusals={
-            "tp": "its q/k norms normalise over every head at once (transformers gathers q and k: "
-            "colwise_gather_output), which hftrain does not split yet; use pp, or strategy ddp/fsdp/zero*"
-        },
-        gated_mlp=True,
-    ),
+    "olmo2": Family("OLMo-2", tp=_OLMO2_PLAN, stages=_LLAMA_STAGES, gated_mlp=True),
     "mixtral": Family(
         "Mixtral",
         tp=_moe_plan(),

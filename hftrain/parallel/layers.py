@@ -342,3 +342,41 @@ class VocabParallelEmbedding(nn.Module):
             f"vocab [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings} "
             f"(padded to {self.padded_vocab_size}), dim {self.weight.shape[1]}"
         )
+
+
+class WidthParallelRMSNorm(nn.Module):
+    """An RMSNorm over a column-parallel projection's whole output width, each rank holding its slice (OLMo-2's
+    q/k norms normalise ``q = x W_qᵀ`` over every head at once; transformers' own plan gathers q and k for them):
+
+        ``y_r = w_r ⊙ x_r / √(v + ε)``,  ``v = (1/W) Σ_r' Σ_j x_r'j²``  (W: the full width)
+
+    The sum of squares is one all-reduce over tp whose backward is an all-reduce too (every rank's output depends on
+    ``v``; ``collectives.all_reduce_both_ways``). A slice that ``replicas`` ranks hold (a key/value head replicated
+    because tp exceeds the key/value heads) is counted once: the all-reduced sum is divided by ``replicas``. The
+    weight is split as the projection's output (``TPShard``, the same slices), so each rank's gradient is whole.
+
+    Args:
+        module: the RMSNorm (``weight [W]`` and ``variance_epsilon``), as transformers computes it: in fp32, the
+            weight applied after the normalisation, cast back to the input's dtype.
+        tp_group: the tensor-parallel group.
+        replicas: ranks holding each slice (1: split evenly).
+    """
+
+    def __init__(self, module: nn.Module, *, tp_group: Any, replicas: int = 1) -> None:
+        super().__init__()
+        self.tp_group, self.replicas = tp_group, replicas
+        self.eps = module.variance_epsilon
+        self.width = module.weight.shape[0]
+        self.weight, shard = _split_parameter(module.weight, 0, tp_group, replicas=replicas)
+        self.shards = {"weight": shard}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from hftrain.parallel.collectives import all_reduce_both_ways
+
+        dtype = x.dtype
+        x = x.float()
+        squares = all_reduce_both_ways(x.pow(2).sum(-1, keepdim=True), self.tp_group) / self.replicas
+        return (self.weight * (x * torch.rsqrt(squares / self.width + self.eps))).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"local weight {tuple(self.weight.shape)} of width {self.width}, eps={self.eps}"

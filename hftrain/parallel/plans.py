@@ -8,6 +8,9 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 - ``column_kv``: a grouped-query key or value projection: split per key/value head when tp divides them, else
   each head replicated over ``tp / kv`` ranks (Megatron's and vLLM's rule; see :func:`grouped_query_split`);
 - ``row``: split the input features (the partial outputs are summed);
+- ``width_norm`` / ``width_norm_kv``: an RMSNorm over a column-parallel projection's whole width (OLMo-2's q/k
+  norms), its weight split with the projection's output (``_kv``: with grouped key/value heads), the sum of
+  squares all-reduced over tp (``layers.WidthParallelRMSNorm``);
 - ``head_shared``: a replicated module applied to each rank's own heads (Qwen3's and Gemma-3's per-head q/k norms:
   transformers' ``replicated_with_grad_allreduce``): its gradient is each rank's heads' share, summed over tp;
 - ``vocab``: vocabulary-parallel embedding;

@@ -33,6 +33,7 @@ from hftrain.parallel.layers import (
     RowParallelLinear,
     TPShard,
     VocabParallelEmbedding,
+    WidthParallelRMSNorm,
 )
 from hftrain.parallel.lora import check_lora_layers, hf_model_of, split_linear
 from hftrain.parallel.plans import GroupedQuerySplit, TensorParallelPlan, grouped_query_split
@@ -147,6 +148,17 @@ def _head_shared(parent: nn.Module, name: str, module: nn.Module, ctx: _Context)
     setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
 
 
+def _width_norm(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # a norm over a column-parallel output's whole width (OLMo-2's q_norm); its slices follow the projection's
+    setattr(parent, name, WidthParallelRMSNorm(module, tp_group=ctx.tp_group))
+
+
+def _width_norm_kv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # the same over grouped key/value heads (k_norm), replicated with them when tp exceeds their count
+    replicas = ctx.grouped_query.replicas if ctx.grouped_query else 1
+    setattr(parent, name, WidthParallelRMSNorm(module, tp_group=ctx.tp_group, replicas=replicas))
+
+
 def _sequence_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     # A residual-stream dropout: on this rank's sequence chunk under sequence parallelism (its own stream), else on
     # activations every tp rank holds whole (the shared default stream, also when it sits inside a region).
@@ -173,6 +185,8 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
     "region": _region,
     "sequence": _sequence,
     "head_shared": _head_shared,
+    "width_norm": _width_norm,
+    "width_norm_kv": _width_norm_kv,
     "sequence_dropout": _sequence_dropout,
     "scatter": _scatter,
     "gather": _gather,
