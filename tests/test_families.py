@@ -82,13 +82,16 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 
 def test_the_registry_gives_each_family_its_axes():
-    """What the table below runs: every new family takes pp but the mixtures of experts; tp all but Phi-3; cp those without sliding windows, soft-capping or pad-numbered positions; ep the mixtures of experts."""
+    """What the table below runs: every new family takes pp but the mixtures of experts; tp all but Phi-3; cp
+    those without sliding windows, soft-capping or pad-numbered positions; ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp", "xlm-roberta": "tp pp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
         "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "pp", "olmo2": "tp pp cp", "qwen3_moe": "tp ep",
     }  # fmt: skip
-    assert {kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS} == expected
+    assert {
+        kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
+    } == expected
 
 
 @pytest.mark.distributed
@@ -113,7 +116,9 @@ def test_each_family_under_each_axis_equals_one_process(runs, kind, layout, worl
     plain = AutoModelForSequenceClassification.from_config(tiny_config(kind, max_positions=32))
     plain.load_state_dict(run["weights"], strict=True)
     for name, tensor in ref["weights"].items():
-        torch.testing.assert_close(run["weights"][name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            run["weights"][name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def _model_folder(root, kind: str, **config_changes) -> str:
@@ -177,9 +182,10 @@ def test_a_family_without_sdpa_trains_with_eager_said_in_one_line(tmp_path, caps
 
     model = _model_folder(tmp_path, "gemma2")
     out = tmp_path / "out"
+    data = str(write_csv(tmp_path / "train.csv"))
     code = main(["train", "--model_name_or_path", model, "--dataset_name", "null", "--log_with", "none",
-                 "--train_file", str(write_csv(tmp_path / "train.csv")), "--max_steps", "2",
-                 "--per_device_train_batch_size", "8", "--output_dir", str(out), "--mixed_precision", "no"])  # fmt: skip
+                 "--train_file", data, "--max_steps", "2", "--per_device_train_batch_size", "8",
+                 "--output_dir", str(out), "--mixed_precision", "no"])  # fmt: skip
     printed = capsys.readouterr()
     assert code == 0, printed.err[-2000:]
     assert "Gemma2ForSequenceClassification has no SDPA attention in transformers; using eager" in printed.out
@@ -188,9 +194,9 @@ def test_a_family_without_sdpa_trains_with_eager_said_in_one_line(tmp_path, caps
 
 def test_the_plan_marks_runnable_exactly_what_train_takes(tmp_path):
     """``hftrain plan`` reads the registry: a family's tp/pp/cp rows are runnable only for the axes it takes."""
+    from hftrain.plan.hardware import Hardware
     from hftrain.plan.model import model_from_config
     from hftrain.plan.model_parallel import estimate
-    from hftrain.plan.hardware import Hardware
     from hftrain.plan.rows import Workload
 
     for kind in ("phi3", "qwen3_moe", "roberta", "gemma"):

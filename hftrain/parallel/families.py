@@ -11,9 +11,9 @@ Where transformers ships a family's own tensor-parallel plan (``config.base_mode
 column split (per key/value head for ``k_proj``/``v_proj`` of grouped-query attention), ``rowwise`` a row split,
 ``replicated_with_grad_allreduce`` (per-head q/k norms) a replicated module whose gradient is summed over tp; what
 transformers' plan cannot say is written beside it: the norms that run on sequence chunks under sequence
-parallelism. Where transformers' plan gathers (``colwise_gather_output``) the entry is written by hand: OLMo-2's q/k norms over
-every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` is refused for tp with the
-reason. A family transformers adds later whose plan has
+parallelism. Where transformers' plan gathers (``colwise_gather_output``) the entry is written by hand: OLMo-2's
+q/k norms over every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` is refused
+for tp with the reason. A family transformers adds later whose plan has
 exactly Llama's modules is found without an entry (:func:`family_of`), checked against the model's modules when it
 is split.
 
