@@ -157,19 +157,7 @@ def test_an_axis_a_family_cannot_take_is_one_line_exit_2_nothing_written(tmp_pat
     from tests.tiny import write_csv
 
     kind, extra, world, message = REFUSALS[label]
-    if kind == "albert":
-        from transformers import AlbertConfig, AutoModelForSequenceClassification
-
-        from tests.tiny import tiny_tokenizer
-
-        path = tmp_path / "albert"
-        config = AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=2,
-                              num_attention_heads=2, intermediate_size=64, pad_token_id=0)  # fmt: skip
-        AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
-        tiny_tokenizer("bert").save_pretrained(path)
-        model = str(path)
-    else:
-        model = _model_folder(tmp_path, kind)
+    model = _albert_folder(tmp_path) if kind == "albert" else _model_folder(tmp_path, kind)
     data = str(write_csv(tmp_path / "train.csv"))
     capsys.readouterr()  # the folders' save progress
     refused_as_launched_rank0(monkeypatch, capsys, tmp_path, model, data, extra, world, message)
@@ -192,19 +180,48 @@ def test_a_family_without_sdpa_trains_with_eager_said_in_one_line(tmp_path, caps
     assert (out / "model" / "config.json").is_file()
 
 
-def test_the_plan_marks_runnable_exactly_what_train_takes(tmp_path):
-    """``hftrain plan`` reads the registry: a family's tp/pp/cp rows are runnable only for the axes it takes."""
+@pytest.mark.parametrize("kind", [*FAMILY_KINDS, "albert"])
+def test_a_plan_row_is_runnable_exactly_when_the_trainer_takes_its_layout(tmp_path, kind):
+    """``hftrain plan`` reads the registry: each tp/pp/cp row of every family is marked runnable exactly when the
+    megatron strategy's own model check (what ``train`` runs before any process group) accepts that layout."""
+    from transformers import AutoConfig
+
+    from hftrain.config import StrategyConfig
+    from hftrain.errors import ConfigError
     from hftrain.plan.hardware import Hardware
     from hftrain.plan.model import model_from_config
     from hftrain.plan.model_parallel import estimate
     from hftrain.plan.rows import Workload
+    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies.platform import Platform
 
-    for kind in ("phi3", "qwen3_moe", "roberta", "gemma"):
-        model = model_from_config(_model_folder(tmp_path, kind))
-        axes = _axes(kind)
-        assert model.axes == axes
-        for axis, layout in (("tp", (2, 1, 1)), ("pp", (1, 2, 1)), ("cp", (1, 1, 2))):
-            tp, pp, cp = layout
-            row = estimate(tp, pp, model, Workload(), Hardware(gpus_per_node=8), cp=cp)
-            assert row.runnable == (axis in axes), (kind, axis)
-    assert model_from_config(_model_folder(tmp_path / "moe", "qwen3_moe")).moe  # counted as a mixture of experts
+    folder = _albert_folder(tmp_path) if kind == "albert" else _model_folder(tmp_path, kind)
+    model, config = model_from_config(folder), AutoConfig.from_pretrained(folder)
+    assert model.moe == (kind == "qwen3_moe")  # a mixture of experts is counted as one
+    for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+        row = estimate(tp, pp, model, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
+        options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
+        strategy = build_strategy(
+            StrategyConfig(name="megatron", **options),
+            launch=LaunchInfo(world_size=tp * pp * cp, local_world_size=tp * pp * cp),
+            platform=Platform("cpu", "gloo"),
+        )
+        try:
+            strategy.check_model(config, use_lora=False)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        assert row.runnable == accepted, (kind, tp, pp, cp)
+
+
+def _albert_folder(root) -> str:
+    from transformers import AlbertConfig, AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_tokenizer
+
+    path = root / "albert"
+    config = AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=64, pad_token_id=0)  # fmt: skip
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    tiny_tokenizer("bert").save_pretrained(path)
+    return str(path)
