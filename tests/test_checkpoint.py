@@ -384,6 +384,7 @@ def test_a_signal_to_the_process_group_ends_in_the_preemption_exit_code(tiny_job
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 41 s of torchrun to count one message per machine; damaged checkpoints are refused in tests/test_bad_input.py
 def test_a_damaged_zero_checkpoint_is_said_once_per_machine_under_torchrun(tiny_job, tmp_path):
     """A ZeRO-2 checkpoint with a truncated shard and its checksums recomputed fails to load on both ranks of the
     machine alike: one line, not one per rank, on resume and on export (a missing weight or another shape in the

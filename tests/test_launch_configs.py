@@ -27,7 +27,8 @@ def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
     return torchrun(2, ["scripts/train.py", *args], timeout=600)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+# the offload configs' runs are the slow tier's (37 s together): test_deepspeed trains both offloads in every run
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if "offload" in c else c for c in CONFIGS])
 def test_shipped_accelerate_config_runs(tiny_job, tmp_path, config):
     out = tmp_path / "out"
     _accelerate(config, job_args(tiny_job, out))

@@ -17,7 +17,14 @@ import pytest
 
 from hftrain.cli import main
 from tests.distributed import run_distributed
-from tests.tiny import TASK_LABELS, run_tiny_training, save_model_folder, synthetic_texts, task_labels
+from tests.tiny import (
+    TASK_LABELS,
+    reset_accelerate_state,
+    run_tiny_training,
+    save_model_folder,
+    synthetic_texts,
+    task_labels,
+)
 
 REGRESSION, MULTI_LABEL = "regression", "multi_label_classification"
 TASKS = (REGRESSION, MULTI_LABEL)
@@ -104,7 +111,8 @@ def test_a_model_whose_config_names_the_task_trains_and_exports_it(tmp_path, cap
     data = _jsonl(tmp_path / "train.jsonl", problem_type)
     args = ["train", "--model_name_or_path", str(model), "--dataset_name", "null", "--log_with", "none",
             "--train_file", str(data), "--max_steps", "3", "--per_device_train_batch_size", "8",
-            "--num_labels", str(num_labels), "--output_dir", str(out)]  # fmt: skip
+            "--num_labels", str(num_labels), "--output_dir", str(out), "--mixed_precision", "no"]  # fmt: skip
+    reset_accelerate_state()  # an earlier test in this process may have built an Accelerator
     code, printed = main(args), capsys.readouterr()
     assert code == 0, printed.err[-2000:]
     headline = {REGRESSION: "validation rmse", MULTI_LABEL: "validation f1_micro"}[problem_type]

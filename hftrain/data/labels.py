@@ -99,7 +99,7 @@ def model_labels(
     if problem_type == MULTI_LABEL:
         multi_hot = datasets.Sequence(datasets.Value("float32"), length=num_labels)
         return _multi_hot(labels, num_labels, source, label_column), multi_hot
-    _refuse_lists(labels, source, label_column)
+    _refuse_lists(labels, f"data.label_column: labels in column {label_column!r} of {source} must be integer class ids")
     ids = class_ids(labels, source, label_column)
     check_label_range(ids, num_labels, source, label_column)
     return ids.astype("int64"), datasets.Value("int64")
@@ -192,13 +192,7 @@ def _numbers(labels: pd.Series, source: str, label_column: str) -> pd.Series:
     import pandas as pd
 
     where = f"data.label_column: regression labels in column {label_column!r} of {source} must be numbers"
-    lists = labels.map(_is_list)
-    if lists.any():
-        row = lists.idxmax()
-        raise DataError(
-            f"{where}, found the list {shown(labels[row])} at row {row + 1}; regression trains one target per text "
-            f"(model.num_labels: 1); for several labels per text set model.problem_type: {MULTI_LABEL}"
-        )
+    _refuse_lists(labels, where, "regression trains one target per text (model.num_labels: 1); ")
     _refuse_booleans(labels, where, "write the target as a number")
     numbers = pd.to_numeric(labels, errors="coerce").astype("float64")
     bad = ~np.isfinite(numbers)
@@ -265,14 +259,14 @@ def _is_list(value: Any) -> bool:
     return isinstance(value, (list, tuple, np.ndarray))
 
 
-def _refuse_lists(labels: pd.Series, source: str, label_column: str) -> None:
+def _refuse_lists(labels: pd.Series, where: str, reason: str = "") -> None:
+    """A list in a column of one value per text: one line naming its row and the multi-label setting."""
     lists = labels.map(_is_list)
     if lists.any():
         row = lists.idxmax()
         raise DataError(
-            f"data.label_column: labels in column {label_column!r} of {source} must be integer class ids, found the "
-            f"list {shown(labels[row])} at row {row + 1}; for several labels per text set model.problem_type: "
-            f"{MULTI_LABEL}"
+            f"{where}, found the list {shown(labels[row])} at row {row + 1}; {reason}for several labels per text "
+            f"set model.problem_type: {MULTI_LABEL}"
         )
 
 
