@@ -225,3 +225,23 @@ def _albert_folder(root) -> str:
     AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
     tiny_tokenizer("bert").save_pretrained(path)
     return str(path)
+
+
+def test_a_family_with_llamas_layout_is_found_without_an_entry():
+    """A config whose model_type the registry does not know but whose transformers tp plan names exactly Llama's
+    modules takes Llama's layout (tp from the derived plan, pp and cp from the rotary decoder adapter); one whose
+    plan differs is refused naming the axis and the families that have one."""
+    from hftrain.errors import ConfigError
+    from hftrain.parallel.families import family_of, plan_for
+    from hftrain.plan.model import trainable_axes
+    from tests.tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.model_type = "llama_descendant"  # e.g. a family transformers adds after this release
+    assert family_of(config).name == "llama_descendant (Llama layout)"
+    assert trainable_axes(config) == {"tp", "pp", "cp"}
+    assert [style for path, style in plan_for(config).layer if path.endswith("k_proj")] == ["column_kv"]
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.extra_proj": "colwise"}
+    assert family_of(config) is None
+    with pytest.raises(ConfigError, match="tensor parallelism has no entry for model type 'llama_descendant'"):
+        plan_for(config)
