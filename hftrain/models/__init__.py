@@ -170,17 +170,17 @@ class PretrainedClassifier:
         """The whole model."""
         return self.build()
 
-    def attention(self) -> str:
+    def attention(self, model_class: type | None) -> str:
         """``model.attn_implementation``, or eager for a family transformers has no SDPA attention for (Gemma-2's
         soft-capped logits, DeBERTa-v2's relative attention), said in one line: transformers would refuse to load
-        it with SDPA."""
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+        it with SDPA.
 
+        Args:
+            model_class: the folder's ``*ForSequenceClassification`` class (None: not known to transformers).
+        """
         requested = self.config.attn_implementation
         if requested != "sdpa":
             return requested
-        model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(AutoConfig.from_pretrained(self.path)), None)
         if model_class is None or getattr(model_class, "_supports_sdpa", True):
             return requested
         from hftrain.log import log_main
@@ -203,8 +203,10 @@ class PretrainedClassifier:
         """
         import torch
         from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-        kwargs = {"num_labels": self.config.num_labels, "attn_implementation": self.attention()}
+        model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(AutoConfig.from_pretrained(self.path)), None)
+        kwargs = {"num_labels": self.config.num_labels, "attn_implementation": self.attention(model_class)}
         if self.problem_type is not None:
             kwargs["problem_type"] = self.problem_type
         with reading(
@@ -216,13 +218,10 @@ class PretrainedClassifier:
             from hftrain.models.partial import quiet_load_report
 
             loaded = None
-            if leave_out is not None and self.lora is None:
-                from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
-
+            if leave_out is not None and self.lora is None and model_class is not None:
                 from hftrain.models.partial import from_pretrained_leaving_out
 
                 random_state = torch.get_rng_state()
-                model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(self.path))]
                 loaded = from_pretrained_leaving_out(model_class, self.path, leave_out, **kwargs)
                 if loaded is None:  # a left-out parameter was not in the checkpoint: only the whole model is exact
                     from hftrain.log import get_logger
