@@ -186,13 +186,6 @@ class ModelSpec:
         return True
 
 
-def is_gated_mlp(config: Any) -> bool:
-    """Whether the family's MLP is gated (its registry entry)."""
-    from hftrain.parallel.families import is_gated_mlp as gated
-
-    return gated(config)
-
-
 def trainable_axes(config: Any) -> frozenset[str]:
     """The model-parallel axes the trainer takes for ``config`` (each checked as the trainer checks it)."""
     from hftrain.parallel.families import check_family, expert_plan_for, plan_for
@@ -282,6 +275,8 @@ def model_from_config(name_or_path: str) -> ModelSpec:
     Args:
         name_or_path: what ``hftrain.models.resolve_model_path`` accepts, or a config file.
     """
+    from hftrain.parallel.families import is_gated_mlp
+
     with _as_option():
         config, where = _load_config(name_or_path)
         model = _meta_model(config, where)
