@@ -35,17 +35,6 @@ if TYPE_CHECKING:
     from hftrain.job import JobResult
 
 _RESULT_FILE = "result.pkl"
-# The data-section fields that decide the splits (what hftrain.job gives load_classification_splits).
-_SPLIT_FIELDS = (
-    "dataset_name",
-    "train_file",
-    "validation_file",
-    "text_column",
-    "label_column",
-    "validation_split_percentage",
-    "max_train_samples",
-    "max_eval_samples",
-)
 
 
 def make_config(path: str | Path | dict[str, Any] | None = None, **fields: Any) -> TrainConfig:
@@ -126,27 +115,19 @@ def train(config: TrainConfig | str | Path | None = None, *, num_processes: int 
 
 
 def load_splits(config: TrainConfig | str | Path | None = None, **fields: Any) -> datasets.DatasetDict:
-    """The ``train`` and ``validation`` splits (columns ``text``, ``label``) exactly as a run of ``config`` sees them.
+    """The ``train`` and ``validation`` splits exactly as a run of ``config`` sees them, before tokenization (columns
+    ``text`` and ``label``; ``model.task: causal_lm``: ``text``, or ``prompt`` and ``response``).
 
     Args:
         config: a ``TrainConfig``, a job YAML path, a dict of sections, or None for the default job.
         **fields: config fields to change, as in ``train``.
     """
-    from hftrain.data.loading import load_classification_splits
-    from hftrain.job import requested_problem_type
+    from hftrain.job import load_splits as job_splits
     from hftrain.models.checks import check_model_folder
 
     _show_errors_as_one_line()
     config = with_fields(config if isinstance(config, TrainConfig) else make_config(config), **fields)
-    sources = {name: getattr(config.data, name) for name in _SPLIT_FIELDS}
-    problem_type = requested_problem_type(config.model, check_model_folder(config.model))
-    return load_classification_splits(
-        **sources,
-        num_labels=config.model.num_labels,
-        seed=config.training.seed,
-        log=lambda _: None,
-        problem_type=problem_type,
-    )
+    return job_splits(config, check_model_folder(config.model), lambda _: None)
 
 
 def _train_here(config: TrainConfig) -> JobResult:

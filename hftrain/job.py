@@ -53,13 +53,9 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         launch: what the launcher set up (world size, accelerate strategy).
         write: create ``output_dir`` and save the config (a training run); an export writes nothing there.
     """
-    from hftrain.data.batching import tokenize_splits
-    from hftrain.data.labels import problem_type_of
-    from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer, model_init_fn
     from hftrain.models.checks import check_tokenizer, effective_max_length
     from hftrain.strategies import build_strategy
-    from hftrain.trainers import SequenceClassificationTrainer
     from hftrain.validate import validate_job
 
     log = get_logger()
@@ -71,25 +67,11 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         note(line)
     tokenizer = build_tokenizer(config.model)
     check_tokenizer(tokenizer, model_facts)
-    data = config.data
-    splits = load_classification_splits(
-        dataset_name=data.dataset_name,
-        train_file=data.train_file,
-        validation_file=data.validation_file,
-        text_column=data.text_column,
-        label_column=data.label_column,
-        num_labels=config.model.num_labels,
-        validation_split_percentage=data.validation_split_percentage,
-        max_train_samples=data.max_train_samples,
-        max_eval_samples=data.max_eval_samples,
-        seed=config.training.seed,
-        log=note,
-        problem_type=requested_problem_type(config.model, model_facts),
-    )
-    problem_type = problem_type_of(splits["train"].features)
-    max_length = effective_max_length(data.max_seq_length, model_facts, tokenizer, note)
-    tokenized = tokenize_splits(splits, tokenizer, max_seq_length=max_length)
-    trainer = SequenceClassificationTrainer(
+    splits = load_splits(config, model_facts, note)
+    max_length = effective_max_length(config.data.max_seq_length, model_facts, tokenizer, note)
+    task = TASKS[config.model.task]
+    tokenized, problem_type = task.prepare(splits, tokenizer, max_length, note)
+    trainer = task.trainer()(
         dataclasses.replace(config.training, resume_from_checkpoint=plan.resume),
         run_id=plan.run_id,
         strategy=strategy,
@@ -110,6 +92,82 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     if write and is_main_process():
         write_run_config(config, plan)
     return trainer, tokenizer, tokenized
+
+
+def load_splits(config: TrainConfig, facts: ModelFacts, log: Callable[[str], None]) -> Any:
+    """The run's ``train`` and ``validation`` splits before tokenization: labelled texts (classification: ``text``,
+    ``label``), or texts / prompt-response pairs (``causal_lm``).
+
+    Args:
+        config: the validated job config.
+        facts: what the model-folder check read.
+        log: receives one-line progress messages.
+    """
+    data = config.data
+    sources = {
+        "dataset_name": data.dataset_name,
+        "train_file": data.train_file,
+        "validation_file": data.validation_file,
+        "text_column": data.text_column,
+        "validation_split_percentage": data.validation_split_percentage,
+        "max_train_samples": data.max_train_samples,
+        "max_eval_samples": data.max_eval_samples,
+        "seed": config.training.seed,
+        "log": log,
+    }
+    if config.model.task == "causal_lm":
+        from hftrain.data.language import load_text_splits
+
+        return load_text_splits(**sources, prompt_column=data.prompt_column, response_column=data.response_column)
+    from hftrain.data.loading import load_classification_splits
+
+    return load_classification_splits(
+        **sources,
+        label_column=data.label_column,
+        num_labels=config.model.num_labels,
+        problem_type=requested_problem_type(config.model, facts),
+    )
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a ``model.task`` brings to a job: how its splits become model inputs (and the task they say, for the
+    model's config), and its trainer class."""
+
+    prepare: Callable[[Any, Any, int, Callable[[str], None]], tuple[Any, str | None]]
+    trainer: Callable[[], type]
+
+
+def _classification_inputs(splits: Any, tokenizer: Any, max_length: int, log: Callable[[str], None]) -> tuple:
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.data.labels import problem_type_of
+
+    return tokenize_splits(splits, tokenizer, max_seq_length=max_length), problem_type_of(splits["train"].features)
+
+
+def _language_inputs(splits: Any, tokenizer: Any, max_length: int, log: Callable[[str], None]) -> tuple:
+    from hftrain.data.language import pack_splits
+
+    return pack_splits(splits, tokenizer, block_size=max_length, log=log), None
+
+
+def _classification_trainer() -> type:
+    from hftrain.trainers import SequenceClassificationTrainer
+
+    return SequenceClassificationTrainer
+
+
+def _language_trainer() -> type:
+    from hftrain.trainers.language import CausalLMTrainer
+
+    return CausalLMTrainer
+
+
+TASKS: dict[str, Task] = {
+    "sequence_classification": Task(_classification_inputs, _classification_trainer),
+    "causal_lm": Task(_language_inputs, _language_trainer),
+}
+"""``model.task`` -> its data preparation and trainer."""
 
 
 def requested_problem_type(model: ModelConfig, facts: ModelFacts) -> str | None:

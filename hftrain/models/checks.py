@@ -94,8 +94,9 @@ def check_model_folder(config: ModelConfig) -> ModelFacts:
             "would turn every text into unknown tokens: save the model's tokenizer there (tokenizer.save_pretrained)"
         )
     model_config = _auto_config(path)
-    _check_head(path, model_config, config.num_labels)
-    _build_on_meta(path, model_config, config.num_labels)
+    if config.task == "sequence_classification":
+        _check_head(path, model_config, config.num_labels)
+    _build_on_meta(path, model_config, config.num_labels, config.task)
     return ModelFacts(
         path=path,
         max_length=_max_positions(model_config),
@@ -183,22 +184,28 @@ def _check_head(path: Path, model_config: PretrainedConfig, num_labels: int) -> 
         )
 
 
-def _build_on_meta(path: Path, model_config: PretrainedConfig, num_labels: int) -> None:
-    """Construct the classifier on the meta device: the architecture's own checks of its sizes, at no cost."""
+def _build_on_meta(path: Path, model_config: PretrainedConfig, num_labels: int, task: str) -> None:
+    """Construct the task's model on the meta device: the architecture's own checks of its sizes, at no cost."""
     import copy
 
     import torch
-    from transformers import AutoModelForSequenceClassification
 
+    from hftrain.models import auto_model_class, task_model_class
+
+    if task_model_class(task, model_config) is None:
+        raise ConfigError(
+            f"{FIELD}: transformers has no {task.replace('_', ' ')} model for model type '{model_config.model_type}' "
+            f"({path / 'config.json'}); choose a model of another family, or another model.task"
+        )
     model_config = copy.deepcopy(model_config)
     model_config.num_labels = num_labels
     with reading(
-        f"{FIELD}: {path / 'config.json'} does not describe a buildable sequence classifier",
+        f"{FIELD}: {path / 'config.json'} does not describe a buildable {task.replace('_', ' ')} model",
         "fix its sizes (e.g. hidden_size divisible by num_attention_heads) or choose another model",
         catch=config_errors(),
     ):
         with torch.device("meta"):
-            AutoModelForSequenceClassification.from_config(model_config)
+            auto_model_class(task).from_config(model_config)
 
 
 def _max_positions(model_config: PretrainedConfig) -> int | None:

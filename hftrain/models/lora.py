@@ -4,8 +4,9 @@ A LoRA layer computes ``y = W x + (alpha / r) · B A x`` with ``W`` frozen, ``A`
 (out × r) zero at start, so the adapted model starts equal to the base model. PEFT's ``SEQ_CLS`` task type
 adds the head (``classifier`` for BERT-style, ``score`` for GPT-style models) to ``modules_to_save``: a full
 trainable copy that is written into the adapter, or the freshly initialised head would be lost on reload
-(pitfall "classification head lost with LoRA", docs/pitfalls.md). The trainer's optimizer takes only parameters with
-``requires_grad``, so nothing else changes.
+(pitfall "classification head lost with LoRA", docs/pitfalls.md). A causal language model (``CAUSAL_LM``) trains
+only its adapters: its head is the (often tied) vocabulary projection the base model already has. The trainer's
+optimizer takes only parameters with ``requires_grad``, so nothing else changes.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ if TYPE_CHECKING:
 HEAD_MODULES = ("classifier", "score")
 
 
-def apply_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
-    """Wrap a ``*ForSequenceClassification`` model in LoRA adapters; only adapters and head stay trainable.
+def apply_lora(model: PreTrainedModel, config: LoraConfig, task: str = "sequence_classification") -> PeftModel:
+    """Wrap a model in LoRA adapters; only the adapters (and a classifier's head) stay trainable.
 
     Args:
-        model: the base classification model (full weights, not yet prepared).
+        model: the base model (full weights, not yet prepared).
         config: the ``lora`` config section; null ``lora_target_modules`` takes PEFT's default for the
             architecture (BERT ``query``/``value``, GPT-2 ``c_attn``, Llama ``q_proj``/``v_proj``).
+        task: ``model.task``: PEFT's ``SEQ_CLS`` (the head saved in full) or ``CAUSAL_LM``.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
@@ -42,7 +44,7 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
             "list the linear layers to adapt (e.g. [q_proj, v_proj])"
         )
     peft_config = PeftLoraConfig(
-        task_type=TaskType.SEQ_CLS,
+        task_type=TaskType.SEQ_CLS if task == "sequence_classification" else TaskType.CAUSAL_LM,
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
@@ -56,6 +58,8 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
         catch=(ValueError,),  # PEFT: "Target modules ... not found in the base model"
     ):
         peft_model = get_peft_model(model, peft_config)
+    if task != "sequence_classification":
+        return peft_model
     head = [n for n in HEAD_MODULES if hasattr(model, n)]
     if not head or not any(p.requires_grad for p in getattr(model, head[0]).parameters()):
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""Megatron tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding.
+"""Megatron tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding and output head.
 
 Hand-written rather than DTensor (``parallelize_module``), because: (1) GPT-2's ``Conv1D`` (transposed
 weight) and its packed q/k/v are not handled by DTensor's Colwise/RowwiseParallel styles; (2) the parameters
@@ -16,6 +16,8 @@ a transformer layer runs exactly 2 collectives forward and 2 backward, as Megatr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hftrain.parallel.collectives import reduce_from_tp, reduce_scatter_to_sequence
+from hftrain.parallel.collectives import copy_to_tp, reduce_from_tp, reduce_scatter_to_sequence
 from hftrain.parallel.plans import padded_vocab_size
 
 # Name of the attribute listing a module's own parameters that are replicated over tp but receive only a partial
@@ -380,3 +382,80 @@ class WidthParallelRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"local weight {tuple(self.weight.shape)} of width {self.width}, eps={self.eps}"
+
+
+class VocabParallelHead(nn.Module):
+    """A language model's output projection ``z = h Wᵀ`` split by vocabulary rows, ``W = [W_1; ...; W_p]``, as
+    :class:`VocabParallelEmbedding` splits the embedding (the same padded rows ``[i·V'/p, (i+1)·V'/p)`` on rank i).
+
+    Rank i computes its logits ``z_i = f(h) W_iᵀ`` and keeps them: no rank holds a full-vocabulary row. ``f`` is
+    Megatron's region entry (identity forward, all-reduce of ``∂h`` backward: every rank's ``dz_i W_i`` summed); the
+    loss is computed across the slices by :meth:`token_losses` (``hftrain.parallel.cross_entropy``: three all-reduces of
+    one number per token). Tied input/output embeddings (GPT-2, SmolLM2) stay tied: the head takes the vocabulary-parallel
+    embedding's own parameter, which then collects both gradients on its rows. ``gather_output`` (the export's check,
+    which compares whole logits) all-gathers the slices along the vocabulary and trims the padding.
+
+    Args:
+        module: the ``nn.Linear`` output projection (``get_output_embeddings()``).
+        tp_group: the tensor-parallel group.
+        vocab_multiple: pad the vocabulary to a multiple of ``tp × vocab_multiple`` rows.
+        tied: the model's vocabulary-parallel input embedding, when the projection shares its weight.
+    """
+
+    def __init__(
+        self,
+        module: nn.Linear,
+        *,
+        tp_group: Any,
+        vocab_multiple: int = 1,
+        tied: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            raise TypeError(f"a vocabulary-parallel head splits a bias-free nn.Linear, not {module!r}")
+        self.tp_group = tp_group
+        self.vocab_size = module.out_features
+        self.padded_vocab_size = padded_vocab_size(self.vocab_size, dist.get_world_size(tp_group), vocab_multiple)
+        if tied is not None:
+            self.weight, shard = tied.weight, tied.shards["weight"]
+        else:
+            self.weight, shard = _split_parameter(module.weight, 0, tp_group, padded=self.padded_vocab_size)
+        self.shards = {"weight": shard}
+        self.vocab_start = shard.rank * self.weight.shape[0]
+        self.gather_output = False
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(copy_to_tp(hidden, self.tp_group), self.weight)
+        if not self.gather_output:
+            return logits
+        pieces = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.tp_group))]
+        dist.all_gather(pieces, logits.contiguous(), group=self.tp_group)
+        return torch.cat(pieces, dim=-1)[..., : self.vocab_size]
+
+    def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy of this rank's logits slice against ``labels`` (-100: none), equal on every rank."""
+        from hftrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(
+            logits, labels, tp_group=self.tp_group, vocab_start=self.vocab_start, vocab_size=self.vocab_size
+        )
+
+    def extra_repr(self) -> str:
+        rows = self.weight.shape[0]
+        return (
+            f"vocab [{self.vocab_start}, {self.vocab_start + rows}) of {self.vocab_size} "
+            f"(padded to {self.padded_vocab_size}), dim {self.weight.shape[1]}"
+        )
+
+
+@contextlib.contextmanager
+def whole_logits(model: nn.Module) -> Iterator[None]:
+    """Within it, every vocabulary-parallel head of ``model`` returns whole-vocabulary logits (collective over tp)."""
+    heads = [m for m in model.modules() if isinstance(m, VocabParallelHead)]
+    for head in heads:
+        head.gather_output = True
+    try:
+        yield
+    finally:
+        for head in heads:
+            head.gather_output = False

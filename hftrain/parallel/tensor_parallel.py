@@ -33,6 +33,7 @@ from hftrain.parallel.layers import (
     RowParallelLinear,
     TPShard,
     VocabParallelEmbedding,
+    VocabParallelHead,
     WidthParallelRMSNorm,
 )
 from hftrain.parallel.lora import check_lora_layers, hf_model_of, split_linear
@@ -196,7 +197,7 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
 def _refuse_unsupported(model: nn.Module) -> None:
     check_lora_layers(model)
     for name, module in model.named_modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding | VocabParallelHead):
             raise HFTrainError(f"tensor parallelism is already applied to this model (module '{name}')")
 
 
@@ -304,9 +305,16 @@ def apply_tensor_parallel(
     _refuse_unsupported(model)
     _check_replicated(model, tp_group)
     hf_model = hf_model_of(model)  # plan paths name modules of the transformers model, inside a PeftModel too
+    head = hf_model.get_output_embeddings()  # a language model's vocabulary projection (None for a classifier)
+    tied = head is not None and head.weight is hf_model.get_input_embeddings().weight
     for layer in hf_model.get_submodule(plan.layers):
         _apply_to_layer(layer, plan, ctx)
     _apply_entries(hf_model, plan.model, ctx)
+    if head is not None:
+        embedding = hf_model.get_input_embeddings() if tied else None  # split by the plan's vocab entry
+        hf_model.set_output_embeddings(
+            VocabParallelHead(head, tp_group=tp_group, vocab_multiple=vocab_multiple, tied=embedding)
+        )
     return model
 
 

@@ -80,12 +80,13 @@ class Strategy(ABC):
     def before_load_state(self, model: Any, optimizer: Any) -> None:
         """Prepare the live model/optimizer for ``accelerator.load_state`` (default: nothing)."""
 
-    def check_model(self, model_config: Any, *, use_lora: bool) -> None:
+    def check_model(self, model_config: Any, *, use_lora: bool, task: str = "sequence_classification") -> None:
         """Refuse a model this strategy cannot distribute, before any process group exists (default: any).
 
         Args:
             model_config: the model's ``transformers`` config.
             use_lora: whether LoRA adapters are trained.
+            task: ``model.task``.
         """
 
     def build_runtime(self, accelerator: Accelerator) -> AccelerateRuntime:

@@ -87,7 +87,7 @@ class Trainer:
         args: the ``training`` config section.
         strategy: builds the ``Accelerator`` and the model-construction context.
         model_init: builds the model (the runtime calls it in the strategy's construction context; an
-            ``hftrain.models.PretrainedClassifier`` also lets a pipeline rank leave other stages unbuilt).
+            ``hftrain.models.PretrainedBuilder`` also lets a pipeline rank leave other stages unbuilt).
         tokenizer: pads batches; saved with the model.
         train_dataset: tokenized examples with ``labels`` and ``length`` columns.
         eval_dataset: as ``train_dataset``; None skips evaluation.
@@ -148,6 +148,7 @@ class Trainer:
             # The global batch: the order is then the same however it is split across processes.
             group_size=self.strategy_summary["global_batch"],
             seed=args.seed,
+            whole_groups=self.whole_global_batches,
         )
         train_loader = build_dataloader(
             train_dataset,
@@ -156,6 +157,7 @@ class Trainer:
             sampler=self.train_sampler,
             num_workers=args.dataloader_num_workers,
             pin_memory=self.strategy.platform.pinned_batches,
+            collate_fn=self.data_collator(),
         )
         eval_loader = self._eval_loader(eval_dataset)
         optimizer = self.create_optimizer(model)
@@ -177,6 +179,10 @@ class Trainer:
             self.resume(args.resume_from_checkpoint)
 
     # ----------------------------------------------------------------- task hooks (override per task)
+    whole_global_batches = False
+    """Train on whole global batches only (``EpochSampler``'s ``whole_groups``): a task whose loss is one mean over
+    the global batch's tokens cannot count Accelerate's repeated examples."""
+
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss of one micro-batch; a mixture of experts adds its routers' load-balancing loss over the global
         batch (``router_aux_loss_coef ×``, as transformers' causal-LM heads do; ``hftrain.trainers.experts``)."""
@@ -194,6 +200,14 @@ class Trainer:
     def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """Metrics over the whole evaluation set (each example counted once)."""
         return {}
+
+    def evaluation_loss(self, losses: torch.Tensor, labels: torch.Tensor) -> float:
+        """The evaluation loss from every example's ``prediction_step`` loss (each counted once): their mean."""
+        return losses.mean().item()
+
+    def data_collator(self) -> Any:
+        """How examples become a batch: None pads each batch to its longest example (``build_dataloader``)."""
+        return None
 
     # ----------------------------------------------------------------- construction
     def create_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -237,6 +251,7 @@ class Trainer:
             sampler=SortedSampler(lengths_of(dataset)),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.strategy.platform.pinned_batches,
+            collate_fn=self.data_collator(),
         )
 
     # ----------------------------------------------------------------- the loop
@@ -579,7 +594,10 @@ class Trainer:
                 labels.append(refs)
         self.model.train()
         predictions_all, labels_all = torch.cat(predictions), torch.cat(labels)
-        metrics = {"eval_loss": torch.cat(losses).mean().item(), "eval_samples": float(len(labels_all))}
+        metrics = {
+            "eval_loss": self.evaluation_loss(torch.cat(losses), labels_all),
+            "eval_samples": float(len(labels_all)),
+        }
         metrics.update({f"eval_{k}": v for k, v in self.compute_metrics(predictions_all, labels_all).items()})
         self.state.log_history.append({"step": self.state.global_step, **metrics})
         acc.log({k.replace("eval_", "eval/"): v for k, v in metrics.items()}, step=self.state.global_step)

@@ -2,7 +2,7 @@
 
 Each rank holds its pipeline stages (``hftrain.parallel.build_stage_modules``) of the tensor-parallel model, and
 only their weights: ``build_model`` leaves the other stages' layers and embedding on ``meta``, never read nor
-materialized (``hftrain.models.PretrainedClassifier.build``), so a rank's peak is its stage, not the whole model;
+materialized (``hftrain.models.PretrainedBuilder.build``), so a rank's peak is its stage, not the whole model;
 what a plain ``model_init`` callable builds whole is released as soon as the stages are cut
 (``hftrain.parallel.release_other_stages``). ``forward_backward`` runs the configured schedule
 (``hftrain.parallel.build_schedule``) over the loader's per-device batch of ``b`` examples split into
@@ -183,7 +183,7 @@ class PipelineRuntime(MegatronRuntime):
     # ----------------------------------------------------------------- setup
     def build_model(self, model_init: Callable[[], Any]) -> Any:
         """The model with only this rank's stages materialized when ``model_init`` can leave modules out
-        (``hftrain.models.PretrainedClassifier``); a plain callable builds the whole model, cut in ``prepare``."""
+        (``hftrain.models.PretrainedBuilder``); a plain callable builds the whole model, cut in ``prepare``."""
         from hftrain.parallel import other_stages_modules, stage_ranges
         from hftrain.parallel.schedules import schedule_class
 

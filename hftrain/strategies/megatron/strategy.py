@@ -47,6 +47,10 @@ _FOREIGN_OPTIONS = {
 }
 
 
+LANGUAGE_MODEL_AXES_NOT_BUILT = ("pp", "cp")
+"""The megatron axes that do not run ``model.task: causal_lm`` yet (refused in one line)."""
+
+
 class MegatronStrategy(Strategy):
     """Tensor parallelism over ``tp`` adjacent ranks, data parallelism over the rest.
 
@@ -89,10 +93,17 @@ class MegatronStrategy(Strategy):
             check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
             check_context_parallel(self.config)
 
-    def check_model(self, model_config: Any, *, use_lora: bool) -> None:
+    def check_model(self, model_config: Any, *, use_lora: bool, task: str = "sequence_classification") -> None:
         from hftrain.parallel import check_tensor_parallel
         from hftrain.parallel.expert_parallel import check_expert_parallel
 
+        for axis in LANGUAGE_MODEL_AXES_NOT_BUILT if task == "causal_lm" else ():
+            if getattr(self.config, axis) > 1:
+                raise ConfigError(
+                    f"strategy.{axis}={getattr(self.config, axis)} with model.task: causal_lm is not built yet "
+                    f"(language models run under megatron's tp, sequence_parallel, ep and dp); use {axis}: 1, or a "
+                    "data-parallel strategy (ddp, fsdp, zero3)"
+                )
         for axis in ("pp", "cp", "ep"):
             if use_lora and getattr(self.config, axis) > 1:
                 raise ConfigError(

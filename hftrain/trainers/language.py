@@ -1,0 +1,158 @@
+"""Causal language modelling (``model.task: causal_lm``): next-token cross entropy on packed blocks of text.
+
+The blocks come from ``hftrain.data.language``: documents packed whole into ``data.max_seq_length`` tokens, position
+ids restarting at every document (transformers then masks attention block-diagonally: no token sees another
+document), and label ``-100`` on prompts, padding and every document's first token.
+
+**One mean over the global batch, as one process computes it.** The loss of an optimizer step is the mean over every
+target token of its global batch, ``L = (1/N) Σ_tokens ℓ``, however the batch is split into micro-batches and
+processes. A per-micro-batch mean would weight a micro-batch with few targets (a short response) as much as a full
+one, and differ from one process. Each rank therefore computes its micro-batch's *sum* ``S`` and scales it by
+``dp · accumulation / N``, where ``N`` is the global batch's target count: the runtime's backward divides by the
+accumulation steps and the data-parallel reduction averages over ``dp``, leaving ``Σ S / N`` on every rank. ``N`` needs
+no collective: every process builds the same example order (``hftrain.data.batching.EpochSampler``), and a global
+batch is always the ``G = micro × accumulation × dp`` consecutive examples of that order, so each rank sums the
+``num_tokens`` column of the ones of its window. The logged loss, the mean of the scaled micro-batch losses over the
+window and the replicas, is then ``Σ S / N`` too.
+
+Evaluation sums each block's token losses and counts its targets; the evaluation loss is ``Σ sums / Σ counts`` over the
+whole set (each block counted once), and the perplexity ``exp`` of it.
+
+Under tensor parallelism the output projection may be split over the vocabulary (``hftrain.parallel``): the model then
+returns each rank's shard of the logits, and the head module supplies the vocabulary-parallel cross entropy
+(``token_losses``), so no rank holds a full-vocabulary row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hftrain.trainers.base import Trainer
+
+IGNORE_INDEX = -100
+"""transformers' label for positions without a target (prompts, padding, a document's first token)."""
+
+
+class CausalLMTrainer(Trainer):
+    """Fine-tuning of a ``*ForCausalLM`` model on packed text, evaluated by loss and perplexity.
+
+    Args:
+        train_dataset: packed blocks with ``input_ids``, ``labels``, ``position_ids``, ``length`` and ``num_tokens``
+            (the block's targets: its ``labels[1:]`` that are not ``-100``).
+        kwargs: as :class:`hftrain.trainers.base.Trainer`.
+    """
+
+    whole_global_batches = True  # N counts a global batch's blocks: Accelerate's repeats of a short one would not be
+
+    def __init__(self, *args: Any, train_dataset: Any, **kwargs: Any) -> None:
+        from hftrain.errors import DataError
+
+        self._targets = [int(n) for n in train_dataset["num_tokens"][:]]
+        self._window_targets: dict[int, list[float]] = {}  # epoch -> target count of each global batch
+        super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        blocks, size = len(self._targets), self.strategy_summary["global_batch"]
+        if blocks < size:
+            raise DataError(
+                f"data: the training text packs into {blocks} blocks of data.max_seq_length tokens, fewer than one "
+                f"global batch ({size}: per_device_train_batch_size × gradient_accumulation_steps × data-parallel "
+                "processes); add text, or lower the batch or data.max_seq_length"
+            )
+        if blocks % size:
+            self._log(
+                f"data: the last {blocks % size} of {blocks} training blocks (in each epoch's order) do not fill a "
+                f"global batch of {size} and are left out of that epoch"
+            )
+
+    def data_collator(self) -> Any:
+        from hftrain.data.language import lm_collator
+
+        return lm_collator
+
+    # ----------------------------------------------------------------- training
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This micro-batch's target losses summed, scaled by ``dp · accumulation / N`` (module docstring); a mixture
+        of experts adds its routers' load-balancing loss."""
+        labels = batch["labels"]
+        logits = model(**_inputs(batch)).logits
+        summed = token_losses(self._head(), logits, labels).sum()
+        scale = self.runtime.dp_size * self.args.gradient_accumulation_steps / self._global_targets()
+        loss = summed * scale
+        if self.expert_load is not None:
+            loss = loss + self.expert_load.aux_loss(batch)
+        return loss
+
+    def _head(self) -> torch.nn.Module | None:
+        """The model's output projection (``lm_head``; vocabulary-parallel under tensor parallelism)."""
+        unwrapped = self.runtime.unwrap_model(self.model)
+        return unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
+
+    def _global_targets(self) -> float:
+        """``N``: the target tokens of the global batch the current micro-batch belongs to (at least 1)."""
+        epoch = self.state.epoch
+        if epoch not in self._window_targets:
+            self.train_sampler.set_epoch(epoch)
+            order = list(self.train_sampler)
+            size = self.strategy_summary["global_batch"]
+            self._window_targets = {
+                epoch: [
+                    float(max(1, sum(self._targets[i] for i in order[start : start + size])))
+                    for start in range(0, len(order), size)
+                ]
+            }
+        window = self.state.micro_step // self.args.gradient_accumulation_steps
+        return self._window_targets[epoch][window]
+
+    # ----------------------------------------------------------------- evaluation
+    def prediction_step(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per block: (the sum of its target losses, its target count, its target count)."""
+        labels = batch["labels"]
+        logits = model(**_inputs(batch)).logits
+        losses = token_losses(self._head(), logits, labels)  # (batch, sequence - 1), 0 where no target
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
+        return losses.sum(dim=-1), counts, counts
+
+    def evaluation_loss(self, losses: torch.Tensor, labels: torch.Tensor) -> float:
+        """The mean over every target token of the evaluation set: ``Σ sums / Σ counts``."""
+        return (losses.double().sum() / labels.double().sum().clamp(min=1)).item()
+
+    def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        return {"tokens": float(labels.sum().item())}
+
+    def evaluate(self) -> dict[str, float]:
+        metrics = super().evaluate()
+        if "eval_loss" in metrics:  # perplexity beside the loss it is the exponential of
+            metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
+            self.state.log_history[-1]["eval_perplexity"] = metrics["eval_perplexity"]
+        return metrics
+
+
+def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The model's inputs: everything but the labels (the loss is computed here, not by the model), without a key/value
+    cache: a cache, even an empty one, turns off transformers' packed-document masking (``LMCollator``)."""
+    return {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}
+
+
+def token_losses(head: torch.nn.Module | None, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy per position, ``(batch, sequence - 1)`` in fp32, 0 where the target is ``-100``.
+
+    Position ``t`` predicts ``labels[t + 1]`` (transformers' shift). Where the model's output projection is split
+    over the vocabulary (tensor parallelism), ``logits`` is this rank's shard and the projection computes the loss
+    across the shards (its ``token_losses``).
+
+    Args:
+        head: the model's output projection (``get_output_embeddings()``), or None.
+        logits: ``(batch, sequence, vocabulary or its shard)``.
+        labels: ``(batch, sequence)`` token ids, ``-100`` where there is no target.
+    """
+    from hftrain.parallel.cross_entropy import cross_entropy_per_token
+
+    shifted_logits, targets = logits[:, :-1], labels[:, 1:]
+    parallel = getattr(head, "token_losses", None)
+    if parallel is not None:
+        return parallel(shifted_logits, targets)
+    return cross_entropy_per_token(shifted_logits, targets, ignore_index=IGNORE_INDEX)

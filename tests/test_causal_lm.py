@@ -1,0 +1,233 @@
+"""Causal language modelling (``model.task: causal_lm``): the same trainer under every data-parallel strategy.
+
+Two launches: one process for the references, two for DDP, ZeRO-3 and FSDP2 (micro-batches of the reference's global
+batch split over the replicas). Each equals its 1-process run within 1e-5 (fp32): the loss of every step (the mean over
+the global batch's target tokens, however unevenly they fall on micro-batches and processes) and the final evaluation
+(loss and perplexity). Llama (untied, grouped-query) trains on plain text; GPT-2 (tied input/output embeddings) on
+prompt/response pairs with gradient accumulation, where the loss is on the responses only: the first step's loss is
+recomputed by hand from the initial model, with the prompts' positions left out and one mean over the global batch.
+Then ``hftrain train`` end to end: a model folder and a JSONL of prompt/response pairs, exported as a
+``*ForCausalLM`` folder (full, and a PEFT ``CAUSAL_LM`` adapter) that plain transformers reloads and ``generate()``s
+from, with a held-out perplexity below the base model's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.tiny import WORDS, reset_accelerate_state, tiny_config, tiny_tokenizer
+
+BLOCK = 32
+STEPS = 5
+
+
+def lm_splits(n_train: int = 80, n_eval: int = 20, *, prompt_response: bool = False, seed: int = 0):
+    """Learnable text: each document counts up through ``WORDS`` from a random start (a prompt/response pair: the
+    first words, then the rest), 2 to 14 words long, so the blocks hold uneven numbers of targets."""
+    from datasets import Dataset, DatasetDict
+
+    rng = random.Random(seed)
+
+    def document() -> list[str]:
+        start, length = rng.randrange(len(WORDS)), rng.randint(2, 14)
+        return [WORDS[(start + i) % len(WORDS)] for i in range(length)]
+
+    docs = [document() for _ in range(n_train + n_eval)]
+    if prompt_response:
+        cut = [max(1, len(d) // 2) for d in docs]
+        rows = {"prompt": [" ".join(d[:c]) for d, c in zip(docs, cut, strict=True)],
+                "response": [" ".join(d[c:]) for d, c in zip(docs, cut, strict=True)]}  # fmt: skip
+    else:
+        rows = {"text": [" ".join(d) for d in docs]}
+    return DatasetDict(
+        train=Dataset.from_dict({k: v[:n_train] for k, v in rows.items()}),
+        validation=Dataset.from_dict({k: v[n_train:] for k, v in rows.items()}),
+    )
+
+
+def lm_model_init(kind: str):
+    def build():
+        from transformers import AutoModelForCausalLM
+
+        config = tiny_config(kind, max_positions=BLOCK * 2)
+        return AutoModelForCausalLM.from_config(config)
+
+    return build
+
+
+def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt_response: bool = False,
+           first_batch: bool = False, strategy_options: dict | None = None, weights: bool = False) -> dict:  # fmt: skip
+    """Train a tiny causal LM in this process group; losses, final metrics and (``first_batch``) the first global
+    batch's blocks and the initial model's loss on them computed by hand."""
+    import torch
+
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.data.language import pack_splits
+    from hftrain.strategies import build_strategy
+    from hftrain.trainers.language import CausalLMTrainer
+    from tests.tiny import _fresh_output_dir
+
+    reset_accelerate_state()
+    tokenizer = tiny_tokenizer("gpt2")
+    tokenizer.pad_token = tokenizer.eos_token
+    packed = pack_splits(lm_splits(prompt_response=prompt_response), tokenizer, block_size=BLOCK, log=lambda _: None)
+    args = TrainingConfig(
+        output_dir=_fresh_output_dir(),
+        per_device_train_batch_size=micro,
+        per_device_eval_batch_size=3,
+        gradient_accumulation_steps=gas,
+        max_steps=STEPS,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        logging_steps=1,
+        log_with="none",
+        mixed_precision="no",
+        train_sampling_strategy="random",
+    )
+    trainer = CausalLMTrainer(
+        args,
+        strategy=build_strategy(StrategyConfig(name=strategy, **(strategy_options or {})),
+                                launch=launch_info_from_environ()),  # fmt: skip
+        model_init=lm_model_init(kind),
+        tokenizer=tokenizer,
+        train_dataset=packed["train"],
+        eval_dataset=packed["validation"],
+    )
+    expected_first = None
+    if first_batch:  # the initial model (same seed) on the first global batch, by hand
+        from accelerate.utils import set_seed
+
+        set_seed(args.seed)
+        model = lm_model_init(kind)().eval()
+        trainer.train_sampler.set_epoch(0)
+        rows = packed["train"].select(list(trainer.train_sampler)[: micro * gas])
+        ids, labels = torch.tensor(rows["input_ids"]), torch.tensor(rows["labels"])
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=torch.tensor(rows["position_ids"]), use_cache=False).logits
+        targets = labels[:, 1:]
+        losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none", ignore_index=-100
+        )
+        expected_first = {
+            "global_mean": (losses.sum() / (targets != -100).sum()).item(),
+            "all_positions": torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+            ).item(),
+        }
+    result = trainer.fit()
+    history = trainer.state.log_history
+    state = trainer.runtime.get_state_dict(trainer.model) if weights else None  # collective
+    return {
+        "weights": {k: v.detach().clone() for k, v in state.items()} if state and trainer.accelerator.is_main_process
+        else None,
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "metrics": result.metrics,
+        "expected_first": expected_first,
+        "num_processes": trainer.accelerator.num_processes,
+        "head": (type(trainer._head()).__name__, tuple(trainer._head().weight.shape)),
+    }
+
+
+CASES = {
+    # name: (kind, prompt/response, the reference's micro-batch and accumulation)
+    "llama-text": ("llama", False, 8, 1),
+    "gpt2-prompt-response": ("gpt2", True, 4, 2),
+    "mixtral-text": ("mixtral", False, 8, 1),
+}
+DATA_PARALLEL = ("llama-text", "gpt2-prompt-response")
+# megatron on 2 processes: (case, options, data-parallel replicas)
+MEGATRON = {
+    "tp2": ("llama-text", {"tp": 2}, 1),
+    "tp2-sp": ("llama-text", {"tp": 2, "sequence_parallel": True}, 1),
+    # tied embeddings; the vocabulary (64) padded to 66 rows (vocab_multiple 3): padding rows never enter the loss
+    "tp2-tied-padded": ("gpt2-prompt-response", {"tp": 2, "vocab_multiple": 3}, 1),
+    "ep2": ("mixtral-text", {"ep": 2}, 2),
+}
+
+
+def _references() -> dict:
+    return {
+        # the first step's loss by hand where it is the cross entropy alone (a mixture of experts adds its routers')
+        name: run_lm(kind=kind, micro=micro, gas=gas, prompt_response=pr, first_batch=name in DATA_PARALLEL,
+                     weights=True)  # fmt: skip
+        for name, (kind, pr, micro, gas) in CASES.items()
+    }
+
+
+def _two_processes() -> dict:
+    runs = {}
+    for strategy in ("ddp", "zero3", "fsdp"):
+        for name in DATA_PARALLEL:
+            kind, pr, micro, gas = CASES[name]
+            runs[(name, strategy)] = run_lm(kind=kind, strategy=strategy, micro=micro // 2, gas=gas, prompt_response=pr)
+    for layout, (name, options, dp) in MEGATRON.items():
+        kind, pr, micro, gas = CASES[name]
+        runs[layout] = run_lm(
+            kind=kind, strategy="megatron", micro=micro // dp, gas=gas, prompt_response=pr, strategy_options=options,
+            weights=True,
+        )  # fmt: skip
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    (reference,) = run_distributed(_references, nprocs=1, timeout=900)
+    return {"reference": reference, "two": run_distributed(_two_processes, nprocs=2, timeout=1200)}
+
+
+@pytest.mark.distributed
+def test_first_loss_is_the_mean_over_the_global_batch_targets(runs):
+    """The first logged loss is the initial model's: the prompts, padding and document starts carry no target, and
+    the mean is over the global batch's targets (not a mean of micro-batch means)."""
+    for name in DATA_PARALLEL:
+        run = runs["reference"][name]
+        expected = run["expected_first"]
+        assert run["losses"][0] == pytest.approx(expected["global_mean"], abs=1e-5), name
+        # a loss over every position would differ: the check can fail
+        assert abs(expected["all_positions"] - expected["global_mean"]) > 1e-3, name
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])
+@pytest.mark.parametrize("case", DATA_PARALLEL)
+def test_two_processes_equal_one(runs, case, strategy):
+    reference, (rank0, rank1) = runs["reference"][case], runs["two"]
+    run = rank0[(case, strategy)]
+    assert run["num_processes"] == 2
+    assert len(run["losses"]) == STEPS
+    for step, (got, want) in enumerate(zip(run["losses"], reference["losses"], strict=True)):
+        assert got == pytest.approx(want, abs=1e-5), (case, strategy, step)
+    assert rank1[(case, strategy)]["losses"] == run["losses"]
+    for key in ("eval_loss", "eval_perplexity", "eval_tokens"):
+        assert run["metrics"][key] == pytest.approx(reference["metrics"][key], abs=1e-5, rel=1e-5), key
+    assert run["metrics"]["eval_perplexity"] == pytest.approx(math.exp(run["metrics"]["eval_loss"]), rel=1e-9)
+    assert reference["losses"][-1] < reference["losses"][0]  # it learns
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(MEGATRON))
+def test_megatron_equals_one_process(runs, layout):
+    """Vocabulary-parallel cross entropy (no rank holds a full-vocabulary row), sequence parallelism, tied embeddings
+    kept tied across the split, and expert parallelism with the router loss: losses, evaluation and trained weights
+    equal the 1-process run's."""
+    name = MEGATRON[layout][0]
+    reference, run = runs["reference"][name], runs["two"][0][layout]
+    for step, (got, want) in enumerate(zip(run["losses"], reference["losses"], strict=True)):
+        assert got == pytest.approx(want, abs=1e-5), (layout, step)
+    assert run["metrics"]["eval_loss"] == pytest.approx(reference["metrics"]["eval_loss"], abs=1e-5)
+    assert run["weights"].keys() == reference["weights"].keys()
+    for key, want in reference["weights"].items():
+        assert (run["weights"][key] - want).abs().max().item() < 1e-5, (layout, key)
+    if layout.startswith("tp"):  # each rank holds its slice of the padded vocabulary (64, or 66), never a full row
+        rows = 33 if "padded" in layout else 32
+        assert run["head"] == ("VocabParallelHead", (rows, 32)), run["head"]
+    if name.startswith("gpt2"):  # tied: one tensor under both names
+        assert torch.equal(run["weights"]["lm_head.weight"], run["weights"]["transformer.wte.weight"])
