@@ -67,7 +67,7 @@ def _measure(strategy_name: str, options: dict, folder: str) -> dict:
     from hftrain.cli import launch_info_from_environ
     from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.models import PretrainedClassifier
+    from hftrain.models import PretrainedBuilder
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
@@ -88,7 +88,7 @@ def _measure(strategy_name: str, options: dict, folder: str) -> dict:
     trainer = SequenceClassificationTrainer(
         args,
         strategy=strategy,
-        model_init=PretrainedClassifier(ModelConfig(model_name_or_path=folder), tokenizer.pad_token_id),
+        model_init=PretrainedBuilder(ModelConfig(model_name_or_path=folder), tokenizer.pad_token_id),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
         eval_dataset=None,

@@ -12,7 +12,7 @@ each in its own set of gloo processes. Every rank reads ``/proc/self/status``:
 - ``after prepare``: VmRSS once the Trainer has built, split and cut the model (before any step), minus the
   baseline, beside the rank's own weights (a quarter of the model states).
 
-Every rank loads the model from a saved folder as a job does (``hftrain.models.PretrainedClassifier``), so a
+Every rank loads the model from a saved folder as a job does (``hftrain.models.PretrainedBuilder``), so a
 pipeline rank reads and materializes only its stage. The same layout is then run with the same 30 layers 8×
 narrower (0.3M parameters): its peak and held memory are the **fixed cost** (imports touched on the first step,
 process groups, the schedule, the loaders), which does not grow with the model; ``(peak - fixed) / plan`` is the
@@ -69,7 +69,7 @@ def smollm2_config(**overrides):
 
 def saved_model(name: str, **overrides) -> str:
     """A folder with SmolLM2-135M's shape (with ``overrides``) and random weights, loaded by every rank as a job
-    loads its model (``hftrain.models.PretrainedClassifier``: a pipeline rank materializes only its stage)."""
+    loads its model (``hftrain.models.PretrainedBuilder``: a pipeline rank materializes only its stage)."""
     import tempfile
 
     import torch
@@ -117,7 +117,7 @@ def _measure(tp: int, pp: int, folder: str) -> dict:
     from hftrain.cli import launch_info_from_environ
     from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.models import PretrainedClassifier
+    from hftrain.models import PretrainedBuilder
     from hftrain.strategies import build_strategy
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
@@ -151,7 +151,7 @@ def _measure(tp: int, pp: int, folder: str) -> dict:
     trainer = Trainer(
         args,
         strategy=strategy,
-        model_init=PretrainedClassifier(ModelConfig(model_name_or_path=folder), tokenizer.pad_token_id),
+        model_init=PretrainedBuilder(ModelConfig(model_name_or_path=folder), tokenizer.pad_token_id),
         tokenizer=tokenizer,
         train_dataset=splits["train"],
         eval_dataset=None,
