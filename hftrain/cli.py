@@ -205,9 +205,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     nan = float("nan")
     (first, first_value), (second, second_value) = headline(result.metrics) or (("accuracy", nan), ("f1", nan))
+    metrics = result.metrics
+    counted = (  # a language model's evaluation counts target tokens, a classifier's examples
+        f"{int(metrics['eval_tokens']):,} tokens" if "eval_tokens" in metrics
+        else f"{int(metrics.get('eval_samples', 0))} examples"
+    )  # fmt: skip
     log_main(
-        f"validation {first} {first_value:.4f} ({second} {second_value:.4f}, "
-        f"{int(result.metrics.get('eval_samples', 0))} examples) after {result.global_step} steps; "
+        f"validation {first} {first_value:.4f} ({second} {second_value:.4f}, {counted}) after "
+        f"{result.global_step} steps; "
         f"took {result.seconds:.1f} s ({_throughput(result.throughput)}); model saved to {result.model_dir}"
     )
     return 0

@@ -347,6 +347,30 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     "data: header only": (lambda c: [*c.base(), "--train_file", c.file("t.csv", "text,label\n")], "no data rows"),
     "data: unsupported type": (lambda c: [*c.base(), "--train_file", c.file("t.txt", "w1 1\n")], "unsupported file"),
     "data: split 100 percent": (lambda c: [*c.base(), "--validation_split_percentage", "100"], "(0, 100)"),
+    "model: a classification setting for a language model": (
+        lambda c: [*c.base(), "--task", "causal_lm", "--problem_type", "regression"],
+        "model.problem_type is a classification setting and model.task is causal_lm; remove model.problem_type",
+    ),
+    "model: a family without a causal language model": (
+        lambda c: [*c.base(), "--task", "causal_lm", "--model_name_or_path",
+                   c.model_variant("distil", lambda p: _edit_json(p / "config.json",
+                                                                  lambda j: j.update(model_type="distilbert")))],
+        "transformers has no causal lm model for model type 'distilbert'",
+    ),  # fmt: skip
+    "data: a language model's text column missing": (
+        lambda c: [*c.base(), "--task", "causal_lm", "--text_column", "review"],
+        "data.text_column",
+    ),
+    "data: fewer blocks than one global batch": (
+        lambda c: [*c.base(), "--task", "causal_lm", "--per_device_train_batch_size", "512", "--model_name_or_path",
+                   c.model_variant("eos", lambda p: _edit_json(p / "tokenizer_config.json",
+                                                               lambda j: j.update(eos_token="[CLS]")))],
+        "fewer than one global batch (512",
+    ),  # fmt: skip
+    "model: a language model's tokenizer without an end of text": (
+        lambda c: [*c.base(), "--task", "causal_lm"],
+        "has no eos token (nor sep), which ends every packed document; set eos_token in its tokenizer_config.json",
+    ),
     # ------------------------------------------------------------------ model folder
     "model: config.json not JSON": (
         lambda c: [*c.base(), "--model_name_or_path", c.model_variant("m", lambda p: _truncate(p / "config.json"))],

@@ -231,3 +231,96 @@ def test_megatron_equals_one_process(runs, layout):
         assert run["head"] == ("VocabParallelHead", (rows, 32)), run["head"]
     if name.startswith("gpt2"):  # tied: one tensor under both names
         assert torch.equal(run["weights"]["lm_head.weight"], run["weights"]["transformer.wte.weight"])
+
+
+# ----------------------------------------------------------------------------- hftrain train, end to end
+def _lm_folder(path: Path) -> Path:
+    """A tiny random Llama causal LM saved with its tokenizer, as a user's model folder."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer("gpt2")
+    config = tiny_config("llama", max_positions=128)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _jsonl(path: Path, split: str, seed: int) -> Path:
+    rows = lm_splits(n_train=160, n_eval=0, prompt_response=True, seed=seed)["train"]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows.to_list()))
+    return path
+
+
+def _token_loss(model, tokenizer, data: Path) -> float:
+    """The mean next-token loss of ``model`` on the responses of ``data``, in plain transformers."""
+    import torch
+
+    from hftrain.data.language import lm_collator, load_text_splits, pack_splits
+
+    splits = load_text_splits(dataset_name=None, train_file=str(data), validation_file=str(data), text_column="text",
+                              prompt_column="prompt", response_column="response", validation_split_percentage=10,
+                              max_train_samples=None, max_eval_samples=None, seed=0, log=lambda _: None)  # fmt: skip
+    batch = lm_collator(pack_splits(splits, tokenizer, block_size=BLOCK, log=lambda _: None)["validation"].to_list())
+    with torch.no_grad():
+        labels = batch.pop("labels")
+        logits = model(**batch, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_train_exports_a_causal_lm_that_generates(tmp_path, capsys, lora):
+    """``hftrain train --task causal_lm`` on prompt/response JSONL: the export reloads in plain transformers (a
+    ``*ForCausalLM`` folder, or a PEFT ``CAUSAL_LM`` adapter on the base), ``generate()`` runs on it, and its
+    held-out loss is below the base model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.cli import main
+
+    model = _lm_folder(tmp_path / "base")
+    train, held_out = _jsonl(tmp_path / "train.jsonl", "train", 0), _jsonl(tmp_path / "held_out.jsonl", "eval", 1)
+    out = tmp_path / "out"
+    args = ["train", "--task", "causal_lm", "--model_name_or_path", str(model), "--dataset_name", "null",
+            "--train_file", str(train), "--max_seq_length", str(BLOCK), "--max_steps", "25", "--learning_rate",
+            "1e-2" if lora else "3e-3", "--per_device_train_batch_size", "8", "--output_dir", str(out),
+            "--mixed_precision", "no", "--log_with", "none"]  # fmt: skip
+    if lora:
+        args += ["--use_lora", "true", "--lora_target_modules", "q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    reset_accelerate_state()
+    code, printed = main(args), capsys.readouterr()
+    assert code == 0, printed.err[-3000:]
+    assert "validation loss" in printed.out + printed.err and "perplexity" in printed.out + printed.err
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    base = AutoModelForCausalLM.from_pretrained(model).eval()
+    if lora:
+        from peft import PeftModel
+
+        assert (out / "model" / "adapter_config.json").is_file()
+        assert json.loads((out / "model" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+        trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), out / "model").eval()
+    else:
+        assert json.loads((out / "model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        trained = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    prompt = tokenizer("w3 w4 w5", return_tensors="pt")
+    generated = trained.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert generated.shape == (1, 7)
+    assert _token_loss(trained, tokenizer, held_out) < _token_loss(base, tokenizer, held_out) - 0.1
+
+
+@pytest.mark.parametrize("axis", ["pp", "cp"])
+def test_megatron_axes_not_built_for_language_models_are_refused_in_one_line(axis):
+    from hftrain.config import StrategyConfig
+    from hftrain.errors import ConfigError
+    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies.platform import Platform
+
+    options = {axis: 2, **({"num_microbatches": 2} if axis == "pp" else {})}
+    strategy = build_strategy(
+        StrategyConfig(name="megatron", **options),
+        launch=LaunchInfo(world_size=2, local_world_size=2),
+        platform=Platform("cpu", "gloo"),
+    )
+    config = tiny_config("llama")
+    strategy.check_model(config, use_lora=False)  # a classifier takes the axis
+    with pytest.raises(ConfigError, match=f"strategy.{axis}=2 with model.task: causal_lm is not built yet"):
+        strategy.check_model(config, use_lora=False, task="causal_lm")

@@ -8,8 +8,8 @@ from ``data.text_column`` (column ``text``).
 
 Packing (``pack_splits``) turns each split into blocks of exactly ``block_size`` tokens, by these rules:
 
-1. A document is its tokens without the special tokens of the tokenizer's template, then ``eos_token_id``: the model
-   learns where a document ends. Prompt/response: prompt ids + response ids + eos, tokenized separately, so the
+1. A document is its tokens without the special tokens of the tokenizer's template, then ``eos_token_id`` (a
+   BERT-style tokenizer without one: its ``sep_token_id``): the model learns where a document ends. Prompt/response: prompt ids + response ids + eos, tokenized separately, so the
    boundary is where the data says it is.
 2. A document longer than ``block_size`` is cut to its first ``block_size`` tokens (counted in one log line): a
    document is never split across blocks, so no block starts mid-document without its beginning in view.
@@ -332,11 +332,12 @@ def pack_splits(
             "data.max_seq_length: the block length of a causal LM must be an integer of at least 2, "
             f"got {block_size!r}"
         )
-    eos = tokenizer.eos_token_id
+    # the end of a document: the eos token, else a BERT-style tokenizer's separator (its end of a text)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     if eos is None:
         raise ConfigError(
-            f"model.model_name_or_path: the tokenizer {tokenizer.name_or_path or type(tokenizer).__name__} has no "
-            "eos token, which ends every packed document; set eos_token in its tokenizer_config.json"
+            f"model.model_name_or_path: the tokenizer {tokenizer.name_or_path or type(tokenizer).__name__} has no eos "
+            "token (nor sep), which ends every packed document; set eos_token in its tokenizer_config.json"
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     features = datasets.Features(

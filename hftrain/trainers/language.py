@@ -16,7 +16,7 @@ batch is always the ``G = micro × accumulation × dp`` consecutive examples of 
 window and the replicas, is then ``Σ S / N`` too.
 
 Evaluation sums each block's token losses and counts its targets; the evaluation loss is ``Σ sums / Σ counts`` over the
-whole set (each block counted once), and the perplexity ``exp`` of it.
+whole set (each block counted once, gathered over the replicas), and the perplexity ``exp`` of it.
 
 Under tensor parallelism the output projection may be split over the vocabulary (``hftrain.parallel``): the model then
 returns each rank's shard of the logits, and the head module supplies the vocabulary-parallel cross entropy
@@ -109,26 +109,20 @@ class CausalLMTrainer(Trainer):
     def prediction_step(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per block: (the sum of its target losses, its target count, its target count)."""
+        """Per block: (the sum of its target losses, the same sum, its target count)."""
         labels = batch["labels"]
         logits = model(**_inputs(batch)).logits
-        losses = token_losses(self._head(), logits, labels)  # (batch, sequence - 1), 0 where no target
-        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
-        return losses.sum(dim=-1), counts, counts
+        sums = token_losses(self._head(), logits, labels).sum(dim=-1)  # 0 where no target
+        return sums, sums, (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
 
     def evaluation_loss(self, losses: torch.Tensor, labels: torch.Tensor) -> float:
         """The mean over every target token of the evaluation set: ``Σ sums / Σ counts``."""
         return (losses.double().sum() / labels.double().sum().clamp(min=1)).item()
 
     def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-        return {"tokens": float(labels.sum().item())}
-
-    def evaluate(self) -> dict[str, float]:
-        metrics = super().evaluate()
-        if "eval_loss" in metrics:  # perplexity beside the loss it is the exponential of
-            metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
-            self.state.log_history[-1]["eval_perplexity"] = metrics["eval_perplexity"]
-        return metrics
+        """Perplexity, ``exp`` of the mean target loss, and the target tokens counted."""
+        loss = self.evaluation_loss(predictions, labels)
+        return {"perplexity": math.exp(min(loss, 700.0)), "tokens": float(labels.sum().item())}
 
 
 def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
