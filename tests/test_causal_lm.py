@@ -94,8 +94,9 @@ def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt
     )
     trainer = CausalLMTrainer(
         args,
-        strategy=build_strategy(StrategyConfig(name=strategy, **(strategy_options or {})),
-                                launch=launch_info_from_environ()),  # fmt: skip
+        strategy=build_strategy(
+            StrategyConfig(name=strategy, **(strategy_options or {})), launch=launch_info_from_environ()
+        ),  # fmt: skip
         model_init=lm_model_init(kind),
         tokenizer=tokenizer,
         train_dataset=packed["train"],
@@ -126,7 +127,8 @@ def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt
     history = trainer.state.log_history
     state = trainer.runtime.get_state_dict(trainer.model) if weights else None  # collective
     return {
-        "weights": {k: v.detach().clone() for k, v in state.items()} if state and trainer.accelerator.is_main_process
+        "weights": {k: v.detach().clone() for k, v in state.items()}
+        if state and trainer.accelerator.is_main_process
         else None,
         "losses": [h["loss"] for h in history if "loss" in h],
         "metrics": result.metrics,
@@ -156,8 +158,9 @@ MEGATRON = {
 def _references() -> dict:
     return {
         # the first step's loss by hand where it is the cross entropy alone (a mixture of experts adds its routers')
-        name: run_lm(kind=kind, micro=micro, gas=gas, prompt_response=pr, first_batch=name in DATA_PARALLEL,
-                     weights=True)  # fmt: skip
+        name: run_lm(
+            kind=kind, micro=micro, gas=gas, prompt_response=pr, first_batch=name in DATA_PARALLEL, weights=True
+        )  # fmt: skip
         for name, (kind, pr, micro, gas) in CASES.items()
     }
 
@@ -265,7 +268,8 @@ def _token_loss(model, tokenizer, data: Path) -> float:
     with torch.no_grad():
         labels = batch.pop("labels")
         logits = model(**batch, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)).item()
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+    return torch.nn.functional.cross_entropy(flat, labels[:, 1:].reshape(-1)).item()
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -161,9 +161,7 @@ def test_unsplit_loss_and_refusals():
     base = torch.randn(2, 6, 11, requires_grad=True)
     targets = torch.randint(0, 11, (2, 6))
     for view in (lambda t: t[:, :-1], lambda t: t.transpose(0, 1)):
-        ours = vocab_parallel_cross_entropy(
-            view(base), view(targets), tp_group=None, vocab_start=0, vocab_size=11
-        )
+        ours = vocab_parallel_cross_entropy(view(base), view(targets), tp_group=None, vocab_start=0, vocab_size=11)
         (grad,) = torch.autograd.grad(ours.sum(), base)
         theirs = cross_entropy_per_token(view(base), view(targets))
         (expected_grad,) = torch.autograd.grad(theirs.sum(), base)

@@ -8,9 +8,10 @@ from ``data.text_column`` (column ``text``).
 
 Packing (``pack_splits``) turns each split into blocks of exactly ``block_size`` tokens, by these rules:
 
-1. A document is its tokens without the special tokens of the tokenizer's template, then ``eos_token_id`` (a
-   BERT-style tokenizer without one: its ``sep_token_id``): the model learns where a document ends. Prompt/response: prompt ids + response ids + eos, tokenized separately, so the
-   boundary is where the data says it is.
+1. A document is its tokens without the special tokens of the tokenizer's template, then ``eos_token_id``
+   (a BERT-style tokenizer without one: its ``sep_token_id``): the model learns where a document ends.
+   Prompt/response: prompt ids + response ids + eos, tokenized separately, so the boundary is where the data says
+   it is.
 2. A document longer than ``block_size`` is cut to its first ``block_size`` tokens (counted in one log line): a
    document is never split across blocks, so no block starts mid-document without its beginning in view.
 3. Documents go whole, in order, greedily into blocks: one that does not fit in what is left of the current block
@@ -172,8 +173,7 @@ def _read_documents(
         return pd.DataFrame({"text": _read_lines(path, field)})
     if not any(name.endswith(suffix) for suffix in _FILE_FORMATS):
         raise DataError(
-            f"{field}: unsupported file type for {path}; use one of "
-            f"{', '.join([TEXT_FILE_SUFFIX, *_FILE_FORMATS])}"
+            f"{field}: unsupported file type for {path}; use one of {', '.join([TEXT_FILE_SUFFIX, *_FILE_FORMATS])}"
         )
     frame = _read_file(path, field)
     source = str(path)
@@ -329,8 +329,7 @@ def pack_splits(
 
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
         raise ConfigError(
-            "data.max_seq_length: the block length of a causal LM must be an integer of at least 2, "
-            f"got {block_size!r}"
+            f"data.max_seq_length: the block length of a causal LM must be an integer of at least 2, got {block_size!r}"
         )
     # the end of a document: the eos token, else a BERT-style tokenizer's separator (its end of a text)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
@@ -504,4 +503,3 @@ class LMCollator:
 
 lm_collator = LMCollator()
 """The collator of packed blocks as they are (:class:`LMCollator`)."""
-

@@ -259,9 +259,7 @@ class PretrainedBuilder:
                     torch.set_rng_state(random_state)
             if loaded is None:
                 with quiet_load_report():
-                    loaded = auto_model_class(self.task).from_pretrained(
-                        self.path, output_loading_info=True, **kwargs
-                    )
+                    loaded = auto_model_class(self.task).from_pretrained(self.path, output_loading_info=True, **kwargs)
                 loaded = loaded[0], sorted(loaded[1]["missing_keys"])
         model, initialised = loaded
         if initialised:

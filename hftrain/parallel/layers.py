@@ -390,10 +390,11 @@ class VocabParallelHead(nn.Module):
 
     Rank i computes its logits ``z_i = f(h) W_iᵀ`` and keeps them: no rank holds a full-vocabulary row. ``f`` is
     Megatron's region entry (identity forward, all-reduce of ``∂h`` backward: every rank's ``dz_i W_i`` summed); the
-    loss is computed across the slices by :meth:`token_losses` (``hftrain.parallel.cross_entropy``: three all-reduces of
-    one number per token). Tied input/output embeddings (GPT-2, SmolLM2) stay tied: the head takes the vocabulary-parallel
-    embedding's own parameter, which then collects both gradients on its rows. ``gather_output`` (the export's check,
-    which compares whole logits) all-gathers the slices along the vocabulary and trims the padding.
+    loss is computed across the slices by :meth:`token_losses` (``hftrain.parallel.cross_entropy``: three all-reduces
+    of one number per token). Tied input/output embeddings (GPT-2, SmolLM2) stay tied: the head takes the
+    vocabulary-parallel embedding's own parameter, which then collects both gradients on its rows. ``gather_output``
+    (the export's check, which compares whole logits) all-gathers the slices along the vocabulary and trims the
+    padding.
 
     Args:
         module: the ``nn.Linear`` output projection (``get_output_embeddings()``).
