@@ -115,27 +115,36 @@ def load_splits(config: TrainConfig, facts: ModelFacts, log: Callable[[str], Non
         "seed": config.training.seed,
         "log": log,
     }
-    if config.model.task == "causal_lm":
-        from hftrain.data.language import load_text_splits
+    return TASKS[config.model.task].load(config, facts, sources)
 
-        return load_text_splits(**sources, prompt_column=data.prompt_column, response_column=data.response_column)
+
+@dataclass(frozen=True)
+class Task:
+    """What a ``model.task`` brings to a job: how its data is read (``load(config, facts, sources)``: the data
+    section's common fields as ``sources``), how its splits become model inputs (and the task they say, for the
+    model's config), and its trainer class."""
+
+    load: Callable[[TrainConfig, Any, dict[str, Any]], Any]
+    prepare: Callable[[Any, Any, int, Callable[[str], None]], tuple[Any, str | None]]
+    trainer: Callable[[], type]
+
+
+def _classification_splits(config: TrainConfig, facts: ModelFacts, sources: dict[str, Any]) -> Any:
     from hftrain.data.loading import load_classification_splits
 
     return load_classification_splits(
         **sources,
-        label_column=data.label_column,
+        label_column=config.data.label_column,
         num_labels=config.model.num_labels,
         problem_type=requested_problem_type(config.model, facts),
     )
 
 
-@dataclass(frozen=True)
-class Task:
-    """What a ``model.task`` brings to a job: how its splits become model inputs (and the task they say, for the
-    model's config), and its trainer class."""
+def _language_splits(config: TrainConfig, facts: ModelFacts, sources: dict[str, Any]) -> Any:
+    from hftrain.data.language import load_text_splits
 
-    prepare: Callable[[Any, Any, int, Callable[[str], None]], tuple[Any, str | None]]
-    trainer: Callable[[], type]
+    data = config.data
+    return load_text_splits(**sources, prompt_column=data.prompt_column, response_column=data.response_column)
 
 
 def _classification_inputs(splits: Any, tokenizer: Any, max_length: int, log: Callable[[str], None]) -> tuple:
@@ -164,10 +173,10 @@ def _language_trainer() -> type:
 
 
 TASKS: dict[str, Task] = {
-    "sequence_classification": Task(_classification_inputs, _classification_trainer),
-    "causal_lm": Task(_language_inputs, _language_trainer),
+    "sequence_classification": Task(_classification_splits, _classification_inputs, _classification_trainer),
+    "causal_lm": Task(_language_splits, _language_inputs, _language_trainer),
 }
-"""``model.task`` -> its data preparation and trainer."""
+"""``model.task`` -> its data, inputs and trainer."""
 
 
 def requested_problem_type(model: ModelConfig, facts: ModelFacts) -> str | None:
