@@ -146,6 +146,8 @@ CASES = {
     "llama-text": ("llama", False, 8, 1),
     "gpt2-prompt-response": ("gpt2", True, 4, 2),
     "mixtral-text": ("mixtral", False, 8, 1),
+    "qwen2-text": ("qwen2", False, 8, 1),  # q/k/v biases, a sliding-window layer
+    "gemma2-text": ("gemma2", False, 8, 1),  # √hidden-scaled tied embeddings, soft-capped attention and logits
 }
 DATA_PARALLEL = ("llama-text", "gpt2-prompt-response")
 # megatron on 2 processes: (case, options, data-parallel replicas)
@@ -155,6 +157,8 @@ MEGATRON = {
     # tied embeddings; the vocabulary (64) padded to 66 rows (vocab_multiple 3): padding rows never enter the loss
     "tp2-tied-padded": ("gpt2-prompt-response", {"tp": 2, "vocab_multiple": 3}, 1),
     "ep2": ("mixtral-text", {"ep": 2}, 2),
+    "tp2-qwen2": ("qwen2-text", {"tp": 2}, 1),
+    "tp2-gemma2": ("gemma2-text", {"tp": 2}, 1),
 }
 
 
@@ -254,6 +258,8 @@ def test_megatron_equals_one_process(runs, layout):
         assert run["head"] == ("VocabParallelHead", (rows, 32)), run["head"]
     if name.startswith("gpt2"):  # tied: one tensor under both names
         assert torch.equal(run["weights"]["lm_head.weight"], run["weights"]["transformer.wte.weight"])
+    if name.startswith("gemma2"):
+        assert torch.equal(run["weights"]["lm_head.weight"], run["weights"]["model.embed_tokens.weight"])
 
 
 # ----------------------------------------------------------------------------- hftrain train, end to end
