@@ -21,6 +21,8 @@ _EXPORTS = {
     "ColumnParallelLinear": "layers",
     "RowParallelLinear": "layers",
     "VocabParallelEmbedding": "layers",
+    "VocabParallelHead": "layers",
+    "vocab_parallel_cross_entropy": "cross_entropy",
     "apply_tensor_parallel": "tensor_parallel",
     "parallelize_layer": "tensor_parallel",
     "sharded_parameters": "tensor_parallel",
