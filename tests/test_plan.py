@@ -9,6 +9,8 @@
   saves for backward (``saved_tensors_hooks``) within 25 % of the activation estimate.
 - ``--write-configs``: the written files start a real 2-process run (zero2, megatron tp2 and pp2).
 - Bad input: one line, exit code 2, nothing written; "nothing fits" is an answer.
+- Language models (``--task causal_lm``): the logits term s·b·V'·(e + 4)/t, the lm_head counted (tied once), pp/cp rows
+  formula-only, ``model.task`` written, the activations against a tiny Llama LM's saved tensors.
 """
 
 from __future__ import annotations
@@ -677,3 +679,176 @@ def test_plan_with_ep_lists_only_expert_parallel_layouts(capsys, tmp_path):
         assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
     code, out, err = _cli(capsys, "--model", str(tmp_path / "tiny"), "--gpus-per-node", "2", "--ep", "2")
     assert code == 0 and "megatron tp1·pp1·dp2·ep2" in out and "all-to-all" in out
+
+
+# ---------------------------------------------------------------------------------------------- language models
+GPT2_VOCAB = 50_257
+GPT2_SMALL = {"layers": 12, "hidden": 768, "heads": 12, "vocab": GPT2_VOCAB}
+
+
+def _tiny_lm(tmp_path, *, tied: bool = False, vocab: int = 64, name: str = "lm"):
+    """A tiny Llama language model's folder (untied by default, as Llama) and its config."""
+    from tests.tiny import tiny_config
+
+    config = tiny_config("llama", vocab_size=vocab)
+    config.tie_word_embeddings = tied
+    config.save_pretrained(tmp_path / name)
+    return str(tmp_path / name), config
+
+
+def test_language_model_logits_are_whole_on_data_parallel_rows_and_split_over_tp():
+    """GPT-2 small's 50,257-token vocabulary at s = 1,024, b = 4, bf16: an LM row's activations are the classifier's
+    plus s·b·V'·(e + 4)/t, V' the vocabulary padded to a multiple of t (50,258 at tp2, 50,260 at tp4)."""
+    s, b, e = 1024, 4, 2
+    work = Workload(micro_batch=b, seq=s, dropout=False)
+    hardware = Hardware(gpus_per_node=4, gpu_memory=80e9)
+    lm = model_from_sizes(parameters=None, **GPT2_SMALL, task="causal_lm")
+    classifier = model_from_sizes(parameters=None, **GPT2_SMALL)
+    assert lm.parameters == classifier.parameters  # 12·L·h² + V·h: the head tied to the embedding
+    ddp = [data_parallel.estimate("ddp", m, work, hardware) for m in (lm, classifier)]
+    assert ddp[0].activations - ddp[1].activations == s * b * GPT2_VOCAB * (e + 4) == 1_235_116_032
+    for tp, padded in ((1, GPT2_VOCAB), (2, 50_258), (4, 50_260)):
+        assert formulas.logits_activation_bytes(seq=s, micro_batch=b, vocab=padded, element=e, tp=tp) == (
+            s * b * padded * (e + 4) / tp
+        )
+    for tp, padded, exact in ((2, 50_258, 617_570_304), (4, 50_260, 308_797_440)):
+        rows = [model_parallel.estimate(tp, 1, m, work, hardware) for m in (lm, classifier)]
+        assert rows[0].activations - rows[1].activations == s * b * padded * (e + 4) / tp == exact
+        assert rows[0].runnable and rows[0].strategy["sequence_parallel"]
+        assert "s·b·V'·(e + 4)/t" in rows[0].formulas["activations"]
+        assert "s·b·V'" not in rows[1].formulas["activations"]
+    # the plan's rows: the LM's extra activations are ÷ tp on megatron rows, whole on every data-parallel one
+    rows = {m.task: _rows(plan(m, hardware, work)) for m in (lm, classifier)}
+    for label, row in rows["causal_lm"].items():
+        extra = row.activations - rows["sequence_classification"][label].activations
+        if row.strategy["name"] != "megatron":
+            assert extra == s * b * GPT2_VOCAB * (e + 4), label
+        elif row.pp == 1:
+            assert extra == pytest.approx(s * b * GPT2_VOCAB * (e + 4) / row.tp, rel=1e-4), label
+
+
+def test_language_model_parameters_count_the_lm_head_once_when_tied(tmp_path):
+    """``--task causal_lm`` counts the ``AutoModelForCausalLM`` model: a tied lm_head adds nothing to the embedding,
+    an untied one V·h; under tp it is split over the vocabulary like the embedding (V'·h/t per GPU)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hftrain.plan.model_parallel import stage_parameters
+
+    specs = {}
+    for tied in (True, False):
+        folder, config = _tiny_lm(tmp_path, tied=tied, name=f"tied{tied}")
+        real = AutoModelForCausalLM.from_config(config)
+        assert (real.lm_head.weight is real.model.embed_tokens.weight) == tied
+        spec = model_from_config(folder, task="causal_lm")
+        assert spec.parameters == sum(p.numel() for p in real.parameters())  # tied weights once
+        assert spec.lm_head_parameters == (0 if tied else 64 * 32) and spec.task == "causal_lm"
+        classifier = AutoModelForSequenceClassification.from_config(config)
+        assert model_from_config(folder).parameters == sum(p.numel() for p in classifier.parameters())
+        specs[tied] = spec
+    vocab, hidden = 64, 32
+    assert specs[False].parameters - specs[True].parameters == vocab * hidden
+    assert stage_parameters(specs[False], 1, 1) == specs[False].parameters
+    for tp in (2, 4):
+        assert stage_parameters(specs[False], tp, 1) - stage_parameters(specs[True], tp, 1) == vocab * hidden / tp
+    # GPT-2 ties its head: the language model is the classifier less its 2-label score (and GPT-2's has no bias)
+    from tests.tiny import tiny_config
+
+    tiny_config("gpt2").save_pretrained(tmp_path / "gpt2")
+    gpt2 = model_from_config(str(tmp_path / "gpt2"), task="causal_lm")
+    assert gpt2.lm_head_parameters == 0
+    assert model_from_config(str(tmp_path / "gpt2")).parameters - gpt2.parameters == 2 * 32
+
+
+def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tmp_path):
+    """megatron pp and cp do not train a language model yet (``LANGUAGE_MODEL_AXES_NOT_BUILT``): those rows are
+    formula-only under ``causal_lm``, and a row is runnable exactly when the megatron strategy's model check with
+    ``task="causal_lm"`` accepts its layout; the same layouts of the classifier stay runnable."""
+    from hftrain.config import StrategyConfig
+    from hftrain.errors import ConfigError
+    from hftrain.plan.common import activation_bytes, logits_bytes
+    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies.platform import Platform
+
+    folder, config = _tiny_lm(tmp_path)
+    lm, classifier = model_from_config(folder, task="causal_lm"), model_from_config(folder)
+    assert lm.refused_axes == {"pp", "cp"} and not classifier.refused_axes
+    for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+        row = model_parallel.estimate(tp, pp, lm, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
+        options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
+        strategy = build_strategy(
+            StrategyConfig(name="megatron", **options),
+            launch=LaunchInfo(world_size=tp * pp * cp, local_world_size=tp * pp * cp),
+            platform=Platform("cpu", "gloo"),
+        )
+        try:
+            strategy.check_model(config, use_lora=False, task="causal_lm")
+            accepted = True
+        except ConfigError:
+            accepted = False
+        assert row.runnable == accepted == (tp > 1), (tp, pp, cp)
+        if not accepted:
+            assert any("model.task causal_lm" in note for note in row.notes), row.notes
+        same = model_parallel.estimate(tp, pp, classifier, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
+        assert same.runnable
+    # under a pipeline the logits are the last stage's: its layers, one micro-batch in flight, and the logits
+    work = Workload(micro_batch=2, seq=64, accumulation=4, dropout=False)
+    staged = model_parallel.estimate(1, 2, lm, work, Hardware(gpus_per_node=2))
+    first = activation_bytes(lm, work, Hardware(), layers=1, in_flight=2, logits=False)
+    last = activation_bytes(lm, work, Hardware(), layers=1)
+    assert staged.activations == max(first, last) and logits_bytes(lm, work) == 2 * 64 * 64 * 6
+    result = plan(lm, Hardware(gpus_per_node=2), work)
+    assert result.choice.runnable and all(r.runnable == (r.pp == 1) for r in result.rows)
+
+
+def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
+    """``--task causal_lm --write-configs`` writes ``model.task: causal_lm`` (validated as a job config); without
+    ``--task`` no task is written (the default classifier); a pp row of a language model is refused."""
+    folder, _ = _tiny_lm(tmp_path)
+    common = ["--model", folder, "--gpus-per-node", "2", "--seq", "64", "--micro-batch", "2"]
+    for task, row in (("causal_lm", "megatron tp2·pp1·dp1"), ("causal_lm", "zero2"), (None, "zero2")):
+        out = tmp_path / f"out-{task}-{row.split(' ')[0]}"
+        task_args = ["--task", task] if task else []
+        code, table, err = _cli(capsys, *common, *task_args, "--write-configs", str(out), "--row", row)
+        assert code == 0, err
+        assert ("(causal_lm)" in table and "logits: causal LM" in table) == (task is not None)
+        job = yaml.safe_load((out / "job.yaml").read_text())
+        assert job["model"].get("task") == task and job["model"]["model_name_or_path"] == folder
+    pipeline = ["--write-configs", str(tmp_path / "pp"), "--row", "megatron tp1·pp2·dp1"]
+    code, out, err = _cli(capsys, *common, "--task", "causal_lm", *pipeline)
+    assert code == 2 and "formula-only" in err and not (tmp_path / "pp").exists()
+    code, out, _ = _cli(capsys, *common, "--task", "causal_lm", "--json")
+    data = json.loads(out)
+    assert data["model"]["task"] == "causal_lm" and "s·b·V'·(e + 4)/t" in data["formulas"]["logits"]
+
+
+@pytest.mark.parametrize("vocab", [64, 1024])
+def test_language_model_activation_estimate_matches_saved_tensors(tmp_path, vocab):
+    """A tiny Llama language model (tp1, fp32, eager attention, 4 × 48): the planned activations, logits included,
+    within ``ACTIVATION_TOLERANCE`` (25 %) of the bytes autograd saves in the forward and the loss
+    (``hftrain.trainers.language.token_losses``: the fp32 log-softmax) plus the logits alive at the loss. At V = 1,024
+    the logits term is over half of the estimate (measured ratios: 0.89 at V = 64, 0.95 at V = 1,024)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.plan.common import activation_bytes, logits_bytes
+    from hftrain.plan.measure import saved_activation_bytes
+    from hftrain.trainers.language import token_losses
+
+    torch.manual_seed(0)
+    folder, config = _tiny_lm(tmp_path, vocab=vocab)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).train()
+    micro, seq = 4, 48
+    ids = torch.randint(3, vocab, (micro, seq))
+    alive = {}
+
+    def forward():
+        alive["logits"] = model(input_ids=ids, use_cache=False).logits
+        return token_losses(None, alive["logits"], ids).sum()
+
+    measured = saved_activation_bytes(model, forward) + alive["logits"].nbytes
+    spec = model_from_config(folder, task="causal_lm")
+    work = Workload(precision="fp32", micro_batch=micro, seq=seq, dropout=False, fused_attention=False)
+    estimate = activation_bytes(spec, work, Hardware(dropout_mask_bytes=4), layers=spec.layers)
+    assert logits_bytes(spec, work) == micro * seq * vocab * (4 + 4)
+    assert estimate == pytest.approx(measured, rel=ACTIVATION_TOLERANCE)

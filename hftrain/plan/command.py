@@ -44,6 +44,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """
     model = parser.add_argument_group("model: --model, or the sizes")
     model.add_argument("--model", help="a local model folder, its config.json, or embedded:minilm / embedded:smollm2")
+    model.add_argument(
+        "--task",
+        choices=("sequence_classification", "causal_lm"),
+        default="sequence_classification",
+        help="model.task: the sequence classifier (default) or a language model (causal_lm: the *ForCausalLM model "
+        "counted, its logits in the activations, model.task written by --write-configs)",
+    )
     model.add_argument("--parameters", type=_count, help="Ψ (e.g. 7.5B); default 12·L·h² + V·h")
     for name, text in (
         ("layers", "transformer layers"),
@@ -129,7 +136,8 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
             raise ConfigError(f"{flag} {getattr(args, name):g}: larger than any memory; give GB (e.g. {flag} 80)")
     if args.row and not args.write_configs:
         raise ConfigError("--row chooses what --write-configs writes; add --write-configs DIR")
-    model = model_from_config(args.model) if args.model else model_from_sizes(**sizes)
+    task = getattr(args, "task", "sequence_classification")
+    model = model_from_config(args.model, task=task) if args.model else model_from_sizes(**sizes, task=task)
     hardware = Hardware(
         gpus_per_node=args.gpus_per_node,
         nodes=args.nodes,

@@ -20,8 +20,11 @@ def activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     gathered_inputs: bool = False,
+    logits: bool = True,
 ) -> float:
-    """Bytes a GPU saves for backward: ``layers`` layers × ``in_flight`` micro-batches, plus the embedding's.
+    """Bytes a GPU saves for backward: ``layers`` layers × ``in_flight`` micro-batches, plus the embedding's, plus a
+    language model's logits and loss buffer for one micro-batch (``formulas.logits_activation_bytes``: split over
+    the vocabulary under tp; the last pipeline stage's, which keeps one micro-batch in flight).
 
     Under full recomputation each layer keeps only its input, and one layer is recomputed at a time; under
     selective recomputation a layer keeps everything but its attention scores (the fused-attention layer), and one
@@ -36,6 +39,7 @@ def activation_bytes(
         tp: tensor-parallel size.
         sequence_parallel: Megatron sequence parallelism.
         gathered_inputs: see ``formulas.layer_activation_bytes`` (True for hftrain's tensor-parallel layers).
+        logits: count a causal LM's logits here (False for a pipeline stage without the output projection).
     """
     mask = hw.dropout_mask_bytes if work.dropout else 0
     shape = {"seq": work.seq, "micro_batch": work.micro_batch, "hidden": model.hidden, "element": work.element}
@@ -59,7 +63,20 @@ def activation_bytes(
     # the layer being recomputed holds its activations again (full: beside its kept input; selective: its scores)
     extra = {"full": full, "selective": full - kept}.get(work.recompute or "", 0.0)
     embedding = formulas.embedding_activation_bytes(**shape, mask=mask)
-    return layers * in_flight * kept + extra + embedding
+    return layers * in_flight * kept + extra + embedding + (logits_bytes(model, work, tp=tp) if logits else 0.0)
+
+
+def logits_bytes(model: ModelSpec, work: Workload, *, tp: int = 1) -> float:
+    """A causal LM's logits and fp32 loss buffer per micro-batch on one GPU (0 for a classifier): ``s·b·V'·(e + 4)/t``,
+    ``V'`` the vocabulary padded to a multiple of ``t`` (``hftrain.parallel.plans.padded_vocab_size``)."""
+    from hftrain.parallel.plans import padded_vocab_size
+
+    if not model.causal_lm:
+        return 0.0
+    vocab = padded_vocab_size(model.vocab, tp)
+    return formulas.logits_activation_bytes(
+        seq=work.seq, micro_batch=work.micro_batch, vocab=vocab, element=work.element, tp=tp
+    )
 
 
 def compute_seconds(model: ModelSpec, work: Workload, hw: Hardware, *, model_split: int) -> float:
@@ -105,7 +122,9 @@ def finish(row: Row, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
         row.notes.append(
             f"offload needs {row.cpu_per_node / 1e9:.1f} GB CPU memory per node, {hw.cpu_memory / 1e9:.1f} GB given"
         )
-    row.formulas.setdefault("activations", formulas.ACTIVATION_FORMULA)
+    row.formulas.setdefault(
+        "activations", formulas.ACTIVATION_FORMULA + ("; " + formulas.LOGITS_FORMULA if model.causal_lm else "")
+    )
     row.formulas.setdefault("time", f"compute k·Ψ·tokens/(t·p·TFLOP/s·efficiency), /(1 − bubble); comm {COMM_FORMULA}")
     return row
 

@@ -1,6 +1,7 @@
 """``--write-configs DIR``: the chosen row as files that start a run.
 
-Written: ``job.yaml`` (hftrain's job config: model, micro-batch, accumulation, precision, strategy, LoRA),
+Written: ``job.yaml`` (hftrain's job config: model (with ``task: causal_lm`` for a language model), micro-batch,
+accumulation, precision, strategy, LoRA),
 for ZeRO rows ``ds_config.json`` (hftrain's DeepSpeed defaults for the stage and offload, ``"auto"`` values
 filled by hftrain at start), for DDP/ZeRO/FSDP rows ``accelerate.yaml`` (processes and machines of the
 hardware), and ``launch.sh`` with the command for each launcher. Everything is checked before the first file
@@ -40,7 +41,7 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
     if ds_config is not None:
         strategy["deepspeed_config"] = str(ds_config)
     job: dict[str, dict[str, Any]] = {
-        "model": {"model_name_or_path": model.source},
+        "model": {"model_name_or_path": model.source, **({"task": model.task} if model.causal_lm else {})},
         "data": {"max_seq_length": work.seq},
         "training": {
             "output_dir": f"outputs/{Path(str(model.source)).name.replace(':', '-')}-{row.label.split(' ')[0]}",

@@ -136,6 +136,37 @@ def embedding_activation_bytes(*, seq: int, micro_batch: int, hidden: int, eleme
     return (element + mask) * seq * micro_batch * hidden
 
 
+LOGITS_FORMULA = (
+    "causal LM: + s·b·V'·(e + 4)/t per micro-batch (the logits in e bytes and the fp32 loss buffer, alive together "
+    "when the loss is computed at the end of the forward: data-parallel "
+    "rows t = 1, V' = V, F.cross_entropy's fp32 log-softmax; megatron tp each rank's vocabulary slice V'/t, V' = V "
+    "padded to a multiple of t, the vocabulary-parallel loss's one fp32 buffer), on the last pipeline stage; not "
+    "recomputed"
+)
+
+
+def logits_activation_bytes(*, seq: int, micro_batch: int, vocab: int, element: int, tp: int = 1) -> float:
+    """Bytes a language model's logits and loss hold from the forward to the backward, per micro-batch and GPU:
+    ``s·b·V'·(e + 4)/t``.
+
+    The output projection's logits, ``[b, s, V'/t]`` in the activation dtype (``e`` bytes; alive while the training
+    step computes the loss from them, at the end of the forward, where the saved activations peak), and the loss's
+    fp32 buffer of the same shape (4 bytes) kept for the backward:
+    ``F.cross_entropy(logits.float())``'s log-softmax on the data-parallel rows (``t = 1``, ``V' = V``;
+    ``hftrain.parallel.cross_entropy.cross_entropy_per_token``), the vocabulary-parallel loss's softmax of the rank's
+    slice under megatron tp (``V'`` = ``V`` padded to a multiple of ``t``; no rank holds full-vocabulary logits).
+    The loss is over ``s − 1`` positions of each sequence; the formula counts ``s`` (the logits are ``s``).
+
+    Args:
+        seq: sequence length s (the positions this GPU holds).
+        micro_batch: micro-batch size b.
+        vocab: the vocabulary V' the logits span over all tp ranks (padded to a multiple of ``tp``).
+        element: bytes per logit e (2 for bf16/fp16, 4 for fp32).
+        tp: tensor-parallel size t (the vocabulary split).
+    """
+    return seq * micro_batch * vocab * (element + 4) / tp
+
+
 def recomputed_layer_bytes(
     *, seq: int, micro_batch: int, hidden: int, element: int, tp: int = 1, sequence_parallel: bool = False
 ) -> float:

@@ -8,6 +8,11 @@ the family's expert plan (``hftrain.parallel.families``, the registry the traine
 MoE layer's routed experts hold ``E · 3·h·I`` parameters (``gate_up_proj [E, 2I, h]`` and ``down_proj [E, h, I]``);
 they are counted from the model built on the meta device (exactly, as Ψ). Which parallel axes a family takes
 (``axes``) comes from the same registry, so a row the trainer would refuse is marked formula-only.
+
+A language model (``task="causal_lm"``, ``model.task: causal_lm``) is counted as the ``AutoModelForCausalLM`` model
+that training builds: its output projection (``lm_head``) counted once when tied to the input embedding, ``V·h`` more
+when untied (``lm_head_parameters``). The megatron axes that do not run a language model yet
+(``hftrain.strategies.megatron.strategy.LANGUAGE_MODEL_AXES_NOT_BUILT``: pp, cp) are ``refused_axes``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from hftrain.models.checks import FIELD, _auto_config, config_errors, read_confi
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
 # real model, and small enough that every formula's product stays a finite float.
 MAX_SIZE = 10**8
+
+TASKS = ("sequence_classification", "causal_lm")
+"""What ``model.task`` trains (``hftrain.config.schema``): a classifier, or a language model (next-token loss)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,10 @@ class ModelSpec:
         gated: a gated MLP (SwiGLU: three matrices), from the family's registry entry (False when unknown).
         axes: the model-parallel axes hftrain's trainer takes for this model (``tp``, ``pp``, ``cp``, ``ep``), from
             the family's registry entry; every axis for sizes given by hand (formula-only).
+        task: ``"sequence_classification"`` or ``"causal_lm"`` (``model.task``): which model is counted, and whether
+            the activations include the logits (``formulas.logits_activation_bytes``).
+        lm_head_parameters: a language model's untied output projection (split over the vocabulary under tp, like
+            the embedding); 0 when tied to the input embedding, and for a classifier.
     """
 
     name: str
@@ -84,6 +96,23 @@ class ModelSpec:
     shared_intermediate: int = 0
     gated: bool = False
     axes: frozenset[str] = frozenset({"tp", "pp", "cp", "ep"})
+    task: str = "sequence_classification"
+    lm_head_parameters: int = 0
+
+    @property
+    def causal_lm(self) -> bool:
+        """Whether a language model is trained (its logits are activations, its lm_head split over the vocabulary)."""
+        return self.task == "causal_lm"
+
+    @property
+    def refused_axes(self) -> frozenset[str]:
+        """The megatron axes the trainer refuses for this model's task whatever the family: for ``causal_lm`` those
+        not built yet (``LANGUAGE_MODEL_AXES_NOT_BUILT``: pp, cp), none for a classifier."""
+        if not self.causal_lm:
+            return frozenset()
+        from hftrain.strategies.megatron.strategy import LANGUAGE_MODEL_AXES_NOT_BUILT
+
+        return frozenset(LANGUAGE_MODEL_AXES_NOT_BUILT)
 
     @property
     def gated_mlp(self) -> bool:
@@ -217,8 +246,10 @@ def model_from_sizes(
     vocab: int,
     intermediate: int | None = None,
     kv_heads: int | None = None,
+    task: str = "sequence_classification",
 ) -> ModelSpec:
-    """A model given by its sizes; Ψ defaults to the GPT formula 12·L·h² + V·h (weights of a 4h-MLP layer).
+    """A model given by its sizes; Ψ defaults to the GPT formula 12·L·h² + V·h (weights of a 4h-MLP layer; for a
+    language model, its output projection tied to the embedding).
 
     Args:
         parameters: Ψ, if known (otherwise computed).
@@ -228,7 +259,9 @@ def model_from_sizes(
         vocab: vocabulary size V.
         intermediate: MLP width (4h by default).
         kv_heads: key/value heads (``heads`` by default).
+        task: ``model.task`` (``TASKS``).
     """
+    _check_task(task)
     for name, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--vocab", vocab)):
         if value is None or value < 1:
             raise ConfigError(f"{name} must be a positive integer when the model is given by its sizes")
@@ -266,20 +299,23 @@ def model_from_sizes(
         layer,
         max(layer // 2, vocab * hidden),
         counted="formula" if not parameters else "given",
+        task=task,
     )
 
 
-def model_from_config(name_or_path: str) -> ModelSpec:
+def model_from_config(name_or_path: str, task: str = "sequence_classification") -> ModelSpec:
     """A model from a local folder, a ``config.json`` file or ``embedded:<name>``; Ψ counted on the meta device.
 
     Args:
         name_or_path: what ``hftrain.models.resolve_model_path`` accepts, or a config file.
+        task: ``model.task``: the ``*ForSequenceClassification`` or the ``*ForCausalLM`` model is counted.
     """
     from hftrain.parallel.families import is_gated_mlp
 
+    _check_task(task)
     with _as_option():
         config, where = _load_config(name_or_path)
-        model = _meta_model(config, where)
+        model = _meta_model(config, where, task)
     layers_module = _layers(model)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers_module]
     mean = sum(per_layer) / len(per_layer)  # Qwen2-MoE's dense layers are smaller than its sparse ones
@@ -309,11 +345,28 @@ def model_from_config(name_or_path: str) -> ModelSpec:
             for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "resid_pdrop")
         ),
         source=None if name_or_path.endswith(".json") else name_or_path,
-        head_parameters=_head_parameters(model),
+        head_parameters=_head_parameters(model, task),
         gated=is_gated_mlp(config),
         axes=trainable_axes(config),
+        task=task,
+        lm_head_parameters=_lm_head_parameters(model) if task == "causal_lm" else 0,
         **_moe_sizes(config, model),
     )
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ConfigError(f"--task {task!r}: choose {' or '.join(TASKS)}")
+
+
+def _lm_head_parameters(model: Any) -> int:
+    """A language model's output projection's parameters when it has its own weight (untied); 0 when it shares the
+    input embedding's (tied: already counted once, with the embedding)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None:
+        return 0
+    shared = {id(p) for p in embedding.parameters()}
+    return sum(p.numel() for p in head.parameters() if id(p) not in shared)
 
 
 def _moe_sizes(config: Any, model: Any) -> dict[str, int]:
@@ -341,10 +394,14 @@ def _moe_sizes(config: Any, model: Any) -> dict[str, int]:
     }
 
 
-def _head_parameters(model: Any) -> int:
-    """Parameters of the modules hftrain's pipeline puts on the last stage (0 for a family it cannot split)."""
+def _head_parameters(model: Any, task: str = "sequence_classification") -> int:
+    """Parameters of the modules hftrain's pipeline puts on the last stage (0 for a family it cannot split). A language
+    model's: its untied output projection (its pipeline is not built: pp rows are formula-only; the final norm, a few
+    h, is left on stage 0)."""
     from hftrain.parallel.families import stages_of
 
+    if task == "causal_lm":
+        return _lm_head_parameters(model)
     try:
         family = stages_of(model)
     except ConfigError:
@@ -392,25 +449,29 @@ def _load_config(name_or_path: str) -> tuple[Any, Path]:
         return _auto_config(folder), folder / "config.json"
 
 
-def _meta_model(config: Any, where: Path) -> Any:
-    """The sequence-classification model hftrain trains, built without memory (parameters on ``meta``).
+def _meta_model(config: Any, where: Path, task: str = "sequence_classification") -> Any:
+    """The model hftrain trains for ``task``, built without memory (parameters on ``meta``): the 2-label
+    sequence classifier, or the ``AutoModelForCausalLM`` language model (tied weights stay one parameter).
 
     Args:
         config: the transformers config.
         where: the file it came from, for the message when the architecture refuses its sizes.
+        task: ``model.task``.
     """
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    what = "language model" if task == "causal_lm" else "sequence classifier"
+    builder = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
     config.num_labels = 2
     with reading(
-        f"--model: {where} does not describe a buildable sequence classifier",
+        f"--model: {where} does not describe a buildable {what}",
         "fix its sizes (e.g. hidden_size divisible by num_attention_heads, every size at least 1) or choose "
         "another model",
         catch=config_errors(),
     ):
         with torch.device("meta"):
-            return AutoModelForSequenceClassification.from_config(config)
+            return builder.from_config(config)
 
 
 def _layers(model: Any) -> Any:

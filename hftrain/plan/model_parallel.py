@@ -15,7 +15,11 @@ most loaded pipeline stage (model states: the first or the last; activations: st
   small beside a stage);
 - activations: Korthikanti et al. 2022 per layer over t (with sequence parallelism; hftrain's column-parallel
   layers keep their all-gathered input, 2e·s·b·h, whole), × L/p layers × the
-  micro-batches 1F1B keeps in flight on stage 0 (min(p, m));
+  micro-batches 1F1B keeps in flight on stage 0 (min(p, m)); a language model (``model.task: causal_lm``) adds its
+  logits and loss buffer s·b·V'·(e + 4)/t (:func:`hftrain.plan.formulas.logits_activation_bytes`: the output
+  projection split over the vocabulary, the vocabulary-parallel loss), on the last stage under a pipeline (whose
+  rows, with cp's, are formula-only for a language model: ``ModelSpec.refused_axes``); its untied lm_head is split
+  over t like the embedding (V'·h/t);
 - communication per step: TP 2 all-reduces forward + 2 backward of s·b·h per layer and micro-batch (the same
   volume as all-gather + reduce-scatter under sequence parallelism); DP one all-reduce of the GPU's gradients;
   PP one s·b·h send forward and one backward per micro-batch and stage boundary; the bubble (p−1)/(m+p−1).
@@ -159,7 +163,6 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     """
     dp = hw.world // (tp * pp * cp)
     sb = formulas.state_bytes(work.precision, deepspeed=False)
-    layers = model.layers // pp
     stage = stage_parameters(model, tp, pp, ep)
     trained = stage * model.lora_parameters(work.lora_rank) / model.parameters if work.lora_rank else stage
     # the routed experts on this GPU (frozen under LoRA, which adapts the attention only)
@@ -198,23 +201,20 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         # ZeRO-1 shards the dense state over dp, the experts' over the dp/e ranks holding the same experts
         optimizer=(dense / (dp if shard_optimizer else 1) + trained_experts / (dp // ep if shard_optimizer else 1))
         * sb.optimizer,
-        activations=activation_bytes(
-            model,
-            local,
-            hw,
-            layers=layers,
-            in_flight=in_flight,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-            gathered_inputs=True,
-        ),
+        activations=_activations(model, local, hw, tp=tp, pp=pp, in_flight=in_flight, sp=sequence_parallel),
     )
     row.cp = cp
     row.ep = ep
-    refused = [axis for axis, size in (("tp", tp), ("pp", pp), ("cp", cp)) if size > 1 and axis not in model.axes]
+    sizes = (("tp", tp), ("pp", pp), ("cp", cp))
+    refused = [axis for axis, size in sizes if size > 1 and axis not in model.axes]
     if refused:  # the family's registry entry (hftrain.parallel.families): what the trainer would refuse
         row.runnable = False
         row.notes.append(f"formula only: hftrain's trainer takes no {'/'.join(refused)} for this model family")
+    unbuilt = [axis for axis, size in sizes if size > 1 and axis in model.refused_axes and axis not in refused]
+    if unbuilt:  # the megatron strategy's LANGUAGE_MODEL_AXES_NOT_BUILT: refused for model.task causal_lm
+        row.runnable = False
+        axes = "/".join(unbuilt)
+        row.notes.append(f"formula only: hftrain's trainer takes no {axes} for model.task {model.task} yet")
     row.experts = experts * sb.params + trained_experts * sb.grads
     row.experts += trained_experts * sb.optimizer / (dp // ep if shard_optimizer else 1)
     row.working = _accumulation_transient(model, tp, pp, work, trained < stage) * sb.grads
@@ -254,6 +254,19 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     return finish(row, model, work, hw)
 
 
+def _activations(
+    model: ModelSpec, work: Workload, hw: Hardware, *, tp: int, pp: int, in_flight: int, sp: bool
+) -> float:
+    """Bytes saved for backward on the most loaded stage's GPU: stage 0's (min(p, m) micro-batches in flight) and, for a
+    language model under a pipeline, the larger of it and the last stage's (its layers, one micro-batch, the logits)."""
+    common = {"tp": tp, "sequence_parallel": sp, "gathered_inputs": True}
+    first_layers, last_layers = stage_layers(model, pp)
+    if pp == 1 or not model.causal_lm:
+        return activation_bytes(model, work, hw, layers=first_layers, in_flight=in_flight, **common)
+    first = activation_bytes(model, work, hw, layers=first_layers, in_flight=in_flight, logits=False, **common)
+    return max(first, activation_bytes(model, work, hw, layers=last_layers, in_flight=1, **common))
+
+
 def _accumulation_transient(model: ModelSpec, tp: int, pp: int, work: Workload, lora: bool) -> float:
     """Gradient elements live beside the accumulated gradient while one micro-batch's is added in: the
     embedding's V·h/t when the most loaded stage holds it and a step has m > 1 micro-batches (none under LoRA:
@@ -261,7 +274,7 @@ def _accumulation_transient(model: ModelSpec, tp: int, pp: int, work: Workload, 
     if work.accumulation == 1 or lora:
         return 0.0
     if pp > 1 and stage_parameters(model, tp, pp) != _first_stage_parameters(model, tp, pp):
-        return 0.0
+        return _vocab_parameters(model, tp)[1] if model.lm_head_parameters else 0.0  # an untied lm_head: as large
     return _vocab_parameters(model, tp)[1]
 
 
@@ -314,6 +327,12 @@ def _vocab_parameters(model: ModelSpec, tp: int) -> tuple[float, float]:
     return model.vocab * model.hidden, padded_vocab_size(model.vocab, tp) * model.hidden / tp
 
 
+def _head_per_gpu(model: ModelSpec, tp: int) -> float:
+    """The last stage's head on one GPU: a language model's untied lm_head split over the vocabulary like the
+    embedding (``VocabParallelHead``: V'·h/t), a classifier's head whole (replicated)."""
+    return _vocab_parameters(model, tp)[1] if model.lm_head_parameters else model.head_parameters
+
+
 def _first_stage_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
     vocab, vocab_per_gpu = _vocab_parameters(model, tp)
     layers = stage_layers(model, pp)[0] * layer_parameters_per_gpu(model, tp, ep)
@@ -332,10 +351,12 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
         ep: expert-parallel size e.
     """
     vocab, vocab_per_gpu = _vocab_parameters(model, tp)
-    outside = model.embedding_parameters - vocab  # replicated: positions, norms, pooler, classifier
+    # replicated: positions, norms, pooler, classifier (a language model's untied lm_head is split: _head_per_gpu)
+    outside = model.embedding_parameters - vocab - model.lm_head_parameters
     if pp == 1:
-        return model.layers * layer_parameters_per_gpu(model, tp, ep) + vocab_per_gpu + outside
-    last = stage_layers(model, pp)[1] * layer_parameters_per_gpu(model, tp, ep) + model.head_parameters
+        head = _head_per_gpu(model, tp) if model.lm_head_parameters else 0.0
+        return model.layers * layer_parameters_per_gpu(model, tp, ep) + vocab_per_gpu + outside + head
+    last = stage_layers(model, pp)[1] * layer_parameters_per_gpu(model, tp, ep) + _head_per_gpu(model, tp)
     return max(_first_stage_parameters(model, tp, pp, ep), last)
 
 

@@ -32,6 +32,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "communication": formulas.RING_FORMULA,
             "bubble": formulas.BUBBLE_FORMULA,
             "all_to_all": formulas.ALL_TO_ALL_FORMULA,
+            **({"logits": formulas.LOGITS_FORMULA} if plan.model.causal_lm else {}),
         },
     }
 
@@ -45,7 +46,8 @@ def plan_table(plan: Plan) -> str:
     """The readable answer: the inputs, one line per option (GB per GPU), the recommendation and the formulas."""
     m, hw, w = plan.model, plan.hardware, plan.workload
     lines = [
-        f"model {m.name}: Ψ = {m.parameters:,} parameters ({m.counted}), {m.layers} layers, hidden {m.hidden}, "
+        f"model {m.name}{' (causal_lm)' if m.causal_lm else ''}: Ψ = {m.parameters:,} parameters ({m.counted}), "
+        f"{m.layers} layers, hidden {m.hidden}, "
         f"{m.heads} heads ({m.kv_heads} key/value), vocabulary {m.vocab:,}"
         + (
             f"; mixture of experts: {m.experts} experts, top-{m.top_k}, in {m.moe_layers} layers, "
@@ -111,6 +113,7 @@ def plan_table(plan: Plan) -> str:
     lines += [f"  {name}: {text}" for name, text in seen.items()]
     lines += [
         f"  activations: {formulas.ACTIVATION_FORMULA}",
+        *([f"  logits: {formulas.LOGITS_FORMULA}"] if m.causal_lm else []),
         f"  communication: {formulas.RING_FORMULA}",
         f"  bubble: {formulas.BUBBLE_FORMULA}",
     ]
