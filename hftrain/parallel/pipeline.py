@@ -1,4 +1,5 @@
-"""Pipeline stages: split an unchanged HF ``*ForSequenceClassification`` model into contiguous layer chunks.
+"""Pipeline stages: split an unchanged HF ``*ForSequenceClassification`` model (or a decoder's ``*ForCausalLM``) into
+contiguous layer chunks.
 
 A chunk maps the pipeline's activation tuple to the next one. The tuple is the same between every pair of
 stages, ``(hidden [b, s, h] float, attention_mask [b, s] as given, pool [b, s] float one-hot)``:
@@ -11,8 +12,10 @@ stages, ``(hidden [b, s, h] float, attention_mask [b, s] as given, pool [b, s] f
   integer index because ``torch.distributed.pipelining`` infers shapes with *uninitialised* receive buffers
   on later stages: a garbage index would crash a gather, a garbage one-hot only yields ignored numbers.
 
-Position ids are ``arange(s)`` in all three families (as in their ``forward`` without a cache), so each chunk
-recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters keep their HF names
+A causal LM's chunks carry ``(hidden, position_ids [b, s])`` instead
+(:class:`~hftrain.parallel.stages.CausalLMStages`): packed documents have no attention mask, and each chunk builds
+its masks from the positions. Otherwise position ids are ``arange(s)`` in all three families (as in their ``forward``
+without a cache), so each chunk recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters keep their HF names
 through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can merge stages.
 
 Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` layout: Megatron's
@@ -197,7 +200,10 @@ def other_stages_modules(
     layers = family.layers(model)
     others = [layer for i, layer in enumerate(layers) if i not in kept]
     if 0 not in owned:
-        others += list(family.embed_modules(model).values())
+        # an embedding whose weight the head shares (tied input/output embeddings) is built where the head is
+        last = len(ranges) - 1 in owned
+        head = {id(p) for m in family.head_modules(model).values() for p in m.parameters()} if last else set()
+        others += [m for m in family.embed_modules(model).values() if not any(id(p) in head for p in m.parameters())]
     paths = {id(module): name for name, module in model.named_modules()}
     return [paths[id(module)] for module in others if any(True for _ in module.parameters())]
 

@@ -47,7 +47,7 @@ _FOREIGN_OPTIONS = {
 }
 
 
-LANGUAGE_MODEL_AXES_NOT_BUILT = ("pp", "cp")
+LANGUAGE_MODEL_AXES_NOT_BUILT = ("cp",)
 """The megatron axes that do not run ``model.task: causal_lm`` yet (refused in one line)."""
 
 
