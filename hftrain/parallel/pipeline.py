@@ -15,8 +15,9 @@ stages, ``(hidden [b, s, h] float, attention_mask [b, s] as given, pool [b, s] f
 A causal LM's chunks carry ``(hidden, position_ids [b, s])`` instead
 (:class:`~hftrain.parallel.stages.CausalLMStages`): packed documents have no attention mask, and each chunk builds
 its masks from the positions. Otherwise position ids are ``arange(s)`` in all three families (as in their ``forward``
-without a cache), so each chunk recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters keep their HF names
-through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can merge stages.
+without a cache), so each chunk recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters
+keep their HF names through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can
+merge stages.
 
 Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` layout: Megatron's
 interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` layout); see
