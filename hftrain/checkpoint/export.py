@@ -354,7 +354,8 @@ def verify_export(
 def verification_batch(
     dataset: Any, tokenizer: PreTrainedTokenizerBase, *, size: int = 4, pad_to_multiple_of: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """The first ``size`` examples of a tokenized dataset, padded into one batch (without labels).
+    """The first ``size`` examples of a tokenized dataset, padded into one batch (without labels; without an
+    attention mask where the rows carry position ids: a causal LM's packed documents, masked from their positions).
 
     Args:
         dataset: tokenized examples (``input_ids``...; ``labels`` and ``length`` columns are dropped).
@@ -368,7 +369,10 @@ def verification_batch(
     rows = dataset.select(range(min(size, len(dataset))))
     rows = rows.remove_columns([c for c in rows.column_names if c in ("labels", "label", "length", "num_tokens")])
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
-    return collate([rows[i] for i in range(len(rows))])
+    batch = collate([rows[i] for i in range(len(rows))])
+    if "position_ids" in rows.column_names:  # packed documents: masked from their positions, as in training
+        batch.pop("attention_mask", None)
+    return batch
 
 
 # ----------------------------------------------------------------- main process: check, write, reload

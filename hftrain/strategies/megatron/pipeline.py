@@ -135,10 +135,19 @@ class PipelineModel(nn.Module):
         return next(r for r in range(pp) if last in chunk_ids_of_rank(r, pp=pp, virtual_stages=chunks, layout=layout))
 
     def forward(self, **inputs: torch.Tensor) -> Any:
-        """The HF model's output for ``inputs``: logits on every stage, and HF's loss when ``labels`` are given."""
+        """The HF model's output for ``inputs``: logits on every stage, and HF's loss when ``labels`` are given (a
+        causal LM's logits ``[b, s, vocabulary (slice)]`` only, its loss being the task's; the export's check)."""
         labels = inputs.pop(LABELS, None)
         with torch.no_grad():
             logits = self.schedule.eval_step(inputs, None)
+        if self.per_position:
+            from transformers.modeling_outputs import CausalLMOutput
+
+            from hftrain.parallel.host import broadcast_ints
+
+            pp_group, last = self.groups.pp_group, self.last_stage_rank
+            shape = broadcast_ints(None if logits is None else list(logits.shape), 3, group=pp_group, group_src=last)
+            return CausalLMOutput(logits=self.from_last_stage(logits, tuple(shape)))
         shape = (_batch_size(inputs), self.config.num_labels)
         return classifier_output(self.from_last_stage(logits, shape), labels, self.config)
 
@@ -422,6 +431,20 @@ class PipelineRuntime(MegatronRuntime):
         return self.plugin.gather_for_metrics(tuple(t.to(device) for t in outputs))
 
     # ----------------------------------------------------------------- state
+    def snapshot(self) -> Any:
+        """MegatronRuntime's, without a tied embedding's last-stage copy (and its moments): the first stage writes
+        the one tensor. A load fills the copy from it like any parameter this rank holds."""
+        from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX
+
+        snap = super().snapshot()
+        for name in self._tied_copy:
+            snap.state = {
+                key: boxes
+                for key, boxes in snap.state.items()
+                if key != MODEL_PREFIX + name and not key.startswith(f"{OPTIM_PREFIX}{name}.")
+            }
+        return snap
+
     def save_extras(self, directory: str) -> None:
         super().save_extras(directory)
         self.write_timeline()
