@@ -200,13 +200,31 @@ def other_stages_modules(
     kept = {i for c in owned for i in ranges[c]}
     layers = family.layers(model)
     others = [layer for i, layer in enumerate(layers) if i not in kept]
+    paths = {id(module): name for name, module in model.named_modules()}
     if 0 not in owned:
         # an embedding whose weight the head shares (tied input/output embeddings) is built where the head is
-        last = len(ranges) - 1 in owned
-        head = {id(p) for m in family.head_modules(model).values() for p in m.parameters()} if last else set()
-        others += [m for m in family.embed_modules(model).values() if not any(id(p) in head for p in m.parameters())]
-    paths = {id(module): name for name, module in model.named_modules()}
+        tied = _tied_to_head(model, family, paths) if len(ranges) - 1 in owned else set()
+        others += [m for m in family.embed_modules(model).values() if id(m) not in tied]
     return [paths[id(module)] for module in others if any(True for _ in module.parameters())]
+
+
+def _tied_to_head(model: torch.nn.Module, family: Any, paths: dict[int, str]) -> set[int]:
+    """Ids of the embedding modules that share a weight with the head: the same parameter, or (a model on ``meta``
+    before transformers ties its weights) a pair of ``all_tied_weights_keys``."""
+    ties = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    ties.update({target: source for source, target in list(ties.items())})
+
+    def names(module: torch.nn.Module) -> set[str]:
+        return {f"{paths[id(module)]}.{name}" for name, _ in module.named_parameters()}
+
+    heads = list(family.head_modules(model).values())
+    head_ids = {id(p) for m in heads for p in m.parameters()}
+    head_names = {ties[n] for m in heads for n in names(m) if n in ties}
+    return {
+        id(m)
+        for m in family.embed_modules(model).values()
+        if any(id(p) in head_ids for p in m.parameters()) or names(m) & head_names
+    }
 
 
 def build_stage_modules(
