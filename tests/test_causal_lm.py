@@ -363,6 +363,53 @@ def test_train_exports_a_causal_lm_that_generates(tmp_path, capsys, lora):
     assert _token_loss(trained, tokenizer, held_out) < _token_loss(base, tokenizer, held_out) - 0.1
 
 
+@pytest.mark.distributed
+def test_pipeline_job_checkpoints_resumes_and_exports_tied_embeddings(tmp_path):
+    """``hftrain train --task causal_lm`` at pp=2 on GPT-2 (tied embeddings; the last stage builds only its layers,
+    its head and the embedding the head shares): its pp=2 checkpoint resumes at one process to the same validation
+    loss, and both export a folder plain transformers reloads with the trained logits (checked by the job) and one
+    tied tensor."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import launch_env, torchrun
+
+    tokenizer = tiny_tokenizer("gpt2")
+    config = tiny_config("gpt2", max_positions=128)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    train = _jsonl(tmp_path / "train.jsonl", "train", 0)
+    args = ["train", "--task", "causal_lm", "--model_name_or_path", str(tmp_path / "base"), "--dataset_name", "null",
+            "--train_file", str(train), "--max_seq_length", str(BLOCK), "--max_steps", "6", "--save_steps", "3",
+            "--learning_rate", "3e-3", "--per_device_train_batch_size", "8", "--mixed_precision", "no",
+            "--log_with", "none"]  # fmt: skip
+    out = tmp_path / "pp2"
+    done = torchrun(2, ["-m", "hftrain", *args, "--output_dir", str(out), "--strategy.name", "megatron", "--pp", "2",
+                        "--num_microbatches", "2"])  # fmt: skip
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("step_00000006", "model"))
+    again = subprocess.run([sys.executable, "-m", "hftrain", *args, "--output_dir", str(resumed),
+                            "--resume_from_checkpoint", "latest"], env=launch_env(), capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    def validation_loss(printed: str) -> str:
+        assert "validation loss " in printed, printed[-3000:]
+        return printed.split("validation loss ")[-1].split()[0]
+
+    assert validation_loss(done.stdout + done.stderr) == validation_loss(again.stdout + again.stderr)
+    for folder in (out, resumed):
+        weights = load_file(next((folder / "model").glob("*.safetensors")))
+        assert "transformer.wte.weight" in weights and "lm_head.weight" not in weights  # one tensor: tied on reload
+        reloaded = AutoModelForCausalLM.from_pretrained(folder / "model")
+        assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+
+
 @pytest.mark.parametrize("axis", ["cp"])
 def test_megatron_axes_not_built_for_language_models_are_refused_in_one_line(axis):
     from hftrain.config import StrategyConfig
