@@ -4,8 +4,9 @@ Three launches: one process for the references, two for DDP, ZeRO-3, FSDP2 and m
 the reference's global batch split over the replicas), four for megatron's pipelines (pp2 × dp2, tp2 × pp2). Each
 equals its 1-process run within 1e-5 (fp32): the loss of every step (the mean over the global batch's target tokens,
 however unevenly they fall on micro-batches and processes) and the final evaluation (loss and perplexity). Llama
-(untied, grouped-query) trains on plain text; GPT-2 (tied input/output embeddings) on prompt/response pairs with gradient accumulation, where the loss is on the responses only: the first step's loss is
-recomputed by hand from the initial model, with the prompts' positions left out and one mean over the global batch.
+(untied, grouped-query) trains on plain text; GPT-2 (tied input/output embeddings) on prompt/response pairs with
+gradient accumulation, where the loss is on the responses only: the first step's loss is recomputed by hand from the
+initial model, with the prompts' positions left out and one mean over the global batch.
 Then ``hftrain train`` end to end: a model folder and a JSONL of prompt/response pairs, exported as a
 ``*ForCausalLM`` folder (full, and a PEFT ``CAUSAL_LM`` adapter) that plain transformers reloads and ``generate()``s
 from, with a held-out perplexity below the base model's; and a pp=2 job (tied GPT-2) that checkpoints, resumes at one
