@@ -507,7 +507,7 @@ def stages_of(model: Any) -> Any:
 
     name = type(model).__name__
     stages = stages_for(getattr(model, "config", None), class_name=name)
-    return CausalLMStages(stages) if is_causal_lm_class(name) else stages
+    return CausalLMStages(stages, model.config) if is_causal_lm_class(name) else stages
 
 
 def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp") -> None:

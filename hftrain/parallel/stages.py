@@ -309,11 +309,12 @@ class CausalLMStages:
     positions restart at each one and carry no attention mask, so every chunk builds its masks from the positions
     (transformers' ``create_causal_mask(..., attention_mask=None, position_ids=...)``: block-diagonal causal, as the
     unsharded model masks them) and the rotary embeddings from the same positions. The last chunk returns this rank's
-    logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's slice of it); the task
-    computes the loss from them.
+    logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's slice of it; Gemma-2/3's
+    final soft-capping applied, as their ``*ForCausalLM``); the task computes the loss from them.
 
     Args:
         family: the family's adapter (:class:`GPT2Stages`, :class:`DecoderStages`).
+        config: the model's config (``final_logit_softcapping``).
     """
 
     first_inputs = ("input_ids", "position_ids")
@@ -321,8 +322,9 @@ class CausalLMStages:
     per_position = True
     """The last chunk's output has a row per position (not one per example)."""
 
-    def __init__(self, family: Any) -> None:
+    def __init__(self, family: Any, config: Any = None) -> None:
         self.family = family
+        self.softcap = getattr(config, "final_logit_softcapping", None) if config is not None else None
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The family's layers, in order."""
@@ -355,7 +357,10 @@ class CausalLMStages:
 
     def head(self, mods: Any, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, then the output projection on every position: logits ``[b, s, vocabulary (slice)]``."""
-        return mods["lm_head"](mods["norm"](hidden))
+        logits = mods["lm_head"](mods["norm"](hidden))
+        if self.softcap is not None:  # elementwise: the same on a vocabulary slice
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 class PipelineChunk(torch.nn.Module):
