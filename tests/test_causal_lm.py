@@ -1,14 +1,16 @@
 """Causal language modelling (``model.task: causal_lm``): the same trainer under every data-parallel strategy.
 
-Two launches: one process for the references, two for DDP, ZeRO-3 and FSDP2 (micro-batches of the reference's global
-batch split over the replicas). Each equals its 1-process run within 1e-5 (fp32): the loss of every step (the mean over
-the global batch's target tokens, however unevenly they fall on micro-batches and processes) and the final evaluation
-(loss and perplexity). Llama (untied, grouped-query) trains on plain text; GPT-2 (tied input/output embeddings) on
-prompt/response pairs with gradient accumulation, where the loss is on the responses only: the first step's loss is
-recomputed by hand from the initial model, with the prompts' positions left out and one mean over the global batch.
+Three launches: one process for the references, two for DDP, ZeRO-3, FSDP2 and megatron's tp and ep (micro-batches of
+the reference's global batch split over the replicas), four for megatron's pipelines (pp2 × dp2, tp2 × pp2). Each
+equals its 1-process run within 1e-5 (fp32): the loss of every step (the mean over the global batch's target tokens,
+however unevenly they fall on micro-batches and processes) and the final evaluation (loss and perplexity). Llama
+(untied, grouped-query) trains on plain text; GPT-2 (tied input/output embeddings) on prompt/response pairs with
+gradient accumulation, where the loss is on the responses only: the first step's loss is recomputed by hand from the
+initial model, with the prompts' positions left out and one mean over the global batch.
 Then ``hftrain train`` end to end: a model folder and a JSONL of prompt/response pairs, exported as a
 ``*ForCausalLM`` folder (full, and a PEFT ``CAUSAL_LM`` adapter) that plain transformers reloads and ``generate()``s
-from, with a held-out perplexity below the base model's.
+from, with a held-out perplexity below the base model's; and a pp=2 job (tied GPT-2) that checkpoints, resumes at one
+process and exports.
 """
 
 from __future__ import annotations
@@ -192,10 +194,42 @@ def _two_processes() -> dict:
     return runs
 
 
+# megatron pipelines on 4 processes: (case, options, data-parallel replicas); each micro-batch's loss is a token sum
+# over the global batch's count, added unweighted (a classifier's mean would count by its rows)
+PIPELINE = {
+    "pp2": ("llama-text", {"pp": 2, "num_microbatches": 2}, 2),
+    "tp2-pp2": ("llama-text", {"tp": 2, "pp": 2, "num_microbatches": 4}, 1),
+    # tied embeddings: the first stage's embedding and the last stage's head, one weight
+    "pp2-tied": ("gpt2-prompt-response", {"pp": 2, "num_microbatches": 2}, 2),
+    "tp2-pp2-tied": ("gpt2-prompt-response", {"tp": 2, "pp": 2, "num_microbatches": 2}, 1),
+}
+
+
+def _four_processes() -> dict:
+    runs = {}
+    for layout, (name, options, dp) in PIPELINE.items():
+        kind, pr, micro, gas = CASES[name]
+        runs[layout] = run_lm(
+            kind=kind, strategy="megatron", micro=micro // dp, gas=gas, prompt_response=pr, strategy_options=options,
+            weights=True,
+        )  # fmt: skip
+    return runs
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict:
+def references() -> dict:
     (reference,) = run_distributed(_references, nprocs=1, timeout=900)
-    return {"reference": reference, "two": run_distributed(_two_processes, nprocs=2, timeout=1200)}
+    return reference
+
+
+@pytest.fixture(scope="module")
+def runs(references) -> dict:
+    return {"reference": references, "two": run_distributed(_two_processes, nprocs=2, timeout=1200)}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs() -> list[dict]:
+    return run_distributed(_four_processes, nprocs=4, timeout=900)
 
 
 @pytest.mark.distributed
@@ -260,6 +294,30 @@ def test_megatron_equals_one_process(runs, layout):
         assert torch.equal(run["weights"]["lm_head.weight"], run["weights"]["transformer.wte.weight"])
     if name.startswith("gemma2"):
         assert torch.equal(run["weights"]["lm_head.weight"], run["weights"]["model.embed_tokens.weight"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(PIPELINE))
+def test_pipeline_equals_one_process(references, pipeline_runs, layout):
+    """Pipeline stages (with tp and dp): the last stage's vocabulary-parallel head and the task's loss, unweighted
+    micro-batch losses, packed-document masks built from the positions on every stage, tied embeddings kept one weight
+    across the first and last stage, and evaluation from per-block sums on the last stage: losses, evaluation and
+    trained weights equal the 1-process run's, on every rank."""
+    name = PIPELINE[layout][0]
+    reference, run = references[name], pipeline_runs[0][layout]
+    assert run["num_processes"] == 4
+    for step, (got, want) in enumerate(zip(run["losses"], reference["losses"], strict=True)):
+        assert got == pytest.approx(want, abs=1e-5), (layout, step)
+    for rank in pipeline_runs[1:]:  # every stage logs the last stage's loss
+        assert rank[layout]["losses"] == run["losses"]
+        assert rank[layout]["metrics"]["eval_loss"] == run["metrics"]["eval_loss"]
+    for key in ("eval_loss", "eval_perplexity", "eval_tokens"):
+        assert run["metrics"][key] == pytest.approx(reference["metrics"][key], abs=1e-5, rel=1e-5), key
+    assert run["weights"].keys() == reference["weights"].keys()
+    for key, want in reference["weights"].items():
+        assert (run["weights"][key] - want).abs().max().item() < 1e-5, (layout, key)
+    if name.startswith("gpt2"):  # tied: one tensor under both names
+        assert torch.equal(run["weights"]["lm_head.weight"], run["weights"]["transformer.wte.weight"])
 
 
 # ----------------------------------------------------------------------------- hftrain train, end to end
@@ -337,7 +395,54 @@ def test_train_exports_a_causal_lm_that_generates(tmp_path, capsys, lora):
     assert _token_loss(trained, tokenizer, held_out) < _token_loss(base, tokenizer, held_out) - 0.1
 
 
-@pytest.mark.parametrize("axis", ["pp", "cp"])
+@pytest.mark.distributed
+def test_pipeline_job_checkpoints_resumes_and_exports_tied_embeddings(tmp_path):
+    """``hftrain train --task causal_lm`` at pp=2 on GPT-2 (tied embeddings; the last stage builds only its layers,
+    its head and the embedding the head shares): its pp=2 checkpoint resumes at one process to the same validation
+    loss, and both export a folder plain transformers reloads with the trained logits (checked by the job) and one
+    tied tensor."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import launch_env, torchrun
+
+    tokenizer = tiny_tokenizer("gpt2")
+    config = tiny_config("gpt2", max_positions=128)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    train = _jsonl(tmp_path / "train.jsonl", "train", 0)
+    args = ["train", "--task", "causal_lm", "--model_name_or_path", str(tmp_path / "base"), "--dataset_name", "null",
+            "--train_file", str(train), "--max_seq_length", str(BLOCK), "--max_steps", "6", "--save_steps", "3",
+            "--learning_rate", "3e-3", "--per_device_train_batch_size", "8", "--mixed_precision", "no",
+            "--log_with", "none"]  # fmt: skip
+    out = tmp_path / "pp2"
+    done = torchrun(2, ["-m", "hftrain", *args, "--output_dir", str(out), "--strategy.name", "megatron", "--pp", "2",
+                        "--num_microbatches", "2"])  # fmt: skip
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("step_00000006", "model"))
+    again = subprocess.run([sys.executable, "-m", "hftrain", *args, "--output_dir", str(resumed),
+                            "--resume_from_checkpoint", "latest"], env=launch_env(), capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    def validation_loss(printed: str) -> str:
+        assert "validation loss " in printed, printed[-3000:]
+        return printed.split("validation loss ")[-1].split()[0]
+
+    assert validation_loss(done.stdout + done.stderr) == validation_loss(again.stdout + again.stderr)
+    for folder in (out, resumed):
+        weights = load_file(next((folder / "model").glob("*.safetensors")))
+        assert "transformer.wte.weight" in weights and "lm_head.weight" not in weights  # one tensor: tied on reload
+        reloaded = AutoModelForCausalLM.from_pretrained(folder / "model")
+        assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+
+
+@pytest.mark.parametrize("axis", ["cp"])
 def test_megatron_axes_not_built_for_language_models_are_refused_in_one_line(axis):
     from hftrain.config import StrategyConfig
     from hftrain.errors import ConfigError
@@ -354,3 +459,17 @@ def test_megatron_axes_not_built_for_language_models_are_refused_in_one_line(axi
     strategy.check_model(config, use_lora=False)  # a classifier takes the axis
     with pytest.raises(ConfigError, match=f"strategy.{axis}=2 with model.task: causal_lm is not built yet"):
         strategy.check_model(config, use_lora=False, task="causal_lm")
+
+
+def test_pipeline_takes_language_models():
+    """``strategy.pp`` runs ``model.task: causal_lm`` (refused before the stages were built for it)."""
+    from hftrain.config import StrategyConfig
+    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies.platform import Platform
+
+    strategy = build_strategy(
+        StrategyConfig(name="megatron", pp=2, num_microbatches=2),
+        launch=LaunchInfo(world_size=2, local_world_size=2),
+        platform=Platform("cpu", "gloo"),
+    )
+    strategy.check_model(tiny_config("llama"), use_lora=False, task="causal_lm")

@@ -143,6 +143,50 @@ def test_chunks_in_sequence_equal_model(kind, pp, virtual_stages, balance):
             torch.testing.assert_close(param.grad, ref_grads[chunk.hf_name(name)], rtol=0, atol=0)
 
 
+ENCODERS = ("roberta", "xlm-roberta", "electra", "distilbert")
+LM_KINDS = ["gpt2", "llama", *(k for k in FAMILY_KINDS if k not in (*ENCODERS, "qwen3_moe"))]  # pp refuses Qwen3-MoE
+
+
+@pytest.mark.parametrize("kind", LM_KINDS)
+def test_causal_lm_chunks_in_sequence_equal_model(kind):
+    """A decoder's ``*ForCausalLM`` cut into 2 × 2 chunks, run in global order with ``(input_ids, position_ids)`` of
+    packed documents (positions restarting, no attention mask): the model's logits, and its gradients, exactly; the
+    activation tuple carries the positions, and every parameter (a tied one on the first and last chunk) is covered."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.parallel import build_stage_modules
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, num_layers=4))
+    ids, _, _ = _batch()
+    positions = torch.cat([torch.arange(4), torch.arange(7)]).repeat(ids.shape[0], 1)  # two documents per row
+    positions[1] = torch.arange(ids.shape[1])  # one document
+    out = model(input_ids=ids, position_ids=positions, use_cache=False)
+    whole = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), use_cache=False)
+    assert not torch.allclose(out.logits[0, 4:], whole.logits[0, 4:])  # the packed mask matters: the check can fail
+    out.logits.float().pow(2).mean().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    by_index = {}
+    for rank in range(2):
+        for k, chunk in enumerate(build_stage_modules(model, pp_rank=rank, pp=2, virtual_stages=2)):
+            by_index[rank + k * 2] = chunk
+    acts = (ids, positions)
+    for index in range(4):
+        acts = by_index[index](*acts)
+        if index < 3:
+            assert len(acts) == 2 and torch.equal(acts[1], positions)
+    assert torch.equal(acts, out.logits)
+    acts.float().pow(2).mean().backward()
+    names = {name for chunk in by_index.values() for name, _ in chunk.hf_named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name], rtol=0, atol=0)
+
+
 def test_parameter_balance_moves_layers_off_the_embedding_stage():
     from hftrain.parallel import build_stage_modules
 

@@ -354,7 +354,9 @@ def verify_export(
 def verification_batch(
     dataset: Any, tokenizer: PreTrainedTokenizerBase, *, size: int = 4, pad_to_multiple_of: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """The first ``size`` examples of a tokenized dataset, padded into one batch (without labels).
+    """The first ``size`` examples of a tokenized dataset, padded into one batch (without labels; without an
+    attention mask and with ``use_cache=False`` where the rows carry position ids: a causal LM's packed documents,
+    masked from their positions as in training).
 
     Args:
         dataset: tokenized examples (``input_ids``...; ``labels`` and ``length`` columns are dropped).
@@ -368,7 +370,11 @@ def verification_batch(
     rows = dataset.select(range(min(size, len(dataset))))
     rows = rows.remove_columns([c for c in rows.column_names if c in ("labels", "label", "length", "num_tokens")])
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
-    return collate([rows[i] for i in range(len(rows))])
+    batch = collate([rows[i] for i in range(len(rows))])
+    if "position_ids" in rows.column_names:  # packed documents: masked from their positions, as in training
+        batch.pop("attention_mask", None)
+        batch["use_cache"] = False  # a cache, even an empty one, would turn transformers' packed masking off
+    return batch
 
 
 # ----------------------------------------------------------------- main process: check, write, reload
@@ -586,7 +592,12 @@ def _logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mixed_preci
     device = next(model.parameters()).device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        return model(**{k: v.to(device) for k, v in inputs.items()}).logits.float().cpu()
+        return model(**{k: _to(v, device) for k, v in inputs.items()}).logits.float().cpu()
+
+
+def _to(value: Any, device: Any) -> Any:
+    """A batch value on ``device`` (tensors; flags such as ``use_cache`` as they are)."""
+    return value.to(device) if torch.is_tensor(value) else value
 
 
 # ----------------------------------------------------------------- all ranks
@@ -601,7 +612,7 @@ def _trained_logits(accelerator: Accelerator, model: torch.nn.Module, inputs: di
         # the runtime's context: under ZeRO-3 it releases what the forward prefetched; a language model's
         # vocabulary-parallel head gathers its logits (tensor parallelism)
         with accelerator.evaluation_context(), whole_logits(model):
-            output = model(**{k: v.to(accelerator.device) for k, v in inputs.items() if k != "labels"})
+            output = model(**{k: _to(v, accelerator.device) for k, v in inputs.items() if k != "labels"})
     finally:
         model.train(was_training)
     return output.logits.float().cpu()

@@ -495,9 +495,19 @@ def stages_for(config: Any, *, class_name: str | None = None, axis: str = "pp") 
     return family.stages
 
 
+def is_causal_lm_class(class_name: str) -> bool:
+    """Whether an HF class name is a causal language model's (``*ForCausalLM``; GPT-2's ``GPT2LMHeadModel``)."""
+    return class_name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
 def stages_of(model: Any) -> Any:
-    """The stage adapter for ``model`` (an HF ``*ForSequenceClassification``); ``AxisError`` (pp) otherwise."""
-    return stages_for(getattr(model, "config", None), class_name=type(model).__name__)
+    """The stage adapter for ``model``: its family's for an HF ``*ForSequenceClassification``, the family's
+    :class:`~hftrain.parallel.stages.CausalLMStages` for a decoder's causal LM; ``AxisError`` (pp) otherwise."""
+    from hftrain.parallel.stages import CausalLMStages
+
+    name = type(model).__name__
+    stages = stages_for(getattr(model, "config", None), class_name=name)
+    return CausalLMStages(stages, model.config) if is_causal_lm_class(name) else stages
 
 
 def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp") -> None:
@@ -511,9 +521,17 @@ def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp"
     family = family_of(config)
     if family is None or family.stages is None or axis in family.refusals:
         raise AxisError(axis, _refusal(config, axis, family))
-    if class_name is not None and not class_name.endswith("ForSequenceClassification"):
+    lm = class_name is not None and axis == "pp" and is_causal_lm_class(class_name)
+    if lm and not hasattr(family.stages, "lm_head_modules"):
         raise AxisError(
-            axis, f"{AXIS_NAMES[axis]} splits *ForSequenceClassification models, got {class_name}; use {axis} 1"
+            axis, f"{AXIS_NAMES[axis]} splits decoder causal LMs, not a {family.name} {class_name}; use pp 1"
+        )
+    if class_name is not None and not lm and not class_name.endswith("ForSequenceClassification"):
+        raise AxisError(
+            axis,
+            f"{AXIS_NAMES[axis]} splits *ForSequenceClassification models"
+            + (" and decoder *ForCausalLM models" if axis == "pp" else "")
+            + f", got {class_name}; use {axis} 1",
         )
     if axis == "cp":
         reason = family.cp_refusal(config)

@@ -1,4 +1,5 @@
-"""Pipeline stages: split an unchanged HF ``*ForSequenceClassification`` model into contiguous layer chunks.
+"""Pipeline stages: split an unchanged HF ``*ForSequenceClassification`` model (or a decoder's ``*ForCausalLM``) into
+contiguous layer chunks.
 
 A chunk maps the pipeline's activation tuple to the next one. The tuple is the same between every pair of
 stages, ``(hidden [b, s, h] float, attention_mask [b, s] as given, pool [b, s] float one-hot)``:
@@ -11,9 +12,12 @@ stages, ``(hidden [b, s, h] float, attention_mask [b, s] as given, pool [b, s] f
   integer index because ``torch.distributed.pipelining`` infers shapes with *uninitialised* receive buffers
   on later stages: a garbage index would crash a gather, a garbage one-hot only yields ignored numbers.
 
-Position ids are ``arange(s)`` in all three families (as in their ``forward`` without a cache), so each chunk
-recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters keep their HF names
-through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can merge stages.
+A causal LM's chunks carry ``(hidden, position_ids [b, s])`` instead
+(:class:`~hftrain.parallel.stages.CausalLMStages`): packed documents have no attention mask, and each chunk builds
+its masks from the positions. Otherwise position ids are ``arange(s)`` in all three families (as in their ``forward``
+without a cache), so each chunk recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters
+keep their HF names through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can
+merge stages.
 
 Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` layout: Megatron's
 interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` layout); see
@@ -196,10 +200,31 @@ def other_stages_modules(
     kept = {i for c in owned for i in ranges[c]}
     layers = family.layers(model)
     others = [layer for i, layer in enumerate(layers) if i not in kept]
-    if 0 not in owned:
-        others += list(family.embed_modules(model).values())
     paths = {id(module): name for name, module in model.named_modules()}
+    if 0 not in owned:
+        # an embedding whose weight the head shares (tied input/output embeddings) is built where the head is
+        tied = _tied_to_head(model, family, paths) if len(ranges) - 1 in owned else set()
+        others += [m for m in family.embed_modules(model).values() if id(m) not in tied]
     return [paths[id(module)] for module in others if any(True for _ in module.parameters())]
+
+
+def _tied_to_head(model: torch.nn.Module, family: Any, paths: dict[int, str]) -> set[int]:
+    """Ids of the embedding modules that share a weight with the head: the same parameter, or (a model on ``meta``
+    before transformers ties its weights) a pair of ``all_tied_weights_keys``."""
+    ties = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    ties.update({target: source for source, target in list(ties.items())})
+
+    def names(module: torch.nn.Module) -> set[str]:
+        return {f"{paths[id(module)]}.{name}" for name, _ in module.named_parameters()}
+
+    heads = list(family.head_modules(model).values())
+    head_ids = {id(p) for m in heads for p in m.parameters()}
+    head_names = {ties[n] for m in heads for n in names(m) if n in ties}
+    return {
+        id(m)
+        for m in family.embed_modules(model).values()
+        if any(id(p) in head_ids for p in m.parameters()) or names(m) & head_names
+    }
 
 
 def build_stage_modules(

@@ -193,7 +193,7 @@ class PipelineSchedule:
             "eval": OrderedDict(),
         }
         self.builds: Counter[str] = Counter()
-        self._step_loss: tuple[Callable[[Any, torch.Tensor], torch.Tensor], int] | None = None
+        self._step_loss: tuple[Callable[[Any, torch.Tensor], torch.Tensor], int | None] | None = None
 
     @classmethod
     def check(cls, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
@@ -231,11 +231,13 @@ class PipelineSchedule:
         target: torch.Tensor | None,
         *,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        per_example_mean: bool = True,
     ) -> torch.Tensor | None:
         """Forward and backward of all micro-batches of one batch; gradients accumulate into ``.grad``.
 
         Any batch size runs: ``min(num_microbatches, batch)`` micro-batches of sizes differing by at most one
-        (:func:`microbatch_passes`), each micro-batch's loss weighted by its share of the batch's examples.
+        (:func:`microbatch_passes`), each micro-batch's loss weighted by its share of the batch's examples when it is
+        a mean over them (``per_example_mean``), else added as it is.
 
         Args:
             inputs: the batch (``input_ids``, ``attention_mask``, optional ``token_type_ids``); needed on the
@@ -244,16 +246,20 @@ class PipelineSchedule:
                 the batch); needed on the last pipeline rank, ignored elsewhere.
             loss_fn: this step's ``loss_fn(output, target_rows) -> mean loss`` of one micro-batch; default the
                 schedule's. Torch also calls it once on placeholder outputs when it builds a schedule.
+            per_example_mean: whether ``loss_fn`` is its micro-batch's mean over examples (weighted by ``n_i / b``);
+                False: a loss its caller already scaled to the batch (a causal LM's sum over target tokens divided by
+                the global batch's count), so the micro-batches' losses add up unweighted.
 
         Returns:
-            The batch's loss ``Σ_i (n_i / b) · ℓ_i`` (detached) on the last pipeline rank, else ``None``.
+            The batch's loss ``Σ_i (n_i / b) · ℓ_i`` (``Σ_i ℓ_i`` when not ``per_example_mean``; detached) on the
+            last pipeline rank, else ``None``.
         """
         args, (batch, *shape) = self._first_stage_args(inputs)
         if self.is_last:
             loss_fn = loss_fn or self.loss_fn
             if loss_fn is None:
                 raise ValueError("the last pipeline stage needs a loss_fn (given to the schedule or to train_step)")
-            self._step_loss = (loss_fn, batch)
+            self._step_loss = (loss_fn, batch if per_example_mean else None)
         if self.recorder is not None:
             self.recorder.begin_step()
         losses: list[torch.Tensor] = []
@@ -271,7 +277,7 @@ class PipelineSchedule:
             start, done = rows.stop, done + count
         if not self.is_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).sum()  # each is (n_i / b) · ℓ_i
+        return torch.stack([loss.detach() for loss in losses]).sum()  # each is (n_i / b) · ℓ_i, or ℓ_i
 
     def eval_step(self, inputs: dict[str, torch.Tensor] | None, labels: torch.Tensor | None = None) -> Any:
         """Forward only; any batch size (micro-batches: the largest divisor of it up to ``num_microbatches``).
@@ -295,7 +301,15 @@ class PipelineSchedule:
         """Positional inputs of the first chunk, and ``(batch, seq, has_token_types)`` agreed by all stages."""
         args: tuple = ()
         shape: list[int] | None = None
-        if self.is_first:
+        names = getattr(self.stages[0], "first_inputs", None) if self.is_first else None
+        if names is not None:  # the columns the first chunk names (a causal LM's input_ids and position_ids)
+            missing = [name for name in names if inputs is None or name not in inputs]
+            if missing:
+                raise ValueError(f"the first pipeline stage needs inputs with {', '.join(missing)}")
+            assert inputs is not None
+            args = tuple(inputs[name].to(self.device) for name in names)
+            shape = [args[0].shape[0], args[0].shape[1], 0]
+        elif self.is_first:
             if inputs is None or "input_ids" not in inputs:
                 raise ValueError("the first pipeline stage needs inputs with input_ids")
             ids = inputs["input_ids"].to(self.device)
@@ -350,9 +364,12 @@ class PipelineSchedule:
 
     def _weighted_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """``(n_i / b) · ℓ_i``: micro-batch ``i``'s loss weighted by its share of the step's examples, before its
-        backward (see the module doc); ``n_i`` is the rows of its target, split with the inputs."""
+        backward (see the module doc); ``n_i`` is the rows of its target, split with the inputs. ``ℓ_i`` as it is
+        where the step's loss is not a per-example mean (``train_step``'s ``per_example_mean``)."""
         assert self._step_loss is not None  # set by train_step before any schedule runs
         loss_fn, examples = self._step_loss
+        if examples is None:
+            return loss_fn(output, target)
         return loss_fn(output, target) * (target.shape[0] / examples)
 
     def build_eval_schedule(self, stages: list[TimedStage], num_microbatches: int) -> Any:

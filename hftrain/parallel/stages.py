@@ -1,4 +1,4 @@
-"""Pipeline chunks of HF sequence classifiers, and the per-family adapters that run them.
+"""Pipeline chunks of HF sequence classifiers and decoder causal LMs, and the per-family adapters that run them.
 
 The adapters call the HF modules themselves and rebuild attention masks with transformers' own
 ``create_causal_mask``/``create_bidirectional_mask`` from the carried 2-D mask, so a chain of chunks computes
@@ -16,9 +16,9 @@ Modules = dict[str, torch.nn.Module]
 
 def _positions(hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """``[1, s]`` position ids, as GPT-2 and Llama build them without a cache (or a context-parallel shard's own
-    global positions)."""
-    if positions is not None:
-        return positions.unsqueeze(0)
+    global positions); ``[b, s]`` ones (a causal LM's, restarting at every packed document) as given."""
+    if positions is not None:  # [b, s]: a causal LM's packed documents' own positions
+        return positions if positions.dim() == 2 else positions.unsqueeze(0)
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -164,6 +164,10 @@ class GPT2Stages(_LastTokenStages):
         """Modules of the last chunk's head."""
         return {"norm": model.transformer.ln_f, "score": model.score}
 
+    def lm_head_modules(self, model: torch.nn.Module) -> Modules:
+        """Modules of a ``GPT2LMHeadModel``'s last chunk: ``ln_f`` and the output projection."""
+        return {"norm": model.transformer.ln_f, "lm_head": model.get_output_embeddings()}
+
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """Parameter-free helpers every chunk needs."""
         return {}
@@ -240,6 +244,10 @@ class DecoderStages(_LastTokenStages):
         """Modules of the last chunk's head."""
         return {"norm": getattr(getattr(model, self.base), self.norm_name), "score": model.score}
 
+    def lm_head_modules(self, model: torch.nn.Module) -> Modules:
+        """Modules of a ``*ForCausalLM``'s last chunk: the final norm and the output projection."""
+        return {"norm": getattr(getattr(model, self.base), self.norm_name), "lm_head": model.get_output_embeddings()}
+
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """The rotary embedding (buffers only): each chunk recomputes cos/sin from the positions."""
         return {"rotary_emb": getattr(model, self.base).rotary_emb}
@@ -293,6 +301,68 @@ class DecoderStages(_LastTokenStages):
         )
 
 
+class CausalLMStages:
+    """A decoder family's stages for its ``*ForCausalLM`` (``model.task: causal_lm``): the family's embedding and
+    layers, then the final norm and the output projection on every position.
+
+    The activation tuple is ``(hidden [b, s, h], position_ids [b, s])``: packed blocks hold whole documents whose
+    positions restart at each one and carry no attention mask, so every chunk builds its masks from the positions
+    (transformers' ``create_causal_mask(..., attention_mask=None, position_ids=...)``: block-diagonal causal, as the
+    unsharded model masks them) and the rotary embeddings from the same positions. The last chunk returns this rank's
+    logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's slice of it; Gemma-2/3's
+    final soft-capping applied, as their ``*ForCausalLM``); the task computes the loss from them.
+
+    Args:
+        family: the family's adapter (:class:`GPT2Stages`, :class:`DecoderStages`).
+        config: the model's config (``final_logit_softcapping``).
+    """
+
+    first_inputs = ("input_ids", "position_ids")
+    """The batch columns the first chunk reads, in order."""
+    per_position = True
+    """The last chunk's output has a row per position (not one per example)."""
+
+    def __init__(self, family: Any, config: Any = None) -> None:
+        self.family = family
+        self.softcap = getattr(config, "final_logit_softcapping", None) if config is not None else None
+
+    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The family's layers, in order."""
+        return self.family.layers(model)
+
+    def embed_modules(self, model: torch.nn.Module) -> Modules:
+        """The family's embedding modules."""
+        return self.family.embed_modules(model)
+
+    def head_modules(self, model: torch.nn.Module) -> Modules:
+        """The final norm and the output projection (``get_output_embeddings()``: vocabulary-parallel under tp)."""
+        return self.family.lm_head_modules(model)
+
+    def aux_modules(self, model: torch.nn.Module) -> Modules:
+        """The family's parameter-free helpers (rotary embedding)."""
+        return self.family.aux_modules(model)
+
+    def embed(self, mods: Any, config: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple:
+        """Token ids and their positions to ``(hidden, position_ids)``."""
+        hidden, _, _ = self.family.embed(mods, config, input_ids, None, positions=position_ids)
+        return hidden, position_ids
+
+    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor, _=None) -> dict:
+        """The family's masks (packed block-diagonal, from the positions) and rotary embeddings, once per chunk."""
+        return self.family.layer_context(aux, config, hidden, None, position_ids)
+
+    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
+        """One layer of the family."""
+        return self.family.run_layer(layer, hidden, context, index)
+
+    def head(self, mods: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, then the output projection on every position: logits ``[b, s, vocabulary (slice)]``."""
+        logits = mods["lm_head"](mods["norm"](hidden))
+        if self.softcap is not None:  # elementwise: the same on a vocabulary slice
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 class PipelineChunk(torch.nn.Module):
     """One pipeline chunk: optional embedding, a run of HF layers, optional pooling head.
 
@@ -333,6 +403,11 @@ class PipelineChunk(torch.nn.Module):
         return self.embed is not None
 
     @property
+    def first_inputs(self) -> tuple[str, ...] | None:
+        """The batch columns the first chunk reads when its family names them (a causal LM's), else None."""
+        return getattr(self.family, "first_inputs", None)
+
+    @property
     def is_last(self) -> bool:
         """Whether this chunk ends in the classification head (returns logits)."""
         return self.head is not None
@@ -359,26 +434,26 @@ class PipelineChunk(torch.nn.Module):
             yield self._hf_names[name], param
 
     def forward(self, *acts: torch.Tensor) -> Any:
-        """First chunk: ``(input_ids, attention_mask[, token_type_ids])``; others: the activation tuple.
+        """First chunk: the batch columns the family reads (a classifier's ``(input_ids, attention_mask[,
+        token_type_ids])``, a causal LM's ``(input_ids, position_ids)``); others: the activation tuple.
 
-        Returns the next activation tuple, or the logits ``[b, num_labels]`` from the last chunk.
+        Returns the next activation tuple, or the last chunk's output (a classifier's logits ``[b, num_labels]``).
         """
         split = self.context_split
         if self.is_first:
             if split is None:
-                hidden, mask, pool = self.family.embed(self.embed, self.config, *acts)
+                acts = self.family.embed(self.embed, self.config, *acts)
             else:  # this rank's positions of the whole sequences; the classified token found on the whole
                 input_ids, positions = acts[0], split.positions(acts[0].shape[1], acts[0].device)
                 local = [a[:, positions] for a in acts]
                 hidden, mask, _ = self.family.embed(self.embed, self.config, *local, positions=positions)
-                pool = self.family.pool(self.config, input_ids, hidden.dtype)[:, positions]
-        else:
-            hidden, mask, pool = acts
-        positions = None if split is None else split.attend(mask)
+                acts = hidden, mask, self.family.pool(self.config, input_ids, hidden.dtype)[:, positions]
+        hidden, carried = acts[0], acts[1:]  # carried: a classifier's (mask, pool), a causal LM's (positions,)
+        positions = None if split is None else split.attend(carried[0])
         if len(self.layers):
-            context = self.family.layer_context(self.aux, self.config, hidden, mask, positions)
+            context = self.family.layer_context(self.aux, self.config, hidden, carried[0], positions)
             for index, layer in self.layers.items():
                 hidden = self.family.run_layer(layer, hidden, context, int(index))
         if self.is_last:
-            return self.family.head(self.head, hidden, pool, *(() if split is None else (split.sum,)))
-        return hidden, mask, pool
+            return self.family.head(self.head, hidden, *carried[1:], *(() if split is None else (split.sum,)))
+        return (hidden, *carried)

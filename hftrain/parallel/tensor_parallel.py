@@ -430,6 +430,7 @@ def clip_grad_norm_(
     tp_group: Any,
     pp_group: Any = None,
     ep_group: Any = None,
+    uncounted: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Clip to the global gradient norm, as one process with the whole model computes it; returns the norm.
 
@@ -447,6 +448,8 @@ def clip_grad_norm_(
         tp_group: the tensor-parallel group.
         pp_group: the pipeline group (None: one stage).
         ep_group: the expert-parallel group (None: every expert is here).
+        uncounted: names clipped but left out of the norm: a copy another stage counts (a tied embedding's on the
+            last pipeline stage).
     """
     from hftrain.parallel.expert_parallel import expert_parameters
 
@@ -454,7 +457,7 @@ def clip_grad_norm_(
     experts = expert_parameters(model) if ep_group is not None else {}
     # a replicated slice's other copies (the same gradient after finalize_tp_grads) are not counted again
     grads = {name: p.grad for name, p in params.items() if p.grad is not None}
-    counted = {name for name in grads if name not in split or split[name].first_replica}
+    counted = {name for name in grads if (name not in split or split[name].first_replica) and name not in uncounted}
     # where the norms are summed: the gradients' device (a rank with none: its parameters', never the host by default,
     # which an NCCL group would not take)
     device = next(iter(grads.values())).device if grads else next(iter(params.values())).device if params else None

@@ -49,6 +49,11 @@ class AccelerateRuntime:
             strategy's model-construction context (ZeRO-3 keeps transformers out of ``deepspeed.zero.Init``).
     """
 
+    loss_is_example_mean = True
+    """Whether the task's ``compute_loss`` is its micro-batch's mean over examples (the Trainer sets it from its task's
+    ``loss_is_example_mean``): a pipeline weights each of its micro-batches' losses by its share of the examples then,
+    and adds them as they are otherwise."""
+
     def __init__(
         self,
         accelerator: Accelerator,

@@ -124,6 +124,7 @@ class Trainer:
         choices.append(strategy.tune_host_allocator())
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
         self.runtime = strategy.build_runtime(self.accelerator)
+        self.runtime.loss_is_example_mean = self.loss_is_example_mean
         self.strategy_summary = strategy.summary(args, self.accelerator)
         self._log("strategy: " + ", ".join(f"{k}={v}" for k, v in self.strategy_summary.items()))
         for choice in choices:
@@ -179,6 +180,12 @@ class Trainer:
             self.resume(args.resume_from_checkpoint)
 
     # ----------------------------------------------------------------- task hooks (override per task)
+    loss_is_example_mean = True
+    """``compute_loss`` is the mean over its micro-batch's examples (a classifier's): where the strategy cuts a
+    micro-batch further (a pipeline's micro-batches), each part's loss counts by its share of the examples. False: the
+    loss is already scaled to the global batch (a causal LM's token sum over the global target count), and the parts'
+    losses add up as they are."""
+
     whole_global_batches = False
     """Train on whole global batches only (``EpochSampler``'s ``whole_groups``): a task whose loss is one mean over
     the global batch's tokens cannot count Accelerate's repeated examples."""

@@ -45,6 +45,7 @@ class CausalLMTrainer(Trainer):
         kwargs: as :class:`hftrain.trainers.base.Trainer`.
     """
 
+    loss_is_example_mean = False  # a token sum scaled by dp · accumulation / N: a pipeline's parts add up
     whole_global_batches = True  # N counts a global batch's blocks: Accelerate's repeats of a short one would not be
 
     def __init__(self, *args: Any, train_dataset: Any, **kwargs: Any) -> None:

@@ -120,6 +120,11 @@ class PipelineModel(nn.Module):
         self.config = hf_model.config
 
     @property
+    def per_position(self) -> bool:
+        """Whether the last stage's output has a row per position (a causal LM's logits), not one per example."""
+        return bool(getattr(self.stages[0].family, "per_position", False))
+
+    @property
     def last_stage_rank(self) -> int:
         """The pipeline rank holding the last chunk (the head): ``pp - 1``, or 0 in the V layout (ZBV)."""
         from hftrain.parallel.pipeline import chunk_ids_of_rank
@@ -130,10 +135,19 @@ class PipelineModel(nn.Module):
         return next(r for r in range(pp) if last in chunk_ids_of_rank(r, pp=pp, virtual_stages=chunks, layout=layout))
 
     def forward(self, **inputs: torch.Tensor) -> Any:
-        """The HF model's output for ``inputs``: logits on every stage, and HF's loss when ``labels`` are given."""
+        """The HF model's output for ``inputs``: logits on every stage, and HF's loss when ``labels`` are given (a
+        causal LM's logits ``[b, s, vocabulary (slice)]`` only, its loss being the task's; the export's check)."""
         labels = inputs.pop(LABELS, None)
         with torch.no_grad():
             logits = self.schedule.eval_step(inputs, None)
+        if self.per_position:
+            from transformers.modeling_outputs import CausalLMOutput
+
+            from hftrain.parallel.host import broadcast_ints
+
+            pp_group, last = self.groups.pp_group, self.last_stage_rank
+            shape = broadcast_ints(None if logits is None else list(logits.shape), 3, group=pp_group, group_src=last)
+            return CausalLMOutput(logits=self.from_last_stage(logits, tuple(shape)))
         shape = (_batch_size(inputs), self.config.num_labels)
         return classifier_output(self.from_last_stage(logits, shape), labels, self.config)
 
@@ -179,6 +193,11 @@ class PipelineRuntime(MegatronRuntime):
         self.num_microbatches = options.num_microbatches
         self.recorder: Any = None
         self._ranges: list[range] | None = None  # the stages' layer ranges, decided on the whole model
+        # tied input/output embeddings split over the first and last stage: this rank's copy and the group
+        # (first and last pipeline rank of each tp/cp/dp coordinate) that sums its gradient, else None
+        self._tied: nn.Parameter | None = None
+        self._embedding_group: Any = None
+        self._tied_copy: frozenset[str] = frozenset()  # the tied weight's name where it is the last stage's copy
 
     # ----------------------------------------------------------------- setup
     def build_model(self, model_init: Callable[[], Any]) -> Any:
@@ -226,6 +245,7 @@ class PipelineRuntime(MegatronRuntime):
         # Split every layer over tp on the host (the plugin's one preparation), keep this rank's stages and move
         # only those to the device; the rest is freed below, never having reached it.
         model = self.plugin.parallelize(model, device=device, move=False)
+        tied = _tied_embedding(model)  # before the stages are cut: the other stages' copies go then
         stages = build_stage_modules(
             model,
             pp_rank=layout.pp_rank,
@@ -243,6 +263,8 @@ class PipelineRuntime(MegatronRuntime):
         stage_params = {id(p) for stage in stages for p in stage.parameters()}
         self._model = model
         self._params = {n: p for n, p in model.named_parameters() if id(p) in stage_params}
+        if tied is not None:
+            self._tie_stages(tied, stage_params, stages)
         self.recorder = TimelineRecorder(layout.pp_rank)
         schedule = build_schedule(
             self.pipeline.schedule,
@@ -279,7 +301,12 @@ class PipelineRuntime(MegatronRuntime):
         schedule, examples = model.schedule, _batch_size(batch)
         inputs = {k: v for k, v in batch.items() if k != LABELS}
         rows = torch.arange(examples, device=self.accelerator.device)
-        loss = schedule.train_step(inputs, rows, loss_fn=self._micro_batch_loss(batch, loss_fn, model.config))
+        loss = schedule.train_step(
+            inputs,
+            rows,
+            loss_fn=self._micro_batch_loss(batch, loss_fn, model.config),
+            per_example_mean=self.loss_is_example_mean,  # the task's: a causal LM's loss is already scaled
+        )
         if loss is not None:  # the schedule's loss is divided by the accumulation steps, like backward()'s
             loss = loss.detach() * self.accelerator.gradient_accumulation_steps
         loss = model.from_last_stage(loss, ())
@@ -307,8 +334,8 @@ class PipelineRuntime(MegatronRuntime):
         return loss
 
     def _finalize_grads(self) -> None:
-        """Average gradients over dp × cp (each stage's own replicas and sequence parts), then complete tp's
-        sequence-parallel ones."""
+        """Average gradients over dp × cp (each stage's own replicas and sequence parts), sum a tied embedding's
+        over the first and last stage (Megatron's embedding group), then complete tp's sequence-parallel ones."""
         from hftrain.parallel import finalize_tp_grads
         from hftrain.parallel.collectives import all_reduce_coalesced
 
@@ -319,9 +346,105 @@ class PipelineRuntime(MegatronRuntime):
             all_reduce_coalesced(grads, layout.dp_cp_group or layout.dp_group)
             for grad in grads:
                 grad.div_(replicas)
+        if self._embedding_group is not None:
+            tied = self._tied
+            assert tied is not None
+            if tied.grad is None:  # a stage that took no gradient into it still joins the sum
+                tied.grad = torch.zeros_like(tied)
+            dist.all_reduce(tied.grad, group=self._embedding_group)
         finalize_tp_grads(self._model, tp_group=layout.tp_group)
 
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """MegatronRuntime's, with a tied embedding's last-stage copy clipped but counted once (on the first)."""
+        from hftrain.parallel import clip_grad_norm_
+
+        layout = self.plugin.layout
+        return clip_grad_norm_(
+            self._model,
+            self._params,
+            max_norm,
+            tp_group=layout.tp_group,
+            pp_group=layout.pp_group,
+            ep_group=layout.ep_group,
+            uncounted=self._tied_copy,
+        )
+
+    def _tie_stages(self, tied: nn.Parameter, stage_params: set[int], stages: list[nn.Module]) -> None:
+        """Keep tied input/output embeddings one weight when the embedding (first stage) and the output projection
+        (last stage) are on different pipeline ranks: each holds a copy, from the same initial values (every rank
+        builds the same model), and each step sums the two copies' gradients over Megatron's embedding group, the
+        first and last pipeline rank of each tp/cp/dp coordinate, so both apply the same update (collective: every
+        rank creates every group).
+
+        Args:
+            tied: the shared weight (this rank's tp slice), found before the stages were cut.
+            stage_params: ids of the parameters of this rank's stages.
+            stages: this rank's chunks.
+        """
+        from hftrain.parallel.pipeline import chunk_ids_of_rank
+        from hftrain.parallel.schedules import schedule_class
+
+        layout, options = self.plugin.layout, self.pipeline
+        pp, virtual = layout.pp_size, options.virtual_stages
+        chunk_layout = schedule_class(options.schedule).layout
+        owner = {
+            c: r for r in range(pp) for c in chunk_ids_of_rank(r, pp=pp, virtual_stages=virtual, layout=chunk_layout)
+        }
+        first, last = owner[0], owner[pp * virtual - 1]
+        self._tied = tied if id(tied) in stage_params else None
+        if first == last:  # one rank holds both (ZBV's V): one parameter, nothing to sum
+            return
+        if self._tied is not None and layout.pp_rank != first:  # the first stage counts it in the gradient norm
+            self._tied_copy = frozenset(n for n, p in self._params.items() if p is tied)
+        dims, rank = layout.dims, dist.get_rank()
+        for dp in range(dims.dp):
+            for cp in range(dims.cp):
+                for tp in range(dims.tp):
+                    ranks = [dims.rank(first, dp, cp, tp), dims.rank(last, dp, cp, tp)]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        self._embedding_group = group
+        assert (self._embedding_group is None) == (self._tied is None), "the tied weight is not on its stages"
+
+    def evaluation_step(
+        self, model: nn.Module, batch: Batch, predict: Callable[[nn.Module, Batch], tuple]
+    ) -> tuple[torch.Tensor, ...]:
+        """One evaluation batch. A last stage with a row per position (a causal LM's logits) runs the task's
+        ``prediction_step`` there, on a :class:`LogitsModel` (vocabulary-parallel under tp), and broadcasts its
+        per-example outputs over the pp group: no full-vocabulary logits travel. Otherwise the pipeline model's
+        logits reach every stage and the task predicts from them on each (MegatronRuntime's)."""
+        if not model.per_position:
+            return super().evaluation_step(model, batch, predict)
+        from hftrain.parallel.host import broadcast_object
+
+        inputs = {k: v for k, v in batch.items() if k != LABELS}
+        with torch.no_grad():
+            logits = model.schedule.eval_step(inputs, None)
+            outputs = None if logits is None else predict(LogitsModel(logits, model.config), batch)
+        if self.plugin.layout.pp_size > 1:  # a few numbers per example, as host objects
+            outputs = broadcast_object(
+                None if outputs is None else tuple(t.detach().cpu() for t in outputs),
+                group=self.plugin.layout.pp_group,
+                group_src=model.last_stage_rank,
+            )
+        device = self.accelerator.device
+        return self.plugin.gather_for_metrics(tuple(t.to(device) for t in outputs))
+
     # ----------------------------------------------------------------- state
+    def snapshot(self) -> Any:
+        """MegatronRuntime's, without a tied embedding's last-stage copy (and its moments): the first stage writes
+        the one tensor. A load fills the copy from it like any parameter this rank holds."""
+        from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX
+
+        snap = super().snapshot()
+        for name in self._tied_copy:
+            snap.state = {
+                key: boxes
+                for key, boxes in snap.state.items()
+                if key != MODEL_PREFIX + name and not key.startswith(f"{OPTIM_PREFIX}{name}.")
+            }
+        return snap
+
     def save_extras(self, directory: str) -> None:
         super().save_extras(directory)
         self.write_timeline()
@@ -363,6 +486,15 @@ class PipelineRuntime(MegatronRuntime):
             f"pipeline timeline: {output / TIMELINE_PNG} (bubble measured {bubble['measured_bubble']:.3f}, "
             f"theoretical {bubble['theoretical_bubble']:.3f})"
         )
+
+
+def _tied_embedding(model: nn.Module) -> nn.Parameter | None:
+    """The weight a model's input embedding and output projection share (GPT-2's, SmolLM2's), else None."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is None or head is None or getattr(head, "weight", None) is not getattr(embed, "weight", 0):
+        return None
+    return head.weight
 
 
 def _batch_size(inputs: dict[str, torch.Tensor]) -> int:

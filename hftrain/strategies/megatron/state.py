@@ -235,9 +235,13 @@ def iter_full_state(
     device = next(iter(params.values())).device if params else torch.device("cpu")
     holder = groups.dp_rank == 0 and groups.cp_rank == 0
     in_first_ep_group = groups.dp_rank < groups.ep_size and groups.cp_rank == 0  # its ranks hold every expert
+    given: set[str] = set()
     for stage, entries in enumerate(stages):
         sender = groups.dims.rank(stage, 0, 0, 0)
         for name, shape, dtype in entries:
+            if name in given:  # a tied embedding's copy on the last stage: the first stage's is the one
+                continue
+            given.add(name)
             full = None
             if stage == groups.pp_rank and name in experts and in_first_ep_group:
                 full = gather_experts(state[name].detach(), groups.ep_group)  # experts are not split over tp

@@ -47,7 +47,7 @@ _FOREIGN_OPTIONS = {
 }
 
 
-LANGUAGE_MODEL_AXES_NOT_BUILT = ("pp", "cp")
+LANGUAGE_MODEL_AXES_NOT_BUILT = ("cp",)
 """The megatron axes that do not run ``model.task: causal_lm`` yet (refused in one line)."""
 
 
@@ -101,7 +101,7 @@ class MegatronStrategy(Strategy):
             if getattr(self.config, axis) > 1:
                 raise ConfigError(
                     f"strategy.{axis}={getattr(self.config, axis)} with model.task: causal_lm is not built yet "
-                    f"(language models run under megatron's tp, sequence_parallel, ep and dp); use {axis}: 1, or a "
+                    f"(language models run under megatron's tp, sequence_parallel, pp, ep and dp); use {axis}: 1, or a "
                     "data-parallel strategy (ddp, fsdp, zero3)"
                 )
         for axis in ("pp", "cp", "ep"):
