@@ -760,7 +760,7 @@ def test_language_model_parameters_count_the_lm_head_once_when_tied(tmp_path):
 
 
 def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tmp_path):
-    """megatron pp and cp do not train a language model yet (``LANGUAGE_MODEL_AXES_NOT_BUILT``): those rows are
+    """megatron cp does not train a language model yet (``LANGUAGE_MODEL_AXES_NOT_BUILT``): its rows are
     formula-only under ``causal_lm``, and a row is runnable exactly when the megatron strategy's model check with
     ``task="causal_lm"`` accepts its layout; the same layouts of the classifier stay runnable."""
     from hftrain.config import StrategyConfig
@@ -771,7 +771,7 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
 
     folder, config = _tiny_lm(tmp_path)
     lm, classifier = model_from_config(folder, task="causal_lm"), model_from_config(folder)
-    assert lm.refused_axes == {"pp", "cp"} and not classifier.refused_axes
+    assert lm.refused_axes == {"cp"} and not classifier.refused_axes
     for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
         row = model_parallel.estimate(tp, pp, lm, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
         options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
@@ -785,7 +785,7 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
             accepted = True
         except ConfigError:
             accepted = False
-        assert row.runnable == accepted == (tp > 1), (tp, pp, cp)
+        assert row.runnable == accepted == (cp == 1), (tp, pp, cp)
         if not accepted:
             assert any("model.task causal_lm" in note for note in row.notes), row.notes
         same = model_parallel.estimate(tp, pp, classifier, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
@@ -797,12 +797,12 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
     last = activation_bytes(lm, work, Hardware(), layers=1)
     assert staged.activations == max(first, last) and logits_bytes(lm, work) == 2 * 64 * 64 * 6
     result = plan(lm, Hardware(gpus_per_node=2), work)
-    assert result.choice.runnable and all(r.runnable == (r.pp == 1) for r in result.rows)
+    assert result.choice.runnable and all(r.runnable == (r.cp == 1) for r in result.rows)
 
 
 def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
     """``--task causal_lm --write-configs`` writes ``model.task: causal_lm`` (validated as a job config); without
-    ``--task`` no task is written (the default classifier); a pp row of a language model is refused."""
+    ``--task`` no task is written (the default classifier); a cp row of a language model is refused."""
     folder, _ = _tiny_lm(tmp_path)
     common = ["--model", folder, "--gpus-per-node", "2", "--seq", "64", "--micro-batch", "2"]
     for task, row in (("causal_lm", "megatron tp2·pp1·dp1"), ("causal_lm", "zero2"), (None, "zero2")):
@@ -813,9 +813,9 @@ def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
         assert ("(causal_lm)" in table and "logits: causal LM" in table) == (task is not None)
         job = yaml.safe_load((out / "job.yaml").read_text())
         assert job["model"].get("task") == task and job["model"]["model_name_or_path"] == folder
-    pipeline = ["--write-configs", str(tmp_path / "pp"), "--row", "megatron tp1·pp2·dp1"]
-    code, out, err = _cli(capsys, *common, "--task", "causal_lm", *pipeline)
-    assert code == 2 and "formula-only" in err and not (tmp_path / "pp").exists()
+    context = ["--cp", "2", "--write-configs", str(tmp_path / "cp"), "--row", "megatron tp1·cp2·pp1·dp1"]
+    code, out, err = _cli(capsys, *common, "--task", "causal_lm", *context)
+    assert code == 2 and "formula-only" in err and not (tmp_path / "cp").exists()
     code, out, _ = _cli(capsys, *common, "--task", "causal_lm", "--json")
     data = json.loads(out)
     assert data["model"]["task"] == "causal_lm" and "s·b·V'·(e + 4)/t" in data["formulas"]["logits"]
