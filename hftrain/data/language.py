@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hftrain.data.embedded import load_embedded
-from hftrain.data.labels import shown
 from hftrain.data.loading import (
     _FILE_FORMATS,
     _check_max_samples,
@@ -46,6 +45,7 @@ from hftrain.data.loading import (
     _is_blank,
     _read_file,
     _split,
+    check_texts,
 )
 from hftrain.errors import ConfigError, DataError
 
@@ -200,7 +200,7 @@ def _read_documents(
             "for prompt/response data"
         )
     for column, field_name in selected.values():
-        _refuse_nested(frame[column], source, column, field_name)
+        check_texts(frame[column], source, column, field_name)
     frame = frame[[column for column, _ in selected.values()]].set_axis(list(selected), axis=1)
     return _drop_blank(frame.reset_index(drop=True), source, field, log)
 
@@ -231,31 +231,6 @@ def _read_lines(path: str | os.PathLike[str], field: str) -> list[str]:
     if not lines:
         raise DataError(f"{field}: {path} has only blank lines; write one document per line")
     return lines
-
-
-def _refuse_nested(values: pd.Series, source: str, column: str, field: str) -> None:
-    """Refuse values that are lists or objects (JSON arrays/objects), which ``str`` would silently make text.
-
-    Args:
-        values: the column, indexed by row (0-based) in the file.
-        source: file name for error messages.
-        column: the column's name in the file.
-        field: config field that named the column.
-    """
-    import numpy as np
-
-    if values.dtype != object:
-        return
-    nested = values.map(lambda value: isinstance(value, (list, tuple, dict, set, np.ndarray)))
-    if not nested.any():
-        return
-    row = nested.idxmax()
-    value = values[row]
-    kind = "an object" if isinstance(value, dict) else "a list"
-    raise DataError(
-        f"{field}: column {column!r} of {source} holds {kind} at row {row + 1} ({shown(value)}), "
-        "not a text; write each text as one string in the file"
-    )
 
 
 def _drop_blank(frame: pd.DataFrame, source: str, field: str, log: Callable[[str], None]) -> pd.DataFrame:

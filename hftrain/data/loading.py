@@ -154,7 +154,7 @@ def _read_local(
     """
     frame = _read_file(path, field)
     frame = _select_columns(frame, str(path), text_column, label_column)
-    _check_texts(frame["text"], str(path), text_column)
+    check_texts(frame["text"], str(path), text_column)
     return _drop_missing(frame, str(path), field, log)
 
 
@@ -249,26 +249,27 @@ def _is_blank(values: pd.Series) -> pd.Series:
     return values.isna() | blank_string
 
 
-def _check_texts(texts: pd.Series, source: str, text_column: str) -> None:
+def check_texts(values: pd.Series, source: str, column: str, field: str = "data.text_column") -> None:
     """Refuse texts that are lists or objects (JSON arrays/objects), which ``str`` would silently make text.
 
     Args:
-        texts: the text column, indexed by row (0-based) in the file.
+        values: the column, indexed by row (0-based) in the file.
         source: file name for error messages.
-        text_column: original column name for error messages.
+        column: the column's name in the file.
+        field: the config field that named the column.
     """
     import numpy as np
 
-    if texts.dtype != object:
+    if values.dtype != object:
         return  # strings or numbers: text as they are
-    nested = texts.map(lambda value: isinstance(value, (list, tuple, dict, set, np.ndarray)))
+    nested = values.map(lambda value: isinstance(value, (list, tuple, dict, set, np.ndarray)))
     if not nested.any():
         return
     row = nested.idxmax()
-    value = texts[row]
+    value = values[row]
     kind = "an object" if isinstance(value, dict) else "a list"
     raise DataError(
-        f"data.text_column: column {text_column!r} of {source} holds {kind} at row {row + 1} ({shown(value)}), "
+        f"{field}: column {column!r} of {source} holds {kind} at row {row + 1} ({shown(value)}), "
         "not a text; write each text as one string in the file"
     )
 
