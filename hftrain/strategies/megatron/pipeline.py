@@ -197,7 +197,7 @@ class PipelineRuntime(MegatronRuntime):
         # (first and last pipeline rank of each tp/cp/dp coordinate) that sums its gradient, else None
         self._tied: nn.Parameter | None = None
         self._embedding_group: Any = None
-        self._tied_copy: frozenset[str] = frozenset()  # the tied weight's name where it is the last stage's copy
+        self.foreign_copies: frozenset[str] = frozenset()  # the tied weight's name where this is the last stage's copy
 
     # ----------------------------------------------------------------- setup
     def build_model(self, model_init: Callable[[], Any]) -> Any:
@@ -354,21 +354,6 @@ class PipelineRuntime(MegatronRuntime):
             dist.all_reduce(tied.grad, group=self._embedding_group)
         finalize_tp_grads(self._model, tp_group=layout.tp_group)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """MegatronRuntime's, with a tied embedding's last-stage copy clipped but counted once (on the first)."""
-        from hftrain.parallel import clip_grad_norm_
-
-        layout = self.plugin.layout
-        return clip_grad_norm_(
-            self._model,
-            self._params,
-            max_norm,
-            tp_group=layout.tp_group,
-            pp_group=layout.pp_group,
-            ep_group=layout.ep_group,
-            uncounted=self._tied_copy,
-        )
-
     def _tie_stages(self, tied: nn.Parameter, stage_params: set[int], stages: list[nn.Module]) -> None:
         """Keep tied input/output embeddings one weight when the embedding (first stage) and the output projection
         (last stage) are on different pipeline ranks: each holds a copy, from the same initial values (every rank
@@ -395,7 +380,7 @@ class PipelineRuntime(MegatronRuntime):
         if first == last:  # one rank holds both (ZBV's V): one parameter, nothing to sum
             return
         if self._tied is not None and layout.pp_rank != first:  # the first stage counts it in the gradient norm
-            self._tied_copy = frozenset(n for n, p in self._params.items() if p is tied)
+            self.foreign_copies = frozenset(n for n, p in self._params.items() if p is tied)
         dims, rank = layout.dims, dist.get_rank()
         for dp in range(dims.dp):
             for cp in range(dims.cp):
@@ -437,7 +422,7 @@ class PipelineRuntime(MegatronRuntime):
         from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX
 
         snap = super().snapshot()
-        for name in self._tied_copy:
+        for name in self.foreign_copies:
             snap.state = {
                 key: boxes
                 for key, boxes in snap.state.items()

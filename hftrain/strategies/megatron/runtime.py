@@ -118,7 +118,12 @@ class MegatronRuntime(AccelerateRuntime):
             tp_group=layout.tp_group,
             pp_group=layout.pp_group,
             ep_group=layout.ep_group,
+            uncounted=self.foreign_copies,
         )
+
+    # parameters this rank holds as a copy of a weight another rank owns (a pipeline's tied embedding on the last
+    # stage): clipped with the rest, but counted in the gradient norm, and written to checkpoints, by the owner only
+    foreign_copies: frozenset[str] = frozenset()
 
     def evaluation_step(
         self, model: torch.nn.Module, batch: Batch, predict: Callable[[torch.nn.Module, Batch], tuple]
