@@ -59,7 +59,9 @@ def render_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path |
     evals = [h for h in log_history if "eval_loss" in h]
     if not train:
         return None
-    metrics = sorted({k for h in evals for k in h if k.startswith("eval_") and k not in ("eval_loss", "eval_samples")})
+    # the counts of what was evaluated (examples, a language model's target tokens) are not metrics to plot
+    counts = ("eval_loss", "eval_samples", "eval_tokens")
+    metrics = sorted({k for h in evals for k in h if k.startswith("eval_") and k not in counts})
     figure = Figure(figsize=(13, 3.6))
     FigureCanvasAgg(figure)
     loss_axis, lr_axis, metric_axis = figure.subplots(1, 3)

@@ -1,12 +1,15 @@
 """The notebooks, executed headlessly in a real Jupyter kernel (nbclient) on their reduced setting.
 
-Each notebook trains in the kernel's own process, then on 2 gloo processes forked by ``notebook_launcher``,
-then a LoRA variant, and reloads the exports with plain transformers/peft; any cell error fails the test.
+Each classification notebook trains in the kernel's own process, then on 2 gloo processes forked by
+``notebook_launcher``, then a LoRA variant, and reloads the exports with plain transformers/peft; the language-model
+notebook fine-tunes SmolLM2 as a causal LM in the kernel, reloads the export and generates with plain transformers.
+Any cell error fails the test.
 The notebooks run in a temporary folder so the repository copies stay free of outputs.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -20,7 +23,9 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["bert_classification", "gpt_classification"]
+CLASSIFIERS = ["bert_classification", "gpt_classification"]
+LANGUAGE_MODEL = "smollm2_language_model"
+NAMES = [*CLASSIFIERS, LANGUAGE_MODEL]
 
 
 def execute(notebook: nbformat.NotebookNode, workdir: Path, *, allow_errors: bool = False) -> nbformat.NotebookNode:
@@ -73,7 +78,7 @@ def test_committed_notebook_is_stripped_and_has_one_setting_switch(name: str) ->
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CLASSIFIERS)
 def test_notebook_runs_headlessly(name: str, tmp_path: Path) -> None:
     notebook = execute(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), tmp_path)
     prefix = name.split("_")[0]
@@ -90,6 +95,20 @@ def test_notebook_runs_headlessly(name: str, tmp_path: Path) -> None:
     # The 2-process run really ran as 2 gloo ranks.
     strategy = (runs / "two_processes" / "hftrain_strategy.json").read_text()
     assert '"world_size": 2' in strategy and "MULTI_CPU" in strategy, strategy
+
+
+def test_language_model_notebook_runs_headlessly(tmp_path: Path) -> None:
+    notebook = execute(nbformat.read(NOTEBOOKS / f"{LANGUAGE_MODEL}.ipynb", as_version=4), tmp_path)
+    printed = stdout_of(notebook)
+    for line in ("1 process: eval loss", "base model: eval loss", "reloaded export: eval loss"):
+        assert line in printed, printed[-3000:]
+    assert printed.count("base: ") == 4 and printed.count("fine-tuned: ") == 4, printed[-3000:]  # generations
+    assert (tmp_path / "lm_curves.png").stat().st_size > 1000
+    run = tmp_path / "outputs" / "lm" / "one_process"
+    assert (run / "model" / "model.safetensors").is_file()
+    assert json.loads((run / "model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    evaluations = [e for e in json.loads((run / "trainer_state.json").read_text())["log_history"] if "eval_loss" in e]
+    assert len(evaluations) == 2 and all("eval_perplexity" in e for e in evaluations)  # eval_steps=1, 2 steps
 
 
 BAD_INPUT_CELLS = [
