@@ -27,8 +27,14 @@ def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
     return torchrun(2, ["scripts/train.py", *args], timeout=600)
 
 
-# the offload configs' runs are the slow tier's (37 s together): test_deepspeed trains both offloads in every run
-@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if "offload" in c else c for c in CONFIGS])
+# the slow tier's: the offload configs (37 s together; test_deepspeed trains both offloads in every run), and ZeRO-1
+# and FSDP1 (29 s; the zero2, zero3 and fsdp2 configs run here, and test_deepspeed / test_fsdp train both strategies)
+SLOW_CONFIGS = ("offload", "zero1", "fsdp1")
+
+
+@pytest.mark.parametrize(
+    "config", [pytest.param(c, marks=pytest.mark.slow) if any(s in c for s in SLOW_CONFIGS) else c for c in CONFIGS]
+)
 def test_shipped_accelerate_config_runs(tiny_job, tmp_path, config):
     out = tmp_path / "out"
     _accelerate(config, job_args(tiny_job, out))

@@ -472,7 +472,10 @@ RUN_ARGS = ["--max_steps", "2", "--logging_steps", "1", "--log_with", "none", "-
 @pytest.mark.distributed
 # The megatron row runs sequence parallelism: its export verification once crashed on an odd sequence length.
 # The pp2 row: the plan's 2 micro-batches of 4 become one per-device batch of 8 in 2 pipeline micro-batches.
-@pytest.mark.parametrize("row", ["zero2", "megatron tp2·pp1·dp1", "megatron tp1·pp2·dp1"])
+# zero2's row is the slow tier's (16 s): test_launch_configs starts a zero2 job from its config the same way
+@pytest.mark.parametrize(
+    "row", [pytest.param("zero2", marks=pytest.mark.slow), "megatron tp2·pp1·dp1", "megatron tp1·pp2·dp1"]
+)
 def test_written_configs_start_a_run(capsys, tiny_job, tmp_path, row):
     out = tmp_path / "configs"
     code, table, err = _cli(
