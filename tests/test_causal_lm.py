@@ -185,7 +185,14 @@ def _two_processes() -> dict:
     stopped = run_lm(kind=kind, micro=micro // 2, gas=gas, prompt_response=pr, stop_at_step=2)
     runs["resumed"] = run_lm(kind=kind, micro=micro // 2, gas=gas, prompt_response=pr,
                              output_dir=stopped["output_dir"], resume=True)  # fmt: skip
-    for layout, (name, options, dp) in MEGATRON.items():
+    return {**runs, **_megatron_runs(MEGATRON)}
+
+
+def _megatron_runs(layouts: dict) -> dict:
+    """Each megatron layout of ``layouts`` (``name: (case, strategy options, data-parallel replicas)``) trained on the
+    case's global batch, its weights gathered."""
+    runs = {}
+    for layout, (name, options, dp) in layouts.items():
         kind, pr, micro, gas = CASES[name]
         runs[layout] = run_lm(
             kind=kind, strategy="megatron", micro=micro // dp, gas=gas, prompt_response=pr, strategy_options=options,
@@ -206,14 +213,7 @@ PIPELINE = {
 
 
 def _four_processes() -> dict:
-    runs = {}
-    for layout, (name, options, dp) in PIPELINE.items():
-        kind, pr, micro, gas = CASES[name]
-        runs[layout] = run_lm(
-            kind=kind, strategy="megatron", micro=micro // dp, gas=gas, prompt_response=pr, strategy_options=options,
-            weights=True,
-        )  # fmt: skip
-    return runs
+    return _megatron_runs(PIPELINE)
 
 
 @pytest.fixture(scope="module")
