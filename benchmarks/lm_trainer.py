@@ -120,7 +120,7 @@ def child_base(args: argparse.Namespace, output_dir: str) -> dict:
 
     from hftrain.data.language import lm_collator
     from hftrain.models import resolve_model_path
-    from hftrain.trainers.language import IGNORE_INDEX, token_losses
+    from hftrain.trainers.language import IGNORE_INDEX, next_token_targets, token_losses
 
     config = job_config(args, output_dir)
     blocks, _ = packed_blocks(config)
@@ -132,7 +132,7 @@ def child_base(args: argparse.Namespace, output_dir: str) -> dict:
             inputs = lm_collator([validation[i] for i in range(start, min(start + batch, len(validation)))])
             labels = inputs.pop("labels")
             logits = model(**inputs, use_cache=False).logits
-            sums.append(token_losses(None, logits, labels).sum().item())
+            sums.append(token_losses(None, logits, next_token_targets(labels)).sum().item())
             counts.append((labels[:, 1:] != IGNORE_INDEX).sum().item())
     loss = token_mean_loss(sums, counts)
     return {"end": time.time(), "eval_loss": loss, "perplexity": math.exp(loss), "eval_tokens": sum(counts)}
@@ -196,7 +196,7 @@ def child_trainer(args: argparse.Namespace, output_dir: str) -> dict:
 
     from hftrain.data.language import lm_collator
     from hftrain.models import resolve_model_path
-    from hftrain.trainers.language import IGNORE_INDEX, token_losses
+    from hftrain.trainers.language import IGNORE_INDEX, next_token_targets, token_losses
 
     hf_logging.set_verbosity_warning()
     config = job_config(args, output_dir)
@@ -229,7 +229,7 @@ def child_trainer(args: argparse.Namespace, output_dir: str) -> dict:
 
     def per_block_sums(logits, labels):
         """Keep each block's summed target losses, not its (block x 128 x 49,152) logits, for the metric."""
-        return token_losses(None, logits, labels).sum(dim=-1)
+        return token_losses(None, logits, next_token_targets(labels)).sum(dim=-1)
 
     def token_mean(prediction) -> dict:
         counts = (np.asarray(prediction.label_ids)[:, 1:] != IGNORE_INDEX).sum(axis=-1)

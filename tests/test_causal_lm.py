@@ -1,9 +1,10 @@
 """Causal language modelling (``model.task: causal_lm``): the same trainer under every data-parallel strategy.
 
-Three launches: one process for the references, two for DDP, ZeRO-3, FSDP2 and megatron's tp and ep (micro-batches of
-the reference's global batch split over the replicas), four for megatron's pipelines (pp2 × dp2, tp2 × pp2). Each
-equals its 1-process run within 1e-5 (fp32): the loss of every step (the mean over the global batch's target tokens,
-however unevenly they fall on micro-batches and processes) and the final evaluation (loss and perplexity). Llama
+Three launches: one process for the references, two for DDP, ZeRO-3, FSDP2 and megatron's tp, cp and ep (micro-batches
+of the reference's global batch split over the replicas), four for megatron's pipelines (pp2 × dp2, tp2 × pp2) and
+tp2 × cp2. Each equals its 1-process run within 1e-5 (fp32): the loss of every step (the mean over the global batch's
+target tokens, however unevenly they fall on micro-batches and processes) and the final evaluation (loss and
+perplexity). Llama
 (untied, grouped-query) trains on plain text; GPT-2 (tied input/output embeddings) on prompt/response pairs with
 gradient accumulation, where the loss is on the responses only: the first step's loss is recomputed by hand from the
 initial model, with the prompts' positions left out and one mean over the global batch.
@@ -161,6 +162,10 @@ MEGATRON = {
     "ep2": ("mixtral-text", {"ep": 2}, 2),
     "tp2-qwen2": ("qwen2-text", {"tp": 2}, 1),
     "tp2-gemma2": ("gemma2-text", {"tp": 2}, 1),
+    # context parallelism: each rank's zigzag positions of the targets, one sum over cp; packed documents stay apart
+    # in the ring's blocks (and the all-to-all's gathered sequence), tied embeddings
+    "cp2": ("llama-text", {"cp": 2}, 1),
+    "cp2-all-to-all-tied": ("gpt2-prompt-response", {"cp": 2, "cp_comm": "all_to_all"}, 1),
 }
 
 
@@ -201,14 +206,16 @@ def _megatron_runs(layouts: dict) -> dict:
     return runs
 
 
-# megatron pipelines on 4 processes: (case, options, data-parallel replicas); each micro-batch's loss is a token sum
-# over the global batch's count, added unweighted (a classifier's mean would count by its rows)
+# megatron on 4 processes, pipelines (and tp with cp): (case, options, data-parallel replicas); each micro-batch's loss
+# is a token sum over the global batch's count, added unweighted (a classifier's mean would count by its rows)
 PIPELINE = {
     "pp2": ("llama-text", {"pp": 2, "num_microbatches": 2}, 2),
     "tp2-pp2": ("llama-text", {"tp": 2, "pp": 2, "num_microbatches": 4}, 1),
     # tied embeddings: the first stage's embedding and the last stage's head, one weight
     "pp2-tied": ("gpt2-prompt-response", {"pp": 2, "num_microbatches": 2}, 2),
     "tp2-pp2-tied": ("gpt2-prompt-response", {"tp": 2, "pp": 2, "num_microbatches": 2}, 1),
+    # the vocabulary-parallel loss of each cp rank's positions
+    "tp2-cp2": ("llama-text", {"tp": 2, "cp": 2}, 1),
 }
 
 
@@ -442,33 +449,34 @@ def test_pipeline_job_checkpoints_resumes_and_exports_tied_embeddings(tmp_path):
         assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
 
 
-@pytest.mark.parametrize("axis", ["cp"])
-def test_megatron_axes_not_built_for_language_models_are_refused_in_one_line(axis):
+def test_pipeline_with_context_parallelism_is_refused_for_language_models_in_one_line():
     from hftrain.config import StrategyConfig
     from hftrain.errors import ConfigError
+    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies.platform import Platform
+
+    strategy = build_strategy(
+        StrategyConfig(name="megatron", pp=2, cp=2, num_microbatches=2),
+        launch=LaunchInfo(world_size=4, local_world_size=4),
+        platform=Platform("cpu", "gloo"),
+    )
+    config = tiny_config("llama")
+    strategy.check_model(config, use_lora=False)  # a classifier takes the layout
+    with pytest.raises(ConfigError, match="strategy.pp=2 with strategy.cp=2 with model.task: causal_lm is not built"):
+        strategy.check_model(config, use_lora=False, task="causal_lm")
+
+
+@pytest.mark.parametrize("axis", ["pp", "cp"])
+def test_pipeline_and_context_parallelism_each_take_language_models(axis):
+    """``strategy.pp`` and ``strategy.cp`` each run ``model.task: causal_lm`` (refused before they were built for
+    it)."""
+    from hftrain.config import StrategyConfig
     from hftrain.strategies import LaunchInfo, build_strategy
     from hftrain.strategies.platform import Platform
 
     options = {axis: 2, **({"num_microbatches": 2} if axis == "pp" else {})}
     strategy = build_strategy(
         StrategyConfig(name="megatron", **options),
-        launch=LaunchInfo(world_size=2, local_world_size=2),
-        platform=Platform("cpu", "gloo"),
-    )
-    config = tiny_config("llama")
-    strategy.check_model(config, use_lora=False)  # a classifier takes the axis
-    with pytest.raises(ConfigError, match=f"strategy.{axis}=2 with model.task: causal_lm is not built yet"):
-        strategy.check_model(config, use_lora=False, task="causal_lm")
-
-
-def test_pipeline_takes_language_models():
-    """``strategy.pp`` runs ``model.task: causal_lm`` (refused before the stages were built for it)."""
-    from hftrain.config import StrategyConfig
-    from hftrain.strategies import LaunchInfo, build_strategy
-    from hftrain.strategies.platform import Platform
-
-    strategy = build_strategy(
-        StrategyConfig(name="megatron", pp=2, num_microbatches=2),
         launch=LaunchInfo(world_size=2, local_world_size=2),
         platform=Platform("cpu", "gloo"),
     )

@@ -2,9 +2,10 @@
 
 Real gloo processes: every rank draws the same whole-sequence queries, keys, values and padding, keeps its zigzag
 shard, and runs ring attention and all-to-all attention on it; the outputs and the gradients of queries, keys and
-values (through a random weighting of the outputs) must equal PyTorch's ``scaled_dot_product_attention`` on the
-whole sequence within 1e-6 of each tensor's largest entry (fp32), causal and not, with right padding and
-grouped-query heads, at cp = 2 and 4. Then whole classifiers split over cp = 2 against the unsplit model.
+values (through a random weighting of the outputs) must equal PyTorch's ``scaled_dot_product_attention`` on the whole
+sequence within 1e-6 of each tensor's largest entry (fp32), causal and not, with right padding and grouped-query
+heads, and causal over packed documents (no token sees another document's), at cp = 2 and 4. Then whole classifiers
+split over cp = 2 against the unsplit model.
 """
 
 from __future__ import annotations
@@ -27,7 +28,21 @@ def _inputs(seed: int, b: int, h: int, h_kv: int, seq: int, d: int):
     return q, k, v, weights, keep
 
 
-def _reference(q, k, v, weights, keep, causal):
+def _packed_positions(b: int, seq: int):
+    """Position ids of packed rows: documents of 1 to seq/4 tokens, each numbered from 0 (a row's documents differ)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(b):
+        row: list[int] = []
+        while len(row) < seq:
+            row += list(range(int(torch.randint(1, seq // 4 + 1, (1,), generator=g))))
+        rows.append(row[:seq])
+    return torch.tensor(rows)
+
+
+def _reference(q, k, v, weights, keep, causal, segments=None):
     import torch
     import torch.nn.functional as F
 
@@ -36,6 +51,8 @@ def _reference(q, k, v, weights, keep, causal):
     mask = keep[:, None, None, :].expand(-1, 1, q.shape[2], -1)
     if causal:
         mask = mask & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+    if segments is not None:  # packed documents: a token sees only its own document (transformers' packed mask)
+        mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
     out = F.scaled_dot_product_attention(
         q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), attn_mask=mask
     )
@@ -70,36 +87,49 @@ def _with_cuda_contract(kernel):
 
 
 def _compare(h: int, h_kv: int) -> dict:
+    import torch
     import torch.distributed as dist
 
     from hftrain.parallel import context_parallel
-    from hftrain.parallel.context_parallel import Shard, all_to_all_attention, ring_attention, zigzag_positions
+    from hftrain.parallel.context_parallel import (
+        Shard,
+        all_to_all_attention,
+        packed_segments,
+        ring_attention,
+        zigzag_positions,
+    )
 
     context_parallel.BLOCK_KERNELS["cpu"] = _with_cuda_contract(context_parallel.BLOCK_KERNELS["cpu"])
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
     b, seq, d = 3, 8 * cp, 8
     errors = {}
-    for causal in (False, True):
+    for causal, packed in ((False, False), (True, False), (True, True)):
         q, k, v, weights, keep = _inputs(0, b, h, h_kv, seq, d)
-        expected = _reference(q, k, v, weights, keep, causal)
+        segments = packed_segments(_packed_positions(b, seq)) if packed else None
+        if packed:  # packed blocks carry no padding mask (a document of padding only would see no key)
+            keep = torch.ones_like(keep)
+        assert not packed or (segments[:, -1] > 2).all()  # several documents in every row
+        expected = _reference(q, k, v, weights, keep, causal, segments)
         pos = zigzag_positions(seq, cp, rank)
+        mine_segments = None if segments is None else segments[:, pos]
         runs = context_parallel.zigzag_runs(seq, cp)
         for name, attention in (("ring", ring_attention), ("all_to_all", all_to_all_attention), ("ring, runs", None)):
             mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
             if attention is None:  # the runs known on the host: the ring reads no positions from the tensors
                 chunks, context_parallel._chunks = context_parallel._chunks, None
                 try:
-                    out = ring_attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, runs))
+                    shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, runs, mine_segments)
+                    out = ring_attention(*mine, shard)
                     (out * weights[:, :, pos]).sum().backward()
                 finally:
                     context_parallel._chunks = chunks
             else:
-                out = attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD))
+                out = attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, None, mine_segments))
                 (out * weights[:, :, pos]).sum().backward()
             got = (out.detach(), *(t.grad for t in mine))
             # relative to the tensor's largest entry: fp32 sums in another order differ by a few units of 6e-8
-            errors[f"{name} causal={causal}"] = max(
+            errors[f"{name} causal={causal} packed={packed}"] = max(
                 ((g - e[:, :, pos]).abs().max() / e.abs().max()).item() for g, e in zip(got, expected, strict=True)
             )
     return errors

@@ -763,7 +763,7 @@ def test_language_model_parameters_count_the_lm_head_once_when_tied(tmp_path):
 
 
 def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tmp_path):
-    """megatron cp does not train a language model yet (``LANGUAGE_MODEL_AXES_NOT_BUILT``): its rows are
+    """megatron pp with cp does not train a language model yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``): those rows are
     formula-only under ``causal_lm``, and a row is runnable exactly when the megatron strategy's model check with
     ``task="causal_lm"`` accepts its layout; the same layouts of the classifier stay runnable."""
     from hftrain.config import StrategyConfig
@@ -774,8 +774,8 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
 
     folder, config = _tiny_lm(tmp_path)
     lm, classifier = model_from_config(folder, task="causal_lm"), model_from_config(folder)
-    assert lm.refused_axes == {"cp"} and not classifier.refused_axes
-    for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+    assert lm.refused_layouts == (("pp", "cp"),) and not classifier.refused_layouts
+    for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)):
         row = model_parallel.estimate(tp, pp, lm, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
         options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
         strategy = build_strategy(
@@ -788,7 +788,7 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
             accepted = True
         except ConfigError:
             accepted = False
-        assert row.runnable == accepted == (cp == 1), (tp, pp, cp)
+        assert row.runnable == accepted == (pp == 1 or cp == 1), (tp, pp, cp)
         if not accepted:
             assert any("model.task causal_lm" in note for note in row.notes), row.notes
         same = model_parallel.estimate(tp, pp, classifier, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
@@ -805,7 +805,8 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
 
 def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
     """``--task causal_lm --write-configs`` writes ``model.task: causal_lm`` (validated as a job config); without
-    ``--task`` no task is written (the default classifier); a cp row of a language model is refused."""
+    ``--task`` no task is written (the default classifier); a cp row of a language model is written, a pp·cp row is
+    refused."""
     folder, _ = _tiny_lm(tmp_path)
     common = ["--model", folder, "--gpus-per-node", "2", "--seq", "64", "--micro-batch", "2"]
     for task, row in (("causal_lm", "megatron tp2·pp1·dp1"), ("causal_lm", "zero2"), (None, "zero2")):
@@ -818,7 +819,12 @@ def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
         assert job["model"].get("task") == task and job["model"]["model_name_or_path"] == folder
     context = ["--cp", "2", "--write-configs", str(tmp_path / "cp"), "--row", "megatron tp1·cp2·pp1·dp1"]
     code, out, err = _cli(capsys, *common, "--task", "causal_lm", *context)
-    assert code == 2 and "formula-only" in err and not (tmp_path / "cp").exists()
+    assert code == 0, err
+    job = yaml.safe_load((tmp_path / "cp" / "job.yaml").read_text())
+    assert job["model"]["task"] == "causal_lm" and job["strategy"]["cp"] == 2
+    staged = ["--gpus-per-node", "4", "--cp", "2", "--pp", "2", "--write-configs", str(tmp_path / "pp-cp")]
+    code, out, err = _cli(capsys, *common, "--task", "causal_lm", *staged, "--row", "megatron tp1·cp2·pp2·dp1")
+    assert code == 2 and "formula-only" in err and not (tmp_path / "pp-cp").exists()
     code, out, _ = _cli(capsys, *common, "--task", "causal_lm", "--json")
     data = json.loads(out)
     assert data["model"]["task"] == "causal_lm" and "s·b·V'·(e + 4)/t" in data["formulas"]["logits"]
@@ -835,7 +841,7 @@ def test_language_model_activation_estimate_matches_saved_tensors(tmp_path, voca
 
     from hftrain.plan.common import activation_bytes, logits_bytes
     from hftrain.plan.measure import saved_activation_bytes
-    from hftrain.trainers.language import token_losses
+    from hftrain.trainers.language import next_token_targets, token_losses
 
     torch.manual_seed(0)
     folder, config = _tiny_lm(tmp_path, vocab=vocab)
@@ -847,7 +853,7 @@ def test_language_model_activation_estimate_matches_saved_tensors(tmp_path, voca
 
     def forward():
         alive["logits"] = model(input_ids=ids, use_cache=False).logits
-        return token_losses(None, alive["logits"], ids).sum()
+        return token_losses(None, alive["logits"], next_token_targets(ids)).sum()
 
     measured = saved_activation_bytes(model, forward) + alive["logits"].nbytes
     spec = model_from_config(folder, task="causal_lm")

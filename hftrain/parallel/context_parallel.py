@@ -5,7 +5,9 @@ Each of the ``cp`` ranks holds ``S / cp`` positions of every sequence: its queri
 tokens. The positions are what make a split exact whatever its order: causal masking compares positions, never
 indices, so the load-balancing **zigzag** layout (:func:`zigzag_positions`: rank ``r`` holds chunks ``r`` and
 ``2·cp − 1 − r`` of ``2·cp``, so every rank has as many early as late queries and causal work is even) needs
-nothing else.
+nothing else. Packed sequences (a language model's blocks, whose position ids restart at every document) also carry
+each token's document (:func:`packed_segments`), and a key is visible only in its query's document, as transformers'
+packed mask has it on one process.
 
 **Ring attention** (:func:`ring_attention`; Liu et al. 2023, the exact blockwise softmax of FlashAttention). The
 key/value blocks travel around the ring: at step ``t`` rank ``r`` holds the block of rank ``(r − t) mod cp``,
@@ -110,12 +112,29 @@ def zigzag_runs(seq_len: int, cp: int) -> tuple[tuple[tuple[slice, int, int], ..
     return tuple(tuple(_chunks(zigzag_positions(seq_len, cp, r))) for r in range(cp))
 
 
-def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_keep: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Visible ``[b, 1, sq, sk]``: the key is not padding and (causal) not after the query."""
+def _mask(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_keep: torch.Tensor,
+    causal: bool,
+    q_seg: torch.Tensor | None = None,
+    k_seg: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Visible ``[b, 1, sq, sk]``: the key is not padding, (causal) not after the query, and (``q_seg``/``k_seg``
+    ``[b, sq]``/``[b, sk]``: packed documents) in the query's document."""
     visible = k_keep[:, None, None, :]
     if causal:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if q_seg is not None:
+        visible = visible & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
     return visible
+
+
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """The document of each token of packed sequences ``[b, s]``: a new one wherever the position does not follow
+    the one before (transformers' ``find_packed_sequence_indices``, the rule its packed masks use)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
 class _Block:
@@ -223,9 +242,14 @@ def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.T
     return merged, new
 
 
+def _segment_pair(segments: torch.Tensor | None, seg_b: torch.Tensor | None, qs: slice, ks: slice) -> tuple:
+    """The query run's and the key run's documents for :func:`_mask` (none when the sequences are not packed)."""
+    return () if segments is None else (segments[:, qs], seg_b[:, ks])
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, positions, causal, scale, group, runs):
+    def forward(ctx, q, k, v, keep, positions, segments, causal, scale, group, runs):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
@@ -234,19 +258,24 @@ class _RingAttention(torch.autograd.Function):
         o = torch.zeros((b, h, sq, d), device=q.device)  # merged in fp32; each block computed in q's dtype
         q_runs = runs[me] if runs else _chunks(positions)
         keep_f = keep.to(torch.uint8)
-        block = _Block([k, v, keep_f, positions])
+        packed = [] if segments is None else [segments]  # the documents travel with their keys
+        block = _Block([k, v, keep_f, positions, *packed])
         for step in range(cp):
             pending = block.exchange(group) if step < cp - 1 else None
-            kb, vb, keep_b, pos_b = block.tensors
+            kb, vb, keep_b, pos_b, *seg_b = block.tensors
             kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
             k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)  # the block came from rank me − step
             for qs, ks in _visible_pairs(q_runs, k_runs, causal):
-                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
+                docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
+                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs)
                 q_b = q[:, :, qs]
                 bias = _bias(visible, q.dtype, h, q_b.shape[2])
                 o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], bias, scale)
-                # a query row with no visible key in this block contributes nothing (a kernel reports lse 0 there)
-                lse_b = lse_b.masked_fill(~visible.any(-1), NEG_INF)
+                # a query row with no visible key in this block (padding, or another document) contributes nothing:
+                # a kernel reports lse 0 there, and its output row may be anything
+                blind = ~visible.any(-1)
+                lse_b = lse_b.masked_fill(blind, NEG_INF)
+                o_b = o_b.masked_fill(blind[..., None], 0.0)
                 o[:, :, qs], lse[:, :, qs] = _merge(o[:, :, qs], lse[:, :, qs], o_b, lse_b)
             if pending is not None:
                 works, received = pending
@@ -256,13 +285,14 @@ class _RingAttention(torch.autograd.Function):
         empty = torch.isneginf(lse)  # padding queries that see no key: output 0, and no gradient through them
         out = torch.where(empty[..., None], torch.zeros_like(o), o).to(q.dtype)
         lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
-        ctx.save_for_backward(q, k, v, keep_f, positions, out, lse)
+        ctx.save_for_backward(q, k, v, keep_f, positions, out, lse, *packed)
         ctx.causal, ctx.scale, ctx.group, ctx.runs = causal, scale, group, runs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, keep_f, positions, out, lse = ctx.saved_tensors
+        q, k, v, keep_f, positions, out, lse, *packed = ctx.saved_tensors
+        segments = packed[0] if packed else None
         causal, scale, group, runs = ctx.causal, ctx.scale, ctx.group, ctx.runs
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
@@ -270,16 +300,17 @@ class _RingAttention(torch.autograd.Function):
         do = grad_out.to(q.dtype).contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         q_runs = runs[me] if runs else _chunks(positions)
-        block = _Block([k, v, keep_f, positions, torch.zeros_like(k, dtype=torch.float32),
+        block = _Block([k, v, keep_f, positions, *packed, torch.zeros_like(k, dtype=torch.float32),
                         torch.zeros_like(v, dtype=torch.float32)])  # fmt: skip
         for step in range(cp):
-            kb, vb, keep_b, pos_b, dk, dv = block.tensors
+            kb, vb, keep_b, pos_b, *seg_b, dk, dv = block.tensors
             kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
             dkr = torch.zeros_like(kr, dtype=torch.float32)
             dvr = torch.zeros_like(vr, dtype=torch.float32)
             k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)
             for qs, ks in _visible_pairs(q_runs, k_runs, causal):
-                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal)
+                docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
+                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs)
                 q_b = q[:, :, qs].contiguous()
                 dq_b, dk_b, dv_b = kernel.backward(
                     do[:, :, qs].contiguous(), q_b, kr[:, :, ks].contiguous(), vr[:, :, ks].contiguous(),
@@ -291,14 +322,14 @@ class _RingAttention(torch.autograd.Function):
                 dvr[:, :, ks] += dv_b.float()
             dk, dv = dk + _sum_groups(dkr, n_rep), dv + _sum_groups(dvr, n_rep)
             # Send the block on (its gradients with it); after the last block only the gradients go home.
-            block = _Block([kb, vb, keep_b, pos_b, dk, dv] if step < cp - 1 else [dk, dv])
+            block = _Block([kb, vb, keep_b, pos_b, *seg_b, dk, dv] if step < cp - 1 else [dk, dv])
             if cp > 1:
                 works, received = block.exchange(group)
                 for work in works:
                     work.wait()
                 block = _Block(received)
         dk, dv = block.tensors[-2:]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -313,6 +344,8 @@ class Shard:
         group: the cp process group.
         runs: every cp rank's :func:`_chunks`, known on the host (:func:`zigzag_runs`); None: read from
             ``positions`` (a device read per ring step).
+        segments: ``[b, s]`` the packed document of each local token (:func:`packed_segments`): a query sees only
+            keys of its own document. None: one sequence per row.
     """
 
     keep: torch.Tensor
@@ -321,6 +354,7 @@ class Shard:
     scale: float
     group: Any
     runs: tuple | None = None
+    segments: torch.Tensor | None = None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -338,7 +372,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sha
         ``[b, h, s, d]`` in ``q``'s dtype (each block in it, merged in fp32).
     """
     return _RingAttention.apply(
-        q, k, v, shard.keep, shard.positions, shard.causal, shard.scale, shard.group, shard.runs
+        q, k, v, shard.keep, shard.positions, shard.segments, shard.causal, shard.scale, shard.group, shard.runs
     )
 
 
@@ -386,20 +420,26 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
     all_positions = [torch.empty_like(positions) for _ in range(cp)]
     dist.all_gather(all_positions, positions.contiguous(), group=group)
     whole_keep, whole_positions = torch.cat(keeps, 1), torch.cat(all_positions)
+    whole_segments = None
+    if shard.segments is not None:
+        segments = [torch.empty_like(shard.segments) for _ in range(cp)]
+        dist.all_gather(segments, shard.segments.contiguous(), group=group)
+        whole_segments = torch.cat(segments, 1)
     qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
-    out = _local_attention(qh, kh, vh, whole_keep.bool(), whole_positions, shard.causal, shard.scale)
+    out = _local_attention(qh, kh, vh, whole_keep.bool(), whole_positions, shard.causal, shard.scale, whole_segments)
     return _AllToAll.apply(out, group, True)
 
 
 ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # strategy.cp_comm -> the attention
 
 
-def _local_attention(q, k, v, keep, positions, causal, scale) -> torch.Tensor:
+def _local_attention(q, k, v, keep, positions, causal, scale, segments=None) -> torch.Tensor:
     """Masked attention on one rank (the all-to-all's inner attention) by ``scaled_dot_product_attention`` (a fused
     kernel: flash on a CPU, memory-efficient on CUDA; no ``S × S`` probabilities kept), in the training dtype;
     padding queries, which see no key, → 0 (they attend to every key and are zeroed, never a NaN)."""
     n_rep = q.shape[1] // k.shape[1]
-    visible = _mask(positions, positions, keep, causal)
+    docs = () if segments is None else (segments, segments)
+    visible = _mask(positions, positions, keep, causal, *docs)
     any_visible = visible.any(-1, keepdim=True)
     mask = visible | ~any_visible
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -421,6 +461,7 @@ class _Batch:
         self.keep: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.runs: tuple | None = None  # every cp rank's runs of positions, on the host (zigzag_runs)
+        self.segments: torch.Tensor | None = None  # packed sequences: the document of each local token
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -431,7 +472,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         raise ValueError("context parallelism needs attention dropout 0 (the attention probabilities are never whole)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = bool(getattr(module, "is_causal", False))
-    shard = Shard(batch.keep, batch.positions, causal, scale, batch.group, batch.runs)
+    shard = Shard(batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments)
     out = ATTENTIONS[batch.comm](query, key, value, shard)
     return out.transpose(1, 2).contiguous(), None
 
@@ -484,12 +525,18 @@ class ContextSplit:
             raise ValueError(f"sequence length {seq} must be a multiple of 2·cp = {2 * self.cp} (pad_to_multiple_of)")
         return zigzag_positions(seq, self.cp, self.rank, device=device)
 
-    def attend(self, keep: torch.Tensor) -> torch.Tensor:
-        """Set the attention's padding mask to this rank's ``keep`` ``[b, s/cp]``; returns its global positions."""
+    def attend(self, keep: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Set the attention's padding mask to this rank's ``keep`` ``[b, s/cp]`` (and, for packed sequences, the
+        document of each of its tokens, ``segments`` ``[b, s/cp]``); returns its global positions."""
         seq = keep.shape[1] * self.cp
         positions = self.positions(seq, keep.device)
         self.batch.keep, self.batch.positions, self.batch.runs = keep.bool(), positions, zigzag_runs(seq, self.cp)
+        self.batch.segments = segments
         return positions
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a per-token tensor of the whole sequences ``[b, s, ...]`` (e.g. the targets)."""
+        return x[:, self.positions(x.shape[1], x.device)]
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """``Σ`` over the cp ranks, whose backward is the same sum (:class:`_SumOverContext`)."""
@@ -497,36 +544,66 @@ class ContextSplit:
 
 
 def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str = "ring") -> torch.nn.Module:
-    """Make an HF ``*ForSequenceClassification`` of a family context parallelism takes (``hftrain.parallel.families``:
-    BERT, GPT-2, GPT-NeoX and the rotary decoders without sliding windows) run split over the sequence, in place.
+    """Make an HF model of a family context parallelism takes (``hftrain.parallel.families``: BERT, GPT-2, GPT-NeoX
+    and the rotary decoders without sliding windows) run split over the sequence, in place: its attention becomes
+    context-parallel (:func:`_attention`), and its forward takes the *same* whole batch on every cp rank (padded to
+    a multiple of ``2·cp``), keeps this rank's zigzag positions of every per-token input and runs on them with their
+    global positions:
 
-    Every cp rank then calls the model with the *same* whole batch (padded to a multiple of ``2·cp``); each keeps
-    its zigzag positions of ``input_ids`` (and ``token_type_ids``), runs the base model on them with their global
-    position ids and context-parallel attention, and pools the classified token (BERT: the first; GPT-2 and
-    Llama: the last non-pad one) by a sum over the cp group, so every cp rank returns the same logits and loss
-    (HF's ``ForSequenceClassificationLoss``: regression, single- or multi-label). Parameter gradients are then
-    ``cp`` × one rank's share; averaging them over the cp (and dp) group, as Megatron does, gives the gradient.
+    - a ``*ForSequenceClassification`` (:func:`_pooled_forward`) pools the classified token (BERT: the first; GPT-2
+      and Llama: the last non-pad one) by a sum over the cp group, so every cp rank returns the same logits and loss
+      (HF's ``ForSequenceClassificationLoss``: regression, single- or multi-label);
+    - a ``*ForCausalLM`` (:func:`_per_token_forward`) returns the logits of this rank's positions only; the task
+      takes the same positions of its targets (``model.context_split.local``) and sums its loss over the cp group
+      (``model.context_split.sum``). Packed documents (positions restarting) stay apart: the attention masks by
+      document as well as by position.
 
-    The model's ``context_split`` (:class:`ContextSplit`) serves code that runs its modules itself: pipeline
-    chunks take it (``hftrain.parallel.stages.PipelineChunk``).
+    Parameter gradients are then ``cp`` × one rank's share; averaging them over the cp (and dp) group, as Megatron
+    does, gives the gradient. The model's ``context_split`` (:class:`ContextSplit`) also serves code that runs its
+    modules itself: pipeline chunks take it (``hftrain.parallel.stages.PipelineChunk``).
 
     Args:
-        model: the classifier (possibly tensor-parallel already: attention sees this rank's heads).
+        model: the model (possibly tensor-parallel already: attention sees this rank's heads).
         cp_group: the context-parallel process group.
         comm: ``"ring"`` or ``"all_to_all"``.
     """
-    from transformers.modeling_outputs import SequenceClassifierOutput
+    from hftrain.parallel.families import is_causal_lm_class, stages_for
 
-    from hftrain.parallel.families import stages_for
-
-    stages = stages_for(model.config, class_name=type(model).__name__, axis="cp")
-    head = stages.head_modules(model)
+    name = type(model).__name__
+    stages = stages_for(model.config, class_name=name, axis="cp")
     _register()
     batch = _Batch(cp_group, comm)
     for module in model.modules():
         module.context_parallel_batch = batch
     model.set_attn_implementation(ATTENTION_NAME)
     split = model.context_split = ContextSplit(batch)
+    if is_causal_lm_class(name):
+        model.forward = _per_token_forward(model.forward, split)
+    else:
+        model.forward = _pooled_forward(model, split, stages)
+    return model
+
+
+def _per_token_forward(forward: Any, split: ContextSplit) -> Any:
+    """The model's own ``forward`` on this rank's positions of ``input_ids`` and ``position_ids`` (their values: a
+    packed block's positions restart at each document), with the documents and padding set for the attention."""
+
+    def run(input_ids, attention_mask=None, position_ids=None, **kwargs):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        split.attend(split.local(keep), segments=split.local(packed_segments(position_ids)))
+        return forward(input_ids=split.local(input_ids), position_ids=split.local(position_ids), **kwargs)
+
+    return run
+
+
+def _pooled_forward(model: torch.nn.Module, split: ContextSplit, stages: Any) -> Any:
+    """A classifier's forward: the base model on this rank's positions, the classified token pooled over the cp
+    group, the family's head on it."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    head = stages.head_modules(model)
     base = model.base_model
 
     def forward(input_ids, attention_mask=None, labels=None, token_type_ids=None, **_ignored):
@@ -551,5 +628,4 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
             loss = ForSequenceClassificationLoss(labels, logits, model.config)
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
-    model.forward = forward
-    return model
+    return forward

@@ -515,23 +515,23 @@ def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp"
 
     Args:
         config: the model's ``transformers`` config.
-        class_name: the model's class, when there is one (it must be a ``*ForSequenceClassification``).
+        class_name: the model's class, when there is one (a ``*ForSequenceClassification``, or a decoder's
+            ``*ForCausalLM``).
         axis: ``"pp"`` or ``"cp"``.
     """
     family = family_of(config)
     if family is None or family.stages is None or axis in family.refusals:
         raise AxisError(axis, _refusal(config, axis, family))
-    lm = class_name is not None and axis == "pp" and is_causal_lm_class(class_name)
-    if lm and not hasattr(family.stages, "lm_head_modules"):
+    lm = class_name is not None and is_causal_lm_class(class_name)
+    if lm and axis == "pp" and not hasattr(family.stages, "lm_head_modules"):  # cp runs the model's own forward
         raise AxisError(
-            axis, f"{AXIS_NAMES[axis]} splits decoder causal LMs, not a {family.name} {class_name}; use pp 1"
+            axis, f"{AXIS_NAMES[axis]} splits decoder causal LMs, not a {family.name} {class_name}; use {axis} 1"
         )
     if class_name is not None and not lm and not class_name.endswith("ForSequenceClassification"):
         raise AxisError(
             axis,
-            f"{AXIS_NAMES[axis]} splits *ForSequenceClassification models"
-            + (" and decoder *ForCausalLM models" if axis == "pp" else "")
-            + f", got {class_name}; use {axis} 1",
+            f"{AXIS_NAMES[axis]} splits *ForSequenceClassification and decoder *ForCausalLM models, got {class_name}; "
+            f"use {axis} 1",
         )
     if axis == "cp":
         reason = family.cp_refusal(config)

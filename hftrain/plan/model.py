@@ -12,7 +12,7 @@ they are counted from the model built on the meta device (exactly, as Ψ). Which
 A language model (``task="causal_lm"``, ``model.task: causal_lm``) is counted as the ``AutoModelForCausalLM`` model
 that training builds: its output projection (``lm_head``) counted once when tied to the input embedding, ``V·h`` more
 when untied (``lm_head_parameters``). The megatron axes that do not run a language model yet
-(``hftrain.strategies.megatron.strategy.LANGUAGE_MODEL_AXES_NOT_BUILT``: pp, cp) are ``refused_axes``.
+(``hftrain.strategies.megatron.strategy.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
 """
 
 from __future__ import annotations
@@ -105,14 +105,14 @@ class ModelSpec:
         return self.task == "causal_lm"
 
     @property
-    def refused_axes(self) -> frozenset[str]:
-        """The megatron axes the trainer refuses for this model's task whatever the family: for ``causal_lm`` those
-        not built yet (``LANGUAGE_MODEL_AXES_NOT_BUILT``: pp, cp), none for a classifier."""
+    def refused_layouts(self) -> tuple[tuple[str, ...], ...]:
+        """Megatron axes the trainer refuses together for this model's task whatever the family: for ``causal_lm``
+        those not built yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp), none for a classifier."""
         if not self.causal_lm:
-            return frozenset()
-        from hftrain.strategies.megatron.strategy import LANGUAGE_MODEL_AXES_NOT_BUILT
+            return ()
+        from hftrain.strategies.megatron.strategy import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
 
-        return frozenset(LANGUAGE_MODEL_AXES_NOT_BUILT)
+        return LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
 
     @property
     def gated_mlp(self) -> bool:

@@ -17,9 +17,9 @@ most loaded pipeline stage (model states: the first or the last; activations: st
   layers keep their all-gathered input, 2e·s·b·h, whole), × L/p layers × the
   micro-batches 1F1B keeps in flight on stage 0 (min(p, m)); a language model (``model.task: causal_lm``) adds its
   logits and loss buffer s·b·V'·(e + 4)/t (:func:`hftrain.plan.formulas.logits_activation_bytes`: the output
-  projection split over the vocabulary, the vocabulary-parallel loss), on the last stage under a pipeline (whose
-  rows, with cp's, are formula-only for a language model: ``ModelSpec.refused_axes``); its untied lm_head is split
-  over t like the embedding (V'·h/t);
+  projection split over the vocabulary, the vocabulary-parallel loss), on the last stage under a pipeline (pp with
+  cp is formula-only for a language model: ``ModelSpec.refused_layouts``), ÷ cp under context parallelism; its
+  untied lm_head is split over t like the embedding (V'·h/t);
 - communication per step: TP 2 all-reduces forward + 2 backward of s·b·h per layer and micro-batch (the same
   volume as all-gather + reduce-scatter under sequence parallelism); DP one all-reduce of the GPU's gradients;
   PP one s·b·h send forward and one backward per micro-batch and stage boundary; the bubble (p−1)/(m+p−1).
@@ -210,10 +210,11 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     if refused:  # the family's registry entry (hftrain.parallel.families): what the trainer would refuse
         row.runnable = False
         row.notes.append(f"formula only: hftrain's trainer takes no {'/'.join(refused)} for this model family")
-    unbuilt = [axis for axis, size in sizes if size > 1 and axis in model.refused_axes and axis not in refused]
-    if unbuilt:  # the megatron strategy's LANGUAGE_MODEL_AXES_NOT_BUILT: refused for model.task causal_lm
+    split = {axis for axis, size in sizes if size > 1}
+    unbuilt = [axes for axes in model.refused_layouts if split.issuperset(axes)]
+    if unbuilt and not refused:  # the megatron strategy's LANGUAGE_MODEL_LAYOUTS_NOT_BUILT (model.task causal_lm)
         row.runnable = False
-        axes = "/".join(unbuilt)
+        axes = " with ".join(unbuilt[0])
         row.notes.append(f"formula only: hftrain's trainer takes no {axes} for model.task {model.task} yet")
     row.experts = experts * sb.params + trained_experts * sb.grads
     row.experts += trained_experts * sb.optimizer / (dp // ep if shard_optimizer else 1)

@@ -20,7 +20,9 @@ whole set (each block counted once, gathered over the replicas), and the perplex
 
 Under tensor parallelism the output projection may be split over the vocabulary (``hftrain.parallel``): the model then
 returns each rank's shard of the logits, and the head module supplies the vocabulary-parallel cross entropy
-(``token_losses``), so no rank holds a full-vocabulary row.
+(``token_losses``), so no rank holds a full-vocabulary row. Under context parallelism the model returns the logits of
+this rank's positions of the sequence (its ``context_split``, ``hftrain.parallel.context_parallel``): the loss takes
+the same positions of the next-token targets, and its sum over the cp ranks is the micro-batch's ``S``.
 """
 
 from __future__ import annotations
@@ -76,14 +78,27 @@ class CausalLMTrainer(Trainer):
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This micro-batch's target losses summed, scaled by ``dp · accumulation / N`` (module docstring); a mixture
         of experts adds its routers' load-balancing loss."""
-        labels = batch["labels"]
-        logits = model(**_inputs(batch)).logits
-        summed = token_losses(self._head(), logits, labels).sum()
+        summed = self._token_losses(model, batch).sum()
+        split = self._context_split()
+        if split is not None:  # each cp rank's positions: the micro-batch's sum is theirs together
+            summed = split.sum(summed)
         scale = self.runtime.dp_size * self.args.gradient_accumulation_steps / self._global_targets()
         loss = summed * scale
         if self.expert_load is not None:
             loss = loss + self.expert_load.aux_loss(batch)
         return loss
+
+    def _token_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The next-token loss at each of this rank's positions ``[b, s or s/cp]``, 0 where there is no target."""
+        targets = next_token_targets(batch["labels"])
+        split = self._context_split()
+        if split is not None:
+            targets = split.local(targets)
+        return token_losses(self._head(), model(**_inputs(batch)).logits, targets)
+
+    def _context_split(self) -> Any:
+        """The model's context-parallel split (this rank's positions of each sequence), or None."""
+        return getattr(self.runtime.unwrap_model(self.model), "context_split", None)
 
     def _head(self) -> torch.nn.Module | None:
         """The model's output projection (``lm_head``; vocabulary-parallel under tensor parallelism)."""
@@ -111,10 +126,11 @@ class CausalLMTrainer(Trainer):
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per block: (the sum of its target losses, the same sum, its target count)."""
-        labels = batch["labels"]
-        logits = model(**_inputs(batch)).logits
-        sums = token_losses(self._head(), logits, labels).sum(dim=-1)  # 0 where no target
-        return sums, sums, (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
+        sums = self._token_losses(model, batch).sum(dim=-1)  # 0 where no target
+        split = self._context_split()
+        if split is not None:
+            sums = split.sum(sums)
+        return sums, sums, (next_token_targets(batch["labels"]) != IGNORE_INDEX).sum(dim=-1)
 
     def evaluation_loss(self, losses: torch.Tensor, labels: torch.Tensor) -> float:
         """The mean over every target token of the evaluation set: ``Σ sums / Σ counts``."""
@@ -132,22 +148,27 @@ def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}
 
 
-def token_losses(head: torch.nn.Module | None, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy per position, ``(batch, sequence - 1)`` in fp32, 0 where the target is ``-100``.
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The target of each position, ``(batch, sequence)``: position ``t`` predicts ``labels[t + 1]`` (transformers'
+    shift), and the last position has none (``-100``). Aligned with the positions, so a split of the sequence (context
+    parallelism) takes the same positions of the logits and of the targets."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
-    Position ``t`` predicts ``labels[t + 1]`` (transformers' shift). Where the model's output projection is split
-    over the vocabulary (tensor parallelism), ``logits`` is this rank's shard and the projection computes the loss
-    across the shards (its ``token_losses``).
+
+def token_losses(head: torch.nn.Module | None, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy per position, ``(batch, positions)`` in fp32, 0 where the target is ``-100``.
+
+    Where the model's output projection is split over the vocabulary (tensor parallelism), ``logits`` is this rank's
+    shard and the projection computes the loss across the shards (its ``token_losses``).
 
     Args:
         head: the model's output projection (``get_output_embeddings()``), or None.
-        logits: ``(batch, sequence, vocabulary or its shard)``.
-        labels: ``(batch, sequence)`` token ids, ``-100`` where there is no target.
+        logits: ``(batch, positions, vocabulary or its shard)``.
+        targets: ``(batch, positions)`` each position's target (:func:`next_token_targets`), ``-100`` for none.
     """
     from hftrain.parallel.cross_entropy import cross_entropy_per_token
 
-    shifted_logits, targets = logits[:, :-1], labels[:, 1:]
     parallel = getattr(head, "token_losses", None)
     if parallel is not None:
-        return parallel(shifted_logits, targets)
-    return cross_entropy_per_token(shifted_logits, targets, ignore_index=IGNORE_INDEX)
+        return parallel(logits, targets)
+    return cross_entropy_per_token(logits, targets, ignore_index=IGNORE_INDEX)

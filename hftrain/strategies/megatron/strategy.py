@@ -47,8 +47,9 @@ _FOREIGN_OPTIONS = {
 }
 
 
-LANGUAGE_MODEL_AXES_NOT_BUILT = ("cp",)
-"""The megatron axes that do not run ``model.task: causal_lm`` yet (refused in one line)."""
+LANGUAGE_MODEL_LAYOUTS_NOT_BUILT = (("pp", "cp"),)
+"""Megatron axes that do not run ``model.task: causal_lm`` *together* yet (refused in one line): the pipeline's
+chunks do not take a context-parallel split of a language model's positions."""
 
 
 class MegatronStrategy(Strategy):
@@ -97,12 +98,12 @@ class MegatronStrategy(Strategy):
         from hftrain.parallel import check_tensor_parallel
         from hftrain.parallel.expert_parallel import check_expert_parallel
 
-        for axis in LANGUAGE_MODEL_AXES_NOT_BUILT if task == "causal_lm" else ():
-            if getattr(self.config, axis) > 1:
+        for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if task == "causal_lm" else ():
+            if all(getattr(self.config, axis) > 1 for axis in axes):
+                given = " with ".join(f"strategy.{axis}={getattr(self.config, axis)}" for axis in axes)
                 raise ConfigError(
-                    f"strategy.{axis}={getattr(self.config, axis)} with model.task: causal_lm is not built yet "
-                    f"(language models run under megatron's tp, sequence_parallel, pp, ep and dp); use {axis}: 1, or a "
-                    "data-parallel strategy (ddp, fsdp, zero3)"
+                    f"{given} with model.task: causal_lm is not built yet (a language model takes each of them "
+                    f"alone, with tp, sequence_parallel, ep and dp); use {axes[-1]}: 1 or {axes[0]}: 1"
                 )
         for axis in ("pp", "cp", "ep"):
             if use_lora and getattr(self.config, axis) > 1:
