@@ -395,6 +395,9 @@ def test_train_exports_a_causal_lm_that_generates(tmp_path, capsys, lora):
         trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), out / "model").eval()
     else:
         assert json.loads((out / "model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        # the base's generation settings travel with the weights, as save_pretrained writes them
+        written = json.loads((out / "model" / "generation_config.json").read_text())
+        assert written["eos_token_id"] == base.generation_config.eos_token_id
         trained = AutoModelForCausalLM.from_pretrained(out / "model").eval()
     prompt = tokenizer("w3 w4 w5", return_tensors="pt")
     generated = trained.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)

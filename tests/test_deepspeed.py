@@ -25,15 +25,27 @@ def _reference(micro: int) -> dict:
     return {case: run_tiny_training(kind=case[0], gas=case[1], micro=micro, steps=STEPS) for case in CASES}
 
 
+def _zero3_partitions(trainer) -> dict:
+    """ZeRO-3's optimizer sub groups after training: how many, and whether each fp32 master is the working partition
+    itself (one copy of the rank's parameters in fp32 training, not two)."""
+    zero = trainer.optimizer.optimizer  # Accelerate's wrapper around DeepSpeed's ZeRO-3 optimizer
+    pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
+    return {"groups": len(pairs), "aliased": all(m.data_ptr() == w.data_ptr() for m, w in pairs)}
+
+
 def _zero_runs(micro: int) -> dict:
     runs = {}
     for stage in ("zero1", "zero2", "zero3"):
         for kind, gas in CASES:
-            runs[(stage, kind, gas)] = run_tiny_training(kind=kind, gas=gas, micro=micro, steps=STEPS, strategy=stage)
+            runs[(stage, kind, gas)] = run_tiny_training(
+                kind=kind, gas=gas, micro=micro, steps=STEPS, strategy=stage,
+                inspect=_zero3_partitions if stage == "zero3" else None,
+            )  # fmt: skip
     for label, (stage, options) in OFFLOAD.items():
         runs[(label, "bert", 2)] = run_tiny_training(
-            kind="bert", gas=2, micro=micro, steps=STEPS, strategy=stage, strategy_options=options
-        )
+            kind="bert", gas=2, micro=micro, steps=STEPS, strategy=stage, strategy_options=options,
+            inspect=_zero3_partitions if stage == "zero3" else None,
+        )  # fmt: skip
     return runs
 
 
@@ -66,6 +78,18 @@ def test_zero_matches_single_process(reference, zero, key):
     assert rank0["lrs"] == pytest.approx(ref["lrs"], rel=1e-9)
     assert rank0["metrics"]["eval_samples"] == 25
     assert ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.distributed
+def test_zero3_holds_one_fp32_copy_of_its_partition_and_steps_in_sub_groups(zero):
+    """fp32 ZeRO-3 without offload: the fp32 master is the working partition (DeepSpeed meant to alias them, and its
+    device check compares a torch.device with a str: a second 4Ψ/N copy per rank), and the optimizer steps the
+    partition in model-sized sub groups (``sub_group_size`` 24h²: its flat gradient copy is two layers', not all). The
+    parity test above shows the same losses. Under optimizer offload DeepSpeed keeps its own master (CPU Adam)."""
+    for gas in (1, 2):
+        layout = zero[0][("zero3", "bert", gas)]["inspected"]
+        assert layout["aliased"] and layout["groups"] > 1, layout
+    assert not zero[0][("zero3+offload_optimizer+params", "bert", 2)]["inspected"]["aliased"]
 
 
 # ----------------------------------------------------------------- the DeepSpeed JSON (no processes)
@@ -164,6 +188,7 @@ def test_model_sized_limits_are_filled_from_the_hidden_size_and_numbers_are_kept
     zero = config["zero_optimization"]
     assert zero["reduce_bucket_size"] == 64 * 64 and zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
     assert zero["stage3_param_persistence_threshold"] == 640 and zero["stage3_max_reuse_distance"] == 24 * 64 * 64
+    assert zero["sub_group_size"] == 24 * 64 * 64  # the step's flat fp32 copy of the gradients: two layers, not all
     assert zero["stage3_max_live_parameters"] == 123 and "stage3_max_live_parameters" not in filled
     assert not any(value == "auto" for value in zero.values())
     stage2 = default_ds_config(2)["zero_optimization"]

@@ -261,6 +261,8 @@ def _streamed_export(
             config.architectures = [type(base).__name__]  # as save_pretrained records them, and the dtype
             config.dtype = EXPORT_DTYPES[export_dtype]
             config.save_pretrained(stage)
+            if base.can_generate() and getattr(base, "generation_config", None) is not None:
+                base.generation_config.save_pretrained(stage)  # as save_pretrained writes it for a generating model
             tokenizer.save_pretrained(stage)
             diffs = {}
             if expected is not None:
