@@ -402,7 +402,8 @@ def alias_fp32_master(zero_optimizer: Any) -> int:
     (``_reassign_or_swap_out_partitioned_parameters``) copies a tensor onto itself, as in DeepSpeed's own aliased case.
 
     Args:
-        zero_optimizer: DeepSpeed's ZeRO-3 optimizer (``fp32_partitioned_groups_flat``, ``fp16_partitioned_groups_flat``).
+        zero_optimizer: DeepSpeed's ZeRO-3 optimizer (its ``fp32_partitioned_groups_flat`` and
+            ``fp16_partitioned_groups_flat``).
     """
     import torch
 
