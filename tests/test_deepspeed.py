@@ -85,11 +85,10 @@ def test_zero3_holds_one_fp32_copy_of_its_partition_and_steps_in_sub_groups(zero
     """fp32 ZeRO-3 without offload: the fp32 master is the working partition (DeepSpeed meant to alias them, and its
     device check compares a torch.device with a str: a second 4Ψ/N copy per rank), and the optimizer steps the
     partition in model-sized sub groups (``sub_group_size`` 24h²: its flat gradient copy is two layers', not all). The
-    parity test above shows the same losses. Under optimizer offload DeepSpeed keeps its own master (CPU Adam)."""
-    for gas in (1, 2):
-        layout = zero[0][("zero3", "bert", gas)]["inspected"]
-        assert layout["aliased"] and layout["groups"] > 1, layout
-    assert not zero[0][("zero3+offload_optimizer+params", "bert", 2)]["inspected"]["aliased"]
+    parity test above shows the same losses. Under optimizer and parameter offload (both on the host) too."""
+    for key in (("zero3", "bert", 1), ("zero3", "bert", 2), ("zero3+offload_optimizer+params", "bert", 2)):
+        layout = zero[0][key]["inspected"]
+        assert layout["aliased"] and layout["groups"] > 1, (key, layout)
 
 
 # ----------------------------------------------------------------- the DeepSpeed JSON (no processes)

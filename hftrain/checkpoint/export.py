@@ -113,7 +113,28 @@ def export_pretrained(
             ``directory`` holds; what it raises is raised, with the staged folders removed and ``directory`` as it
             was.
     """
-    directory = Path(directory)
+    # After the last step no gradient is needed: a runtime that keeps a gradient buffer lends its memory to the
+    # gathered tensors and the reload check (ZeRO-3's flat buffer; the others have freed theirs).
+    with accelerator.gradients_released():
+        return _export(
+            accelerator, model, tokenizer, Path(directory), merge_lora=merge_lora, verify_inputs=verify_inputs,
+            last_checkpoint=last_checkpoint, export_dtype=export_dtype, before_publish=before_publish,
+        )  # fmt: skip
+
+
+def _export(
+    accelerator: Any,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    *,
+    merge_lora: bool,
+    verify_inputs: dict[str, torch.Tensor] | None,
+    last_checkpoint: str | Path | None,
+    export_dtype: str,
+    before_publish: Callable[[], Any] | None,
+) -> ExportResult:
+    """:func:`export_pretrained`'s work (its arguments)."""
     accelerator.wait_for_everyone()
     # Collective: under ZeRO-3/FSDP every rank takes part in the forward and in the gather.
     expected = _trained_logits(accelerator, model, verify_inputs) if verify_inputs is not None else None

@@ -71,6 +71,12 @@ class AccelerateRuntime:
         """The context in which a plain model is built and loaded while this run's strategy is live."""
         return self._plain_model_context()
 
+    def gradients_released(self) -> contextlib.AbstractContextManager:
+        """A context in which no gradient is needed (an export after the last optimizer step): a runtime that keeps a
+        gradient buffer between steps lends its memory to what runs inside. Here nothing is kept: the loop's
+        ``zero_grad(set_to_none=True)`` has freed the gradients already."""
+        return contextlib.nullcontext()
+
     def build_model(self, model_init: Callable[[], Any]) -> Any:
         """The run's model, built by ``model_init`` in the strategy's construction context (every rank whole;
         a pipeline runtime leaves other stages' layers unbuilt)."""
