@@ -3,9 +3,9 @@
 ``VmHWM`` read from ``/proc`` by ``benchmarks/memory_timeline.py``, against the same job on 1 process.
 
 Slow (about 6 minutes on 2 cores, ~11 GB of RAM at most): ``pytest -m slow tests/test_sharding_memory.py``.
-Measured 2026-11-26 by this test (benchmarks/README.md, "Sharding that shards"): fsdp2×2 0.53 / 0.49, zero2×2
-0.71 / 0.71, zero3×2 0.74 / 0.62, zero3 with offload 0.83 / 0.69 of the 1-process peak (before: 1.01, 1.12-1.24,
-1.55, 1.86).
+Measured 2026-11-27 by ``benchmarks/memory_timeline.py`` (benchmarks/README.md, "Sharding that shards"): fsdp2×2
+0.52 / 0.48, zero2×2 0.70 / 0.70, zero3×2 0.54 / 0.50, zero3 with offload 0.63 / 0.59 of the 1-process peak
+(before: 1.01, 1.12-1.24, 1.55, 1.86).
 """
 
 from __future__ import annotations
@@ -40,24 +40,24 @@ def ratios(tmp_path_factory) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sharded_ranks_peak_below_one_process(ratios):
-    """What holds today: FSDP2 and ZeRO-2 meet the issue's 0.6 and 0.75; ZeRO-3 (with or without offload) stays well
-    below where it was (1.55-1.86). DeepSpeed's 5e8/1e9 buffer and residency defaults, the speed-tuned heap keeping
-    the model each rank built, DCP's clone of every view in the last checkpoint, and ZeRO-1/2's gathered copy of
-    each rank's share at a checkpoint would each bring an excess back."""
+    """The issue's targets: FSDP2 and ZeRO-3 at most 0.6 of the 1-process peak, ZeRO-2 at most 0.75; ZeRO-3 with
+    offload well below where it was (1.86). DeepSpeed's 5e8/1e9 buffer and residency defaults, its 1e9 sub group
+    (a flat copy of every gradient at each step), its cloned fp32 master at stage 3, the flat gradient buffer kept
+    through the export's reload, the speed-tuned heap keeping the model each rank built, DCP's clone of every view
+    in the last checkpoint, and ZeRO-1/2's gathered copy of each rank's share at a checkpoint would each bring an
+    excess back."""
     assert ratios["fsdp2x2"] <= 0.6, ratios
     assert ratios["zero2x2"] <= 0.75, ratios
-    assert ratios["zero3x2"] <= 0.8, ratios
-    assert ratios["zero3_offloadx2"] <= 0.9, ratios
+    assert ratios["zero3x2"] <= 0.6, ratios
+    assert ratios["zero3_offloadx2"] <= 0.75, ratios
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.xfail(
     strict=True,
-    reason="open (issue 42): ZeRO-3's steps hold ~0.7 GB per rank beyond 16Ψ/N, activations, gathered layers and the "
-    "process's libraries (not attributed yet), the export's reload check holds a whole model on rank 0, and on a "
-    "CPU-only machine offload moves nothing off the device (the host is the device)",
+    reason="open (issue 42): on a CPU-only machine offload moves nothing off the device (the host is the device) and "
+    "adds DeepSpeed's CPU-Adam buffers; it lowers a GPU's peak, which this machine cannot show",
 )
-def test_the_issue_targets_for_zero3(ratios):
-    assert ratios["zero3x2"] <= 0.6, ratios
+def test_offload_lowers_the_zero3_peak(ratios):
     assert ratios["zero3_offloadx2"] < ratios["zero3x2"], ratios

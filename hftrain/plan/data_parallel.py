@@ -3,7 +3,7 @@
 Model states per GPU follow the ZeRO paper over N = world ranks (Adam; K bytes of optimizer state per
 parameter): DDP (2+2+K)Ψ, ZeRO-1 (2+2)Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3 (2+2+K)Ψ/N, with the bytes per
 state of ``formulas.state_bytes`` (mixed precision under DeepSpeed 2/2/12, under Accelerate's autocast 4/4/8,
-fp32 4/4/8 plus DeepSpeed's fp32 master copy). FSDP shards like ZeRO-3, but with gradient accumulation
+fp32 4/4/8 plus DeepSpeed's fp32 master copy at ZeRO-1/2; at ZeRO-3 the master is the parameter partition). FSDP shards like ZeRO-3, but with gradient accumulation
 Accelerate runs it under ``no_sync``, which keeps whole unsharded gradients between micro-batches (measured).
 """
 
@@ -91,7 +91,8 @@ def estimate(label: str, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
     """
     spec = STRATEGIES[label]
     n = hw.world
-    sb = formulas.state_bytes(work.precision, deepspeed=spec.deepspeed)
+    # ZeRO-3's fp32 master is its parameter partition (hftrain aliases them); ZeRO-1/2 keep a copy
+    sb = formulas.state_bytes(work.precision, deepspeed=spec.deepspeed, shared_master=spec.params)
     psi, trained = model.parameters, _trained(model, work)
     params = psi * sb.params / (n if spec.params else 1)
     grads = trained * sb.grads / (n if spec.grads else 1)
@@ -123,7 +124,11 @@ def estimate(label: str, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
     row.formulas["model states"] = (
         spec.formula
         + f"; bytes per parameter {sb.params}+{sb.grads}+{sb.optimizer}"
-        + (" (fp32: DeepSpeed keeps a fp32 master copy, +4Ψ/N)" if work.precision == "fp32" and spec.deepspeed else "")
+        + (
+            " (fp32: DeepSpeed keeps a fp32 master copy, +4Ψ/N)"
+            if work.precision == "fp32" and spec.deepspeed and not spec.params
+            else ""
+        )
     )
     if accumulating:
         row.notes.append("accumulation > 1: Accelerate's no_sync keeps whole gradients between micro-batches")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 # bytes per parameter of each model state, per precision and optimizer owner (Adam)
 #   mixed precision, DeepSpeed (the ZeRO paper's K = 12): bf16 params 2, bf16 grads 2, fp32 master+m+v 12
 #   mixed precision under Accelerate autocast (DDP, FSDP, megatron): fp32 params 4, fp32 grads 4, m+v 8
-#   fp32: params 4, grads 4, m+v 8; DeepSpeed 0.19.8 still keeps a fp32 master copy of its partition (+4)
+#   fp32: params 4, grads 4, m+v 8; DeepSpeed 0.19.8 keeps a fp32 master copy of its partition at stages 1-2 (+4);
+#   at stage 3 hftrain makes the master the partition itself (strategies.zero_runtime.alias_fp32_master)
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,16 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes(precision: str, *, deepspeed: bool) -> StateBytes:
+def state_bytes(precision: str, *, deepspeed: bool, shared_master: bool = False) -> StateBytes:
     """Bytes per parameter for ``precision`` (``bf16``, ``fp16`` or ``fp32``) and the optimizer's owner.
 
     Args:
         precision: the training precision.
         deepspeed: True for DeepSpeed's ZeRO optimizer, which keeps bf16 params/grads and a fp32 master copy.
+        shared_master: in fp32, the master copy is the (partitioned) parameter itself (ZeRO-3 under hftrain).
     """
     if precision == "fp32":
-        return StateBytes(4, 4, 12 if deepspeed else 8, 4)
+        return StateBytes(4, 4, 12 if deepspeed and not shared_master else 8, 4)
     if deepspeed:
         return StateBytes(2, 2, 12, 2)
     return StateBytes(4, 4, 8, 2)  # autocast keeps fp32 states; its accumulated grads are in the compute dtype
