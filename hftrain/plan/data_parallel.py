@@ -3,8 +3,9 @@
 Model states per GPU follow the ZeRO paper over N = world ranks (Adam; K bytes of optimizer state per
 parameter): DDP (2+2+K)Ψ, ZeRO-1 (2+2)Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3 (2+2+K)Ψ/N, with the bytes per
 state of ``formulas.state_bytes`` (mixed precision under DeepSpeed 2/2/12, under Accelerate's autocast 4/4/8,
-fp32 4/4/8 plus DeepSpeed's fp32 master copy at ZeRO-1/2; at ZeRO-3 the master is the parameter partition). FSDP shards like ZeRO-3, but with gradient accumulation
-Accelerate runs it under ``no_sync``, which keeps whole unsharded gradients between micro-batches (measured).
+fp32 4/4/8 plus DeepSpeed's fp32 master copy at ZeRO-1/2; at ZeRO-3 the master is the parameter partition). FSDP
+shards like ZeRO-3, but with gradient accumulation Accelerate runs it under ``no_sync``, which keeps whole unsharded
+gradients between micro-batches (measured).
 """
 
 from __future__ import annotations
