@@ -83,9 +83,10 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 def test_the_registry_gives_each_family_its_axes():
     """What the table below runs: every new family takes pp but the mixtures of experts; tp all but Phi-3; cp
-    those without sliding windows, soft-capping or pad-numbered positions; ep the mixtures of experts."""
+    those without sliding windows or soft-capping (RoBERTa's pad-numbered positions are numbered on the whole
+    sequence, then split); ep the mixtures of experts."""
     expected = {
-        "roberta": "tp pp", "xlm-roberta": "tp pp", "electra": "tp pp cp", "distilbert": "tp pp cp",
+        "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
         "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "pp", "olmo2": "tp pp cp", "qwen3_moe": "tp ep",
     }  # fmt: skip
@@ -140,8 +141,8 @@ def _model_folder(root, kind: str, **config_changes) -> str:
 REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
     "albert-tp2": ("albert", ["--tp", "2"], "2", "strategy.tp: tensor parallelism cannot split this ALBERT model: "
                    "its layers share one set of weights"),
-    "roberta-cp2": ("roberta", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this RoBERTa "
-                    "model exactly: its position ids count the non-pad tokens"),
+    "mistral-cp2": ("mistral", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this Mistral "
+                    "model exactly: its sliding-window attention"),
     "phi3-tp2": ("phi3", ["--tp", "2"], "2", "strategy.tp: tensor parallelism cannot split this Phi-3 model: its "
                  "fused qkv_proj"),
     "qwen3_moe-pp2": ("qwen3_moe", ["--pp", "2"], "2", "strategy.pp: pipeline parallelism cannot split this "

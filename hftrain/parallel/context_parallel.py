@@ -612,10 +612,11 @@ def _pooled_forward(model: torch.nn.Module, split: ContextSplit, stages: Any) ->
         positions = split.positions(input_ids.shape[1], input_ids.device)
         split.attend(attention_mask[:, positions])
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, positions]}
+        numbered = stages.position_ids(model.config, input_ids)  # RoBERTa's count non-pad tokens of the whole
         hidden = base(
             input_ids=input_ids[:, positions],
             attention_mask=attention_mask[:, positions],
-            position_ids=positions[None].expand(input_ids.shape[0], -1),
+            position_ids=positions[None].expand(input_ids.shape[0], -1) if numbered is None else numbered[:, positions],
             **extra,
         ).last_hidden_state
         pool = stages.pool(model.config, input_ids, hidden.dtype)

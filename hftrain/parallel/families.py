@@ -20,7 +20,7 @@ is split.
 | family | tp (+sp) | pp | cp | ep |
 |---|---|---|---|---|
 | BERT, ELECTRA, DistilBERT | yes | yes | yes | |
-| RoBERTa, XLM-R | yes | yes | no (positions are numbered from the pads) | |
+| RoBERTa, XLM-R | yes | yes | yes (positions numbered from the pads over the whole sequence, then split) | |
 | GPT-2 | yes | yes | yes | |
 | GPT-NeoX | yes (fused qkv, per head) | yes | yes | |
 | Llama, Qwen2, Qwen3, Gemma, Mistral | yes | yes | unless sliding windows | |
@@ -296,12 +296,6 @@ def _gemma2_attention(config: Any) -> str | None:
     return _sliding_windows(config)
 
 
-_POSITIONS_FROM_PADS = (
-    "its position ids count the non-pad tokens of the whole sequence (padding_idx + cumulative sum), which a "
-    "sequence shard cannot number alone; use cp 1 (BERT, ELECTRA, DistilBERT, GPT-2 and the rotary decoders take cp)"
-)
-
-
 # ----------------------------------------------------------------------------- the registry
 _MOE_STAGES = {
     "pp": "its router loss (transformers' load_balancing_loss_func) is one product of every layer's routing "
@@ -314,17 +308,16 @@ _LLAMA_STAGES = DecoderStages()
 
 FAMILIES: dict[str, Family] = {
     "bert": Family("BERT", tp=_encoder_plan("bert"), stages=EncoderStages("bert")),
+    # positions counted from the padding index over the whole sequence: every cp rank holds it (EncoderStages)
     "roberta": Family(
         "RoBERTa",
         tp=_encoder_plan("roberta"),
-        stages=EncoderStages("roberta", head="classification_head"),
-        cp_refusal=lambda c: _POSITIONS_FROM_PADS,
+        stages=EncoderStages("roberta", head="classification_head", pad_numbered=True),
     ),
     "xlm-roberta": Family(
         "XLM-RoBERTa",
         tp=_encoder_plan("roberta"),
-        stages=EncoderStages("roberta", head="classification_head"),
-        cp_refusal=lambda c: _POSITIONS_FROM_PADS,
+        stages=EncoderStages("roberta", head="classification_head", pad_numbered=True),
     ),
     "electra": Family(
         "ELECTRA",

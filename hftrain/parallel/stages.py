@@ -60,10 +60,23 @@ class EncoderStages:
         layers: the path of its ``ModuleList`` of layers inside the base model.
         head: ``"pooler"`` (BERT), ``"classification_head"`` (RoBERTa, XLM-R, ELECTRA) or ``"pre_classifier"``
             (DistilBERT).
+        pad_numbered: the family numbers positions from its padding index, counting only non-pad tokens (RoBERTa,
+            XLM-R: ``padding_idx + cumsum(not pad)``, pads at ``padding_idx``), rather than by index.
     """
 
-    def __init__(self, base: str, layers: str = "encoder.layer", head: str = "pooler") -> None:
-        self.base, self.layers_path, self.head_kind = base, layers, head
+    def __init__(
+        self, base: str, layers: str = "encoder.layer", head: str = "pooler", *, pad_numbered: bool = False
+    ) -> None:
+        self.base, self.layers_path, self.head_kind, self.pad_numbered = base, layers, head, pad_numbered
+
+    def position_ids(self, config: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The position ids the family gives whole sequences ``[b, s]`` where they are not the index (RoBERTa's,
+        from its padding index: its embedding computes them so from the whole ``input_ids``), else None. A split of
+        the sequence (context parallelism) takes its positions' entries: every cp rank holds the whole batch."""
+        if not self.pad_numbered:
+            return None
+        real = (input_ids != config.pad_token_id).long()
+        return torch.cumsum(real, dim=1) * real + config.pad_token_id
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The transformer layers, in order."""
@@ -133,6 +146,10 @@ class EncoderStages:
 
 class _LastTokenStages:
     """Shared by the decoders: the head pooled at the last non-pad token."""
+
+    def position_ids(self, config: Any, input_ids: torch.Tensor) -> None:
+        """None: the decoders number positions by their index."""
+        return None
 
     def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The one-hot of the token the head classifies, over the whole sequence: the last non-pad one."""
@@ -446,7 +463,9 @@ class PipelineChunk(torch.nn.Module):
             else:  # this rank's positions of the whole sequences; the classified token found on the whole
                 input_ids, positions = acts[0], split.positions(acts[0].shape[1], acts[0].device)
                 local = [a[:, positions] for a in acts]
-                hidden, mask, _ = self.family.embed(self.embed, self.config, *local, positions=positions)
+                numbered = self.family.position_ids(self.config, input_ids)  # RoBERTa's, from the whole sequence
+                ids = positions if numbered is None else numbered[:, positions]
+                hidden, mask, _ = self.family.embed(self.embed, self.config, *local, positions=ids)
                 acts = hidden, mask, self.family.pool(self.config, input_ids, hidden.dtype)[:, positions]
         hidden, carried = acts[0], acts[1:]  # carried: a classifier's (mask, pool), a causal LM's (positions,)
         positions = None if split is None else split.attend(carried[0])
