@@ -8,8 +8,8 @@ Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE), tiny 
 projection). Three launches: one process (the references); 2 processes for tp=2, pp=2, cp=2 and ep=2 (each where
 the family takes it); 4 processes for tp=2 × pp=2 (and RoBERTa at pp=2 × cp=2). Each run equals its reference within
 1e-5 (fp32): losses every step, the final evaluation, and the trained weights (gathered as the export gathers them)
-loaded strictly into the plain transformers class. BERT, GPT-2, Llama, Mixtral and Qwen2-MoE have their own tests (``test_pp_trainer``,
-``test_cp_trainer``, ``test_ep_trainer``, ``test_tp_plans``).
+loaded strictly into the plain transformers class. BERT, GPT-2, Llama, Mixtral and Qwen2-MoE have their own tests
+(``test_pp_trainer``, ``test_cp_trainer``, ``test_ep_trainer``, ``test_tp_plans``).
 """
 
 from __future__ import annotations
