@@ -603,7 +603,7 @@ def _pooled_forward(model: torch.nn.Module, split: ContextSplit, stages: Any) ->
     group, the family's head on it."""
     from transformers.modeling_outputs import SequenceClassifierOutput
 
-    head = stages.head_modules(model)
+    head, embeddings = stages.head_modules(model), stages.embed_modules(model)
     base = model.base_model
 
     def forward(input_ids, attention_mask=None, labels=None, token_type_ids=None, **_ignored):
@@ -612,7 +612,7 @@ def _pooled_forward(model: torch.nn.Module, split: ContextSplit, stages: Any) ->
         positions = split.positions(input_ids.shape[1], input_ids.device)
         split.attend(attention_mask[:, positions])
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, positions]}
-        numbered = stages.position_ids(model.config, input_ids)  # RoBERTa's count non-pad tokens of the whole
+        numbered = stages.position_ids(embeddings, input_ids)  # RoBERTa's count non-pad tokens of the whole
         hidden = base(
             input_ids=input_ids[:, positions],
             attention_mask=attention_mask[:, positions],

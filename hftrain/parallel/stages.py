@@ -69,14 +69,20 @@ class EncoderStages:
     ) -> None:
         self.base, self.layers_path, self.head_kind, self.pad_numbered = base, layers, head, pad_numbered
 
-    def position_ids(self, config: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def position_ids(self, mods: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The position ids the family gives whole sequences ``[b, s]`` where they are not the index (RoBERTa's,
-        from its padding index: its embedding computes them so from the whole ``input_ids``), else None. A split of
-        the sequence (context parallelism) takes its positions' entries: every cp rank holds the whole batch."""
+        numbered from the padding index by its embedding's own ``create_position_ids_from_input_ids``), else None. A
+        split of the sequence (context parallelism) takes its positions' entries: every cp rank holds the whole
+        batch.
+
+        Args:
+            mods: the embedding modules (:meth:`embed_modules`).
+            input_ids: the whole sequences.
+        """
         if not self.pad_numbered:
             return None
-        real = (input_ids != config.pad_token_id).long()
-        return torch.cumsum(real, dim=1) * real + config.pad_token_id
+        embeddings = mods["embeddings"]
+        return embeddings.create_position_ids_from_input_ids(input_ids, embeddings.padding_idx)
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The transformer layers, in order."""
@@ -147,7 +153,7 @@ class EncoderStages:
 class _LastTokenStages:
     """Shared by the decoders: the head pooled at the last non-pad token."""
 
-    def position_ids(self, config: Any, input_ids: torch.Tensor) -> None:
+    def position_ids(self, mods: Any, input_ids: torch.Tensor) -> None:
         """None: the decoders number positions by their index."""
         return None
 
@@ -463,7 +469,7 @@ class PipelineChunk(torch.nn.Module):
             else:  # this rank's positions of the whole sequences; the classified token found on the whole
                 input_ids, positions = acts[0], split.positions(acts[0].shape[1], acts[0].device)
                 local = [a[:, positions] for a in acts]
-                numbered = self.family.position_ids(self.config, input_ids)  # RoBERTa's, from the whole sequence
+                numbered = self.family.position_ids(self.embed, input_ids)  # RoBERTa's, from the whole sequence
                 ids = positions if numbered is None else numbered[:, positions]
                 hidden, mask, _ = self.family.embed(self.embed, self.config, *local, positions=ids)
                 acts = hidden, mask, self.family.pool(self.config, input_ids, hidden.dtype)[:, positions]

@@ -411,10 +411,9 @@ def _regather(params: list[torch.nn.Parameter]) -> None:
         gathered[0].all_gather(param_list=gathered)
 
 
-def alias_fp32_master(zero_optimizer: Any) -> int:
+def alias_fp32_master(zero_optimizer: Any) -> None:
     """ZeRO-3: make each sub group's fp32 master the working partition itself where both are fp32 on one device (fp32
-    training; under optimizer offload where the parameters are offloaded too); returns the bytes freed (``4Ψ/N`` per
-    rank).
+    training; under optimizer offload where the parameters are offloaded too): ``4Ψ/N`` bytes per rank freed.
 
     DeepSpeed means to do this (``_create_fp32_partitions`` of 0.19.8: "we don't need another copy of the weights")
     but its test compares the partition's ``torch.device`` with the accelerator's device *name*, a ``str``, which is
@@ -434,7 +433,6 @@ def alias_fp32_master(zero_optimizer: Any) -> int:
 
     masters = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None) or []
     working = getattr(zero_optimizer, "fp16_partitioned_groups_flat", None) or []
-    freed = 0
     for master, part in zip(masters, working, strict=False):
         if master is None or part is None or master.data_ptr() == part.data_ptr():
             continue
@@ -442,9 +440,7 @@ def alias_fp32_master(zero_optimizer: Any) -> int:
             continue  # bf16/fp16 training: the master is a different dtype, as it must be
         if not torch.equal(master, part):  # not a fresh clone: nothing to alias
             continue
-        freed += master.untyped_storage().nbytes()
         master.data = part.data
-    return freed
 
 
 class _FlatGroups:

@@ -78,27 +78,23 @@ class CausalLMTrainer(Trainer):
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This micro-batch's target losses summed, scaled by ``dp · accumulation / N`` (module docstring); a mixture
         of experts adds its routers' load-balancing loss."""
-        summed = self._token_losses(model, batch).sum()
-        split = self._context_split()
-        if split is not None:  # each cp rank's positions: the micro-batch's sum is theirs together
-            summed = split.sum(summed)
+        summed = self._block_losses(model, batch).sum()
         scale = self.runtime.dp_size * self.args.gradient_accumulation_steps / self._global_targets()
         loss = summed * scale
         if self.expert_load is not None:
             loss = loss + self.expert_load.aux_loss(batch)
         return loss
 
-    def _token_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The next-token loss at each of this rank's positions ``[b, s or s/cp]``, 0 where there is no target."""
+    def _block_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each block's next-token losses summed ``[b]`` (0 where it has no target). Under context parallelism the
+        model returns the logits of this rank's positions: the loss takes the same positions of the targets, and the
+        blocks' sums are added over the cp ranks (a sum whose backward is the same sum)."""
         targets = next_token_targets(batch["labels"])
-        split = self._context_split()
+        split = getattr(self.runtime.unwrap_model(self.model), "context_split", None)
         if split is not None:
             targets = split.local(targets)
-        return token_losses(self._head(), model(**_inputs(batch)).logits, targets)
-
-    def _context_split(self) -> Any:
-        """The model's context-parallel split (this rank's positions of each sequence), or None."""
-        return getattr(self.runtime.unwrap_model(self.model), "context_split", None)
+        sums = token_losses(self._head(), model(**_inputs(batch)).logits, targets).sum(dim=-1)
+        return sums if split is None else split.sum(sums)
 
     def _head(self) -> torch.nn.Module | None:
         """The model's output projection (``lm_head``; vocabulary-parallel under tensor parallelism)."""
@@ -126,10 +122,7 @@ class CausalLMTrainer(Trainer):
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per block: (the sum of its target losses, the same sum, its target count)."""
-        sums = self._token_losses(model, batch).sum(dim=-1)  # 0 where no target
-        split = self._context_split()
-        if split is not None:
-            sums = split.sum(sums)
+        sums = self._block_losses(model, batch)
         return sums, sums, (next_token_targets(batch["labels"]) != IGNORE_INDEX).sum(dim=-1)
 
     def evaluation_loss(self, losses: torch.Tensor, labels: torch.Tensor) -> float:
