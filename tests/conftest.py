@@ -4,14 +4,37 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_tmpdir(tmp_path_factory) -> Iterator[Path]:
+    """Point TMPDIR (this process's and every launched rank's) at one folder that is removed when the suite ends.
+
+    Runs that name their own output folder under the temporary directory (``tiny._fresh_output_dir``, checkpoints of
+    the in-process runs) would otherwise stay behind in /tmp after every run: thousands of folders, gigabytes, until
+    the disk is full.
+    """
+    root = tmp_path_factory.mktemp("tmpdir")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(root)
+    tempfile.tempdir = None  # re-read TMPDIR
+    yield root
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
