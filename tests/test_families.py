@@ -95,13 +95,13 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 
 def test_the_registry_gives_each_family_its_axes():
-    """What the table below runs: every new family takes pp but the mixtures of experts; tp all but Phi-3; cp
+    """What the table below runs: every new family takes pp but the mixtures of experts; tp all (Phi-3's fused qkv too); cp
     those without sliding windows or soft-capping (RoBERTa's pad-numbered positions are numbered on the whole
     sequence, then split); ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
-        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "pp", "olmo2": "tp pp cp", "qwen3_moe": "tp ep",
+        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "tp pp", "olmo2": "tp pp cp", "qwen3_moe": "tp ep",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
@@ -156,8 +156,6 @@ REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
                    "its layers share one set of weights"),
     "mistral-cp2": ("mistral", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this Mistral "
                     "model exactly: its sliding-window attention"),
-    "phi3-tp2": ("phi3", ["--tp", "2"], "2", "strategy.tp: tensor parallelism cannot split this Phi-3 model: its "
-                 "fused qkv_proj"),
     "qwen3_moe-pp2": ("qwen3_moe", ["--pp", "2"], "2", "strategy.pp: pipeline parallelism cannot split this "
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "

@@ -1,8 +1,8 @@
 """TP plans on tiny BERT, GPT-2, Llama and the mixture-of-experts Mixtral and Qwen2-MoE: TP=2 (2 gloo processes) and
 TP2×DP2 (4) equal the unsharded model; every other family with a plan (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R,
-ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, OLMo-2, Qwen3-MoE) at TP=2 with sequence
-parallelism (MoE: without), its special layers on (sliding windows, soft-capping, qk-norm, scaled embeddings,
-fused qkv).
+ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE) at TP=2
+with sequence parallelism (MoE: without), its special layers on (sliding windows, soft-capping, qk-norm, scaled
+embeddings, fused qkv: GPT-NeoX's per head, Phi-3's grouped-query q, k, v parts and fused gate/up).
 
 Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
 three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
@@ -35,6 +35,7 @@ SPLIT_COUNTS = {
     **dict.fromkeys(("mistral", "qwen3", "gemma", "gemma2", "gemma3_text"), 2 * 7 + 1),
     "qwen3_moe": 2 * 4 + 1,
     "olmo2": 2 * 9 + 1,  # q, k, v, o, gate, up, down and the q/k norms over the whole width
+    "phi3": 2 * 4 + 1,  # fused qkv (q, k and v rows split each per head), o, fused gate_up (each half split), down
 }
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
@@ -52,6 +53,8 @@ HEAD_ATTRIBUTES = {
         kind: ("model.layers.0.self_attn", {"num_key_value_groups": 2})
         for kind in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "olmo2")
     },
+    # Phi-3 slices its fused qkv by its (own, per-rank) config's head counts
+    "phi3": ("model.layers.0.self_attn", {"num_key_value_groups": 2, "num_key_value_heads": 1}),
 }
 KINDS = ("bert", "gpt2", "llama", "llama_kv1")
 # mixture of experts: without sequence parallelism only (refused: the replicated MoE block needs the whole sequence)
@@ -278,6 +281,8 @@ def _config(kind: str, **sizes):
             4,
             r"tp=4 does not divide intermediate_size=66 of this llama model; valid tp values for it: 1, 2$",
         ),
+        # Phi-3's fused qkv_proj: tp divides its key/value heads (no replicated head beside split query rows)
+        ("phi3", {"num_key_value_heads": 1}, 2, r"tp=2 does not divide num_key_value_heads=1 of this phi3 model"),
         # SmolLM2-135M's sizes: 9 heads, 3 key/value heads: tp 1 or 3 (tests/test_tp_shapes.py has more)
         (
             "llama",
@@ -324,7 +329,7 @@ def test_smollm2_sizes_run_at_tp_3_balanced():
 
 
 def test_check_tensor_parallel_refuses_unknown_family():
-    from transformers import AlbertConfig, BartConfig, Phi3Config
+    from transformers import AlbertConfig, BartConfig
 
     from hftrain.parallel import check_tensor_parallel
 
@@ -332,8 +337,6 @@ def test_check_tensor_parallel_refuses_unknown_family():
         check_tensor_parallel(BartConfig(), 2)
     with pytest.raises(ConfigError, match="cannot split this ALBERT model: its layers share one set of weights"):
         check_tensor_parallel(AlbertConfig(), 2)
-    with pytest.raises(ConfigError, match="Phi-3 model: its fused qkv_proj"):
-        check_tensor_parallel(Phi3Config(), 2)
 
 
 def test_sequence_multiple():

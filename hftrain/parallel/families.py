@@ -12,8 +12,8 @@ column split (per key/value head for ``k_proj``/``v_proj`` of grouped-query atte
 ``replicated_with_grad_allreduce`` (per-head q/k norms) a replicated module whose gradient is summed over tp; what
 transformers' plan cannot say is written beside it: the norms that run on sequence chunks under sequence
 parallelism. Where transformers' plan gathers (``colwise_gather_output``) the entry is written by hand: OLMo-2's
-q/k norms over every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` is refused
-for tp with the reason. A family transformers adds later whose plan has
+q/k norms over every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` are split part by part (``column_fused_qkv``, ``column_gate_up``). A family transformers adds later whose plan has
 exactly Llama's modules is found without an entry (:func:`family_of`), checked against the model's modules when it
 is split.
 
@@ -26,7 +26,7 @@ is split.
 | Llama, Qwen2, Qwen3, Gemma, Mistral | yes | yes | unless sliding windows | |
 | Gemma-2, Gemma-3 (text) | yes | yes | no: sliding windows (Gemma-2: soft-capped attention) | |
 | OLMo-2 | yes (q/k norms over every head: their sum of squares all-reduced over tp) | yes | yes | |
-| Phi-3 | no (fused qkv_proj with grouped-query parts) | yes | unless sliding windows | |
+| Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | unless sliding windows | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | no (router loss spans layers) | no | yes |
 | ALBERT, DeBERTa-v2, ModernBERT | refused, with the reason | | | |
 """
@@ -276,6 +276,34 @@ _OLMO2_PLAN = TensorParallelPlan(
 )
 
 
+# Phi-3: fused qkv_proj and gate_up_proj (transformers' plan gathers their outputs: colwise_gather_output); hftrain
+# splits each part per head / feature, so no gather is needed, and tp divides the key/value heads (a replicated
+# key/value head inside one fused matrix beside split query rows is not built).
+_PHI3_PLAN = TensorParallelPlan(
+    layers="model.layers",
+    layer=(
+        ("input_layernorm", "sequence"),
+        ("self_attn", "region"),
+        ("self_attn", "local_heads"),
+        ("self_attn.qkv_proj", "column_fused_qkv"),
+        ("self_attn.o_proj", "row"),
+        ("resid_attn_dropout", "sequence_dropout"),
+        ("post_attention_layernorm", "sequence"),
+        ("mlp", "region"),
+        ("mlp.gate_up_proj", "column_gate_up"),
+        ("mlp.down_proj", "row"),
+        ("resid_mlp_dropout", "sequence_dropout"),
+    ),
+    model=_LLAMA_MODEL,
+    sizes=lambda c: {
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "intermediate_size": c.intermediate_size,
+    },
+    grouped_query="self_attn",
+)
+
+
 # ----------------------------------------------------------------------------- context parallelism's limits
 def _sliding_windows(config: Any) -> str | None:
     """Why hftrain's ring attention (causal or bidirectional masks only) cannot run a model with sliding windows."""
@@ -360,16 +388,7 @@ FAMILIES: dict[str, Family] = {
         cp_refusal=_sliding_windows,
         gated_mlp=True,
     ),
-    "phi3": Family(
-        "Phi-3",
-        stages=_LLAMA_STAGES,
-        refusals={
-            "tp": "its fused qkv_proj and gate_up_proj (transformers: colwise_gather_output) are not split by "
-            "hftrain yet; use pp, or strategy ddp/fsdp/zero*"
-        },
-        cp_refusal=_sliding_windows,
-        gated_mlp=True,
-    ),
+    "phi3": Family("Phi-3", tp=_PHI3_PLAN, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
     "olmo2": Family("OLMo-2", tp=_OLMO2_PLAN, stages=_LLAMA_STAGES, gated_mlp=True),
     "mixtral": Family(
         "Mixtral",

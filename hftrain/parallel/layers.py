@@ -42,9 +42,11 @@ class TPShard:
     """How one parameter is split over the tensor-parallel ranks.
 
     The full tensor's dimension ``dim`` is viewed as ``parts`` equal blocks (GPT-2's ``c_attn``: 3 blocks,
-    query, key and value, each ``hidden`` wide); every block is cut into ``size / replicas`` slices and rank ``r``
-    holds slice ``r // replicas`` of every block, concatenated in block order (so its q, k and v are its own
-    heads'). Slices are equal unless ``counts`` gives their lengths.
+    query, key and value, each ``hidden`` wide), or as blocks of the given ``blocks`` lengths (Phi-3's fused
+    ``qkv_proj``: ``h·d`` query rows, then ``kv·d`` key and ``kv·d`` value rows; its ``gate_up_proj``: 2 equal
+    blocks); every block is cut into ``size / replicas`` slices and rank ``r`` holds slice ``r // replicas`` of every
+    block, concatenated in block order (so its q, k and v are its own heads'). Slices are equal unless ``counts``
+    gives their lengths.
 
     ``replicas > 1``: consecutive groups of ``replicas`` ranks hold the same slice (grouped-query attention with
     fewer key/value heads than tp: each rank holds one key/value head, shared by ``tp / kv`` ranks, as Megatron and
@@ -59,10 +61,12 @@ class TPShard:
         rank: this rank's tensor-parallel rank.
         size: tensor-parallel size.
         full_shape: shape of the unsharded (logical) tensor.
-        parts: packed blocks along ``dim`` that are split separately (1 for a plain split).
+        parts: packed equal blocks along ``dim`` that are split separately (1 for a plain split).
         counts: length of each slice of a block, by slice (``None``: equal slices).
         padded: the padded length of ``dim`` (``None``: no padding; only with ``parts = 1``).
         replicas: ranks holding each slice (a divisor of ``size``).
+        blocks: lengths of unequal packed blocks along ``dim`` (they sum to its length; each cut into equal
+            slices), instead of ``parts`` equal ones; ``None``: ``parts`` equal blocks.
     """
 
     dim: int
@@ -73,12 +77,21 @@ class TPShard:
     counts: tuple[int, ...] | None = None
     padded: int | None = None
     replicas: int = 1
+    blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.size % self.replicas:
             raise ValueError(f"replicas={self.replicas} does not divide the tensor-parallel size {self.size}")
         if self.padded is not None and (self.parts != 1 or self.padded < self.full_shape[self.dim]):
             raise ValueError(f"padded={self.padded} needs parts=1 and at least {self.full_shape[self.dim]} rows")
+        if self.blocks is not None:
+            if self.counts is not None or self.padded is not None or sum(self.blocks) != self.full_shape[self.dim]:
+                raise ValueError(
+                    f"blocks={self.blocks} must sum to {self.full_shape[self.dim]}, without counts or padding"
+                )
+            if any(block % self.slices for block in self.blocks):
+                raise ValueError(f"{self.slices} slices do not divide every block of {self.blocks}")
+            object.__setattr__(self, "parts", len(self.blocks))
 
     @property
     def slices(self) -> int:
@@ -91,9 +104,21 @@ class TPShard:
         return self.rank % self.replicas == 0
 
     def slice_lengths(self) -> tuple[int, ...]:
-        """Every slice's length within one block (slice i is held by ranks i·replicas … (i+1)·replicas − 1)."""
+        """Every slice's length within one block of ``parts`` equal ones (slice i is held by ranks
+        i·replicas … (i+1)·replicas − 1)."""
         block = (self.padded or self.full_shape[self.dim]) // self.parts
         return self.counts or (block // self.slices,) * self.slices
+
+    def _pieces(self, rank: int | None = None) -> list[tuple[int, int]]:
+        """``(start, length)`` along ``dim`` of the (padded) full tensor of each block's slice a rank holds."""
+        index = (self.rank if rank is None else rank) // self.replicas
+        if self.blocks is not None:
+            starts = [sum(self.blocks[:part]) for part in range(self.parts)]
+            return [(start + index * block // self.slices, block // self.slices)
+                    for start, block in zip(starts, self.blocks, strict=True)]  # fmt: skip
+        lengths = self.slice_lengths()
+        block = (self.padded or self.full_shape[self.dim]) // self.parts
+        return [(part * block + sum(lengths[:index]), lengths[index]) for part in range(self.parts)]
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         """Shape of a rank's shard (this rank's by default).
@@ -102,7 +127,7 @@ class TPShard:
             rank: a tensor-parallel rank.
         """
         shape = list(self.full_shape)
-        shape[self.dim] = self.parts * self.slice_lengths()[(self.rank if rank is None else rank) // self.replicas]
+        shape[self.dim] = sum(length for _, length in self._pieces(rank))
         return tuple(shape)
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
@@ -115,9 +140,7 @@ class TPShard:
             raise ValueError(f"expected a full tensor of shape {tuple(self.full_shape)}, got {tuple(full.shape)}")
         if self.padded is not None:
             full = F.pad(full.movedim(self.dim, -1), (0, self.padded - full.shape[self.dim])).movedim(-1, self.dim)
-        lengths, index = self.slice_lengths(), self.rank // self.replicas
-        blocks = full.unflatten(self.dim, (self.parts, -1)).narrow(self.dim + 1, sum(lengths[:index]), lengths[index])
-        return blocks.flatten(self.dim, self.dim + 1).contiguous().clone()
+        return torch.cat([full.narrow(self.dim, start, length) for start, length in self._pieces()], self.dim)
 
     def boxes(self, local: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """Where this rank's slice lies in the full tensor: ``(offsets, view of local)`` per block, the padding's
@@ -126,18 +149,14 @@ class TPShard:
         Args:
             local: this rank's shard (a weight or optimizer state shaped like it).
         """
-        lengths, index = self.slice_lengths(), self.rank // self.replicas
-        block = (self.padded or self.full_shape[self.dim]) // self.parts
-        start, length = sum(lengths[:index]), lengths[index]
-        found = []
-        for part in range(self.parts):
-            first = part * block + start
-            keep = min(length, self.full_shape[self.dim] - first)
-            if keep <= 0:
-                continue
-            offsets = [0] * len(self.full_shape)
-            offsets[self.dim] = first
-            found.append((tuple(offsets), local.narrow(self.dim, part * length, keep)))
+        found, at = [], 0
+        for start, length in self._pieces():
+            keep = min(length, self.full_shape[self.dim] - start)
+            if keep > 0:
+                offsets = [0] * len(self.full_shape)
+                offsets[self.dim] = start
+                found.append((tuple(offsets), local.narrow(self.dim, at, keep)))
+            at += length
         return found
 
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -147,8 +166,12 @@ class TPShard:
         Args:
             shards: ``size`` tensors, one per tensor-parallel rank.
         """
-        blocks = [shard.unflatten(self.dim, (self.parts, -1)) for shard in shards[:: self.replicas]]
-        full = torch.cat(blocks, self.dim + 1).flatten(self.dim, self.dim + 1)
+        # pieces[r][b]: block b's slice held by the r-th distinct slice holder
+        pieces = [
+            shard.split([length for _, length in self._pieces(rank)], self.dim)
+            for rank, shard in list(enumerate(shards))[:: self.replicas]
+        ]
+        full = torch.cat([held[part] for part in range(self.parts) for held in pieces], self.dim)
         return full.narrow(self.dim, 0, self.full_shape[self.dim]).contiguous()
 
 
@@ -161,9 +184,10 @@ def _split_parameter(
     *,
     padded: int | None = None,
     replicas: int = 1,
+    blocks: tuple[int, ...] | None = None,
 ) -> tuple[nn.Parameter, TPShard]:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    shard = TPShard(dim, rank, size, tuple(tensor.shape), parts, counts, padded, replicas)
+    shard = TPShard(dim, rank, size, tuple(tensor.shape), parts, counts, padded, replicas, blocks)
     return nn.Parameter(shard.local(tensor.detach()), requires_grad=tensor.requires_grad), shard
 
 
@@ -185,6 +209,7 @@ class _ShardedLinear(nn.Module):
         parts: int = 1,
         counts: tuple[int, ...] | None = None,
         replicas: int = 1,
+        blocks: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Linear) and not _is_conv1d(module):
@@ -194,14 +219,14 @@ class _ShardedLinear(nn.Module):
         out_dim = 1 if self.transposed else 0
         weight_dim = out_dim if split == "out" else 1 - out_dim
         self.weight, weight_shard = _split_parameter(
-            module.weight, weight_dim, tp_group, parts, counts, replicas=replicas
+            module.weight, weight_dim, tp_group, parts, counts, replicas=replicas, blocks=blocks
         )
         self.shards: dict[str, TPShard] = {"weight": weight_shard}
         if module.bias is None:
             self.bias = None
         elif split == "out":
             self.bias, self.shards["bias"] = _split_parameter(
-                module.bias, 0, tp_group, parts, counts, replicas=replicas
+                module.bias, 0, tp_group, parts, counts, replicas=replicas, blocks=blocks
             )
         else:  # the input dimension is split: every rank adds the full bias once, after the reduction
             self.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
@@ -226,6 +251,8 @@ class ColumnParallelLinear(_ShardedLinear):
         tp_group: the tensor-parallel group.
         parts: packed blocks in the output (3 for GPT-2's ``c_attn``: each of q, k, v is split per head).
         counts: output features per rank when they are not equal (see :class:`TPShard`).
+        blocks: lengths of unequal packed blocks in the output (Phi-3's ``qkv_proj``: q, k and v widths), each
+            split per head, instead of ``parts`` equal ones.
         replicas: ranks sharing each slice of the output (key/value heads fewer than tp: rank i holds slice
             ``i // replicas``). Each replica's weight gradient is then partial (it saw only its own query heads)
             and ``finalize_tp_grads`` sums it over the ranks sharing the slice; the input gradient needs nothing
@@ -240,8 +267,11 @@ class ColumnParallelLinear(_ShardedLinear):
         parts: int = 1,
         counts: tuple[int, ...] | None = None,
         replicas: int = 1,
+        blocks: tuple[int, ...] | None = None,
     ) -> None:
-        super().__init__(module, tp_group=tp_group, split="out", parts=parts, counts=counts, replicas=replicas)
+        super().__init__(
+            module, tp_group=tp_group, split="out", parts=parts, counts=counts, replicas=replicas, blocks=blocks
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)  # the bias is split like the output: fused into the matmul

@@ -7,6 +7,11 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
   GPT-NeoX's fused ``query_key_value`` is per head already, so plain ``column`` splits it by heads);
 - ``column_kv``: a grouped-query key or value projection: split per key/value head when tp divides them, else
   each head replicated over ``tp / kv`` ranks (Megatron's and vLLM's rule; see :func:`grouped_query_split`);
+- ``column_fused_qkv`` / ``column_gate_up``: a fused projection whose output parts are split each on its own
+  (Phi-3's ``qkv_proj``: ``h·d`` query, ``kv·d`` key and ``kv·d`` value rows, each per head; its ``gate_up_proj``:
+  gate and up halves), so a rank's output is its own heads' q, k, v (its own features' gate and up), in the order
+  the model slices them; ``local_heads``: the attention that slices them by its config's head counts gets its own
+  copy of the config with this rank's counts;
 - ``row``: split the input features (the partial outputs are summed);
 - ``width_norm`` / ``width_norm_kv``: an RMSNorm over a column-parallel projection's whole width (OLMo-2's q/k
   norms), its weight split with the projection's output (``_kv``: with grouped key/value heads), the sum of

@@ -8,6 +8,7 @@ state dict the plain HF class loads with ``strict=True``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from hftrain.parallel.layers import (
     VocabParallelHead,
     WidthParallelRMSNorm,
 )
-from hftrain.parallel.lora import check_lora_layers, hf_model_of, split_linear
+from hftrain.parallel.lora import check_lora_layers, hf_model_of, is_lora_layer, split_linear
 from hftrain.parallel.plans import GroupedQuerySplit, TensorParallelPlan, grouped_query_split
 from hftrain.parallel.random import RNGTracker, run_in_stream
 
@@ -117,6 +118,33 @@ def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) 
     split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=3), ctx.rng)
 
 
+def _column_gate_up(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # a fused [gate; up] projection (Phi-3's gate_up_proj, cut in two by chunk(2)): each half split alike
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=2), ctx.rng)
+
+
+def _column_fused_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # a fused grouped-query [q; k; v] projection (Phi-3's qkv_proj: h·d, kv·d, kv·d rows), each part split per head
+    split = ctx.grouped_query
+    assert split is not None and split.replicas == 1, "the plan's sizes make tp divide the key/value heads"
+    heads, kv_heads = split.heads * ctx.tp_size, split.kv_heads * ctx.tp_size
+    head_dim = (module.base_layer if is_lora_layer(module) else module).out_features // (heads + 2 * kv_heads)
+    blocks = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    split_linear(
+        parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, blocks=blocks), ctx.rng
+    )
+
+
+def _local_heads(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # an attention that slices its fused qkv by its config's head counts (Phi-3: config.num_attention_heads): its
+    # own copy of the config holds this rank's counts (the model's config stays whole, for the export)
+    split = ctx.grouped_query
+    assert split is not None
+    module.config = copy.copy(module.config)
+    module.config.num_attention_heads, module.config.num_key_value_heads = split.heads, split.kv_heads
+    module.num_key_value_heads = split.kv_heads
+
+
 def _row(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     split_linear(
         parent,
@@ -181,6 +209,9 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
     "column": _column,
     "column_qkv": _column_qkv,
     "column_kv": _column_kv,
+    "column_gate_up": _column_gate_up,
+    "column_fused_qkv": _column_fused_qkv,
+    "local_heads": _local_heads,
     "row": _row,
     "vocab": _vocab,
     "region": _region,
