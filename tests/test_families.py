@@ -102,6 +102,7 @@ def test_the_registry_gives_each_family_its_axes():
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
         "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "tp pp", "olmo2": "tp pp cp", "qwen3_moe": "tp ep",
+        "modernbert": "tp pp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS

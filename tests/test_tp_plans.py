@@ -35,6 +35,7 @@ SPLIT_COUNTS = {
     **dict.fromkeys(("mistral", "qwen3", "gemma", "gemma2", "gemma3_text"), 2 * 7 + 1),
     "qwen3_moe": 2 * 4 + 1,
     "olmo2": 2 * 9 + 1,  # q, k, v, o, gate, up, down and the q/k norms over the whole width
+    "modernbert": 2 * 6 + 1,  # fused Wqkv w+b (q, k, v each per head), attention Wo, fused GLU Wi w+b, mlp Wo
     "phi3": 2 * 4 + 1,  # fused qkv (q, k and v rows split each per head), o, fused gate_up (each half split), down
 }
 HEAD_ATTRIBUTES = {
@@ -53,6 +54,7 @@ HEAD_ATTRIBUTES = {
         kind: ("model.layers.0.self_attn", {"num_key_value_groups": 2})
         for kind in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "olmo2")
     },
+    "modernbert": ("model.layers.0.attn", {}),  # its views take the head count from -1
     # Phi-3 slices its fused qkv by its (own, per-rank) config's head counts
     "phi3": ("model.layers.0.self_attn", {"num_key_value_groups": 2, "num_key_value_heads": 1}),
 }

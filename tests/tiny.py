@@ -113,7 +113,7 @@ def tiny_config(
 
 FAMILY_KINDS = (
     "roberta", "xlm-roberta", "electra", "distilbert", "gpt_neox", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-    "gemma3_text", "phi3", "olmo2", "qwen3_moe",
+    "gemma3_text", "phi3", "olmo2", "qwen3_moe", "modernbert",
 )  # fmt: skip
 """The families beyond the first five (``family_config``), each with its special layers switched on."""
 
@@ -121,7 +121,8 @@ FAMILY_KINDS = (
 def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, num_layers: int, max_positions: int):
     """A tiny config of one of ``FAMILY_KINDS`` that keeps the family's special layers on: sliding windows of 4
     tokens (shorter than the test texts) where the family has them, soft-capped attention (Gemma-2), qk-norm
-    (Qwen3, Gemma-3, OLMo-2), scaled embeddings (Gemma), fused qkv (GPT-NeoX, Phi-3), a factorised embedding
+    (Qwen3, Gemma-3, OLMo-2), scaled embeddings (Gemma), fused qkv (GPT-NeoX, Phi-3, ModernBERT: with its fused GLU,
+    alternating global and local attention and mean pooling), a factorised embedding
     (ELECTRA's 16 → 32 projection), grouped-query attention (4 heads, 2 key/value heads) in every decoder.
     """
     from transformers import CONFIG_MAPPING
@@ -132,6 +133,15 @@ def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, n
             vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
             intermediate_size=64, max_position_embeddings=max_positions + 2, num_labels=num_labels, pad_token_id=1,
             hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout, **extra,
+        )  # fmt: skip
+    if kind == "modernbert":  # global then local (4-token window) attention, mean pooling, biased fused qkv and GLU
+        special = dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"), 0)
+        return CONFIG_MAPPING[kind](
+            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=max_positions, num_labels=num_labels,
+            global_attn_every_n_layers=2, local_attention=4, classifier_pooling="mean", attention_bias=True,
+            mlp_bias=True, attention_dropout=dropout, embedding_dropout=dropout, mlp_dropout=dropout,
+            classifier_dropout=dropout, **special,
         )  # fmt: skip
     if kind == "distilbert":
         return CONFIG_MAPPING[kind](

@@ -39,7 +39,7 @@ from typing import Any
 
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan, kv_heads_split
-from hftrain.parallel.stages import DecoderStages, EncoderStages, GPT2Stages
+from hftrain.parallel.stages import DecoderStages, EncoderStages, GPT2Stages, ModernBertStages
 
 AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism"}
 
@@ -304,6 +304,31 @@ _PHI3_PLAN = TensorParallelPlan(
 )
 
 
+# ModernBERT: fused Wqkv ([3, heads, head_dim] rows: q, k, v each split per head), fused GLU Wi ([input; gate]
+# halves, each split), pre-norm layers (layer 0's attention norm is an identity), dropout after the attention's Wo.
+_MODERNBERT_PLAN = TensorParallelPlan(
+    layers="model.layers",
+    layer=(
+        ("attn_norm", "sequence"),
+        ("attn", "region"),
+        ("attn.Wqkv", "column_qkv"),
+        ("attn.Wo", "row"),
+        ("attn.out_drop", "sequence_dropout"),
+        ("mlp_norm", "sequence"),
+        ("mlp", "region"),
+        ("mlp.Wi", "column_gate_up"),
+        ("mlp.Wo", "row"),
+    ),
+    model=(
+        ("model.embeddings.tok_embeddings", "vocab"),
+        ("model.layers.0", "scatter"),
+        ("model.final_norm", "sequence"),
+        ("model.final_norm", "gather"),
+    ),
+    sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
+)
+
+
 # ----------------------------------------------------------------------------- context parallelism's limits
 def _sliding_windows(config: Any) -> str | None:
     """Why hftrain's ring attention (causal or bidirectional masks only) cannot run a model with sliding windows."""
@@ -429,11 +454,13 @@ FAMILIES: dict[str, Family] = {
     ),
     "modernbert": Family(
         "ModernBERT",
-        refusals=dict.fromkeys(
-            ("tp", "pp", "cp"),
-            "its fused Wqkv, alternating local/global attention and unpadded batches are not split by hftrain yet; "
-            "use strategy ddp/fsdp/zero*",
-        ),
+        tp=_MODERNBERT_PLAN,
+        stages=ModernBertStages(),
+        refusals={
+            "cp": "its local attention layers (a bidirectional sliding window of local_attention tokens) are not "
+            "among the masks hftrain's context-parallel attention builds; use cp 1 (tp and pp split it)"
+        },
+        gated_mlp=True,
     ),
 }
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 Modules = dict[str, torch.nn.Module]
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer types
 
 
 def _positions(hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,6 +151,77 @@ class EncoderStages:
         return mods["classifier"](token.unsqueeze(1))  # the head takes features[:, 0, :] itself
 
 
+class ModernBertStages:
+    """ModernBERT: embeddings (token embedding → norm → dropout) → ``layers[i]`` with the mask and rotary embedding of
+    its layer type (global: full bidirectional attention; local: a bidirectional sliding window, its own rotary
+    base) → the final norm → pooling → ``head`` (dense → activation → norm) → dropout → classifier.
+
+    The pooling weights travel as the activation tuple's ``pool`` ``[b, s]``: the first token's one-hot
+    (``classifier_pooling: cls``) or the attention mask (``mean``), and the head computes
+    ``Σ_s h_s · pool_s / Σ_s pool_s`` — transformers' ``(h · mask).sum(1) / mask.sum(1)`` term for term (a one-hot's
+    sum is 1, so ``cls`` is exact too).
+    """
+
+    def position_ids(self, mods: Any, input_ids: torch.Tensor) -> None:
+        """None: positions are the index (they enter through the rotary embedding)."""
+        return None
+
+    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The encoder layers, in order."""
+        return model.model.layers
+
+    def embed_modules(self, model: torch.nn.Module) -> Modules:
+        """Modules of the first chunk's embedding."""
+        return {"embeddings": model.model.embeddings}
+
+    def head_modules(self, model: torch.nn.Module) -> Modules:
+        """Modules of the last chunk's head."""
+        return {"norm": model.model.final_norm, "head": model.head, "drop": model.drop, "classifier": model.classifier}
+
+    def aux_modules(self, model: torch.nn.Module) -> Modules:
+        """The rotary embedding (buffers only): each chunk recomputes cos/sin per layer type."""
+        return {"rotary_emb": model.model.rotary_emb}
+
+    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype, attention_mask=None) -> torch.Tensor:
+        """The pooling weights over the whole sequence: the first token's one-hot, or the mask (``mean``)."""
+        if config.classifier_pooling == "mean":
+            return torch.ones(input_ids.shape, dtype=dtype, device=input_ids.device) if attention_mask is None else attention_mask.to(dtype)
+        return first_token_one_hot(input_ids, dtype)
+
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
+        """Token ids to ``(hidden, attention_mask, pool)``."""
+        hidden = mods["embeddings"](input_ids=input_ids)
+        return hidden, attention_mask, self.pool(config, input_ids, hidden.dtype, attention_mask)
+
+    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
+        """The masks and rotary ``(cos, sin)`` of each layer type, built once per chunk as ``ModernBertModel``."""
+        from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+
+        positions = _positions(hidden, positions)
+        kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": mask}
+        builders = {FULL: create_bidirectional_mask, SLIDING: create_bidirectional_sliding_window_mask}
+        kinds = sorted(set(config.layer_types))
+        return {
+            "types": config.layer_types,
+            "masks": {kind: builders[kind](**kwargs) for kind in kinds},
+            "rotary": {kind: aux["rotary_emb"](hidden, positions, kind) for kind in kinds},
+        }
+
+    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
+        """Encoder layer ``index``, with its layer type's mask and rotary embedding."""
+        kind = context["types"][index]
+        return layer(hidden, attention_mask=context["masks"][kind], position_embeddings=context["rotary"][kind])
+
+    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
+        """Final norm, pooling (see the class doc), then the head: logits ``[b, num_labels]``."""
+        token = reduce((mods["norm"](hidden) * pool.unsqueeze(-1)).sum(1)) / reduce(pool.sum(1, keepdim=True))
+        return self.classify(mods, token)
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """The prediction head, dropout and classifier on the pooled token ``[b, hidden]``."""
+        return mods["classifier"](mods["drop"](mods["head"](token)))
+
+
 class _LastTokenStages:
     """Shared by the decoders: the head pooled at the last non-pad token."""
 
@@ -217,9 +289,6 @@ class GPT2Stages(_LastTokenStages):
     def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
         """One ``GPT2Block`` (no cache)."""
         return layer(hidden, None, context["mask"], position_ids=context["positions"], use_cache=False)
-
-
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class DecoderStages(_LastTokenStages):
