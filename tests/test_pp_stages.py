@@ -143,7 +143,7 @@ def test_chunks_in_sequence_equal_model(kind, pp, virtual_stages, balance):
             torch.testing.assert_close(param.grad, ref_grads[chunk.hf_name(name)], rtol=0, atol=0)
 
 
-ENCODERS = ("roberta", "xlm-roberta", "electra", "distilbert")
+ENCODERS = ("roberta", "xlm-roberta", "electra", "distilbert", "modernbert")
 LM_KINDS = ["gpt2", "llama", *(k for k in FAMILY_KINDS if k not in (*ENCODERS, "qwen3_moe"))]  # pp refuses Qwen3-MoE
 
 
