@@ -28,7 +28,8 @@ is split.
 | OLMo-2 | yes (q/k norms over every head: their sum of squares all-reduced over tp) | yes | yes | |
 | Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | unless sliding windows | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | no (router loss spans layers) | no | yes |
-| ALBERT, DeBERTa-v2, ModernBERT | refused, with the reason | | | |
+| ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | no: local attention layers | |
+| ALBERT, DeBERTa-v2 | refused, with the reason | | | |
 """
 
 from __future__ import annotations
