@@ -22,6 +22,7 @@ from tests.tiny import FAMILY_KINDS, run_tiny_training
 STEPS = 3
 COMMON = {"steps": STEPS, "n_train": 48, "n_eval": 10, "max_seq_length": 16, "return_weights": True, "num_layers": 2}
 GLOBAL_MICRO = 8
+MICROBATCHES = 2  # the pipeline layouts' num_microbatches
 
 
 def _axes(kind: str) -> frozenset[str]:
@@ -35,10 +36,10 @@ def _layouts(world: int) -> dict[str, dict]:
     """layout label -> strategy options, for the launch of ``world`` processes."""
     if world == 4:
         return {
-            "tp2pp2": {"tp": 2, "pp": 2, "num_microbatches": 2},
-            "pp2cp2": {"pp": 2, "cp": 2, "num_microbatches": 2},
+            "tp2pp2": {"tp": 2, "pp": 2, "num_microbatches": MICROBATCHES},
+            "pp2cp2": {"pp": 2, "cp": 2, "num_microbatches": MICROBATCHES},
         }
-    return {"tp2": {"tp": 2}, "pp2": {"pp": 2, "num_microbatches": 2}, "cp2": {"cp": 2}, "ep2": {"ep": 2}}
+    return {"tp2": {"tp": 2}, "pp2": {"pp": 2, "num_microbatches": MICROBATCHES}, "cp2": {"cp": 2}, "ep2": {"ep": 2}}
 
 
 # Layouts run for some families only: pp × cp for RoBERTa, whose pipeline chunks number positions from the padding
@@ -73,7 +74,16 @@ def _runs(world: int) -> dict:
 
 
 def _references() -> dict:
-    return {kind: run_tiny_training(kind=kind, micro=GLOBAL_MICRO, **COMMON) for kind in FAMILY_KINDS}
+    references = {kind: run_tiny_training(kind=kind, micro=GLOBAL_MICRO, **COMMON) for kind in FAMILY_KINDS}
+    # a mixture of experts' router loss is per pipeline micro-batch, as under gradient accumulation
+    references |= {
+        (kind, "accumulated"): run_tiny_training(
+            kind=kind, micro=GLOBAL_MICRO // MICROBATCHES, gas=MICROBATCHES, **COMMON
+        )
+        for kind in FAMILY_KINDS
+        if "ep" in _axes(kind)
+    }
+    return references
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +105,13 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 
 def test_the_registry_gives_each_family_its_axes():
-    """What the table below runs: every new family takes pp but the mixtures of experts; tp all (Phi-3's fused qkv too); cp
+    """What the table below runs: every new family takes pp and tp (Phi-3's fused qkv too); cp
     those without sliding windows or soft-capping (RoBERTa's pad-numbered positions are numbered on the whole
     sequence, then split); ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
-        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "tp pp", "olmo2": "tp pp cp", "qwen3_moe": "tp ep",
+        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "tp pp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
         "modernbert": "tp pp",
     }  # fmt: skip
     assert {
@@ -117,7 +127,8 @@ def test_each_family_under_each_axis_equals_one_process(runs, kind, layout, worl
 
     from tests.tiny import tiny_config
 
-    ref = runs["reference"][kind]
+    moe_pipeline = "pp" in layout and "ep" in _axes(kind)  # its router loss is per micro-batch
+    ref = runs["reference"][(kind, "accumulated") if moe_pipeline else kind]
     ranks = runs[world]
     run = ranks[0][(kind, layout)]
     assert len(run["losses"]) == len(ref["losses"]) == STEPS
@@ -157,7 +168,7 @@ REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
                    "its layers share one set of weights"),
     "mistral-cp2": ("mistral", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this Mistral "
                     "model exactly: its sliding-window attention"),
-    "qwen3_moe-pp2": ("qwen3_moe", ["--pp", "2"], "2", "strategy.pp: pipeline parallelism cannot split this "
+    "qwen3_moe-cp2": ("qwen3_moe", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this "
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
                    "soft-capped attention logits"),

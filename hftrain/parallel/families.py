@@ -27,7 +27,7 @@ is split.
 | Gemma-2, Gemma-3 (text) | yes | yes | no: sliding windows (Gemma-2: soft-capped attention) | |
 | OLMo-2 | yes (q/k norms over every head: their sum of squares all-reduced over tp) | yes | yes | |
 | Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | unless sliding windows | |
-| Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | no (router loss spans layers) | no | yes |
+| Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | no: local attention layers | |
 | ALBERT, DeBERTa-v2 | refused, with the reason | | | |
 """
@@ -352,10 +352,8 @@ def _gemma2_attention(config: Any) -> str | None:
 
 # ----------------------------------------------------------------------------- the registry
 _MOE_STAGES = {
-    "pp": "its router loss (transformers' load_balancing_loss_func) is one product of every layer's routing "
-    "statistics, which no pipeline stage holds whole; use pp 1 (tp, ep and dp split it)",
     "cp": "its router loss needs every token's routing of the whole sequence, which a sequence shard does not "
-    "see; use cp 1 (tp, ep and dp split it)",
+    "see; use cp 1 (tp, pp, ep and dp split it)",
 }
 
 _LLAMA_STAGES = DecoderStages()
@@ -419,6 +417,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(
         "Mixtral",
         tp=_moe_plan(),
+        stages=_LLAMA_STAGES,
         experts=ExpertPlan(num_experts="num_local_experts"),
         refusals=_MOE_STAGES,
         gated_mlp=True,
@@ -426,6 +425,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(
         "Qwen2-MoE",
         tp=_moe_plan(),
+        stages=_LLAMA_STAGES,
         experts=ExpertPlan(num_experts="num_experts"),  # its shared expert stays replicated, as the router
         refusals=_MOE_STAGES,
         gated_mlp=True,
@@ -433,6 +433,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(
         "Qwen3-MoE",
         tp=_moe_plan(head_norms=True),
+        stages=_LLAMA_STAGES,
         experts=ExpertPlan(num_experts="num_experts"),
         refusals=_MOE_STAGES,
         gated_mlp=True,
@@ -563,6 +564,12 @@ def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp"
     if family is None or family.stages is None or axis in family.refusals:
         raise AxisError(axis, _refusal(config, axis, family))
     lm = class_name is not None and is_causal_lm_class(class_name)
+    if lm and axis == "pp" and family.experts is not None:
+        raise AxisError(
+            axis,
+            f"{AXIS_NAMES[axis]} splits {family.name} classifiers, not its causal LM (its router loss is not built "
+            "into the language model's pipeline loss yet); use pp 1 (tp, ep and dp split it)",
+        )
     if lm and axis == "pp" and not hasattr(family.stages, "lm_head_modules"):  # cp runs the model's own forward
         raise AxisError(
             axis, f"{AXIS_NAMES[axis]} splits decoder causal LMs, not a {family.name} {class_name}; use {axis} 1"

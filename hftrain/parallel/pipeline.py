@@ -236,6 +236,7 @@ def build_stage_modules(
     balance: str = "layers",
     layout: str = "loop",
     ranges: list[range] | None = None,
+    example_group: Any = None,
 ) -> list[PipelineChunk]:
     """The chunks of ``model`` that pipeline rank ``pp_rank`` owns, in order; they share the model's modules.
 
@@ -251,12 +252,17 @@ def build_stage_modules(
             :func:`chunk_ids_of_rank`).
         ranges: the split, when it was decided before (on the whole model, before tensor parallelism split its
             layers); None computes it from ``model``.
+        example_group: the ranks a micro-batch's examples are split over (dp): a mixture of experts' router loss
+            is taken over them (:class:`~hftrain.parallel.expert_parallel.StageRouting`).
     """
-    from hftrain.parallel.families import stages_of
+    from hftrain.parallel.expert_parallel import StageRouting, moe_layer_indices
+    from hftrain.parallel.families import expert_plan_for, stages_of
     from hftrain.parallel.stages import PipelineChunk
 
     family = stages_of(model)
     layers = family.layers(model)
+    experts = expert_plan_for(model.config)  # a mixture of experts: its router loss spans the stages
+    moe_layers = [] if experts is None else moe_layer_indices(model, experts)
     embed, head = family.embed_modules(model), family.head_modules(model)
     if ranges is None:
         ranges = stage_ranges(model, pp=pp, virtual_stages=virtual_stages, balance=balance)
@@ -275,6 +281,10 @@ def build_stage_modules(
         chunk.attach_hf_names(hf_names)
         chunk.index = c  # its global stage index: schedules check it against their layout
         chunk.context_split = getattr(model, "context_split", None)  # set by apply_context_parallel
+        if experts is not None:
+            chunk.routing = StageRouting(
+                {i: layers[i] for i in ranges[c]}, moe_layers, experts, model.config, group=example_group
+            )
         chunks.append(chunk)
     missing = [n for chunk in chunks for n, p in chunk.named_parameters() if p.device.type == "meta"]
     if missing:

@@ -34,6 +34,7 @@ Adding a schedule (e.g. zero-bubble ZBV) is one class naming its torch schedule 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -100,10 +101,12 @@ class TimedStage(PipelineStage):
         return result
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """Torch's forward of one micro-batch, timed as an ``F`` event."""
-        return self._timed(
-            "F", fwd_chunk_id, lambda: super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        )
+        """Torch's forward of one micro-batch, timed as an ``F`` event. A chunk that keeps statistics of what it
+        runs (``microbatch()``) counts it: torch's own forwards on placeholder tensors, when it infers the stage
+        shapes, are not micro-batches."""
+        run = lambda: super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # noqa: E731
+        with getattr(self.submod, "microbatch", contextlib.nullcontext)():
+            return self._timed("F", fwd_chunk_id, run)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         """Torch's backward of one micro-batch, timed as a ``B`` event."""

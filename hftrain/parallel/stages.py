@@ -7,6 +7,7 @@ exactly what the unsharded model does. See :mod:`hftrain.parallel.pipeline` for 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -488,6 +489,21 @@ class PipelineChunk(torch.nn.Module):
         self.index: int | None = None  # global stage index, set by build_stage_modules
         # context parallelism (hftrain.parallel.context_parallel.ContextSplit): this rank's part of each sequence
         self.context_split: Any = None
+        # a mixture of experts (hftrain.parallel.expert_parallel.StageRouting): the router loss's sums, passed on
+        self.routing: Any = None
+
+    @contextlib.contextmanager
+    def microbatch(self):
+        """A real micro-batch's forward (the schedule's stage enters it; torch's shape inference on placeholder
+        tensors does not): a mixture of experts' chunk counts its tokens per expert then, in training."""
+        if self.routing is None:
+            yield
+            return
+        self.routing.counting = torch.is_grad_enabled()
+        try:
+            yield
+        finally:
+            self.routing.counting = False
 
     @property
     def is_first(self) -> bool:
@@ -530,8 +546,13 @@ class PipelineChunk(torch.nn.Module):
         token_type_ids])``, a causal LM's ``(input_ids, position_ids)``); others: the activation tuple.
 
         Returns the next activation tuple, or the last chunk's output (a classifier's logits ``[b, num_labels]``).
+        A mixture of experts' chunk adds its layers' router-loss sums to the ones it received, at the tuple's end
+        (``routing``); the last chunk turns them into the micro-batch's router loss.
         """
-        split = self.context_split
+        split, routing = self.context_split, self.routing
+        received = None
+        if routing is not None and not self.is_first:
+            acts, received = acts[: -routing.width], acts[-routing.width :]
         if self.is_first:
             if split is None:
                 acts = self.family.embed(self.embed, self.config, *acts)
@@ -546,8 +567,15 @@ class PipelineChunk(torch.nn.Module):
         positions = None if split is None else split.attend(carried[0])
         if len(self.layers):
             context = self.family.layer_context(self.aux, self.config, hidden, carried[0], positions)
-            for index, layer in self.layers.items():
-                hidden = self.family.run_layer(layer, hidden, context, int(index))
+            with contextlib.nullcontext() if routing is None else routing.recording():
+                for index, layer in self.layers.items():
+                    hidden = self.family.run_layer(layer, hidden, context, int(index))
+        routed = ()
+        if routing is not None:  # padding excluded by a classifier's mask (a causal LM's packed rows have none)
+            mask = None if getattr(self.family, "per_position", False) else carried[0]
+            routed = routing.add(received, mask, hidden.device)
         if self.is_last:
+            if routing is not None and torch.is_grad_enabled():  # training: its loss takes the router loss
+                routing.finish(routed)
             return self.family.head(self.head, hidden, *carried[1:], *(() if split is None else (split.sum,)))
-        return (hidden, *carried)
+        return (hidden, *carried, *routed)

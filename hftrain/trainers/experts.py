@@ -31,10 +31,13 @@ class ExpertLoad:
     def __init__(self, model: torch.nn.Module, example_group: Any) -> None:
         from hftrain.parallel.expert_parallel import RouterMonitor
 
-        self.monitor = RouterMonitor(model)
+        # a pipeline's chunks record their own routers and compute the router loss on the last stage
+        self.pipeline = hasattr(model, "take_router_counts")
+        self.monitor = None if self.pipeline else RouterMonitor(model)
         self.group = example_group
         self.model = model
-        self.total = torch.zeros_like(self.monitor.counts)  # tokens per (layer, expert) since the start, all ranks
+        counts = model.take_router_counts() if self.pipeline else self.monitor.counts
+        self.total = torch.zeros_like(counts, device="cpu")  # tokens per (layer, expert) since the start, all ranks
 
     @staticmethod
     def for_model(model: torch.nn.Module, example_group: Any) -> ExpertLoad | None:
@@ -47,7 +50,12 @@ class ExpertLoad:
         return ExpertLoad(model, example_group) if config is not None and is_moe(config) else None
 
     def aux_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``router_aux_loss_coef ×`` the load-balancing loss of the forward that just ran, over the global batch."""
+        """``router_aux_loss_coef ×`` the load-balancing loss of the forward that just ran, over the global batch (a
+        pipeline's: of the micro-batch its last stage just ran, summed over the stages' layers)."""
+        if self.pipeline:
+            loss = self.model.take_router_loss()
+            assert loss is not None, "the last pipeline stage computes the router loss of every micro-batch"
+            return loss
         return self.monitor.aux_loss(batch.get("attention_mask"), group=self.group)
 
     def close_window(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -58,11 +66,13 @@ class ExpertLoad:
 
         from hftrain.parallel.expert_parallel import dropped_assignments
 
-        counts = self.monitor.take_counts()
+        counts = self.model.take_router_counts() if self.pipeline else self.monitor.take_counts()
         dropped = torch.tensor([float(dropped_assignments(self.model))], dtype=counts.dtype, device=counts.device)
         window = torch.cat([counts.reshape(-1), dropped])
         if self.group is not None:
             dist.all_reduce(window, group=self.group)
+        if self.pipeline:  # each stage counted its own layers (and dropped its own assignments)
+            window = self.model.sum_over_stages(window)
         window = window.cpu()
         counts, dropped = window[:-1].view(self.total.shape), window[-1].item()
         self.total += counts

@@ -151,6 +151,22 @@ class PipelineModel(nn.Module):
         shape = (_batch_size(inputs), self.config.num_labels)
         return classifier_output(self.from_last_stage(logits, shape), labels, self.config)
 
+    # ---------------------------------------------------------------- a mixture of experts' routers
+    def take_router_loss(self) -> torch.Tensor | None:
+        """The router loss of the micro-batch the last stage just ran (its chunk's; None on other ranks)."""
+        routing = self.stages[-1].routing if self.stages[-1].is_last else None
+        return None if routing is None else routing.take_loss()
+
+    def take_router_counts(self) -> torch.Tensor:
+        """Real tokens routed to each expert (MoE layers × experts) since the last call, by this rank's chunks (the
+        rows of their layers); reset."""
+        return torch.stack([stage.routing.take_counts().to(self.device) for stage in self.stages]).sum(0)
+
+    def sum_over_stages(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the pipeline group (each stage's share of a statistic): collective."""
+        dist.all_reduce(tensor, group=self.groups.pp_group)
+        return tensor
+
     def from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         """``tensor`` of the last stage on every stage of this pipeline (a broadcast over the pp group), as fp32.
 
@@ -248,6 +264,7 @@ class PipelineRuntime(MegatronRuntime):
         tied = _tied_embedding(model)  # before the stages are cut: the other stages' copies go then
         stages = build_stage_modules(
             model,
+            example_group=self.example_group,  # a mixture of experts' router loss is over them
             pp_rank=layout.pp_rank,
             pp=layout.pp_size,
             virtual_stages=self.pipeline.virtual_stages,
