@@ -36,6 +36,7 @@ SPLIT_COUNTS = {
     "qwen3_moe": 2 * 4 + 1,
     "olmo2": 2 * 9 + 1,  # q, k, v, o, gate, up, down and the q/k norms over the whole width
     "phi3": 2 * 4 + 1,  # fused qkv (q, k and v rows split each per head), o, fused gate_up (each half split), down
+    "deberta-v2": 2 * 10 + 1,  # BERT's layout (its relative embeddings are replicated, their gradient summed)
 }
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
@@ -55,6 +56,7 @@ HEAD_ATTRIBUTES = {
     },
     # Phi-3 slices its fused qkv by its (own, per-rank) config's head counts
     "phi3": ("model.layers.0.self_attn", {"num_key_value_groups": 2, "num_key_value_heads": 1}),
+    "deberta-v2": ("deberta.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
 }
 KINDS = ("bert", "gpt2", "llama", "llama_kv1")
 # mixture of experts: without sequence parallelism only (refused: the replicated MoE block needs the whole sequence)
