@@ -13,9 +13,11 @@ column split (per key/value head for ``k_proj``/``v_proj`` of grouped-query atte
 transformers' plan cannot say is written beside it: the norms that run on sequence chunks under sequence
 parallelism. Where transformers' plan gathers (``colwise_gather_output``) the entry is written by hand: OLMo-2's
 q/k norms over every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` and
-``gate_up_proj`` are split part by part (``column_fused_qkv``, ``column_gate_up``). A family transformers adds later whose plan has
-exactly Llama's modules is found without an entry (:func:`family_of`), checked against the model's modules when it
-is split.
+``gate_up_proj`` are split part by part (``column_fused_qkv``, ``column_gate_up``). Where transformers has no plan
+the entry is written by hand too: BERT's layout and its kin, DeBERTa-v2's disentangled relative attention (its
+shared relative embeddings ``head_shared``: each rank projects them onto its own heads). A family transformers adds
+later whose plan has exactly Llama's modules is found without an entry (:func:`family_of`), checked against the
+model's modules when it is split.
 
 | family | tp (+sp) | pp | cp | ep |
 |---|---|---|---|---|
@@ -28,7 +30,8 @@ is split.
 | OLMo-2 | yes (q/k norms over every head: their sum of squares all-reduced over tp) | yes | yes | |
 | Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | unless sliding windows | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | no (router loss spans layers) | no | yes |
-| ALBERT, DeBERTa-v2, ModernBERT | refused, with the reason | | | |
+| DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp; no conv layer) | no | no | |
+| ALBERT, ModernBERT | refused, with the reason | | | |
 """
 
 from __future__ import annotations

@@ -130,9 +130,7 @@ def _column_fused_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Con
     heads, kv_heads = split.heads * ctx.tp_size, split.kv_heads * ctx.tp_size
     head_dim = (module.base_layer if is_lora_layer(module) else module).out_features // (heads + 2 * kv_heads)
     blocks = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-    split_linear(
-        parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, blocks=blocks), ctx.rng
-    )
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, blocks=blocks), ctx.rng)
 
 
 def _local_heads(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
