@@ -2,14 +2,14 @@
 equal to its 1-process run; the axes it does not take are refused in one line; ``hftrain plan`` marks runnable
 exactly the axes the trainer takes.
 
-The families beyond the first five (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R, ELECTRA, DistilBERT, GPT-NeoX,
-Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE), tiny but with their special layers on
+The families beyond the first five (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R, ELECTRA, DistilBERT, GPT-NeoX, Mistral,
+Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE, DeBERTa-v2), tiny but with their special layers on
 (sliding windows shorter than the texts, soft-capping, qk-norm, scaled embeddings, fused qkv, ELECTRA's embedding
-projection). Three launches: one process (the references); 2 processes for tp=2, pp=2, cp=2 and ep=2 (each where
-the family takes it); 4 processes for tp=2 × pp=2 (and RoBERTa at pp=2 × cp=2). Each run equals its reference within
-1e-5 (fp32): losses every step, the final evaluation, and the trained weights (gathered as the export gathers them)
-loaded strictly into the plain transformers class. BERT, GPT-2, Llama, Mixtral and Qwen2-MoE have their own tests
-(``test_pp_trainer``, ``test_cp_trainer``, ``test_ep_trainer``, ``test_tp_plans``).
+projection, DeBERTa-v3's relative attention). Three launches: one process (the references); 2 processes for tp=2, pp=2,
+cp=2 and ep=2 (each where the family takes it); 4 processes for tp=2 × pp=2 (and RoBERTa at pp=2 × cp=2). Each run
+equals its reference within 1e-5 (fp32): losses every step, the final evaluation, and the trained weights (gathered as
+the export gathers them) loaded strictly into the plain transformers class. BERT, GPT-2, Llama, Mixtral and Qwen2-MoE
+have their own tests (``test_pp_trainer``, ``test_cp_trainer``, ``test_ep_trainer``, ``test_tp_plans``).
 """
 
 from __future__ import annotations
@@ -105,14 +105,14 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 
 def test_the_registry_gives_each_family_its_axes():
-    """What the table below runs: every new family takes pp and tp (Phi-3's fused qkv too); cp
-    those without sliding windows or soft-capping (RoBERTa's pad-numbered positions are numbered on the whole
-    sequence, then split); ep the mixtures of experts."""
+    """What the table below runs: every new family takes pp but DeBERTa-v2; tp all (Phi-3's fused qkv too); cp
+    those without sliding windows, soft-capping or relative attention (RoBERTa's pad-numbered positions are
+    numbered on the whole sequence, then split); ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
         "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "tp pp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
-        "modernbert": "tp pp",
+        "modernbert": "tp pp", "deberta-v2": "tp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
@@ -172,6 +172,8 @@ REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
                    "soft-capped attention logits"),
+    "deberta-v2-pp2": ("deberta-v2", ["--pp", "2"], "2", "strategy.pp: pipeline parallelism cannot split this "
+                       "DeBERTa-v2 model: its relative-position embeddings (encoder.rel_embeddings"),
 }  # fmt: skip
 
 

@@ -98,7 +98,7 @@ def _batch():
     return ids, mask, torch.tensor([0, 1, 1, 0, 1])
 
 
-STAGED_KINDS = ["bert", "gpt2", "llama", *(k for k in FAMILY_KINDS if k != "qwen3_moe")]
+STAGED_KINDS = ["bert", "gpt2", "llama", *(k for k in FAMILY_KINDS if k != "deberta-v2")]  # pp refuses DeBERTa-v2
 LAYOUTS = [(2, 1, "layers"), (3, 1, "parameters"), (2, 2, "layers")]
 
 
@@ -143,8 +143,9 @@ def test_chunks_in_sequence_equal_model(kind, pp, virtual_stages, balance):
             torch.testing.assert_close(param.grad, ref_grads[chunk.hf_name(name)], rtol=0, atol=0)
 
 
-ENCODERS = ("roberta", "xlm-roberta", "electra", "distilbert", "modernbert")
-LM_KINDS = ["gpt2", "llama", *(k for k in FAMILY_KINDS if k not in (*ENCODERS, "qwen3_moe"))]  # pp refuses Qwen3-MoE
+ENCODERS = ("roberta", "xlm-roberta", "electra", "distilbert", "modernbert", "deberta-v2")
+# pp refuses a mixture of experts' causal LM (its router loss is not in the LM's pipeline loss)
+LM_KINDS = ["gpt2", "llama", *(k for k in FAMILY_KINDS if k not in (*ENCODERS, "qwen3_moe"))]
 
 
 @pytest.mark.parametrize("kind", LM_KINDS)

@@ -1,13 +1,15 @@
 """TP plans on tiny BERT, GPT-2, Llama and the mixture-of-experts Mixtral and Qwen2-MoE: TP=2 (2 gloo processes) and
 TP2×DP2 (4) equal the unsharded model; every other family with a plan (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R,
-ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE) at TP=2
-with sequence parallelism (MoE: without), its special layers on (sliding windows, soft-capping, qk-norm, scaled
-embeddings, fused qkv: GPT-NeoX's per head, Phi-3's grouped-query q, k, v parts and fused gate/up).
+ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE,
+DeBERTa-v2) at TP=2 with sequence parallelism (MoE: without), its special layers on (sliding windows, soft-capping,
+qk-norm, scaled embeddings, fused qkv: GPT-NeoX's per head, Phi-3's grouped-query q, k, v parts and fused gate/up;
+DeBERTa-v2's disentangled relative attention, its key projections shared with the positions (v3) or not).
 
 Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
 three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
 attention head counts; ``full_state_dict`` loading strictly into the plain HF class with identical logits;
-``load_full_state_dict`` / ``shard_full_tensor`` as its inverse.
+``load_full_state_dict`` / ``shard_full_tensor`` as its inverse. DeBERTa-v2's dropout on its relative embeddings
+draws one mask for the tp group (the unsplit model's heads all see one mask).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ SPLIT_COUNTS = {
     "olmo2": 2 * 9 + 1,  # q, k, v, o, gate, up, down and the q/k norms over the whole width
     "modernbert": 2 * 6 + 1,  # fused Wqkv w+b (q, k, v each per head), attention Wo, fused GLU Wi w+b, mlp Wo
     "phi3": 2 * 4 + 1,  # fused qkv (q, k and v rows split each per head), o, fused gate_up (each half split), down
+    "deberta-v2": 2 * 10 + 1,  # BERT's layout (its relative embeddings are replicated, their gradient summed)
+    "deberta-v2_separate": 2 * 14 + 1,  # and pos_key_proj, pos_query_proj w+b: share_att_key off (DeBERTa-v2's default)
 }
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
@@ -57,6 +61,10 @@ HEAD_ATTRIBUTES = {
     "modernbert": ("model.layers.0.attn", {}),  # its views take the head count from -1
     # Phi-3 slices its fused qkv by its (own, per-rank) config's head counts
     "phi3": ("model.layers.0.self_attn", {"num_key_value_groups": 2, "num_key_value_heads": 1}),
+    **{
+        kind: ("deberta.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16})
+        for kind in ("deberta-v2", "deberta-v2_separate")
+    },
 }
 KINDS = ("bert", "gpt2", "llama", "llama_kv1")
 # mixture of experts: without sequence parallelism only (refused: the replicated MoE block needs the whole sequence)
@@ -85,9 +93,11 @@ def _build(kind: str, seed: int = 0, dropout: float = 0.0):
 
     from tests.tiny import tiny_config
 
-    config = tiny_config(kind.removesuffix("_kv1"), dropout=dropout)
+    config = tiny_config(kind.removesuffix("_kv1").removesuffix("_separate"), dropout=dropout)
     if kind == "llama_kv1":
         config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 1, 8
+    if kind == "deberta-v2_separate":  # c2p and p2c through their own position projections
+        config.share_att_key = False
     torch.manual_seed(seed)
     return AutoModelForSequenceClassification.from_config(config)
 
@@ -202,6 +212,42 @@ def _dropout_stays_replicated(kind: str, groups) -> str:
     return "identical" if all(torch.equal(every[0], other) for other in every) else "diverged"
 
 
+def _relative_dropout_masks(groups) -> dict:
+    """DeBERTa-v2's dropout on the relative embeddings (every layer's ``pos_dropout``, before each rank projects them
+    onto its own heads) draws one mask for the tp group under hftrain's RNG streams, with and without sequence
+    parallelism: the unsplit model's heads all see one mask. Returns per sp: the kept fraction of the masks, and
+    whether every rank drew the same masks."""
+    import torch
+    import torch.distributed as dist
+
+    from hftrain.parallel import apply_tensor_parallel
+    from hftrain.parallel.random import RNGTracker
+
+    report = {}
+    for sequence_parallel in (False, True):
+        tracker = RNGTracker(seed=7, tp_rank=groups.tp_rank, pp_rank=0).seed_streams()
+        model = apply_tensor_parallel(
+            _build("deberta-v2", dropout=0.1),
+            tp_group=groups.tp_group,
+            sequence_parallel=sequence_parallel,
+            rng_tracker=tracker,
+        ).train()
+        masks = []
+        for name, module in model.named_modules():
+            if name.endswith("pos_dropout"):
+                module.register_forward_hook(lambda _m, _args, out, masks=masks: masks.append((out != 0).flatten()))
+        model(**_batch("deberta-v2")).loss.backward()
+        mine = torch.cat(masks).float()
+        every = [torch.empty_like(mine) for _ in range(groups.tp_size)]
+        dist.all_gather(every, mine, group=groups.tp_group)
+        report[sequence_parallel] = {
+            "layers": len(masks),
+            "kept": mine.mean().item(),
+            "same": all(torch.equal(every[0], other) for other in every),
+        }
+    return report
+
+
 def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
     import torch.distributed as dist
 
@@ -217,6 +263,7 @@ def _all_plan_checks(sequence_parallel: tuple[bool, ...]) -> dict:
     if groups.dp_size == 1:  # the other families at tp2 only (the 2-process launch)
         report |= {(kind, sp): _check_family(kind, sp, groups) for kind, sp in FAMILY_SP.items()}
         report |= {(kind, "dropout"): _dropout_stays_replicated(kind, groups) for kind in FAMILY_SP}
+        report["relative_dropout"] = _relative_dropout_masks(groups)
     try:  # sequence parallelism with a replicated MoE block is refused before anything is split
         apply_tensor_parallel(_build("mixtral"), tp_group=groups.tp_group, sequence_parallel=True)
     except HFTrainError as error:
@@ -245,6 +292,8 @@ def test_tp_plans_match_unsharded_models(nprocs, sequence_parallel):
             for kind, sp in FAMILY_SP.items():
                 assert report[(kind, sp)]["moved"], kind  # trained (each step compared inside the ranks)
                 assert report[(kind, "dropout")] == "identical", kind
+            for masks in report["relative_dropout"].values():  # 2 layers, p = 0.1: one mask for the tp group
+                assert masks["layers"] == 2 and 0.8 < masks["kept"] < 0.97 and masks["same"], masks
         assert "same seed" in report["unseeded"]
         assert report["moe_sp"].startswith("strategy.sequence_parallel is not supported for this mixtral model")
     assert all(r[("gpt2", True)]["losses"] == results[0][("gpt2", True)]["losses"] for r in results)
@@ -339,6 +388,30 @@ def test_check_tensor_parallel_refuses_unknown_family():
         check_tensor_parallel(BartConfig(), 2)
     with pytest.raises(ConfigError, match="cannot split this ALBERT model: its layers share one set of weights"):
         check_tensor_parallel(AlbertConfig(), 2)
+
+
+def test_deberta_v2_refuses_what_its_plan_cannot_split_in_one_line():
+    """DeBERTa-v2 takes tp (v3's config and v2's default share_att_key off alike); its convolution layer
+    (conv_kernel_size > 0: v2-xlarge) is refused for tp, pp and cp are refused for every config, each naming why."""
+    from hftrain.errors import AxisError
+    from hftrain.parallel import check_tensor_parallel
+    from hftrain.parallel.families import check_family
+    from hftrain.plan.model import trainable_axes
+
+    config = _config("deberta-v2")
+    check_tensor_parallel(config, 2, sequence_parallel=True)
+    assert trainable_axes(config) == {"tp"}
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide num_attention_heads=2 of this deberta-v2 model"):
+        check_tensor_parallel(config, 4)
+    with pytest.raises(AxisError, match=r"^pipeline parallelism cannot split this DeBERTa-v2 model: its relative-"):
+        check_family(config, class_name="DebertaV2ForSequenceClassification")
+    with pytest.raises(AxisError, match=r"^context parallelism cannot split this DeBERTa-v2 model: its disentangled"):
+        check_family(config, class_name="DebertaV2ForSequenceClassification", axis="cp")
+    conv = _config("deberta-v2", conv_kernel_size=3)
+    with pytest.raises(AxisError, match=r"DeBERTa-v2 model: its convolution after the first layer \(conv_kernel_size"):
+        check_tensor_parallel(conv, 2)
+    check_tensor_parallel(conv, 1)  # nothing to split: it runs whole (dp)
+    assert trainable_axes(conv) == set()
 
 
 def test_sequence_multiple():

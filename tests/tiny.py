@@ -113,7 +113,7 @@ def tiny_config(
 
 FAMILY_KINDS = (
     "roberta", "xlm-roberta", "electra", "distilbert", "gpt_neox", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-    "gemma3_text", "phi3", "olmo2", "qwen3_moe", "modernbert",
+    "gemma3_text", "phi3", "olmo2", "qwen3_moe", "modernbert", "deberta-v2",
 )  # fmt: skip
 """The families beyond the first five (``family_config``), each with its special layers switched on."""
 
@@ -123,7 +123,9 @@ def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, n
     tokens (shorter than the test texts) where the family has them, soft-capped attention (Gemma-2), qk-norm
     (Qwen3, Gemma-3, OLMo-2), scaled embeddings (Gemma), fused qkv (GPT-NeoX, Phi-3, ModernBERT: with its fused GLU,
     alternating global and local attention and mean pooling), a factorised embedding
-    (ELECTRA's 16 → 32 projection), grouped-query attention (4 heads, 2 key/value heads) in every decoder.
+    (ELECTRA's 16 → 32 projection), grouped-query attention (4 heads, 2 key/value heads) in every decoder,
+    DeBERTa-v3's disentangled relative attention (c2p and p2c over 8 log buckets, shared key projections, the
+    relative embeddings layer-normed, no absolute positions).
     """
     from transformers import CONFIG_MAPPING
 
@@ -142,6 +144,15 @@ def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, n
             global_attn_every_n_layers=2, local_attention=4, classifier_pooling="mean", attention_bias=True,
             mlp_bias=True, attention_dropout=dropout, embedding_dropout=dropout, mlp_dropout=dropout,
             classifier_dropout=dropout, **special,
+        )  # fmt: skip
+    if kind == "deberta-v2":  # DeBERTa-v3's relative attention: log-bucketed positions (8 buckets, texts of 16)
+        return CONFIG_MAPPING[kind](
+            vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=max_positions, num_labels=num_labels, pad_token_id=0,
+            relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+            max_relative_positions=max_positions, share_att_key=True, position_biased_input=False,
+            norm_rel_ebd="layer_norm", type_vocab_size=0, hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout, pooler_dropout=dropout,
         )  # fmt: skip
     if kind == "distilbert":
         return CONFIG_MAPPING[kind](

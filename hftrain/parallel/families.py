@@ -13,9 +13,11 @@ column split (per key/value head for ``k_proj``/``v_proj`` of grouped-query atte
 transformers' plan cannot say is written beside it: the norms that run on sequence chunks under sequence
 parallelism. Where transformers' plan gathers (``colwise_gather_output``) the entry is written by hand: OLMo-2's
 q/k norms over every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` and
-``gate_up_proj`` are split part by part (``column_fused_qkv``, ``column_gate_up``). A family transformers adds later whose plan has
-exactly Llama's modules is found without an entry (:func:`family_of`), checked against the model's modules when it
-is split.
+``gate_up_proj`` are split part by part (``column_fused_qkv``, ``column_gate_up``). Where transformers has no plan
+the entry is written by hand too: BERT's layout and its kin, DeBERTa-v2's disentangled relative attention (its
+shared relative embeddings ``head_shared``: each rank projects them onto its own heads). A family transformers adds
+later whose plan has exactly Llama's modules is found without an entry (:func:`family_of`), checked against the
+model's modules when it is split.
 
 | family | tp (+sp) | pp | cp | ep |
 |---|---|---|---|---|
@@ -29,7 +31,8 @@ is split.
 | Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | unless sliding windows | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | no: local attention layers | |
-| ALBERT, DeBERTa-v2 | refused, with the reason | | | |
+| DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp; no conv layer) | no | no | |
+| ALBERT | refused, with the reason | | | |
 """
 
 from __future__ import annotations
@@ -330,6 +333,67 @@ _MODERNBERT_PLAN = TensorParallelPlan(
 )
 
 
+# DeBERTa-v2/v3: BERT's layer layout with disentangled relative attention. The encoder's relative embeddings
+# ``E = LayerNorm(rel_embeddings.weight)`` ([2k, hidden], k the position buckets) are computed once per forward and
+# projected by every layer's (column-split) query/key projections per head: ``query_proj(E)``, ``key_proj(E)`` (or
+# ``pos_query_proj``/``pos_key_proj`` when ``share_att_key`` is off). Each rank thus projects E onto its own heads
+# only, and the gradient reaching ``rel_embeddings`` and the encoder's ``LayerNorm`` is this rank's heads' share:
+# ``head_shared`` sums it over tp (finalize_tp_grads; E's path is linear in its gradient, the dropout on E drawing
+# one mask for the tp group: ``replicated_dropout``). The relative positions and the mask are built by the encoder
+# from the whole sequence before layer 0 (whose input alone is scattered under sequence parallelism), and each
+# attention region gathers the sequence back, so every rank scores its heads over all query/key pairs. The model
+# reads the encoder's last hidden state from its ``hidden_states`` tuple (not ``last_hidden_state``), so the last
+# layer's output is gathered, not the encoder's.
+def _deberta_v2_plan(config: Any) -> TensorParallelPlan:
+    """DeBERTa-v2's plan for ``config`` (its relative-attention modules as the config builds them), or a one-line
+    refusal (``AxisError``) for the convolution layer (``conv_kernel_size`` > 0)."""
+    if getattr(config, "conv_kernel_size", 0) > 0:
+        raise AxisError(
+            "tp",
+            f"tensor parallelism cannot split this DeBERTa-v2 model: its convolution after the first layer "
+            f"(conv_kernel_size {config.conv_kernel_size}) is not in hftrain's plan; use tp 1 (strategy "
+            "ddp/fsdp/zero*)",
+        )
+    relative = getattr(config, "relative_attention", False)
+    pos_att_type = config.pos_att_type or []
+    position: list[tuple[str, str]] = []  # the attention's relative-position modules, as the config builds them
+    if relative and not getattr(config, "share_att_key", False):  # position projections of their own
+        position += [("attention.self.pos_key_proj", "column")] if "c2p" in pos_att_type else []
+        position += [("attention.self.pos_query_proj", "column")] if "p2c" in pos_att_type else []
+    shared: list[tuple[str, str]] = []  # the encoder's relative embeddings, projected per head in every layer
+    if relative:
+        position.append(("attention.self.pos_dropout", "replicated_dropout"))
+        shared.append(("deberta.encoder.rel_embeddings", "head_shared"))
+        if "layer_norm" in [x.strip() for x in getattr(config, "norm_rel_ebd", "none").lower().split("|")]:
+            shared.append(("deberta.encoder.LayerNorm", "head_shared"))
+    return TensorParallelPlan(
+        layers="deberta.encoder.layer",
+        layer=(
+            ("attention.self", "region"),
+            ("attention.self.query_proj", "column"),
+            ("attention.self.key_proj", "column"),
+            ("attention.self.value_proj", "column"),
+            *position,
+            ("attention.output.dense", "row"),
+            ("attention.output.dropout", "sequence_dropout"),
+            ("attention.output.LayerNorm", "sequence"),
+            ("intermediate", "region"),
+            ("intermediate.dense", "column"),
+            ("output.dense", "row"),
+            ("output.dropout", "sequence_dropout"),
+            ("output.LayerNorm", "sequence"),
+        ),
+        model=(
+            ("deberta.embeddings.word_embeddings", "vocab"),
+            *shared,
+            ("deberta.encoder.layer.0", "scatter"),
+            (f"deberta.encoder.layer.{config.num_hidden_layers - 1}", "gather"),
+        ),
+        heads={"attention.self": ("num_attention_heads", "all_head_size")},
+        sizes=lambda c: {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size},
+    )
+
+
 # ----------------------------------------------------------------------------- context parallelism's limits
 def _sliding_windows(config: Any) -> str | None:
     """Why hftrain's ring attention (causal or bidirectional masks only) cannot run a model with sliding windows."""
@@ -448,11 +512,14 @@ FAMILIES: dict[str, Family] = {
     ),
     "deberta-v2": Family(
         "DeBERTa-v2",
-        refusals=dict.fromkeys(
-            ("tp", "pp", "cp"),
-            "its disentangled relative-position attention (shared relative embeddings read by every layer) is not "
-            "split by hftrain yet; use strategy ddp/fsdp/zero*",
-        ),
+        tp=_deberta_v2_plan,
+        refusals={
+            "pp": "its relative-position embeddings (encoder.rel_embeddings, with their LayerNorm) are read by every "
+            "layer, and hftrain's encoder stages do not pass them between stages; use pp 1 (tp splits it)",
+            "cp": "its disentangled relative attention reads every key's relative position to every query (c2p and "
+            "p2c scores gathered over the whole sequence), which a sequence shard cannot split exactly; use cp 1 "
+            "(tp splits it)",
+        },
     ),
     "modernbert": Family(
         "ModernBERT",

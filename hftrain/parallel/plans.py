@@ -17,13 +17,19 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
   norms), its weight split with the projection's output (``_kv``: with grouped key/value heads), the sum of
   squares all-reduced over tp (``layers.WidthParallelRMSNorm``);
 - ``head_shared``: a replicated module applied to each rank's own heads (Qwen3's and Gemma-3's per-head q/k norms:
-  transformers' ``replicated_with_grad_allreduce``): its gradient is each rank's heads' share, summed over tp;
+  transformers' ``replicated_with_grad_allreduce``; DeBERTa's relative embeddings and their LayerNorm, projected by
+  every layer's column-split query/key): its gradient is each rank's heads' share, summed over tp
+  (``g = Σ_tp g_r``, one all-reduce in ``finalize_tp_grads``);
 - ``vocab``: vocabulary-parallel embedding;
 - ``region``: the module's ``hidden_states`` input enters a tensor-parallel region (f, or the sequence
   all-gather under sequence parallelism) once for all the column layers inside it; its dropout (attention
   probabilities on this rank's heads) draws from the rank's own ``tensor`` RNG stream (``hftrain.parallel.random``);
 - ``sequence_dropout``: a residual-stream dropout: the rank's ``tensor`` stream under sequence parallelism (it
   drops this rank's sequence chunk), the tp group's shared default stream otherwise (even inside a region);
+- ``replicated_dropout``: a dropout on an activation every tp rank holds whole in both modes (DeBERTa's
+  ``pos_dropout`` on the relative embeddings ``E``, inside the attention region, before each rank projects ``E``
+  onto its own heads): the tp group's shared default stream, one mask ``m`` for all ranks, so rank r's heads see
+  ``m ⊙ E`` as the unsplit model's heads do;
 - ``sequence``: a replicated module (LayerNorm) that runs on sequence chunks under sequence parallelism;
 - ``scatter`` / ``gather``: under sequence parallelism, the module's ``hidden_states`` input is cut into
   sequence chunks / its output is gathered back to the full sequence (the head needs every position).

@@ -130,9 +130,7 @@ def _column_fused_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Con
     heads, kv_heads = split.heads * ctx.tp_size, split.kv_heads * ctx.tp_size
     head_dim = (module.base_layer if is_lora_layer(module) else module).out_features // (heads + 2 * kv_heads)
     blocks = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-    split_linear(
-        parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, blocks=blocks), ctx.rng
-    )
+    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, blocks=blocks), ctx.rng)
 
 
 def _local_heads(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
@@ -195,6 +193,14 @@ def _sequence_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Con
         run_in_stream(module, ctx.rng, "tensor" if ctx.sequence_parallel else "default")
 
 
+def _replicated_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # A dropout on an activation every tp rank holds whole, with or without sequence parallelism (DeBERTa's
+    # pos_dropout on the relative embeddings, inside the attention region): one mask for the tp group, the shared
+    # default stream, so each rank's heads see the mask the unsplit model's heads all see.
+    if ctx.rng is not None:
+        run_in_stream(module, ctx.rng, "default")
+
+
 def _scatter(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     if ctx.sequence_parallel:
         _map_hidden_input(module, lambda x: scatter_to_sequence(x, ctx.tp_group))
@@ -220,6 +226,7 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
     "width_norm": _width_norm,
     "width_norm_kv": _width_norm_kv,
     "sequence_dropout": _sequence_dropout,
+    "replicated_dropout": _replicated_dropout,
     "scatter": _scatter,
     "gather": _gather,
 }
