@@ -2,7 +2,8 @@
 
 Two MoE families (Mixtral; Qwen2-MoE with a shared expert and a dense layer), dropless, 10 steps, the global batch
 8 everywhere; every loss includes the routers' load-balancing loss (``router_aux_loss_coef`` 0.02), which the
-Trainer computes over the global batch. Each rank holds ``1/ep`` of the experts; an ep=2 run stopped at step 8 and
+Trainer computes over the global batch (under pipeline parallelism, pp2 and tp2×pp2, per micro-batch: against one
+process accumulating 2 micro-batches). Each rank holds ``1/ep`` of the experts; an ep=2 run stopped at step 8 and
 resumed equals the run of 12 steps in one go, and the same checkpoint resumes at ep=1 in one process.
 """
 
@@ -45,6 +46,8 @@ def _two(root: str) -> dict:
     parity = {kind: _parity(kind, 4, {"ep": 2}) for kind in KINDS}
     parity["clipped"] = _parity("mixtral", 4, {"ep": 2}, **CLIPPED)
     parity["gas2"] = _parity("qwen2_moe", 2, {"ep": 2}, gas=2)  # expert gradients accumulated over 2 micro-steps
+    # pipeline: the router loss's sums cross the stages (Qwen2-MoE's second stage has only its dense layer)
+    parity["pp2"] = _parity("qwen2_moe", 8, {"pp": 2, "num_microbatches": 2})
     full = run_tiny_training(output_dir=f"{root}/full", micro=4, strategy_options={"ep": 2}, **RESUME)
     part = run_tiny_training(output_dir=f"{root}/part", micro=4, strategy_options={"ep": 2}, stop_at_step=8, **RESUME)
     resumed = run_tiny_training(
@@ -60,16 +63,19 @@ def _two(root: str) -> dict:
 
 
 def _four(root: str) -> dict:
-    return {
+    runs = {
         kind: {"ep2xdp2": _parity(kind, 2, {"ep": 2}), "ep2xtp2": _parity(kind, 4, {"ep": 2, "tp": 2})}
         for kind in KINDS
     }
+    runs["mixtral"]["tp2xpp2"] = _parity("mixtral", 8, {"tp": 2, "pp": 2, "num_microbatches": 2})
+    return runs
 
 
 def _one(root: str) -> dict:
     reference = {kind: _parity(kind, 8, None, strategy="ddp") for kind in KINDS}
     reference["clipped"] = _parity("mixtral", 8, None, strategy="ddp", **CLIPPED)
     reference["gas2"] = _parity("qwen2_moe", 4, None, strategy="ddp", gas=2)
+    reference["mixtral_gas2"] = _parity("mixtral", 4, None, strategy="ddp", gas=2)
     # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
     at_ep1 = run_tiny_training(
         output_dir=f"{root}/ep1", micro=8, strategy_options={"ep": 1},
@@ -109,6 +115,23 @@ def test_ep2_with_gradient_accumulation_equals_one_process(runs):
     # micro 2 × accumulation 2 × dp 2 against micro 4 × accumulation 2: the load-balancing loss per micro-batch
     for rank in runs["two"]:
         _check(rank["parity"]["gas2"], runs["one"]["reference"]["gas2"], ep=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("launch", "kind", "layout", "reference"), [
+    ("two", "qwen2_moe", "pp2", "gas2"), ("four", "mixtral", "tp2xpp2", "mixtral_gas2"),
+])  # fmt: skip
+def test_pipeline_stages_share_the_router_loss_as_accumulated_micro_batches(runs, launch, kind, layout, reference):
+    # pp2 with 2 micro-batches against micro 4 × accumulation 2: the router loss per micro-batch, its sums over
+    # both stages' layers; the expert load figures summed over the stages equal the 1-process ones
+    ref = runs["one"]["reference"][reference]
+    for rank in runs[launch]:
+        run = rank["parity"]["pp2"] if launch == "two" else rank[kind][layout]
+        assert_parity(run, ref)
+        if run["weights"] is not None:
+            assert_same_weights(run["weights"], ref["weights"], atol=1e-5)
+        assert run["inspected"]["loads"] == pytest.approx(ref["inspected"]["loads"])
+        assert len(run["inspected"]["loads"]) == 10
 
 
 @pytest.mark.distributed
