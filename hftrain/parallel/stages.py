@@ -186,7 +186,8 @@ class ModernBertStages:
     def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype, attention_mask=None) -> torch.Tensor:
         """The pooling weights over the whole sequence: the first token's one-hot, or the mask (``mean``)."""
         if config.classifier_pooling == "mean":
-            return torch.ones(input_ids.shape, dtype=dtype, device=input_ids.device) if attention_mask is None else attention_mask.to(dtype)
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            return mask.to(dtype)
         return first_token_one_hot(input_ids, dtype)
 
     def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
