@@ -344,22 +344,31 @@ class RouterMonitor:
             attention_mask: the batch's mask (padding excluded), or None.
             group: the ranks the global batch's examples are split over (None: this rank's batch is all of it).
         """
-        with torch.no_grad():
-            if self.selected:  # the same tokens reach every MoE layer: one weight per assignment, 0 for padding
-                device = self.selected[0].device
-                self.counts = self.counts.to(device)  # kept where the routers run: no host sync in the step
-                tokens = self.selected[0].shape[0]
-                real = torch.ones(tokens, dtype=torch.float64, device=device)
-                if attention_mask is not None:
-                    real = attention_mask.reshape(-1).to(device, torch.float64)
-                weights = real.repeat_interleave(self.top_k)
-            for layer, selected in enumerate(self.selected):
-                self.counts[layer].scatter_add_(0, selected.reshape(-1), weights)
+        self.counts = count_routed(self.counts, list(enumerate(self.selected)), attention_mask, self.top_k)
         loss = load_balancing_loss(
             self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask, group=group
         )
         self.logits, self.selected = [], []
         return self.coefficient * loss
+
+
+@torch.no_grad()
+def count_routed(
+    counts: torch.Tensor, routed: list[tuple[int, torch.Tensor]], attention_mask: torch.Tensor | None, top_k: int
+) -> torch.Tensor:
+    """``counts`` (MoE layers × experts, moved to the routers' device: no host sync in the step) plus the real tokens
+    each ``(layer, top-k expert indices [tokens × k])`` routed to each expert, padding weighted 0 by the mask."""
+    if not routed:
+        return counts
+    selected = routed[0][1]
+    counts = counts.to(selected.device)
+    real = torch.ones(selected.shape[0], dtype=torch.float64, device=selected.device)
+    if attention_mask is not None:  # the same tokens reach every MoE layer: one weight per assignment
+        real = attention_mask.reshape(-1).to(selected.device, torch.float64)
+    weights = real.repeat_interleave(top_k)
+    for layer, indices in routed:
+        counts[layer].scatter_add_(0, indices.reshape(-1), weights)
+    return counts
 
 
 @dataclass(frozen=True)
@@ -520,22 +529,11 @@ class StageRouting:
                 self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask
             )
             if self.counting:
-                self._count(attention_mask)
+                selected = [logits.detach().topk(self.top_k, dim=-1).indices for logits in self.logits]
+                routed = list(zip(self._recorded, selected, strict=True))
+                self.counts = count_routed(self.counts, routed, attention_mask, self.top_k)
         self.logits, self._recorded = [], []
         return sums.as_tuple()
-
-    @torch.no_grad()
-    def _count(self, attention_mask: torch.Tensor | None) -> None:
-        device = self.logits[0].device
-        self.counts = self.counts.to(device)  # kept where the routers run: no host sync in the step
-        tokens = self.logits[0].shape[0]
-        real = torch.ones(tokens, dtype=torch.float64, device=device)
-        if attention_mask is not None:
-            real = attention_mask.reshape(-1).to(device, torch.float64)
-        weights = real.repeat_interleave(self.top_k)
-        for moe_index, logits in zip(self._recorded, self.logits, strict=True):
-            selected = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1).indices
-            self.counts[moe_index].scatter_add_(0, selected.reshape(-1), weights)
 
     def take_counts(self) -> torch.Tensor:
         """Tokens routed to each expert (MoE layers × experts, this chunk's rows) since the last call; resets them."""
