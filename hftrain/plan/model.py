@@ -215,12 +215,18 @@ class ModelSpec:
         return True
 
 
-def trainable_axes(config: Any) -> frozenset[str]:
-    """The model-parallel axes the trainer takes for ``config`` (each checked as the trainer checks it)."""
+def trainable_axes(config: Any, class_name: str | None = None) -> frozenset[str]:
+    """The model-parallel axes the trainer takes for ``config`` (each checked as the trainer checks it; ``class_name``:
+    the model class, e.g. a ``*ForCausalLM``, whose own limits count too)."""
     from hftrain.parallel.families import check_family, expert_plan_for, plan_for
 
     axes = set()
-    for axis, check in (("tp", plan_for), ("pp", check_family), ("cp", lambda c: check_family(c, axis="cp"))):
+    checks = (
+        ("tp", plan_for),
+        ("pp", lambda c: check_family(c, class_name=class_name)),
+        ("cp", lambda c: check_family(c, class_name=class_name, axis="cp")),
+    )
+    for axis, check in checks:
         try:
             check(config)
         except ConfigError:
@@ -347,7 +353,7 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
         source=None if name_or_path.endswith(".json") else name_or_path,
         head_parameters=_head_parameters(model, task),
         gated=is_gated_mlp(config),
-        axes=trainable_axes(config),
+        axes=trainable_axes(config, type(model).__name__),
         task=task,
         lm_head_parameters=_lm_head_parameters(model) if task == "causal_lm" else 0,
         **_moe_sizes(config, model),
