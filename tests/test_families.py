@@ -105,14 +105,14 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 
 def test_the_registry_gives_each_family_its_axes():
-    """What the table below runs: every new family takes pp but DeBERTa-v2; tp all (Phi-3's fused qkv too); cp
+    """What the table below runs: every new family takes pp and tp (Phi-3's fused qkv too); cp
     those without sliding windows, soft-capping or relative attention (RoBERTa's pad-numbered positions are
     numbered on the whole sequence, then split); ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
         "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "tp pp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
-        "modernbert": "tp pp", "deberta-v2": "tp",
+        "modernbert": "tp pp", "deberta-v2": "tp pp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
@@ -172,8 +172,8 @@ REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
                    "soft-capped attention logits"),
-    "deberta-v2-pp2": ("deberta-v2", ["--pp", "2"], "2", "strategy.pp: pipeline parallelism cannot split this "
-                       "DeBERTa-v2 model: its relative-position embeddings (encoder.rel_embeddings"),
+    "deberta-v2-cp2": ("deberta-v2", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this "
+                       "DeBERTa-v2 model: its disentangled relative attention"),
 }  # fmt: skip
 
 

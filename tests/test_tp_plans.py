@@ -391,8 +391,8 @@ def test_check_tensor_parallel_refuses_unknown_family():
 
 
 def test_deberta_v2_refuses_what_its_plan_cannot_split_in_one_line():
-    """DeBERTa-v2 takes tp (v3's config and v2's default share_att_key off alike); its convolution layer
-    (conv_kernel_size > 0: v2-xlarge) is refused for tp, pp and cp are refused for every config, each naming why."""
+    """DeBERTa-v2 takes tp (v3's config and v2's default share_att_key off alike) and pp; its convolution layer
+    (conv_kernel_size > 0: v2-xlarge) is refused for both, and cp for every config, each naming why."""
     from hftrain.errors import AxisError
     from hftrain.parallel import check_tensor_parallel
     from hftrain.parallel.families import check_family
@@ -400,17 +400,18 @@ def test_deberta_v2_refuses_what_its_plan_cannot_split_in_one_line():
 
     config = _config("deberta-v2")
     check_tensor_parallel(config, 2, sequence_parallel=True)
-    assert trainable_axes(config) == {"tp"}
+    assert trainable_axes(config) == {"tp", "pp"}
     with pytest.raises(ConfigError, match=r"tp=4 does not divide num_attention_heads=2 of this deberta-v2 model"):
         check_tensor_parallel(config, 4)
-    with pytest.raises(AxisError, match=r"^pipeline parallelism cannot split this DeBERTa-v2 model: its relative-"):
-        check_family(config, class_name="DebertaV2ForSequenceClassification")
+    check_family(config, class_name="DebertaV2ForSequenceClassification")  # pp takes it
     with pytest.raises(AxisError, match=r"^context parallelism cannot split this DeBERTa-v2 model: its disentangled"):
         check_family(config, class_name="DebertaV2ForSequenceClassification", axis="cp")
     conv = _config("deberta-v2", conv_kernel_size=3)
     with pytest.raises(AxisError, match=r"DeBERTa-v2 model: its convolution after the first layer \(conv_kernel_size"):
         check_tensor_parallel(conv, 2)
     check_tensor_parallel(conv, 1)  # nothing to split: it runs whole (dp)
+    with pytest.raises(AxisError, match=r"^pipeline parallelism cannot split this DeBERTa-v2 model: its convolution"):
+        check_family(conv, class_name="DebertaV2ForSequenceClassification")
     assert trainable_axes(conv) == set()
 
 

@@ -31,7 +31,7 @@ model's modules when it is split.
 | Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | unless sliding windows | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | no: local attention layers | |
-| DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp; no conv layer) | no | no | |
+| DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp) | yes (... over pp) | no | |
 | ALBERT | refused, with the reason | | | |
 """
 
@@ -43,7 +43,7 @@ from typing import Any
 
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan, kv_heads_split
-from hftrain.parallel.stages import DecoderStages, EncoderStages, GPT2Stages, ModernBertStages
+from hftrain.parallel.stages import DebertaStages, DecoderStages, EncoderStages, GPT2Stages, ModernBertStages
 
 AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism"}
 
@@ -513,9 +513,8 @@ FAMILIES: dict[str, Family] = {
     "deberta-v2": Family(
         "DeBERTa-v2",
         tp=_deberta_v2_plan,
+        stages=DebertaStages(),
         refusals={
-            "pp": "its relative-position embeddings (encoder.rel_embeddings, with their LayerNorm) are read by every "
-            "layer, and hftrain's encoder stages do not pass them between stages; use pp 1 (tp splits it)",
             "cp": "its disentangled relative attention reads every key's relative position to every query (c2p and "
             "p2c scores gathered over the whole sequence), which a sequence shard cannot split exactly; use cp 1 "
             "(tp splits it)",
@@ -647,6 +646,10 @@ def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp"
             f"{AXIS_NAMES[axis]} splits *ForSequenceClassification and decoder *ForCausalLM models, got {class_name}; "
             f"use {axis} 1",
         )
+    refusal = getattr(family.stages, "refusal", None)  # what a config of the family cannot cut into chunks
+    reason = None if refusal is None else refusal(config)
+    if reason is not None:
+        raise AxisError(axis, f"{AXIS_NAMES[axis]} cannot split this {family.name} model: {reason}")
     if axis == "cp":
         reason = family.cp_refusal(config)
         if reason is not None:

@@ -224,6 +224,105 @@ class ModernBertStages:
         return mods["classifier"](mods["drop"](mods["head"](token)))
 
 
+class _RelativeState(torch.nn.Module):
+    """A DeBERTa-v2 encoder's relative-position state, which every layer (so every pipeline chunk) reads: its
+    relative embeddings and their LayerNorm (the encoder's own modules: parameters every chunk shares), and the
+    sizes its ``get_rel_embedding`` / ``get_rel_pos`` read. Those two are transformers' methods, run on this object."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder_class = type(encoder)
+        self.relative_attention = encoder.relative_attention
+        self.norm_rel_ebd = encoder.norm_rel_ebd
+        for name in ("rel_embeddings", "LayerNorm", "max_relative_positions", "position_buckets"):
+            if hasattr(encoder, name):
+                setattr(self, name, getattr(encoder, name))
+
+    def get_rel_embedding(self) -> torch.Tensor | None:
+        """The (normed) relative embeddings, as the encoder computes them once per forward."""
+        return self.encoder_class.get_rel_embedding(self)
+
+    def get_rel_pos(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The bucketed relative positions of the sequence, as the encoder builds them."""
+        return self.encoder_class.get_rel_pos(self, hidden)
+
+
+class DebertaStages:
+    """DeBERTa-v2/v3: embeddings (padding zeroed by the mask, as ``DebertaV2Embeddings`` does) → ``layer[i]`` with the
+    encoder's relative positions and relative embeddings → ``ContextPooler`` on the first token → dropout →
+    classifier.
+
+    The relative embeddings (and their LayerNorm) are read by every layer: each chunk holds them (``aux_modules``:
+    parameters on every pipeline rank, their gradient summed over the pipeline group, the first stage's copy the one
+    checkpointed and exported) and computes them, the relative positions and the pairwise mask once per chunk, as
+    the encoder does once per forward. The convolution after the first layer (``conv_kernel_size > 0``) is refused.
+    """
+
+    def refusal(self, config: Any) -> str | None:
+        """Why a config cannot be cut into stages (its convolution layer), else None."""
+        if getattr(config, "conv_kernel_size", 0) > 0:
+            return (
+                f"its convolution after the first layer (conv_kernel_size {config.conv_kernel_size}) is not in "
+                "hftrain's stages; use pp 1"
+            )
+        return None
+
+    def position_ids(self, mods: Any, input_ids: torch.Tensor) -> None:
+        """None: DeBERTa numbers absolute positions by index (where it uses them at all)."""
+        return None
+
+    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The encoder layers, in order."""
+        return model.deberta.encoder.layer
+
+    def embed_modules(self, model: torch.nn.Module) -> Modules:
+        """Modules of the first chunk's embedding."""
+        return {"embeddings": model.deberta.embeddings}
+
+    def head_modules(self, model: torch.nn.Module) -> Modules:
+        """Modules of the last chunk's head."""
+        return {"pooler": model.pooler, "dropout": model.dropout, "classifier": model.classifier}
+
+    def aux_modules(self, model: torch.nn.Module) -> Modules:
+        """The encoder's relative-position state (see the class doc)."""
+        return {"relative": _RelativeState(model.deberta.encoder)}
+
+    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The one-hot of the token the head pools: the first."""
+        return first_token_one_hot(input_ids, dtype)
+
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
+        """Token ids to ``(hidden, attention_mask, pool)``."""
+        kwargs = {} if positions is None else {"position_ids": _positions(input_ids, positions)}
+        hidden = mods["embeddings"](input_ids=input_ids, token_type_ids=token_type_ids, mask=attention_mask, **kwargs)
+        return hidden, attention_mask, first_token_one_hot(input_ids, hidden.dtype)
+
+    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
+        """The pairwise mask ``m_i · m_j``, the relative positions and embeddings, once per chunk (the encoder's)."""
+        pairwise = mask.unsqueeze(1).unsqueeze(2)
+        relative = aux["relative"]
+        return {
+            "mask": pairwise * pairwise.squeeze(-2).unsqueeze(-1),
+            "positions": relative.get_rel_pos(hidden),
+            "embeddings": relative.get_rel_embedding(),
+        }
+
+    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
+        """One encoder layer."""
+        output, _ = layer(
+            hidden, context["mask"], relative_pos=context["positions"], rel_embeddings=context["embeddings"]
+        )
+        return output
+
+    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
+        """The head on the first token (picked by the one-hot: exact): logits ``[b, num_labels]``."""
+        return self.classify(mods, reduce((hidden * pool.unsqueeze(-1)).sum(1)))
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """``ContextPooler`` (it takes the first token itself) → dropout → classifier."""
+        return mods["classifier"](mods["dropout"](mods["pooler"](token.unsqueeze(1))))
+
+
 class _LastTokenStages:
     """Shared by the decoders: the head pooled at the last non-pad token."""
 

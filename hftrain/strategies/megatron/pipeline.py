@@ -209,11 +209,11 @@ class PipelineRuntime(MegatronRuntime):
         self.num_microbatches = options.num_microbatches
         self.recorder: Any = None
         self._ranges: list[range] | None = None  # the stages' layer ranges, decided on the whole model
-        # tied input/output embeddings split over the first and last stage: this rank's copy and the group
-        # (first and last pipeline rank of each tp/cp/dp coordinate) that sums its gradient, else None
-        self._tied: nn.Parameter | None = None
-        self._embedding_group: Any = None
-        self.foreign_copies: frozenset[str] = frozenset()  # the tied weight's name where this is the last stage's copy
+        # weights several pipeline ranks hold a copy of, each with the group that sums its gradient: tied input/output
+        # embeddings split over the first and last stage (Megatron's embedding group), a family's weights every chunk
+        # reads (DeBERTa's relative embeddings: the pipeline group)
+        self._copies: list[tuple[nn.Parameter, Any]] = []
+        self.foreign_copies: frozenset[str] = frozenset()  # names of the copies another rank counts and writes
 
     # ----------------------------------------------------------------- setup
     def build_model(self, model_init: Callable[[], Any]) -> Any:
@@ -282,6 +282,7 @@ class PipelineRuntime(MegatronRuntime):
         self._params = {n: p for n, p in model.named_parameters() if id(p) in stage_params}
         if tied is not None:
             self._tie_stages(tied, stage_params, stages)
+        self._share_aux(stages)
         self.recorder = TimelineRecorder(layout.pp_rank)
         schedule = build_schedule(
             self.pipeline.schedule,
@@ -363,12 +364,10 @@ class PipelineRuntime(MegatronRuntime):
             all_reduce_coalesced(grads, layout.dp_cp_group or layout.dp_group)
             for grad in grads:
                 grad.div_(replicas)
-        if self._embedding_group is not None:
-            tied = self._tied
-            assert tied is not None
-            if tied.grad is None:  # a stage that took no gradient into it still joins the sum
-                tied.grad = torch.zeros_like(tied)
-            dist.all_reduce(tied.grad, group=self._embedding_group)
+        for copy, group in self._copies:  # every copy's gradient is the sum of all of them: one update
+            if copy.grad is None:  # a stage that took no gradient into it still joins the sum
+                copy.grad = torch.zeros_like(copy)
+            dist.all_reduce(copy.grad, group=group)
         finalize_tp_grads(self._model, tp_group=layout.tp_group)
 
     def _tie_stages(self, tied: nn.Parameter, stage_params: set[int], stages: list[nn.Module]) -> None:
@@ -393,20 +392,44 @@ class PipelineRuntime(MegatronRuntime):
             c: r for r in range(pp) for c in chunk_ids_of_rank(r, pp=pp, virtual_stages=virtual, layout=chunk_layout)
         }
         first, last = owner[0], owner[pp * virtual - 1]
-        self._tied = tied if id(tied) in stage_params else None
+        held = id(tied) in stage_params
         if first == last:  # one rank holds both (ZBV's V): one parameter, nothing to sum
             return
-        if self._tied is not None and layout.pp_rank != first:  # the first stage counts it in the gradient norm
-            self.foreign_copies = frozenset(n for n, p in self._params.items() if p is tied)
+        if held and layout.pp_rank != first:  # the first stage counts it in the gradient norm
+            self.foreign_copies |= {n for n, p in self._params.items() if p is tied}
         dims, rank = layout.dims, dist.get_rank()
+        embedding_group = None
         for dp in range(dims.dp):
             for cp in range(dims.cp):
                 for tp in range(dims.tp):
                     ranks = [dims.rank(first, dp, cp, tp), dims.rank(last, dp, cp, tp)]
                     group = dist.new_group(ranks)
                     if rank in ranks:
-                        self._embedding_group = group
-        assert (self._embedding_group is None) == (self._tied is None), "the tied weight is not on its stages"
+                        embedding_group = group
+        assert (embedding_group is None) != held, "the tied weight is not on its stages"
+        if held:
+            self._copies.append((tied, embedding_group))
+
+    def _share_aux(self, stages: list[nn.Module]) -> None:
+        """Keep the weights every chunk reads (its ``aux`` modules' parameters: DeBERTa's relative embeddings) one
+        weight: each pipeline rank holds a copy, from the same initial values, and each step sums their gradients over
+        the pipeline group; the rank holding the first chunk counts and writes it."""
+        from hftrain.parallel.pipeline import chunk_ids_of_rank
+        from hftrain.parallel.schedules import schedule_class
+
+        layout = self.plugin.layout
+        shared = {id(p): p for stage in stages for p in stage.aux.parameters()}
+        if not shared or layout.pp_size == 1:
+            return
+        chunks = chunk_ids_of_rank(
+            layout.pp_rank,
+            pp=layout.pp_size,
+            virtual_stages=self.pipeline.virtual_stages,
+            layout=schedule_class(self.pipeline.schedule).layout,
+        )
+        if 0 not in chunks:
+            self.foreign_copies |= {n for n, p in self._params.items() if id(p) in shared}
+        self._copies += [(p, layout.pp_group) for p in shared.values()]
 
     def evaluation_step(
         self, model: nn.Module, batch: Batch, predict: Callable[[nn.Module, Batch], tuple]
