@@ -37,8 +37,8 @@ experts of every MoE layer, Megatron's rule, so e divides dp and the experts E; 
   ``T·k·h·e_b·(e−1)/e`` per GPU forward and the same again backward (T = b·s/c tokens of the GPU, k = top-k,
   e_b bytes per element), over the intra-node link when the e group's t·c·e consecutive ranks fit in a node;
 - no sequence parallelism: the MoE block needs the whole sequence (``hftrain.parallel.plans``); no ZeRO-1 with
-  e > 1; rows with e > 1 and p > 1 or c > 1 are left out (hftrain's megatron strategy composes ep with tp and dp),
-  and MoE rows with c > 1 are formula only (rows whose axes the model's family does not take are formula-only:
+  e > 1; rows with e > 1 and p > 1 or c > 1 are not listed, and formula only where asked for (hftrain's megatron
+  strategy composes ep with tp and dp), and MoE rows with c > 1 are formula only (rows whose axes the model's family does not take are formula-only:
   ``hftrain.parallel.families``); p > 1 at e = 1 runs (each stage adds its layers' router-loss sums).
 
 Every row is hftrain's ``megatron`` strategy; with p > 1 the plan's m micro-batches of b become the
@@ -213,7 +213,8 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         row.notes.append(f"formula only: hftrain's trainer takes no {'/'.join(refused)} for this model family")
     split = {axis for axis, size in sizes if size > 1}
     unbuilt = [axes for axes in model.refused_layouts if split.issuperset(axes)]
-    if unbuilt and not refused:  # the megatron strategy's LANGUAGE_MODEL_LAYOUTS_NOT_BUILT (model.task causal_lm)
+    unbuilt += [("ep", axis) for axis, size in sizes if ep > 1 and axis in ("pp", "cp") and size > 1]
+    if unbuilt and not refused:  # LANGUAGE_MODEL_LAYOUTS_NOT_BUILT (causal_lm); ParallelDims.validate_trainable (ep)
         row.runnable = False
         axes = " with ".join(unbuilt[0])
         row.notes.append(f"formula only: hftrain's trainer takes no {axes} for model.task {model.task} yet")
