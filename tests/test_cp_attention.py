@@ -4,7 +4,8 @@ Real gloo processes: every rank draws the same whole-sequence queries, keys, val
 shard, and runs ring attention and all-to-all attention on it; the outputs and the gradients of queries, keys and
 values (through a random weighting of the outputs) must equal PyTorch's ``scaled_dot_product_attention`` on the whole
 sequence within 1e-6 of each tensor's largest entry (fp32), causal and not, with right padding and grouped-query
-heads, and causal over packed documents (no token sees another document's), at cp = 2 and 4. Then whole classifiers
+heads, causal over packed documents (no token sees another document's), and causal in a sliding window (Mistral's,
+Gemma-3's local layers), at cp = 2 and 4. Then whole classifiers
 split over cp = 2 against the unsplit model.
 """
 
@@ -42,7 +43,7 @@ def _packed_positions(b: int, seq: int):
     return torch.tensor(rows)
 
 
-def _reference(q, k, v, weights, keep, causal, segments=None):
+def _reference(q, k, v, weights, keep, causal, segments=None, window=None):
     import torch
     import torch.nn.functional as F
 
@@ -53,6 +54,9 @@ def _reference(q, k, v, weights, keep, causal, segments=None):
         mask = mask & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
     if segments is not None:  # packed documents: a token sees only its own document (transformers' packed mask)
         mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
+    if window is not None:  # transformers' sliding_window_overlay: kv_idx > q_idx - window
+        index = torch.arange(q.shape[2])
+        mask = mask & (index[None, :] > index[:, None] - window)
     out = F.scaled_dot_product_attention(
         q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), attn_mask=mask
     )
@@ -104,13 +108,15 @@ def _compare(h: int, h_kv: int) -> dict:
     cp, rank = dist.get_world_size(), dist.get_rank()
     b, seq, d = 3, 8 * cp, 8
     errors = {}
-    for causal, packed in ((False, False), (True, False), (True, True)):
+    # a sliding window of 5 (chunks of 4): pairs of chunks wholly outside it are skipped, the rest masked
+    for causal, packed, window in ((False, False, None), (True, False, None), (True, True, None), (True, False, 5),
+                                   (True, True, 5)):  # fmt: skip
         q, k, v, weights, keep = _inputs(0, b, h, h_kv, seq, d)
         segments = packed_segments(_packed_positions(b, seq)) if packed else None
         if packed:  # packed blocks carry no padding mask (a document of padding only would see no key)
             keep = torch.ones_like(keep)
         assert not packed or (segments[:, -1] > 2).all()  # several documents in every row
-        expected = _reference(q, k, v, weights, keep, causal, segments)
+        expected = _reference(q, k, v, weights, keep, causal, segments, window)
         pos = zigzag_positions(seq, cp, rank)
         mine_segments = None if segments is None else segments[:, pos]
         runs = context_parallel.zigzag_runs(seq, cp)
@@ -119,17 +125,18 @@ def _compare(h: int, h_kv: int) -> dict:
             if attention is None:  # the runs known on the host: the ring reads no positions from the tensors
                 chunks, context_parallel._chunks = context_parallel._chunks, None
                 try:
-                    shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, runs, mine_segments)
+                    shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, runs, mine_segments, window)
                     out = ring_attention(*mine, shard)
                     (out * weights[:, :, pos]).sum().backward()
                 finally:
                     context_parallel._chunks = chunks
             else:
-                out = attention(*mine, Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, None, mine_segments))
+                shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, None, mine_segments, window)
+                out = attention(*mine, shard)
                 (out * weights[:, :, pos]).sum().backward()
             got = (out.detach(), *(t.grad for t in mine))
             # relative to the tensor's largest entry: fp32 sums in another order differ by a few units of 6e-8
-            errors[f"{name} causal={causal} packed={packed}"] = max(
+            errors[f"{name} causal={causal} packed={packed} window={window}"] = max(
                 ((g - e[:, :, pos]).abs().max() / e.abs().max()).item() for g, e in zip(got, expected, strict=True)
             )
     return errors

@@ -106,12 +106,12 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 def test_the_registry_gives_each_family_its_axes():
     """What the table below runs: every new family takes pp and tp (Phi-3's fused qkv too); cp
-    those without sliding windows, soft-capping or relative attention (RoBERTa's pad-numbered positions are
+    those without soft-capped or relative attention, sliding windows included (RoBERTa's pad-numbered positions are
     numbered on the whole sequence, then split); ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
-        "gpt_neox": "tp pp cp", "mistral": "tp pp", "qwen2": "tp pp", "qwen3": "tp pp", "gemma": "tp pp cp",
-        "gemma2": "tp pp", "gemma3_text": "tp pp", "phi3": "tp pp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
+        "gpt_neox": "tp pp cp", "mistral": "tp pp cp", "qwen2": "tp pp cp", "qwen3": "tp pp cp", "gemma": "tp pp cp",
+        "gemma2": "tp pp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
         "modernbert": "tp pp", "deberta-v2": "tp pp",
     }  # fmt: skip
     assert {
@@ -166,8 +166,6 @@ def _model_folder(root, kind: str, **config_changes) -> str:
 REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
     "albert-tp2": ("albert", ["--tp", "2"], "2", "strategy.tp: tensor parallelism cannot split this ALBERT model: "
                    "its layers share one set of weights"),
-    "mistral-cp2": ("mistral", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this Mistral "
-                    "model exactly: its sliding-window attention"),
     "qwen3_moe-cp2": ("qwen3_moe", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this "
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "

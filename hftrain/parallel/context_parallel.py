@@ -119,12 +119,16 @@ def _mask(
     causal: bool,
     q_seg: torch.Tensor | None = None,
     k_seg: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Visible ``[b, 1, sq, sk]``: the key is not padding, (causal) not after the query, and (``q_seg``/``k_seg``
-    ``[b, sq]``/``[b, sk]``: packed documents) in the query's document."""
+    """Visible ``[b, 1, sq, sk]``: the key is not padding, (causal) not after the query, (``window``: a causal
+    sliding window) fewer than ``window`` positions before it (transformers' ``kv_idx > q_idx − sliding_window``), and
+    (``q_seg``/``k_seg`` ``[b, sq]``/``[b, sk]``: packed documents) in the query's document."""
     visible = k_keep[:, None, None, :]
     if causal:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if window is not None:
+        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)[None, None]
     if q_seg is not None:
         visible = visible & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
     return visible
@@ -154,11 +158,14 @@ class _Block:
         return dist.batch_isend_irecv(ops), received
 
 
-def _visible_pairs(q_runs, k_runs, causal: bool):
-    """(query slice, key slice) pairs that are not wholly in the causal future."""
-    for q_slice, _q_first, q_last in q_runs:
-        for k_slice, k_first, _k_last in k_runs:
+def _visible_pairs(q_runs, k_runs, causal: bool, window: int | None = None):
+    """(query slice, key slice) pairs that are not wholly in the causal future, nor (a sliding ``window``) wholly
+    ``window`` or more positions in the past."""
+    for q_slice, q_first, q_last in q_runs:
+        for k_slice, k_first, k_last in k_runs:
             if causal and k_first > q_last:
+                continue
+            if window is not None and q_first - k_last >= window:
                 continue
             yield q_slice, k_slice
 
@@ -249,7 +256,7 @@ def _segment_pair(segments: torch.Tensor | None, seg_b: torch.Tensor | None, qs:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, positions, segments, causal, scale, group, runs):
+    def forward(ctx, q, k, v, keep, positions, segments, causal, scale, group, runs, window):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
@@ -265,9 +272,9 @@ class _RingAttention(torch.autograd.Function):
             kb, vb, keep_b, pos_b, *seg_b = block.tensors
             kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
             k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)  # the block came from rank me − step
-            for qs, ks in _visible_pairs(q_runs, k_runs, causal):
+            for qs, ks in _visible_pairs(q_runs, k_runs, causal, window):
                 docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
-                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs)
+                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
                 q_b = q[:, :, qs]
                 bias = _bias(visible, q.dtype, h, q_b.shape[2])
                 o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], bias, scale)
@@ -286,14 +293,14 @@ class _RingAttention(torch.autograd.Function):
         out = torch.where(empty[..., None], torch.zeros_like(o), o).to(q.dtype)
         lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
         ctx.save_for_backward(q, k, v, keep_f, positions, out, lse, *packed)
-        ctx.causal, ctx.scale, ctx.group, ctx.runs = causal, scale, group, runs
+        ctx.causal, ctx.scale, ctx.group, ctx.runs, ctx.window = causal, scale, group, runs, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, keep_f, positions, out, lse, *packed = ctx.saved_tensors
         segments = packed[0] if packed else None
-        causal, scale, group, runs = ctx.causal, ctx.scale, ctx.group, ctx.runs
+        causal, scale, group, runs, window = ctx.causal, ctx.scale, ctx.group, ctx.runs, ctx.window
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
@@ -308,9 +315,9 @@ class _RingAttention(torch.autograd.Function):
             dkr = torch.zeros_like(kr, dtype=torch.float32)
             dvr = torch.zeros_like(vr, dtype=torch.float32)
             k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)
-            for qs, ks in _visible_pairs(q_runs, k_runs, causal):
+            for qs, ks in _visible_pairs(q_runs, k_runs, causal, window):
                 docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
-                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs)
+                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
                 q_b = q[:, :, qs].contiguous()
                 dq_b, dk_b, dv_b = kernel.backward(
                     do[:, :, qs].contiguous(), q_b, kr[:, :, ks].contiguous(), vr[:, :, ks].contiguous(),
@@ -329,7 +336,7 @@ class _RingAttention(torch.autograd.Function):
                     work.wait()
                 block = _Block(received)
         dk, dv = block.tensors[-2:]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -346,6 +353,8 @@ class Shard:
             ``positions`` (a device read per ring step).
         segments: ``[b, s]`` the packed document of each local token (:func:`packed_segments`): a query sees only
             keys of its own document. None: one sequence per row.
+        window: a causal sliding window (Mistral's, a sliding layer's of Qwen2/3, Gemma-3, Phi-3): a query sees only
+            the keys fewer than ``window`` positions before it. None: no window.
     """
 
     keep: torch.Tensor
@@ -355,6 +364,11 @@ class Shard:
     group: Any
     runs: tuple | None = None
     segments: torch.Tensor | None = None
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and not self.causal:
+            raise ValueError("context parallelism builds causal sliding windows only")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -372,8 +386,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sha
         ``[b, h, s, d]`` in ``q``'s dtype (each block in it, merged in fp32).
     """
     return _RingAttention.apply(
-        q, k, v, shard.keep, shard.positions, shard.segments, shard.causal, shard.scale, shard.group, shard.runs
-    )
+        q, k, v, shard.keep, shard.positions, shard.segments, shard.causal, shard.scale, shard.group, shard.runs,
+        shard.window,
+    )  # fmt: skip
 
 
 class _AllToAll(torch.autograd.Function):
@@ -426,20 +441,22 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
         dist.all_gather(segments, shard.segments.contiguous(), group=group)
         whole_segments = torch.cat(segments, 1)
     qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
-    out = _local_attention(qh, kh, vh, whole_keep.bool(), whole_positions, shard.causal, shard.scale, whole_segments)
+    out = _local_attention(
+        qh, kh, vh, whole_keep.bool(), whole_positions, shard.causal, shard.scale, whole_segments, shard.window
+    )
     return _AllToAll.apply(out, group, True)
 
 
 ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # strategy.cp_comm -> the attention
 
 
-def _local_attention(q, k, v, keep, positions, causal, scale, segments=None) -> torch.Tensor:
+def _local_attention(q, k, v, keep, positions, causal, scale, segments=None, window=None) -> torch.Tensor:
     """Masked attention on one rank (the all-to-all's inner attention) by ``scaled_dot_product_attention`` (a fused
     kernel: flash on a CPU, memory-efficient on CUDA; no ``S × S`` probabilities kept), in the training dtype;
     padding queries, which see no key, → 0 (they attend to every key and are zeroed, never a NaN)."""
     n_rep = q.shape[1] // k.shape[1]
     docs = () if segments is None else (segments, segments)
-    visible = _mask(positions, positions, keep, causal, *docs)
+    visible = _mask(positions, positions, keep, causal, *docs, window=window)
     any_visible = visible.any(-1, keepdim=True)
     mask = visible | ~any_visible
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -470,9 +487,12 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     batch: _Batch = module.context_parallel_batch
     if dropout:
         raise ValueError("context parallelism needs attention dropout 0 (the attention probabilities are never whole)")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("context parallelism has no soft-capped attention (the family's check refuses it)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = bool(getattr(module, "is_causal", False))
-    shard = Shard(batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments)
+    window = kwargs.get("sliding_window")  # the layer's (None: full attention), as transformers passes it
+    shard = Shard(batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments, window)
     out = ATTENTIONS[batch.comm](query, key, value, shard)
     return out.transpose(1, 2).contiguous(), None
 

@@ -25,10 +25,11 @@ model's modules when it is split.
 | RoBERTa, XLM-R | yes | yes | yes (positions numbered from the pads over the whole sequence, then split) | |
 | GPT-2 | yes | yes | yes | |
 | GPT-NeoX | yes (fused qkv, per head) | yes | yes | |
-| Llama, Qwen2, Qwen3, Gemma, Mistral | yes | yes | unless sliding windows | |
-| Gemma-2, Gemma-3 (text) | yes | yes | no: sliding windows (Gemma-2: soft-capped attention) | |
+| Llama, Qwen2, Qwen3, Gemma, Mistral | yes | yes | yes (sliding windows too) | |
+| Gemma-3 (text) | yes | yes | yes (local and global layers) | |
+| Gemma-2 | yes | yes | no: soft-capped attention logits | |
 | OLMo-2 | yes (q/k norms over every head: their sum of squares all-reduced over tp) | yes | yes | |
-| Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | unless sliding windows | |
+| Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | yes | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | no: local attention layers | |
 | DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp) | yes (... over pp) | no | |
@@ -59,8 +60,8 @@ class Family:
         stages: its pipeline stage adapter (also context parallelism's pooling and head); None: no pp and no cp.
         experts: its expert plan (a mixture of experts), or None.
         refusals: ``axis -> why`` for the axes it cannot take (one line each).
-        cp_refusal: a function of the config giving why context parallelism cannot be exact for it (sliding
-            windows, soft-capping), or None when it can.
+        cp_refusal: a function of the config giving why context parallelism cannot be exact for it (Gemma-2's
+            soft-capped attention), or None when it can.
         gated_mlp: its MLP is gated (three matrices: the planner's FLOPs and sizes).
     """
 
@@ -395,23 +396,13 @@ def _deberta_v2_plan(config: Any) -> TensorParallelPlan:
 
 
 # ----------------------------------------------------------------------------- context parallelism's limits
-def _sliding_windows(config: Any) -> str | None:
-    """Why hftrain's ring attention (causal or bidirectional masks only) cannot run a model with sliding windows."""
-    if "sliding_attention" in DecoderStages.layer_types(config):
-        return (
-            f"its sliding-window attention (sliding_window {config.sliding_window}) is not among the masks hftrain's "
-            "context-parallel attention builds; use cp 1 (or a config without sliding windows)"
-        )
-    return None
-
-
 def _gemma2_attention(config: Any) -> str | None:
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return (
             f"its soft-capped attention logits (attn_logit_softcapping {config.attn_logit_softcapping}) are not in "
             "hftrain's context-parallel attention; use cp 1"
         )
-    return _sliding_windows(config)
+    return None
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -458,9 +449,9 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "llama": Family("Llama", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
-    "mistral": Family("Mistral", tp=derived_plan, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
-    "qwen2": Family("Qwen2", tp=derived_plan, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
-    "qwen3": Family("Qwen3", tp=derived_plan, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
+    "mistral": Family("Mistral", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
+    "qwen2": Family("Qwen2", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
+    "qwen3": Family("Qwen3", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
     "gemma": Family("Gemma", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
     "gemma2": Family(
         "Gemma-2",
@@ -473,10 +464,9 @@ FAMILIES: dict[str, Family] = {
         "Gemma-3 (text)",
         tp=lambda c: derived_plan(c, norms=_GEMMA2_NORMS),
         stages=_LLAMA_STAGES,
-        cp_refusal=_sliding_windows,
         gated_mlp=True,
     ),
-    "phi3": Family("Phi-3", tp=_PHI3_PLAN, stages=_LLAMA_STAGES, cp_refusal=_sliding_windows, gated_mlp=True),
+    "phi3": Family("Phi-3", tp=_PHI3_PLAN, stages=_LLAMA_STAGES, gated_mlp=True),
     "olmo2": Family("OLMo-2", tp=_OLMO2_PLAN, stages=_LLAMA_STAGES, gated_mlp=True),
     "mixtral": Family(
         "Mixtral",

@@ -8,7 +8,6 @@ state dict the plain HF class loads with ``strict=True``.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,13 +132,35 @@ def _column_fused_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Con
     split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, blocks=blocks), ctx.rng)
 
 
+class _LocalHeadsConfig:
+    """A model config seen by one attention module with this rank's head counts; everything else (the attention
+    implementation set later, e.g. context parallelism's) is read from and written to the model's config."""
+
+    _OWN = ("num_attention_heads", "num_key_value_heads")
+
+    def __init__(self, config: Any, heads: int, kv_heads: int) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "num_attention_heads", heads)
+        object.__setattr__(self, "num_key_value_heads", kv_heads)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_config":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._config, name, value)
+
+
 def _local_heads(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
-    # an attention that slices its fused qkv by its config's head counts (Phi-3: config.num_attention_heads): its
-    # own copy of the config holds this rank's counts (the model's config stays whole, for the export)
+    # an attention that slices its fused qkv by its config's head counts (Phi-3: config.num_attention_heads) sees
+    # this rank's counts through its own view of the config (the model's config stays whole, for the export)
     split = ctx.grouped_query
     assert split is not None
-    module.config = copy.copy(module.config)
-    module.config.num_attention_heads, module.config.num_key_value_heads = split.heads, split.kv_heads
+    module.config = _LocalHeadsConfig(module.config, split.heads, split.kv_heads)
     module.num_key_value_heads = split.kv_heads
 
 
