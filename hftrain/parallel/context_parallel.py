@@ -565,7 +565,7 @@ class ContextSplit:
 
 def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str = "ring") -> torch.nn.Module:
     """Make an HF model of a family context parallelism takes (``hftrain.parallel.families``: BERT, GPT-2, GPT-NeoX
-    and the rotary decoders without sliding windows) run split over the sequence, in place: its attention becomes
+    and the rotary decoders, sliding windows included) run split over the sequence, in place: its attention becomes
     context-parallel (:func:`_attention`), and its forward takes the *same* whole batch on every cp rank (padded to
     a multiple of ``2·cp``), keeps this rank's zigzag positions of every per-token input and runs on them with their
     global positions:
