@@ -38,8 +38,9 @@ experts of every MoE layer, Megatron's rule, so e divides dp and the experts E; 
   e_b bytes per element), over the intra-node link when the e group's t·c·e consecutive ranks fit in a node;
 - no sequence parallelism: the MoE block needs the whole sequence (``hftrain.parallel.plans``); no ZeRO-1 with
   e > 1; rows with e > 1 and p > 1 or c > 1 are not listed, and formula only where asked for (hftrain's megatron
-  strategy composes ep with tp and dp), and MoE rows with c > 1 are formula only (rows whose axes the model's family does not take are formula-only:
-  ``hftrain.parallel.families``); p > 1 at e = 1 runs (each stage adds its layers' router-loss sums).
+  strategy composes ep with tp and dp), and MoE rows with c > 1 are formula only (rows whose axes the model's
+  family does not take are formula-only: ``hftrain.parallel.families``); p > 1 at e = 1 runs (each stage adds its
+  layers' router-loss sums).
 
 Every row is hftrain's ``megatron`` strategy; with p > 1 the plan's m micro-batches of b become the
 pipeline's ``num_microbatches`` = m over a per-device batch of m·b (1F1B, or GPipe when m < p, which 1F1B
