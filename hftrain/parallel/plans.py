@@ -10,8 +10,9 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 - ``column_fused_qkv`` / ``column_gate_up``: a fused projection whose output parts are split each on its own
   (Phi-3's ``qkv_proj``: ``h·d`` query, ``kv·d`` key and ``kv·d`` value rows, each per head; its ``gate_up_proj``:
   gate and up halves), so a rank's output is its own heads' q, k, v (its own features' gate and up), in the order
-  the model slices them; ``local_heads``: the attention that slices them by its config's head counts gets its own
-  copy of the config with this rank's counts;
+  the model slices them; ``local_heads``: the attention that slices them by its config's head counts reads this
+  rank's counts through a view of the model's config (everything else, e.g. the attention implementation set
+  later, is the model's);
 - ``row``: split the input features (the partial outputs are summed);
 - ``width_norm`` / ``width_norm_kv``: an RMSNorm over a column-parallel projection's whole width (OLMo-2's q/k
   norms), its weight split with the projection's output (``_kv``: with grouped key/value heads), the sum of

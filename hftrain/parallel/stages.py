@@ -247,7 +247,7 @@ class _RelativeState(torch.nn.Module):
         return self.encoder_class.get_rel_pos(self, hidden)
 
 
-class DebertaStages:
+class DebertaStages(EncoderStages):
     """DeBERTa-v2/v3: embeddings (padding zeroed by the mask, as ``DebertaV2Embeddings`` does) → ``layer[i]`` with the
     encoder's relative positions and relative embeddings → ``ContextPooler`` on the first token → dropout →
     classifier.
@@ -256,7 +256,11 @@ class DebertaStages:
     parameters on every pipeline rank, their gradient summed over the pipeline group, the first stage's copy the one
     checkpointed and exported) and computes them, the relative positions and the pairwise mask once per chunk, as
     the encoder does once per forward. The convolution after the first layer (``conv_kernel_size > 0``) is refused.
+    BERT's layout otherwise (:class:`EncoderStages`: layers, embedding modules, the first token's pooling).
     """
+
+    def __init__(self) -> None:
+        super().__init__("deberta")
 
     def refusal(self, config: Any) -> str | None:
         """Why a config cannot be cut into stages (its convolution layer), else None."""
@@ -267,18 +271,6 @@ class DebertaStages:
             )
         return None
 
-    def position_ids(self, mods: Any, input_ids: torch.Tensor) -> None:
-        """None: DeBERTa numbers absolute positions by index (where it uses them at all)."""
-        return None
-
-    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
-        """The encoder layers, in order."""
-        return model.deberta.encoder.layer
-
-    def embed_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of the first chunk's embedding."""
-        return {"embeddings": model.deberta.embeddings}
-
     def head_modules(self, model: torch.nn.Module) -> Modules:
         """Modules of the last chunk's head."""
         return {"pooler": model.pooler, "dropout": model.dropout, "classifier": model.classifier}
@@ -286,10 +278,6 @@ class DebertaStages:
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """The encoder's relative-position state (see the class doc)."""
         return {"relative": _RelativeState(model.deberta.encoder)}
-
-    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The one-hot of the token the head pools: the first."""
-        return first_token_one_hot(input_ids, dtype)
 
     def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
         """Token ids to ``(hidden, attention_mask, pool)``."""
@@ -313,10 +301,6 @@ class DebertaStages:
             hidden, context["mask"], relative_pos=context["positions"], rel_embeddings=context["embeddings"]
         )
         return output
-
-    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
-        """The head on the first token (picked by the one-hot: exact): logits ``[b, num_labels]``."""
-        return self.classify(mods, reduce((hidden * pool.unsqueeze(-1)).sum(1)))
 
     def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
         """``ContextPooler`` (it takes the first token itself) → dropout → classifier."""

@@ -113,13 +113,15 @@ def _column_kv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -
     )
 
 
-def _column_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
-    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=3), ctx.rng)
+def _column_parts(parts: int) -> Callable[[nn.Module, str, nn.Module, _Context], None]:
+    """A column split of ``parts`` equal packed outputs, each split on its own: GPT-2's ``c_attn`` and ModernBERT's
+    ``Wqkv`` (q, k, v: 3), Phi-3's ``gate_up_proj`` and ModernBERT's GLU ``Wi`` (cut in two by ``chunk(2)``: 2)."""
 
+    def style(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+        split = lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=parts)  # noqa: E731
+        split_linear(parent, name, module, split, ctx.rng)
 
-def _column_gate_up(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
-    # a fused [gate; up] projection (Phi-3's gate_up_proj, cut in two by chunk(2)): each half split alike
-    split_linear(parent, name, module, lambda m: ColumnParallelLinear(m, tp_group=ctx.tp_group, parts=2), ctx.rng)
+    return style
 
 
 def _column_fused_qkv(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
@@ -234,9 +236,9 @@ def _gather(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> N
 
 STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
     "column": _column,
-    "column_qkv": _column_qkv,
+    "column_qkv": _column_parts(3),
     "column_kv": _column_kv,
-    "column_gate_up": _column_gate_up,
+    "column_gate_up": _column_parts(2),
     "column_fused_qkv": _column_fused_qkv,
     "local_heads": _local_heads,
     "row": _row,
