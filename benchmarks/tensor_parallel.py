@@ -75,13 +75,13 @@ def parameter_bytes(group, hidden: int) -> list[dict]:
     """Per-rank bytes of the split parameters and of the whole model, against the unsharded model."""
     import torch.distributed as dist
 
-    from hftrain.parallel import apply_tensor_parallel, sharded_parameters
+    from hftrain.parallel import apply_tensor_parallel, split_over
 
     rows = []
     for kind, config in _configs(hidden, 2).items():
         full = _model(config)
         model = apply_tensor_parallel(_model(config), tp_group=group)
-        split = sharded_parameters(model)
+        split = split_over(model, "tp")
         nbytes = lambda p: p.numel() * p.element_size()  # noqa: E731
         rows.append(
             {

@@ -1,7 +1,7 @@
 """Per-rank attention time of SmolLM2-135M's attention: the former unequal tp=2 split against the balanced tp=3 one.
 
 SmolLM2-135M has 9 query and 3 key/value heads (hidden 576, head_dim 64). hftrain used to run it at tp=2 by dealing
-out whole key/value groups, 6 query + 2 key/value heads on rank 0 and 3 + 1 on rank 1 (``TPShard.counts``); tp=2 is
+out whole key/value groups, 6 query + 2 key/value heads on rank 0 and 3 + 1 on rank 1 (``Split.counts``); tp=2 is
 now refused and the model runs at tp=3, 3 + 1 heads per rank (``hftrain.parallel.plans.grouped_query_split``).
 
 Each rank times its own work in one transformers ``LlamaAttention`` (sdpa) forward + backward: its q/k/v

@@ -174,7 +174,9 @@ def _as_step(step: int) -> Callable[[Path], None]:
     def apply(run: Path) -> None:
         folder = run / f"checkpoints/step_{step:08d}"
         shutil.move(str(run / STEP4), str(folder))
-        _edit_json(folder / "checkpoint.json", lambda d: (d.update(step=step), d["trainer_state"].update(global_step=step)))
+        _edit_json(
+            folder / "checkpoint.json", lambda d: (d.update(step=step), d["trainer_state"].update(global_step=step))
+        )
         reseal(run, folder.relative_to(run).as_posix())
 
     return apply
@@ -318,25 +320,51 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         "found 0.5 at row 2; for a numeric target set model.num_labels: 1 (model.problem_type: regression)",
     ),
     "data: a list label for single-label": (
-        lambda c: [*c.base(), "--problem_type", "single_label_classification", "--train_file",
-                   c.file("t.jsonl", '{"text": "w1", "label": [0, 1]}\n')],
+        lambda c: [
+            *c.base(),
+            "--problem_type",
+            "single_label_classification",
+            "--train_file",
+            c.file("t.jsonl", '{"text": "w1", "label": [0, 1]}\n'),
+        ],
         "found the list [0, 1] at row 1; for several labels per text set model.problem_type: multi_label",
     ),  # fmt: skip
     "data: a word as a regression target": (
-        lambda c: [*c.base(), "--model_name_or_path", _regressor(c), "--num_labels", "1", "--train_file",
-                   c.file("t.csv", "text,label\nw1,0.5\nw2,high\n")],
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            _regressor(c),
+            "--num_labels",
+            "1",
+            "--train_file",
+            c.file("t.csv", "text,label\nw1,0.5\nw2,high\n"),
+        ],
         "t.csv must be numbers, found 'high' at row 2",
     ),
     "data: a list as a regression target": (
-        lambda c: [*c.base(), "--model_name_or_path", _regressor(c), "--num_labels", "1", "--problem_type",
-                   "regression", "--train_file",
-                   c.file("t.jsonl", '{"text": "w1", "label": 0.5}\n{"text": "w2", "label": [1, 2]}\n')],
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            _regressor(c),
+            "--num_labels",
+            "1",
+            "--problem_type",
+            "regression",
+            "--train_file",
+            c.file("t.jsonl", '{"text": "w1", "label": 0.5}\n{"text": "w2", "label": [1, 2]}\n'),
+        ],
         "regression trains one target per text",
     ),  # fmt: skip
     "data: a multi-label class id out of range": (
-        lambda c: [*c.base(), "--model_name_or_path", _regressor(c, num_labels=3), "--num_labels", "3",
-                   "--train_file",
-                   c.file("t.jsonl", '{"text": "w1", "label": [0, 2]}\n{"text": "w2", "label": [3]}\n')],
+        lambda c: [
+            *c.base(),
+            "--model_name_or_path",
+            _regressor(c, num_labels=3),
+            "--num_labels",
+            "3",
+            "--train_file",
+            c.file("t.jsonl", '{"text": "w1", "label": [0, 2]}\n{"text": "w2", "label": [3]}\n'),
+        ],
         "must be lists of class ids 0..2 (or multi-hot lists of 3 values in [0, 1]), found [3] at row 2",
     ),  # fmt: skip
     "model: regression with two outputs": (
@@ -352,9 +380,15 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         "model.problem_type is a classification setting and model.task is causal_lm; remove model.problem_type",
     ),
     "model: a family without a causal language model": (
-        lambda c: [*c.base(), "--task", "causal_lm", "--model_name_or_path",
-                   c.model_variant("distil", lambda p: _edit_json(p / "config.json",
-                                                                  lambda j: j.update(model_type="distilbert")))],
+        lambda c: [
+            *c.base(),
+            "--task",
+            "causal_lm",
+            "--model_name_or_path",
+            c.model_variant(
+                "distil", lambda p: _edit_json(p / "config.json", lambda j: j.update(model_type="distilbert"))
+            ),
+        ],
         "transformers has no causal lm model for model type 'distilbert'",
     ),  # fmt: skip
     "data: a language model's text column missing": (
@@ -362,9 +396,17 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         "data.text_column",
     ),
     "data: fewer blocks than one global batch": (
-        lambda c: [*c.base(), "--task", "causal_lm", "--per_device_train_batch_size", "512", "--model_name_or_path",
-                   c.model_variant("eos", lambda p: _edit_json(p / "tokenizer_config.json",
-                                                               lambda j: j.update(eos_token="[CLS]")))],
+        lambda c: [
+            *c.base(),
+            "--task",
+            "causal_lm",
+            "--per_device_train_batch_size",
+            "512",
+            "--model_name_or_path",
+            c.model_variant(
+                "eos", lambda p: _edit_json(p / "tokenizer_config.json", lambda j: j.update(eos_token="[CLS]"))
+            ),
+        ],
         "fewer than one global batch (512",
     ),  # fmt: skip
     "model: a language model's tokenizer without an end of text": (
@@ -622,13 +664,26 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
             (
                 "resume",
                 " (trusted external)",
-                lambda c, r: [*c.base(c.run), "--trust_external_checkpoint", "true",
-                              "--resume_from_checkpoint", str(r / STEP4)],  # fmt: skip
+                lambda c, r: [
+                    *c.base(c.run),
+                    "--trust_external_checkpoint",
+                    "true",
+                    "--resume_from_checkpoint",
+                    str(r / STEP4),
+                ],  # fmt: skip
             ),
             ("export", " (the run)", lambda c, r: ["export", str(r), str(c.new)]),
-            ("export", " (trusted)", lambda c, r: ["export", str(r / STEP4), str(c.new), "--trust_external_checkpoint"]),
+            (
+                "export",
+                " (trusted)",
+                lambda c, r: ["export", str(r / STEP4), str(c.new), "--trust_external_checkpoint"],
+            ),
             ("convert", " (the run)", lambda c, r: ["convert", str(r), str(c.new)]),
-            ("convert", " (trusted)", lambda c, r: ["convert", str(r / STEP4), str(c.new), "--trust_external_checkpoint"]),
+            (
+                "convert",
+                " (trusted)",
+                lambda c, r: ["convert", str(r / STEP4), str(c.new), "--trust_external_checkpoint"],
+            ),
         )
     },
     # ------------------------------------------------------------------ damaged state behind good checksums
@@ -736,36 +791,66 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
         )
         for what, edit, fragment in (
             ("global_step 10**18", _marker_edit(lambda d: d["trainer_state"].update(global_step=10**18)), "disagree"),
-            ("global_step 1 inside step 4", _marker_edit(lambda d: d["trainer_state"].update(global_step=1)),
-             "disagree"),  # fmt: skip
+            (
+                "global_step 1 inside step 4",
+                _marker_edit(lambda d: d["trainer_state"].update(global_step=1)),
+                "disagree",
+            ),  # fmt: skip
             ("step 6 inside step 4", _marker_edit(lambda d: d.update(step=6)), "disagree"),
             ("step 100 throughout (folder, step, global_step)", _as_step(100), "beyond this run's 4 steps"),
-            ("micro_step 10**9", _marker_edit(lambda d: d["trainer_state"].update(micro_step=10**9)),
-             "beyond the end of an epoch"),  # fmt: skip
-            ("micro_step one batch beyond the epoch", _marker_edit(lambda d: d["trainer_state"].update(micro_step=8)),
-             "beyond the end of an epoch"),  # fmt: skip
+            (
+                "micro_step 10**9",
+                _marker_edit(lambda d: d["trainer_state"].update(micro_step=10**9)),
+                "beyond the end of an epoch",
+            ),  # fmt: skip
+            (
+                "micro_step one batch beyond the epoch",
+                _marker_edit(lambda d: d["trainer_state"].update(micro_step=8)),
+                "beyond the end of an epoch",
+            ),  # fmt: skip
             ("epoch 99", _marker_edit(lambda d: d["trainer_state"].update(epoch=99)), "not a position of this run"),
             ("config []", _marker_edit(lambda d: d.update(config=[])), "damaged 'config'"),
-            ("log_history step 'x'", _marker_edit(lambda d: d["trainer_state"].update(log_history=[{"step": "x"}])),
-             "damaged 'trainer_state.log_history'"),  # fmt: skip
-            ("topology.strategy 'zzz'", _marker_edit(lambda d: d["topology"].update(strategy="zzz")),
-             "topology.strategy 'zzz' is not a strategy"),  # fmt: skip
+            (
+                "log_history step 'x'",
+                _marker_edit(lambda d: d["trainer_state"].update(log_history=[{"step": "x"}])),
+                "damaged 'trainer_state.log_history'",
+            ),  # fmt: skip
+            (
+                "topology.strategy 'zzz'",
+                _marker_edit(lambda d: d["topology"].update(strategy="zzz")),
+                "topology.strategy 'zzz' is not a strategy",
+            ),  # fmt: skip
             ("checkpoint.json []", lambda r: (r / STEP4 / "checkpoint.json").write_text("[]"), "not a JSON object"),
-            ("sharded.json strategy 5", _json_edit("sharded.json", lambda d: d.update(strategy=5)),
-             "records strategy 5"),  # fmt: skip
-            ("sharded.json world_size -7", _json_edit("sharded.json", lambda d: d.update(world_size=-7)),
-             "world_size -7 is not an integer >= 1"),  # fmt: skip
-            ("sharded.json world_size 3", _json_edit("sharded.json", lambda d: d.update(world_size=3)),
-             "records world_size 3, checkpoint.json's topology 1"),  # fmt: skip
+            (
+                "sharded.json strategy 5",
+                _json_edit("sharded.json", lambda d: d.update(strategy=5)),
+                "records strategy 5",
+            ),  # fmt: skip
+            (
+                "sharded.json world_size -7",
+                _json_edit("sharded.json", lambda d: d.update(world_size=-7)),
+                "world_size -7 is not an integer >= 1",
+            ),  # fmt: skip
+            (
+                "sharded.json world_size 3",
+                _json_edit("sharded.json", lambda d: d.update(world_size=3)),
+                "records world_size 3, checkpoint.json's topology 1",
+            ),  # fmt: skip
             ("sharded.json deleted", _state_edit("sharded.json", lambda p: p.unlink()), "sharded.json is missing"),
             ("optimizer.json lr a string", _groups_edit(lr="0.001"), "param_groups[0].lr '0.001' is not a finite"),
             ("optimizer.json lr -1", _groups_edit(lr=-1), "param_groups[0].lr -1 is negative"),
             ("optimizer.json betas strings", _groups_edit(betas=["0.9", "0.999"]), "is not a list of 2 numbers"),
             ("optimizer.json weight_decay a string", _groups_edit(weight_decay="0"), "weight_decay '0' is not a"),
-            ("RNG state with Accelerate's keys, wrong types", _state_edit("random_states_0.pkl", _rng_with_wrong_types),
-             "random_state is not a state its generator takes"),  # fmt: skip
-            ("tensor record that is a pickle", _state_edit("dcp/.metadata", _tensor_record_as_a_pickle),
-             "a tensor record holds something else"),  # fmt: skip
+            (
+                "RNG state with Accelerate's keys, wrong types",
+                _state_edit("random_states_0.pkl", _rng_with_wrong_types),
+                "random_state is not a state its generator takes",
+            ),  # fmt: skip
+            (
+                "tensor record that is a pickle",
+                _state_edit("dcp/.metadata", _tensor_record_as_a_pickle),
+                "a tensor record holds something else",
+            ),  # fmt: skip
         )
     },
     # ------------------------------------------------------------------ export

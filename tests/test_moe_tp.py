@@ -27,11 +27,11 @@ SPLIT = {"mixtral": 2 * 4 + 1, "qwen2_moe": 2 * 7 + 1}
 
 def _held(trainer) -> dict:
     """This rank's split parameter names and the local shapes of the attention and MoE parameters of layer 0."""
-    from hftrain.parallel import sharded_parameters
+    from hftrain.parallel import split_over
 
     model = trainer.runtime.unwrap_model(trainer.model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("model.layers.0.")}
-    return {"split": sorted(sharded_parameters(model)), "shapes": shapes}
+    return {"split": sorted(split_over(model, "tp")), "shapes": shapes}
 
 
 def _runs(strategy: str, options: dict | None) -> dict:

@@ -294,7 +294,7 @@ def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = F
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from hftrain.parallel import finalize_tp_grads
+    from hftrain.parallel import sum_partial_grads
     from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
     from hftrain.strategies.megatron.plugin import MegatronPlugin, unwrap
 
@@ -306,7 +306,7 @@ def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = F
     ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([0, 1] * (micro // 2))
     model(input_ids=ids, labels=labels).loss.backward()
-    finalize_tp_grads(unwrap(model), tp_group=plugin.layout.tp_group)
+    sum_partial_grads(unwrap(model), "tp", plugin.layout.tp_group)
     optimizer.step()
     states = model_state_bytes(unwrap(model), optimizer)
     states["activations"] = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=labels))
@@ -352,7 +352,7 @@ def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: 
     import torch
     import torch.distributed as dist
 
-    from hftrain.parallel import apply_tensor_parallel, build_schedule, build_stage_modules, finalize_tp_grads
+    from hftrain.parallel import apply_tensor_parallel, build_schedule, build_stage_modules, sum_partial_grads
     from hftrain.plan.measure import model_state_bytes
     from hftrain.strategies.megatron.plugin import MegatronPlugin
 
@@ -381,7 +381,7 @@ def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: 
     ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     schedule.train_step(inputs, torch.tensor([0, 1] * (batch // 2)))
-    finalize_tp_grads(model, tp_group=layout.tp_group)
+    sum_partial_grads(model, "tp", layout.tp_group)
     optimizer.step()
     states = model_state_bytes(held, optimizer)
     states["pp_rank"] = layout.pp_rank

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from hftrain.parallel.placement import placed
 from tests.distributed import run_distributed
 
 BATCH, SEQ, HIDDEN, OUT, VOCAB = 3, 4, 8, 12, 10
@@ -24,7 +25,7 @@ def _dense(kind: str, n_in: int, n_out: int):
 
 def _weight_grad_in_layout(ref, tp_layer):
     """The reference gradient sliced like the TP layer's weight (same layout: Linear or Conv1D)."""
-    return tp_layer.shards["weight"].local(ref.weight.grad)
+    return placed(tp_layer)["weight"].split.local(ref.weight.grad)
 
 
 def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts: tuple[int, ...] | None = None) -> dict:
@@ -41,7 +42,7 @@ def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts: 
     (ref(x) * probe).sum().backward()
 
     layer = ColumnParallelLinear(ref, tp_group=group, parts=parts, counts=counts)
-    shard_out = layer.shards["weight"]
+    shard_out = placed(layer)["weight"].split
     out_shard = type(shard_out)(2, shard_out.rank, shard_out.size, tuple(probe.shape), parts, counts)  # features
     rank, size = shard_out.rank, shard_out.size
     x_local = x.detach().chunk(size, 1)[rank] if sequence_parallel else x.detach()
@@ -53,7 +54,7 @@ def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts: 
     expected_dx = x.grad.chunk(size, 1)[rank] if sequence_parallel else x.grad
     assert_close(x_local.grad, expected_dx)
     assert_close(layer.weight.grad, _weight_grad_in_layout(ref, layer))
-    assert_close(layer.bias.grad, layer.shards["bias"].local(ref.bias.grad))
+    assert_close(layer.bias.grad, placed(layer)["bias"].split.local(ref.bias.grad))
     expected_numel = ref.weight.numel() // (OUT * parts) * parts * (counts[rank] if counts else OUT // size)
     assert layer.weight.numel() == expected_numel
     return {"max_dx": (x_local.grad - expected_dx).abs().max().item()}
@@ -63,7 +64,7 @@ def _row_case(kind: str, sequence_parallel: bool, group, counts: tuple[int, ...]
     import torch
     from torch.testing import assert_close
 
-    from hftrain.parallel import RowParallelLinear, finalize_tp_grads
+    from hftrain.parallel import RowParallelLinear, sum_partial_grads
 
     torch.manual_seed(1)
     ref = _dense(kind, OUT, HIDDEN)
@@ -72,7 +73,7 @@ def _row_case(kind: str, sequence_parallel: bool, group, counts: tuple[int, ...]
     (ref(x) * probe).sum().backward()
 
     layer = RowParallelLinear(ref, tp_group=group, sequence_parallel=sequence_parallel, counts=counts)
-    rank, size = layer.shards["weight"].rank, layer.shards["weight"].size
+    rank, size = placed(layer)["weight"].split.rank, placed(layer)["weight"].split.size
     widths = list(counts or [OUT // size] * size)
     x_local = x.detach().split(widths, 2)[rank].clone().requires_grad_(True)  # input features are split
     y = layer(x_local)
@@ -82,7 +83,7 @@ def _row_case(kind: str, sequence_parallel: bool, group, counts: tuple[int, ...]
     assert_close(x_local.grad, x.grad.split(widths, 2)[rank])
     assert_close(layer.weight.grad, _weight_grad_in_layout(ref, layer))
     partial_bias = layer.bias.grad.clone()
-    finalize_tp_grads(layer, tp_group=group)  # sequence parallel: the replicated bias saw only its chunk
+    sum_partial_grads(layer, "tp", group)  # sequence parallel: the replicated bias saw only its chunk
     assert_close(layer.bias.grad, ref.bias.grad)
     return {"bias_was_partial": not torch.allclose(partial_bias, ref.bias.grad)}
 
@@ -102,14 +103,14 @@ def _embedding_case(sequence_parallel: bool, group) -> dict:
     (ref(ids) * probe).sum().backward()
 
     layer = VocabParallelEmbedding(ref, tp_group=group)
-    rank, size = layer.shards["weight"].rank, layer.shards["weight"].size
+    rank, size = placed(layer)["weight"].split.rank, placed(layer)["weight"].split.size
     y = layer(ids)
     seq_part = (lambda t: t.chunk(size, 1)[rank]) if sequence_parallel else (lambda t: t)
     if sequence_parallel:
         y = scatter_to_sequence(y, group)
     assert_close(y, seq_part(ref(ids).detach()))
     (y * seq_part(probe)).sum().backward()
-    assert_close(layer.weight.grad, layer.shards["weight"].local(ref.weight.grad))
+    assert_close(layer.weight.grad, placed(layer)["weight"].split.local(ref.weight.grad))
     assert layer.weight.shape[0] * size == VOCAB
     return {"padding_row_grad": layer.weight.grad[7 - layer.vocab_start].abs().sum().item() if rank else None}
 
@@ -131,7 +132,7 @@ def _all_layer_checks() -> dict:
                 report[("column", kind, sequence_parallel)] = _column_case(kind, 1, sequence_parallel, group)
             report[("column counts", kind, sequence_parallel)] = dict(counts)
             report[("column_qkv", kind, sequence_parallel)] = _column_case(kind, 3, sequence_parallel, group)
-            # unequal widths (TPShard.counts, a generic feature; no plan uses it since heads split evenly): 8 + 4
+            # unequal widths (Split.counts, a generic feature; no plan uses it since heads split evenly): 8 + 4
             report[("column_unequal", kind, sequence_parallel)] = _column_case(
                 kind, 1, sequence_parallel, group, (8, 4)
             )

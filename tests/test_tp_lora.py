@@ -2,7 +2,7 @@
 
 - Layer level (2 processes): a PEFT LoRA-wrapped ``nn.Linear`` / ``Conv1D`` split column, column_qkv (3 packed
   blocks), column with unequal widths and row, with and without sequence parallelism, against the unsplit LoRA
-  layer: output, input gradient and every adapter gradient after ``finalize_tp_grads`` (``B`` made non-zero first:
+  layer: output, input gradient and every adapter gradient after ``sum_partial_grads`` (``B`` made non-zero first:
   at init it is zero, which would hide a wrong ``A`` gradient).
 - Trainer level (2 processes, 4, then 1): LoRA at tp=2 (and tp=2 × dp=2) equals LoRA on one process within 1e-5
   relative loss over 10 steps for BERT (query/value), GPT-2 (c_attn column_qkv + c_proj row) and Llama (q/v column
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hftrain.checkpoint.sharded import read_model_tensors
+from hftrain.parallel.placement import placed
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
 from tests.megatron_runs import launch_on_two_four_one, megatron_job_args
@@ -48,13 +49,13 @@ def _lora_layer(kind: str, n_in: int, n_out: int, seed: int) -> tuple[torch.nn.M
 
 
 def _adapter_grads_match(layer, ref, group) -> dict:
-    """Compare adapter gradients (each split one with its shard of the reference) after finalize_tp_grads."""
+    """Compare adapter gradients (each split one with its shard of the reference) after sum_partial_grads."""
     from torch.testing import assert_close
 
-    from hftrain.parallel import finalize_tp_grads
+    from hftrain.parallel import sum_partial_grads
 
     before = {f: getattr(layer, f)["default"].weight.grad.clone() for f in ("lora_A", "lora_B")}
-    finalize_tp_grads(layer, tp_group=group)
+    sum_partial_grads(layer, "tp", group)
     partial = {}
     for factor in ("lora_A", "lora_B"):
         module, expected = getattr(layer, factor)["default"], getattr(ref, factor)["default"].weight.grad
@@ -71,7 +72,7 @@ def _adapter_grads_match(layer, ref, group) -> dict:
 def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts=None) -> dict:
     from torch.testing import assert_close
 
-    from hftrain.parallel import ColumnParallelLinear, TPShard
+    from hftrain.parallel import ColumnParallelLinear, Split
     from hftrain.parallel.collectives import copy_to_tp, gather_from_sequence
     from hftrain.parallel.lora import split_linear
 
@@ -83,8 +84,8 @@ def _column_case(kind: str, parts: int, sequence_parallel: bool, group, counts=N
     split = lambda m: ColumnParallelLinear(m, tp_group=group, parts=parts, counts=counts)  # noqa: E731
     split_linear(holder, "proj", holder.proj, split)
     layer = holder.proj
-    weight = layer.lora_B["default"].shards["weight"]
-    out = TPShard(2, weight.rank, weight.size, tuple(probe.shape), parts, counts)  # output features, split like B
+    weight = placed(layer.lora_B["default"])["weight"].split
+    out = Split(2, weight.rank, weight.size, tuple(probe.shape), parts, counts)  # output features, split like B
     x_local = x.detach().chunk(weight.size, 1)[weight.rank] if sequence_parallel else x.detach()
     x_local.requires_grad_(True)
     enter = gather_from_sequence if sequence_parallel else copy_to_tp
@@ -114,7 +115,7 @@ def _row_case(kind: str, sequence_parallel: bool, group, counts=None) -> dict:
         lambda m: RowParallelLinear(m, tp_group=group, sequence_parallel=sequence_parallel, counts=counts),
     )  # fmt: skip
     layer = holder.proj
-    shard = layer.lora_A["default"].shards["weight"]
+    shard = placed(layer.lora_A["default"])["weight"].split
     widths = list(counts or [OUT // shard.size] * shard.size)
     x_local = x.detach().split(widths, 2)[shard.rank].clone().requires_grad_(True)  # input features are split
     y = layer(x_local)
@@ -211,7 +212,7 @@ def _lora_tp2(root: str) -> dict:
 
 
 def _lora_tp2_dp2(root: str) -> dict:
-    """tp=2 × dp=2: DDP averages the adapters' gradients over dp, finalize_tp_grads completes them over tp."""
+    """tp=2 × dp=2: DDP averages the adapters' gradients over dp, sum_partial_grads completes them over tp."""
     return {
         label: run_tiny_training(kind=CASES[label][0], micro=MICRO // 2, steps=10, strategy="megatron",
                                  strategy_options=CASES[label][1], lora_options=CASES[label][2])

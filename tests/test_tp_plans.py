@@ -110,12 +110,12 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
 
     from hftrain.parallel import (
         apply_tensor_parallel,
-        finalize_tp_grads,
         full_state_dict,
         gather_full_tensors,
         load_full_state_dict,
         shard_full_tensor,
-        sharded_parameters,
+        split_over,
+        sum_partial_grads,
     )
     from hftrain.parallel.collectives import all_reduce_coalesced
 
@@ -127,7 +127,7 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
 
     # each rank holds 1/tp of every split weight (a whole key/value head when tp replicates them), read from the
     # live modules
-    shards = sharded_parameters(model)
+    shards = split_over(model, "tp")
     assert len(shards) == SPLIT_COUNTS[kind], sorted(shards)
     local_numel = full_numel = 0
     for name, shard in shards.items():
@@ -161,12 +161,12 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
         assert_close(loss / groups.dp_size, expected_out.loss.detach())
         expected_out.loss.backward()
         out.loss.backward()
-        finalize_tp_grads(model, tp_group=group)
+        sum_partial_grads(model, "tp", group)
         # data parallel over the dp group only: the mean of the replicas' gradients (equal row counts)
         all_reduce_coalesced([p.grad for p in model.parameters()], groups.dp_group)
         for param in model.parameters():
             param.grad /= groups.dp_size
-        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=group)
+        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, groups={"tp": group})
         for name, param in ref.named_parameters():
             assert_close(grads[name], param.grad, msg=lambda m, name=name: f"{kind} grad {name}: {m}")
         for optimizer in optimizers:
@@ -175,7 +175,7 @@ def _check_family(kind: str, sequence_parallel: bool, groups) -> dict:
         losses.append(loss.item() / groups.dp_size)
 
     # the unsharded state dict loads strictly into the plain HF class and gives the same logits
-    full = full_state_dict(model, tp_group=group)
+    full = full_state_dict(model, groups={"tp": group})
     plain = _build(kind, seed=123)
     plain.load_state_dict(full, strict=True)
     with torch.no_grad():
@@ -193,7 +193,7 @@ def _dropout_stays_replicated(kind: str, groups) -> str:
     import torch.distributed as dist
 
     from hftrain.errors import ConfigError
-    from hftrain.parallel import apply_tensor_parallel, finalize_tp_grads, sharded_parameters
+    from hftrain.parallel import apply_tensor_parallel, split_over, sum_partial_grads
 
     try:
         model = apply_tensor_parallel(_build(kind, dropout=0.1), tp_group=groups.tp_group).train()
@@ -202,8 +202,8 @@ def _dropout_stays_replicated(kind: str, groups) -> str:
     torch.manual_seed(7)  # as the Trainer seeds every rank
     out = model(**_batch(kind))
     out.loss.backward()
-    finalize_tp_grads(model, tp_group=groups.tp_group)
-    split = sharded_parameters(model)
+    sum_partial_grads(model, "tp", groups.tp_group)
+    split = split_over(model, "tp")
     mine = torch.cat(
         [out.logits.detach().reshape(-1)] + [p.grad.reshape(-1) for n, p in model.named_parameters() if n not in split]
     )
@@ -433,9 +433,9 @@ def _smollm2_matches(model_dir: str) -> dict:
         ParallelDims,
         apply_tensor_parallel,
         build_groups,
-        finalize_tp_grads,
         gather_full_tensors,
-        sharded_parameters,
+        split_over,
+        sum_partial_grads,
     )
 
     dist.init_process_group("gloo")
@@ -459,8 +459,10 @@ def _smollm2_matches(model_dir: str) -> dict:
         model = apply_tensor_parallel(build(), tp_group=groups.tp_group, sequence_parallel=sequence_parallel)
         out = model(**batch)
         out.loss.backward()
-        finalize_tp_grads(model, tp_group=groups.tp_group)
-        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=groups.tp_group)
+        sum_partial_grads(model, "tp", groups.tp_group)
+        grads = gather_full_tensors(
+            {n: p.grad for n, p in model.named_parameters()}, model, groups={"tp": groups.tp_group}
+        )
         assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
         for name, param in ref.named_parameters():
             # atol 2e-6: at tp=3, 1 of q_proj's 331,776 gradient elements in layer 12 differed by 1.2e-6 (float32
@@ -470,7 +472,7 @@ def _smollm2_matches(model_dir: str) -> dict:
         report[sequence_parallel] = {
             "q_rows": q.shape[0],
             "logit_diff": (out.logits - expected.logits).abs().max().item(),
-            "split": len(sharded_parameters(model)),
+            "split": len(split_over(model, "tp")),
         }
     dist.destroy_process_group()
     return report

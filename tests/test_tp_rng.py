@@ -51,10 +51,10 @@ def _record_masks(limit: int = 48) -> list[dict]:
 
 def _replicated(trainer) -> dict:
     """This rank's unsplit parameters (the tp group's replicated ones), by HF name."""
-    from hftrain.parallel import sharded_parameters
+    from hftrain.parallel import split_over
 
     model = trainer.runtime.unwrap_model(trainer.model)
-    split = set(sharded_parameters(model))
+    split = set(split_over(model, "tp"))
     return {n: p.detach().clone() for n, p in model.named_parameters() if n not in split and p.device.type != "meta"}
 
 

@@ -2,7 +2,7 @@
 grouped-query heads, out-of-range ids, the row-parallel output dtype.
 
 - Layers and tiny Llama models against their unsharded references on 4 gloo processes (tp = 2 and tp = 4 groups in
-  one launch): outputs and every gradient after ``finalize_tp_grads``, the clipped norm, checkpoint gather/shard.
+  one launch): outputs and every gradient after ``sum_partial_grads``, the clipped norm, checkpoint gather/shard.
 - A GPT-2-shaped model with GPT-2's 50,257-token vocabulary through the Trainer at tp = 2 and tp = 4 against one
   process, its export reloaded by plain transformers, and its tp = 2 checkpoint resumed at tp = 1.
 - The size checks and ``hftrain plan`` rows without processes.
@@ -17,6 +17,7 @@ import pytest
 
 from hftrain.checkpoint.sharded import read_model_tensors
 from hftrain.errors import ConfigError
+from hftrain.parallel.placement import placed
 from tests.distributed import run_distributed
 from tests.megatron_runs import launch_on_two_four_one
 from tests.tiny import run_tiny_training, tiny_config, tiny_tokenizer
@@ -42,7 +43,7 @@ def _embedding_case(group, vocab: int, vocab_multiple: int) -> dict:
     (ref(ids) * probe).sum().backward()
 
     layer = VocabParallelEmbedding(ref, tp_group=group, vocab_multiple=vocab_multiple)
-    shard = layer.shards["weight"]
+    shard = placed(layer)["weight"].split
     y = layer(ids)
     assert_close(y, ref(ids).detach())
     (y * probe).sum().backward()
@@ -50,10 +51,10 @@ def _embedding_case(group, vocab: int, vocab_multiple: int) -> dict:
     padding = slice(max(vocab - layer.vocab_start, 0), None)  # this rank's rows beyond the logical vocabulary
     assert layer.weight[padding].abs().sum() == 0 and layer.weight.grad[padding].abs().sum() == 0
     # checkpoint and export path: gathered tensors have the logical rows; sharding a full tensor pads it again
-    full = gather_full_tensors({"weight": layer.weight.detach()}, layer, tp_group=group)
+    full = gather_full_tensors({"weight": layer.weight.detach()}, layer, groups={"tp": group})
     assert full["weight"].shape == (vocab, HIDDEN)
     assert torch.equal(full["weight"], ref.weight.detach())
-    grad = gather_full_tensors({"weight": layer.weight.grad}, layer, tp_group=group)["weight"]
+    grad = gather_full_tensors({"weight": layer.weight.grad}, layer, groups={"tp": group})["weight"]
     assert torch.equal(grad, ref.weight.grad)
     assert torch.equal(shard_full_tensor("weight", full["weight"], layer), layer.weight.detach())
     raised = {}
@@ -80,7 +81,7 @@ def _row_dtype_case(group) -> dict:
     ref = nn.Linear(12, HIDDEN)
     x = torch.randn(BATCH, SEQ, 12)
     layer = RowParallelLinear(ref, tp_group=group)
-    rank, size = layer.shards["weight"].rank, layer.shards["weight"].size
+    rank, size = placed(layer)["weight"].split.rank, placed(layer)["weight"].split.size
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected, y = ref(x), layer(x.chunk(size, -1)[rank])
     assert_close(y.float(), expected.float(), rtol=2e-2, atol=2e-2)  # bf16: summed in another order
@@ -99,7 +100,7 @@ def _llama(heads: int, kv_heads: int, vocab: int, seed: int = 0):
 
 def _grouped_query_case(group, heads: int, kv_heads: int, sequence_parallel: bool) -> dict:
     """A tiny Llama whose key/value heads tp divides or replicates equals the unsharded model: logits, loss, every
-    gradient after ``finalize_tp_grads`` (replicated key/value slices summed over their holders), the clipped norm,
+    gradient after ``sum_partial_grads`` (replicated key/value slices summed over their holders), the clipped norm,
     two AdamW steps (replicas stay bit-identical), and the full state dict reloading into the plain class."""
     import torch
     import torch.distributed as dist
@@ -108,10 +109,10 @@ def _grouped_query_case(group, heads: int, kv_heads: int, sequence_parallel: boo
     from hftrain.parallel import (
         apply_tensor_parallel,
         clip_grad_norm_,
-        finalize_tp_grads,
         full_state_dict,
         gather_full_tensors,
         load_full_state_dict,
+        sum_partial_grads,
     )
 
     vocab = 61  # padded to 62 at tp = 2, 64 at tp = 4
@@ -123,7 +124,7 @@ def _grouped_query_case(group, heads: int, kv_heads: int, sequence_parallel: boo
     model = apply_tensor_parallel(_llama(heads, kv_heads, vocab), tp_group=group, sequence_parallel=sequence_parallel)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     attention = model.model.layers[0].self_attn
-    k_shard = attention.k_proj.shards["weight"]
+    k_shard = placed(attention.k_proj)["weight"].split
     replicas = max(tp // kv_heads, 1)
     assert k_shard.replicas == replicas
     assert attention.num_key_value_groups == (heads // tp) // max(kv_heads // tp, 1)
@@ -140,19 +141,19 @@ def _grouped_query_case(group, heads: int, kv_heads: int, sequence_parallel: boo
         assert_close(out.loss, expected.loss)
         expected.loss.backward()
         out.loss.backward()
-        finalize_tp_grads(model, tp_group=group)
-        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, tp_group=group)
+        sum_partial_grads(model, "tp", group)
+        grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, model, groups={"tp": group})
         for name, param in ref.named_parameters():
             assert_close(grads[name], param.grad, msg=lambda m, name=name: f"grad {name}: {m}")
         # the replicas of a key/value slice hold the same (summed) gradient, and the norm counts it once
         reference_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        norm = clip_grad_norm_(model, dict(model.named_parameters()), 0.5, tp_group=group)
+        norm = clip_grad_norm_(model, dict(model.named_parameters()), 0.5, groups={"tp": group})
         assert_close(norm, reference_norm)
         norms.append(norm.item())
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    full = full_state_dict(model, tp_group=group)
+    full = full_state_dict(model, groups={"tp": group})
     assert full["model.embed_tokens.weight"].shape[0] == vocab
     plain = _llama(heads, kv_heads, vocab, seed=123)
     plain.load_state_dict(full, strict=True)

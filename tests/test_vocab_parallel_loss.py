@@ -220,7 +220,7 @@ def _memory_case(approaches: tuple[str, ...], vocab: int, seq: int, hidden: int)
     width = padded_vocab_size(vocab, tp) // tp
     torch.manual_seed(0)
     head = torch.randn(tp * width, hidden) * 0.02
-    head[vocab:] = 0  # the padding rows, as VocabParallelEmbedding / TPShard pad them
+    head[vocab:] = 0  # the padding rows, as VocabParallelEmbedding / Split pad them
     weight = head[rank * width : (rank + 1) * width].clone().requires_grad_(True)
     del head
     states = torch.randn(1, seq, hidden)

@@ -259,6 +259,45 @@ class ParallelGroups:
     def pp_size(self) -> int:
         return self.dims.pp
 
+    def axis_group(self, axis: str) -> Any:
+        """The process group of mesh axis ``axis`` (``tp``, ``cp``, ``dp``, ``pp``, ``ep``; None where it has none)."""
+        return {"tp": self.tp_group, "cp": self.cp_group, "dp": self.dp_group, "pp": self.pp_group,
+                "ep": self.ep_group}[axis]  # fmt: skip
+
+    @property
+    def cut_groups(self) -> dict[str, Any]:
+        """The axes that cut parameters into slices in this layout -> their groups (tp always; ep when > 1), in the
+        order the gradient norm and the full tensors visit them (``hftrain.parallel.placement``)."""
+        return {"tp": self.tp_group, **({"ep": self.ep_group} if self.ep_size > 1 else {})}
+
+    def data_replicas(self, axis: str | None) -> tuple[Any, int, int]:
+        """The data-parallel replicas of a parameter cut along ``axis`` (None: whole): the group whose ranks hold the
+        same slice and average its gradient, this rank's index in it, and their count.
+
+        A dense parameter's are the dp × cp ranks; one cut along ep (carved out of dp) has the edp ranks holding the
+        same experts.
+
+        Args:
+            axis: the axis cutting the parameter (``Placement.axis``), or None.
+        """
+        if axis == "ep":
+            return self.edp_group, self.dp_rank // self.ep_size, self.dims.edp
+        index = self.dp_rank * self.cp_size + self.cp_rank
+        return self.dp_cp_group or self.dp_group, index, self.dp_size * self.cp_size
+
+    def holders(self, axis: str | None) -> tuple[int, int]:
+        """``(this rank's index, count)`` among the ranks of its pipeline stage holding the same box of a parameter cut
+        along ``axis``: its data replicas, times the tp ranks unless tp cuts it (a checkpoint deals the box's writes out
+        among them).
+
+        Args:
+            axis: the axis cutting the parameter, or None.
+        """
+        _, index, count = self.data_replicas(axis)
+        if axis == "tp":
+            return index, count
+        return index * self.tp_size + self.tp_rank, count * self.tp_size
+
 
 def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> ParallelGroups:
     """Create the tp/dp/pp groups (collective: every rank of the default group calls it in the same order).

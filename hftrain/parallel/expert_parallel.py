@@ -22,12 +22,12 @@ one); with ``capacity_factor`` each rank sends at most ``⌈factor·T·k/E⌉`` 
 order), drops the rest (those assignments add nothing; the token keeps its residual) and counts them.
 
 The router is replicated (it sees only this rank's tokens) and so are a family's shared experts; the expert weights
-keep their HF names and 3-D layout (``experts.gate_up_proj`` ``[E/ep, 2I, h]``, ``experts.down_proj``
-``[E/ep, h, I]``), each described by a :class:`~hftrain.parallel.layers.TPShard` along dimension 0 over the ep group
-(``expert_shards``): checkpoints write the boxes ``[r·E/ep, (r+1)·E/ep)`` of the logical tensors and any ``ep``
-reads them back. Their gradients are summed over the expert-data-parallel group (the dp ranks holding the same
-experts) and divided by ``dp``, like the dense gradients' mean over dp: a rank's expert gradient already sums the
-contributions of the tokens of its whole ep group.
+keep their HF names and 3-D layout (``experts.gate_up_proj`` ``[E/ep, 2I, h]``, ``experts.down_proj`` ``[E/ep, h,
+I]``), each placed along ep (``hftrain.parallel.placement``: a ``Split`` along dimension 0 over the ep group):
+checkpoints write the boxes ``[r·E/ep, (r+1)·E/ep)`` of the logical tensors and any ``ep`` reads them back. Their
+gradients are summed over the expert-data-parallel group (the dp ranks holding the same experts, their data replicas)
+and divided by ``dp`` (``placement.complete_grads``), like the dense gradients' mean over dp: a rank's expert
+gradient already sums the contributions of the tokens of its whole ep group.
 
 **Auxiliary loss.** transformers' ``*ForSequenceClassification`` heads of these families return the
 cross-entropy only; :func:`load_balancing_loss` is the family's ``load_balancing_loss_func`` (Switch Transformer's
@@ -53,10 +53,8 @@ from torch import nn
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.collectives import all_reduce_both_ways, all_to_all_rows
 from hftrain.parallel.families import expert_plan_for, moe_families
-from hftrain.parallel.layers import WRAPPER_PREFIXES, TPShard
+from hftrain.parallel.placement import Split, place
 from hftrain.parallel.plans import ExpertPlan
-
-EXPERT_SHARDS = "expert_shards"  # module attribute: parameter name -> TPShard over the ep group
 
 
 def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float | None = None) -> None:
@@ -114,14 +112,11 @@ class ExpertParallelExperts(nn.Module):
         self.act_fn = experts.act_fn
         self.capacity_factor = capacity_factor
         self.dropped = 0  # assignments dropped by the capacity since the counter was last read
-        shards = {}
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
-            shard = TPShard(dim=0, rank=rank, size=self.ep, full_shape=tuple(full.shape))
             local = full.detach()[self.first : self.first + self.local_experts].clone()
             setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
-            shards[name] = shard
-        setattr(self, EXPERT_SHARDS, shards)
+            place(self, name, axis="ep", split=Split(dim=0, rank=rank, size=self.ep, full_shape=tuple(full.shape)))
 
     def extra_repr(self) -> str:
         cap = f", capacity_factor={self.capacity_factor}" if self.capacity_factor else ""
@@ -222,59 +217,6 @@ def moe_layer_indices(model: nn.Module, plan: ExpertPlan) -> list[int]:
         if block is not None and hasattr(block, plan.experts) and hasattr(block, plan.router):
             found.append(index)
     return found
-
-
-def expert_parameters(model: nn.Module) -> dict[str, TPShard]:
-    """Logical HF names of the expert-parallel parameters -> their split over the ep group.
-
-    Args:
-        model: a model after :func:`apply_expert_parallel`, possibly wrapped (DDP, Accelerate, compile).
-    """
-    found = {}
-    for prefix, module in model.named_modules():
-        for name, shard in getattr(module, EXPERT_SHARDS, {}).items():
-            key = f"{prefix}.{name}" if prefix else name
-            for wrapper in WRAPPER_PREFIXES:
-                while key.startswith(wrapper):
-                    key = key[len(wrapper) :]
-            found[key] = shard
-    return found
-
-
-def finalize_expert_grads(model: nn.Module, *, edp_group: Any, dp_size: int) -> None:
-    """Expert gradients as data parallelism's mean would make them: summed over the expert-data-parallel group and
-    divided by ``dp`` (collective over ``edp_group``; DDP, which averages the dense gradients over dp, ignores them).
-
-    ``∂L/∂W_i = (1/dp) Σ_{dp ranks r} ∂L_r/∂W_i``; the rank holding expert ``i`` in an ep group has already summed
-    the terms of that group's ``ep`` ranks (their tokens came to it), so the ``dp / ep`` holders of ``i`` sum theirs.
-    An expert no token reached has a zero gradient (as the unsplit 3-D tensor's slice would), not None.
-
-    Args:
-        model: the model after :func:`apply_expert_parallel` (unwrapped).
-        edp_group: the dp ranks holding the same experts.
-        dp_size: the data-parallel size.
-    """
-    from hftrain.parallel.collectives import all_reduce_coalesced
-
-    grads = []
-    for module in model.modules():
-        for name in getattr(module, EXPERT_SHARDS, {}):
-            param = getattr(module, name)
-            if param.requires_grad:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
-    if edp_group is not None and dist.get_world_size(edp_group) > 1:
-        all_reduce_coalesced(grads, edp_group)
-    for grad in grads:
-        grad.div_(dp_size)
-
-
-def gather_experts(local: torch.Tensor, ep_group: Any) -> torch.Tensor:
-    """The full ``[E, ...]`` tensor from every ep rank's ``[E/ep, ...]`` slice (collective over ``ep_group``)."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(ep_group))]
-    dist.all_gather(parts, local.contiguous(), group=ep_group)
-    return torch.cat(parts)
 
 
 def dropped_assignments(model: nn.Module) -> int:

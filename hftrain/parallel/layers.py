@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,152 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hftrain.parallel.collectives import copy_to_tp, reduce_from_tp, reduce_scatter_to_sequence
+from hftrain.parallel.placement import Split, place, placed
 from hftrain.parallel.plans import padded_vocab_size
-
-# Name of the attribute listing a module's own parameters that are replicated over tp but receive only a partial
-# gradient on each rank: they saw sequence-sharded activations under sequence parallelism (LayerNorms, row-parallel
-# biases), or only this rank's share of a split product (LoRA's A under a column-parallel layer). finalize_tp_grads
-# all-reduces them over tp.
-PARTIAL_GRAD_PARAMS = "hftrain_partial_grad_params"
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
-
-
-@dataclass(frozen=True)
-class TPShard:
-    """How one parameter is split over the tensor-parallel ranks.
-
-    The full tensor's dimension ``dim`` is viewed as ``parts`` equal blocks (GPT-2's ``c_attn``: 3 blocks,
-    query, key and value, each ``hidden`` wide), or as blocks of the given ``blocks`` lengths (Phi-3's fused
-    ``qkv_proj``: ``h·d`` query rows, then ``kv·d`` key and ``kv·d`` value rows; its ``gate_up_proj``: 2 equal
-    blocks); every block is cut into ``size / replicas`` slices and rank ``r`` holds slice ``r // replicas`` of every
-    block, concatenated in block order (so its q, k and v are its own heads'). Slices are equal unless ``counts``
-    gives their lengths.
-
-    ``replicas > 1``: consecutive groups of ``replicas`` ranks hold the same slice (grouped-query attention with
-    fewer key/value heads than tp: each rank holds one key/value head, shared by ``tp / kv`` ranks, as Megatron and
-    vLLM replicate them); :meth:`assemble` takes one copy of each slice.
-
-    ``padded``: the length ``dim`` is zero-padded to before it is cut (a vocabulary padded to a multiple of tp,
-    Megatron's ``make-vocab-size-divisible-by``): :meth:`local` pads then slices, :meth:`assemble` trims back to
-    ``full_shape``, so the padding never leaves the shards (checkpoints and exports hold the logical tensor).
-
-    Args:
-        dim: the split dimension of the full (HF-layout) tensor.
-        rank: this rank's tensor-parallel rank.
-        size: tensor-parallel size.
-        full_shape: shape of the unsharded (logical) tensor.
-        parts: packed equal blocks along ``dim`` that are split separately (1 for a plain split).
-        counts: length of each slice of a block, by slice (``None``: equal slices).
-        padded: the padded length of ``dim`` (``None``: no padding; only with ``parts = 1``).
-        replicas: ranks holding each slice (a divisor of ``size``).
-        blocks: lengths of unequal packed blocks along ``dim`` (they sum to its length; each cut into equal
-            slices), instead of ``parts`` equal ones; ``None``: ``parts`` equal blocks.
-    """
-
-    dim: int
-    rank: int
-    size: int
-    full_shape: tuple[int, ...]
-    parts: int = 1
-    counts: tuple[int, ...] | None = None
-    padded: int | None = None
-    replicas: int = 1
-    blocks: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.size % self.replicas:
-            raise ValueError(f"replicas={self.replicas} does not divide the tensor-parallel size {self.size}")
-        if self.padded is not None and (self.parts != 1 or self.padded < self.full_shape[self.dim]):
-            raise ValueError(f"padded={self.padded} needs parts=1 and at least {self.full_shape[self.dim]} rows")
-        if self.blocks is not None:
-            if self.counts is not None or self.padded is not None or sum(self.blocks) != self.full_shape[self.dim]:
-                raise ValueError(
-                    f"blocks={self.blocks} must sum to {self.full_shape[self.dim]}, without counts or padding"
-                )
-            if any(block % self.slices for block in self.blocks):
-                raise ValueError(f"{self.slices} slices do not divide every block of {self.blocks}")
-            object.__setattr__(self, "parts", len(self.blocks))
-
-    @property
-    def slices(self) -> int:
-        """Distinct slices of a block (``size / replicas``)."""
-        return self.size // self.replicas
-
-    @property
-    def first_replica(self) -> bool:
-        """Whether this rank holds the first copy of its slice (the copy counted once in norms)."""
-        return self.rank % self.replicas == 0
-
-    def slice_lengths(self) -> tuple[int, ...]:
-        """Every slice's length within one block of ``parts`` equal ones (slice i is held by ranks
-        i·replicas … (i+1)·replicas − 1)."""
-        block = (self.padded or self.full_shape[self.dim]) // self.parts
-        return self.counts or (block // self.slices,) * self.slices
-
-    def _pieces(self, rank: int | None = None) -> list[tuple[int, int]]:
-        """``(start, length)`` along ``dim`` of the (padded) full tensor of each block's slice a rank holds."""
-        index = (self.rank if rank is None else rank) // self.replicas
-        if self.blocks is not None:
-            starts = [sum(self.blocks[:part]) for part in range(self.parts)]
-            return [(start + index * block // self.slices, block // self.slices)
-                    for start, block in zip(starts, self.blocks, strict=True)]  # fmt: skip
-        lengths = self.slice_lengths()
-        block = (self.padded or self.full_shape[self.dim]) // self.parts
-        return [(part * block + sum(lengths[:index]), lengths[index]) for part in range(self.parts)]
-
-    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
-        """Shape of a rank's shard (this rank's by default).
-
-        Args:
-            rank: a tensor-parallel rank.
-        """
-        shape = list(self.full_shape)
-        shape[self.dim] = sum(length for _, length in self._pieces(rank))
-        return tuple(shape)
-
-    def local(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``full`` (a copy; rows of the padding are zero).
-
-        Args:
-            full: a tensor of ``full_shape`` (a weight, its gradient or its optimizer state).
-        """
-        if tuple(full.shape) != tuple(self.full_shape):
-            raise ValueError(f"expected a full tensor of shape {tuple(self.full_shape)}, got {tuple(full.shape)}")
-        if self.padded is not None:
-            full = F.pad(full.movedim(self.dim, -1), (0, self.padded - full.shape[self.dim])).movedim(-1, self.dim)
-        return torch.cat([full.narrow(self.dim, start, length) for start, length in self._pieces()], self.dim)
-
-    def boxes(self, local: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-        """Where this rank's slice lies in the full tensor: ``(offsets, view of local)`` per block, the padding's
-        rows left out (they belong to no logical tensor). A sharded checkpoint writes and reads these in place.
-
-        Args:
-            local: this rank's shard (a weight or optimizer state shaped like it).
-        """
-        found, at = [], 0
-        for start, length in self._pieces():
-            keep = min(length, self.full_shape[self.dim] - start)
-            if keep > 0:
-                offsets = [0] * len(self.full_shape)
-                offsets[self.dim] = start
-                found.append((tuple(offsets), local.narrow(self.dim, at, keep)))
-            at += length
-        return found
-
-    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full (logical) tensor from every rank's slice (in tp-rank order): one copy of each replicated slice,
-        the padding trimmed.
-
-        Args:
-            shards: ``size`` tensors, one per tensor-parallel rank.
-        """
-        # pieces[r][b]: block b's slice held by the r-th distinct slice holder
-        pieces = [
-            shard.split([length for _, length in self._pieces(rank)], self.dim)
-            for rank, shard in list(enumerate(shards))[:: self.replicas]
-        ]
-        full = torch.cat([held[part] for part in range(self.parts) for held in pieces], self.dim)
-        return full.narrow(self.dim, 0, self.full_shape[self.dim]).contiguous()
 
 
 def _split_parameter(
@@ -185,9 +40,9 @@ def _split_parameter(
     padded: int | None = None,
     replicas: int = 1,
     blocks: tuple[int, ...] | None = None,
-) -> tuple[nn.Parameter, TPShard]:
+) -> tuple[nn.Parameter, Split]:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    shard = TPShard(dim, rank, size, tuple(tensor.shape), parts, counts, padded, replicas, blocks)
+    shard = Split(dim, rank, size, tuple(tensor.shape), parts, counts, padded, replicas, blocks)
     return nn.Parameter(shard.local(tensor.detach()), requires_grad=tensor.requires_grad), shard
 
 
@@ -221,13 +76,14 @@ class _ShardedLinear(nn.Module):
         self.weight, weight_shard = _split_parameter(
             module.weight, weight_dim, tp_group, parts, counts, replicas=replicas, blocks=blocks
         )
-        self.shards: dict[str, TPShard] = {"weight": weight_shard}
+        place(self, "weight", axis="tp", split=weight_shard)
         if module.bias is None:
             self.bias = None
         elif split == "out":
-            self.bias, self.shards["bias"] = _split_parameter(
+            self.bias, bias_shard = _split_parameter(
                 module.bias, 0, tp_group, parts, counts, replicas=replicas, blocks=blocks
             )
+            place(self, "bias", axis="tp", split=bias_shard)
         else:  # the input dimension is split: every rank adds the full bias once, after the reduction
             self.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
 
@@ -235,7 +91,7 @@ class _ShardedLinear(nn.Module):
         return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
 
     def extra_repr(self) -> str:
-        full = self.shards["weight"].full_shape
+        full = placed(self)["weight"].split.full_shape
         return f"local weight {tuple(self.weight.shape)}, full {full}, conv1d={self.transposed}"
 
 
@@ -250,7 +106,7 @@ class ColumnParallelLinear(_ShardedLinear):
         module: the ``nn.Linear`` or ``Conv1D`` to split (its full weights, identical on every rank).
         tp_group: the tensor-parallel group.
         parts: packed blocks in the output (3 for GPT-2's ``c_attn``: each of q, k, v is split per head).
-        counts: output features per rank when they are not equal (see :class:`TPShard`).
+        counts: output features per rank when they are not equal (see :class:`Split`).
         blocks: lengths of unequal packed blocks in the output (Phi-3's ``qkv_proj``: q, k and v widths), each
             split per head, instead of ``parts`` equal ones.
         replicas: ranks sharing each slice of the output (key/value heads fewer than tp: rank i holds slice
@@ -291,7 +147,7 @@ class RowParallelLinear(_ShardedLinear):
         module: the ``nn.Linear`` or ``Conv1D`` to split.
         tp_group: the tensor-parallel group.
         sequence_parallel: reduce-scatter along the sequence instead of all-reduce.
-        counts: input features per rank when they are not equal (see :class:`TPShard`).
+        counts: input features per rank when they are not equal (see :class:`Split`).
     """
 
     def __init__(
@@ -305,7 +161,7 @@ class RowParallelLinear(_ShardedLinear):
         super().__init__(module, tp_group=tp_group, split="in", counts=counts)
         self.sequence_parallel = sequence_parallel
         if sequence_parallel and self.bias is not None:
-            setattr(self, PARTIAL_GRAD_PARAMS, ("bias",))
+            place(self, "bias", partial=("tp",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self._matmul(x)
@@ -343,7 +199,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = module.num_embeddings
         self.padded_vocab_size = padded_vocab_size(self.num_embeddings, dist.get_world_size(tp_group), vocab_multiple)
         self.weight, shard = _split_parameter(module.weight, 0, tp_group, padded=self.padded_vocab_size)
-        self.shards = {"weight": shard}
+        place(self, "weight", axis="tp", split=shard)
         rows = self.weight.shape[0]
         self.vocab_start, self.vocab_end = shard.rank * rows, (shard.rank + 1) * rows
         pad = module.padding_idx
@@ -385,7 +241,7 @@ class WidthParallelRMSNorm(nn.Module):
     The sum of squares is one all-reduce over tp whose backward is an all-reduce too (every rank's output depends on
     ``v``; ``collectives.all_reduce_both_ways``). A slice that ``replicas`` ranks hold (a key/value head replicated
     because tp exceeds the key/value heads) is counted once: the all-reduced sum is divided by ``replicas``. The
-    weight is split as the projection's output (``TPShard``, the same slices), so each rank's gradient is whole.
+    weight is split as the projection's output (``Split``, the same slices), so each rank's gradient is whole.
 
     Args:
         module: the RMSNorm (``weight [W]`` and ``variance_epsilon``), as transformers computes it: in fp32, the
@@ -400,7 +256,7 @@ class WidthParallelRMSNorm(nn.Module):
         self.eps = module.variance_epsilon
         self.width = module.weight.shape[0]
         self.weight, shard = _split_parameter(module.weight, 0, tp_group, replicas=replicas)
-        self.shards = {"weight": shard}
+        place(self, "weight", axis="tp", split=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from hftrain.parallel.collectives import all_reduce_both_ways
@@ -448,10 +304,10 @@ class VocabParallelHead(nn.Module):
         self.vocab_size = module.out_features
         self.padded_vocab_size = padded_vocab_size(self.vocab_size, dist.get_world_size(tp_group), vocab_multiple)
         if tied is not None:
-            self.weight, shard = tied.weight, tied.shards["weight"]
+            self.weight, shard = tied.weight, placed(tied)["weight"].split
         else:
             self.weight, shard = _split_parameter(module.weight, 0, tp_group, padded=self.padded_vocab_size)
-        self.shards = {"weight": shard}
+        place(self, "weight", axis="tp", split=shard)
         self.vocab_start = shard.rank * self.weight.shape[0]
         self.gather_output = False
 

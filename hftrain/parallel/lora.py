@@ -9,21 +9,22 @@ place, as Megatron and PEFT's ``LoraParallelLinear`` do:
   for grouped-query heads). Rank i: ``y_i = x W_iᵀ + b_i + s · B_i A x``. No collective of its own: forward, ``x``
   entered the region through f (or the sequence all-gather); backward, the partial input gradients
   ``W_iᵀ dy_i + s · Aᵀ B_iᵀ dy_i`` are summed by the region's f all-reduce (reduce-scatter under sequence
-  parallelism). ``A``'s gradient ``s · B_iᵀ dy_i xᵀ`` is partial (rank i's share of the outputs): ``A`` is listed in
-  ``PARTIAL_GRAD_PARAMS`` and ``finalize_tp_grads`` all-reduces it over tp.
+  parallelism). ``A``'s gradient ``s · B_iᵀ dy_i xᵀ`` is partial (rank i's share of the outputs): ``A``'s placement
+  record says so (partial over tp), and ``placement.complete_grads`` all-reduces it over tp.
 - **row-parallel base** (inputs split, ``x = [x_1 ... x_p]``): ``A`` split on its inputs (``A_i``: r × in_i), its
   partial products summed like the base's, by Megatron's g (all-reduce forward, identity backward; reduce-scatter to
   sequence chunks forward, all-gather backward under sequence parallelism); ``B`` replicated:
   ``y = g(x_i W_iᵀ) + b + s · B g(A_i x_i)``. One more all-reduce (or reduce-scatter) per layer, of ``r`` features.
-  Under sequence parallelism ``B`` sees only this rank's sequence chunk, so its gradient is partial and it is listed
-  in ``PARTIAL_GRAD_PARAMS`` too.
+  Under sequence parallelism ``B`` sees only this rank's sequence chunk, so its gradient is partial and its record
+  says so too.
 
 The split modules are hftrain's ``ColumnParallelLinear`` / ``RowParallelLinear`` (bias None) put in the places of
 ``base_layer``, ``lora_A[adapter]`` and ``lora_B[adapter]``, so every parameter keeps its PEFT name
-(``...query.base_layer.weight``, ``...query.lora_A.default.weight``) and its ``TPShard``: ``sharded_parameters``,
-``gather_full_tensors``, the logical checkpoints and the export (PEFT's ``save_pretrained`` over the gathered full
-state) need nothing LoRA-specific, and a tp=2 LoRA checkpoint loads at tp=1. PEFT's own ``lora.Linear.forward``
-still runs (``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``); the split modules make it the equation above.
+(``...query.base_layer.weight``, ``...query.lora_A.default.weight``) and its placement record
+(``hftrain.parallel.placement``): ``split_over``, ``gather_full_tensors``, the logical checkpoints and the export
+(PEFT's ``save_pretrained`` over the gathered full state) need nothing LoRA-specific, and a tp=2 LoRA checkpoint
+loads at tp=1. PEFT's own ``lora.Linear.forward`` still runs (``base_layer(x) + lora_B(lora_A(dropout(x))) *
+scaling``); the split modules make it the equation above.
 
 Why not PEFT's own path (``peft.tuners.lora.tp_layer.LoraParallelLinear``, peft 0.21.2): it is dispatched only when
 ``LoraConfig.megatron_core`` names an importable ``megatron.*`` module and the target is an instance of that
@@ -51,7 +52,8 @@ from collections.abc import Callable
 from torch import nn
 
 from hftrain.errors import ConfigError
-from hftrain.parallel.layers import PARTIAL_GRAD_PARAMS, ColumnParallelLinear, RowParallelLinear
+from hftrain.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from hftrain.parallel.placement import place
 from hftrain.parallel.random import RNGTracker, run_in_stream
 
 
@@ -110,7 +112,7 @@ def split_linear(
 
     For a LoRA layer the base is split by ``split``, and so is the adapter factor on the split side (``B`` under a
     column-parallel base, with the base's ``parts`` and per-rank widths; ``A`` under a row-parallel base, summed by
-    its own g); the other factor stays replicated and is listed in ``PARTIAL_GRAD_PARAMS`` where its gradient is
+    its own g); the other factor stays replicated and is recorded as partial over tp where its gradient is
     partial (see the module docstring).
 
     Args:
@@ -140,4 +142,4 @@ def split_linear(
 
 
 def _mark_partial(linear: nn.Module) -> None:
-    setattr(linear, PARTIAL_GRAD_PARAMS, ("weight",))
+    place(linear, "weight", partial=("tp",))

@@ -1,14 +1,13 @@
 """Apply a tensor-parallel plan to an HF model, and convert between full and sharded state.
 
-:func:`apply_tensor_parallel` is the one function that turns a plan (``hftrain.parallel.plans``) into modules:
-each style is one small function in :data:`STYLES`. Parameter names do not change, so the logical name of a
-shard is its HF name (without wrapper prefixes such as ``module.``), and :func:`full_state_dict` returns a
-state dict the plain HF class loads with ``strict=True``.
+:func:`apply_tensor_parallel` is the one function that turns a plan (``hftrain.parallel.plans``) into modules: each
+style is one small function in :data:`STYLES`. Parameter names do not change, so the logical name of a shard is its
+HF name (without wrapper prefixes such as ``module.``), and :func:`~hftrain.parallel.placement.full_state_dict`
+returns a state dict the plain HF class loads with ``strict=True``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,6 @@ from torch import nn
 
 from hftrain.errors import HFTrainError
 from hftrain.parallel.collectives import (
-    all_reduce_coalesced,
     copy_to_tp,
     gather_from_sequence,
     gather_to_replicated,
@@ -27,16 +25,14 @@ from hftrain.parallel.collectives import (
 )
 from hftrain.parallel.families import check_tensor_parallel, plan_for
 from hftrain.parallel.layers import (
-    PARTIAL_GRAD_PARAMS,
-    WRAPPER_PREFIXES,
     ColumnParallelLinear,
     RowParallelLinear,
-    TPShard,
     VocabParallelEmbedding,
     VocabParallelHead,
     WidthParallelRMSNorm,
 )
 from hftrain.parallel.lora import check_lora_layers, hf_model_of, is_lora_layer, split_linear
+from hftrain.parallel.placement import logical, place, split_over
 from hftrain.parallel.plans import GroupedQuerySplit, TensorParallelPlan, grouped_query_split
 from hftrain.parallel.random import RNGTracker, run_in_stream
 
@@ -189,13 +185,19 @@ def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> N
 
 def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     if ctx.sequence_parallel:
-        setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
+        _partial_over_tp(module)
 
 
 def _head_shared(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     # applied to this rank's heads only: its gradient is this rank's share of the heads' sum, complete after the
-    # all-reduce over tp in finalize_tp_grads (transformers' replicated_with_grad_allreduce)
-    setattr(module, PARTIAL_GRAD_PARAMS, tuple(n for n, _ in module.named_parameters(recurse=False)))
+    # all-reduce over tp (placement.sum_partial_grads; transformers' replicated_with_grad_allreduce)
+    _partial_over_tp(module)
+
+
+def _partial_over_tp(module: nn.Module) -> None:
+    """Record ``module``'s own parameters as whole on every tp rank with a gradient partial over tp."""
+    for name, _ in module.named_parameters(recurse=False):
+        place(module, name, partial=("tp",))
 
 
 def _width_norm(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
@@ -345,9 +347,9 @@ def apply_tensor_parallel(
             experts: the MoE blocks replicated), or a PEFT LoRA model of one
             (its adapters are split with their layers, ``hftrain.parallel.lora``).
         tp_group: the tensor-parallel process group.
-        sequence_parallel: shard LayerNorm/dropout regions along the sequence (batches must be padded to a
-            multiple of ``sequence_multiple(tp, sequence_parallel=True)``; call :func:`finalize_tp_grads`
-            after backward).
+        sequence_parallel: shard LayerNorm/dropout regions along the sequence (batches must be padded to a multiple
+            of ``sequence_multiple(tp, sequence_parallel=True)``; call
+            :func:`~hftrain.parallel.placement.complete_grads` after backward).
         rng_tracker: this rank's random streams (``hftrain.parallel.random``): dropout inside the tensor-parallel
             regions and on sequence chunks draws from its per-rank ``tensor`` stream, elsewhere from the default
             stream shared by the tp group. None keeps one stream for everything (masks repeat across tp ranks).
@@ -379,171 +381,6 @@ def apply_tensor_parallel(
     return model
 
 
-def _logical(name: str) -> str:
-    while name.startswith(WRAPPER_PREFIXES):
-        name = name.split(".", 1)[1]
-    return name
-
-
-def _join(prefix: str, name: str) -> str:
-    return _logical(f"{prefix}.{name}" if prefix else name)
-
-
-def sharded_parameters(model: nn.Module) -> dict[str, TPShard]:
-    """Logical HF names of the split parameters -> how each is split.
-
-    Args:
-        model: a model after :func:`apply_tensor_parallel`, possibly wrapped (DDP, Accelerate, compile).
-    """
-    return {
-        _join(prefix, name): shard
-        for prefix, module in model.named_modules()
-        for name, shard in getattr(module, "shards", {}).items()
-        if isinstance(shard, TPShard)
-    }
-
-
-def gather_full_tensors(local: dict[str, torch.Tensor], model: nn.Module, *, tp_group: Any) -> dict[str, torch.Tensor]:
-    """Full tensors from per-rank ones keyed by logical name (weights, gradients, optimizer state).
-
-    Collective over ``tp_group``: every tp rank passes the same names in the same order and gets the result.
-    Tensors of unsplit names are returned as they are.
-
-    Args:
-        local: logical name -> this rank's tensor (its shard for split names).
-        model: the tensor-parallel model that defines the splits.
-        tp_group: the tensor-parallel group.
-    """
-    shards = sharded_parameters(model)
-    split = [name for name in local if name in shards]
-    full = dict(local)
-    size = dist.get_world_size(tp_group)
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name in split:
-        by_dtype.setdefault(local[name].dtype, []).append(name)
-    for names in by_dtype.values():
-        # one all-gather per dtype; every rank knows every rank's shard shapes, so unequal splits are padded
-        shapes = [[shards[name].local_shape(r) for name in names] for r in range(size)]
-        lengths = [[math.prod(shape) for shape in rank_shapes] for rank_shapes in shapes]
-        longest = max(sum(rank_lengths) for rank_lengths in lengths)
-        flat = torch.cat([local[name].detach().reshape(-1) for name in names])
-        flat = torch.nn.functional.pad(flat, (0, longest - flat.numel()))
-        gathered = [torch.empty_like(flat) for _ in range(size)]
-        dist.all_gather(gathered, flat, group=tp_group)
-        pieces = [g[: sum(lengths[r])].split(lengths[r]) for r, g in enumerate(gathered)]
-        for i, name in enumerate(names):
-            full[name] = shards[name].assemble([pieces[r][i].view(shapes[r][i]) for r in range(size)])
-    return full
-
-
-def full_state_dict(model: nn.Module, *, tp_group: Any) -> dict[str, torch.Tensor]:
-    """The unsharded state dict with the model's own HF names (collective over ``tp_group``; every rank gets it).
-
-    Args:
-        model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
-        tp_group: the tensor-parallel group.
-    """
-    local = {_logical(name): tensor.detach() for name, tensor in model.state_dict().items()}
-    return gather_full_tensors(local, model, tp_group=tp_group)
-
-
-def shard_full_tensor(name: str, full: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """This rank's slice of the full tensor named ``name`` (the tensor itself when that name is not split).
-
-    Args:
-        name: logical HF name of a parameter (or of state shaped like it).
-        full: the unsharded tensor.
-        model: the tensor-parallel model that defines the splits.
-    """
-    shard = sharded_parameters(model).get(_logical(name))
-    return full if shard is None else shard.local(full)
-
-
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], *, names: set[str] | None = None) -> None:
-    """Load an unsharded HF state dict into a tensor-parallel model (each rank takes its slices), strictly.
-
-    Args:
-        model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
-        state: logical name -> full tensor, e.g. from :func:`full_state_dict` or the plain HF model.
-        names: the logical names this rank holds (a pipeline stage's); None: all of the model's. ``state`` must
-            still hold exactly the model's names.
-    """
-    shards = sharded_parameters(model)
-    targets = {_logical(name): tensor for name, tensor in model.state_dict().items()}
-    missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
-    if missing or unexpected:
-        raise HFTrainError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name, target in targets.items():
-            if names is not None and name not in names:
-                continue  # another stage's: not held here
-            value = shards[name].local(state[name]) if name in shards else state[name]
-            if value.shape != target.shape:
-                raise HFTrainError(f"'{name}': shape {tuple(state[name].shape)} does not fit the model")
-            target.copy_(value)
-
-
-def clip_grad_norm_(
-    model: nn.Module,
-    params: dict[str, nn.Parameter],
-    max_norm: float,
-    *,
-    tp_group: Any,
-    pp_group: Any = None,
-    ep_group: Any = None,
-    uncounted: frozenset[str] = frozenset(),
-) -> torch.Tensor:
-    """Clip to the global gradient norm, as one process with the whole model computes it; returns the norm.
-
-    Megatron's rule: ``‖g‖² = Σ_pp (Σ_tp Σ_split g² + Σ_replicated g²)``. The squares of split parameters are
-    summed over the tp group (all-reduce), a slice several ranks hold (key/value heads fewer than tp) by its first
-    holder only; replicated parameters (norms, row-parallel biases, the head) hold the same gradient on every tp
-    rank and count once; under pipeline parallelism each stage's total is summed over the
-    pp group (all-reduce), since each stage owns its own parameters. The coefficient is
-    ``torch.nn.utils.clip_grad_norm_``'s, ``min(1, max_norm / (‖g‖ + 1e-6))``, so one process matches it exactly.
-
-    Args:
-        model: the tensor-parallel model (defines which names are split).
-        params: HF name -> the parameters this rank owns (all of them without pipeline parallelism).
-        max_norm: the largest allowed norm.
-        tp_group: the tensor-parallel group.
-        pp_group: the pipeline group (None: one stage).
-        ep_group: the expert-parallel group (None: every expert is here).
-        uncounted: names clipped but left out of the norm: a copy another stage counts (a tied embedding's on the
-            last pipeline stage).
-    """
-    from hftrain.parallel.expert_parallel import expert_parameters
-
-    split = sharded_parameters(model)
-    experts = expert_parameters(model) if ep_group is not None else {}
-    # a replicated slice's other copies (the same gradient after finalize_tp_grads) are not counted again
-    grads = {name: p.grad for name, p in params.items() if p.grad is not None}
-    counted = {name for name in grads if (name not in split or split[name].first_replica) and name not in uncounted}
-    # where the norms are summed: the gradients' device (a rank with none: its parameters', never the host by default,
-    # which an NCCL group would not take)
-    device = next(iter(grads.values())).device if grads else next(iter(params.values())).device if params else None
-    squares = torch.zeros(3, dtype=torch.float64, device=device)  # (split, replicated, experts) sums of squares
-    for name, grad in grads.items():
-        # Each tensor's norm in fp32 (no float64 copy of a 28M-element embedding gradient: that transient cost
-        # 450 MB per step on SmolLM2), its square accumulated in float64.
-        if name in counted:
-            norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32)
-            squares[0 if name in split else 2 if name in experts else 1] += norm.double().pow(2)
-    split_sq, expert_sq = squares[:1].clone(), squares[2:].clone()
-    if dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(split_sq, group=tp_group)
-    if experts and dist.get_world_size(ep_group) > 1:
-        dist.all_reduce(expert_sq, group=ep_group)
-    total_sq = split_sq + squares[1:2] + expert_sq
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt().float().squeeze(0)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads.values():
-        grad.mul_(coefficient.to(grad.dtype))
-    return total
-
-
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each float width
 
 
@@ -556,7 +393,7 @@ def check_replicas_agree(model: nn.Module, *, tp_group: Any, exact: bool = True)
     different dropout masks on replicated activations), that copy is not the model the other ranks trained. The
     check is a checksum per parameter, the sum of its elements' bit patterns as integers (exact: any change of a
     bit changes it unless differences cancel), compared by one all-reduce (max of ``[s, -s]``) over tp; the copies
-    of a key/value head replicated over several ranks (``TPShard.replicas``) are compared by one more.
+    of a key/value head replicated over several ranks (``Split.replicas``) are compared by one more.
 
     On a GPU some kernels are not deterministic (``index_add_`` in mixture-of-experts routing, atomics in
     backward passes): replicated parameters then drift by a few bits in a step and a bitwise check would refuse
@@ -575,17 +412,17 @@ def check_replicas_agree(model: nn.Module, *, tp_group: Any, exact: bool = True)
     if not exact:
         _resync_replicas(model, tp_group)
         return
-    split = sharded_parameters(model)
+    split = split_over(model, "tp")
     names, sums, copies, copy_sums = [], [], [], []
     for name, param in model.named_parameters():
         if param.device.type == "meta":  # another stage's (never built)
             continue
-        shard = split.get(_logical(name))
+        shard = split.get(logical(name))
         if shard is None:
-            names.append(_logical(name))
+            names.append(logical(name))
             sums.append(_checksum(param))
         elif shard.replicas > 1:  # a key/value head held by several ranks: its copies must agree too
-            copies.append((_logical(name), shard))
+            copies.append((logical(name), shard))
             copy_sums.append(_checksum(param))
     differ = []
     if sums:
@@ -623,12 +460,12 @@ def _resync_replicas(model: nn.Module, tp_group: Any) -> None:
 
     from hftrain.parallel.host import any_rank
 
-    split = sharded_parameters(model)
+    split = split_over(model, "tp")
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, param in model.named_parameters():
-        shard = split.get(_logical(name))
+        shard = split.get(logical(name))
         if param.device.type != "meta" and (shard is None or shard.replicas > 1):
-            by_dtype.setdefault(param.dtype, []).append((_logical(name), param))
+            by_dtype.setdefault(param.dtype, []).append((logical(name), param))
     differ: list[str] = []
     for entries in by_dtype.values():
         mine = [param.detach() for _, param in entries]
@@ -656,43 +493,3 @@ def _resync_replicas(model: nn.Module, tp_group: Any) -> None:
 def _checksum(param: torch.Tensor) -> torch.Tensor:
     """The sum of a tensor's elements' bit patterns as integers (int64): any changed bit changes it."""
     return param.detach().contiguous().view(_BITS[param.element_size()]).sum(dtype=torch.int64)
-
-
-def finalize_tp_grads(model: nn.Module, *, tp_group: Any) -> None:
-    """Complete the gradients after backward, before the optimizer step (collective over ``tp_group``).
-
-    Two kinds of gradient are partial on each rank, and both are summed by one all-reduce over tp (per dtype):
-
-    - replicated parameters listed in ``PARTIAL_GRAD_PARAMS`` (under sequence parallelism the LayerNorms and
-      row-parallel biases that ran on sequence chunks): ``g = Σ_tp g_r``;
-    - slices several ranks hold (``TPShard.replicas > 1``: a key/value head shared by ``tp / kv`` ranks, each of
-      which saw only its own query heads): ``g_j = Σ_{r: r // replicas = j} g_r``, the sum over the ranks holding
-      slice ``j`` only. Without a process group per slice: every rank writes its gradient into slot ``j`` of a zero
-      buffer of all ``tp / replicas`` slots, the all-reduce sums each slot over its holders, and each rank takes
-      its slot back (the buffer is the full tensor's size).
-
-    When there are neither (no sequence parallelism, key/value heads split evenly), nothing is communicated.
-
-    Args:
-        model: a model after :func:`apply_tensor_parallel`, possibly wrapped.
-        tp_group: the tensor-parallel group.
-    """
-    grads = [
-        getattr(module, name).grad
-        for module in model.modules()
-        for name in getattr(module, PARTIAL_GRAD_PARAMS, ())
-        if getattr(module, name).grad is not None
-    ]
-    replicated = [
-        (getattr(module, name).grad, shard)
-        for module in model.modules()
-        for name, shard in getattr(module, "shards", {}).items()
-        if isinstance(shard, TPShard) and shard.replicas > 1 and getattr(module, name).grad is not None
-    ]
-    slots = [grad.new_zeros(shard.slices, *grad.shape) for grad, shard in replicated]
-    for slot, (grad, shard) in zip(slots, replicated, strict=True):
-        slot[shard.rank // shard.replicas] = grad
-    if grads or slots:
-        all_reduce_coalesced(grads + slots, tp_group)
-    for slot, (grad, shard) in zip(slots, replicated, strict=True):
-        grad.copy_(slot[shard.rank // shard.replicas])

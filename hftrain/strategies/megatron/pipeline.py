@@ -352,23 +352,16 @@ class PipelineRuntime(MegatronRuntime):
         return loss
 
     def _finalize_grads(self) -> None:
-        """Average gradients over dp × cp (each stage's own replicas and sequence parts), sum a tied embedding's
-        over the first and last stage (Megatron's embedding group), then complete tp's sequence-parallel ones."""
-        from hftrain.parallel import finalize_tp_grads
-        from hftrain.parallel.collectives import all_reduce_coalesced
+        """Complete the gradients over the placement records (``hftrain.parallel.complete_grads``: the mean over each
+        parameter's data replicas, dp × cp, as no DDP wraps the stages; tp's partial ones), and sum a weight's copies
+        on several pipeline ranks (a tied embedding's over Megatron's embedding group, shared aux weights' over pp)."""
+        from hftrain.parallel import complete_grads
 
-        layout = self.plugin.layout
-        grads = [p.grad for p in self._params.values() if p.grad is not None]
-        replicas = layout.dp_size * layout.cp_size
-        if replicas > 1 and grads:
-            all_reduce_coalesced(grads, layout.dp_cp_group or layout.dp_group)
-            for grad in grads:
-                grad.div_(replicas)
+        complete_grads(self._model, self.plugin.layout, data_mean=True)
         for copy, group in self._copies:  # every copy's gradient is the sum of all of them: one update
             if copy.grad is None:  # a stage that took no gradient into it still joins the sum
                 copy.grad = torch.zeros_like(copy)
             dist.all_reduce(copy.grad, group=group)
-        finalize_tp_grads(self._model, tp_group=layout.tp_group)
 
     def _tie_stages(self, tied: nn.Parameter, stage_params: set[int], stages: list[nn.Module]) -> None:
         """Keep tied input/output embeddings one weight when the embedding (first stage) and the output projection

@@ -165,10 +165,12 @@ class MegatronPlugin:
         model = self.parallelize(model, device=device)
         if layout.dp_size * layout.cp_size == 1:
             return model
-        if layout.ep_size > 1:  # experts differ between ep ranks: finalize_grads reduces them over edp instead
-            from hftrain.parallel.expert_parallel import expert_parameters
+        from hftrain.parallel import ddp_ignored
 
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(expert_parameters(model)))
+        # parameters whose data replicas are another group (ep's experts): finalize_grads averages them there
+        ignored = ddp_ignored(model, layout)
+        if ignored:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         # Gradients are averaged over the ranks holding the same shard only (and its sequence parts: dp × cp);
         # DDP's no_sync serves accumulation.
         return DistributedDataParallel(model, process_group=layout.dp_cp_group or layout.dp_group)
@@ -210,22 +212,19 @@ class MegatronPlugin:
 
     # ----------------------------------------------------------------- step
     def finalize_grads(self, model: torch.nn.Module) -> None:
-        """Complete the gradients of TP-replicated parameters after backward (before clipping and the step).
+        """Complete the gradients after backward (before clipping and the step): what DDP did not average, and what
+        is partial over an axis (``hftrain.parallel.complete_grads``, over the placement records).
 
         Args:
             model: the prepared model.
         """
-        from hftrain.parallel import finalize_tp_grads
+        from hftrain.parallel import complete_grads
 
-        finalize_tp_grads(unwrap(model), tp_group=self.layout.tp_group)
-        if self.layout.ep_size > 1:
-            from hftrain.parallel.expert_parallel import finalize_expert_grads
-
-            finalize_expert_grads(unwrap(model), edp_group=self.layout.edp_group, dp_size=self.layout.dp_size)
+        complete_grads(unwrap(model), self.layout, data_mean=False)
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to the global gradient norm, as one process with the whole model would compute it
-        (``hftrain.parallel.clip_grad_norm_``: split parameters' squares summed over tp, replicated ones once).
+        (``hftrain.parallel.clip_grad_norm_``: a cut parameter's squares summed over its axis, whole ones once).
 
         Args:
             model: the prepared model (after ``finalize_grads``).
@@ -234,13 +233,7 @@ class MegatronPlugin:
         from hftrain.parallel import clip_grad_norm_
 
         module = unwrap(model)
-        return clip_grad_norm_(
-            module,
-            dict(module.named_parameters()),
-            max_norm,
-            tp_group=self.layout.tp_group,
-            ep_group=self.layout.ep_group,
-        )
+        return clip_grad_norm_(module, dict(module.named_parameters()), max_norm, groups=self.layout.cut_groups)
 
     # ----------------------------------------------------------------- evaluation and state
     def gather_for_metrics(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -268,14 +261,14 @@ class MegatronPlugin:
         return gathered
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The full weights with the HF names (collective over the tp group).
+        """The full weights with the HF names (collective over the groups of the axes that cut them).
 
         Args:
             model: the prepared model.
         """
         from hftrain.parallel import full_state_dict
 
-        return full_state_dict(unwrap(model), tp_group=self.layout.tp_group)
+        return full_state_dict(unwrap(model), groups=self.layout.cut_groups)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

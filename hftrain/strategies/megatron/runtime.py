@@ -115,9 +115,8 @@ class MegatronRuntime(AccelerateRuntime):
             self._model,
             self._params,
             max_norm,
-            tp_group=layout.tp_group,
+            groups=layout.cut_groups,
             pp_group=layout.pp_group,
-            ep_group=layout.ep_group,
             uncounted=self.foreign_copies,
         )
 

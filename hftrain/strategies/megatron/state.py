@@ -1,14 +1,15 @@
 """Megatron's checkpoint state: this rank's boxes of every logical tensor, in the sharded format of every strategy.
 
-Save (:func:`snapshot`): each parameter split by a :class:`~hftrain.parallel.layers.TPShard` gives the boxes its
-slice occupies in the full HF-layout tensor (``TPShard.boxes``: packed query/key/value blocks as separate ranges,
-vocabulary padding left out), an unsplit one the whole tensor; Adam's moments are boxed like their parameter. The
-dp and cp replicas of a slice, and the tp ranks of an unsplit tensor, deal the writes out among themselves
-(``split_replicated``), so each piece is written once, from live memory, with no gather: a rank's save costs its own
-state. Under ``shard_optimizer`` (ZeRO-1 over dp) each dp rank writes the moments of the parameters it owns.
-Load (:func:`load_snapshot`): the same boxes, filled in place from a checkpoint of any strategy and layout
-(``hftrain.checkpoint.sharded``). :func:`iter_full_state` streams the full weights to rank 0 one tensor at a time
-for the export; :func:`merged_weights` gathers them all (LoRA's adapter export).
+Save (:func:`snapshot`): each parameter's placement record (``hftrain.parallel.placement``) gives the boxes its slice
+occupies in the full HF-layout tensor (``Split.boxes``: packed query/key/value blocks as separate ranges, vocabulary
+padding left out; experts' ranges along ep), a whole one the whole tensor; Adam's moments are boxed like their
+parameter. The ranks holding the same box (``ParallelGroups.holders``: its data replicas, and the tp ranks unless tp
+cuts it) deal the writes out among themselves (``split_replicated``), so each piece is written once, from live
+memory, with no gather: a rank's save costs its own state. Under ``shard_optimizer`` (ZeRO-1 over dp) each dp rank
+writes the moments of the parameters it owns. Load (:func:`load_snapshot`): the same boxes, filled in place from a
+checkpoint of any strategy and layout (``hftrain.checkpoint.sharded``). :func:`iter_full_state` streams the full
+weights to rank 0 one tensor at a time for the export; :func:`merged_weights` gathers them all (LoRA's adapter
+export).
 
 Checkpoints of the previous format (full tensors in ``state/model.safetensors`` and ``state/optimizer.pt``, with
 ``layout.json``) still load through :func:`load_legacy_state`, which slices each full tensor to this rank's shard.
@@ -47,9 +48,9 @@ def snapshot(
 ) -> Snapshot:
     """This rank's boxes of the logical model and optimizer state (views of the live tensors; no collective).
 
-    Each split parameter gives the boxes its :class:`~hftrain.parallel.layers.TPShard` places in the full tensor
-    (vocabulary padding left out), a replicated one the whole tensor; Adam's moments are boxed like their
-    parameter. Replicas (tp for replicated parameters, dp, cp) give the same boxes and DCP writes one of each.
+    Each cut parameter gives the boxes its placement's :class:`~hftrain.parallel.placement.Split` places in the full
+    tensor (vocabulary padding left out), a whole one the whole tensor; Adam's moments are boxed like their
+    parameter. The holders of a box (``ParallelGroups.holders``) deal its writes out.
 
     Args:
         model: the tensor-parallel HF model (unwrapped).
@@ -58,44 +59,40 @@ def snapshot(
             local optimizer holds the state of the parameters this dp rank owns).
         groups: the run's ``ParallelGroups`` (the first stage contributes the buffers; replicas share writes).
         info: the layout, for ``sharded.json``.
-        share: keep only this rank's share of replicated boxes (a save: dp and cp replicas hold the same shards,
-            tp ranks the same unsplit tensors; ``Chunked.share``); a load fills everything it holds.
+        share: keep only this rank's share of the boxes several ranks hold (a save); a load fills everything it
+            holds.
     """
     from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX, Snapshot, split_replicated
-    from hftrain.parallel.expert_parallel import expert_parameters
-    from hftrain.parallel.tensor_parallel import sharded_parameters
+    from hftrain.parallel import placements
 
-    experts = expert_parameters(model)  # slices along the expert dimension over ep, the same on every tp rank
-    shards = {**sharded_parameters(model), **experts}
+    records = placements(model)  # where each parameter lives: cut along an axis (tp, ep) or whole
     buffers = _buffer_names(model)
-    state, split, by_expert = {}, [], []  # keys of tensor-parallel slices, and of expert-parallel ones
+    state, owner = {}, {}  # key -> boxes; key -> the parameter (or buffer) name it belongs to
     for name, tensor in model.state_dict().items():
         if name in params or (name in buffers and groups.pp_rank == 0):
-            state[MODEL_PREFIX + name] = _boxes(name, tensor, shards)
-            split += [MODEL_PREFIX + name] if name in shards and name not in experts else []
-            by_expert += [MODEL_PREFIX + name] if name in experts else []
+            state[MODEL_PREFIX + name] = _boxes(name, tensor, records)
+            owner[MODEL_PREFIX + name] = name
     names = {id(p): n for n, p in params.items()}
     zero1 = hasattr(optimizer, "optim")  # ZeroRedundancyOptimizer: each dp rank holds its parameters' state only
     for param, values in getattr(optimizer, "optim", optimizer).state.items():
         name = names[id(param)]
         for key, value in values.items():
             if torch.is_tensor(value):
-                state[f"{OPTIM_PREFIX}{name}.{key}"] = _boxes(name, value, shards)
-                sliced = name in shards and value.dim() > 0
-                split += [f"{OPTIM_PREFIX}{name}.{key}"] if sliced and name not in experts else []
-                by_expert += [f"{OPTIM_PREFIX}{name}.{key}"] if sliced and name in experts else []
+                state[f"{OPTIM_PREFIX}{name}.{key}"] = _boxes(name, value, records)
+                owner[f"{OPTIM_PREFIX}{name}.{key}"] = name
     if not share:
         return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
-    # dp × cp replicas hold the same slices, and tp ranks the same unsplit tensors: each is written by one holder
-    replica, replicas = groups.dp_rank * groups.cp_size + groups.cp_rank, groups.dp_size * groups.cp_size
-    sliced = set(split) | set(by_expert)
-    unsplit = [key for key in state if key not in sliced and not (zero1 and key.startswith(OPTIM_PREFIX))]
-    state = split_replicated(state, unsplit, replica * groups.tp_size + groups.tp_rank, replicas * groups.tp_size)
-    if not zero1:
-        state = split_replicated(state, split, replica, replicas)
-    if by_expert:  # an expert slice is held by its edp replicas (dp ranks with the same ep rank) on every tp rank
-        holder, holders = groups.dp_rank // groups.ep_size, groups.dims.edp
-        state = split_replicated(state, by_expert, holder * groups.tp_size + groups.tp_rank, holders * groups.tp_size)
+    # The ranks holding the same box (a parameter's data replicas, and the tp ranks unless tp cuts it) deal its writes
+    # out among themselves; under ZeRO-1 only the owner holds a parameter's optimizer state (it writes it alone).
+    by_holders: dict[tuple[int, int], list[str]] = {}
+    for key, name in owner.items():
+        if zero1 and key.startswith(OPTIM_PREFIX):
+            continue
+        record = records.get(name)
+        axis = record.axis if record is not None and record.split is not None and state[key].size else None
+        by_holders.setdefault(groups.holders(axis), []).append(key)
+    for (index, count), keys in by_holders.items():
+        state = split_replicated(state, keys, index, count)
     return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
 
 
@@ -125,14 +122,16 @@ def load_snapshot(
     read_snapshot(directory, boxes.state, optimizer.param_groups)
 
 
-def _boxes(name: str, tensor: torch.Tensor, shards: dict[str, Any]) -> Chunked:
+def _boxes(name: str, tensor: torch.Tensor, records: dict[str, Any]) -> Chunked:
+    """The boxes of ``tensor`` (parameter ``name`` or state shaped like it) in the logical tensor: its slice's, or
+    the whole tensor (a scalar such as Adam's step is whole)."""
     from hftrain.checkpoint.sharded import Chunked
 
     tensor = tensor.detach()
-    shard = shards.get(name)
-    if shard is None or tensor.dim() == 0:
+    record = records.get(name)
+    if record is None or record.split is None or tensor.dim() == 0:
         return Chunked.whole(tensor)
-    return Chunked(shard.full_shape, shard.boxes(tensor))
+    return Chunked(record.split.full_shape, record.split.boxes(tensor))
 
 
 def load_legacy_state(
@@ -170,8 +169,8 @@ def load_legacy_state(
 
 
 def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], groups: Any) -> dict[str, Any]:
-    """The full weights with HF names, gathered over tp (and ep) and merged over pp (collective; every caller gets
-    them).
+    """The full weights with HF names, gathered over the axes that cut them (tp, ep) and merged over pp
+    (collective; every caller gets them).
 
     Args:
         model: the tensor-parallel HF model (unwrapped; under ``pp > 1`` only its stages' parameters are live).
@@ -187,12 +186,7 @@ def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
         for name, tensor in model.state_dict().items()
         if name in params or (name in buffers and groups.pp_rank == 0)
     }
-    full = gather_full_tensors(local, model, tp_group=groups.tp_group)
-    if groups.ep_size > 1:  # expert slices, the same on every tp rank, gathered over ep (pp = 1 under ep)
-        from hftrain.parallel.expert_parallel import expert_parameters, gather_experts
-
-        for name in sorted(expert_parameters(model)):
-            full[name] = gather_experts(full[name], groups.ep_group)
+    full = gather_full_tensors(local, model, groups=groups.cut_groups)  # each cut tensor over the axis cutting it
     if groups.pp_size == 1:
         return full
     merged: dict[str, torch.Tensor] = {}
@@ -207,25 +201,22 @@ def iter_full_state(
     """The full weights one tensor at a time: ``(name, tensor)`` on global rank 0, ``(name, None)`` elsewhere.
 
     Collective. Every stage's names, full shapes and dtypes are exchanged once over the pp group (plain data);
-    then, name by name, the tp ranks of the stage holding it (data-parallel and context replica 0) gather it (an
-    expert tensor: the ep ranks of data-parallel replica 0's ep group, over ep), and that stage's tp rank 0 sends
-    it to global rank 0. No rank holds more than one full tensor beside its shards.
+    then, name by name, the first data replica of the stage holding it gathers it over the axis cutting it (tp; ep for
+    experts, whose first data replica is data-parallel replica 0's ep group), and that stage's first rank sends it to
+    global rank 0. No rank holds more than one full tensor beside its shards.
 
     Args:
         model: the tensor-parallel HF model (unwrapped).
         params: HF name -> the parameters this rank owns.
         groups: the run's ``ParallelGroups``.
     """
-    from hftrain.parallel import gather_full_tensors
-    from hftrain.parallel.expert_parallel import expert_parameters, gather_experts
-    from hftrain.parallel.tensor_parallel import sharded_parameters
+    from hftrain.parallel import gather_full_tensors, placements
 
-    experts = expert_parameters(model) if groups.ep_size > 1 else {}
-    shards = {**sharded_parameters(model), **experts}
+    records = placements(model)
     buffers = _buffer_names(model)
     state = model.state_dict()
     local = [
-        (name, tuple(shards[name].full_shape) if name in shards else tuple(tensor.shape), str(tensor.dtype))
+        (name, tuple(records[name].split.full_shape) if _cut(records, name) else tuple(tensor.shape), str(tensor.dtype))
         for name, tensor in state.items()
         if name in params or (name in buffers and groups.pp_rank == 0)
     ]
@@ -233,8 +224,7 @@ def iter_full_state(
     rank = dist.get_rank() if dist.is_initialized() else 0
     # Received where this rank computes: the default group of a CUDA run (NCCL) takes no CPU tensor.
     device = next(iter(params.values())).device if params else torch.device("cpu")
-    holder = groups.dp_rank == 0 and groups.cp_rank == 0
-    in_first_ep_group = groups.dp_rank < groups.ep_size and groups.cp_rank == 0  # its ranks hold every expert
+    holder = groups.holders(None)[0] == 0  # the first data replica's tp rank 0: it sends (or yields) each tensor
     given: set[str] = set()
     for stage, entries in enumerate(stages):
         sender = groups.dims.rank(stage, 0, 0, 0)
@@ -243,13 +233,10 @@ def iter_full_state(
                 continue
             given.add(name)
             full = None
-            if stage == groups.pp_rank and name in experts and in_first_ep_group:
-                full = gather_experts(state[name].detach(), groups.ep_group)  # experts are not split over tp
+            axis = records[name].axis if _cut(records, name) else None
+            if stage == groups.pp_rank and groups.data_replicas(axis)[1] == 0:  # its first data replica gathers it
+                full = gather_full_tensors({name: state[name].detach()}, model, groups=groups.cut_groups)[name]
                 full = full if holder else None
-            elif stage == groups.pp_rank and holder:
-                full = state[name].detach()
-                if groups.tp_size > 1:
-                    full = gather_full_tensors({name: full}, model, tp_group=groups.tp_group)[name]
             if sender != 0 and rank == sender:
                 dist.send(full.contiguous(), dst=0)
             elif sender != 0 and rank == 0:
@@ -257,6 +244,11 @@ def iter_full_state(
                 dist.recv(full, src=sender)
             yield name, full if rank == 0 else None
             del full
+
+
+def _cut(records: dict[str, Any], name: str) -> bool:
+    """Whether an axis cuts ``name`` into slices."""
+    return name in records and records[name].split is not None
 
 
 def _buffer_names(model: torch.nn.Module) -> set[str]:

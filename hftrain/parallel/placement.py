@@ -1,0 +1,514 @@
+"""Where each parameter lives on the mesh: one :class:`Placement` record per parameter.
+
+A parameter is either whole on every rank of an axis, or cut into slices along one mesh axis (tp by a family's
+plan, ep along the experts), described by a :class:`Split`; and its gradient on a rank is either complete or one term
+of a sum over an axis (``partial``: under sequence parallelism a LayerNorm saw only this rank's sequence chunk, a
+LoRA factor under a column-parallel layer only its share of the product). The axis's ``apply_*`` call records this
+(:func:`place`) when it replaces a module; everything that must know where a parameter lives reads the records,
+and is written once, here:
+
+- **gradient completion** (:func:`complete_grads`): ``g = Σ_axis g_r`` for partial gradients; the copies of a slice
+  several ranks hold (``Split.replicas``) summed over their holders; the data-parallel mean ``(1 / (dp·cp)) Σ g_r``
+  over each parameter's data replicas (``ParallelGroups.data_replicas``: dp × cp for a dense parameter, the edp ranks
+  for one cut along ep, which is carved out of dp);
+- **the DDP ignore list** (:func:`ddp_ignored`): parameters whose data replicas are not DDP's group;
+- **clipping** (:func:`clip_grad_norm_`): each slice's square counted once, summed over the axis that cuts it;
+- **full tensors** (:func:`gather_full_tensors`, :func:`load_full_state_dict`, :func:`shard_full_tensor`): the export,
+  the reload check, loading a full state dict;
+- **checkpoint boxes** (:meth:`Split.boxes`) and which of a box's holders writes it (``ParallelGroups.holders``);
+- **the replica check** (``tensor_parallel.check_replicas_agree``): what tp does not cut is compared over tp.
+
+A new axis that cuts parameters adds its ``place`` calls and its group in ``ParallelGroups``; none of the above
+changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hftrain.errors import HFTrainError
+
+PLACEMENTS = "hftrain_placements"  # module attribute: its own parameter name -> Placement
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / Accelerate / DeepSpeed wrappers, torch.compile
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one parameter is cut into slices over the ranks of one mesh axis (tp: by a plan; ep: along the experts).
+
+    The full tensor's dimension ``dim`` is viewed as ``parts`` equal blocks (GPT-2's ``c_attn``: 3 blocks,
+    query, key and value, each ``hidden`` wide), or as blocks of the given ``blocks`` lengths (Phi-3's fused
+    ``qkv_proj``: ``h·d`` query rows, then ``kv·d`` key and ``kv·d`` value rows; its ``gate_up_proj``: 2 equal
+    blocks); every block is cut into ``size / replicas`` slices and rank ``r`` holds slice ``r // replicas`` of every
+    block, concatenated in block order (so its q, k and v are its own heads'). Slices are equal unless ``counts``
+    gives their lengths.
+
+    ``replicas > 1``: consecutive groups of ``replicas`` ranks hold the same slice (grouped-query attention with
+    fewer key/value heads than tp: each rank holds one key/value head, shared by ``tp / kv`` ranks, as Megatron and
+    vLLM replicate them); :meth:`assemble` takes one copy of each slice.
+
+    ``padded``: the length ``dim`` is zero-padded to before it is cut (a vocabulary padded to a multiple of tp,
+    Megatron's ``make-vocab-size-divisible-by``): :meth:`local` pads then slices, :meth:`assemble` trims back to
+    ``full_shape``, so the padding never leaves the shards (checkpoints and exports hold the logical tensor).
+
+    Args:
+        dim: the split dimension of the full (HF-layout) tensor.
+        rank: this rank's position on the axis.
+        size: the axis's size.
+        full_shape: shape of the unsharded (logical) tensor.
+        parts: packed equal blocks along ``dim`` that are split separately (1 for a plain split).
+        counts: length of each slice of a block, by slice (``None``: equal slices).
+        padded: the padded length of ``dim`` (``None``: no padding; only with ``parts = 1``).
+        replicas: ranks holding each slice (a divisor of ``size``).
+        blocks: lengths of unequal packed blocks along ``dim`` (they sum to its length; each cut into equal
+            slices), instead of ``parts`` equal ones; ``None``: ``parts`` equal blocks.
+    """
+
+    dim: int
+    rank: int
+    size: int
+    full_shape: tuple[int, ...]
+    parts: int = 1
+    counts: tuple[int, ...] | None = None
+    padded: int | None = None
+    replicas: int = 1
+    blocks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.size % self.replicas:
+            raise ValueError(f"replicas={self.replicas} does not divide the tensor-parallel size {self.size}")
+        if self.padded is not None and (self.parts != 1 or self.padded < self.full_shape[self.dim]):
+            raise ValueError(f"padded={self.padded} needs parts=1 and at least {self.full_shape[self.dim]} rows")
+        if self.blocks is not None:
+            if self.counts is not None or self.padded is not None or sum(self.blocks) != self.full_shape[self.dim]:
+                raise ValueError(
+                    f"blocks={self.blocks} must sum to {self.full_shape[self.dim]}, without counts or padding"
+                )
+            if any(block % self.slices for block in self.blocks):
+                raise ValueError(f"{self.slices} slices do not divide every block of {self.blocks}")
+            object.__setattr__(self, "parts", len(self.blocks))
+
+    @property
+    def slices(self) -> int:
+        """Distinct slices of a block (``size / replicas``)."""
+        return self.size // self.replicas
+
+    @property
+    def first_replica(self) -> bool:
+        """Whether this rank holds the first copy of its slice (the copy counted once in norms)."""
+        return self.rank % self.replicas == 0
+
+    def slice_lengths(self) -> tuple[int, ...]:
+        """Every slice's length within one block of ``parts`` equal ones (slice i is held by ranks
+        i·replicas … (i+1)·replicas − 1)."""
+        block = (self.padded or self.full_shape[self.dim]) // self.parts
+        return self.counts or (block // self.slices,) * self.slices
+
+    def _pieces(self, rank: int | None = None) -> list[tuple[int, int]]:
+        """``(start, length)`` along ``dim`` of the (padded) full tensor of each block's slice a rank holds."""
+        index = (self.rank if rank is None else rank) // self.replicas
+        if self.blocks is not None:
+            starts = [sum(self.blocks[:part]) for part in range(self.parts)]
+            return [(start + index * block // self.slices, block // self.slices)
+                    for start, block in zip(starts, self.blocks, strict=True)]  # fmt: skip
+        lengths = self.slice_lengths()
+        block = (self.padded or self.full_shape[self.dim]) // self.parts
+        return [(part * block + sum(lengths[:index]), lengths[index]) for part in range(self.parts)]
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """Shape of a rank's shard (this rank's by default).
+
+        Args:
+            rank: a tensor-parallel rank.
+        """
+        shape = list(self.full_shape)
+        shape[self.dim] = sum(length for _, length in self._pieces(rank))
+        return tuple(shape)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``full`` (a copy; rows of the padding are zero).
+
+        Args:
+            full: a tensor of ``full_shape`` (a weight, its gradient or its optimizer state).
+        """
+        if tuple(full.shape) != tuple(self.full_shape):
+            raise ValueError(f"expected a full tensor of shape {tuple(self.full_shape)}, got {tuple(full.shape)}")
+        if self.padded is not None:
+            full = F.pad(full.movedim(self.dim, -1), (0, self.padded - full.shape[self.dim])).movedim(-1, self.dim)
+        return torch.cat([full.narrow(self.dim, start, length) for start, length in self._pieces()], self.dim)
+
+    def boxes(self, local: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """Where this rank's slice lies in the full tensor: ``(offsets, view of local)`` per block, the padding's
+        rows left out (they belong to no logical tensor). A sharded checkpoint writes and reads these in place.
+
+        Args:
+            local: this rank's shard (a weight or optimizer state shaped like it).
+        """
+        found, at = [], 0
+        for start, length in self._pieces():
+            keep = min(length, self.full_shape[self.dim] - start)
+            if keep > 0:
+                offsets = [0] * len(self.full_shape)
+                offsets[self.dim] = start
+                found.append((tuple(offsets), local.narrow(self.dim, at, keep)))
+            at += length
+        return found
+
+    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full (logical) tensor from every rank's slice (in tp-rank order): one copy of each replicated slice,
+        the padding trimmed.
+
+        Args:
+            shards: ``size`` tensors, one per tensor-parallel rank.
+        """
+        # pieces[r][b]: block b's slice held by the r-th distinct slice holder
+        pieces = [
+            shard.split([length for _, length in self._pieces(rank)], self.dim)
+            for rank, shard in list(enumerate(shards))[:: self.replicas]
+        ]
+        full = torch.cat([held[part] for part in range(self.parts) for held in pieces], self.dim)
+        return full.narrow(self.dim, 0, self.full_shape[self.dim]).contiguous()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one parameter lives on the mesh.
+
+    Args:
+        axis: the mesh axis whose ranks hold different slices (``"tp"``, ``"ep"``); None: whole on every rank.
+        split: how the logical tensor is cut along ``axis`` (None when it is not).
+        partial: axes over which this rank's gradient is one term of a sum (``"tp"``).
+    """
+
+    axis: str | None = None
+    split: Split | None = None
+    partial: tuple[str, ...] = ()
+
+    @property
+    def counted(self) -> bool:
+        """Whether this rank's copy of its slice is the one counted in norms (the first of its holders)."""
+        return self.split is None or self.split.first_replica
+
+
+WHOLE = Placement()
+
+
+def place(module: nn.Module, name: str, *, axis: str | None = None, split: Split | None = None, partial=()) -> None:
+    """Record where ``module``'s own parameter ``name`` lives (merged into what an earlier axis recorded).
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name in ``module``.
+        axis: the axis that cuts it, with ``split``.
+        split: how it is cut.
+        partial: axes over which its gradient is partial.
+    """
+    records = dict(getattr(module, PLACEMENTS, {}))
+    old = records.get(name, WHOLE)
+    records[name] = Placement(
+        axis=axis or old.axis,
+        split=split or old.split,
+        partial=tuple(dict.fromkeys((*old.partial, *partial))),
+    )
+    setattr(module, PLACEMENTS, records)
+
+
+def placed(module: nn.Module) -> dict[str, Placement]:
+    """``module``'s own records (its parameter name -> placement); unrecorded parameters are whole.
+
+    Args:
+        module: any module.
+    """
+    return getattr(module, PLACEMENTS, {})
+
+
+def logical(name: str) -> str:
+    """``name`` without the wrappers' prefixes (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``)."""
+    while name.startswith(WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def placements(model: nn.Module) -> dict[str, Placement]:
+    """Logical HF names of the recorded parameters -> their placements (unrecorded ones are whole).
+
+    Args:
+        model: a model after its axes' ``apply_*`` calls, possibly wrapped (DDP, Accelerate, compile).
+    """
+    return {
+        logical(f"{prefix}.{name}" if prefix else name): record
+        for prefix, module in model.named_modules()
+        for name, record in placed(module).items()
+    }
+
+
+def split_over(model: nn.Module, axis: str | None = None) -> dict[str, Split]:
+    """Logical names of the parameters cut along ``axis`` (any axis: None) -> how each is cut.
+
+    Args:
+        model: the parallelized model.
+        axis: a mesh axis, or None for every cut parameter.
+    """
+    return {
+        name: record.split
+        for name, record in placements(model).items()
+        if record.split is not None and (axis is None or record.axis == axis)
+    }
+
+
+def _live_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``(logical name, parameter)`` of the parameters this rank holds (not another stage's, left on ``meta``)."""
+    for name, param in model.named_parameters():
+        if param.device.type != "meta":
+            yield logical(name), param
+
+
+# ----------------------------------------------------------------- gradients
+def sum_partial_grads(model: nn.Module, axis: str, group: Any) -> None:
+    """Complete the gradients that are partial over ``axis`` (collective over ``group``, that axis's group).
+
+    Two kinds, both summed by one all-reduce over the axis (per dtype):
+
+    - parameters whose record lists ``axis`` in ``partial``: ``g = Σ_axis g_r``;
+    - slices several ranks hold (``Split.replicas > 1``: a key/value head shared by ``tp / kv`` ranks, each of which
+      saw only its own query heads): ``g_j = Σ_{r: r // replicas = j} g_r``, the sum over the ranks holding slice
+      ``j`` only. Without a process group per slice: every rank writes its gradient into slot ``j`` of a zero buffer
+      of all ``size / replicas`` slots, the all-reduce sums each slot over its holders, and each rank takes its slot
+      back (the buffer is the full tensor's size).
+
+    When there are neither, nothing is communicated.
+
+    Args:
+        model: the parallelized model, possibly wrapped.
+        axis: the mesh axis (``"tp"``).
+        group: its process group.
+    """
+    from hftrain.parallel.collectives import all_reduce_coalesced
+
+    grads, replicated = [], []
+    for module in model.modules():
+        for name, record in placed(module).items():
+            grad = getattr(module, name).grad
+            if grad is None:
+                continue
+            if axis in record.partial:
+                grads.append(grad)
+            elif record.axis == axis and record.split is not None and record.split.replicas > 1:
+                replicated.append((grad, record.split))
+    slots = [grad.new_zeros(split.slices, *grad.shape) for grad, split in replicated]
+    for slot, (grad, split) in zip(slots, replicated, strict=True):
+        slot[split.rank // split.replicas] = grad
+    if grads or slots:
+        all_reduce_coalesced(grads + slots, group)
+    for slot, (grad, split) in zip(slots, replicated, strict=True):
+        grad.copy_(slot[split.rank // split.replicas])
+
+
+def ddp_ignored(model: nn.Module, groups: Any) -> list[str]:
+    """Names of the parameters DDP must leave alone: their data replicas are not DDP's group (cut along an axis
+    carved out of the data-parallel ranks, as ep's experts: :func:`complete_grads` averages them over their own).
+
+    Args:
+        model: the parallelized model (unwrapped).
+        groups: the run's ``ParallelGroups``.
+    """
+    dense = groups.data_replicas(None)[0]
+    return [name for name, record in placements(model).items() if groups.data_replicas(record.axis)[0] is not dense]
+
+
+def complete_grads(model: nn.Module, groups: Any, *, data_mean: bool) -> None:
+    """Complete every gradient after backward, before clipping and the step (collective over the run's groups).
+
+    1. the data-parallel mean ``g = (1 / (dp·cp)) Σ_r g_r`` over each parameter's data replicas (one all-reduce per
+       group and dtype): for every parameter when ``data_mean`` (no DDP: a pipeline's stages), else only for those
+       DDP ignores (:func:`ddp_ignored`; the dense ones DDP reduced in backward). A parameter cut along an axis carved
+       out of dp (ep) sums over its fewer replicas but divides by ``dp·cp`` too: its gradient already holds the
+       terms of its whole ep group (their tokens came to it). Such a parameter with no gradient (an expert no token
+       reached) gets zeros, as the unsplit tensor's slice would;
+    2. the partial gradients of each axis (:func:`sum_partial_grads`).
+
+    Args:
+        model: the parallelized model, possibly wrapped (its parameters on ``meta`` are another stage's).
+        groups: the run's ``ParallelGroups``.
+        data_mean: average the dense parameters over dp × cp too.
+    """
+    from hftrain.parallel.collectives import all_reduce_coalesced
+
+    records = placements(model)
+    dense = groups.data_replicas(None)[0]
+    by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for name, param in _live_parameters(model):
+        record = records.get(name, WHOLE)
+        group = groups.data_replicas(record.axis)[0]
+        own = group is not dense
+        if not (param.requires_grad and (data_mean or own)):
+            continue
+        if param.grad is None:
+            if not own:
+                continue
+            param.grad = torch.zeros_like(param)
+        by_group.setdefault(id(group), (group, []))[1].append(param.grad)
+    scale = groups.dp_size * groups.cp_size
+    for group, grads in by_group.values():
+        if group is not None and dist.get_world_size(group) > 1:
+            all_reduce_coalesced(grads, group)
+        if scale > 1:
+            for grad in grads:
+                grad.div_(scale)
+    for axis in sorted({a for r in records.values() for a in r.partial} | {r.axis for r in records.values() if r.axis}):
+        group = groups.axis_group(axis)
+        if group is not None and dist.get_world_size(group) > 1:
+            sum_partial_grads(model, axis, group)
+
+
+def clip_grad_norm_(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    max_norm: float,
+    *,
+    groups: Mapping[str, Any],
+    pp_group: Any = None,
+    uncounted: frozenset[str] = frozenset(),
+) -> torch.Tensor:
+    """Clip to the global gradient norm, as one process with the whole model computes it; returns the norm.
+
+    Megatron's rule generalised to every axis that cuts parameters: ``‖g‖² = Σ_pp (Σ_axes Σ_axis Σ_cut g² +
+    Σ_whole g²)``. The squares of the parameters cut along an axis are summed over that axis's group (one
+    all-reduce each), a slice several ranks hold by its first holder only; whole parameters hold the same gradient on
+    every rank of those axes and count once; under pipeline parallelism each stage's total is summed over the pp group,
+    since each stage owns its own parameters. The coefficient is ``torch.nn.utils.clip_grad_norm_``'s,
+    ``min(1, max_norm / (‖g‖ + 1e-6))``, so one process matches it exactly.
+
+    Args:
+        model: the parallelized model (its records say which names are cut).
+        params: HF name -> the parameters this rank owns (all of them without pipeline parallelism).
+        max_norm: the largest allowed norm.
+        groups: axis -> its process group, for every axis that cuts parameters in this run (``{"tp": ...}``).
+        pp_group: the pipeline group (None: one stage).
+        uncounted: names clipped but left out of the norm: a copy another stage counts (a tied embedding's on the
+            last pipeline stage).
+    """
+    records = placements(model)
+    axes = list(groups)
+    grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+    # where the norms are summed: the gradients' device (a rank with none: its parameters', never the host by default,
+    # which an NCCL group would not take)
+    device = next(iter(grads.values())).device if grads else next(iter(params.values())).device if params else None
+    squares = torch.zeros(len(axes) + 1, dtype=torch.float64, device=device)  # whole, then one per axis
+    for name, grad in grads.items():
+        record = records.get(name, WHOLE)
+        if record.counted and name not in uncounted:
+            # Each tensor's norm in fp32 (no float64 copy of a 28M-element embedding gradient: that transient cost
+            # 450 MB per step on SmolLM2), its square accumulated in float64.
+            norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32)
+            squares[axes.index(record.axis) + 1 if record.axis else 0] += norm.double().pow(2)
+    total_sq = squares[:1].clone()
+    for index, axis in enumerate(axes, start=1):
+        cut = squares[index : index + 1].clone()
+        if groups[axis] is not None and dist.get_world_size(groups[axis]) > 1:
+            dist.all_reduce(cut, group=groups[axis])
+        total_sq += cut
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt().float().squeeze(0)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads.values():
+        grad.mul_(coefficient.to(grad.dtype))
+    return total
+
+
+# ----------------------------------------------------------------- full tensors
+def gather_full_tensors(
+    local: dict[str, torch.Tensor], model: nn.Module, *, groups: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Full tensors from per-rank ones keyed by logical name (weights, gradients, optimizer state).
+
+    Collective over each axis's group: every rank of it passes the same names in the same order and gets the result.
+    Per axis and dtype one all-gather; every rank knows every rank's slice shapes, so unequal cuts are padded.
+    Tensors of names no axis cuts are returned as they are.
+
+    Args:
+        local: logical name -> this rank's tensor (its slice for cut names).
+        model: the parallelized model whose records define the cuts.
+        groups: axis -> its process group, for every axis that cuts a name of ``local``.
+    """
+    records = placements(model)
+    full = dict(local)
+    by_axis: dict[str, dict[torch.dtype, list[str]]] = {}
+    for name in local:
+        record = records.get(name, WHOLE)
+        if record.split is not None:
+            by_axis.setdefault(record.axis, {}).setdefault(local[name].dtype, []).append(name)
+    for axis in [a for a in groups if a in by_axis] + [a for a in by_axis if a not in groups]:
+        if axis not in groups:
+            raise ValueError(f"{sorted(by_axis[axis].values())[0][0]!r} is cut along {axis}, whose group was not given")
+        group = groups[axis]
+        size = dist.get_world_size(group)
+        for names in by_axis[axis].values():
+            splits = [records[name].split for name in names]
+            shapes = [[split.local_shape(r) for split in splits] for r in range(size)]
+            lengths = [[math.prod(shape) for shape in rank_shapes] for rank_shapes in shapes]
+            longest = max(sum(rank_lengths) for rank_lengths in lengths)
+            flat = torch.cat([local[name].detach().reshape(-1) for name in names])
+            flat = F.pad(flat, (0, longest - flat.numel()))
+            gathered = [torch.empty_like(flat) for _ in range(size)]
+            dist.all_gather(gathered, flat, group=group)
+            pieces = [g[: sum(lengths[r])].split(lengths[r]) for r, g in enumerate(gathered)]
+            for i, (name, split) in enumerate(zip(names, splits, strict=True)):
+                full[name] = split.assemble([pieces[r][i].view(shapes[r][i]) for r in range(size)])
+    return full
+
+
+def full_state_dict(model: nn.Module, *, groups: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The unsharded state dict with the model's own HF names (collective over ``groups``; every rank gets it).
+
+    Args:
+        model: the parallelized model, possibly wrapped.
+        groups: axis -> its process group (``{"tp": tp_group}``).
+    """
+    local = {logical(name): tensor.detach() for name, tensor in model.state_dict().items()}
+    return gather_full_tensors(local, model, groups=groups)
+
+
+def shard_full_tensor(name: str, full: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """This rank's slice of the full tensor named ``name`` (the tensor itself when no axis cuts that name).
+
+    Args:
+        name: logical HF name of a parameter (or of state shaped like it).
+        full: the unsharded tensor.
+        model: the parallelized model whose records define the cuts.
+    """
+    split = split_over(model).get(logical(name))
+    return full if split is None else split.local(full)
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], *, names: set[str] | None = None) -> None:
+    """Load an unsharded HF state dict into a parallelized model (each rank takes its slices), strictly.
+
+    Args:
+        model: the parallelized model, possibly wrapped.
+        state: logical name -> full tensor, e.g. from :func:`full_state_dict` or the plain HF model.
+        names: the logical names this rank holds (a pipeline stage's); None: all of the model's. ``state`` must
+            still hold exactly the model's names.
+    """
+    splits = split_over(model)
+    targets = {logical(name): tensor for name, tensor in model.state_dict().items()}
+    missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
+    if missing or unexpected:
+        raise HFTrainError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, target in targets.items():
+            if names is not None and name not in names:
+                continue  # another stage's: not held here
+            value = splits[name].local(state[name]) if name in splits else state[name]
+            if value.shape != target.shape:
+                raise HFTrainError(f"'{name}': shape {tuple(state[name].shape)} does not fit the model")
+            target.copy_(value)
