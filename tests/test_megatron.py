@@ -199,7 +199,7 @@ def test_bf16_autocast_trains_close_to_fp32(runs):
 def test_resumed_equals_uninterrupted_under_tp2_dp2(runs):
     assert_resumed_equals_uninterrupted(runs["four"])
     assert runs["four"][0]["layout"] == {
-        "format": "hftrain-dcp-v1", "tp": 2, "pp": 1, "dp": 2, "world_size": 4
+        "format": "hftrain-dcp-v1", "tp": 2, "cp": 1, "pp": 1, "dp": 2, "world_size": 4
     }  # fmt: skip
 
 

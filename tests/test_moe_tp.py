@@ -109,7 +109,7 @@ def test_check_tensor_parallel_for_moe_families(kind):
     check_tensor_parallel(config, 2)
     with pytest.raises(ConfigError, match=rf"tp=8 does not divide num_attention_heads=4 of this {kind} model; valid"):
         check_tensor_parallel(config, 8)
-    with pytest.raises(ConfigError, match=r"^strategy\.sequence_parallel is not supported for this") as refused:
+    with pytest.raises(ConfigError, match=r"^sequence parallelism is not supported for this") as refused:
         check_tensor_parallel(config, 2, sequence_parallel=True)
     assert "\n" not in str(refused.value) and "use sequence_parallel: false" in str(refused.value)
 
@@ -131,6 +131,7 @@ def test_sequence_parallel_with_moe_is_refused_in_one_line(tmp_path):
     output_dir = tmp_path / "out"
     argv = ["train", *megatron_job_args(str(model), str(data), output_dir, "--tp", "2", "--sequence_parallel", "true")]
     (code, err), (code1, err1) = run_distributed(cli_in_process, nprocs=2, timeout=300, argv=argv)
-    assert_refused(err, code, "strategy.sequence_parallel is not supported for this mixtral model")
+    refusal = "strategy.sequence_parallel: sequence parallelism is not supported for this mixtral model"
+    assert_refused(err, code, refusal)
     assert code1 == 2 and "Traceback" not in err1  # the other rank stops too, silently (one message per machine)
     assert not output_dir.exists()  # nothing written

@@ -149,6 +149,7 @@ def test_resumed_equals_uninterrupted_under_tp2_pp2(runs):
     assert runs["tp2pp2"][0]["layout"] == {
         "format": "hftrain-dcp-v1",
         "tp": 2,
+        "cp": 1,
         "pp": 2,
         "dp": 1,
         "world_size": 4,

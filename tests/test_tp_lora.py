@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hftrain.checkpoint.sharded import read_model_tensors
-from hftrain.parallel.placement import placed
+from hftrain.parallel.placement import Placement, placed
 from tests.conftest import torchrun
 from tests.distributed import run_distributed
 from tests.megatron_runs import launch_on_two_four_one, megatron_job_args
@@ -59,7 +59,7 @@ def _adapter_grads_match(layer, ref, group) -> dict:
     partial = {}
     for factor in ("lora_A", "lora_B"):
         module, expected = getattr(layer, factor)["default"], getattr(ref, factor)["default"].weight.grad
-        shard = getattr(module, "shards", {}).get("weight")
+        shard = placed(module).get("weight", Placement()).split
         expected = shard.local(expected) if shard is not None else expected
         assert_close(module.weight.grad, expected)
         # partial: off by a whole other rank's share, not by the summation order of this CPU's kernels (a row

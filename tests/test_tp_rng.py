@@ -327,8 +327,10 @@ def test_streams_of_another_device_type_are_rebuilt_not_loaded(tmp_path):
 
     from hftrain.parallel.random import FILE, RNGTracker, load_streams
 
-    dims = types.SimpleNamespace(tp=1, cp=1, pp=1, dp=1)
-    groups = types.SimpleNamespace(dims=dims, pp_rank=0, tp_rank=0, cp_rank=0, dp_rank=0)
+    from hftrain.parallel import ParallelDims
+
+    dims = ParallelDims(1).validate()
+    groups = types.SimpleNamespace(dims=dims, coordinates={"pp": 0, "tp": 0, "cp": 0, "dp": 0})
     cuda_like = {f"pp0.tp0.cp0.dp0.{s}": torch.arange(16, dtype=torch.uint8) for s in ("default", "tensor")}
     layout = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "seed": 3}
     save_file(cuda_like, str(tmp_path / FILE), metadata={"layout": json.dumps(layout)})

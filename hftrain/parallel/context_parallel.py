@@ -447,7 +447,7 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
     return _AllToAll.apply(out, group, True)
 
 
-ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # strategy.cp_comm -> the attention
+ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # the cp communication -> the attention
 
 
 def _local_attention(q, k, v, keep, positions, causal, scale, segments=None, window=None) -> torch.Tensor:

@@ -133,6 +133,11 @@ class ParallelDims:
         it splits experts."""
         return ("tp", "pp", "dp") + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "edp") if self.ep > 1 else ())
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The mesh's axis sizes, ``{"tp", "cp", "pp", "dp"}`` (ep lies inside dp), as checkpoints record a layout."""
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
+
     def coords(self, rank: int) -> tuple[int, int, int, int]:
         """``(pp_rank, dp_rank, cp_rank, tp_rank)`` of a global rank (the mesh's order).
 
@@ -258,6 +263,11 @@ class ParallelGroups:
     @property
     def pp_size(self) -> int:
         return self.dims.pp
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's position on each mesh axis, ``{"pp", "tp", "cp", "dp"}`` (the order RNG checkpoints key by)."""
+        return {"pp": self.pp_rank, "tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank}
 
     def axis_group(self, axis: str) -> Any:
         """The process group of mesh axis ``axis`` (``tp``, ``cp``, ``dp``, ``pp``, ``ep``; None where it has none)."""

@@ -66,14 +66,14 @@ def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float 
         config: the model's ``PretrainedConfig``.
         ep: expert-parallel size.
         dp: data-parallel size (the valid ``ep`` values named must divide it too).
-        capacity_factor: ``strategy.moe_capacity_factor`` (None: dropless).
+        capacity_factor: the per-expert cap's factor (None: dropless).
     """
     plan = expert_plan_for(config)
     if plan is None:
         if ep > 1 or capacity_factor is not None:
-            key = "strategy.ep" if ep > 1 else "strategy.moe_capacity_factor"
-            raise ConfigError(
-                f"{key}: the model ({getattr(config, 'model_type', '?')}) is not a mixture of experts hftrain can "
+            raise AxisError(
+                "ep" if ep > 1 else "moe_capacity_factor",
+                f"the model ({getattr(config, 'model_type', '?')}) is not a mixture of experts hftrain can "
                 f"route ({', '.join(moe_families())}); use ep: 1 and moe_capacity_factor: null for a dense model"
             )
         return
@@ -193,7 +193,7 @@ def apply_expert_parallel(model: nn.Module, *, ep_group: Any, capacity_factor: f
 
     plan = expert_plan_for(model.config)
     if plan is None:
-        raise ConfigError(f"strategy.ep: {model.config.model_type} is not a mixture-of-experts family hftrain routes")
+        raise AxisError("ep", f"{model.config.model_type} is not a mixture-of-experts family hftrain routes")
     for block in moe_blocks(hf_model_of(model), plan):
         setattr(block, plan.experts, ExpertParallelExperts(
             getattr(block, plan.experts), ep_group=ep_group, capacity_factor=capacity_factor

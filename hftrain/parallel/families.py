@@ -339,7 +339,7 @@ _MODERNBERT_PLAN = TensorParallelPlan(
 # projected by every layer's (column-split) query/key projections per head: ``query_proj(E)``, ``key_proj(E)`` (or
 # ``pos_query_proj``/``pos_key_proj`` when ``share_att_key`` is off). Each rank thus projects E onto its own heads
 # only, and the gradient reaching ``rel_embeddings`` and the encoder's ``LayerNorm`` is this rank's heads' share:
-# ``head_shared`` sums it over tp (finalize_tp_grads; E's path is linear in its gradient, the dropout on E drawing
+# ``head_shared`` sums it over tp (complete_grads; E's path is linear in its gradient, the dropout on E drawing
 # one mask for the tp group: ``replicated_dropout``). The relative positions and the mask are built by the encoder
 # from the whole sequence before layer 0 (whose input alone is scattered under sequence parallelism), and each
 # attention region gathers the sequence back, so every rank scores its heads over all query/key pairs. The model
@@ -695,8 +695,9 @@ def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = Fal
         return  # nothing to split: the family runs whole on each rank (under pp, cp or dp)
     plan = plan_for(config)
     if sequence_parallel and tp > 1 and plan.replicated:
-        raise ConfigError(
-            f"strategy.sequence_parallel is not supported for this {config.model_type} model: its mixture-of-experts "
+        raise AxisError(
+            "sequence_parallel",
+            f"sequence parallelism is not supported for this {config.model_type} model: its mixture-of-experts "
             f"blocks ({', '.join(plan.replicated)}) run whole on every tp rank and need the full sequence, which "
             "sequence parallelism cuts into tp chunks; use sequence_parallel: false (tp still splits the attention)"
         )

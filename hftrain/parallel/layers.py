@@ -111,7 +111,7 @@ class ColumnParallelLinear(_ShardedLinear):
             split per head, instead of ``parts`` equal ones.
         replicas: ranks sharing each slice of the output (key/value heads fewer than tp: rank i holds slice
             ``i // replicas``). Each replica's weight gradient is then partial (it saw only its own query heads)
-            and ``finalize_tp_grads`` sums it over the ranks sharing the slice; the input gradient needs nothing
+            and ``placement.complete_grads`` sums it over the ranks sharing the slice; the input gradient needs nothing
             more (the region's f sums every rank's ``dY_i A_i^T``).
     """
 
@@ -140,7 +140,7 @@ class RowParallelLinear(_ShardedLinear):
     identity backward. Under sequence parallelism the sum is a reduce-scatter along the sequence forward and
     an all-gather backward. The bias is replicated and added once after the reduction (under sequence
     parallelism it sees only this rank's sequence chunk, so its gradient is all-reduced by
-    ``finalize_tp_grads``), in the reduced output's dtype: under autocast ``Y`` is bf16 as ``nn.Linear``'s output
+    ``placement.complete_grads``), in the reduced output's dtype: under autocast ``Y`` is bf16 as ``nn.Linear``'s output
     (which adds the bias inside the matmul), not promoted to the fp32 bias's dtype.
 
     Args:

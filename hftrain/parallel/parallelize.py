@@ -55,8 +55,8 @@ def parallelize_model(
 
         # The megatron strategy refuses this before any process group; here for models split by hand.
         raise ConfigError(
-            "lora.use_lora with strategy.pp or strategy.cp > 1 is not supported yet (LoRA runs under tp and dp); "
-            "use pp: 1 and cp: 1, or train the full model"
+            "LoRA adapters with pipeline or context parallelism (pp or cp > 1) are not supported yet (LoRA runs under "
+            "tp and dp); use pp = 1 and cp = 1, or train the full model"
         )
     if groups.tp_size > 1 or has_tp_plan(model.config):  # at tp 1 a family without a plan stays whole
         model = apply_tensor_parallel(

@@ -356,7 +356,7 @@ def complete_grads(model: nn.Module, groups: Any, *, data_mean: bool) -> None:
                 continue
             param.grad = torch.zeros_like(param)
         by_group.setdefault(id(group), (group, []))[1].append(param.grad)
-    scale = groups.dp_size * groups.cp_size
+    scale = groups.data_replicas(None)[2]  # dp·cp: every parameter's mean divides by the dense replicas' count
     for group, grads in by_group.values():
         if group is not None and dist.get_world_size(group) > 1:
             all_reduce_coalesced(grads, group)

@@ -20,7 +20,7 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 - ``head_shared``: a replicated module applied to each rank's own heads (Qwen3's and Gemma-3's per-head q/k norms:
   transformers' ``replicated_with_grad_allreduce``; DeBERTa's relative embeddings and their LayerNorm, projected by
   every layer's column-split query/key): its gradient is each rank's heads' share, summed over tp
-  (``g = Σ_tp g_r``, one all-reduce in ``finalize_tp_grads``);
+  (``g = Σ_tp g_r``, one all-reduce in ``placement.complete_grads``);
 - ``vocab``: vocabulary-parallel embedding;
 - ``region``: the module's ``hidden_states`` input enters a tensor-parallel region (f, or the sequence
   all-gather under sequence parallelism) once for all the column layers inside it; its dropout (attention

@@ -22,7 +22,7 @@ and hftrain's ``bits`` kernel (which seeds its SFC64 words with one draw from th
 a stream through forward hooks (:func:`run_in_stream`); the tensor-parallel plan says which (``region`` and
 ``sequence_dropout`` styles in ``hftrain.parallel.plans``).
 
-Checkpoints keep every rank's streams under its ``(pp, tp, cp, dp)`` coordinate (:func:`save_streams`); a resume
+Checkpoints keep every rank's streams under its mesh coordinates (``pp, tp, cp, dp``) (:func:`save_streams`); a resume
 on the same layout restores them exactly, and a resume on another layout *rebuilds* them deterministically from
 the checkpoint (:meth:`RNGTracker.rebuild`), the default stream identical over each new tp group, so replicated
 tensors stay bit-identical. Hand-written because torch has no such tracker outside DTensor's (which tracks only
@@ -204,11 +204,11 @@ def run_in_stream(module: nn.Module, tracker: RNGTracker, name: str) -> None:
 
 # ----------------------------------------------------------------- checkpoints
 def _key(coords: dict[str, int], stream: str) -> str:
-    return ".".join(f"{axis}{coords[axis]}" for axis in ("pp", "tp", "cp", "dp")) + f".{stream}"
+    return ".".join(f"{axis}{position}" for axis, position in coords.items()) + f".{stream}"
 
 
 def save_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> None:
-    """Write every rank's streams under its ``(pp, tp, cp, dp)`` coordinate into ``directory/FILE``.
+    """Write every rank's streams under its mesh coordinates (``ParallelGroups.coordinates``) into ``directory/FILE``.
 
     Collective over the world (one all-gather of the states, a few KiB per rank); the global rank 0 writes.
 
@@ -223,20 +223,20 @@ def save_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> 
     from hftrain.parallel.host import gather_bytes
 
     states = tracker.states()
-    coords = torch.tensor([groups.pp_rank, groups.tp_rank, groups.cp_rank, groups.dp_rank], dtype=torch.int64)
+    axes = list(groups.coordinates)
+    coords = torch.tensor(list(groups.coordinates.values()), dtype=torch.int64)
     flat = torch.cat([coords.view(torch.uint8), states["default"].cpu(), states["tensor"].cpu()])
     gathered = gather_bytes(flat)  # over the host group: a CUDA run's default group takes no CPU tensor
     if dist.get_rank() != 0:
         return
     size = states["default"].numel()
     tensors = {}
+    head = 8 * len(axes)
     for row in gathered:
-        pp, tp, cp, dp = row[:32].view(torch.int64).tolist()
-        where = {"pp": pp, "tp": tp, "cp": cp, "dp": dp}
-        tensors[_key(where, "default")] = row[32 : 32 + size].clone()
-        tensors[_key(where, "tensor")] = row[32 + size :].clone()
-    dims = groups.dims
-    layout = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "dp": dims.dp, "seed": tracker.seed}
+        where = dict(zip(axes, row[:head].view(torch.int64).tolist(), strict=True))
+        tensors[_key(where, "default")] = row[head : head + size].clone()
+        tensors[_key(where, "tensor")] = row[head + size :].clone()
+    layout = {**groups.dims.sizes, "seed": tracker.seed}
     save_file(tensors, str(Path(directory) / FILE), metadata={"layout": json.dumps(layout)})
 
 
@@ -255,13 +255,12 @@ def load_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> 
     from safetensors import safe_open
 
     path = Path(directory) / FILE
-    dims = groups.dims
-    here = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "dp": dims.dp}
+    here = groups.dims.sizes
     if path.is_file():
         with safe_open(str(path), framework="pt") as file:
             saved = json.loads((file.metadata() or {}).get("layout", "{}"))
-            coords = {"pp": groups.pp_rank, "tp": groups.tp_rank, "cp": groups.cp_rank, "dp": groups.dp_rank}
-            first = {"pp": 0, "tp": 0, "cp": 0, "dp": 0}
+            coords = groups.coordinates
+            first = dict.fromkeys(coords, 0)
             # A generator state of another device type (a CPU run resumed on a GPU: 5056 bytes against CUDA's 16)
             # does not load: rebuilt from the checkpoint as for another layout.
             same_device = file.get_tensor(_key(first, "default")).numel() == _get_state(tracker.device).numel()

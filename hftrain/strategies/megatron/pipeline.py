@@ -367,7 +367,7 @@ class PipelineRuntime(MegatronRuntime):
         """Keep tied input/output embeddings one weight when the embedding (first stage) and the output projection
         (last stage) are on different pipeline ranks: each holds a copy, from the same initial values (every rank
         builds the same model), and each step sums the two copies' gradients over Megatron's embedding group, the
-        first and last pipeline rank of each tp/cp/dp coordinate, so both apply the same update (collective: every
+        first and last pipeline rank of each pipeline, so both apply the same update (collective: every
         rank creates every group).
 
         Args:
@@ -390,15 +390,13 @@ class PipelineRuntime(MegatronRuntime):
             return
         if held and layout.pp_rank != first:  # the first stage counts it in the gradient norm
             self.foreign_copies |= {n for n, p in self._params.items() if p is tied}
-        dims, rank = layout.dims, dist.get_rank()
+        rank = dist.get_rank()
         embedding_group = None
-        for dp in range(dims.dp):
-            for cp in range(dims.cp):
-                for tp in range(dims.tp):
-                    ranks = [dims.rank(first, dp, cp, tp), dims.rank(last, dp, cp, tp)]
-                    group = dist.new_group(ranks)
-                    if rank in ranks:
-                        embedding_group = group
+        for stages in layout.dims.iter_groups("pp"):  # every pipeline: its first and last stage's ranks
+            ranks = [stages[first], stages[last]]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                embedding_group = group
         assert (embedding_group is None) != held, "the tied weight is not on its stages"
         if held:
             self._copies.append((tied, embedding_group))

@@ -50,9 +50,10 @@ class MegatronRuntime(AccelerateRuntime):
 
     @property
     def example_group(self) -> Any:
-        # tp (and pp) ranks of a replica hold the same examples; context-parallel ranks hold parts of them
-        layout = self.plugin.layout
-        return layout.dp_cp_group if layout.dp_size * layout.cp_size > 1 else None
+        # tp (and pp) ranks of a replica hold the same examples; the data replicas of a dense parameter (dp, and
+        # the context-parallel ranks holding parts of the same examples) hold the others
+        group, _, count = self.plugin.layout.data_replicas(None)
+        return group if count > 1 else None
 
     @property
     def pad_to_multiple_of(self) -> int | None:
@@ -140,8 +141,8 @@ class MegatronRuntime(AccelerateRuntime):
         # Before anything is written: the checkpoint keeps one copy of every replicated parameter.
         # Bit-identical where kernels are deterministic (a CPU); on a GPU within a bound after one broadcast.
         check_replicas_agree(self._model, tp_group=layout.tp_group, exact=self.device.type == "cpu")
-        # Scheduler and per-rank RNG as every strategy saves them, the RNG tracker's streams per (pp, tp, cp, dp)
-        # coordinate beside them.
+        # Scheduler and per-rank RNG as every strategy saves them, the RNG tracker's streams per mesh coordinate
+        # beside them.
         super().save_extras(directory)
         save_streams(directory, self.plugin.rng_tracker, groups=layout)
 
@@ -191,8 +192,7 @@ class MegatronRuntime(AccelerateRuntime):
     def layout_facts(self) -> dict[str, int]:
         """This run's layout, recorded in checkpoints."""
         dims = self.plugin.layout.dims
-        context = {"cp": dims.cp} if dims.cp > 1 else {}  # checkpoints of cp = 1 keep their old layout file
-        return {"tp": dims.tp, **context, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size}
+        return {**dims.sizes, "world_size": dims.world_size}
 
 
 @dataclass(frozen=True)

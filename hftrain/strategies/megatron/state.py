@@ -84,15 +84,15 @@ def snapshot(
         return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
     # The ranks holding the same box (a parameter's data replicas, and the tp ranks unless tp cuts it) deal its writes
     # out among themselves; under ZeRO-1 only the owner holds a parameter's optimizer state (it writes it alone).
-    by_holders: dict[tuple[int, int], list[str]] = {}
+    by_axis: dict[str | None, list[str]] = {}  # one set of holders per axis cutting the keys (None: whole)
     for key, name in owner.items():
         if zero1 and key.startswith(OPTIM_PREFIX):
             continue
         record = records.get(name)
         axis = record.axis if record is not None and record.split is not None and state[key].size else None
-        by_holders.setdefault(groups.holders(axis), []).append(key)
-    for (index, count), keys in by_holders.items():
-        state = split_replicated(state, keys, index, count)
+        by_axis.setdefault(axis, []).append(key)
+    for axis, keys in by_axis.items():
+        state = split_replicated(state, keys, *groups.holders(axis))
     return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
 
 

@@ -1,0 +1,84 @@
+"""Which files under ``hftrain/`` name a parallel axis in code, outside the places an axis is allowed to live.
+
+Issue 38's measure of how far one axis reaches: a file counts for an axis when one of its code tokens names it: an
+identifier ``cp``, ``cp_size``, ``dp_cp_group``, ``.cp`` (any identifier with ``cp`` as one of its ``_``-separated
+words), or a string literal that is the axis's name (``"cp"``) or a config key of it (``"strategy.cp"``,
+``"cp_comm"``). Comments and docstrings do not count. Allowed: the axis's own module, ``parallel/dims.py``,
+``parallel/parallelize.py``, the family registry ``parallel/families.py`` and the config schema.
+
+    python scripts/axis_reach.py            # cp and ep
+    python scripts/axis_reach.py tp pp -v   # any axes, with the lines
+    python scripts/axis_reach.py --rev 367dc3c  # as at another revision
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OWN = {"cp": "parallel/context_parallel.py", "ep": "parallel/expert_parallel.py", "tp": "parallel/tensor_parallel.py",
+       "pp": "parallel/pipeline.py"}  # fmt: skip
+ALLOWED = ("parallel/dims.py", "parallel/parallelize.py", "parallel/families.py", "config/schema.py")
+
+
+def names_axis(token: tokenize.TokenInfo, axis: str) -> bool:
+    """Whether a code token names ``axis``."""
+    if token.type == tokenize.NAME:
+        return axis in token.string.split("_")
+    if token.type == tokenize.STRING:
+        value = token.string.strip("rbfuRBFU").strip("\"'")
+        return re.fullmatch(rf"(strategy\.|parallelism\.)?{axis}(_\w+)?", value) is not None
+    return False
+
+
+def reach(axis: str, root: Path = ROOT) -> dict[str, list[int]]:
+    """File (relative to ``hftrain/``) -> lines naming ``axis`` in code, outside the allowed files."""
+    found: dict[str, list[int]] = {}
+    for path in sorted((root / "hftrain").rglob("*.py")):
+        rel = path.relative_to(root / "hftrain").as_posix()
+        if rel == OWN.get(axis) or rel in ALLOWED:
+            continue
+        tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+        lines = []
+        for i, token in enumerate(tokens):
+            docstring = token.type == tokenize.STRING and (i == 0 or tokens[i - 1].type in (tokenize.INDENT,
+                        tokenize.NEWLINE, tokenize.NL, tokenize.DEDENT))  # fmt: skip
+            if not docstring and names_axis(token, axis):
+                lines.append(token.start[0])
+        if lines:
+            found[rel] = sorted(set(lines))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("axes", nargs="*", default=["cp", "ep"])
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the lines")
+    parser.add_argument("--rev", help="count in this git revision's tree instead of the working tree")
+    args = parser.parse_args()
+    root = ROOT
+    if args.rev:
+        import subprocess
+        import tempfile
+
+        root = Path(tempfile.mkdtemp(prefix="axis-reach-"))
+        command = ["git", "-C", str(ROOT), "archive", args.rev, "hftrain"]
+        archive = subprocess.run(command, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    for axis in args.axes:
+        found = reach(axis, root)
+        print(f"{axis}: {len(found)} files")
+        for rel, lines in found.items():
+            print(f"  hftrain/{rel}" + (f": {', '.join(map(str, lines))}" if args.verbose else ""))
+    if args.rev:
+        import shutil
+
+        shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
