@@ -129,7 +129,7 @@ def _read(root: str, processes: int, pairs: list[tuple[str, str]], controls: boo
 
 
 def _resume_without_moments(root: str) -> dict:
-    from hftrain.strategies.zero_runtime import ZeroRuntime
+    from hftrain.strategies.deepspeed.runtime import ZeroRuntime
 
     load = ZeroRuntime.load_snapshot
 
