@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from hftrain.checkpoint.manager import STATE_DIR, CheckpointError
-from hftrain.checkpoint.sharded import DCP_DIR, MODEL_PREFIX, read_dcp_tensor, stored_chunks
+from hftrain.checkpoint.sharded import DCP_DIR, MODEL_PREFIX, check_sharded, read_dcp_tensor, stored_chunks
 from hftrain.checkpoint.sharded import HF_DIR as HF_MODEL_DIR
 from hftrain.checkpoint.stream import EXPORT_DTYPES, TensorSpec, parse_shard_size, saved_dtype, write_streamed
 from hftrain.errors import ConfigError, reading, writing
@@ -220,10 +220,10 @@ def _dcp_source(path: Path, meta: dict[str, Any], *, trust: bool, output_dir: Pa
 
     state = path / STATE_DIR
     dcp_dir = state / DCP_DIR
+    check_sharded(state)  # a checkpoint of the per-strategy formats before the sharded one: one line
     if not (dcp_dir / ".metadata").is_file():
         raise CheckpointError(
-            f"checkpoint '{path}' has no {STATE_DIR}/{DCP_DIR}/.metadata: it was written in the per-strategy format "
-            "of an earlier hftrain; export it with hftrain export, launched like the run that wrote it"
+            f"checkpoint '{path}' has no {STATE_DIR}/{DCP_DIR}/.metadata; it is damaged: convert another checkpoint"
         )
     hf_model = state / HF_MODEL_DIR
     if not (hf_model / "config.json").is_file():

@@ -45,7 +45,6 @@ class CheckpointSession:
         run_id: the run's id, stored in every checkpoint.
         topology: the strategy summary (strategy, world size, batch geometry), stored and checked on resume.
         run_config: the resolved flat job config, stored and checked on resume.
-        can_reshard: the strategy's checkpoints load on another layout (``Strategy.reshardable_checkpoints``).
         strategies: the strategy names this hftrain knows (a checkpoint naming another is damaged).
         versions: the library versions recorded in a checkpoint (called at each save).
         log: where notes go (the main process's log).
@@ -61,7 +60,6 @@ class CheckpointSession:
         run_id: str | None,
         topology: dict[str, Any],
         run_config: dict[str, Any],
-        can_reshard: bool,
         strategies: tuple[str, ...],
         versions: Callable[[], dict[str, str]],
         log: Callable[[str], None],
@@ -73,7 +71,6 @@ class CheckpointSession:
         self.run_id = run_id
         self.topology = topology
         self.run_config = run_config
-        self.can_reshard = can_reshard
         self.strategies = strategies
         self.versions = versions
         self.log = log
@@ -127,7 +124,8 @@ class CheckpointSession:
         """Restore model, optimizer, scheduler and RNG from a checkpoint (after ``prepare``); return its trainer
         state and the data position, or None when ``spec`` is ``auto`` and there is no checkpoint yet.
 
-        In order: the checkpoint must be inside ``output_dir`` or trusted; the main process verifies every checksum
+        In order: the checkpoint must be inside ``output_dir`` or trusted, and in the sharded format (one of the
+        per-strategy formats before it is refused); the main process verifies every checksum
         and unpickles every file with a restricted unpickler; it must be of this model and task, in a layout this
         run can load, at a position of this run; then the state is loaded into the live objects (after
         ``prepare``, so the scheduler and optimizer it restores are the live ones: pitfall "LR schedule resets
@@ -145,17 +143,12 @@ class CheckpointSession:
             self.log(f"resume_from_checkpoint: {spec}: no checkpoint yet, starting fresh")
             return None
         check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
-        meta = self._read_verified(path)
-        from hftrain.checkpoint.sharded import is_sharded  # torch.distributed.checkpoint: imported when used
+        from hftrain.checkpoint.sharded import check_sharded  # torch.distributed.checkpoint: imported when used
 
+        check_sharded(path / STATE_DIR)  # a checkpoint of the per-strategy formats before it: one line
+        meta = self._read_verified(path)
         notes = check_resumable(
-            meta,
-            path=path,
-            run_config=self.run_config,
-            topology=self.topology,
-            can_reshard=self.can_reshard,
-            sharded=is_sharded(path / STATE_DIR),
-            strategies=self.strategies,
+            meta, path=path, run_config=self.run_config, topology=self.topology, strategies=self.strategies
         )
         skip = batches_to_skip(meta, self.topology)
         check_position(

@@ -630,8 +630,25 @@ class _Window(io.RawIOBase):
 def is_sharded(state_dir: str | Path) -> bool:
     """Whether ``state_dir`` holds a checkpoint in this format (older checkpoints hold the libraries' own): its
     ``sharded.json`` or its DCP folder (one without the other is a damaged checkpoint of this format, which
-    :func:`read_info` names, not an old one to load with another library's message)."""
+    :func:`read_info` names, not an old one)."""
     return (Path(state_dir) / INFO_FILE).is_file() or (Path(state_dir) / DCP_DIR).is_dir()
+
+
+def check_sharded(state_dir: str | Path) -> None:
+    """Refuse, in one line naming the checkpoint and the fix, a checkpoint written before this format: its
+    ``state/`` holds the libraries' own per-strategy files (Accelerate's ``model.safetensors``/``optimizer.bin``,
+    DeepSpeed's ``pytorch_model/``, megatron's full tensors with ``layout.json``), which this hftrain does not read.
+
+    Args:
+        state_dir: a checkpoint's ``state/`` folder.
+    """
+    state = Path(state_dir)
+    if not is_sharded(state):
+        raise CheckpointError(
+            f"checkpoint '{state.parent}' is in the per-strategy format of an hftrain from before the sharded one "
+            f"(its {state.name}/ holds neither {INFO_FILE} nor {DCP_DIR}/), which this hftrain does not read; export "
+            "it with the hftrain version that wrote it (hftrain export) and fine-tune from the exported model"
+        )
 
 
 def read_info(state_dir: str | Path) -> dict[str, Any]:

@@ -183,7 +183,6 @@ class Trainer:
             run_id=run_id,
             topology=self.strategy_summary,
             run_config=self.run_config,
-            can_reshard=strategy.reshardable_checkpoints,
             strategies=tuple(available_strategies()),
             versions=_versions,
             log=self._log,
