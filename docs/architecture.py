@@ -27,7 +27,7 @@ BOXES = [
      "checkpoint;\nSequenceClassificationTrainer: compute_loss / prediction_step / compute_metrics (the task hooks)",
      "#fde9c9"),
     (0.3, 3.6, 7.5, 1.9, "strategies/  (registry: one file + one line per strategy)",
-     "Strategy: accelerator, preflight, build_runtime\nddp.py  fsdp.py  deepspeed.py (zero1/2/3)  platform.py\n"
+     "Strategy: accelerator, preflight, build_runtime\nddp.py  fsdp.py  deepspeed/ (zero1/2/3)  platform.py\n"
      "runtime.py: AccelerateRuntime — prepare, forward_backward,\nevaluation_step, clip_grad_norm_, reduce_mean, "
      "save/load_state,\nget_state_dict", "#e2f0d9"),
     (8.2, 3.6, 7.5, 1.9, "strategies/megatron/",
@@ -40,8 +40,8 @@ BOXES = [
      "context_parallel.py (ring / all-to-all attention)   random.py (RNG tracker)   recompute.py   "
      "lora.py (LoRA under TP)", "#f4dcdc"),
     (0.3, 0.05, 15.4, 0.65,
-     "beside every layer: checkpoint/ (manager, resume, run, safety, preemption, export) · models/ (loading, LoRA, "
-     "dropout, partial) · data/ · metrics/", "", "#eeeeee"),
+     "beside every layer: checkpoint/ (session, manager, resume, run, safety, preemption, export) · models/ (loading, "
+     "LoRA, dropout, partial) · data/ · metrics/", "", "#eeeeee"),
 ]  # fmt: skip
 ARROWS = [
     ((4.0, 8.6), (4.0, 8.3)),

@@ -164,6 +164,23 @@ def _reshape_a_weight(path: Path) -> None:
     path.write_bytes(pickle.dumps(metadata))
 
 
+def _as_pre_sharded(run: Path) -> None:
+    """Step 4 in the layout of a DDP checkpoint from before the sharded format: Accelerate's ``model.safetensors``
+    and ``optimizer.bin`` in ``state/`` beside its scheduler and RNG files, no ``dcp/``, ``sharded.json``,
+    ``optimizer.json`` or ``hf_model/``; resealed."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = run / STEP4 / "state"
+    for name in ("dcp", "hf_model"):
+        shutil.rmtree(state / name)
+    for name in ("sharded.json", "optimizer.json"):
+        (state / name).unlink()
+    save_file({"classifier.weight": torch.zeros(2, 4)}, str(state / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": []}, state / "optimizer.bin")
+    reseal(run)
+
+
 def _marker_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
     return lambda run: _edit_json(run / STEP4 / "checkpoint.json", change)
 
@@ -206,8 +223,8 @@ def _tensor_record_as_a_pickle(path: Path) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = pickle.loads(path.read_bytes())
-    index = next(i for i in sorted(metadata.storage_data, key=lambda i: i.fqn)
-                 if isinstance(metadata.state_dict_metadata[i.fqn], TensorStorageMetadata) and i.fqn.startswith("model."))  # fmt: skip
+    tensors = [i for i in sorted(metadata.storage_data, key=lambda i: i.fqn) if i.fqn.startswith("model.")]
+    index = next(i for i in tensors if isinstance(metadata.state_dict_metadata[i.fqn], TensorStorageMetadata))
     info = metadata.storage_data[index]
     data_file = path.parent / info.relative_path
     payload, offset = planted_bytes(), data_file.stat().st_size
@@ -684,6 +701,19 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
                 " (trusted)",
                 lambda c, r: ["convert", str(r / STEP4), str(c.new), "--trust_external_checkpoint"],
             ),
+        )
+    },
+    # A checkpoint of the per-strategy formats before the sharded one (the libraries' own files in state/, checksums
+    # intact) is refused in one line by every command that reads a checkpoint, naming it and the fix.
+    **{
+        f"{command}: a checkpoint in the per-strategy format before the sharded one": (
+            lambda c, build=build: build(c, c.run_copy(_as_pre_sharded)),
+            "is in the per-strategy format of an hftrain from before the sharded one",
+        )
+        for command, build in (
+            ("resume", lambda c, r: [*c.base(r), "--resume_from_checkpoint", "auto"]),
+            ("export", lambda c, r: ["export", str(r), str(c.new)]),
+            ("convert", lambda c, r: ["convert", str(r), str(c.new)]),
         )
     },
     # ------------------------------------------------------------------ damaged state behind good checksums

@@ -217,17 +217,17 @@ def test_latest_ignores_staging_and_unmarked_folders(tmp_path):
         CheckpointManager(tmp_path / "empty").resolve("latest")
 
 
-def test_resume_checks_model_task_strategy_and_trust(tmp_path):
+def test_resume_checks_model_task_and_trust_and_reshards_the_rest(tmp_path):
     from hftrain.checkpoint.resume import check_resumable, check_trusted
 
     meta = {"config": {"model.num_labels": 2}, "topology": {"strategy": "zero2", "world_size": 2, "global_batch": 16}}
     here = {"strategy": "zero2", "world_size": 2, "global_batch": 16}
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "sharded.json").write_text(json.dumps({"format": "hftrain-dcp-v1", "strategy": "zero2"}))
     with pytest.raises(CheckpointError, match="different model or task"):
-        check_resumable(meta, path=tmp_path, run_config={"model.num_labels": 3}, topology=here, can_reshard=False)
-    with pytest.raises(CheckpointError, match="written by strategy 'zero2'"):
-        check_resumable(meta, path=tmp_path, run_config={}, topology={**here, "strategy": "ddp"}, can_reshard=True)
-    with pytest.raises(CheckpointError, match="partitioned by process count; resume on 2 processes"):
-        check_resumable(meta, path=tmp_path, run_config={}, topology={**here, "world_size": 4}, can_reshard=False)
+        check_resumable(meta, path=tmp_path, run_config={"model.num_labels": 3}, topology=here)
+    for there in ({**here, "strategy": "ddp"}, {**here, "world_size": 4}):  # the sharded format reshards
+        assert check_resumable(meta, path=tmp_path, run_config={}, topology=there)[0].startswith("resharding")
     with pytest.raises(CheckpointError, match="trust_external_checkpoint"):
         check_trusted(tmp_path / "elsewhere", tmp_path / "run", trusted=False)
     check_trusted(tmp_path / "run" / "checkpoints" / "step_1", tmp_path / "run", trusted=False)
@@ -384,7 +384,8 @@ def test_a_signal_to_the_process_group_ends_in_the_preemption_exit_code(tiny_job
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 41 s of torchrun to count one message per machine; damaged checkpoints are refused in tests/test_bad_input.py
+# slow: 41 s of torchrun to count one message per machine; damaged checkpoints are refused in tests/test_bad_input.py
+@pytest.mark.slow
 def test_a_damaged_zero_checkpoint_is_said_once_per_machine_under_torchrun(tiny_job, tmp_path):
     """A ZeRO-2 checkpoint with a truncated shard and its checksums recomputed fails to load on both ranks of the
     machine alike: one line, not one per rank, on resume and on export (a missing weight or another shape in the

@@ -24,8 +24,6 @@ from tests.distributed import run_distributed
 from tests.tiny import run_tiny_training
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 8
-# zero2×2, micro 4, step 3 of the zero2×2 writer's run, saved by hftrain before the sharded format (commit f48a9de)
-LEGACY_ZERO2 = Path(__file__).parent / "fixtures" / "legacy" / "zero2" / "checkpoints" / "step_00000003"
 TOLERANCE = 1e-6
 OFFLOAD = {"offload_optimizer": True, "offload_params": True}
 # label -> (processes, strategy, options); micro-batch = GLOBAL_BATCH / data-parallel size
@@ -117,19 +115,11 @@ def _read(root: str, processes: int, pairs: list[tuple[str, str]], controls: boo
     if controls and processes == 2:
         # negative control: the same resume with Adam's moments dropped after the load
         runs["control"] = _attempt(_resume_without_moments, root)
-        # a checkpoint in DeepSpeed's own layout, written before the sharded format, still resumes (same layout)
-        runs["legacy"] = _attempt(
-            _train,
-            WRITERS["zero2×2"],
-            f"{root}/read/legacy",
-            resume_from_checkpoint=str(LEGACY_ZERO2),
-            trust_external_checkpoint=True,
-        )
     return runs
 
 
 def _resume_without_moments(root: str) -> dict:
-    from hftrain.strategies.zero_runtime import ZeroRuntime
+    from hftrain.strategies.deepspeed.runtime import ZeroRuntime
 
     load = ZeroRuntime.load_snapshot
 
@@ -211,15 +201,6 @@ def test_a_resume_that_drops_adams_moments_does_not_pass(written, fast_reads):
     original, control = written["runs"]["ddp×2"], fast_reads["control"]
     assert "error" not in control, control.get("error")
     assert _max_difference(control["weights"], original["weights"]) > 100 * TOLERANCE
-
-
-@pytest.mark.distributed
-def test_a_legacy_deepspeed_checkpoint_still_resumes(written, fast_reads):
-    original, resumed = written["runs"]["zero2×2"], fast_reads["legacy"]
-    assert "error" not in resumed, resumed.get("error")
-    assert not (LEGACY_ZERO2 / "state" / "sharded.json").exists()
-    assert resumed["losses"] == pytest.approx(original["losses"], abs=TOLERANCE, rel=0)
-    assert _max_difference(resumed["weights"], original["weights"]) <= TOLERANCE
 
 
 @pytest.mark.distributed

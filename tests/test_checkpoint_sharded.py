@@ -7,7 +7,6 @@ The resume matrix across strategies and process counts is ``tests/test_checkpoin
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,10 +23,6 @@ from tests.distributed import run_distributed
 from tests.tiny import run_tiny_training
 
 ROOT = Path(__file__).resolve().parents[1]
-LEGACY = ROOT / "tests" / "fixtures" / "legacy"
-# The legacy fixtures were written by hftrain before the sharded format (commit f48a9de) with these settings,
-# stopped at step 3 of 6 (tests/fixtures/legacy/*/checkpoints/step_00000003).
-LEGACY_RUN = {"micro": 4, "gas": 1, "steps": 6, "save_steps": 3, "return_weights": True}
 
 
 # ----------------------------------------------------------------- the format itself (one process)
@@ -84,8 +79,7 @@ def test_views_of_a_larger_storage_are_written_from_their_own_memory(tmp_path):
 
 # ----------------------------------------------------------------- written once, by its owner; background = sync
 def _two_ranks(root: str) -> dict:
-    """ddp×2 and megatron tp2, each saved in the background and synchronously at the same step; the legacy
-    megatron tp2 checkpoint resumed."""
+    """ddp×2 and megatron tp2, each saved in the background and synchronously at the same step."""
     out = {}
     for label, strategy, options in (("ddp", "ddp", {}), ("tp2", "megatron", {"tp": 2})):
         for mode in ("background", "sync"):
@@ -99,19 +93,6 @@ def _two_ranks(root: str) -> dict:
         mixed_precision="bf16", return_weights=True,
     )  # fmt: skip
     out["bf16_export"] = bf16["weights"]
-    legacy = f"{root}/legacy-megatron"
-    if torch.distributed.get_rank() == 0:
-        shutil.copytree(LEGACY / "megatron", legacy)
-    torch.distributed.barrier()
-    opts = {"strategy": "megatron", "strategy_options": {"tp": 2}, **LEGACY_RUN}
-    out["legacy_resumed"] = run_tiny_training(output_dir=legacy, resume_from_checkpoint="latest", **opts)
-    out["legacy_full"] = run_tiny_training(output_dir=f"{root}/legacy-full", **opts)
-    try:  # a legacy checkpoint does not reshard: another strategy is refused in one line
-        run_tiny_training(output_dir=legacy, resume_from_checkpoint=f"{legacy}/checkpoints/step_00000003", **{
-            **LEGACY_RUN, "micro": 8})  # fmt: skip
-        out["legacy_refused"] = None
-    except Exception as error:
-        out["legacy_refused"] = str(error)
     return out
 
 
@@ -170,27 +151,6 @@ def test_bf16_megatron_checkpoints_and_exports_hold_the_fp32_master_weights(two)
     for name, tensor in saved.items():
         assert tensor.dtype == exported[name].dtype == torch.float32, name
         assert torch.equal(tensor, exported[name]), name
-
-
-@pytest.mark.distributed
-def test_a_legacy_megatron_checkpoint_resumes_equal_to_the_uninterrupted_run(two):
-    rank0 = two["ranks"][0]
-    resumed, full = rank0["legacy_resumed"], rank0["legacy_full"]
-    assert resumed["global_step"] == full["global_step"] == 6
-    assert resumed["losses"][-3:] == pytest.approx(full["losses"][-3:], rel=1e-6, abs=1e-7)
-    for name, tensor in full["weights"].items():
-        assert (resumed["weights"][name] - tensor).abs().max().item() <= 1e-6, name
-    assert "written by strategy 'megatron'" in rank0["legacy_refused"]
-
-
-def test_a_legacy_ddp_checkpoint_resumes_equal_to_the_uninterrupted_run(tmp_path):
-    shutil.copytree(LEGACY / "ddp", tmp_path / "legacy")
-    resumed = run_tiny_training(output_dir=str(tmp_path / "legacy"), resume_from_checkpoint="latest", **LEGACY_RUN)
-    full = run_tiny_training(output_dir=str(tmp_path / "full"), **LEGACY_RUN)
-    assert resumed["global_step"] == 6
-    assert resumed["losses"][-3:] == pytest.approx(full["losses"][-3:], rel=1e-6, abs=1e-7)
-    for name, tensor in full["weights"].items():
-        assert (resumed["weights"][name] - tensor).abs().max().item() <= 1e-6, name
 
 
 # ----------------------------------------------------------------- SIGKILL during a background write

@@ -218,16 +218,9 @@ def test_dcp_metadata_and_its_byte_entries_are_checked(tmp_path, monkeypatch):
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_a_damaged_layout_json_is_one_line(tmp_path):
-    from hftrain.strategies.megatron.state import LAYOUT_FILE, check_layout
-
+def test_a_damaged_json_file_is_one_line(tmp_path):
     state = tmp_path / "step_00000001" / "state"
     state.mkdir(parents=True)
-    (state / LAYOUT_FILE).write_text("{not json")
-    with pytest.raises(CheckpointError, match=r"state/layout\.json is damaged"):
+    (state / "sharded.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"state/sharded\.json is damaged"):
         check_no_code(state.parent, state)
-    with pytest.raises(CheckpointError, match=r"layout\.json is damaged"):
-        check_layout(state, {"tp": 1, "pp": 1, "dp": 1, "world_size": 1})
-    (state / LAYOUT_FILE).write_text("[1, 2]")
-    with pytest.raises(CheckpointError, match="not a JSON object"):
-        check_layout(state, {"tp": 1, "pp": 1, "dp": 1, "world_size": 1})

@@ -403,7 +403,7 @@ def _sharded_value(key: str) -> torch.Tensor:
 def test_dcp_tensor_read_from_chunks_of_two_ranks(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hftrain.checkpoint.convert import read_dcp_tensor
+    from hftrain.checkpoint.sharded import read_dcp_tensor
     from tests.distributed import run_distributed
 
     directory = tmp_path / "dcp"

@@ -244,19 +244,6 @@ def test_zero1_shards_the_optimizer_state_over_dp(runs):
         assert max(first["state_numel"], second["state_numel"]) < 0.75 * 2 * first["param_numel"]
 
 
-def test_a_checkpoint_of_another_format_is_refused_naming_both_layouts(tmp_path):
-    from hftrain.checkpoint.manager import CheckpointError
-    from hftrain.strategies.megatron.state import LAYOUT_FILE, check_layout
-
-    state = tmp_path / "step_00000008" / "state"
-    state.mkdir(parents=True)
-    (state / LAYOUT_FILE).write_text(json.dumps({"format": "hftrain-logical-full-v0", "tp": 2, "pp": 2, "dp": 1}))
-    with pytest.raises(CheckpointError, match=r"layout tp=2 × pp=2 × dp=1 .* this run tp=2 × pp=1 × dp=2"):
-        check_layout(state, {"tp": 2, "pp": 1, "dp": 2, "world_size": 4})
-    (state / LAYOUT_FILE).write_text(json.dumps({"format": "hftrain-logical-full-v1", "tp": 2, "pp": 2, "dp": 1}))
-    check_layout(state, {"tp": 1, "pp": 1, "dp": 4, "world_size": 4})  # tp, pp (stages merged) and dp reshard
-
-
 # ----------------------------------------------------------------- a real job: torchrun, export, bad input
 @pytest.mark.distributed
 def test_tp2_job_exports_a_model_plain_transformers_reloads(tiny_job, tmp_path):

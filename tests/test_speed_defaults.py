@@ -170,9 +170,9 @@ def test_the_heap_warmer_faults_in_the_pages_the_next_allocation_takes():
     assert cold > 0 and warm * 10 < cold, (warm, cold)
 
 
-def test_resuming_under_another_resolved_precision_is_logged():
+def test_resuming_under_another_resolved_precision_is_logged(tmp_path):
     """A checkpoint trained in bf16 resumed where 'auto' is fp32 (another CPU) continues, and says so."""
-    from pathlib import Path
+    import json
 
     from hftrain.checkpoint.resume import check_resumable
 
@@ -184,18 +184,13 @@ def test_resuming_under_another_resolved_precision_is_logged():
         "optim": "adamw_torch_fused",
     }
     meta = {"config": {}, "topology": {**topology, "mixed_precision": "bf16", "dropout_kernel": "bits"}}
-    notes = check_resumable(
-        meta, path=Path("ckpt"), run_config={}, topology={**topology, "dropout_kernel": "torch"}, can_reshard=False
-    )
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "sharded.json").write_text(json.dumps({"format": "hftrain-dcp-v1", "strategy": "ddp"}))
+    notes = check_resumable(meta, path=tmp_path, run_config={}, topology={**topology, "dropout_kernel": "torch"})
     assert notes == [
         "checkpoint trained with mixed_precision bf16; this run continues with no (the config or 'auto' on this "
         "machine decides; set it to keep the checkpoint's)",
         "checkpoint trained with dropout_kernel bits; this run continues with torch (the config or 'auto' on this "
         "machine decides; set it to keep the checkpoint's)",
     ]
-    assert (
-        check_resumable(
-            {"config": {}, "topology": topology}, path=Path("c"), run_config={}, topology=topology, can_reshard=False
-        )
-        == []
-    )
+    assert check_resumable({"config": {}, "topology": topology}, path=tmp_path, run_config={}, topology=topology) == []

@@ -325,9 +325,8 @@ def test_streams_of_another_device_type_are_rebuilt_not_loaded(tmp_path):
 
     from safetensors.torch import save_file
 
-    from hftrain.parallel.random import FILE, RNGTracker, load_streams
-
     from hftrain.parallel import ParallelDims
+    from hftrain.parallel.random import FILE, RNGTracker, load_streams
 
     dims = ParallelDims(1).validate()
     groups = types.SimpleNamespace(dims=dims, coordinates={"pp": 0, "tp": 0, "cp": 0, "dp": 0})

@@ -25,21 +25,18 @@ def check_resumable(
     path: Path,
     run_config: dict[str, Any],
     topology: dict[str, Any],
-    can_reshard: bool,
-    sharded: bool = False,
     strategies: tuple[str, ...] = (),
 ) -> list[str]:
-    """Refuse a checkpoint of another model or task, or a strategy or topology change its format cannot take.
+    """Refuse a checkpoint of another model or task, a damaged layout record, or a change of the global batch.
+
+    The checkpoint is in the sharded format (``hftrain.checkpoint.sharded``; ``check_sharded`` refused the older
+    ones): it loads under any strategy and process count, which a note then names.
 
     Args:
         meta: the checkpoint's metadata.
         path: the checkpoint folder, for messages.
         run_config: this run's flat config.
         topology: this run's strategy summary (strategy, world size, batch geometry).
-        can_reshard: whether this strategy's checkpoints (in the libraries' own older formats) load on another
-            number of processes.
-        sharded: the checkpoint is in the sharded format (``hftrain.checkpoint.sharded``): it loads under any
-            strategy and process count.
         strategies: the strategy names this hftrain knows (a checkpoint naming another is damaged).
 
     Returns notes to log about accepted differences.
@@ -50,33 +47,20 @@ def check_resumable(
             f"checkpoint '{path}': checkpoint.json's topology.strategy {saved.get('strategy')!r} is not a strategy "
             f"({', '.join(strategies)}); it is damaged: resume from another checkpoint"
         )
-    if sharded:
-        from hftrain.checkpoint.manager import STATE_DIR
-        from hftrain.checkpoint.sharded import check_info
+    from hftrain.checkpoint.manager import STATE_DIR
+    from hftrain.checkpoint.sharded import check_info
 
-        check_info(path / STATE_DIR, saved)
+    check_info(path / STATE_DIR, saved)
     for key in IDENTITY_KEYS:
         if key in run_config and saved_config.get(key) != run_config[key]:
             raise CheckpointError(
                 f"checkpoint '{path}' is of a different model or task ({key}: {saved_config.get(key)!r} there, "
                 f"{run_config[key]!r} here); resume it with its own config or start fresh"
             )
-    if saved.get("strategy") != topology["strategy"] and not sharded:
-        raise CheckpointError(
-            f"checkpoint '{path}' was written by strategy '{saved.get('strategy')}', this run uses "
-            f"'{topology['strategy']}'; resume with strategy.name: {saved.get('strategy')}, or export it "
-            "(hftrain export) and fine-tune from the exported model"
-        )
     # The layout: process count and, for model-parallel strategies, how the processes split the model.
     same_layout = saved.get("strategy") == topology["strategy"] and all(
         saved.get(key) == topology.get(key) for key in LAYOUT_KEYS
     )
-    if not same_layout and not (can_reshard or sharded):
-        raise CheckpointError(
-            f"checkpoint '{path}' was written by {saved.get('world_size')} processes and '{topology['strategy']}' "
-            f"checkpoints are partitioned by process count; resume on {saved.get('world_size')} processes, or "
-            "export it (hftrain export) and fine-tune from the exported model"
-        )
     # The global batch defines the run (its steps, its schedule); how it is split may change.
     if saved.get("global_batch") != topology["global_batch"]:
         raise CheckpointError(

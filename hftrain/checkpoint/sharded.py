@@ -25,14 +25,21 @@ ShardedTensors: a vocabulary shard trimmed of its padding, packed query/key/valu
 none of these, and a ShardedTensor built per parameter costs a collective each. :class:`Chunked` plus the two
 planner subclasses below (``create_local_plan``, ``lookup_object``/``lookup_tensor``, DCP's documented extension
 points) carry any set of boxes; everything else (dedup, validation, storage, resharding reads) is DCP's.
+
+Read back in one process (``hftrain convert``), a tensor is read whole by :func:`read_dcp_tensor`, its saved chunks'
+bytes straight into the result.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import pickle
+import struct
+import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -459,11 +466,189 @@ def read_model_tensors(state_dir: str | Path) -> dict[str, torch.Tensor]:
     return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in tensors.items()}
 
 
+# ----------------------------------------------------------------- reading one tensor whole, in one process
+def stored_chunks(metadata: Any, prefix: str) -> dict[str, list[tuple[tuple[int, ...], Any]]]:
+    """``(offsets, _StorageInfo)`` of each saved chunk of every key starting with ``prefix``, by the key without it
+    (what :func:`read_dcp_tensor` reads).
+
+    Args:
+        metadata: a DCP folder's metadata (``FileSystemReader.read_metadata()``).
+        prefix: the keys' prefix (``model.``).
+    """
+    chunks: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith(prefix):
+            chunks.setdefault(index.fqn[len(prefix) :], []).append((tuple(index.offset), info))
+    return chunks
+
+
+def read_dcp_tensor(
+    dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype, chunks: list[tuple[tuple[int, ...], Any]]
+) -> torch.Tensor:
+    """One tensor of a DCP folder, its chunks' bytes read straight into the full-size result.
+
+    ``dcp.load`` would do: its ``FileSystemReader`` ``torch.load``s each saved chunk into a new tensor and copies that
+    into the destination, so a tensor costs twice its size at the peak. Each chunk is a ``torch.save`` archive at a
+    known offset of a ``.distcp`` file; its tensor's shape, strides and dtype come from loading it on the meta device
+    (``weights_only``: torch's restricted unpickler, no data read), and its one storage record (stored, not
+    compressed) is read with ``readinto`` into the result's memory. A chunk that is not a plain contiguous record,
+    or that DCP stored with transforms, goes through ``dcp.load`` instead.
+
+    Args:
+        dcp_dir: the DCP folder.
+        key: the DCP key (``model.<name>``).
+        shape: the full shape.
+        dtype: its dtype.
+        chunks: ``(offsets, _StorageInfo)`` of each saved chunk (from the metadata's ``storage_data``).
+    """
+    if any(info.transform_descriptors for _, info in chunks):  # compressed or otherwise transformed: DCP's reader
+        return _dcp_load(dcp_dir, key, shape, dtype)
+    result = torch.empty(shape, dtype=dtype)
+    stored = sum(math.prod(info_shape) for info_shape in _chunk_shapes(dcp_dir, chunks))
+    if stored != result.numel():  # DCP keeps each element once: the chunks must tile the tensor
+        raise ValueError(f"its stored chunks hold {stored} of its {result.numel()} elements")
+    for offsets, info in chunks:
+        with (dcp_dir / info.relative_path).open("rb") as handle:
+            window = _Window(handle, info.offset, info.length)
+            saved = torch.load(window, map_location="meta", weights_only=True)
+            region = (
+                result[tuple(slice(o, o + s) for o, s in zip(offsets, saved.shape, strict=True))] if offsets else result
+            )
+            record = _storage_record(window, saved)
+            if record is None or saved.dtype != dtype or tuple(region.shape) != tuple(saved.shape):
+                del result, region
+                return _dcp_load(dcp_dir, key, shape, dtype)
+            if region.is_contiguous():
+                _read_exactly(handle, info.offset + record, region)
+            else:  # a chunk split along an inner dimension (e.g. a row-parallel shard): via one chunk-sized buffer
+                buffer = torch.empty(saved.shape, dtype=dtype)
+                _read_exactly(handle, info.offset + record, buffer)
+                region.copy_(buffer)
+                del buffer
+    return result
+
+
+def _chunk_shapes(dcp_dir: Path, chunks: list[tuple[tuple[int, ...], Any]]) -> list[tuple[int, ...]]:
+    """Each stored chunk's shape, from its archive loaded on the meta device (no data read)."""
+    shapes = []
+    for _, info in chunks:
+        with (dcp_dir / info.relative_path).open("rb") as handle:
+            shapes.append(tuple(torch.load(_Window(handle, info.offset, info.length), map_location="meta",
+                                           weights_only=True).shape))  # fmt: skip
+    return shapes
+
+
+def _dcp_load(dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+
+    destination = {key: torch.empty(shape, dtype=dtype)}  # full size: DCP copies each chunk into it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no_dist's notice, once per tensor
+        dcp.load(destination, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+    return destination.pop(key)
+
+
+def _storage_record(window: _Window, saved: torch.Tensor) -> int | None:
+    """Offset in ``window`` of the bytes of ``saved``'s storage when they are exactly its values in order, else None.
+
+    The records are read at their offsets, not through ``zipfile``'s reader: hftrain writes them without a CRC-32
+    (:func:`_without_zip_checksums`; the checkpoint's own checksums cover the files), which that reader rejects.
+    """
+    import zipfile
+
+    if sys.byteorder != "little" or not saved.is_contiguous() or saved.storage_offset() != 0:
+        return None
+    window.seek(0)
+    with zipfile.ZipFile(window) as archive:
+        records = [r for r in archive.infolist() if r.filename.split("/")[-2:-1] == ["data"]]
+        order = [r for r in archive.infolist() if r.filename.endswith("/byteorder")]
+    if any(r.compress_type != zipfile.ZIP_STORED for r in records + order):
+        return None
+    if order:
+        start = _data_offset(window, order[0])
+        window.seek(start or 0)
+        if start is None or window.read(order[0].file_size).strip() != b"little":
+            return None
+    if len(records) != 1 or records[0].file_size != saved.numel() * saved.element_size():
+        return None
+    return _data_offset(window, records[0])
+
+
+def _data_offset(window: _Window, record: Any) -> int | None:
+    """Where a stored zip record's bytes start: after its local file header, whose name and extra-field lengths
+    say how long it is (None: no local header there)."""
+    window.seek(record.header_offset)
+    header = window.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return record.header_offset + 30 + name_length + extra_length
+
+
+def _read_exactly(handle: Any, offset: int, into: torch.Tensor) -> None:
+    view = memoryview(into.view(-1).view(torch.uint8).numpy())
+    handle.seek(offset)
+    done = 0
+    while done < len(view):
+        count = handle.readinto(view[done:])
+        if not count:
+            raise CheckpointError(f"'{handle.name}' ends before the tensor it lists; the checkpoint is damaged")
+        done += count
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of an open file (one saved DCP chunk)."""
+
+    def __init__(self, handle: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._start, self._length, self._position = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, min(self._length, base + position))
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self._length - self._position)
+        if count <= 0:
+            return 0
+        self._handle.seek(self._start + self._position)
+        read = self._handle.readinto(memoryview(buffer)[:count])
+        self._position += read
+        return read
+
+
 def is_sharded(state_dir: str | Path) -> bool:
     """Whether ``state_dir`` holds a checkpoint in this format (older checkpoints hold the libraries' own): its
     ``sharded.json`` or its DCP folder (one without the other is a damaged checkpoint of this format, which
-    :func:`read_info` names, not an old one to load with another library's message)."""
+    :func:`read_info` names, not an old one)."""
     return (Path(state_dir) / INFO_FILE).is_file() or (Path(state_dir) / DCP_DIR).is_dir()
+
+
+def check_sharded(state_dir: str | Path) -> None:
+    """Refuse, in one line naming the checkpoint and the fix, a checkpoint written before this format: its
+    ``state/`` holds the libraries' own per-strategy files (Accelerate's ``model.safetensors``/``optimizer.bin``,
+    DeepSpeed's ``pytorch_model/``, megatron's full tensors with ``layout.json``), which this hftrain does not read.
+
+    Args:
+        state_dir: a checkpoint's ``state/`` folder.
+    """
+    state = Path(state_dir)
+    if not is_sharded(state):
+        raise CheckpointError(
+            f"checkpoint '{state.parent}' is in the per-strategy format of an hftrain from before the sharded one "
+            f"(its {state.name}/ holds neither {INFO_FILE} nor {DCP_DIR}/), which this hftrain does not read; export "
+            "it with the hftrain version that wrote it (hftrain export) and fine-tune from the exported model"
+        )
 
 
 def read_info(state_dir: str | Path) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def check_expert_parallel(config: Any, ep: int, dp: int, capacity_factor: float 
             raise AxisError(
                 "ep" if ep > 1 else "moe_capacity_factor",
                 f"the model ({getattr(config, 'model_type', '?')}) is not a mixture of experts hftrain can "
-                f"route ({', '.join(moe_families())}); use ep: 1 and moe_capacity_factor: null for a dense model"
+                f"route ({', '.join(moe_families())}); use ep: 1 and moe_capacity_factor: null for a dense model",
             )
         return
     experts = getattr(config, plan.num_experts)

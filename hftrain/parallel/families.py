@@ -699,7 +699,7 @@ def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = Fal
             "sequence_parallel",
             f"sequence parallelism is not supported for this {config.model_type} model: its mixture-of-experts "
             f"blocks ({', '.join(plan.replicated)}) run whole on every tp rank and need the full sequence, which "
-            "sequence parallelism cuts into tp chunks; use sequence_parallel: false (tp still splits the attention)"
+            "sequence parallelism cuts into tp chunks; use sequence_parallel: false (tp still splits the attention)",
         )
     sizes, kv_heads = plan.sizes(config), _kv_heads(plan, config)
     indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 #   mixed precision, DeepSpeed (the ZeRO paper's K = 12): bf16 params 2, bf16 grads 2, fp32 master+m+v 12
 #   mixed precision under Accelerate autocast (DDP, FSDP, megatron): fp32 params 4, fp32 grads 4, m+v 8
 #   fp32: params 4, grads 4, m+v 8; DeepSpeed 0.19.8 keeps a fp32 master copy of its partition at stages 1-2 (+4);
-#   at stage 3 hftrain makes the master the partition itself (strategies.zero_runtime.alias_fp32_master)
+#   at stage 3 hftrain makes the master the partition itself (strategies.deepspeed.runtime.alias_fp32_master)
 
 
 @dataclass(frozen=True)

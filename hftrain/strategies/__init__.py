@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, str] = {
     "ddp": "hftrain.strategies.ddp:DDPStrategy",
     "fsdp": "hftrain.strategies.fsdp:FSDPStrategy",
-    "zero1": "hftrain.strategies.deepspeed:Zero1Strategy",
-    "zero2": "hftrain.strategies.deepspeed:Zero2Strategy",
-    "zero3": "hftrain.strategies.deepspeed:Zero3Strategy",
+    "zero1": "hftrain.strategies.deepspeed.strategy:Zero1Strategy",
+    "zero2": "hftrain.strategies.deepspeed.strategy:Zero2Strategy",
+    "zero3": "hftrain.strategies.deepspeed.strategy:Zero3Strategy",
     "megatron": "hftrain.strategies.megatron:MegatronStrategy",
 }
 

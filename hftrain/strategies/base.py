@@ -50,8 +50,6 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
-    reshardable_checkpoints: ClassVar[bool] = False
-    """Whether this strategy's checkpoints load on a different number of processes."""
 
     def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
         self.config = config
@@ -77,9 +75,6 @@ class Strategy(ABC):
         """The context the model must be constructed in (default: none)."""
         return contextlib.nullcontext()
 
-    def before_load_state(self, model: Any, optimizer: Any) -> None:
-        """Prepare the live model/optimizer for ``accelerator.load_state`` (default: nothing)."""
-
     def check_model(self, model_config: Any, *, use_lora: bool, task: str = "sequence_classification") -> None:
         """Refuse a model this strategy cannot distribute, before any process group exists (default: any).
 
@@ -100,8 +95,8 @@ class Strategy(ABC):
         return AccelerateRuntime(accelerator, **self.runtime_hooks())
 
     def runtime_hooks(self) -> dict[str, Any]:
-        """What an Accelerate runtime needs from this strategy: its load hook and model-construction context."""
-        return {"before_load_state": self.before_load_state, "plain_model_context": self.model_init_context}
+        """What an Accelerate runtime needs from this strategy: its model-construction context."""
+        return {"plain_model_context": self.model_init_context}
 
     shards_model_states: ClassVar[bool] = False
     """Whether the point of this strategy is to hold less than a whole model's states per rank (ZeRO, FSDP)."""

@@ -25,7 +25,6 @@ class DDPStrategy(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` through Accelerate (``MULTI_GPU`` / ``MULTI_CPU``)."""
 
     name = "ddp"
-    reshardable_checkpoints = True  # every rank holds the full model and optimizer state
 
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         # On CPU, cpu=True is what makes Accelerate pick MULTI_CPU (gloo) instead of silently running NO.

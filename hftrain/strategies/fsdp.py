@@ -78,19 +78,6 @@ class FSDPStrategy(Strategy):
             raise ConfigError("fsdp_cpu_ram_efficient_loading needs a GPU; set it to false in the accelerate config")
         self.plugin: FullyShardedDataParallelPlugin | None = None
 
-    def before_load_state(self, model: Any, optimizer: Any) -> None:
-        """Give the optimizer its state tensors before a sharded load (FSDP1).
-
-        Accelerate loads an FSDP1 sharded optimizer checkpoint into a template made from the live optimizer's
-        state; a fresh optimizer has none, so nothing would be loaded and Adam would silently restart. torch's
-        own ``_init_optim_state`` (used by ``get_optimizer_state_dict``, which FSDP2's path calls) creates it
-        with a zero-learning-rate step that leaves the parameters unchanged.
-        """
-        if self.settings.fsdp_version == 1:
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-            _init_optim_state(optimizer)
-
     def accelerator_kwargs(self, training: TrainingConfig) -> dict[str, Any]:
         # No cpu=True: on CPU that would make MULTI_CPU (DDP); the gloo group comes from the handler instead.
         self.plugin = self.build_plugin()

@@ -44,7 +44,6 @@ class AccelerateRuntime:
 
     Args:
         accelerator: the run's accelerator (also the trainer's trackers).
-        before_load_state: run on the live model and optimizer before a load (FSDP1's optimizer template).
         plain_model_context: the context a plain, unsharded model is built in (the export's reload): the
             strategy's model-construction context (ZeRO-3 keeps transformers out of ``deepspeed.zero.Init``).
     """
@@ -58,13 +57,11 @@ class AccelerateRuntime:
         self,
         accelerator: Accelerator,
         *,
-        before_load_state: Callable[[Any, Any], None] | None = None,
         plain_model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.accelerator = accelerator
         self._prepared_model: Any = None
         self._prepared_optimizer: Any = None
-        self._before_load_state = before_load_state
         self._plain_model_context = plain_model_context or contextlib.nullcontext
 
     def plain_model_context(self) -> contextlib.AbstractContextManager:
@@ -288,21 +285,16 @@ class AccelerateRuntime:
         )
 
     def load_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
-        """Restore a checkpoint's ``state/`` into the live (prepared) model, optimizer and scheduler.
-
-        A sharded checkpoint (any strategy, any process count) loads through :meth:`load_snapshot`; one in an
-        older format through Accelerate, as it was written.
+        """Restore a checkpoint's ``state/`` into the live (prepared) model, optimizer and scheduler: what
+        :meth:`save_extras` wrote, then the sharded state (of any strategy and process count) through
+        :meth:`load_snapshot` (a checkpoint in a per-strategy format from before it never gets here:
+        ``hftrain.checkpoint.sharded.check_sharded`` refuses it on resume).
 
         Args:
             directory: a checkpoint's ``state/`` folder.
             model: the prepared model.
             optimizer: the prepared optimizer.
         """
-        from hftrain.checkpoint.sharded import is_sharded
-
-        if not is_sharded(directory):
-            self.load_legacy_state(directory, model=model, optimizer=optimizer)
-            return
         self.load_extras(directory)
         self.load_snapshot(directory)
 
@@ -325,13 +317,6 @@ class AccelerateRuntime:
         # The saved hyper-parameters go into the state dict's groups, which set_state_dict makes the live ones.
         read_snapshot(directory, flat_state(model_state, optim_state), optim_state["param_groups"])
         set_state_dict(self._prepared_model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-
-    def load_legacy_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
-        """Load a checkpoint written before the sharded format, with the library that wrote it (same strategy
-        and process count; ``hftrain.checkpoint.resume`` refuses the rest)."""
-        if self._before_load_state is not None:
-            self._before_load_state(model, getattr(optimizer, "optimizer", optimizer))
-        self.accelerator.load_state(directory)
 
     def _inner_optimizer(self) -> Any:
         return getattr(self._prepared_optimizer, "optimizer", self._prepared_optimizer)

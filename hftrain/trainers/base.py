@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, read_checkpoint
+from hftrain.checkpoint.manager import CheckpointManager
 from hftrain.checkpoint.preemption import PreemptionFlag
-from hftrain.checkpoint.resume import batches_to_skip, check_position, check_resumable, check_trusted
 from hftrain.checkpoint.run import (
     CHECKPOINTS_DIR,
     CURVES_PNG,
@@ -27,7 +26,7 @@ from hftrain.checkpoint.run import (
     STRATEGY_FILENAME,
     TRAINER_STATE_FILENAME,
 )
-from hftrain.checkpoint.safety import check_no_code, check_rng_states
+from hftrain.checkpoint.session import CheckpointSession
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader, lengths_of
 from hftrain.errors import HFTrainError
 from hftrain.log import get_logger
@@ -174,8 +173,20 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             Path(args.output_dir) / CHECKPOINTS_DIR, keep=args.save_total_limit, run_id=run_id
         )
-        self.last_checkpoint: Path | None = None
-        self._last_checkpoint_step: int | None = None  # its step (a trusted checkpoint's folder may be named freely)
+        from hftrain.strategies import available_strategies
+
+        self.checkpointing = CheckpointSession(
+            self.runtime,
+            args,
+            self.checkpoints,
+            state_type=TrainerState,
+            run_id=run_id,
+            topology=self.strategy_summary,
+            run_config=self.run_config,
+            strategies=tuple(available_strategies()),
+            versions=_versions,
+            log=self._log,
+        )
         if args.resume_from_checkpoint:
             self.resume(args.resume_from_checkpoint)
 
@@ -402,129 +413,50 @@ class Trainer:
         evals = [h for h in self.state.log_history if "eval_loss" in h]
         return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
 
-    # ----------------------------------------------------------------- checkpoints
+    # ----------------------------------------------------------------- checkpoints (``hftrain.checkpoint.session``)
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The last checkpoint written or resumed from."""
+        return self.checkpointing.last
+
+    @last_checkpoint.setter
+    def last_checkpoint(self, path: Path | None) -> None:
+        self.checkpointing.last = path
+
     def save_checkpoint(self) -> Path:
         """Write a complete checkpoint of the current step (collective: every rank calls it), and start drawing
         ``training_curves.png`` in the background, except at the run's last step: ``fit`` draws it once more after
         the final evaluation anyway."""
-        meta = {
-            "run_id": self.run_id,
-            "trainer_state": self.state_dict(),
-            "topology": self.strategy_summary,
-            "config": self.run_config,
-            "versions": _versions(),
-        }
-        self._last_checkpoint_step = self.state.global_step
-        self.last_checkpoint = self.checkpoints.save(
-            self.runtime,
-            step=self.state.global_step,
-            meta=meta,
-            background=self.args.async_save,
-            # the run's last step: no optimizer step changes the states before fit() waits for the write
-            live=self.state.global_step >= self.max_steps,
-        )
+        path = self.checkpointing.save(self.state_dict(), step=self.state.global_step, max_steps=self.max_steps)
         if self.state.global_step < self.max_steps:
             self._draw_curves()
         self.throughput.restart_clock()  # a step's rate counts the step, not the save after it
-        return self.last_checkpoint
+        return path
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background, if any, is complete (collective)."""
-        self.checkpoints.wait()
+        self.checkpointing.wait()
 
     def _checkpointed_step(self) -> int | None:
-        return self._last_checkpoint_step
+        return self.checkpointing.checkpointed_step()
 
     def resume(self, spec: str) -> None:
-        """Restore model, optimizer, scheduler, RNG and data position from a checkpoint (after ``prepare``).
+        """Restore model, optimizer, scheduler, RNG, trainer state and data position from a checkpoint (after
+        ``prepare``; :meth:`CheckpointSession.resume <hftrain.checkpoint.session.CheckpointSession.resume>`).
 
         Args:
             spec: ``latest``, ``auto`` or a checkpoint folder.
         """
         self._release_heap()  # the loaded optimizer states take the pages faulted in for the first step
-        path = self.checkpoints.resolve(spec)
-        if path is None:
-            self._log(f"resume_from_checkpoint: {spec}: no checkpoint yet, starting fresh")
-            return
-        check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
-        meta = self._read_verified(path)
-        from hftrain.checkpoint.sharded import is_sharded  # torch.distributed.checkpoint: imported when used
-        from hftrain.strategies import available_strategies
-
-        notes = check_resumable(
-            meta,
-            path=path,
-            run_config=self.run_config,
-            topology=self.strategy_summary,
-            can_reshard=self.strategy.reshardable_checkpoints,
-            sharded=is_sharded(path / STATE_DIR),
-            strategies=tuple(available_strategies()),
-        )
-        skip = batches_to_skip(meta, self.strategy_summary)
-        check_position(
-            meta,
-            path=path,
-            skip=skip,
+        resumed = self.checkpointing.resume(
+            spec,
+            model=self.model,
+            optimizer=self.optimizer,
             micro_batches=len(self.train_loader),
-            accumulation=self.args.gradient_accumulation_steps,
             max_steps=self.max_steps,
         )
-        # load_state only after prepare, so the scheduler and optimizer it restores are the live ones
-        # (pitfall "LR schedule resets after resume", docs/pitfalls.md).
-        self._load_state(path)
-        self.state = _trainer_state(path, meta["trainer_state"])
-        self._skip_batches = skip
-        self.state.micro_step = self._skip_batches
-        self.last_checkpoint, self._last_checkpoint_step = path, self.state.global_step
-        notes += _rng_notes(meta["topology"]["world_size"], self.accelerator.num_processes, self.args.seed)
-        for note in notes:
-            self._log(note)
-        self._log(
-            f"resumed from {path} at step {self.state.global_step} (epoch {self.state.epoch}, "
-            f"{self._skip_batches} batches into it)"
-        )
-
-    def _read_verified(self, path: Path) -> dict[str, Any]:
-        # The main process checks every checksum and loads every pickled file once with a restricted unpickler
-        # (nothing in a checkpoint runs code); the others wait for its verdict instead of re-reading.
-        error = None
-        if self.accelerator.is_main_process:
-            try:
-                meta = read_checkpoint(path, verify_files=True)
-                check_no_code(path, path / STATE_DIR)
-                check_rng_states(path, path / STATE_DIR, meta["topology"]["world_size"], self.accelerator.num_processes)
-            except CheckpointError as raised:
-                error = raised
-        failed = self._any_rank(error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(f"checkpoint '{path}' failed verification on the main process; see its error")
-        return read_checkpoint(path, verify_files=False)
-
-    def _load_state(self, path: Path) -> None:
-        """Load the verified state; a file that does not fit this run (a missing key, another shape) is one line.
-
-        Every rank agrees on the outcome, so a rank whose load failed does not leave the others waiting.
-        """
-        error: Exception | None = None
-        try:
-            self.runtime.load_state(str(path / STATE_DIR), model=self.model, optimizer=self.optimizer)
-        except CheckpointError as raised:
-            error = raised
-        except Exception as raised:  # the libraries' load errors: RuntimeError (keys, shapes), KeyError, ValueError
-            reason = " ".join(str(raised).split())[:300] or type(raised).__name__
-            error = CheckpointError(
-                f"checkpoint '{path}': its state does not load into this run ({type(raised).__name__}: {reason}); "
-                "resume from another checkpoint, or with the config that wrote it"
-            )
-        if self._any_rank(error is not None):
-            # Collective: a rank whose load failed differently (only its RNG file) says why; ranks that failed
-            # alike say it once per machine.
-            says = self.runtime.reports(error)
-            if error is not None:
-                error.every_rank = says
-            raise error or CheckpointError(f"checkpoint '{path}' failed to load on another process; see its error")
+        if resumed is not None:
+            self.state, self._skip_batches = resumed.state, resumed.skip
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward one micro-batch; step the optimizer when the window closes.
@@ -679,6 +611,7 @@ class Trainer:
         several_processes = self.accelerator.num_processes > 1
         self.model = self.optimizer = self.train_loader = self.eval_loader = self.expert_load = None
         self.runtime = None
+        self.checkpointing.detach()
         self.accelerator.free_memory()
         if several_processes:
             gc.collect()
@@ -687,39 +620,6 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The trainer state as plain data."""
         return asdict(self.state)
-
-
-def _trainer_state(path: Path, saved: dict[str, Any]) -> TrainerState:
-    """The trainer state of ``checkpoint.json`` (its integer fields are checked by ``read_checkpoint``)."""
-    import dataclasses
-
-    known = {f.name for f in dataclasses.fields(TrainerState)}
-    unknown = sorted(set(saved) - known)
-    if unknown:
-        raise CheckpointError(
-            f"checkpoint '{path}': checkpoint.json's trainer_state has an unknown key '{unknown[0]}'; it is damaged "
-            "or written by another hftrain: resume from another checkpoint"
-        )
-    return TrainerState(**saved)
-
-
-def _rng_notes(saved_world: int, live_world: int, seed: int) -> list[str]:
-    """What a change of process count does to the per-process RNG states (each process restores its own rank's)."""
-
-    def processes(first: int, last: int) -> str:
-        return f"process {first}" if first == last else f"processes {first} to {last}"
-
-    if live_world > saved_world:
-        return [
-            f"{processes(saved_world, live_world - 1)} of this run have no RNG state in the checkpoint (written by "
-            f"{saved_world}); they keep the RNG they started with (seed {seed})"
-        ]
-    if live_world < saved_world:
-        return [
-            f"the RNG states of the checkpoint's {processes(live_world, saved_world - 1)} are not used (this run has "
-            f"{live_world}); random streams (dropout) continue from those of {processes(0, live_world - 1)}"
-        ]
-    return []
 
 
 def configure_threads(requested: int | None, local_world_size: int) -> int:

@@ -11,30 +11,19 @@ checkpoint of any strategy and layout (``hftrain.checkpoint.sharded``). :func:`i
 weights to rank 0 one tensor at a time for the export; :func:`merged_weights` gathers them all (LoRA's adapter
 export).
 
-Checkpoints of the previous format (full tensors in ``state/model.safetensors`` and ``state/optimizer.pt``, with
-``layout.json``) still load through :func:`load_legacy_state`, which slices each full tensor to this rank's shard.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from hftrain.checkpoint.manager import CheckpointError
-
 if TYPE_CHECKING:
     from hftrain.checkpoint.sharded import Chunked, Snapshot
-
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-LAYOUT_FILE = "layout.json"
-FORMAT = "hftrain-logical-full-v1"
 
 
 def snapshot(
@@ -134,40 +123,6 @@ def _boxes(name: str, tensor: torch.Tensor, records: dict[str, Any]) -> Chunked:
     return Chunked(record.split.full_shape, record.split.boxes(tensor))
 
 
-def load_legacy_state(
-    directory: str | Path,
-    model: torch.nn.Module,
-    params: dict[str, torch.nn.Parameter],
-    optimizer: Any,
-    *,
-    layout: dict[str, int],
-) -> None:
-    """Load a logical checkpoint (of any tp, pp and dp) into this rank's parameters and optimizer (no collective).
-
-    Args:
-        directory: the checkpoint's ``state/`` folder.
-        model: the tensor-parallel HF model (unwrapped).
-        params: HF name -> the parameters this rank owns.
-        optimizer: the inner optimizer over ``params``.
-        layout: this run's ``{"tp", "dp", "pp", "world_size"}``.
-    """
-    from safetensors.torch import load_file
-
-    from hftrain.parallel import load_full_state_dict
-
-    directory = Path(directory)
-    check_layout(directory, layout)
-    load_full_state_dict(model, load_file(str(directory / MODEL_FILE)), names=set(params) | _buffer_names(model))
-    saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-    mine = {
-        "state": {name: values for name, values in saved["state"].items() if name in params},
-        "param_groups": [
-            {**group, "params": [name for name in group["params"] if name in params]} for group in saved["param_groups"]
-        ],
-    }
-    optimizer.load_state_dict(_local_optimizer_state(model, optimizer, mine))
-
-
 def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], groups: Any) -> dict[str, Any]:
     """The full weights with HF names, gathered over the axes that cut them (tp, ep) and merged over pp
     (collective; every caller gets them).
@@ -261,64 +216,3 @@ def _merged_over_stages(part: dict[str, Any], pp_group: Any) -> list[dict[str, A
     parts: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(parts, part, group=pp_group)
     return parts
-
-
-def check_layout(directory: Path, layout: dict[str, int]) -> None:
-    """Refuse a checkpoint whose layout cannot be resharded to this one, naming both layouts."""
-    path = directory / LAYOUT_FILE
-    if not path.is_file():
-        raise CheckpointError(f"'{directory}' holds no {LAYOUT_FILE}: it is not a megatron checkpoint")
-    try:
-        saved = json.loads(path.read_text())
-    except (ValueError, OSError) as error:
-        raise CheckpointError(
-            f"checkpoint '{directory.parent}': {LAYOUT_FILE} is damaged ({error}); resume from another checkpoint"
-        ) from None
-    if not isinstance(saved, dict):
-        raise CheckpointError(
-            f"checkpoint '{directory.parent}': {LAYOUT_FILE} is damaged (not a JSON object); resume from another "
-            "checkpoint"
-        )
-
-    def describe(values: dict[str, Any]) -> str:
-        axes = ("tp", "cp", "pp", "dp") if values.get("cp", 1) > 1 else ("tp", "pp", "dp")
-        return " × ".join(f"{axis}={values.get(axis, 1)}" for axis in axes)
-
-    if saved.get("format") != FORMAT:
-        raise CheckpointError(
-            f"checkpoint '{directory.parent}' has layout {describe(saved)} ({saved.get('format')}), this run "
-            f"{describe(layout)}: only {FORMAT} checkpoints reshard; resume it with the hftrain version that wrote it"
-        )
-
-
-# ----------------------------------------------------------------- optimizer state <-> logical names
-def _flat_params(optimizer: Any) -> list[torch.nn.Parameter]:
-    """Parameters in the order optimizer state dicts index them (group by group)."""
-    return list(chain.from_iterable(group["params"] for group in optimizer.param_groups))
-
-
-def _local_optimizer_state(model: torch.nn.Module, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
-    """The saved logical state as this optimizer's own state dict, each tensor sliced to this rank's shard."""
-    from hftrain.parallel import shard_full_tensor
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = _flat_params(optimizer)
-    index = {names[id(p)]: i for i, p in enumerate(params)}
-    live_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    saved_names = [group["params"] for group in saved["param_groups"]]
-    if sorted(map(sorted, live_names)) != sorted(map(sorted, saved_names)):
-        raise CheckpointError(
-            "the checkpoint's optimizer parameter groups do not match this model's; resume with the same model "
-            "and trainable parameters"
-        )
-    state = {}
-    for name, values in saved["state"].items():
-        # Tensors shaped like the parameter are sliced like it; scalars (Adam's step) are kept.
-        state[index[name]] = {
-            k: shard_full_tensor(name, v, model) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in values.items()
-        }
-    param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [index[n] for n in group["params"]]}
-        for group in saved["param_groups"]
-    ]
-    return {"state": state, "param_groups": param_groups}

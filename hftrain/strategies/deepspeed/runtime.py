@@ -59,7 +59,6 @@ class ZeroRuntime(AccelerateRuntime):
         stage: the ZeRO stage, 1, 2 or 3.
         size_from_model: fills the DeepSpeed JSON's model-sized ``"auto"`` values from the model, before the engine
             is built (``strategies.deepspeed.fill_model_sized``).
-        before_load_state: passed on (legacy checkpoints).
         plain_model_context: passed on (the export's reload outside ``zero.Init``).
     """
 

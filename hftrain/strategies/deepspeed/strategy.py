@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.config import TrainingConfig
-    from hftrain.strategies.zero_runtime import ZeroRuntime
+    from hftrain.strategies.deepspeed.runtime import ZeroRuntime
 
 
 MODEL_SIZED: dict[str, tuple[int, Any]] = {
@@ -165,8 +165,8 @@ class ZeroStrategy(Strategy):
         return self.launch.world_size
 
     def build_runtime(self, accelerator: Accelerator) -> ZeroRuntime:
-        """A runtime that checkpoints ZeRO's partitions in the sharded format (``hftrain.strategies.zero_runtime``)."""
-        from hftrain.strategies.zero_runtime import ZeroRuntime
+        """A runtime that checkpoints ZeRO's partitions in the sharded format (``runtime.py`` beside this file)."""
+        from hftrain.strategies.deepspeed.runtime import ZeroRuntime
 
         plugin = self._plugin
         return ZeroRuntime(

@@ -1,0 +1,243 @@
+"""A run's checkpoint protocol: what a save records and how a resume verifies, checks and restores it.
+
+The Trainer holds one :class:`CheckpointSession`, built from what the protocol needs (the runtime, the training
+arguments, the checkpoint manager, the run's identity and topology) and never from the Trainer itself: this package
+sits below ``hftrain.trainers``. The trainer state it saves and restores is any dataclass of plain fields (the
+Trainer's ``TrainerState``); the session knows its fields, not its meaning, except the counters a resume checks
+(``checkpoint.resume``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, read_checkpoint
+from hftrain.checkpoint.resume import batches_to_skip, check_position, check_resumable, check_trusted
+from hftrain.checkpoint.safety import check_no_code, check_rng_states
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What :meth:`CheckpointSession.resume` restored besides the model, optimizer, scheduler and RNG."""
+
+    state: Any
+    """The trainer state of the checkpoint (its ``micro_step`` already this run's)."""
+    skip: int
+    """Micro-batches of the current epoch this process already consumed, in this run's topology: the loader skips
+    them."""
+
+
+class CheckpointSession:
+    """Saves a run's checkpoints and resumes from one, for a Trainer that holds it.
+
+    Args:
+        runtime: the strategy's runtime (``hftrain.strategies.runtime``): writes and loads the state, and answers
+            the collective questions (``any_rank``, ``reports``, ``is_main_process``, ``num_processes``).
+        args: the ``training`` config section (``output_dir``, ``async_save``, ``trust_external_checkpoint``,
+            ``seed``, ``gradient_accumulation_steps``).
+        manager: the run's :class:`~hftrain.checkpoint.manager.CheckpointManager`.
+        state_type: the trainer state's dataclass, built from a checkpoint's ``trainer_state``.
+        run_id: the run's id, stored in every checkpoint.
+        topology: the strategy summary (strategy, world size, batch geometry), stored and checked on resume.
+        run_config: the resolved flat job config, stored and checked on resume.
+        strategies: the strategy names this hftrain knows (a checkpoint naming another is damaged).
+        versions: the library versions recorded in a checkpoint (called at each save).
+        log: where notes go (the main process's log).
+    """
+
+    def __init__(
+        self,
+        runtime: Any,
+        args: Any,
+        manager: CheckpointManager,
+        *,
+        state_type: type,
+        run_id: str | None,
+        topology: dict[str, Any],
+        run_config: dict[str, Any],
+        strategies: tuple[str, ...],
+        versions: Callable[[], dict[str, str]],
+        log: Callable[[str], None],
+    ) -> None:
+        self.runtime = runtime
+        self.args = args
+        self.manager = manager
+        self.state_type = state_type
+        self.run_id = run_id
+        self.topology = topology
+        self.run_config = run_config
+        self.strategies = strategies
+        self.versions = versions
+        self.log = log
+        self.last: Path | None = None
+        """The last checkpoint written or resumed from."""
+        self.last_step: int | None = None
+        """Its step (a trusted checkpoint's folder may be named freely)."""
+
+    # ----------------------------------------------------------------- save
+    def save(self, trainer_state: dict[str, Any], *, step: int, max_steps: int) -> Path:
+        """Write a complete checkpoint of step ``step`` (collective: every rank calls it); returns its folder.
+
+        Its ``checkpoint.json`` records the run id, the trainer state, the topology, the config and the versions.
+        The write runs in the background under ``async_save``; at the run's last step (``step ≥ max_steps``) no
+        optimizer step changes the states before the run waits for the write, so the manager may write from the
+        live tensors.
+
+        Args:
+            trainer_state: the trainer state as plain data.
+            step: the optimizer steps taken.
+            max_steps: the run's last step.
+        """
+        meta = {
+            "run_id": self.run_id,
+            "trainer_state": trainer_state,
+            "topology": self.topology,
+            "config": self.run_config,
+            "versions": self.versions(),
+        }
+        self.last_step = step
+        self.last = self.manager.save(
+            self.runtime, step=step, meta=meta, background=self.args.async_save, live=step >= max_steps
+        )
+        return self.last
+
+    def wait(self) -> None:
+        """Wait until the checkpoint being written in the background, if any, is complete (collective)."""
+        self.manager.wait()
+
+    def checkpointed_step(self) -> int | None:
+        """The step of the last checkpoint written or resumed from; None when there is none."""
+        return self.last_step
+
+    def detach(self) -> None:
+        """Drop the runtime (and through it the model), so that the Trainer's ``close`` frees them; the last
+        checkpoint stays known."""
+        self.runtime = None
+
+    # ----------------------------------------------------------------- resume
+    def resume(self, spec: str, *, model: Any, optimizer: Any, micro_batches: int, max_steps: int) -> Resumed | None:
+        """Restore model, optimizer, scheduler and RNG from a checkpoint (after ``prepare``); return its trainer
+        state and the data position, or None when ``spec`` is ``auto`` and there is no checkpoint yet.
+
+        In order: the checkpoint must be inside ``output_dir`` or trusted, and in the sharded format (one of the
+        per-strategy formats before it is refused); the main process verifies every checksum
+        and unpickles every file with a restricted unpickler; it must be of this model and task, in a layout this
+        run can load, at a position of this run; then the state is loaded into the live objects (after
+        ``prepare``, so the scheduler and optimizer it restores are the live ones: pitfall "LR schedule resets
+        after resume", docs/pitfalls.md). Every refusal is a :class:`CheckpointError`, raised on every rank.
+
+        Args:
+            spec: ``latest``, ``auto`` or a checkpoint folder.
+            model: the prepared model.
+            optimizer: the prepared optimizer.
+            micro_batches: micro-batches per epoch on each process of this run.
+            max_steps: this run's last step.
+        """
+        path = self.manager.resolve(spec)
+        if path is None:
+            self.log(f"resume_from_checkpoint: {spec}: no checkpoint yet, starting fresh")
+            return None
+        check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
+        from hftrain.checkpoint.sharded import check_sharded  # torch.distributed.checkpoint: imported when used
+
+        check_sharded(path / STATE_DIR)  # a checkpoint of the per-strategy formats before it: one line
+        meta = self._read_verified(path)
+        notes = check_resumable(
+            meta, path=path, run_config=self.run_config, topology=self.topology, strategies=self.strategies
+        )
+        skip = batches_to_skip(meta, self.topology)
+        check_position(
+            meta,
+            path=path,
+            skip=skip,
+            micro_batches=micro_batches,
+            accumulation=self.args.gradient_accumulation_steps,
+            max_steps=max_steps,
+        )
+        self._load_state(path, model=model, optimizer=optimizer)
+        state = _trainer_state(path, meta["trainer_state"], self.state_type)
+        state.micro_step = skip
+        self.last, self.last_step = path, state.global_step
+        notes += _rng_notes(meta["topology"]["world_size"], self.runtime.num_processes, self.args.seed)
+        for note in notes:
+            self.log(note)
+        self.log(f"resumed from {path} at step {state.global_step} (epoch {state.epoch}, {skip} batches into it)")
+        return Resumed(state, skip)
+
+    def _read_verified(self, path: Path) -> dict[str, Any]:
+        # The main process checks every checksum and loads every pickled file once with a restricted unpickler
+        # (nothing in a checkpoint runs code); the others wait for its verdict instead of re-reading.
+        error = None
+        if self.runtime.is_main_process:
+            try:
+                meta = read_checkpoint(path, verify_files=True)
+                check_no_code(path, path / STATE_DIR)
+                check_rng_states(path, path / STATE_DIR, meta["topology"]["world_size"], self.runtime.num_processes)
+            except CheckpointError as raised:
+                error = raised
+        failed = self.runtime.any_rank(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"checkpoint '{path}' failed verification on the main process; see its error")
+        return read_checkpoint(path, verify_files=False)
+
+    def _load_state(self, path: Path, *, model: Any, optimizer: Any) -> None:
+        """Load the verified state; a file that does not fit this run (a missing key, another shape) is one line.
+
+        Every rank agrees on the outcome, so a rank whose load failed does not leave the others waiting.
+        """
+        error: Exception | None = None
+        try:
+            self.runtime.load_state(str(path / STATE_DIR), model=model, optimizer=optimizer)
+        except CheckpointError as raised:
+            error = raised
+        except Exception as raised:  # the libraries' load errors: RuntimeError (keys, shapes), KeyError, ValueError
+            reason = " ".join(str(raised).split())[:300] or type(raised).__name__
+            error = CheckpointError(
+                f"checkpoint '{path}': its state does not load into this run ({type(raised).__name__}: {reason}); "
+                "resume from another checkpoint, or with the config that wrote it"
+            )
+        if self.runtime.any_rank(error is not None):
+            # Collective: a rank whose load failed differently (only its RNG file) says why; ranks that failed
+            # alike say it once per machine.
+            says = self.runtime.reports(error)
+            if error is not None:
+                error.every_rank = says
+            raise error or CheckpointError(f"checkpoint '{path}' failed to load on another process; see its error")
+
+
+def _trainer_state(path: Path, saved: dict[str, Any], state_type: type) -> Any:
+    """The trainer state of ``checkpoint.json`` (its integer fields are checked by ``read_checkpoint``)."""
+    known = {f.name for f in dataclasses.fields(state_type)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint '{path}': checkpoint.json's trainer_state has an unknown key '{unknown[0]}'; it is damaged "
+            "or written by another hftrain: resume from another checkpoint"
+        )
+    return state_type(**saved)
+
+
+def _rng_notes(saved_world: int, live_world: int, seed: int) -> list[str]:
+    """What a change of process count does to the per-process RNG states (each process restores its own rank's)."""
+
+    def processes(first: int, last: int) -> str:
+        return f"process {first}" if first == last else f"processes {first} to {last}"
+
+    if live_world > saved_world:
+        return [
+            f"{processes(saved_world, live_world - 1)} of this run have no RNG state in the checkpoint (written by "
+            f"{saved_world}); they keep the RNG they started with (seed {seed})"
+        ]
+    if live_world < saved_world:
+        return [
+            f"the RNG states of the checkpoint's {processes(live_world, saved_world - 1)} are not used (this run has "
+            f"{live_world}); random streams (dropout) continue from those of {processes(0, live_world - 1)}"
+        ]
+    return []
