@@ -37,7 +37,7 @@ class TokenHead(StageHead):
 
 
 def _model_class():
-    """``TokenRegressor``: a Llama trunk and one linear unit per token (built lazily: transformers is slow to import)."""
+    """``TokenRegressor``: a Llama trunk and one linear unit per token (built lazily: transformers imports slowly)."""
     from transformers import LlamaModel, LlamaPreTrainedModel
 
     class TokenRegressor(LlamaPreTrainedModel):

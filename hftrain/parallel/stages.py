@@ -1,4 +1,11 @@
-"""Pipeline chunks of HF sequence classifiers and decoder causal LMs, and the per-family adapters that run them.
+"""Pipeline chunks, the per-family trunk adapters that run their layers, and the task heads that end them.
+
+A family's *trunk* adapter (``EncoderStages``, ``GPT2Stages``, ``DecoderStages``, ``ModernBertStages``,
+``DebertaStages``: registered in ``hftrain.parallel.families``) knows its embedding, layers and final norm; a task's
+*head* (:class:`StageHead`) knows what the first chunk reads, what travels beside the hidden states and what the
+last chunk returns: a sequence classifier's (:class:`FirstTokenHead`, :class:`LastTokenHead`, :class:`DebertaHead`,
+:class:`ModernBertHead`, registered beside their families), a causal LM's (:class:`CausalLMHead`), or a task's own.
+:class:`ModelStages` joins the two and :class:`PipelineChunk` runs them without knowing the task.
 
 The adapters call the HF modules themselves and rebuild attention masks with transformers' own
 ``create_causal_mask``/``create_bidirectional_mask`` from the carried 2-D mask, so a chain of chunks computes
@@ -194,15 +201,14 @@ class _RelativeState(torch.nn.Module):
 
 
 class DebertaStages(EncoderStages):
-    """DeBERTa-v2/v3: embeddings (padding zeroed by the mask, as ``DebertaV2Embeddings`` does) → ``layer[i]`` with the
-    encoder's relative positions and relative embeddings → ``ContextPooler`` on the first token → dropout →
-    classifier.
+    """DeBERTa-v2/v3's trunk: embeddings (padding zeroed by the mask, as ``DebertaV2Embeddings`` does) → ``layer[i]``
+    with the encoder's relative positions and relative embeddings. Its classification head is :class:`DebertaHead`.
 
     The relative embeddings (and their LayerNorm) are read by every layer: each chunk holds them (``aux_modules``:
     parameters on every pipeline rank, their gradient summed over the pipeline group, the first stage's copy the one
     checkpointed and exported) and computes them, the relative positions and the pairwise mask once per chunk, as
     the encoder does once per forward. The convolution after the first layer (``conv_kernel_size > 0``) is refused.
-    BERT's layout otherwise (:class:`EncoderStages`: layers, embedding modules, the first token's pooling).
+    BERT's layout otherwise (:class:`EncoderStages`: layers, embedding modules).
     """
 
     def __init__(self) -> None:
@@ -255,7 +261,7 @@ class _LastTokenStages:
 
 
 class GPT2Stages(_LastTokenStages):
-    """GPT-2: ``wte + wpe`` → dropout → ``transformer.h[i]`` → ``ln_f`` → score at the last non-pad token."""
+    """GPT-2's trunk: ``wte + wpe`` → dropout → ``transformer.h[i]`` → ``ln_f`` (classifier: :class:`LastTokenHead`)."""
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The transformer blocks, in order."""
@@ -300,7 +306,7 @@ class GPT2Stages(_LastTokenStages):
 class DecoderStages(_LastTokenStages):
     """Rotary decoders (Llama and the families that share its forward: Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo-2,
     GPT-NeoX, the mixtures of experts): the token embedding (a Gemma's scales itself by √hidden) → ``layers[i]`` with
-    rotary embeddings → the final norm → score at the last non-pad token.
+    rotary embeddings → the final norm (their classifier: :class:`LastTokenHead`).
 
     Each layer gets the mask its model gives it: per ``config.layer_types`` (full or sliding-window attention:
     Qwen2/3, Gemma-2/3), sliding for every layer where the config has a ``sliding_window`` and no layer types
