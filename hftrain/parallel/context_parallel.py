@@ -621,8 +621,6 @@ def _per_token_forward(forward: Any, split: ContextSplit) -> Any:
 def _pooled_forward(model: torch.nn.Module, split: ContextSplit, trunk: Any, classifier: Any) -> Any:
     """A classifier's forward: the base model on this rank's positions, the classified token pooled over the cp
     group, the family's classification head (``hftrain.parallel.stages.SequenceClassificationHead``) on it."""
-    from transformers.modeling_outputs import SequenceClassifierOutput
-
     head, embeddings = classifier.modules(model), trunk.embed_modules(model)
     base = model.base_model
 
@@ -642,11 +640,6 @@ def _pooled_forward(model: torch.nn.Module, split: ContextSplit, trunk: Any, cla
         pool = classifier.pool(model.config, input_ids, attention_mask, hidden.dtype)
         token = split.sum((hidden * pool[:, positions, None]).sum(1))
         logits = classifier.classify(head, token)  # the family's head on the pooled token (after the base's final norm)
-        loss = None
-        if labels is not None:
-            from transformers.loss.loss_utils import ForSequenceClassificationLoss
-
-            loss = ForSequenceClassificationLoss(labels, logits, model.config)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+        return classifier.output(logits, labels, model.config)  # transformers' output and loss
 
     return forward
