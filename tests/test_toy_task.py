@@ -79,12 +79,12 @@ class TokenRegressionTrainer(Trainer):
         return losses, losses, losses
 
 
-def _run(strategy: str, options: dict | None = None) -> dict:
+def _run(output_dir: str, strategy: str, options: dict | None = None) -> dict:
     from hftrain.cli import launch_info_from_environ
     from hftrain.config import StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
     from hftrain.strategies import build_strategy
-    from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_config, tiny_splits, tiny_tokenizer
+    from tests.tiny import reset_accelerate_state, tiny_config, tiny_splits, tiny_tokenizer
 
     reset_accelerate_state()
     tokenizer = tiny_tokenizer("llama")
@@ -93,7 +93,7 @@ def _run(strategy: str, options: dict | None = None) -> dict:
     splits = tokenize_splits(tiny_splits(48, 10), tokenizer, max_seq_length=16)
     config = tiny_config("llama", num_layers=2, max_positions=32)
     args = TrainingConfig(
-        output_dir=_fresh_output_dir(),
+        output_dir=output_dir,
         per_device_train_batch_size=8,
         per_device_eval_batch_size=5,
         max_steps=STEPS,
@@ -127,9 +127,11 @@ def _run(strategy: str, options: dict | None = None) -> dict:
 
 
 @pytest.mark.distributed
-def test_a_toy_task_trains_at_tp2_pp2_as_one_process():
-    (reference,) = run_distributed(_run, nprocs=1, timeout=600, strategy="ddp")
-    runs = run_distributed(_run, nprocs=4, timeout=900, strategy="megatron", options=PIPELINE)
+def test_a_toy_task_trains_at_tp2_pp2_as_one_process(tmp_path):
+    (reference,) = run_distributed(_run, nprocs=1, timeout=600, output_dir=str(tmp_path / "one"), strategy="ddp")
+    runs = run_distributed(
+        _run, nprocs=4, timeout=900, output_dir=str(tmp_path / "four"), strategy="megatron", options=PIPELINE
+    )
     assert len(reference["losses"]) == STEPS
     assert [run["head"] for run in runs] == ["TokenHead"] * 4
     for run in runs:  # every rank logs the step's loss
