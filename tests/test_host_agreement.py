@@ -143,7 +143,7 @@ def test_every_host_side_collective_runs_in_a_group_without_a_cpu_backend(tmp_pa
         assert out["once_per_machine"] is (rank == 0)
         assert out["agreed failure"] == "WriteError", rank
         assert out["storage check"] == "ok" and out["replica check"] == "ok"
-        assert out["shape"] == (2, 3, 0)
+        assert out["shape"] == (2, 1, 0, 2, 3)  # 2 rows: one int64 tensor of 2 dims, 3 columns
         assert out["llama split on the host"] and out["mixtral split on the host"]
     assert results[0]["streams written"]
     expected = (__import__("torch").arange(6).view(2, 3).float() + 4).tolist()  # four chunks, each adding one

@@ -587,10 +587,10 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
         cp_group: the context-parallel process group.
         comm: ``"ring"`` or ``"all_to_all"``.
     """
-    from hftrain.parallel.families import is_causal_lm_class, stages_for
+    from hftrain.parallel.families import classifier_for, is_causal_lm_class, stages_for
 
     name = type(model).__name__
-    stages = stages_for(model.config, class_name=name, axis="cp")
+    trunk = stages_for(model.config, class_name=name, axis="cp")
     _register()
     batch = _Batch(cp_group, comm)
     for module in model.modules():
@@ -600,7 +600,7 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
     if is_causal_lm_class(name):
         model.forward = _per_token_forward(model.forward, split)
     else:
-        model.forward = _pooled_forward(model, split, stages)
+        model.forward = _pooled_forward(model, split, trunk, classifier_for(model.config))
     return model
 
 
@@ -618,12 +618,10 @@ def _per_token_forward(forward: Any, split: ContextSplit) -> Any:
     return run
 
 
-def _pooled_forward(model: torch.nn.Module, split: ContextSplit, stages: Any) -> Any:
+def _pooled_forward(model: torch.nn.Module, split: ContextSplit, trunk: Any, classifier: Any) -> Any:
     """A classifier's forward: the base model on this rank's positions, the classified token pooled over the cp
-    group, the family's head on it."""
-    from transformers.modeling_outputs import SequenceClassifierOutput
-
-    head, embeddings = stages.head_modules(model), stages.embed_modules(model)
+    group, the family's classification head (``hftrain.parallel.stages.SequenceClassificationHead``) on it."""
+    head, embeddings = classifier.modules(model), trunk.embed_modules(model)
     base = model.base_model
 
     def forward(input_ids, attention_mask=None, labels=None, token_type_ids=None, **_ignored):
@@ -632,21 +630,16 @@ def _pooled_forward(model: torch.nn.Module, split: ContextSplit, stages: Any) ->
         positions = split.positions(input_ids.shape[1], input_ids.device)
         split.attend(attention_mask[:, positions])
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, positions]}
-        numbered = stages.position_ids(embeddings, input_ids)  # RoBERTa's count non-pad tokens of the whole
+        numbered = trunk.position_ids(embeddings, input_ids)  # RoBERTa's count non-pad tokens of the whole
         hidden = base(
             input_ids=input_ids[:, positions],
             attention_mask=attention_mask[:, positions],
             position_ids=positions[None].expand(input_ids.shape[0], -1) if numbered is None else numbered[:, positions],
             **extra,
         ).last_hidden_state
-        pool = stages.pool(model.config, input_ids, hidden.dtype)
+        pool = classifier.pool(model.config, input_ids, attention_mask, hidden.dtype)
         token = split.sum((hidden * pool[:, positions, None]).sum(1))
-        logits = stages.classify(head, token)  # the family's head on the pooled token (after the base's final norm)
-        loss = None
-        if labels is not None:
-            from transformers.loss.loss_utils import ForSequenceClassificationLoss
-
-            loss = ForSequenceClassificationLoss(labels, logits, model.config)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+        logits = classifier.classify(head, token)  # the family's head on the pooled token (after the base's final norm)
+        return classifier.output(logits, labels, model.config)  # transformers' output and loss
 
     return forward

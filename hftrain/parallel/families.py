@@ -1,10 +1,11 @@
 """The model families hftrain splits: one registry entry per family, read by every axis and by ``hftrain plan``.
 
 An entry (:class:`Family`) holds what hftrain knows of a family: its tensor-parallel plan (``hftrain.parallel.plans``
-styles), its pipeline stage adapter (``hftrain.parallel.stages``; context parallelism pools and classifies with it
-too), its expert plan (mixtures of experts), why an axis cannot run it (one line), and the planner's facts. The
-axes look their family up here (:func:`plan_for`, :func:`stages_for`, :func:`expert_plan_for`,
-:func:`check_family`), and so does ``hftrain plan``, so the planner never offers a layout the trainer refuses.
+styles), its pipeline trunk adapter and sequence-classification head (``hftrain.parallel.stages``; context
+parallelism pools and classifies with the head too), its expert plan (mixtures of experts), why an axis cannot run
+it (one line), and the planner's facts. The axes look their family up here (:func:`plan_for`, :func:`stages_for`,
+:func:`stages_of`, :func:`expert_plan_for`, :func:`check_family`), and so does ``hftrain plan``, so the planner
+never offers a layout the trainer refuses.
 
 Where transformers ships a family's own tensor-parallel plan (``config.base_model_tp_plan``, e.g.
 ``"layers.*.self_attn.q_proj": "colwise"``), the entry is derived from it (:func:`derived_plan`): ``colwise`` is a
@@ -44,7 +45,17 @@ from typing import Any
 
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan, kv_heads_split
-from hftrain.parallel.stages import DebertaStages, DecoderStages, EncoderStages, GPT2Stages, ModernBertStages
+from hftrain.parallel.stages import (
+    DebertaHead,
+    DebertaStages,
+    DecoderStages,
+    EncoderStages,
+    FirstTokenHead,
+    GPT2Stages,
+    LastTokenHead,
+    ModernBertHead,
+    ModernBertStages,
+)
 
 AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism"}
 
@@ -57,7 +68,10 @@ class Family:
         name: how messages and the README name it (``"Qwen3"``).
         tp: its tensor-parallel plan, or a function of the config giving it (derived from transformers' plan); None
             where tp cannot split it (``refusals["tp"]`` says why).
-        stages: its pipeline stage adapter (also context parallelism's pooling and head); None: no pp and no cp.
+        stages: its trunk's pipeline adapter (embedding, layers, final norm; ``hftrain.parallel.stages``); None: no
+            pp and no cp.
+        classifier: its ``*ForSequenceClassification``'s head (a ``StageHead``: the pipeline's last chunk and context
+            parallelism's pooling and classifier); a task names its own head otherwise (:func:`stages_of`).
         experts: its expert plan (a mixture of experts), or None.
         refusals: ``axis -> why`` for the axes it cannot take (one line each).
         cp_refusal: a function of the config giving why context parallelism cannot be exact for it (Gemma-2's
@@ -68,6 +82,7 @@ class Family:
     name: str
     tp: TensorParallelPlan | Callable[[Any], TensorParallelPlan] | None = None
     stages: Any = None
+    classifier: Any = None
     experts: ExpertPlan | None = None
     refusals: dict[str, str] = field(default_factory=dict)
     cp_refusal: Callable[[Any], str | None] = lambda config: None
@@ -412,31 +427,36 @@ _MOE_STAGES = {
 }
 
 _LLAMA_STAGES = DecoderStages()
+_LAST_TOKEN = LastTokenHead()  # the decoders' classifiers: score at the last non-pad token
 
 FAMILIES: dict[str, Family] = {
-    "bert": Family("BERT", tp=_encoder_plan("bert"), stages=EncoderStages("bert")),
+    "bert": Family("BERT", tp=_encoder_plan("bert"), stages=EncoderStages("bert"), classifier=FirstTokenHead("bert")),
     # positions counted from the padding index over the whole sequence: every cp rank holds it (EncoderStages)
     "roberta": Family(
         "RoBERTa",
         tp=_encoder_plan("roberta"),
-        stages=EncoderStages("roberta", head="classification_head", pad_numbered=True),
+        stages=EncoderStages("roberta", pad_numbered=True),
+        classifier=FirstTokenHead("roberta", "classification_head"),
     ),
     "xlm-roberta": Family(
         "XLM-RoBERTa",
         tp=_encoder_plan("roberta"),
-        stages=EncoderStages("roberta", head="classification_head", pad_numbered=True),
+        stages=EncoderStages("roberta", pad_numbered=True),
+        classifier=FirstTokenHead("roberta", "classification_head"),
     ),
     "electra": Family(
         "ELECTRA",
         tp=_encoder_plan("electra"),
-        stages=EncoderStages("electra", head="classification_head"),
+        stages=EncoderStages("electra"),
+        classifier=FirstTokenHead("electra", "classification_head"),
     ),
     "distilbert": Family(
         "DistilBERT",
         tp=_DISTILBERT_PLAN,
-        stages=EncoderStages("distilbert", layers="transformer.layer", head="pre_classifier"),
+        stages=EncoderStages("distilbert", layers="transformer.layer"),
+        classifier=FirstTokenHead("distilbert", "pre_classifier"),
     ),
-    "gpt2": Family("GPT-2", tp=_GPT2_PLAN, stages=GPT2Stages()),
+    "gpt2": Family("GPT-2", tp=_GPT2_PLAN, stages=GPT2Stages(), classifier=_LAST_TOKEN),
     "gpt_neox": Family(
         "GPT-NeoX",
         tp=_GPT_NEOX_PLAN,
@@ -447,16 +467,18 @@ FAMILIES: dict[str, Family] = {
             dropout="emb_dropout",
             cache_argument="layer_past",
         ),
+        classifier=_LAST_TOKEN,
     ),
-    "llama": Family("Llama", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
-    "mistral": Family("Mistral", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
-    "qwen2": Family("Qwen2", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
-    "qwen3": Family("Qwen3", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
-    "gemma": Family("Gemma", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True),
+    "llama": Family("Llama", tp=derived_plan, stages=_LLAMA_STAGES, classifier=_LAST_TOKEN, gated_mlp=True),
+    "mistral": Family("Mistral", tp=derived_plan, stages=_LLAMA_STAGES, classifier=_LAST_TOKEN, gated_mlp=True),
+    "qwen2": Family("Qwen2", tp=derived_plan, stages=_LLAMA_STAGES, classifier=_LAST_TOKEN, gated_mlp=True),
+    "qwen3": Family("Qwen3", tp=derived_plan, stages=_LLAMA_STAGES, classifier=_LAST_TOKEN, gated_mlp=True),
+    "gemma": Family("Gemma", tp=derived_plan, stages=_LLAMA_STAGES, classifier=_LAST_TOKEN, gated_mlp=True),
     "gemma2": Family(
         "Gemma-2",
         tp=lambda c: derived_plan(c, norms=_GEMMA2_NORMS),
         stages=_LLAMA_STAGES,
+        classifier=_LAST_TOKEN,
         cp_refusal=_gemma2_attention,
         gated_mlp=True,
     ),
@@ -464,14 +486,16 @@ FAMILIES: dict[str, Family] = {
         "Gemma-3 (text)",
         tp=lambda c: derived_plan(c, norms=_GEMMA2_NORMS),
         stages=_LLAMA_STAGES,
+        classifier=_LAST_TOKEN,
         gated_mlp=True,
     ),
-    "phi3": Family("Phi-3", tp=_PHI3_PLAN, stages=_LLAMA_STAGES, gated_mlp=True),
-    "olmo2": Family("OLMo-2", tp=_OLMO2_PLAN, stages=_LLAMA_STAGES, gated_mlp=True),
+    "phi3": Family("Phi-3", tp=_PHI3_PLAN, stages=_LLAMA_STAGES, classifier=_LAST_TOKEN, gated_mlp=True),
+    "olmo2": Family("OLMo-2", tp=_OLMO2_PLAN, stages=_LLAMA_STAGES, classifier=_LAST_TOKEN, gated_mlp=True),
     "mixtral": Family(
         "Mixtral",
         tp=_moe_plan(),
         stages=_LLAMA_STAGES,
+        classifier=_LAST_TOKEN,
         experts=ExpertPlan(num_experts="num_local_experts"),
         refusals=_MOE_STAGES,
         gated_mlp=True,
@@ -480,6 +504,7 @@ FAMILIES: dict[str, Family] = {
         "Qwen2-MoE",
         tp=_moe_plan(),
         stages=_LLAMA_STAGES,
+        classifier=_LAST_TOKEN,
         experts=ExpertPlan(num_experts="num_experts"),  # its shared expert stays replicated, as the router
         refusals=_MOE_STAGES,
         gated_mlp=True,
@@ -488,6 +513,7 @@ FAMILIES: dict[str, Family] = {
         "Qwen3-MoE",
         tp=_moe_plan(head_norms=True),
         stages=_LLAMA_STAGES,
+        classifier=_LAST_TOKEN,
         experts=ExpertPlan(num_experts="num_experts"),
         refusals=_MOE_STAGES,
         gated_mlp=True,
@@ -504,6 +530,7 @@ FAMILIES: dict[str, Family] = {
         "DeBERTa-v2",
         tp=_deberta_v2_plan,
         stages=DebertaStages(),
+        classifier=DebertaHead(),
         refusals={
             "cp": "its disentangled relative attention reads every key's relative position to every query (c2p and "
             "p2c scores gathered over the whole sequence), which a sequence shard cannot split exactly; use cp 1 "
@@ -514,6 +541,7 @@ FAMILIES: dict[str, Family] = {
         "ModernBERT",
         tp=_MODERNBERT_PLAN,
         stages=ModernBertStages(),
+        classifier=ModernBertHead(),
         refusals={
             "cp": "its local attention layers (a bidirectional sliding window of local_attention tokens) are not "
             "among the masks hftrain's context-parallel attention builds; use cp 1 (tp and pp split it)"
@@ -536,7 +564,13 @@ def family_of(config: Any) -> Family | None:
         return FAMILIES[model_type]
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     if set(hf_plan) == _LLAMA_LINEARS and set(hf_plan.values()) <= {"colwise", "rowwise"}:
-        return Family(f"{model_type} (Llama layout)", tp=derived_plan, stages=_LLAMA_STAGES, gated_mlp=True)
+        return Family(
+            f"{model_type} (Llama layout)",
+            tp=derived_plan,
+            stages=_LLAMA_STAGES,
+            classifier=_LAST_TOKEN,
+            gated_mlp=True,
+        )
     return None
 
 
@@ -579,12 +613,12 @@ def has_tp_plan(config: Any) -> bool:
 
 
 def stages_for(config: Any, *, class_name: str | None = None, axis: str = "pp") -> Any:
-    """The stage adapter of a model's family, checked (:func:`check_family`).
+    """The trunk adapter of a model's family, checked (:func:`check_family`).
 
     Args:
         config: the model's config.
         class_name: the model's class, when there is one.
-        axis: ``"pp"`` or ``"cp"`` (which pools and classifies with the adapter).
+        axis: ``"pp"`` or ``"cp"``.
     """
     check_family(config, class_name=class_name, axis=axis)
     family = family_of(config)
@@ -597,14 +631,26 @@ def is_causal_lm_class(class_name: str) -> bool:
     return class_name.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def stages_of(model: Any) -> Any:
-    """The stage adapter for ``model``: its family's for an HF ``*ForSequenceClassification``, the family's
-    :class:`~hftrain.parallel.stages.CausalLMStages` for a decoder's causal LM; ``AxisError`` (pp) otherwise."""
-    from hftrain.parallel.stages import CausalLMStages
+def classifier_for(config: Any) -> Any:
+    """The family's ``*ForSequenceClassification`` head (a ``StageHead``), or None."""
+    family = family_of(config)
+    return None if family is None else family.classifier
 
-    name = type(model).__name__
-    stages = stages_for(getattr(model, "config", None), class_name=name)
-    return CausalLMStages(stages, model.config) if is_causal_lm_class(name) else stages
+
+def stages_of(model: Any) -> Any:
+    """The pipeline adapter of ``model`` (:class:`~hftrain.parallel.stages.ModelStages`): its family's trunk with its
+    task's head. The head is the one the model names (``model.stage_head``: a task's own
+    :class:`~hftrain.parallel.stages.StageHead`), else the one its class implies: a decoder's ``*ForCausalLM``'s
+    :class:`~hftrain.parallel.stages.CausalLMHead`, a ``*ForSequenceClassification``'s the family's classifier;
+    ``AxisError`` (pp) otherwise."""
+    from hftrain.parallel.stages import CausalLMHead, ModelStages
+
+    name, config = type(model).__name__, getattr(model, "config", None)
+    head = getattr(model, "stage_head", None)
+    trunk = stages_for(config, class_name=None if head is not None else name)
+    if head is None:
+        head = CausalLMHead(config) if is_causal_lm_class(name) else classifier_for(config)
+    return ModelStages(trunk, head)
 
 
 def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp") -> None:
@@ -626,7 +672,7 @@ def check_family(config: Any, *, class_name: str | None = None, axis: str = "pp"
             f"{AXIS_NAMES[axis]} splits {family.name} classifiers, not its causal LM (its router loss is not built "
             "into the language model's pipeline loss yet); use pp 1 (tp, ep and dp split it)",
         )
-    if lm and axis == "pp" and not hasattr(family.stages, "lm_head_modules"):  # cp runs the model's own forward
+    if lm and axis == "pp" and not getattr(family.stages, "causal", False):  # cp runs the model's own forward
         raise AxisError(
             axis, f"{AXIS_NAMES[axis]} splits decoder causal LMs, not a {family.name} {class_name}; use {axis} 1"
         )

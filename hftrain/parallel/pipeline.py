@@ -1,23 +1,23 @@
-"""Pipeline stages: split an unchanged HF ``*ForSequenceClassification`` model (or a decoder's ``*ForCausalLM``) into
-contiguous layer chunks.
+"""Pipeline stages: split an unchanged HF model (a ``*ForSequenceClassification``, a decoder's ``*ForCausalLM``, or a
+model whose task names its own head) into contiguous layer chunks.
 
-A chunk maps the pipeline's activation tuple to the next one. The tuple is the same between every pair of
-stages, ``(hidden [b, s, h] float, attention_mask [b, s] as given, pool [b, s] float one-hot)``:
+A chunk maps the pipeline's activation tuple to the next one without opening it
+(:class:`~hftrain.parallel.stages.PipelineChunk`). Its model's adapter (:class:`~hftrain.parallel.stages.ModelStages`)
+joins the family's *trunk* (embedding, layers, final norm: ``hftrain.parallel.families``) and the task's *head*
+(:class:`~hftrain.parallel.stages.StageHead`): the head names the batch columns the first chunk reads, what travels
+beside the hidden states, and what the last chunk returns. The tuple is ``(hidden [b, s, h] float, trunk_input
+[b, s], *carries)``:
 
 * ``hidden`` is the only tensor that carries gradient;
-* the 2-D attention mask travels as given and every chunk rebuilds the 4-D mask from it with transformers' own
-  ``create_causal_mask``/``create_bidirectional_mask``, exactly as the unsharded model does;
-* ``pool`` marks the token the head classifies (GPT-2/Llama: the last non-pad token, found from ``input_ids``
-  on the first stage, which alone sees them; BERT: the first token). It is a float one-hot rather than an
-  integer index because ``torch.distributed.pipelining`` infers shapes with *uninitialised* receive buffers
-  on later stages: a garbage index would crash a gather, a garbage one-hot only yields ignored numbers.
+* ``trunk_input`` is the 2-D attention mask as given, from which every chunk rebuilds the 4-D mask with transformers'
+  own ``create_causal_mask``/``create_bidirectional_mask``, exactly as the unsharded model does; or, for a causal
+  LM's packed blocks (:class:`~hftrain.parallel.stages.CausalLMHead`), the position ids the masks are built from;
+* ``carries`` are the head's: a classifier's ``pool`` ``[b, s]``, the float one-hot of the token it classifies
+  (:class:`~hftrain.parallel.stages.SequenceClassificationHead`).
 
-A causal LM's chunks carry ``(hidden, position_ids [b, s])`` instead
-(:class:`~hftrain.parallel.stages.CausalLMStages`): packed documents have no attention mask, and each chunk builds
-its masks from the positions. Otherwise position ids are ``arange(s)`` in all three families (as in their ``forward``
-without a cache), so each chunk recomputes them (and Llama's rotary embeddings) instead of sending them. Parameters
-keep their HF names through ``PipelineChunk.hf_name`` (:mod:`hftrain.parallel.stages`), so checkpoints and export can
-merge stages.
+Position ids are otherwise ``arange(s)`` (as in the families' ``forward`` without a cache), so each chunk recomputes
+them (and rotary embeddings) instead of sending them. Parameters keep their HF names through
+``PipelineChunk.hf_name``, so checkpoints and export can merge stages.
 
 Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` layout: Megatron's
 interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` layout); see
@@ -240,10 +240,10 @@ def build_stage_modules(
 ) -> list[PipelineChunk]:
     """The chunks of ``model`` that pipeline rank ``pp_rank`` owns, in order; they share the model's modules.
 
-    The first chunk embeds, the last pools and classifies.
+    The first chunk embeds, the last ends in the task head (:func:`~hftrain.parallel.families.stages_of`).
 
     Args:
-        model: an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` (possibly already tensor-parallel).
+        model: a model of a family the registry splits, with its task's head (possibly already tensor-parallel).
         pp_rank: this rank's index in the pipeline group.
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank (interleaved schedules).

@@ -21,9 +21,12 @@ micro-batches first. A pass with a micro-batch count the configured torch schedu
 ``pp``) runs through the layout's any-count schedule (GPipe for one chunk per rank, looped BFS for several; ZBV
 runs any count): the same gradients in another order.
 
-The batch shape is broadcast from the first stage over the pipeline group each step (one tiny collective), and
-torch schedules are cached per ``(micro-batches, rows per micro-batch, sequence length, token types)``, a few per
-kind (training, evaluation), least recently used dropped. ``PipelineSchedule.builds`` counts the schedules built:
+The schedules do not open the batch nor the output: the first chunk picks the columns it reads (its task head's
+``first_args``), the target is split along the batch dimension with them, and the last chunk's output goes to the
+loss as it is. The number, dtypes and shapes of the first chunk's inputs are broadcast from the first stage over the
+pipeline group's host side each step (one tiny collective), and torch schedules are cached per ``(micro-batches,
+rows per micro-batch, the inputs' dtypes and shapes after the batch dimension)``, a few per kind (training,
+evaluation), least recently used dropped. ``PipelineSchedule.builds`` counts the schedules built:
 each costs a metadata exchange and a forward and backward on placeholder tensors per stage. Dynamic padding
 gives one length per batch; length buckets (the collator's ``pad_to_multiple_of``, ``strategy.pad_to_multiple_of``
 in the Trainer) keep the lengths, and so the builds, to a few.
@@ -57,6 +60,37 @@ from hftrain.parallel.pipeline import chunk_ids_of_rank
 from hftrain.parallel.timeline import TimelineRecorder
 
 _CACHED_SHAPES = 8  # torch schedules kept per kind (training, evaluation), least recently used dropped
+_SPEC_INTS = 32  # integers broadcast for the first stage's tensors' shapes (a few tensors of a few dimensions)
+_DTYPES = (torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.float64,
+           torch.int16, torch.int8, torch.uint8)  # fmt: skip
+
+
+def _encode_spec(args: tuple[torch.Tensor, ...]) -> list[int]:
+    """``[batch, count, (dtype code, ndim, *dims[1:]) per tensor]`` padded with zeros to :data:`_SPEC_INTS`: what the
+    later stages need of the first stage's inputs (every tensor is split along its first dimension, the batch's)."""
+    batch = args[0].shape[0]
+    ints = [batch, len(args)]
+    for arg in args:
+        if arg.dim() == 0 or arg.shape[0] != batch or arg.dtype not in _DTYPES:
+            raise ValueError(
+                f"the first pipeline stage's inputs must be tensors of one batch size ({batch}) and a plain dtype, got "
+                f"{tuple(arg.shape)} {arg.dtype}"
+            )
+        ints += [_DTYPES.index(arg.dtype), arg.dim(), *arg.shape[1:]]
+    if len(ints) > _SPEC_INTS:
+        raise ValueError(f"the first pipeline stage's inputs take {len(ints)} shape integers, over {_SPEC_INTS}")
+    return ints + [0] * (_SPEC_INTS - len(ints))
+
+
+def _decode_spec(ints: list[int]) -> tuple[int, ...]:
+    """``(batch, *spec)`` of :func:`_encode_spec`'s integers, the padding dropped."""
+    batch, count = ints[0], ints[1]
+    spec, at = [count], 2
+    for _ in range(count):
+        ndim = ints[at + 1]
+        spec += ints[at : at + 1 + ndim]  # the dtype code, ndim, then ndim - 1 dimensions
+        at += 1 + ndim
+    return (batch, *spec)
 
 
 class TimedStage(PipelineStage):
@@ -196,7 +230,7 @@ class PipelineSchedule:
             "eval": OrderedDict(),
         }
         self.builds: Counter[str] = Counter()
-        self._step_loss: tuple[Callable[[Any, torch.Tensor], torch.Tensor], int | None] | None = None
+        self._step_loss: tuple[Callable[[Any, torch.Tensor], torch.Tensor], int | None, int] | None = None
 
     @classmethod
     def check(cls, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
@@ -235,23 +269,27 @@ class PipelineSchedule:
         *,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         per_example_mean: bool = True,
+        loss_divisor: int = 1,
     ) -> torch.Tensor | None:
         """Forward and backward of all micro-batches of one batch; gradients accumulate into ``.grad``.
 
         Any batch size runs: ``min(num_microbatches, batch)`` micro-batches of sizes differing by at most one
         (:func:`microbatch_passes`), each micro-batch's loss weighted by its share of the batch's examples when it is
-        a mean over them (``per_example_mean``), else added as it is.
+        a mean over them (``per_example_mean``), else added as it is. This is the one place a pipeline's loss is
+        scaled: micro-batch ``i``'s backward runs on ``ℓ_i / a · w_i`` (``a = loss_divisor``, ``w_i = n_i / b`` or 1).
 
         Args:
-            inputs: the batch (``input_ids``, ``attention_mask``, optional ``token_type_ids``); needed on the
-                first pipeline rank, ignored elsewhere.
+            inputs: the batch, unopened: the first chunk picks the columns it reads (its task head's
+                ``first_args``); needed on the first pipeline rank, ignored elsewhere.
             target: what the loss compares the output with, one row per example (the labels, or row indices into
-                the batch); needed on the last pipeline rank, ignored elsewhere.
+                the batch), split with the inputs; needed on the last pipeline rank, ignored elsewhere.
             loss_fn: this step's ``loss_fn(output, target_rows) -> mean loss`` of one micro-batch; default the
                 schedule's. Torch also calls it once on placeholder outputs when it builds a schedule.
             per_example_mean: whether ``loss_fn`` is its micro-batch's mean over examples (weighted by ``n_i / b``);
                 False: a loss its caller already scaled to the batch (a causal LM's sum over target tokens divided by
                 the global batch's count), so the micro-batches' losses add up unweighted.
+            loss_divisor: ``a``, what the losses are divided by before their backward (the gradient accumulation
+                steps, as ``backward()`` under accumulation divides); the returned loss is not divided.
 
         Returns:
             The batch's loss ``Σ_i (n_i / b) · ℓ_i`` (``Σ_i ℓ_i`` when not ``per_example_mean``; detached) on the
@@ -262,7 +300,7 @@ class PipelineSchedule:
             loss_fn = loss_fn or self.loss_fn
             if loss_fn is None:
                 raise ValueError("the last pipeline stage needs a loss_fn (given to the schedule or to train_step)")
-            self._step_loss = (loss_fn, batch if per_example_mean else None)
+            self._step_loss = (loss_fn, batch if per_example_mean else None, loss_divisor)
         if self.recorder is not None:
             self.recorder.begin_step()
         losses: list[torch.Tensor] = []
@@ -280,7 +318,7 @@ class PipelineSchedule:
             start, done = rows.stop, done + count
         if not self.is_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).sum()  # each is (n_i / b) · ℓ_i, or ℓ_i
+        return torch.stack([loss.detach() for loss in losses]).sum() * loss_divisor  # each is ℓ_i / a · w_i
 
     def eval_step(self, inputs: dict[str, torch.Tensor] | None, labels: torch.Tensor | None = None) -> Any:
         """Forward only; any batch size (micro-batches: the largest divisor of it up to ``num_microbatches``).
@@ -290,7 +328,8 @@ class PipelineSchedule:
             labels: unused (accepted so evaluation calls mirror ``train_step``).
 
         Returns:
-            The logits ``[batch, num_labels]`` on the last pipeline rank, else ``None``.
+            The last chunk's output (a classifier's logits ``[batch, num_labels]``) on the last pipeline rank, else
+            ``None``.
         """
         args, shape = self._first_stage_args(inputs)
         count = _largest_divisor_at_most(shape[0], self.num_microbatches)
@@ -300,31 +339,32 @@ class PipelineSchedule:
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
-    def _first_stage_args(self, inputs: dict[str, torch.Tensor] | None) -> tuple[tuple, tuple[int, int, int]]:
-        """Positional inputs of the first chunk, and ``(batch, seq, has_token_types)`` agreed by all stages."""
+    def _first_stage_args(self, inputs: dict[str, torch.Tensor] | None) -> tuple[tuple, tuple]:
+        """The first chunk's positional inputs, unopened, and their shapes ``(batch, *spec)`` agreed by all stages.
+
+        The first chunk names the columns it reads (its ``first_args(inputs)``: the task head's); a plain module
+        takes the batch's tensors in order. The first pipeline rank broadcasts their number, dtypes and shapes over
+        the pp group's host side (:func:`~hftrain.parallel.host.broadcast_ints`: one collective of
+        :data:`_SPEC_INTS` integers), since later stages see no inputs: ``spec`` is ``(dtype code, ndim, *dims
+        after the batch)`` per tensor, the key of the torch schedules built for it.
+        """
         args: tuple = ()
-        shape: list[int] | None = None
-        names = getattr(self.stages[0], "first_inputs", None) if self.is_first else None
-        if names is not None:  # the columns the first chunk names (a causal LM's input_ids and position_ids)
-            missing = [name for name in names if inputs is None or name not in inputs]
-            if missing:
-                raise ValueError(f"the first pipeline stage needs inputs with {', '.join(missing)}")
-            assert inputs is not None
-            args = tuple(inputs[name].to(self.device) for name in names)
-            shape = [args[0].shape[0], args[0].shape[1], 0]
-        elif self.is_first:
-            if inputs is None or "input_ids" not in inputs:
-                raise ValueError("the first pipeline stage needs inputs with input_ids")
-            ids = inputs["input_ids"].to(self.device)
-            mask = inputs.get("attention_mask")
-            mask = torch.ones_like(ids) if mask is None else mask.to(self.device)
-            types = inputs.get("token_type_ids")
-            args = (ids, mask) if types is None else (ids, mask, types.to(self.device))
-            shape = [ids.shape[0], ids.shape[1], int(types is not None)]
-        if self.pp > 1:  # later stages see no inputs: they learn the shape from the first, over the host group
-            shape = broadcast_ints(shape, 3, group=self.pp_group, group_src=0)
-        assert shape is not None
-        return args, tuple(shape)
+        ints: list[int] | None = None
+        if self.is_first:
+            chunk = self.stages[0]
+            first_args = getattr(chunk, "first_args", None)
+            if first_args is not None:
+                args = tuple(first_args(inputs))
+            else:
+                args = tuple(v for v in (inputs or {}).values() if torch.is_tensor(v))
+            if not args:
+                raise ValueError("the first pipeline stage needs its inputs (the batch)")
+            args = tuple(arg.to(self.device) for arg in args)
+            ints = _encode_spec(args)
+        if self.pp > 1:  # later stages see no inputs: they learn the shapes from the first, over the host group
+            ints = broadcast_ints(ints, _SPEC_INTS, group=self.pp_group, group_src=0)
+        assert ints is not None
+        return args, _decode_spec(ints)
 
     def _last_stage_kwargs(self, target: torch.Tensor | None, rows: slice, losses: list) -> dict:
         if not self.is_last:
@@ -334,7 +374,7 @@ class PipelineSchedule:
         return {"target": target[rows].to(self.device), "losses": losses}
 
     def _schedule(self, kind: str, shape: tuple[int, ...]) -> tuple[Any, list[TimedStage]]:
-        """The torch schedule of ``kind`` for ``shape = (micro-batches, rows each, sequence, token types)`` and its
+        """The torch schedule of ``kind`` for ``shape = (micro-batches, rows each, *inputs' spec)`` and its
         stages, built on first use (torch infers the stage shapes once per object) and counted in ``builds``."""
         cache = self._schedules[kind]
         if shape in cache:
@@ -366,14 +406,18 @@ class PipelineSchedule:
         return schedule, stages
 
     def _weighted_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """``(n_i / b) · ℓ_i``: micro-batch ``i``'s loss weighted by its share of the step's examples, before its
-        backward (see the module doc); ``n_i`` is the rows of its target, split with the inputs. ``ℓ_i`` as it is
-        where the step's loss is not a per-example mean (``train_step``'s ``per_example_mean``)."""
+        """``ℓ_i / a · (n_i / b)``: micro-batch ``i``'s loss divided by ``train_step``'s ``loss_divisor`` ``a`` and
+        weighted by its share of the step's examples, before its backward (see the module doc); ``n_i`` is the rows of
+        its target, split with the inputs. ``ℓ_i / a`` where the step's loss is not a per-example mean
+        (``train_step``'s ``per_example_mean``)."""
         assert self._step_loss is not None  # set by train_step before any schedule runs
-        loss_fn, examples = self._step_loss
+        loss_fn, examples, divisor = self._step_loss
+        loss = loss_fn(output, target)
+        if divisor != 1:
+            loss = loss / divisor
         if examples is None:
-            return loss_fn(output, target)
-        return loss_fn(output, target) * (target.shape[0] / examples)
+            return loss
+        return loss * (target.shape[0] / examples)
 
     def build_eval_schedule(self, stages: list[TimedStage], num_microbatches: int) -> Any:
         """A forward-only torch schedule: the order does not matter, so one with no micro-batch constraints.

@@ -1,4 +1,11 @@
-"""Pipeline chunks of HF sequence classifiers and decoder causal LMs, and the per-family adapters that run them.
+"""Pipeline chunks, the per-family trunk adapters that run their layers, and the task heads that end them.
+
+A family's *trunk* adapter (``EncoderStages``, ``GPT2Stages``, ``DecoderStages``, ``ModernBertStages``,
+``DebertaStages``: registered in ``hftrain.parallel.families``) knows its embedding, layers and final norm; a task's
+*head* (:class:`StageHead`) knows what the first chunk reads, what travels beside the hidden states and what the
+last chunk returns: a sequence classifier's (:class:`FirstTokenHead`, :class:`LastTokenHead`, :class:`DebertaHead`,
+:class:`ModernBertHead`, registered beside their families), a causal LM's (:class:`CausalLMHead`), or a task's own.
+:class:`ModelStages` joins the two and :class:`PipelineChunk` runs them without knowing the task.
 
 The adapters call the HF modules themselves and rebuild attention masks with transformers' own
 ``create_causal_mask``/``create_bidirectional_mask`` from the carried 2-D mask, so a chain of chunks computes
@@ -53,23 +60,18 @@ def _pool(logits: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
 
 
 class EncoderStages:
-    """BERT-style encoders: embeddings (ELECTRA: then its ``embeddings_project``) → ``layer[i]`` → the head on the
-    first token: BERT's pooler → dropout → classifier; RoBERTa's, XLM-R's and ELECTRA's classification head (it
-    takes the first token itself); DistilBERT's ``pre_classifier`` → ReLU → dropout → classifier.
+    """BERT-style encoders' trunk: embeddings (ELECTRA: then its ``embeddings_project``) → ``layer[i]``; no final norm.
+    Their classification heads are :class:`FirstTokenHead`'s.
 
     Args:
         base: the base model's attribute (``bert``, ``roberta``, ``electra``, ``distilbert``).
         layers: the path of its ``ModuleList`` of layers inside the base model.
-        head: ``"pooler"`` (BERT), ``"classification_head"`` (RoBERTa, XLM-R, ELECTRA) or ``"pre_classifier"``
-            (DistilBERT).
         pad_numbered: the family numbers positions from its padding index, counting only non-pad tokens (RoBERTa,
             XLM-R: ``padding_idx + cumsum(not pad)``, pads at ``padding_idx``), rather than by index.
     """
 
-    def __init__(
-        self, base: str, layers: str = "encoder.layer", head: str = "pooler", *, pad_numbered: bool = False
-    ) -> None:
-        self.base, self.layers_path, self.head_kind, self.pad_numbered = base, layers, head, pad_numbered
+    def __init__(self, base: str, layers: str = "encoder.layer", *, pad_numbered: bool = False) -> None:
+        self.base, self.layers_path, self.pad_numbered = base, layers, pad_numbered
 
     def position_ids(self, mods: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The position ids the family gives whole sequences ``[b, s]`` where they are not the index (RoBERTa's,
@@ -96,35 +98,23 @@ class EncoderStages:
         project = getattr(base, "embeddings_project", None)  # ELECTRA with embedding_size != hidden_size
         return {"embeddings": base.embeddings, **({"project": project} if project is not None else {})}
 
-    def head_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of the last chunk's head."""
-        if self.head_kind == "pooler":
-            return {
-                "pooler": getattr(model, self.base).pooler,
-                "dropout": model.dropout,
-                "classifier": model.classifier,
-            }
-        if self.head_kind == "pre_classifier":
-            return {"pre_classifier": model.pre_classifier, "dropout": model.dropout, "classifier": model.classifier}
-        return {"classifier": model.classifier}
+    def norm_modules(self, model: torch.nn.Module) -> Modules:
+        """The trunk's final norm: none (BERT's layers end in their own norms)."""
+        return {}
 
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """Parameter-free helpers every chunk needs."""
         return {}
 
-    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The one-hot of the token the head classifies, over the whole sequence: the first."""
-        return first_token_one_hot(input_ids, dtype)
-
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
-        """Token ids to the activation tuple (the head reads the first token)."""
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None):
+        """Token ids (and token types, positions where given) to the hidden states ``[b, s, h]``."""
         kwargs = {} if positions is None else {"position_ids": _positions(input_ids, positions)}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         hidden = mods["embeddings"](input_ids=input_ids, **kwargs)
         if "project" in mods:
             hidden = mods["project"](hidden)
-        return hidden, attention_mask, first_token_one_hot(input_ids, hidden.dtype)
+        return hidden
 
     def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """The 4-D mask, built once per chunk as the HF encoder builds it."""
@@ -136,31 +126,11 @@ class EncoderStages:
         """One encoder layer."""
         return layer(hidden, context["mask"])
 
-    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
-        """The head on the first token (picked by the one-hot: exact): logits ``[b, num_labels]``.
-
-        ``reduce`` completes the pooled token where the sequence is split (a sum over the cp ranks)."""
-        return self.classify(mods, reduce((hidden * pool.unsqueeze(-1)).sum(1)))
-
-    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
-        """The family's classification head on the pooled token ``[b, hidden]``."""
-        if self.head_kind == "pooler":
-            pooler = mods["pooler"]
-            return mods["classifier"](mods["dropout"](pooler.activation(pooler.dense(token))))
-        if self.head_kind == "pre_classifier":
-            return mods["classifier"](mods["dropout"](torch.relu(mods["pre_classifier"](token))))
-        return mods["classifier"](token.unsqueeze(1))  # the head takes features[:, 0, :] itself
-
 
 class ModernBertStages:
-    """ModernBERT: embeddings (token embedding → norm → dropout) → ``layers[i]`` with the mask and rotary embedding of
-    its layer type (global: full bidirectional attention; local: a bidirectional sliding window, its own rotary
-    base) → the final norm → pooling → ``head`` (dense → activation → norm) → dropout → classifier.
-
-    The pooling weights travel as the activation tuple's ``pool`` ``[b, s]``: the first token's one-hot
-    (``classifier_pooling: cls``) or the attention mask (``mean``), and the head computes
-    ``Σ_s h_s · pool_s / Σ_s pool_s`` — transformers' ``(h · mask).sum(1) / mask.sum(1)`` term for term (a one-hot's
-    sum is 1, so ``cls`` is exact too).
+    """ModernBERT's trunk: embeddings (token embedding → norm → dropout) → ``layers[i]`` with the mask and rotary
+    embedding of its layer type (global: full bidirectional attention; local: a bidirectional sliding window, its own
+    rotary base) → the final norm. Its classification head is :class:`ModernBertHead`.
     """
 
     def position_ids(self, mods: Any, input_ids: torch.Tensor) -> None:
@@ -175,25 +145,17 @@ class ModernBertStages:
         """Modules of the first chunk's embedding."""
         return {"embeddings": model.model.embeddings}
 
-    def head_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of the last chunk's head."""
-        return {"norm": model.model.final_norm, "head": model.head, "drop": model.drop, "classifier": model.classifier}
+    def norm_modules(self, model: torch.nn.Module) -> Modules:
+        """The final norm."""
+        return {"norm": model.model.final_norm}
 
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """The rotary embedding (buffers only): each chunk recomputes cos/sin per layer type."""
         return {"rotary_emb": model.model.rotary_emb}
 
-    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype, attention_mask=None) -> torch.Tensor:
-        """The pooling weights over the whole sequence: the first token's one-hot, or the mask (``mean``)."""
-        if config.classifier_pooling == "mean":
-            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            return mask.to(dtype)
-        return first_token_one_hot(input_ids, dtype)
-
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
-        """Token ids to ``(hidden, attention_mask, pool)``."""
-        hidden = mods["embeddings"](input_ids=input_ids)
-        return hidden, attention_mask, self.pool(config, input_ids, hidden.dtype, attention_mask)
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None):
+        """Token ids to the hidden states (positions enter through the rotary embedding)."""
+        return mods["embeddings"](input_ids=input_ids)
 
     def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """The masks and rotary ``(cos, sin)`` of each layer type, built once per chunk as ``ModernBertModel``."""
@@ -213,15 +175,6 @@ class ModernBertStages:
         """Encoder layer ``index``, with its layer type's mask and rotary embedding."""
         kind = context["types"][index]
         return layer(hidden, attention_mask=context["masks"][kind], position_embeddings=context["rotary"][kind])
-
-    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
-        """Final norm, pooling (see the class doc), then the head: logits ``[b, num_labels]``."""
-        token = reduce((mods["norm"](hidden) * pool.unsqueeze(-1)).sum(1)) / reduce(pool.sum(1, keepdim=True))
-        return self.classify(mods, token)
-
-    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
-        """The prediction head, dropout and classifier on the pooled token ``[b, hidden]``."""
-        return mods["classifier"](mods["drop"](mods["head"](token)))
 
 
 class _RelativeState(torch.nn.Module):
@@ -248,15 +201,14 @@ class _RelativeState(torch.nn.Module):
 
 
 class DebertaStages(EncoderStages):
-    """DeBERTa-v2/v3: embeddings (padding zeroed by the mask, as ``DebertaV2Embeddings`` does) → ``layer[i]`` with the
-    encoder's relative positions and relative embeddings → ``ContextPooler`` on the first token → dropout →
-    classifier.
+    """DeBERTa-v2/v3's trunk: embeddings (padding zeroed by the mask, as ``DebertaV2Embeddings`` does) → ``layer[i]``
+    with the encoder's relative positions and relative embeddings. Its classification head is :class:`DebertaHead`.
 
     The relative embeddings (and their LayerNorm) are read by every layer: each chunk holds them (``aux_modules``:
     parameters on every pipeline rank, their gradient summed over the pipeline group, the first stage's copy the one
     checkpointed and exported) and computes them, the relative positions and the pairwise mask once per chunk, as
     the encoder does once per forward. The convolution after the first layer (``conv_kernel_size > 0``) is refused.
-    BERT's layout otherwise (:class:`EncoderStages`: layers, embedding modules, the first token's pooling).
+    BERT's layout otherwise (:class:`EncoderStages`: layers, embedding modules).
     """
 
     def __init__(self) -> None:
@@ -271,19 +223,14 @@ class DebertaStages(EncoderStages):
             )
         return None
 
-    def head_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of the last chunk's head."""
-        return {"pooler": model.pooler, "dropout": model.dropout, "classifier": model.classifier}
-
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """The encoder's relative-position state (see the class doc)."""
         return {"relative": _RelativeState(model.deberta.encoder)}
 
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
-        """Token ids to ``(hidden, attention_mask, pool)``."""
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None):
+        """Token ids to the hidden states (padding zeroed by the mask)."""
         kwargs = {} if positions is None else {"position_ids": _positions(input_ids, positions)}
-        hidden = mods["embeddings"](input_ids=input_ids, token_type_ids=token_type_ids, mask=attention_mask, **kwargs)
-        return hidden, attention_mask, first_token_one_hot(input_ids, hidden.dtype)
+        return mods["embeddings"](input_ids=input_ids, token_type_ids=token_type_ids, mask=attention_mask, **kwargs)
 
     def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """The pairwise mask ``m_i · m_j``, the relative positions and embeddings, once per chunk (the encoder's)."""
@@ -302,34 +249,19 @@ class DebertaStages(EncoderStages):
         )
         return output
 
-    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
-        """``ContextPooler`` (it takes the first token itself) → dropout → classifier."""
-        return mods["classifier"](mods["dropout"](mods["pooler"](token.unsqueeze(1))))
-
 
 class _LastTokenStages:
-    """Shared by the decoders: the head pooled at the last non-pad token."""
+    """Shared by the decoders' trunks: positions by index; a causal LM's head (:class:`CausalLMHead`) can follow."""
+
+    causal = True
 
     def position_ids(self, mods: Any, input_ids: torch.Tensor) -> None:
         """None: the decoders number positions by their index."""
         return None
 
-    def pool(self, config: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The one-hot of the token the head classifies, over the whole sequence: the last non-pad one."""
-        return _last_non_pad_one_hot(input_ids, config, dtype)
-
-    def head(self, mods: Any, hidden: torch.Tensor, pool: torch.Tensor, reduce=_identity) -> torch.Tensor:
-        """Final norm, score on every position, then the pooled token (transformers' order of operations);
-        ``reduce`` completes it where the sequence is split (a sum over the cp ranks)."""
-        return reduce(_pool(mods["score"](mods["norm"](hidden)), pool))
-
-    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
-        """The score on the pooled (already normed) token."""
-        return mods["score"](token)
-
 
 class GPT2Stages(_LastTokenStages):
-    """GPT-2: ``wte + wpe`` → dropout → ``transformer.h[i]`` → ``ln_f`` → score at the last non-pad token."""
+    """GPT-2's trunk: ``wte + wpe`` → dropout → ``transformer.h[i]`` → ``ln_f`` (classifier: :class:`LastTokenHead`)."""
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The transformer blocks, in order."""
@@ -340,26 +272,21 @@ class GPT2Stages(_LastTokenStages):
         t = model.transformer
         return {"wte": t.wte, "wpe": t.wpe, "drop": t.drop}
 
-    def head_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of the last chunk's head."""
-        return {"norm": model.transformer.ln_f, "score": model.score}
-
-    def lm_head_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of a ``GPT2LMHeadModel``'s last chunk: ``ln_f`` and the output projection."""
-        return {"norm": model.transformer.ln_f, "lm_head": model.get_output_embeddings()}
+    def norm_modules(self, model: torch.nn.Module) -> Modules:
+        """The final norm ``ln_f``."""
+        return {"norm": model.transformer.ln_f}
 
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """Parameter-free helpers every chunk needs."""
         return {}
 
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None):
         """Token and position embeddings (plus token types, as ``GPT2Model``), then embedding dropout."""
         inputs_embeds = mods["wte"](input_ids)
         hidden = inputs_embeds + mods["wpe"](_positions(inputs_embeds, positions))
         if token_type_ids is not None:
             hidden = hidden + mods["wte"](token_type_ids)
-        hidden = mods["drop"](hidden)
-        return hidden, attention_mask, _last_non_pad_one_hot(input_ids, config, hidden.dtype)
+        return mods["drop"](hidden)
 
     def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions=None) -> dict:
         """Causal mask and positions, once per chunk."""
@@ -379,7 +306,7 @@ class GPT2Stages(_LastTokenStages):
 class DecoderStages(_LastTokenStages):
     """Rotary decoders (Llama and the families that share its forward: Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo-2,
     GPT-NeoX, the mixtures of experts): the token embedding (a Gemma's scales itself by √hidden) → ``layers[i]`` with
-    rotary embeddings → the final norm → score at the last non-pad token.
+    rotary embeddings → the final norm (their classifier: :class:`LastTokenHead`).
 
     Each layer gets the mask its model gives it: per ``config.layer_types`` (full or sliding-window attention:
     Qwen2/3, Gemma-2/3), sliding for every layer where the config has a ``sliding_window`` and no layer types
@@ -417,24 +344,20 @@ class DecoderStages(_LastTokenStages):
             mods["dropout"] = getattr(base, self.dropout)
         return mods
 
-    def head_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of the last chunk's head."""
-        return {"norm": getattr(getattr(model, self.base), self.norm_name), "score": model.score}
-
-    def lm_head_modules(self, model: torch.nn.Module) -> Modules:
-        """Modules of a ``*ForCausalLM``'s last chunk: the final norm and the output projection."""
-        return {"norm": getattr(getattr(model, self.base), self.norm_name), "lm_head": model.get_output_embeddings()}
+    def norm_modules(self, model: torch.nn.Module) -> Modules:
+        """The final norm."""
+        return {"norm": getattr(getattr(model, self.base), self.norm_name)}
 
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """The rotary embedding (buffers only): each chunk recomputes cos/sin from the positions."""
         return {"rotary_emb": getattr(model, self.base).rotary_emb}
 
-    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None) -> tuple:
+    def embed(self, mods: Any, config: Any, input_ids, attention_mask, token_type_ids=None, positions=None):
         """Token embeddings (and the embedding dropout); no token types (positions enter through the rotary)."""
         hidden = mods["embed"](input_ids)
         if "dropout" in mods:
             hidden = mods["dropout"](hidden)
-        return hidden, attention_mask, _last_non_pad_one_hot(input_ids, config, hidden.dtype)
+        return hidden
 
     @staticmethod
     def layer_types(config: Any) -> list[str]:
@@ -478,83 +401,350 @@ class DecoderStages(_LastTokenStages):
         )
 
 
-class CausalLMStages:
-    """A decoder family's stages for its ``*ForCausalLM`` (``model.task: causal_lm``): the family's embedding and
-    layers, then the final norm and the output projection on every position.
+# ----------------------------------------------------------------------------- task heads
+class StageHead:
+    """A task's head on a family's trunk: what the pipeline's first chunk reads and the last one computes.
+
+    The engine (:class:`PipelineChunk`, ``hftrain.parallel.schedules``) never opens the batch nor the output: the
+    head names the first chunk's input columns (:meth:`first_args`), turns them into the activation tuple
+    ``(hidden [b, s, h], trunk_input [b, s], *carries)`` (:meth:`embed`; ``trunk_input`` is the 2-D attention mask,
+    or a packed block's position ids where :attr:`packed`), and maps the trunk's last (normed) hidden states and the
+    carried tensors to the last chunk's output (:meth:`forward`). The task's loss is computed from that output by the
+    Trainer's ``compute_loss``, on the model :meth:`output` presents. A task defines a subclass; the classification
+    heads are registered beside their families (``hftrain.parallel.families``).
+
+    Attributes:
+        first_inputs: the batch columns the first chunk reads, in order (the optional ones too).
+        packed: the trunk input is a packed block's position ids (no attention mask): masks built from them.
+        per_position: the output has a row per position (a causal LM's logits), not one per example.
+    """
+
+    first_inputs: tuple[str, ...] = ("input_ids", "attention_mask")
+    packed = False
+    per_position = False
+
+    def first_args(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The first chunk's positional inputs from the batch: :attr:`first_inputs`, an ``attention_mask`` of ones
+        where the batch has none; ValueError naming the missing columns.
+
+        Args:
+            inputs: the batch (its labels left out).
+        """
+        columns = dict(inputs)
+        if "attention_mask" in self.first_inputs and columns.get("attention_mask") is None and "input_ids" in columns:
+            columns["attention_mask"] = torch.ones_like(columns["input_ids"])
+        missing = [name for name in self.first_inputs if columns.get(name) is None]
+        if missing:
+            raise ValueError(f"the first pipeline stage needs inputs with {', '.join(missing)}")
+        return tuple(columns[name] for name in self.first_inputs)
+
+    def modules(self, model: torch.nn.Module) -> Modules:
+        """The head's modules of ``model`` (on the last chunk, after the trunk's final norm)."""
+        raise NotImplementedError
+
+    def carries(self, config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """Per-token tensors ``[b, s]`` the head reads, computed on the first chunk from the whole sequences (they
+        travel through the pipeline; context parallelism takes each rank's positions of them). Default none.
+
+        Args:
+            config: the model's config.
+            input_ids: the whole sequences' token ids.
+            attention_mask: their mask.
+            dtype: the hidden states' dtype (float carries: torch fills receive buffers with garbage first).
+        """
+        return ()
+
+    def embed(self, trunk: Any, mods: Any, config: Any, *args: torch.Tensor, split: Any = None) -> tuple:
+        """The first chunk's inputs (:meth:`first_args`) to ``(hidden, attention_mask, *carries)``; under context
+        parallelism (``split``) this rank's positions of each, embedded at their global positions.
+
+        Args:
+            trunk: the family's trunk adapter.
+            mods: the embedding modules.
+            config: the model's config.
+            args: ``(input_ids, attention_mask, *rest)`` as :attr:`first_inputs` names them (``rest``: the optional
+                token types of the classifiers).
+            split: this rank's part of each sequence (``ContextSplit``), or None.
+        """
+        input_ids, mask = args[0], args[1]
+        if split is None:
+            hidden = trunk.embed(mods, config, *args)
+            return hidden, mask, *self.carries(config, input_ids, mask, hidden.dtype)
+        positions = split.positions(input_ids.shape[1], input_ids.device)
+        local = [a[:, positions] for a in args]
+        numbered = trunk.position_ids(mods, input_ids)  # RoBERTa's count non-pad tokens of the whole sequence
+        hidden = trunk.embed(mods, config, *local, positions=positions if numbered is None else numbered[:, positions])
+        carries = self.carries(config, input_ids, mask, hidden.dtype)
+        return hidden, local[1], *(c[:, positions] for c in carries)
+
+    def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, *carried: Any, reduce=None) -> Any:
+        """The last chunk's output from the trunk's last hidden states (after its final norm).
+
+        Args:
+            mods: the head's modules (:meth:`modules`, and the trunk's norm).
+            hidden: ``[b, s, h]`` (this rank's positions under context parallelism).
+            trunk_input: the attention mask (or position ids, :attr:`packed`).
+            carried: :meth:`carries`.
+            reduce: completes a sum over the sequence where it is split (``Σ`` over the cp ranks), or None.
+        """
+        raise NotImplementedError
+
+    def output(self, output: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
+        """What the model returns for ``output`` (the last chunk's, on the last stage), as the task's
+        ``compute_loss``/``prediction_step`` read it: an object with ``.logits`` and ``.loss`` (None here).
+
+        Args:
+            output: the last chunk's output for these rows.
+            labels: the rows' labels, or None.
+            config: the model's config.
+        """
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=output, loss=None)
+
+
+class SequenceClassificationHead(StageHead):
+    """A ``*ForSequenceClassification``'s head: the pooled token (a one-hot ``pool`` ``[b, s]`` carried from the first
+    chunk), then the family's classifier: logits ``[b, num_labels]`` and transformers' loss.
+
+    The pool is a float one-hot rather than an integer index because ``torch.distributed.pipelining`` infers shapes
+    with *uninitialised* receive buffers on later stages: a garbage index would crash a gather, a garbage one-hot
+    only yields ignored numbers. The pooled token is ``Σ_s h_s · pool_s`` (exact: the other terms are exact zeros),
+    summed over the cp ranks where the sequence is split.
+    """
+
+    first_inputs = ("input_ids", "attention_mask", "token_type_ids")
+
+    def first_args(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``(input_ids, attention_mask[, token_type_ids])``: the mask ones where absent, token types where given."""
+        if inputs is None or inputs.get("input_ids") is None:
+            raise ValueError("the first pipeline stage needs inputs with input_ids")
+        ids = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        types = inputs.get("token_type_ids")
+        return (ids, torch.ones_like(ids) if mask is None else mask, *(() if types is None else (types,)))
+
+    def pool(self, config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype):
+        """The pooling weights ``[b, s]`` over the whole sequences (default: the first token's one-hot)."""
+        return first_token_one_hot(input_ids, dtype)
+
+    def carries(self, config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """The pooling weights (:meth:`pool`)."""
+        return (self.pool(config, input_ids, attention_mask, dtype),)
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """The family's classifier on the pooled token ``[b, hidden]`` (context parallelism's forward calls it too)."""
+        raise NotImplementedError
+
+    def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, pool: torch.Tensor, reduce=None):
+        """Logits ``[b, num_labels]``: the classifier on the pooled token."""
+        reduce = reduce or _identity
+        return self.classify(mods, reduce((hidden * pool.unsqueeze(-1)).sum(1)))
+
+    def output(self, output: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
+        """``SequenceClassifierOutput(loss, logits)`` with transformers' own loss (``ForSequenceClassificationLoss``:
+        the config's ``problem_type``, or when unset MSE for ``num_labels == 1``, cross entropy for integer labels,
+        BCE with logits for float labels; each a mean over the examples)."""
+        from transformers.loss.loss_utils import ForSequenceClassificationLoss
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        loss = None if labels is None else ForSequenceClassificationLoss(labels, output, config)
+        return SequenceClassifierOutput(loss=loss, logits=output)
+
+
+class FirstTokenHead(SequenceClassificationHead):
+    """BERT-style classifiers on the first token: BERT's pooler → dropout → classifier; RoBERTa's, XLM-R's and
+    ELECTRA's classification head (it takes the first token itself); DistilBERT's ``pre_classifier`` → ReLU →
+    dropout → classifier.
+
+    Args:
+        base: the base model's attribute (BERT's pooler lives in it).
+        kind: ``"pooler"`` (BERT), ``"classification_head"`` (RoBERTa, XLM-R, ELECTRA) or ``"pre_classifier"``
+            (DistilBERT).
+    """
+
+    def __init__(self, base: str, kind: str = "pooler") -> None:
+        self.base, self.kind = base, kind
+
+    def modules(self, model: torch.nn.Module) -> Modules:
+        """The pooler, dropout and classifier (as the family has them)."""
+        if self.kind == "pooler":
+            return {
+                "pooler": getattr(model, self.base).pooler,
+                "dropout": model.dropout,
+                "classifier": model.classifier,
+            }
+        if self.kind == "pre_classifier":
+            return {"pre_classifier": model.pre_classifier, "dropout": model.dropout, "classifier": model.classifier}
+        return {"classifier": model.classifier}
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """The family's classification head on the pooled token ``[b, hidden]``."""
+        if self.kind == "pooler":
+            pooler = mods["pooler"]
+            return mods["classifier"](mods["dropout"](pooler.activation(pooler.dense(token))))
+        if self.kind == "pre_classifier":
+            return mods["classifier"](mods["dropout"](torch.relu(mods["pre_classifier"](token))))
+        return mods["classifier"](token.unsqueeze(1))  # the head takes features[:, 0, :] itself
+
+
+class DebertaHead(SequenceClassificationHead):
+    """DeBERTa-v2/v3: ``ContextPooler`` on the first token → dropout → classifier."""
+
+    def modules(self, model: torch.nn.Module) -> Modules:
+        """The context pooler, dropout and classifier."""
+        return {"pooler": model.pooler, "dropout": model.dropout, "classifier": model.classifier}
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """``ContextPooler`` (it takes the first token itself) → dropout → classifier."""
+        return mods["classifier"](mods["dropout"](mods["pooler"](token.unsqueeze(1))))
+
+
+class ModernBertHead(SequenceClassificationHead):
+    """ModernBERT: pooling → ``head`` (dense → activation → norm) → dropout → classifier.
+
+    The pooling weights are the first token's one-hot (``classifier_pooling: cls``) or the attention mask (``mean``),
+    and the head computes ``Σ_s h_s · pool_s / Σ_s pool_s`` — transformers' ``(h · mask).sum(1) / mask.sum(1)`` term
+    for term (a one-hot's sum is 1, so ``cls`` is exact too).
+    """
+
+    def modules(self, model: torch.nn.Module) -> Modules:
+        """The prediction head, dropout and classifier."""
+        return {"head": model.head, "drop": model.drop, "classifier": model.classifier}
+
+    def pool(self, config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype):
+        """The first token's one-hot, or the mask (``mean``)."""
+        if config.classifier_pooling == "mean":
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            return mask.to(dtype)
+        return first_token_one_hot(input_ids, dtype)
+
+    def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, pool: torch.Tensor, reduce=None):
+        """Pooling (see the class doc), then the head: logits ``[b, num_labels]``."""
+        reduce = reduce or _identity
+        token = reduce((hidden * pool.unsqueeze(-1)).sum(1)) / reduce(pool.sum(1, keepdim=True))
+        return self.classify(mods, token)
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """The prediction head, dropout and classifier on the pooled token ``[b, hidden]``."""
+        return mods["classifier"](mods["drop"](mods["head"](token)))
+
+
+class LastTokenHead(SequenceClassificationHead):
+    """The decoders' classifiers (GPT-2, Llama and kin): ``score`` on every (normed) position, then the last non-pad
+    token's row (transformers' order of operations)."""
+
+    def modules(self, model: torch.nn.Module) -> Modules:
+        """The score."""
+        return {"score": model.score}
+
+    def pool(self, config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype):
+        """The last non-pad token's one-hot (transformers' rule, from the pad id)."""
+        return _last_non_pad_one_hot(input_ids, config, dtype)
+
+    def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, pool: torch.Tensor, reduce=None):
+        """Score on every position, then the pooled row: logits ``[b, num_labels]``."""
+        return (reduce or _identity)(_pool(mods["score"](hidden), pool))
+
+    def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
+        """The score on the pooled (already normed) token."""
+        return mods["score"](token)
+
+
+class CausalLMHead(StageHead):
+    """A decoder's ``*ForCausalLM`` head (``model.task: causal_lm``): the output projection on every position.
 
     The activation tuple is ``(hidden [b, s, h], position_ids [b, s])``: packed blocks hold whole documents whose
     positions restart at each one and carry no attention mask, so every chunk builds its masks from the positions
     (transformers' ``create_causal_mask(..., attention_mask=None, position_ids=...)``: block-diagonal causal, as the
     unsharded model masks them) and the rotary embeddings from the same positions. The last chunk returns this rank's
     logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's slice of it; Gemma-2/3's
-    final soft-capping applied, as their ``*ForCausalLM``); the task computes the loss from them.
+    final soft-capping ``c · tanh(z / c)`` applied, as their ``*ForCausalLM``); the task computes the loss from them.
 
     Args:
-        family: the family's adapter (:class:`GPT2Stages`, :class:`DecoderStages`).
         config: the model's config (``final_logit_softcapping``).
     """
 
     first_inputs = ("input_ids", "position_ids")
-    """The batch columns the first chunk reads, in order."""
+    packed = True
     per_position = True
-    """The last chunk's output has a row per position (not one per example)."""
 
-    def __init__(self, family: Any, config: Any = None) -> None:
-        self.family = family
+    def __init__(self, config: Any = None) -> None:
         self.softcap = getattr(config, "final_logit_softcapping", None) if config is not None else None
 
-    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
-        """The family's layers, in order."""
-        return self.family.layers(model)
+    def modules(self, model: torch.nn.Module) -> Modules:
+        """The output projection (``get_output_embeddings()``: vocabulary-parallel under tp)."""
+        return {"lm_head": model.get_output_embeddings()}
 
-    def embed_modules(self, model: torch.nn.Module) -> Modules:
-        """The family's embedding modules."""
-        return self.family.embed_modules(model)
-
-    def head_modules(self, model: torch.nn.Module) -> Modules:
-        """The final norm and the output projection (``get_output_embeddings()``: vocabulary-parallel under tp)."""
-        return self.family.lm_head_modules(model)
-
-    def aux_modules(self, model: torch.nn.Module) -> Modules:
-        """The family's parameter-free helpers (rotary embedding)."""
-        return self.family.aux_modules(model)
-
-    def embed(self, mods: Any, config: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple:
+    def embed(self, trunk: Any, mods: Any, config: Any, *args: torch.Tensor, split: Any = None) -> tuple:
         """Token ids and their positions to ``(hidden, position_ids)``."""
-        hidden, _, _ = self.family.embed(mods, config, input_ids, None, positions=position_ids)
-        return hidden, position_ids
+        input_ids, position_ids = args
+        return trunk.embed(mods, config, input_ids, None, positions=position_ids), position_ids
 
-    def layer_context(self, aux: Any, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor, _=None) -> dict:
-        """The family's masks (packed block-diagonal, from the positions) and rotary embeddings, once per chunk."""
-        return self.family.layer_context(aux, config, hidden, None, position_ids)
-
-    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, context: dict, index: int) -> torch.Tensor:
-        """One layer of the family."""
-        return self.family.run_layer(layer, hidden, context, index)
-
-    def head(self, mods: Any, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the output projection on every position: logits ``[b, s, vocabulary (slice)]``."""
-        logits = mods["lm_head"](mods["norm"](hidden))
+    def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, *carried: Any, reduce=None):
+        """The output projection on every position: logits ``[b, s, vocabulary (slice)]``."""
+        logits = mods["lm_head"](hidden)
         if self.softcap is not None:  # elementwise: the same on a vocabulary slice
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    def output(self, output: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
+        """``CausalLMOutput(logits)``: the loss is the task's."""
+        from transformers.modeling_outputs import CausalLMOutput
 
-class PipelineChunk(torch.nn.Module):
-    """One pipeline chunk: optional embedding, a run of HF layers, optional pooling head.
+        return CausalLMOutput(logits=output)
+
+
+class ModelStages:
+    """A model's pipeline adapter: its family's trunk and its task's head (:class:`StageHead`).
+
+    The trunk holds the family's embedding, layers, final norm and parameter-free helpers; the head its task's modules.
+    The last chunk holds the trunk's norm and the head's modules.
 
     Args:
-        family: the model family's stage adapter (``hftrain.parallel.families``).
+        trunk: the family's trunk adapter (``hftrain.parallel.families``' ``stages``).
+        head: the task's head.
+    """
+
+    def __init__(self, trunk: Any, head: StageHead) -> None:
+        self.trunk, self.head = trunk, head
+
+    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The trunk's layers, in order."""
+        return self.trunk.layers(model)
+
+    def embed_modules(self, model: torch.nn.Module) -> Modules:
+        """The first chunk's embedding modules."""
+        return self.trunk.embed_modules(model)
+
+    def head_modules(self, model: torch.nn.Module) -> Modules:
+        """The last chunk's modules: the trunk's final norm (as ``"norm"``), then the head's."""
+        return {**self.trunk.norm_modules(model), **self.head.modules(model)}
+
+    def aux_modules(self, model: torch.nn.Module) -> Modules:
+        """The trunk's helpers every chunk needs."""
+        return self.trunk.aux_modules(model)
+
+
+class PipelineChunk(torch.nn.Module):
+    """One pipeline chunk: optional embedding, a run of HF layers, optional final norm and task head.
+
+    It moves the activation tuple ``(hidden, trunk_input, *carries)`` on without opening it: what the first chunk
+    reads, what travels beside the hidden states and what the last chunk computes are the task head's
+    (:class:`StageHead`); the layers are the family trunk's.
+
+    Args:
+        stages: the model's adapter (:class:`ModelStages`: the family's trunk and the task's head).
         config: the HF model config (mask creation reads it).
         embed: the embedding modules (first chunk only), by short name.
         layers: the HF layers of this chunk, by their layer index.
-        head: the final norm/pooler/classifier modules (last chunk only), by short name.
+        head: the final norm and the head's modules (last chunk only), by short name.
         aux: parameter-free helpers every chunk needs (e.g. Llama's rotary embedding).
     """
 
     def __init__(
         self,
-        family: Any,
+        stages: ModelStages,
         config: Any,
         *,
         embed: Modules | None,
@@ -563,7 +753,7 @@ class PipelineChunk(torch.nn.Module):
         aux: Modules,
     ) -> None:
         super().__init__()
-        self.family = family
+        self.stages = stages
         self.config = config
         self.embed = torch.nn.ModuleDict(embed) if embed is not None else None
         self.layers = torch.nn.ModuleDict(layers)
@@ -591,17 +781,25 @@ class PipelineChunk(torch.nn.Module):
 
     @property
     def is_first(self) -> bool:
-        """Whether this chunk embeds (takes token ids instead of activations)."""
+        """Whether this chunk embeds (takes the batch's columns instead of activations)."""
         return self.embed is not None
 
     @property
-    def first_inputs(self) -> tuple[str, ...] | None:
-        """The batch columns the first chunk reads when its family names them (a causal LM's), else None."""
-        return getattr(self.family, "first_inputs", None)
+    def task_head(self) -> StageHead:
+        """The task's head (:class:`StageHead`)."""
+        return self.stages.head
+
+    def first_args(self, inputs: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        """The first chunk's positional inputs, the batch's columns the task head names (:meth:`StageHead.first_args`).
+
+        Args:
+            inputs: the batch.
+        """
+        return self.task_head.first_args(inputs or {})
 
     @property
     def is_last(self) -> bool:
-        """Whether this chunk ends in the classification head (returns logits)."""
+        """Whether this chunk ends in the task head (returns its output)."""
         return self.head is not None
 
     def attach_hf_names(self, hf_names: dict[int, str]) -> None:
@@ -626,40 +824,40 @@ class PipelineChunk(torch.nn.Module):
             yield self._hf_names[name], param
 
     def forward(self, *acts: torch.Tensor) -> Any:
-        """First chunk: the batch columns the family reads (a classifier's ``(input_ids, attention_mask[,
-        token_type_ids])``, a causal LM's ``(input_ids, position_ids)``); others: the activation tuple.
+        """First chunk: the batch columns the task head names (:meth:`first_args`); others: the activation tuple
+        ``(hidden, trunk_input, *carries)``.
 
-        Returns the next activation tuple, or the last chunk's output (a classifier's logits ``[b, num_labels]``).
-        A mixture of experts' chunk adds its layers' router-loss sums to the ones it received, at the tuple's end
-        (``routing``); the last chunk turns them into the micro-batch's router loss.
+        Returns the next activation tuple, or the last chunk's output: the head's on the trunk's final-normed hidden
+        states (a classifier's logits ``[b, num_labels]``, a causal LM's ``[b, s, vocabulary]``). A mixture of
+        experts' chunk adds its layers' router-loss sums to the ones it received, at the tuple's end (``routing``);
+        the last chunk turns them into the micro-batch's router loss.
         """
+        trunk, task = self.stages.trunk, self.stages.head
         split, routing = self.context_split, self.routing
         received = None
         if routing is not None and not self.is_first:
             acts, received = acts[: -routing.width], acts[-routing.width :]
         if self.is_first:
-            if split is None:
-                acts = self.family.embed(self.embed, self.config, *acts)
-            else:  # this rank's positions of the whole sequences; the classified token found on the whole
-                input_ids, positions = acts[0], split.positions(acts[0].shape[1], acts[0].device)
-                local = [a[:, positions] for a in acts]
-                numbered = self.family.position_ids(self.embed, input_ids)  # RoBERTa's, from the whole sequence
-                ids = positions if numbered is None else numbered[:, positions]
-                hidden, mask, _ = self.family.embed(self.embed, self.config, *local, positions=ids)
-                acts = hidden, mask, self.family.pool(self.config, input_ids, hidden.dtype)[:, positions]
-        hidden, carried = acts[0], acts[1:]  # carried: a classifier's (mask, pool), a causal LM's (positions,)
-        positions = None if split is None else split.attend(carried[0])
+            acts = task.embed(trunk, self.embed, self.config, *acts, split=split)
+        hidden, carried = acts[0], acts[1:]  # carried[0]: the attention mask, or a packed block's position ids
         if len(self.layers):
-            context = self.family.layer_context(self.aux, self.config, hidden, carried[0], positions)
+            if task.packed:
+                context = trunk.layer_context(self.aux, self.config, hidden, None, carried[0])
+            else:
+                positions = None if split is None else split.attend(carried[0])
+                context = trunk.layer_context(self.aux, self.config, hidden, carried[0], positions)
             with contextlib.nullcontext() if routing is None else routing.recording():
                 for index, layer in self.layers.items():
-                    hidden = self.family.run_layer(layer, hidden, context, int(index))
+                    hidden = trunk.run_layer(layer, hidden, context, int(index))
+        elif split is not None and not task.packed:
+            split.attend(carried[0])
         routed = ()
-        if routing is not None:  # padding excluded by a classifier's mask (a causal LM's packed rows have none)
-            mask = None if getattr(self.family, "per_position", False) else carried[0]
-            routed = routing.add(received, mask, hidden.device)
+        if routing is not None:  # padding excluded by the mask (a packed block has none)
+            routed = routing.add(received, None if task.packed else carried[0], hidden.device)
         if self.is_last:
             if routing is not None and torch.is_grad_enabled():  # training: its loss takes the router loss
                 routing.finish(routed)
-            return self.family.head(self.head, hidden, *carried[1:], *(() if split is None else (split.sum,)))
+            if "norm" in self.head:  # the trunk's final norm
+                hidden = self.head["norm"](hidden)
+            return task.forward(self.head, hidden, *carried, reduce=None if split is None else split.sum)
         return (hidden, *carried, *routed)

@@ -11,9 +11,11 @@ what a plain ``model_init`` callable builds whole is released as soon as the sta
 over tp then pp, checkpoint state and export merged over the stages, the evaluation gather):
 
 - the task decides the loss: on the last stage the Trainer's ``compute_loss(model, micro_batch)`` runs with a
-  :class:`LogitsModel` standing in for the model (it returns the stages' logits and HF's sequence-classification
-  loss: regression, single- or multi-label by the config's ``problem_type``), and micro-batch ``i`` of ``n_i``
-  examples counts ``n_i / b``, so the step's loss ``Σ_i (n_i / b) · ℓ_i`` is the batch mean one process computes;
+  :class:`LogitsModel` standing in for the model (it returns what the task head's ``output`` makes of the stages'
+  output: a classifier's logits and HF's sequence-classification loss, regression, single- or multi-label by the
+  config's ``problem_type``), and the schedule alone scales it: micro-batch ``i`` of ``n_i`` examples counts
+  ``n_i / b`` and the accumulation steps divide it, so the step's loss ``Σ_i (n_i / b) · ℓ_i`` is the batch mean one
+  process computes;
 - gradients are averaged over the dp group by hand at the window's end (no DDP around stages);
 - the loss exists on the last stage only and is broadcast over the pp group, so every rank logs it;
 - evaluation is a forward-only pass through the pipeline whose logits are broadcast over the pp group, then
@@ -56,46 +58,29 @@ class PipelineOptions:
 LABELS = "labels"
 
 
-def classifier_output(logits: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
-    """What an HF ``*ForSequenceClassification`` returns for these logits: ``SequenceClassifierOutput(loss, logits)``.
-
-    The loss is transformers' own (``ForSequenceClassificationLoss``, as BERT, GPT-2 and Llama compute it): the
-    config's ``problem_type``, or when unset MSE for ``num_labels == 1`` (regression), cross entropy for integer
-    labels, and BCE with logits for float labels (multi-label); each is a mean over the examples.
-
-    Args:
-        logits: ``(batch, num_labels)``.
-        labels: the batch's labels, or None (no loss).
-        config: the model's config (``num_labels``, ``problem_type``; transformers sets the latter on first use).
-    """
-    from transformers.loss.loss_utils import ForSequenceClassificationLoss
-    from transformers.modeling_outputs import SequenceClassifierOutput
-
-    loss = None if labels is None else ForSequenceClassificationLoss(labels, logits, config)
-    return SequenceClassifierOutput(loss=loss, logits=logits)
-
-
 class LogitsModel(nn.Module):
     """The model as the task's ``compute_loss`` sees it on the last pipeline stage.
 
-    The stages have already computed this micro-batch's logits; called with the micro-batch (any keys), it
-    returns them as the HF model would, with HF's loss when the micro-batch has ``labels``
-    (:func:`classifier_output`). A Trainer's ``compute_loss`` override that reads ``model(**batch).logits`` or
-    ``.loss`` therefore runs unchanged under pipeline parallelism.
+    The stages have already computed this micro-batch's output; called with the micro-batch (any keys), it returns
+    what the model would: the task head's ``output(output, labels, config)`` (``hftrain.parallel.stages.StageHead``:
+    a classifier's ``SequenceClassifierOutput`` with HF's loss when the micro-batch has ``labels``, a causal LM's
+    logits). A Trainer's ``compute_loss`` override that reads ``model(**batch).logits`` or ``.loss`` therefore runs
+    unchanged under pipeline parallelism.
 
     Args:
-        logits: the micro-batch's ``(examples, num_labels)`` logits from the last stage.
+        logits: the micro-batch's output from the last stage (a classifier's ``(examples, num_labels)`` logits).
         config: the model's config.
+        head: the task head (``PipelineModel.task_head``).
     """
 
-    def __init__(self, logits: torch.Tensor, config: Any) -> None:
+    def __init__(self, logits: torch.Tensor, config: Any, head: Any) -> None:
         super().__init__()
         self.logits = logits
         self.config = config
-        self.num_labels = config.num_labels
+        object.__setattr__(self, "head", head)
 
     def forward(self, **batch: Any) -> Any:
-        return classifier_output(self.logits, batch.get(LABELS), self.config)
+        return self.head.output(self.logits, batch.get(LABELS), self.config)
 
 
 class PipelineModel(nn.Module):
@@ -120,9 +105,14 @@ class PipelineModel(nn.Module):
         self.config = hf_model.config
 
     @property
+    def task_head(self) -> Any:
+        """The task's head on the stages (``hftrain.parallel.stages.StageHead``)."""
+        return self.stages[0].task_head
+
+    @property
     def per_position(self) -> bool:
         """Whether the last stage's output has a row per position (a causal LM's logits), not one per example."""
-        return bool(getattr(self.stages[0].family, "per_position", False))
+        return bool(self.task_head.per_position)
 
     @property
     def last_stage_rank(self) -> int:
@@ -135,21 +125,20 @@ class PipelineModel(nn.Module):
         return next(r for r in range(pp) if last in chunk_ids_of_rank(r, pp=pp, virtual_stages=chunks, layout=layout))
 
     def forward(self, **inputs: torch.Tensor) -> Any:
-        """The HF model's output for ``inputs``: logits on every stage, and HF's loss when ``labels`` are given (a
-        causal LM's logits ``[b, s, vocabulary (slice)]`` only, its loss being the task's; the export's check)."""
+        """The model's output for ``inputs`` on every stage: the task head's ``output`` of the last stage's (a
+        classifier's logits and HF's loss when ``labels`` are given; a causal LM's logits ``[b, s, vocabulary
+        (slice)]`` only, its loss being the task's; the export's check). The output's shape is broadcast from the last
+        stage over the pp group's host side (its rank count, then its dimensions), the output itself over the group."""
+        from hftrain.parallel.host import broadcast_ints
+
         labels = inputs.pop(LABELS, None)
         with torch.no_grad():
-            logits = self.schedule.eval_step(inputs, None)
-        if self.per_position:
-            from transformers.modeling_outputs import CausalLMOutput
-
-            from hftrain.parallel.host import broadcast_ints
-
-            pp_group, last = self.groups.pp_group, self.last_stage_rank
-            shape = broadcast_ints(None if logits is None else list(logits.shape), 3, group=pp_group, group_src=last)
-            return CausalLMOutput(logits=self.from_last_stage(logits, tuple(shape)))
-        shape = (_batch_size(inputs), self.config.num_labels)
-        return classifier_output(self.from_last_stage(logits, shape), labels, self.config)
+            output = self.schedule.eval_step(inputs, None)
+        pp_group, last = self.groups.pp_group, self.last_stage_rank
+        shape = None if output is None else list(output.shape)
+        (ndim,) = broadcast_ints(None if shape is None else [len(shape)], 1, group=pp_group, group_src=last)
+        shape = broadcast_ints(shape, ndim, group=pp_group, group_src=last)
+        return self.task_head.output(self.from_last_stage(output, tuple(shape)), labels, self.config)
 
     # ---------------------------------------------------------------- a mixture of experts' routers
     def take_router_loss(self) -> torch.Tensor | None:
@@ -307,9 +296,10 @@ class PipelineRuntime(MegatronRuntime):
     ) -> torch.Tensor:
         """Run the schedule over this batch's micro-batches; returns the batch's loss on every rank.
 
-        The last stage calls ``loss_fn(LogitsModel(logits, config), micro_batch)`` for each micro-batch (the
-        schedule's target is the micro-batch's row indices into ``batch``), divided by the accumulation steps as
-        ``backward()`` divides; the schedule weights it by the micro-batch's share of the batch's examples.
+        The batch goes to the schedule unopened (the first chunk picks its columns); the last stage calls
+        ``loss_fn(LogitsModel(output, config, head), micro_batch)`` for each micro-batch (the schedule's target is the
+        micro-batch's row indices into ``batch``). The schedule alone scales it: divided by the accumulation steps as
+        ``backward()`` divides, weighted by the micro-batch's share of the batch's examples (``train_step``).
 
         Args:
             model: the pipeline model.
@@ -322,32 +312,31 @@ class PipelineRuntime(MegatronRuntime):
         loss = schedule.train_step(
             inputs,
             rows,
-            loss_fn=self._micro_batch_loss(batch, loss_fn, model.config),
+            loss_fn=self._micro_batch_loss(batch, loss_fn, model),
             per_example_mean=self.loss_is_example_mean,  # the task's: a causal LM's loss is already scaled
+            loss_divisor=self.accelerator.gradient_accumulation_steps,
         )
-        if loss is not None:  # the schedule's loss is divided by the accumulation steps, like backward()'s
-            loss = loss.detach() * self.accelerator.gradient_accumulation_steps
         loss = model.from_last_stage(loss, ())
         if self.sync_gradients:
             self._finalize_grads()
         return loss
 
     def _micro_batch_loss(
-        self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], config: Any
+        self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], model: PipelineModel
     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The schedule's ``loss(logits, rows)``: the task's loss of ``batch``'s rows ``rows``, divided by the
-        accumulation steps.
+        """The schedule's ``loss(output, rows)``: the task's loss of ``batch``'s rows ``rows`` (unscaled: the
+        schedule scales it).
 
         Args:
             batch: the step's batch.
             loss_fn: the task's ``compute_loss(model, batch)``.
-            config: the model's config (for :class:`LogitsModel`).
+            model: the pipeline model (its config and task head, for :class:`LogitsModel`).
         """
-        accumulation = self.accelerator.gradient_accumulation_steps
+        config, head = model.config, model.task_head
 
-        def loss(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        def loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             micro_batch = {k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in batch.items()}
-            return loss_fn(LogitsModel(logits, config), micro_batch) / accumulation
+            return loss_fn(LogitsModel(output, config, head), micro_batch)
 
         return loss
 
@@ -436,7 +425,7 @@ class PipelineRuntime(MegatronRuntime):
         inputs = {k: v for k, v in batch.items() if k != LABELS}
         with torch.no_grad():
             logits = model.schedule.eval_step(inputs, None)
-            outputs = None if logits is None else predict(LogitsModel(logits, model.config), batch)
+            outputs = None if logits is None else predict(LogitsModel(logits, model.config, model.task_head), batch)
         if self.plugin.layout.pp_size > 1:  # a few numbers per example, as host objects
             outputs = broadcast_object(
                 None if outputs is None else tuple(t.detach().cpu() for t in outputs),

@@ -1,0 +1,144 @@
+"""A task ``hftrain.parallel`` does not know, added in this file alone: per-token regression.
+
+The task is a tiny Llama trunk with its own head (``TokenRegressor``: one number per token from the final-normed
+hidden state), its own pipeline head (``TokenHead``, a ``hftrain.parallel.stages.StageHead``: the columns the first
+stage reads, the head's modules and its output ``[b, s]``), and its own loss (``TokenRegressionTrainer``: per example
+the mean squared error over its real tokens against a target of the token ids, then the mean over the examples). It
+trains through hftrain's real megatron runtime at tp=2 × pp=2 (4 gloo processes, 1F1B over 4 micro-batches) and
+equals its 1-process run within 1e-5 (fp32, ``mixed_precision: no``): the loss of every step and every trained weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hftrain.parallel.stages import StageHead
+from hftrain.trainers.base import Trainer
+from tests.distributed import run_distributed
+
+STEPS = 4
+PIPELINE = {"tp": 2, "pp": 2, "num_microbatches": 4, "schedule": "1f1b"}
+
+
+class TokenHead(StageHead):
+    """The pipeline's view of the task: the first stage reads ``input_ids`` and ``attention_mask``; the last one
+    applies the model's ``token_head`` to every (final-normed) position: ``y[b, s]``."""
+
+    first_inputs = ("input_ids", "attention_mask")
+
+    def modules(self, model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        return {"token_head": model.token_head}
+
+    def forward(self, mods: Any, hidden: torch.Tensor, mask: torch.Tensor, *carried: Any, reduce=None) -> torch.Tensor:
+        return mods["token_head"](hidden).squeeze(-1)
+
+
+def _model_class():
+    """``TokenRegressor``: a Llama trunk and one linear unit per token (built lazily: transformers imports slowly)."""
+    from transformers import LlamaModel, LlamaPreTrainedModel
+
+    class TokenRegressor(LlamaPreTrainedModel):
+        stage_head = TokenHead()  # the task names its own pipeline head
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.model = LlamaModel(config)
+            self.token_head = torch.nn.Linear(config.hidden_size, 1)
+            self.post_init()
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
+            from types import SimpleNamespace
+
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return SimpleNamespace(logits=self.token_head(hidden).squeeze(-1), loss=None)
+
+    return TokenRegressor
+
+
+def _targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """What each token should predict: a function of its id."""
+    return (input_ids % 5).float() / 4
+
+
+class TokenRegressionTrainer(Trainer):
+    """Per-token regression: each example's mean squared error over its real tokens, the mean over the examples."""
+
+    def _per_example(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch["attention_mask"].float()
+        y = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        return (((y - _targets(batch["input_ids"])) ** 2) * mask).sum(1) / mask.sum(1)
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._per_example(model, batch).mean()
+
+    def prediction_step(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple:
+        losses = self._per_example(model, batch)
+        return losses, losses, losses
+
+
+def _run(output_dir: str, strategy: str, options: dict | None = None) -> dict:
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import build_strategy
+    from tests.tiny import reset_accelerate_state, tiny_config, tiny_splits, tiny_tokenizer
+
+    reset_accelerate_state()
+    tokenizer = tiny_tokenizer("llama")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    splits = tokenize_splits(tiny_splits(48, 10), tokenizer, max_seq_length=16)
+    config = tiny_config("llama", num_layers=2, max_positions=32)
+    args = TrainingConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=5,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        warmup_steps=1,
+        logging_steps=1,
+        log_with="none",
+        mixed_precision="no",
+    )
+
+    def model_init() -> torch.nn.Module:
+        return _model_class()(config)
+
+    trainer = TokenRegressionTrainer(
+        args,
+        strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch_info_from_environ()),
+        model_init=model_init,
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+    )
+    result = trainer.fit()
+    state_dict = trainer.runtime.get_state_dict(trainer.model) or {}
+    main = trainer.accelerator.is_main_process
+    return {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "eval_loss": result.metrics.get("eval_loss"),
+        "weights": {k: v.detach().clone() for k, v in state_dict.items()} if main else None,
+        "head": type(getattr(trainer.model, "task_head", None)).__name__,  # the pipeline's: the task's own
+    }
+
+
+@pytest.mark.distributed
+def test_a_toy_task_trains_at_tp2_pp2_as_one_process(tmp_path):
+    (reference,) = run_distributed(_run, nprocs=1, timeout=600, output_dir=str(tmp_path / "one"), strategy="ddp")
+    runs = run_distributed(
+        _run, nprocs=4, timeout=900, output_dir=str(tmp_path / "four"), strategy="megatron", options=PIPELINE
+    )
+    assert len(reference["losses"]) == STEPS
+    assert [run["head"] for run in runs] == ["TokenHead"] * 4
+    for run in runs:  # every rank logs the step's loss
+        torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=1e-5)
+    weights = runs[0]["weights"]
+    assert set(weights) == set(reference["weights"])
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert reference["eval_loss"] is not None
+    torch.testing.assert_close(runs[0]["eval_loss"], reference["eval_loss"], rtol=1e-5, atol=1e-5)
