@@ -167,12 +167,6 @@ class MegatronRuntime(AccelerateRuntime):
 
         load_snapshot(directory, self._model, self._params, self._optimizer, groups=self.plugin.layout)
 
-    def load_legacy_state(self, directory: str, *, model: torch.nn.Module, optimizer: Any) -> None:
-        from hftrain.strategies.megatron.state import load_legacy_state
-
-        self.load_extras(directory)
-        load_legacy_state(directory, self._model, self._params, self._optimizer, layout=self.layout_facts())
-
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights gathered over tp (and merged over pp); collective."""
         from hftrain.strategies.megatron.state import merged_weights

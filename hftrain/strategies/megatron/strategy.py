@@ -62,7 +62,6 @@ class MegatronStrategy(Strategy):
     """
 
     name = "megatron"
-    reshardable_checkpoints = True  # logical full tensors: any tp and dp that fit the model
 
     def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
         from hftrain.parallel.dims import ParallelDims
