@@ -33,10 +33,12 @@ BOXES = [
     (8.2, 3.6, 7.5, 1.9, "strategies/megatron/",
      "MegatronStrategy, checks, plugin (the Accelerate adapter)\nruntime.py: TP × CP × DP runtime\n"
      "pipeline.py: PP runtime (schedules, timeline)\nstate.py: logical checkpoints that reshard", "#e2f0d9"),
-    (0.3, 0.9, 15.4, 2.4, "parallel/  (knows neither the Trainer, the config keys nor Accelerate)",
+    (0.3, 0.8, 15.4, 2.7, "parallel/  (knows neither the Trainer, the config keys nor Accelerate)",
      "dims.py: ParallelDims, groups (tp-cp-dp-pp)      parallelize.py: one apply_* call per axis\n"
-     "tensor_parallel.py · plans.py (plans as data) · layers.py · collectives.py (f, g, all-gather ⇄ reduce-scatter)\n"
-     "pipeline.py · stages.py · schedules.py (gpipe, 1f1b, interleaved, zero-bubble) · timeline.py\n"
+     "placement.py: one record per parameter (axis, Split, partial) → grads, DDP ignore, clip, boxes, export\n"
+     "families.py: one registry entry per model family (tp plan, trunk, task heads, expert plan, cp, planner facts)\n"
+     "tensor_parallel.py · plans.py · layers.py · collectives.py · expert_parallel.py · cross_entropy.py\n"
+     "pipeline.py · stages.py · schedules.py (task-blind: StageHead) · timeline.py\n"
      "context_parallel.py (ring / all-to-all attention)   random.py (RNG tracker)   recompute.py   "
      "lora.py (LoRA under TP)", "#f4dcdc"),
     (0.3, 0.05, 15.4, 0.65,
