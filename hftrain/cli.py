@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 
 from hftrain.errors import AxisError, ConfigError, HFTrainError, UsageError
+from hftrain.parallel.dims import AXIS_SIZES
 from hftrain.plan.command import add_plan_arguments, run_plan
 
 DESCRIPTION = "Distributed fine-tuning over Hugging Face Accelerate and DeepSpeed."
@@ -99,12 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the tp/pp/dp groups of tp × pp × dp = world size in Megatron-LM's rank order.",
     )
     groups.add_argument("--world-size", type=int, required=True, help="number of processes")
-    groups.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    groups.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    groups.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks that split each sequence)")
-    groups.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel size (data-parallel ranks that split the experts)"
-    )
+    for axis, meaning in AXIS_SIZES.items():
+        groups.add_argument(f"--{axis}", type=int, default=1, help=meaning)
     groups.add_argument("--json", action="store_true", help='print {"tp": [...], "pp": [...], "dp": [...]}')
     doctor = commands.add_parser(
         "doctor",
@@ -272,7 +269,7 @@ def _convert(args: argparse.Namespace, extra: list[str]) -> int:
 def _groups(args: argparse.Namespace, extra: list[str]) -> int:
     from hftrain.parallel.dims import MAX_PRINTED_WORLD, ParallelDims, group_lines, groups_json_chunks
 
-    for name in ("world_size", "tp", "pp", "cp", "ep"):
+    for name in ("world_size", *AXIS_SIZES):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {getattr(args, name)}: must be a positive integer")
@@ -283,7 +280,8 @@ def _groups(args: argparse.Namespace, extra: list[str]) -> int:
             f"give a world size up to {MAX_PRINTED_WORLD}"
         )
     try:  # the megatron strategy's own check: a printed layout is one that training takes
-        dims = ParallelDims(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep).validate_trainable()
+        sizes = {axis: getattr(args, axis) for axis in AXIS_SIZES}
+        dims = ParallelDims(args.world_size, **sizes).validate_trainable()
     except AxisError as error:  # hftrain.parallel names the axis; here the value came from a flag
         raise error.named_as(f"--{error.axis.replace('_', '-')}") from None  # tp · pp must divide the world
     for piece in groups_json_chunks(dims) if args.json else group_lines(dims):

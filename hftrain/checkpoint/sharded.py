@@ -671,8 +671,10 @@ def read_info(state_dir: str | Path) -> dict[str, Any]:
     return info
 
 
-# The layout facts a strategy records in sharded.json (``Snapshot.info``), and their least value.
-_INFO_COUNTS = {"world_size": 1, "tp": 1, "cp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
+# The facts of sharded.json (``Snapshot.info``) that are names, not counts; every other one is a count (the world size,
+# each axis's size of a megatron layout), at least 1 except the ZeRO stage (0 and up).
+_INFO_TEXT = ("strategy", "format")
+_INFO_LEAST = {"zero_stage": 0}
 
 
 def check_info(state_dir: str | Path, topology: dict[str, Any]) -> None:
@@ -685,13 +687,15 @@ def check_info(state_dir: str | Path, topology: dict[str, Any]) -> None:
     """
     path = Path(state_dir) / INFO_FILE
     info = read_info(state_dir)
-    for key, least in _INFO_COUNTS.items():
-        value = info.get(key)
-        if key in info and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+    for key, value in info.items():
+        if key in _INFO_TEXT:
+            continue
+        least = _INFO_LEAST.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise CheckpointError(
                 f"'{path}' is damaged ({key} {value!r} is not an integer >= {least}); resume from another checkpoint"
             )
-        if key in info and key in topology and value != topology[key]:
+        if key in topology and value != topology[key]:
             raise CheckpointError(
                 f"'{path}' is damaged: it records {key} {value}, checkpoint.json's topology {topology[key]}; resume "
                 "from another checkpoint"

@@ -44,6 +44,16 @@ def _divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+AXIS_SIZES = {
+    "tp": "tensor-parallel size",
+    "pp": "pipeline-parallel size",
+    "cp": "context-parallel size (ranks that split each sequence)",
+    "ep": "expert-parallel size (data-parallel ranks that split the experts)",
+}
+"""The axes a layout is given by, besides the world size (dp is what remains), with what each size means: the fields of
+:class:`ParallelDims`, and ``hftrain groups``' flags."""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes of the tensor-, context-, pipeline- and data-parallel dimensions of one job.

@@ -84,11 +84,11 @@ class MegatronPlugin:
         """
         import torch.distributed as dist
 
-        from hftrain.parallel.dims import ParallelDims, build_groups
+        from hftrain.parallel.dims import AXIS_SIZES, ParallelDims, build_groups
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         if dims is None:
-            dims = ParallelDims(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep).validate()
+            dims = ParallelDims(world, **{axis: getattr(self, axis) for axis in AXIS_SIZES}).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
             _init_single_process_group("nccl" if device_type == "cuda" else "gloo")
         self.groups = build_groups(dims, rank, device_type=device_type)
@@ -163,7 +163,8 @@ class MegatronPlugin:
 
         layout = self.layout
         model = self.parallelize(model, device=device)
-        if layout.dp_size * layout.cp_size == 1:
+        data_group, _, replicas = layout.data_replicas(None)  # dp × cp: the ranks holding the same shards
+        if replicas == 1:
             return model
         from hftrain.parallel import ddp_ignored
 
@@ -173,7 +174,7 @@ class MegatronPlugin:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         # Gradients are averaged over the ranks holding the same shard only (and its sequence parts: dp × cp);
         # DDP's no_sync serves accumulation.
-        return DistributedDataParallel(model, process_group=layout.dp_cp_group or layout.dp_group)
+        return DistributedDataParallel(model, process_group=data_group)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """The optimizer, sharded over dp when ``shard_optimizer``, wrapped so that it steps only at window ends.

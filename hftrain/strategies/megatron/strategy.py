@@ -64,7 +64,7 @@ class MegatronStrategy(Strategy):
     name = "megatron"
 
     def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
-        from hftrain.parallel.dims import ParallelDims
+        from hftrain.parallel.dims import AXIS_SIZES, ParallelDims
 
         super().__init__(config, platform=platform, launch=launch)
         for key, unused in _FOREIGN_OPTIONS.items():
@@ -74,9 +74,8 @@ class MegatronStrategy(Strategy):
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
         with named_by_config():  # the layout, and ep with pp or cp, checked as hftrain groups checks them
-            self.dims = ParallelDims(
-                launch.world_size, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep
-            ).validate_trainable()
+            sizes = {axis: getattr(config, axis) for axis in AXIS_SIZES}
+            self.dims = ParallelDims(launch.world_size, **sizes).validate_trainable()
         if config.ep > 1 and config.shard_optimizer:
             raise ConfigError(
                 f"strategy.shard_optimizer with strategy.ep={config.ep} is not supported yet (ZeRO-1 over dp would "
