@@ -89,12 +89,9 @@ def run_task(
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from hftrain.cli import launch_info_from_environ
-    from hftrain.config import StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.strategies import build_strategy
     from hftrain.trainers.base import Trainer
-    from tests.tiny import _fresh_output_dir, reset_accelerate_state
+    from tests.tiny import _fresh_output_dir, fit_in_rank, fp32_args, reset_accelerate_state
 
     class TaskTrainer(Trainer):
         """Evaluation loss per example in the form of HF's training loss for the task."""
@@ -129,26 +126,9 @@ def run_task(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     splits = tokenize_splits(task_splits(task, n_train), tokenizer, max_seq_length=32)
-    args = TrainingConfig(
-        output_dir=_fresh_output_dir(),
-        per_device_train_batch_size=micro,
-        per_device_eval_batch_size=5,
-        max_steps=steps,
-        learning_rate=1e-3,
-        warmup_steps=2,
-        logging_steps=1,
-        log_with="none",
-        mixed_precision="no",
-    )
-    trainer = (PenaltyTrainer if task == "custom" else TaskTrainer)(
-        args,
-        strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch_info_from_environ()),
-        model_init=model_init,
-        tokenizer=tokenizer,
-        train_dataset=splits["train"],
-        eval_dataset=splits["validation"],
-    )
-    result = trainer.fit()
+    args = fp32_args(_fresh_output_dir(), per_device_train_batch_size=micro, max_steps=steps, warmup_steps=2)
+    trainer_class = PenaltyTrainer if task == "custom" else TaskTrainer
+    trainer, result = fit_in_rank(trainer_class, args, strategy, options, model_init, tokenizer, splits)
     schedule = getattr(trainer.model, "schedule", None)
     return {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],

@@ -80,11 +80,8 @@ class TokenRegressionTrainer(Trainer):
 
 
 def _run(output_dir: str, strategy: str, options: dict | None = None) -> dict:
-    from hftrain.cli import launch_info_from_environ
-    from hftrain.config import StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.strategies import build_strategy
-    from tests.tiny import reset_accelerate_state, tiny_config, tiny_splits, tiny_tokenizer
+    from tests.tiny import fit_in_rank, fp32_args, reset_accelerate_state, tiny_config, tiny_splits, tiny_tokenizer
 
     reset_accelerate_state()
     tokenizer = tiny_tokenizer("llama")
@@ -92,30 +89,12 @@ def _run(output_dir: str, strategy: str, options: dict | None = None) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     splits = tokenize_splits(tiny_splits(48, 10), tokenizer, max_seq_length=16)
     config = tiny_config("llama", num_layers=2, max_positions=32)
-    args = TrainingConfig(
-        output_dir=output_dir,
-        per_device_train_batch_size=8,
-        per_device_eval_batch_size=5,
-        max_steps=STEPS,
-        learning_rate=1e-3,
-        warmup_steps=1,
-        logging_steps=1,
-        log_with="none",
-        mixed_precision="no",
-    )
+    args = fp32_args(output_dir, per_device_train_batch_size=8, max_steps=STEPS, warmup_steps=1)
 
     def model_init() -> torch.nn.Module:
         return _model_class()(config)
 
-    trainer = TokenRegressionTrainer(
-        args,
-        strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch_info_from_environ()),
-        model_init=model_init,
-        tokenizer=tokenizer,
-        train_dataset=splits["train"],
-        eval_dataset=splits["validation"],
-    )
-    result = trainer.fit()
+    trainer, result = fit_in_rank(TokenRegressionTrainer, args, strategy, options, model_init, tokenizer, splits)
     state_dict = trainer.runtime.get_state_dict(trainer.model) or {}
     main = trainer.accelerator.is_main_process
     return {

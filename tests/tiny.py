@@ -323,6 +323,33 @@ def reset_accelerate_state() -> None:
     unset_hf_deepspeed_config()
 
 
+def fp32_args(output_dir: str, **changes):
+    """The ``training`` section of a short exact run: fp32, a log line per step, no tracker, evaluation batches of 5,
+    ``learning_rate`` 1e-3 (``changes`` override any field)."""
+    from hftrain.config import TrainingConfig
+
+    fields = {"per_device_eval_batch_size": 5, "learning_rate": 1e-3, "logging_steps": 1, "log_with": "none"}
+    return TrainingConfig(output_dir=output_dir, mixed_precision="no", **{**fields, **changes})
+
+
+def fit_in_rank(trainer_class, args, strategy: str, options: dict | None, model_init, tokenizer, splits):
+    """A ``trainer_class`` over ``splits`` under ``strategy`` (its ``options`` in the strategy section), fitted in
+    this launched rank: ``(trainer, result)``."""
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.config import StrategyConfig
+    from hftrain.strategies import build_strategy
+
+    trainer = trainer_class(
+        args,
+        strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch_info_from_environ()),
+        model_init=model_init,
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+    )
+    return trainer, trainer.fit()
+
+
 def run_tiny_training(
     *,
     kind: str = "bert",
