@@ -113,7 +113,7 @@ def _measure(tp: int, pp: int, folder: str) -> dict:
     import torch.distributed.pipelining  # noqa: F401 - imported before the baseline, like everything else
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import hftrain.strategies.megatron.pipeline  # noqa: F401
+    import hftrain.strategies.megatron.pipeline_runtime  # noqa: F401
     from hftrain.cli import launch_info_from_environ
     from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits

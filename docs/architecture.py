@@ -32,7 +32,7 @@ BOXES = [
      "save/load_state,\nget_state_dict", "#e2f0d9"),
     (8.2, 3.6, 7.5, 1.9, "strategies/megatron/",
      "MegatronStrategy, checks, plugin (the Accelerate adapter)\nruntime.py: TP × CP × DP runtime\n"
-     "pipeline.py: PP runtime (schedules, timeline)\nstate.py: logical checkpoints that reshard", "#e2f0d9"),
+     "pipeline_runtime.py: PP runtime (schedules, timeline)\nstate.py: logical checkpoints that reshard", "#e2f0d9"),
     (0.3, 0.8, 15.4, 2.7, "parallel/  (knows neither the Trainer, the config keys nor Accelerate)",
      "dims.py: ParallelDims, groups (tp-cp-dp-pp)      parallelize.py: one apply_* call per axis\n"
      "placement.py: one record per parameter (axis, Split, partial) → grads, DDP ignore, clip, boxes, export\n"

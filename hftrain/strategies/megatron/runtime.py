@@ -10,7 +10,7 @@ Everything that does not depend on how the model is cut is here once, for both l
 owns (``params``: all of them here, its stages' under pipeline parallelism), the optimizer rebuilt over them, the
 clipping (``hftrain.parallel.clip_grad_norm_``, summed over pp too when there are stages), the checkpoint state
 (``hftrain.strategies.megatron.state``), the export weights and the evaluation gather. The pipeline runtime
-(``hftrain.strategies.megatron.pipeline``) overrides only ``prepare`` and ``forward_backward``.
+(``hftrain.strategies.megatron.pipeline_runtime``) overrides only ``prepare`` and ``forward_backward``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 world is laid out in Megatron-LM's order (tp ranks adjacent, then cp, then dp, then pp; ep carved out of dp) by one
 ``ParallelDims``, built and validated here once and passed down to the plugin's groups. The Trainer runs through
 :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
-:class:`~hftrain.strategies.megatron.pipeline.PipelineRuntime` (stages and a schedule).
+:class:`~hftrain.strategies.megatron.pipeline_runtime.PipelineRuntime` (stages and a schedule).
 
 Refused up front, before any process group: a ``tp`` that does not divide the world size or the model's sizes,
 an unsupported model family, LoRA with pipeline, context or expert parallelism (LoRA's adapters are split with
@@ -171,7 +171,7 @@ class MegatronStrategy(Strategy):
         ).setup(device_type=self.platform.device, dims=self.dims)
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
             from hftrain.strategies.megatron.checks import num_microbatches
-            from hftrain.strategies.megatron.pipeline import PipelineOptions, PipelineRuntime
+            from hftrain.strategies.megatron.pipeline_runtime import PipelineOptions, PipelineRuntime
 
             options = PipelineOptions(
                 schedule=self.config.schedule,
