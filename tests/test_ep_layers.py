@@ -166,8 +166,9 @@ def test_bad_expert_layouts_are_refused_in_one_line():
 
     with pytest.raises(ConfigError, match=r"ep=3 does not divide the 4 experts.*valid ep values with dp=6: 1, 2"):
         check_expert_parallel(tiny_config("mixtral"), ep=3, dp=6)
-    with pytest.raises(ConfigError, match=r"strategy.ep: the model \(bert\) is not a mixture of experts"):
+    with pytest.raises(ConfigError, match=r"^the model \(bert\) is not a mixture of experts") as refused:
         check_expert_parallel(tiny_config("bert"), ep=2, dp=2)
+    assert refused.value.axis == "ep"  # parallel/ names the axis; the strategy names its config key (strategy.ep)
     # a capacity factor <= 0 is the config schema's to refuse (ep dividing dp is ParallelDims')
     from hftrain.config import StrategyConfig
 

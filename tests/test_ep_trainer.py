@@ -202,7 +202,7 @@ def _launched(world: int) -> dict[str, str]:
 BAD_INPUT = {  # label -> (model, extra arguments, launcher environment, what the one line says)
     "ep-not-dividing-dp": ("mixtral", ["--strategy.ep", "2"], _launched(1), "strategy.ep: ep=2 does not divide the"),
     "ep-not-dividing-experts": ("mixtral", ["--strategy.ep", "3"], _launched(3), "ep=3 does not divide the 4 experts"),
-    "ep-on-dense-model": ("bert", ["--strategy.ep", "2"], _launched(2), "the model (bert) is not a mixture of experts"),
+    "ep-on-dense-model": ("bert", ["--strategy.ep", "2"], _launched(2), "strategy.ep: the model (bert) is not a"),
     "capacity-not-positive": (
         "mixtral", ["--strategy.moe_capacity_factor", "0"], _launched(1), "moe_capacity_factor must be a number > 0"
     ),
