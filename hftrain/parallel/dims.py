@@ -288,7 +288,7 @@ class ParallelGroups:
     def cut_groups(self) -> dict[str, Any]:
         """The axes that cut parameters into slices in this layout -> their groups (tp always; ep when > 1), in the
         order the gradient norm and the full tensors visit them (``hftrain.parallel.placement``)."""
-        return {"tp": self.tp_group, **({"ep": self.ep_group} if self.ep_size > 1 else {})}
+        return {axis: self.axis_group(axis) for axis in (("tp", "ep") if self.ep_size > 1 else ("tp",))}
 
     def data_replicas(self, axis: str | None) -> tuple[Any, int, int]:
         """The data-parallel replicas of a parameter cut along ``axis`` (None: whole): the group whose ranks hold the

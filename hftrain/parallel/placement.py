@@ -293,12 +293,13 @@ def sum_partial_grads(model: nn.Module, axis: str, group: Any) -> None:
     """
     from hftrain.parallel.collectives import all_reduce_coalesced
 
-    grads, replicated = [], []
+    grads, replicated, seen = [], [], set()
     for module in model.modules():
         for name, record in placed(module).items():
             grad = getattr(module, name).grad
-            if grad is None:
+            if grad is None or id(grad) in seen:  # a weight two modules share (tied embeddings) is summed once
                 continue
+            seen.add(id(grad))
             if axis in record.partial:
                 grads.append(grad)
             elif record.axis == axis and record.split is not None and record.split.replicas > 1:
@@ -363,7 +364,8 @@ def complete_grads(model: nn.Module, groups: Any, *, data_mean: bool) -> None:
         if scale > 1:
             for grad in grads:
                 grad.div_(scale)
-    for axis in sorted({a for r in records.values() for a in r.partial} | {r.axis for r in records.values() if r.axis}):
+    replicated = {r.axis for r in records.values() if r.split is not None and r.split.replicas > 1}
+    for axis in sorted({a for r in records.values() for a in r.partial} | replicated):  # the same on every rank
         group = groups.axis_group(axis)
         if group is not None and dist.get_world_size(group) > 1:
             sum_partial_grads(model, axis, group)
