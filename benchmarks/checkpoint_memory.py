@@ -65,10 +65,10 @@ def _measured(action) -> tuple[int, float]:
 
 def _measure(strategy_name: str, options: dict, folder: str) -> dict:
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
+    from hftrain.config import ModelConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
     from hftrain.models import PretrainedBuilder
-    from hftrain.strategies import build_strategy
+    from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
 
@@ -84,7 +84,7 @@ def _measure(strategy_name: str, options: dict, folder: str) -> dict:
         mixed_precision="no",
         eval_steps=1000,
     )
-    strategy = build_strategy(StrategyConfig(name=strategy_name, **options), launch=launch_info_from_environ())
+    strategy = strategy_from_options(strategy_name, options, launch=launch_info_from_environ())
     trainer = SequenceClassificationTrainer(
         args,
         strategy=strategy,

@@ -127,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
     parser.add_argument("--cps", default="1,2,4", help="comma-separated cp sizes")
-    parser.add_argument("--comm", default="ring", choices=("ring", "all_to_all"), help="strategy.cp_comm")
+    parser.add_argument("--comm", default="ring", choices=("ring", "all_to_all"), help="parallelism.cp_comm")
     parser.add_argument("--budget-gib", type=float, default=1.5, help="per-process memory budget for the longest S")
     args = parser.parse_args()
     from hftrain.plan import Workload, model_from_config

@@ -103,8 +103,8 @@ def adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def run_hftrain(args: argparse.Namespace, dataset, tokenizer, steps: int) -> Run:
     """Stamps, ``fit()`` seconds and losses of hftrain's loop."""
-    from hftrain.config import StrategyConfig, TrainingConfig
-    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.config import TrainingConfig
+    from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import reset_accelerate_state
 
@@ -135,7 +135,7 @@ def run_hftrain(args: argparse.Namespace, dataset, tokenizer, steps: int) -> Run
     )
     trainer = StampedTrainer(
         training,
-        strategy=build_strategy(StrategyConfig(name="ddp"), launch=LaunchInfo()),
+        strategy=strategy_from_options("ddp", launch=LaunchInfo()),
         model_init=model_init_fn(args.model, len(tokenizer)),
         tokenizer=tokenizer,
         train_dataset=dataset,

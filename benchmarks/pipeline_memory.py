@@ -115,10 +115,10 @@ def _measure(tp: int, pp: int, folder: str) -> dict:
 
     import hftrain.strategies.megatron.pipeline_runtime  # noqa: F401
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
+    from hftrain.config import ModelConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
     from hftrain.models import PretrainedBuilder
-    from hftrain.strategies import build_strategy
+    from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
 
@@ -135,7 +135,7 @@ def _measure(tp: int, pp: int, folder: str) -> dict:
         mixed_precision="no",
         eval_steps=1000,
     )
-    strategy = build_strategy(StrategyConfig(name="megatron", **options), launch=launch_info_from_environ())
+    strategy = strategy_from_options("megatron", options, launch=launch_info_from_environ())
     gc.collect()
     baseline = _status("VmRSS")
 

@@ -41,9 +41,9 @@ def make_config(path: str | Path | dict[str, Any] | None = None, **fields: Any) 
     """A validated job config: the defaults, a YAML file or a dict of sections, with fields overridden by keyword.
 
     Args:
-        path: a job YAML (sections ``model``, ``data``, ``training``, ``strategy``, ``lora``), the same sections
-            as a dict (``{"training": {"max_steps": 50}}``, checked as the file would be), a ``TrainConfig``
-            (copied), or None for defaults.
+        path: a job YAML (sections ``model``, ``data``, ``training``, ``strategy``, ``parallelism``, ``lora``),
+            the same sections as a dict (``{"training": {"max_steps": 50}}``, checked as the file would be), a
+            ``TrainConfig`` (copied), or None for defaults.
         **fields: any config field by its name, e.g. ``max_steps=50``, ``use_lora=True`` (checked and typed
             exactly like a command-line override; an unknown name is an error naming the closest one).
     """

@@ -64,7 +64,7 @@ class AxisError(ConfigError):
         self.axis = axis
 
     def named_as(self, field: str) -> ConfigError:
-        """The same error naming ``field`` (``strategy.tp``, ``--tp``) as the source of the value."""
+        """The same error naming ``field`` (``parallelism.tp``, ``--tp``) as the source of the value."""
         return ConfigError(f"{field}: {self}")
 
 

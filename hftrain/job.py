@@ -61,7 +61,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     log = get_logger()
     note = log.info if is_main_process() else (lambda _: None)
     quiet_libraries()
-    strategy = build_strategy(config.strategy, launch=launch)
+    strategy = build_strategy(config.strategy, launch=launch, parallelism=config.parallelism)
     model_facts, plan = validate_job(config, strategy, write=write)
     for line in plan.notes:
         note(line)

@@ -240,14 +240,16 @@ def _saved_config(saved: Path) -> TrainConfig:
         catch=(OSError, ValueError, yaml.YAMLError),
     ):
         raw = yaml.safe_load(saved.read_text())
-    return from_dict(raw or {}, source=str(saved))
+    return from_dict(raw or {}, source=str(saved), written=False)
 
 
 def _run_differences(config: TrainConfig, saved: TrainConfig) -> list[str]:
     """The keys in which ``config`` is another run than the ``saved`` one.
 
-    The strategy is not among them: a run continues under another strategy or process count
-    (``--strategy.name fsdp --resume_from_checkpoint latest``), and the resume itself checks that the checkpoint
-    can be resharded (``hftrain.checkpoint.resume``); the run config then records the new strategy.
+    The strategy and the parallel layout are not among them: a run continues under another strategy, layout or
+    process count (``--strategy.name fsdp --resume_from_checkpoint latest``, ``--parallelism.tp 4``), and the resume
+    itself checks that the checkpoint can be resharded (``hftrain.checkpoint.resume``); the run config then records
+    the new ones.
     """
-    return [key for key in config_differences(config, saved) if not key.startswith("strategy.")]
+    moving = ("strategy.", "parallelism.")
+    return [key for key in config_differences(config, saved) if not key.startswith(moving)]

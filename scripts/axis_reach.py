@@ -2,7 +2,7 @@
 
 Issue 38's measure of how far one axis reaches: a file counts for an axis when one of its code tokens names it: an
 identifier ``cp``, ``cp_size``, ``dp_cp_group``, ``.cp`` (any identifier with ``cp`` as one of its ``_``-separated
-words), or a string literal that is the axis's name (``"cp"``) or a config key of it (``"strategy.cp"``,
+words), or a string literal that is the axis's name (``"cp"``) or a config key of it (``"parallelism.cp"``,
 ``"cp_comm"``). Comments and docstrings do not count. Allowed: the axis's own module, ``parallel/dims.py``,
 ``parallel/parallelize.py``, the family registry ``parallel/families.py`` and the config schema.
 

@@ -283,8 +283,8 @@ def main() -> int:
                 check(name, lambda work=work, folder=folder: work(folder))
             for strategy in (["--strategy.name", "ddp"], ["--strategy.name", "zero2"], ["--strategy.name", "zero3"],
                              ["--strategy.name", "fsdp", "--strategy.fsdp_version", "2"],
-                             ["--strategy.name", "megatron", "--strategy.tp", "2"],
-                             ["--strategy.name", "megatron", "--strategy.pp", "2"]):  # fmt: skip
+                             ["--strategy.name", "megatron", "--parallelism.tp", "2"],
+                             ["--strategy.name", "megatron", "--parallelism.pp", "2"]):  # fmt: skip
                 folder = where / "-".join(strategy).strip("-")
                 folder.mkdir()
                 check(f"2 processes {' '.join(strategy[1::2])}", processes(folder, strategy))

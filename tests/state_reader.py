@@ -201,9 +201,9 @@ def build_trainer(
     from transformers.integrations import unset_hf_deepspeed_config
 
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.config import TrainingConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.strategies import build_strategy
+    from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import reset_accelerate_state, tiny_splits, tiny_tokenizer
 
@@ -230,7 +230,7 @@ def build_trainer(
     launch = launch_info_from_environ()
     return SequenceClassificationTrainer(
         args,
-        strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch),
+        strategy=strategy_from_options(strategy, options, launch=launch),
         model_init=model_init,
         tokenizer=tokenizer,
         train_dataset=train,

@@ -305,15 +305,15 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     "strategy: FSDP version 3": (lambda c: [*c.base(), "--fsdp_version", "3"], "strategy.fsdp_version"),
     "strategy: vocabulary multiple 0": (
         lambda c: [*c.base(), "--strategy.name", "megatron", "--vocab_multiple", "0"],
-        "strategy.vocab_multiple must be a positive integer, got 0",
+        "parallelism.vocab_multiple must be a positive integer, got 0",
     ),
     "strategy: vocabulary multiple not an integer": (
         lambda c: [*c.base(), "--strategy.name", "megatron", "--vocab_multiple", "1.5"],
-        "strategy.vocab_multiple: expected an integer",
+        "parallelism.vocab_multiple: expected an integer",
     ),
     "strategy: vocabulary multiple 2**40 (an allocator traceback)": (
         lambda c: [*c.base(), "--strategy.name", "megatron", "--vocab_multiple", "1099511627776"],
-        "strategy.vocab_multiple must be at most 65536, got 1099511627776",
+        "parallelism.vocab_multiple must be at most 65536, got 1099511627776",
     ),
     # MFU divides by it: 0 meant "measure" without a word, -1 printed MFU -11.9%, 1e-30 an MFU of 1.3e31%.
     **{

@@ -73,9 +73,9 @@ def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt
     import torch
 
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.config import TrainingConfig
     from hftrain.data.language import pack_splits
-    from hftrain.strategies import build_strategy
+    from hftrain.strategies import strategy_from_options
     from hftrain.trainers.language import CausalLMTrainer
     from tests.tiny import _fresh_output_dir
 
@@ -99,9 +99,7 @@ def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt
     )
     trainer = CausalLMTrainer(
         args,
-        strategy=build_strategy(
-            StrategyConfig(name=strategy, **(strategy_options or {})), launch=launch_info_from_environ()
-        ),  # fmt: skip
+        strategy=strategy_from_options(strategy, strategy_options, launch=launch_info_from_environ()),  # fmt: skip
         model_init=lm_model_init(kind),
         tokenizer=tokenizer,
         train_dataset=packed["train"],
@@ -453,33 +451,35 @@ def test_pipeline_job_checkpoints_resumes_and_exports_tied_embeddings(tmp_path):
 
 
 def test_pipeline_with_context_parallelism_is_refused_for_language_models_in_one_line():
-    from hftrain.config import StrategyConfig
     from hftrain.errors import ConfigError
-    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
-    strategy = build_strategy(
-        StrategyConfig(name="megatron", pp=2, cp=2, num_microbatches=2),
+    strategy = strategy_from_options(
+        "megatron",
+        {"pp": 2, "cp": 2, "num_microbatches": 2},
         launch=LaunchInfo(world_size=4, local_world_size=4),
         platform=Platform("cpu", "gloo"),
     )
     config = tiny_config("llama")
     strategy.check_model(config, use_lora=False)  # a classifier takes the layout
-    with pytest.raises(ConfigError, match="strategy.pp=2 with strategy.cp=2 with model.task: causal_lm is not built"):
+    with pytest.raises(
+        ConfigError, match="parallelism.pp=2 with parallelism.cp=2 with model.task: causal_lm is not built"
+    ):
         strategy.check_model(config, use_lora=False, task="causal_lm")
 
 
 @pytest.mark.parametrize("axis", ["pp", "cp"])
 def test_pipeline_and_context_parallelism_each_take_language_models(axis):
-    """``strategy.pp`` and ``strategy.cp`` each run ``model.task: causal_lm`` (refused before they were built for
+    """``parallelism.pp`` and ``parallelism.cp`` each run ``model.task: causal_lm`` (refused before they were built for
     it)."""
-    from hftrain.config import StrategyConfig
-    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
     options = {axis: 2, **({"num_microbatches": 2} if axis == "pp" else {})}
-    strategy = build_strategy(
-        StrategyConfig(name="megatron", **options),
+    strategy = strategy_from_options(
+        "megatron",
+        options,
         launch=LaunchInfo(world_size=2, local_world_size=2),
         platform=Platform("cpu", "gloo"),
     )

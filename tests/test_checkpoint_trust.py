@@ -67,7 +67,7 @@ def _train_args(root: Path, out: Path) -> list[str]:
 STRATEGIES = {
     "ddp": (1, []),
     "zero2": (2, ["--strategy.name", "zero2"]),
-    "megatron": (2, ["--strategy.name", "megatron", "--strategy.tp", "2"]),
+    "megatron": (2, ["--strategy.name", "megatron", "--parallelism.tp", "2"]),
 }
 
 

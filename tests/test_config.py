@@ -109,3 +109,53 @@ def test_saved_config_round_trips(tmp_path):
     assert config_differences(config, again) == []
     other = load_config(None, ["--learning_rate", "1e-4", "--seed", "1"])
     assert config_differences(config, other) == ["training.seed"]
+
+
+def test_parallelism_section_takes_the_old_strategy_keys_with_one_deprecation_line(tmp_path, capsys):
+    """The axes moved from ``strategy`` to ``parallelism``: an old key sets the new one with one line per key (not
+    per use), a file setting both names of one field is refused, and a run's saved config converts silently."""
+    from hftrain.config import MOVED_KEYS, ParallelismConfig, config_from_flat
+    from hftrain.config import loader
+
+    assert set(MOVED_KEYS.values()) == {f"parallelism.{name}" for name in ParallelismConfig.__dataclass_fields__}
+    loader._warned.clear()
+    old = write(tmp_path, "strategy:\n  name: megatron\n  tp: 2\n  pp: 2\n  shard_optimizer: true\n")
+    for _ in range(2):
+        config = load_config(old, ["--strategy.cp_comm", "all_to_all"])
+        assert (config.parallelism.tp, config.parallelism.pp, config.parallelism.cp_comm) == (2, 2, "all_to_all")
+        assert config.strategy.shard_optimizer  # a strategy option stays in strategy
+    lines = [line for line in capsys.readouterr().out.splitlines() if "deprecated" in line]
+    assert sorted(line.split(": ")[1].split()[0] for line in lines) == [
+        "strategy.cp_comm",
+        "strategy.pp",
+        "strategy.tp",
+    ], lines
+    assert all("write parallelism." in line for line in lines)
+    new = write(tmp_path, "strategy:\n  name: megatron\nparallelism:\n  tp: 2\n  pp: 2\n")
+    assert config_differences(load_config(new), config) == ["parallelism.cp_comm", "strategy.shard_optimizer"]
+    both = write(tmp_path, "strategy:\n  name: megatron\n  tp: 2\nparallelism:\n  tp: 4\n")
+    with pytest.raises(ConfigError, match=r"strategy.tp and parallelism.tp are one field .*; keep parallelism.tp"):
+        load_config(both)
+    loader._warned.clear()
+    saved = config_from_flat({"strategy.name": "megatron", "strategy.tp": 2}, source="checkpoint.json")
+    assert saved.parallelism.tp == 2 and "deprecated" not in capsys.readouterr().out
+
+
+def test_parallelism_is_refused_by_a_strategy_that_does_not_split_the_model():
+    from hftrain.config import ParallelismConfig, StrategyConfig
+    from hftrain.strategies import LaunchInfo, build_strategy, strategy_from_options
+    from hftrain.strategies.platform import Platform
+
+    cpu = Platform("cpu", "gloo")
+    for name in ("ddp", "zero2", "fsdp"):
+        with pytest.raises(ConfigError, match=f"parallelism.cp is a megatron option but strategy.name is {name}"):
+            build_strategy(
+                StrategyConfig(name=name),
+                launch=LaunchInfo(world_size=2, local_world_size=2),
+                platform=cpu,
+                parallelism=ParallelismConfig(cp=2),
+            )
+    megatron = strategy_from_options("megatron", {"tp": 2, "shard_optimizer": True}, launch=LaunchInfo(world_size=4))
+    assert (megatron.dims.tp, megatron.dims.dp, megatron.config.shard_optimizer) == (2, 2, True)
+    with pytest.raises(ConfigError, match="strategy option 'tpp' is not a strategy or parallelism field"):
+        strategy_from_options("megatron", {"tpp": 2}, launch=LaunchInfo(world_size=4))

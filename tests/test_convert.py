@@ -521,7 +521,7 @@ def test_real_megatron_tp2_checkpoint_converts_like_its_export(tiny_job, tmp_pat
     from tests.conftest import job_args, torchrun
 
     run = tmp_path / "run"
-    megatron = ["--strategy.name", "megatron", "--strategy.tp", "2", "--mixed_precision", "no"]
+    megatron = ["--strategy.name", "megatron", "--parallelism.tp", "2", "--mixed_precision", "no"]
     torchrun(2, ["scripts/train.py", *job_args(tiny_job, run), *megatron])
     assert _convert(run, tmp_path / "out") == 0  # one process, without the tp=2 world
     _export_equals_convert(run, tmp_path / "out")

@@ -93,13 +93,10 @@ def test_zero3_holds_one_fp32_copy_of_its_partition_and_steps_in_sub_groups(zero
 
 # ----------------------------------------------------------------- the DeepSpeed JSON (no processes)
 def _strategy(name: str, world: int = 2, **options):
-    from hftrain.config import StrategyConfig
-    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
-    return build_strategy(
-        StrategyConfig(name=name, **options), launch=LaunchInfo(world_size=world), platform=Platform("cpu", "gloo")
-    )
+    return strategy_from_options(name, options, launch=LaunchInfo(world_size=world), platform=Platform("cpu", "gloo"))
 
 
 def test_batch_size_is_written_so_the_assertion_cannot_fire():

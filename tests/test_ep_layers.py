@@ -168,9 +168,9 @@ def test_bad_expert_layouts_are_refused_in_one_line():
         check_expert_parallel(tiny_config("mixtral"), ep=3, dp=6)
     with pytest.raises(ConfigError, match=r"^the model \(bert\) is not a mixture of experts") as refused:
         check_expert_parallel(tiny_config("bert"), ep=2, dp=2)
-    assert refused.value.axis == "ep"  # parallel/ names the axis; the strategy names its config key (strategy.ep)
+    assert refused.value.axis == "ep"  # parallel/ names the axis; the strategy names its config key (parallelism.ep)
     # a capacity factor <= 0 is the config schema's to refuse (ep dividing dp is ParallelDims')
-    from hftrain.config import StrategyConfig
+    from hftrain.config import ParallelismConfig
 
-    with pytest.raises(ConfigError, match=r"strategy.moe_capacity_factor must be a number > 0"):
-        StrategyConfig(name="megatron", moe_capacity_factor=0.0).validate()
+    with pytest.raises(ConfigError, match=r"parallelism.moe_capacity_factor must be a number > 0"):
+        ParallelismConfig(moe_capacity_factor=0.0).validate()

@@ -200,18 +200,18 @@ def _launched(world: int) -> dict[str, str]:
 
 
 BAD_INPUT = {  # label -> (model, extra arguments, launcher environment, what the one line says)
-    "ep-not-dividing-dp": ("mixtral", ["--strategy.ep", "2"], _launched(1), "strategy.ep: ep=2 does not divide the"),
-    "ep-not-dividing-experts": ("mixtral", ["--strategy.ep", "3"], _launched(3), "ep=3 does not divide the 4 experts"),
-    "ep-on-dense-model": ("bert", ["--strategy.ep", "2"], _launched(2), "strategy.ep: the model (bert) is not a"),
+    "ep-not-dividing-dp": ("mixtral", ["--ep", "2"], _launched(1), "parallelism.ep: ep=2 does not divide the"),
+    "ep-not-dividing-experts": ("mixtral", ["--ep", "3"], _launched(3), "ep=3 does not divide the 4 experts"),
+    "ep-on-dense-model": ("bert", ["--ep", "2"], _launched(2), "parallelism.ep: the model (bert) is not a"),
     "capacity-not-positive": (
-        "mixtral", ["--strategy.moe_capacity_factor", "0"], _launched(1), "moe_capacity_factor must be a number > 0"
+        "mixtral", ["--parallelism.moe_capacity_factor", "0"], _launched(1), "moe_capacity_factor must be a number > 0"
     ),
-    "ep-with-pp": ("mixtral", ["--strategy.ep", "2", "--pp", "2"], _launched(4),
-                   "strategy.pp: pp=2 with ep=2 is not supported yet"),  # as hftrain groups says it
-    "ep-with-cp": ("mixtral", ["--strategy.ep", "2", "--cp", "2"], _launched(4), "strategy.cp: cp=2 with ep=2"),
-    "ep-with-shard-optimizer": ("mixtral", ["--strategy.ep", "2", "--shard_optimizer", "true"], _launched(2),
-                                "strategy.shard_optimizer with strategy.ep=2 is not supported yet"),
-    "ep-with-lora": ("mixtral", ["--strategy.ep", "2", "--use_lora", "true"], _launched(2), "lora.use_lora with"),
+    "ep-with-pp": ("mixtral", ["--parallelism.ep", "2", "--pp", "2"], _launched(4),
+                   "parallelism.pp: pp=2 with ep=2 is not supported yet"),  # as hftrain groups says it
+    "ep-with-cp": ("mixtral", ["--parallelism.ep", "2", "--cp", "2"], _launched(4), "parallelism.cp: cp=2 with ep=2"),
+    "ep-with-shard-optimizer": ("mixtral", ["--parallelism.ep", "2", "--shard_optimizer", "true"], _launched(2),
+                                "strategy.shard_optimizer with parallelism.ep=2 is not supported yet"),
+    "ep-with-lora": ("mixtral", ["--parallelism.ep", "2", "--use_lora", "true"], _launched(2), "lora.use_lora with"),
 }  # fmt: skip
 
 
@@ -256,7 +256,7 @@ def test_the_ep2_export_loads_in_plain_transformers_and_equals_one_process(tiny_
     from tests.megatron_runs import megatron_job_args
 
     ep2 = torchrun(2, ["-m", "hftrain", "train", *megatron_job_args(moe_folder, tiny_job["data"], tmp_path / "ep2",
-                                                                    "--strategy.ep", "2")])  # fmt: skip
+                                                                    "--parallelism.ep", "2")])  # fmt: skip
     one_args = megatron_job_args(moe_folder, tiny_job["data"], tmp_path / "one", "--per_device_train_batch_size", "8")
     run_ok([sys.executable, "-m", "hftrain", "train", *one_args])
     # the export, reloaded in plain transformers on rank 0, gives the trained (expert-parallel) model's logits

@@ -164,13 +164,13 @@ def _model_folder(root, kind: str, **config_changes) -> str:
 
 
 REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
-    "albert-tp2": ("albert", ["--tp", "2"], "2", "strategy.tp: tensor parallelism cannot split this ALBERT model: "
+    "albert-tp2": ("albert", ["--tp", "2"], "2", "parallelism.tp: tensor parallelism cannot split this ALBERT model: "
                    "its layers share one set of weights"),
-    "qwen3_moe-cp2": ("qwen3_moe", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this "
+    "qwen3_moe-cp2": ("qwen3_moe", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this "
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
                    "soft-capped attention logits"),
-    "deberta-v2-cp2": ("deberta-v2", ["--cp", "2"], "2", "strategy.cp: context parallelism cannot split this "
+    "deberta-v2-cp2": ("deberta-v2", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this "
                        "DeBERTa-v2 model: its disentangled relative attention"),
 }  # fmt: skip
 
@@ -210,13 +210,12 @@ def test_a_plan_row_is_runnable_exactly_when_the_trainer_takes_its_layout(tmp_pa
     megatron strategy's own model check (what ``train`` runs before any process group) accepts that layout."""
     from transformers import AutoConfig
 
-    from hftrain.config import StrategyConfig
     from hftrain.errors import ConfigError
     from hftrain.plan.hardware import Hardware
     from hftrain.plan.model import model_from_config
     from hftrain.plan.model_parallel import estimate
     from hftrain.plan.rows import Workload
-    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
     folder = _albert_folder(tmp_path) if kind == "albert" else _model_folder(tmp_path, kind)
@@ -225,8 +224,9 @@ def test_a_plan_row_is_runnable_exactly_when_the_trainer_takes_its_layout(tmp_pa
     for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
         row = estimate(tp, pp, model, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
         options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
-        strategy = build_strategy(
-            StrategyConfig(name="megatron", **options),
+        strategy = strategy_from_options(
+            "megatron",
+            options,
             launch=LaunchInfo(world_size=tp * pp * cp, local_world_size=tp * pp * cp),
             platform=Platform("cpu", "gloo"),
         )

@@ -292,29 +292,29 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         "tp-not-dividing-heads": (
             ["--tp", "3"],
             {**_LAUNCHED_3, "WORLD_SIZE": "3"},
-            "strategy.tp: tp=3 does not divide",
+            "parallelism.tp: tp=3 does not divide",
         ),
         # LoRA runs under tp (tests/test_tp_lora.py); pipeline stages do not take adapters yet
         "lora-pp": (
             ["--use_lora", "true", "--pp", "2"],
             {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
-            "lora.use_lora with strategy.pp=2 is not supported yet",
+            "lora.use_lora with parallelism.pp=2 is not supported yet",
         ),
         "foreign-option": (["--offload_optimizer", "true"], {"WORLD_SIZE": "1"}, "not a megatron option"),
-        "tp-with-ddp": (["--tp", "2", "--strategy.name", "ddp"], {"WORLD_SIZE": "2"}, "strategy.tp is a megatron"),
+        "tp-with-ddp": (["--tp", "2", "--strategy.name", "ddp"], {"WORLD_SIZE": "2"}, "parallelism.tp is a megatron"),
         # the platform refuses fp16 on CPU first; on CUDA the megatron strategy refuses it (no gradient scaler)
         "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16"),
         "unsupported-family": (
             ["--model_name_or_path", job["albert"], "--tp", "2"],
             {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
-            "strategy.tp: tensor parallelism cannot split this ALBERT model: its layers share one set of weights",
+            "parallelism.tp: tensor parallelism cannot split this ALBERT model: its layers share one set of weights",
         ),
-        # context parallelism: before any process group, one line naming strategy.cp or the field to change
-        "cp-not-dividing-world": (["--cp", "2"], {"WORLD_SIZE": "1"}, "strategy.cp: tp=1 × cp=2 × pp=1 does not"),
+        # context parallelism: before any process group, one line naming parallelism.cp or the field to change
+        "cp-not-dividing-world": (["--cp", "2"], {"WORLD_SIZE": "1"}, "parallelism.cp: tp=1 × cp=2 × pp=1 does not"),
         "cp-with-sequence-parallel": (
             ["--cp", "2", "--tp", "2", "--sequence_parallel", "true"],
             {**_LAUNCHED_3, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
-            "strategy.cp=2 with strategy.sequence_parallel",
+            "parallelism.cp=2 with parallelism.sequence_parallel",
         ),
         "cp-buckets": (
             ["--cp", "2", "--pad_to_multiple_of", "6"],

@@ -6,7 +6,7 @@
   3.4e-7 in the weights). Both sides produce their losses by the same code path (the job's loss, with whatever it
   adds to the head's, such as the routers' auxiliary loss).
 - Each rank holds half of q/k/v/o and the vocabulary and the whole MoE block (router, 3-D experts, shared expert).
-- Sequence parallelism with a MoE family is refused in one line naming ``strategy.sequence_parallel``, exit 2,
+- Sequence parallelism with a MoE family is refused in one line naming ``parallelism.sequence_parallel``, exit 2,
   nothing written (the replicated MoE block needs the full sequence).
 """
 
@@ -131,7 +131,7 @@ def test_sequence_parallel_with_moe_is_refused_in_one_line(tmp_path):
     output_dir = tmp_path / "out"
     argv = ["train", *megatron_job_args(str(model), str(data), output_dir, "--tp", "2", "--sequence_parallel", "true")]
     (code, err), (code1, err1) = run_distributed(cli_in_process, nprocs=2, timeout=300, argv=argv)
-    refusal = "strategy.sequence_parallel: sequence parallelism is not supported for this mixtral model"
+    refusal = "parallelism.sequence_parallel: sequence parallelism is not supported for this mixtral model"
     assert_refused(err, code, refusal)
     assert code1 == 2 and "Traceback" not in err1  # the other rank stops too, silently (one message per machine)
     assert not output_dir.exists()  # nothing written

@@ -502,8 +502,10 @@ def test_written_configs_start_a_run(capsys, tiny_job, tmp_path, row):
     assert code == 0, err
     job = out / "job.yaml"
     if "pp2" in row:
-        strategy = yaml.safe_load(job.read_text())["strategy"]
-        assert (strategy["pp"], strategy["num_microbatches"], strategy["schedule"]) == (2, 2, "1f1b")
+        written = yaml.safe_load(job.read_text())
+        axes = written["parallelism"]  # the axes in their own section, the strategy's name in its
+        assert (axes["pp"], axes["num_microbatches"], axes["schedule"]) == (2, 2, "1f1b")
+        assert written["strategy"]["name"] == "megatron" and not set(written["strategy"]) & set(axes)
         assert "torchrun --nnodes 1 --nproc_per_node 2" in (out / "launch.sh").read_text()
     data = ["--train_file", tiny_job["data"], "--output_dir", str(tmp_path / "run"), *RUN_ARGS]
     if (out / "accelerate.yaml").exists():
@@ -768,10 +770,9 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
     """megatron pp with cp does not train a language model yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``): those rows are
     formula-only under ``causal_lm``, and a row is runnable exactly when the megatron strategy's model check with
     ``task="causal_lm"`` accepts its layout; the same layouts of the classifier stay runnable."""
-    from hftrain.config import StrategyConfig
     from hftrain.errors import ConfigError
     from hftrain.plan.common import activation_bytes, logits_bytes
-    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
     folder, config = _tiny_lm(tmp_path)
@@ -780,8 +781,9 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
     for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)):
         row = model_parallel.estimate(tp, pp, lm, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
         options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
-        strategy = build_strategy(
-            StrategyConfig(name="megatron", **options),
+        strategy = strategy_from_options(
+            "megatron",
+            options,
             launch=LaunchInfo(world_size=tp * pp * cp, local_world_size=tp * pp * cp),
             platform=Platform("cpu", "gloo"),
         )
@@ -823,7 +825,7 @@ def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
     code, out, err = _cli(capsys, *common, "--task", "causal_lm", *context)
     assert code == 0, err
     job = yaml.safe_load((tmp_path / "cp" / "job.yaml").read_text())
-    assert job["model"]["task"] == "causal_lm" and job["strategy"]["cp"] == 2
+    assert job["model"]["task"] == "causal_lm" and job["parallelism"]["cp"] == 2
     staged = ["--gpus-per-node", "4", "--cp", "2", "--pp", "2", "--write-configs", str(tmp_path / "pp-cp")]
     code, out, err = _cli(capsys, *common, "--task", "causal_lm", *staged, "--row", "megatron tp1·cp2·pp2·dp1")
     assert code == 2 and "formula-only" in err and not (tmp_path / "pp-cp").exists()

@@ -13,7 +13,7 @@ at once), fp32 (``mixed_precision: no``), compared within 1e-5 relative loss at 
   (``problem_type: multi_label_classification``, BCE with logits over 3 float labels) and a Trainer subclass whose
   ``compute_loss`` adds a logit penalty to HF's loss each equal their reference, and the subclass's loss differs
   from HF's (so it is the one that ran);
-- **length buckets** at pp=2: ``strategy.pad_to_multiple_of: 8`` builds at most 3 training schedules in an epoch
+- **length buckets** at pp=2: ``parallelism.pad_to_multiple_of: 8`` builds at most 3 training schedules in an epoch
   (lengths 3 to 20 fall into 3 buckets) against one per length seen without, and the loss still equals the
   reference's (padding is masked).
 
@@ -255,12 +255,12 @@ BAD_INPUT = {
     "buckets-not-multiple-of-tp-under-sequence-parallelism": (
         ["--tp", "2", "--sequence_parallel", "true", "--pad_to_multiple_of", "3"],
         "2",
-        "strategy.pad_to_multiple_of=3 is not a multiple of strategy.tp=2, and sequence parallelism cuts every "
+        "parallelism.pad_to_multiple_of=3 is not a multiple of parallelism.tp=2, and sequence parallelism cuts every "
         "sequence into tp equal parts; use a multiple of 2 (e.g. 6)",
     ),
-    "buckets-below-one": (["--pp", "2", "--pad_to_multiple_of", "0"], "2", "strategy.pad_to_multiple_of must be at"),
+    "buckets-below-one": (["--pp", "2", "--pad_to_multiple_of", "0"], "2", "parallelism.pad_to_multiple_of must be at"),
     "buckets-without-megatron": (
-        ["--strategy.name", "ddp", "--pad_to_multiple_of", "8"], "2", "strategy.pad_to_multiple_of is a megatron option"
+        ["--strategy.name", "ddp", "--pad_to_multiple_of", "8"], "2", "parallelism.pad_to_multiple_of is a megatron"
     ),
 }  # fmt: skip
 

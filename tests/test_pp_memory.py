@@ -26,10 +26,10 @@ def _stage_memory(folder: str) -> dict:
     import gc
 
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import ModelConfig, StrategyConfig, TrainingConfig
+    from hftrain.config import ModelConfig, TrainingConfig
     from hftrain.data.batching import tokenize_splits
     from hftrain.models import PretrainedBuilder
-    from hftrain.strategies import build_strategy
+    from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
 
@@ -44,7 +44,7 @@ def _stage_memory(folder: str) -> dict:
         log_with="none",
         mixed_precision="no",
     )
-    strategy = build_strategy(StrategyConfig(name="megatron", pp=2), launch=launch_info_from_environ())
+    strategy = strategy_from_options("megatron", {"pp": 2}, launch=launch_info_from_environ())
     gc.collect()
     before = vm_rss()
     reset_peak()  # the peak from here on

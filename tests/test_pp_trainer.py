@@ -221,21 +221,21 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
 def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], str, str]]:
     """label -> (extra arguments, WORLD_SIZE, expected message part)."""
     return {
-        "tp-pp-not-dividing-world": (["--tp", "2", "--pp", "2"], "2", "strategy.tp: tp=2 × pp=2 does not divide"),
-        "more-stages-than-layers": (["--pp", "4"], "4", "strategy.pp: pp × virtual_stages = 4 pipeline"),
+        "tp-pp-not-dividing-world": (["--tp", "2", "--pp", "2"], "2", "parallelism.tp: tp=2 × pp=2 does not divide"),
+        "more-stages-than-layers": (["--pp", "4"], "4", "parallelism.pp: pp × virtual_stages = 4 pipeline"),
         "microbatches-not-dividing-batch": (["--pp", "2", "--num_microbatches", "3"], "2", "does not divide training."),
         "fewer-microbatches-than-stages": (["--pp", "2", "--num_microbatches", "1"], "2", ">= pp (1 < 2)"),
         "virtual-stages-not-dividing-layers": (
             ["--model_name_or_path", job["bert5"], "--pp", "2", *_interleaved(2)],
             "2",
-            "strategy.virtual_stages: virtual_stages=2",
+            "parallelism.virtual_stages: virtual_stages=2",
         ),
         "interleaved-one-stage": (_interleaved(1), "1", "'interleaved_1f1b' needs pp >= 2"),
         "virtual-stages-without-interleaving": (["--pp", "2", "--virtual_stages", "2"], "2", "set virtual_stages: 1"),
-        "unknown-schedule": (["--pp", "2", "--schedule", "zigzag"], "2", "strategy.schedule: schedule must be one"),
-        "pp-with-ddp": (["--pp", "2", "--strategy.name", "ddp"], "2", "strategy.pp is a megatron option"),
+        "unknown-schedule": (["--pp", "2", "--schedule", "zigzag"], "2", "parallelism.schedule: schedule must be one"),
+        "pp-with-ddp": (["--pp", "2", "--strategy.name", "ddp"], "2", "parallelism.pp is a megatron option"),
         "pp-with-sequence-parallel": (
-            ["--tp", "2", "--pp", "2", "--sequence_parallel", "true"], "4", "strategy.sequence_parallel with"
+            ["--tp", "2", "--pp", "2", "--sequence_parallel", "true"], "4", "parallelism.sequence_parallel with"
         ),
         "pp-with-shard-optimizer": (["--pp", "2", "--shard_optimizer", "true"], "2", "strategy.shard_optimizer with"),
     }  # fmt: skip

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hftrain.config import StrategyConfig, TrainingConfig
-from hftrain.strategies import LaunchInfo, build_strategy
+from hftrain.config import TrainingConfig
+from hftrain.strategies import LaunchInfo, strategy_from_options
 from tests.tiny import reset_accelerate_state
 
 
@@ -29,7 +29,7 @@ def _loss(model: torch.nn.Module) -> torch.Tensor:
 def _runtime_step(max_norm: float, *, fused: bool) -> tuple[torch.nn.Module, torch.Tensor, object]:
     """One step through the DDP strategy's runtime, as the Trainer takes it."""
     reset_accelerate_state()
-    strategy = build_strategy(StrategyConfig(name="ddp"), launch=LaunchInfo())
+    strategy = strategy_from_options("ddp", launch=LaunchInfo())
     accelerator = strategy.build_accelerator(TrainingConfig(mixed_precision="no", log_with="none"))
     runtime = strategy.build_runtime(accelerator)
     model = _model()

@@ -45,10 +45,9 @@ def test_this_machine_reads_its_own_flags():
 
 
 def _strategy(name: str, **options):
-    from hftrain.config import StrategyConfig
-    from hftrain.strategies import LaunchInfo, build_strategy
+    from hftrain.strategies import LaunchInfo, strategy_from_options
 
-    return build_strategy(StrategyConfig(name=name, **options), launch=LaunchInfo(world_size=2, local_world_size=2))
+    return strategy_from_options(name, options, launch=LaunchInfo(world_size=2, local_world_size=2))
 
 
 @pytest.mark.parametrize(

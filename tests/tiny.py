@@ -336,12 +336,11 @@ def fit_in_rank(trainer_class, args, strategy: str, options: dict | None, model_
     """A ``trainer_class`` over ``splits`` under ``strategy`` (its ``options`` in the strategy section), fitted in
     this launched rank: ``(trainer, result)``."""
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import StrategyConfig
-    from hftrain.strategies import build_strategy
+    from hftrain.strategies import strategy_from_options
 
     trainer = trainer_class(
         args,
-        strategy=build_strategy(StrategyConfig(name=strategy, **(options or {})), launch=launch_info_from_environ()),
+        strategy=strategy_from_options(strategy, options, launch=launch_info_from_environ()),
         model_init=model_init,
         tokenizer=tokenizer,
         train_dataset=splits["train"],
@@ -385,9 +384,9 @@ def run_tiny_training(
     import torch
 
     from hftrain.cli import launch_info_from_environ
-    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.config import TrainingConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.strategies import build_strategy
+    from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
 
     reset_accelerate_state()
@@ -414,10 +413,9 @@ def run_tiny_training(
         train_sampling_strategy=order,
         **training_overrides,
     )
-    strategy_config = StrategyConfig(name=strategy, **(strategy_options or {}))
     trainer = SequenceClassificationTrainer(
         args,
-        strategy=build_strategy(strategy_config, launch=launch_info_from_environ()),
+        strategy=strategy_from_options(strategy, strategy_options, launch=launch_info_from_environ()),
         model_init=tiny_model_init(
             kind,
             num_labels=TASK_LABELS[problem_type],

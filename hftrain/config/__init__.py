@@ -1,7 +1,7 @@
 """Strict dataclass configs: loaded from YAML, overridden from the command line, validated at load.
 
-A config file has one section per dataclass (``model``, ``data``, ``training``, ``strategy``, ``lora``).
-Field names follow transformers' ``TrainingArguments`` where the concept is the same, and Accelerate's
+A config file has one section per dataclass (``model``, ``data``, ``training``, ``strategy``, ``parallelism``,
+``lora``). Field names follow transformers' ``TrainingArguments`` where the concept is the same, and Accelerate's
 ``mixed_precision``/``log_with``. Every field name is unique across sections, so a command-line override
 may name the field alone (``--learning_rate 1e-4``) or with its section (``--training.learning_rate=1e-4``).
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from hftrain.config.loader import (
     CONFIG_FILENAME,
+    MOVED_KEYS,
     RUN_ID_KEY,
     coerce,
     config_differences,
@@ -27,6 +28,7 @@ from hftrain.config.schema import (
     DataConfig,
     LoraConfig,
     ModelConfig,
+    ParallelismConfig,
     StrategyConfig,
     TrainConfig,
     TrainingConfig,
@@ -34,12 +36,14 @@ from hftrain.config.schema import (
 
 __all__ = [
     "CONFIG_FILENAME",
+    "MOVED_KEYS",
     "PIPELINE_FIELDS",
     "RUN_ID_KEY",
     "RUN_INVARIANT_EXEMPT",
     "DataConfig",
     "LoraConfig",
     "ModelConfig",
+    "ParallelismConfig",
     "StrategyConfig",
     "TrainConfig",
     "TrainingConfig",

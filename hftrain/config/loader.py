@@ -2,6 +2,11 @@
 
 Unknown keys and wrong types are errors that name the key and the closest valid one; so are an empty file, a key
 given twice, and non-finite numbers. A list field takes ``--field a b`` or ``--field a,b`` on the command line.
+
+The parallel axes and their options moved from ``strategy`` to the ``parallelism`` section: ``strategy.tp`` (and
+every other :data:`MOVED_KEYS` entry) is still read, as ``parallelism.tp``, with one deprecation line per key and
+process; a file that sets both names of one field is refused. Configs read back from a run or a checkpoint convert
+silently (the user did not write them).
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from hftrain.config.schema import RUN_INVARIANT_EXEMPT, TrainConfig
+from hftrain.config.schema import RUN_INVARIANT_EXEMPT, ParallelismConfig, TrainConfig
 from hftrain.errors import ConfigError
 
 CONFIG_FILENAME = "hftrain_config.yaml"
 RUN_ID_KEY = "run_id"
 """The top-level key of a run's saved config that holds its id (``hftrain.checkpoint.run``); a job config that
 carries one (a run's saved config reused as a job config) has it ignored: a run's id comes from its output_dir."""
+
+MOVED_KEYS = {f"strategy.{f.name}": f"parallelism.{f.name}" for f in dataclasses.fields(ParallelismConfig)}
+"""Old key -> new key: the parallel axes were megatron keys in ``strategy`` until the ``parallelism`` section."""
+_warned: set[str] = set()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
@@ -37,11 +46,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config.validate()
 
 
-def from_dict(raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
-    """Build a config from ``{section: {field: value}}``, rejecting unknown keys and wrong types."""
+def from_dict(raw: dict[str, Any], *, source: str = "config", written: bool = True) -> TrainConfig:
+    """Build a config from ``{section: {field: value}}``, rejecting unknown keys and wrong types.
+
+    Args:
+        raw: the sections.
+        source: where they come from, for errors.
+        written: a person wrote them (a job config), so an old key (:data:`MOVED_KEYS`) gets its deprecation
+            line; False for a config read back from a run or a checkpoint.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(_sections(TrainConfig))})")
     config = TrainConfig()
+    seen: dict[str, str] = {}  # the key set -> as written
     for section, values in raw.items():
         if section == RUN_ID_KEY:
             continue
@@ -55,8 +72,19 @@ def from_dict(raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
         for key, value in values.items():
             if not isinstance(key, str):
                 raise ConfigError(f"{source}: key {key!r} in section '{section}' is not a field name")
-            set_field(config, f"{section}.{key}", value, source=source)
+            given = f"{section}.{key}"
+            new = MOVED_KEYS.get(given, given)
+            if new in seen:
+                raise ConfigError(
+                    f"{source}: {seen[new]} and {given} are one field ({new}, its old name {_old(new)}); keep {new}"
+                )
+            seen[new] = given
+            set_field(config, given, value, source=source, written=written)
     return config
+
+
+def _old(new: str) -> str:
+    return next(old for old, moved in MOVED_KEYS.items() if moved == new)
 
 
 def config_from_flat(flat: dict[str, Any], *, source: str) -> TrainConfig:
@@ -65,12 +93,13 @@ def config_from_flat(flat: dict[str, Any], *, source: str) -> TrainConfig:
     for key, value in flat.items():
         section, name = key.split(".", 1)
         nested.setdefault(section, {})[name] = value
-    return from_dict(nested, source=source)
+    return from_dict(nested, source=source, written=False)
 
 
-def set_field(config: TrainConfig, key: str, value: Any, *, source: str) -> None:
-    """Set ``section.field`` (or a unique bare ``field``) with type checking."""
-    section, name = _resolve_key(key, source)
+def set_field(config: TrainConfig, key: str, value: Any, *, source: str, written: bool = True) -> None:
+    """Set ``section.field`` (or a unique bare ``field``) with type checking; an old key (:data:`MOVED_KEYS`) sets
+    its new one, with a deprecation line when ``written``."""
+    section, name = _resolve_key(key, source, written=written)
     target = getattr(config, section)
     hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
     setattr(target, name, coerce(value, hint, f"{section}.{name}"))
@@ -199,8 +228,19 @@ def _field_owners() -> dict[str, str]:
     return owners
 
 
-def _resolve_key(key: str, source: str) -> tuple[str, str]:
+def _resolve_key(key: str, source: str, *, written: bool = True) -> tuple[str, str]:
     owners = _field_owners()
+    if key in MOVED_KEYS:
+        new = MOVED_KEYS[key]
+        if written and key not in _warned:
+            _warned.add(key)
+            from hftrain.log import log_main
+
+            log_main(
+                f"{source}: {key} is deprecated and read as {new}: the parallel axes moved to the parallelism "
+                f"section; write {new}"
+            )
+        key = new
     if "." in key:
         section, name = key.split(".", 1)
         _check_key(section, _sections(TrainConfig), f"{source}: unknown section", "")
@@ -243,7 +283,7 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, list[str]]]:
 
 def _override_value(key: str, values: list[str]) -> Any:
     """One command-line value, or a list for a list field (``a b`` and ``a,b`` both; ``null`` for none)."""
-    section, name = _resolve_key(key, "command line")
+    section, name = _resolve_key(key, "command line", written=False)  # set_field says it once
     hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
     takes_list = any(typing.get_origin(arg) is list for arg in (hint, *typing.get_args(hint)))
     if takes_list and values != ["null"] and values != ["none"]:

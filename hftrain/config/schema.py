@@ -92,7 +92,7 @@ PEAK_TFLOPS_RANGE = (1e-3, 1e5)
 TFLOP/s (a hundred times an H100's dense bf16 989); outside them MFU is negative or absurd."""
 
 MAX_VOCAB_MULTIPLE = 2**16
-"""``strategy.vocab_multiple``'s bound: Megatron pads to 128; the largest vocabularies are ~2**18 rows, so a larger
+"""``parallelism.vocab_multiple``'s bound: Megatron pads to 128; the largest vocabularies are ~2**18 rows, so a larger
 multiple only adds zero rows that every tensor-parallel rank stores and multiplies (1099511627776 asked the allocator
 for 2**40 rows)."""
 
@@ -213,107 +213,103 @@ class StrategyConfig:
     """ZeRO-2/3: keep optimizer state (and the optimizer step) on the CPU (DeepSpeed's CPU Adam)."""
     deepspeed_config: str | None = None
     """ZeRO only: a DeepSpeed JSON (``"auto"`` values are filled by hftrain); null builds one from these fields."""
-    tp: int = 1
-    """megatron only: tensor-parallel size (ranks that split each layer); must divide the world size and the
-    model's heads, hidden and intermediate sizes, and divide or be a multiple of its key/value heads (then
-    replicated over ``tp / kv`` ranks). The vocabulary is padded to a multiple of ``tp × vocab_multiple``."""
-    sequence_parallel: bool = False
-    """megatron only: Megatron sequence parallelism (norm/dropout regions split along the sequence, which is
-    padded to a multiple of ``tp``)."""
     shard_optimizer: bool = False
     """megatron only: ZeRO-1-style sharding of the optimizer state over the data-parallel ranks
     (``torch.distributed.optim.ZeroRedundancyOptimizer``)."""
+
+    def validate(self) -> None:
+        _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
+        _require(
+            self.name == "megatron" or not self.shard_optimizer,
+            "strategy.shard_optimizer",
+            f"is a megatron option but strategy.name is {self.name or 'unset'}; set strategy.name: megatron or drop "
+            "it (zero1 shards the optimizer state under DeepSpeed)",
+        )
+
+
+@dataclass
+class ParallelismConfig:
+    """How the model itself is split: one size per parallel axis and each axis's options, consumed whole by
+    ``hftrain.parallel.ParallelDims`` (the sizes) and the strategy that splits models (``strategy.name: megatron``).
+    Every other strategy refuses a value here that is not the default. The fields were in ``strategy`` before;
+    ``strategy.tp`` and the others are still read, as ``parallelism.tp``, with one deprecation line."""
+
+    tp: int = 1
+    """Tensor-parallel size (ranks that split each layer); must divide the world size and the
+    model's heads, hidden and intermediate sizes, and divide or be a multiple of its key/value heads (then
+    replicated over ``tp / kv`` ranks). The vocabulary is padded to a multiple of ``tp × vocab_multiple``."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (norm/dropout regions split along the sequence, which is
+    padded to a multiple of ``tp``)."""
     pp: int = 1
-    """megatron only: pipeline-parallel size (stages); ``tp × pp`` must divide the world size."""
+    """Pipeline-parallel size (stages); ``tp × pp`` must divide the world size."""
     num_microbatches: int | None = None
-    """megatron with pp > 1: micro-batches each per-device batch is split into by the schedule; null uses ``pp``."""
+    """``pp > 1``: micro-batches each per-device batch is split into by the schedule; null uses ``pp``."""
     schedule: str = "1f1b"
-    """megatron with pp > 1: the pipeline schedule, a name in ``hftrain.parallel.SCHEDULES`` (``gpipe``, ``1f1b``,
+    """``pp > 1``: the pipeline schedule, a name in ``hftrain.parallel.SCHEDULES`` (``gpipe``, ``1f1b``,
     ``interleaved_1f1b``, and the zero-bubble ones); checked with the batch by the strategy."""
     virtual_stages: int = 1
-    """megatron with ``schedule: interleaved_1f1b``: model chunks per pipeline rank."""
+    """``schedule: interleaved_1f1b``: model chunks per pipeline rank."""
     balance: Literal["layers", "parameters"] = "layers"
-    """megatron with pp > 1: split the layers into stages of equal layer count or equal parameter count."""
+    """``pp > 1``: split the layers into stages of equal layer count or equal parameter count."""
     cp: int = 1
-    """megatron only: context-parallel size (ranks that split every sequence; ``tp × cp × pp`` must divide the world
+    """Context-parallel size (ranks that split every sequence; ``tp × cp × pp`` must divide the world
     size); sequences are padded to a multiple of ``2·cp`` and attention dropout must be 0."""
     cp_comm: Literal["ring", "all_to_all"] = "ring"
-    """megatron with cp > 1: ring attention (key/value blocks passed around the cp ranks) or all-to-all
+    """``cp > 1``: ring attention (key/value blocks passed around the cp ranks) or all-to-all
     (DeepSpeed-Ulysses: heads, and key/value heads, per tp rank must divide by ``cp``)."""
     vocab_multiple: int = 1
-    """megatron only: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this many
+    """The vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this many
     rows (Megatron's ``make-vocab-size-divisible-by``, e.g. 128 for aligned GPU matmuls), 1 to 65536
     (``MAX_VOCAB_MULTIPLE``); the zero padding rows never receive gradient and never reach a checkpoint's logical
     tensors or an export."""
     ep: int = 1
-    """megatron only: expert-parallel size for mixture-of-experts models (Mixtral, Qwen2-MoE): the experts of every
+    """Expert-parallel size for mixture-of-experts models (Mixtral, Qwen2-MoE): the experts of every
     MoE layer are split over ``ep`` data-parallel ranks and tokens reach them by all-to-all; ``ep`` divides the
     data-parallel size and the number of experts (Megatron-LM's expert parallelism)."""
     moe_capacity_factor: float | None = None
-    """megatron only, mixture-of-experts models: null routes every token to its experts (dropless, the model's own
+    """Mixture-of-experts models: null routes every token to its experts (dropless, the model's own
     result); a number > 0 caps each expert at ``factor × tokens × top_k / experts`` tokens per rank and batch, drops
     the rest (they keep their residual) and logs how many were dropped."""
     pad_to_multiple_of: int | None = None
-    """megatron only: length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
+    """Length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
     gives a few lengths and pipeline schedules (built per shape) are reused; a multiple of ``tp`` under
     ``sequence_parallel``; null pads to the longest example (to a multiple of ``tp`` under sequence parallelism)."""
 
     def validate(self) -> None:
-        _require(self.fsdp_version in (1, 2), "strategy.fsdp_version", "must be 1 or 2")
-        _require(self.tp >= 1, "strategy.tp", "must be at least 1")
-        _require(self.cp >= 1, "strategy.cp", "must be at least 1")
-        _require(self.ep >= 1, "strategy.ep", "must be at least 1")
+        for axis in ("tp", "pp", "cp", "ep", "virtual_stages"):
+            _require(getattr(self, axis) >= 1, f"parallelism.{axis}", "must be at least 1")
+        micro = self.num_microbatches
+        _require(micro is None or micro >= 1, "parallelism.num_microbatches", "must be at least 1 or null")
         factor = self.moe_capacity_factor
         _require(
             factor is None or factor > 0,
-            "strategy.moe_capacity_factor",
+            "parallelism.moe_capacity_factor",
             f"must be a number > 0 (e.g. 1.25) or null for dropless routing, got {factor}",
         )
         _require(
             self.vocab_multiple >= 1,
-            "strategy.vocab_multiple",
+            "parallelism.vocab_multiple",
             f"must be a positive integer, got {self.vocab_multiple} (1: pad the vocabulary to a multiple of tp only; "
             "Megatron uses 128)",
         )
         _require(
             self.vocab_multiple <= MAX_VOCAB_MULTIPLE,
-            "strategy.vocab_multiple",
+            "parallelism.vocab_multiple",
             f"must be at most {MAX_VOCAB_MULTIPLE}, got {self.vocab_multiple}: the vocabulary is padded with zero "
             "rows to a multiple of tp × vocab_multiple, and a larger multiple only adds rows (Megatron uses 128)",
         )
-        _validate_pipeline(self)
         buckets = self.pad_to_multiple_of
-        _require(buckets is None or buckets >= 1, "strategy.pad_to_multiple_of", "must be at least 1 or null")
-        if self.name != "megatron":
-            megatron_only = (
-                "tp",
-                "cp",
-                "cp_comm",
-                "ep",
-                "moe_capacity_factor",
-                "sequence_parallel",
-                "shard_optimizer",
-                "pad_to_multiple_of",
-                "vocab_multiple",
-            )
-            for key in (*megatron_only, *PIPELINE_FIELDS):
-                _require(
-                    getattr(self, key) == getattr(StrategyConfig, key),
-                    f"strategy.{key}",
-                    f"is a megatron option but strategy.name is {self.name or 'unset'}; "
-                    "set strategy.name: megatron or drop it",
-                )
+        _require(buckets is None or buckets >= 1, "parallelism.pad_to_multiple_of", "must be at least 1 or null")
+
+    def changed(self) -> list[str]:
+        """The fields set to something other than their default (what a strategy that splits no model refuses)."""
+        default = ParallelismConfig()
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)]
 
 
 PIPELINE_FIELDS = ("pp", "num_microbatches", "schedule", "virtual_stages", "balance")
-
-
-def _validate_pipeline(strategy: StrategyConfig) -> None:
-    """The pipeline sizes on their own (the schedule, the batch and the model are checked by the strategy)."""
-    _require(strategy.pp >= 1, "strategy.pp", "must be at least 1")
-    _require(strategy.virtual_stages >= 1, "strategy.virtual_stages", "must be at least 1")
-    micro = strategy.num_microbatches
-    _require(micro is None or micro >= 1, "strategy.num_microbatches", "must be at least 1 or null")
+"""The ``parallelism`` fields of the pipeline axis."""
 
 
 @dataclass
@@ -343,6 +339,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> TrainConfig:

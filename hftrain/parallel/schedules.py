@@ -28,7 +28,7 @@ pipeline group's host side each step (one tiny collective), and torch schedules 
 rows per micro-batch, the inputs' dtypes and shapes after the batch dimension)``, a few per kind (training,
 evaluation), least recently used dropped. ``PipelineSchedule.builds`` counts the schedules built:
 each costs a metadata exchange and a forward and backward on placeholder tensors per stage. Dynamic padding
-gives one length per batch; length buckets (the collator's ``pad_to_multiple_of``, ``strategy.pad_to_multiple_of``
+gives one length per batch; length buckets (the collator's ``pad_to_multiple_of``, ``parallelism.pad_to_multiple_of``
 in the Trainer) keep the lengths, and so the builds, to a few.
 
 Adding a schedule (e.g. zero-bubble ZBV) is one class naming its torch schedule and rules, and one

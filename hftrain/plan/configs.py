@@ -25,7 +25,8 @@ PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
 
 def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | None) -> dict[str, dict[str, Any]]:
-    """hftrain's job config (sections ``model``, ``data``, ``training``, ``strategy``, ``lora``) for ``row``.
+    """hftrain's job config (sections ``model``, ``data``, ``training``, ``strategy``, ``parallelism``, ``lora``)
+    for ``row``.
 
     Args:
         row: the chosen row.
@@ -33,9 +34,15 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
         work: the workload.
         ds_config: the DeepSpeed JSON written beside it (ZeRO rows).
     """
-    strategy = dict(row.strategy)
+    import dataclasses
+
+    from hftrain.config import ParallelismConfig
+
+    axes = {f.name for f in dataclasses.fields(ParallelismConfig)}
+    strategy = {key: value for key, value in row.strategy.items() if key not in axes}
+    parallelism = {key: value for key, value in row.strategy.items() if key in axes}
     # A pipeline splits each per-device batch into its micro-batches: the plan's m micro-batches of b are one
-    # per-device batch of m·b (strategy.num_microbatches = m), not m accumulation steps.
+    # per-device batch of m·b (parallelism.num_microbatches = m), not m accumulation steps.
     pipelined = row.pp > 1
     per_device = work.micro_batch * work.accumulation if pipelined else work.micro_batch
     if ds_config is not None:
@@ -51,6 +58,7 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
             **({"gradient_checkpointing": work.recompute} if work.recompute else {}),
         },
         "strategy": strategy,
+        **({"parallelism": parallelism} if parallelism else {}),
     }
     if work.lora_rank:
         job["lora"] = {"use_lora": True, "lora_r": work.lora_rank, "lora_alpha": 2 * work.lora_rank}

@@ -62,7 +62,8 @@ class Row:
 
     Args:
         label: the row's name in the table (``zero2``, ``megatron tp2·pp2·dp2``...).
-        strategy: hftrain's ``strategy`` section for it (``name`` and options).
+        strategy: the options for it, flat (``name``, ``tp``, ``pp``, ...: fields of the ``strategy`` and
+            ``parallelism`` sections; ``hftrain.plan.configs.job_config`` puts each in its section).
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         dp: data-parallel size.

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import LaunchInfo, Strategy
 
 if TYPE_CHECKING:
-    from hftrain.config import StrategyConfig
+    from hftrain.config import ParallelismConfig, StrategyConfig
     from hftrain.strategies.platform import Platform
 
 # name -> "module:Class", imported only when chosen so that heavy backends stay lazy.
@@ -39,18 +39,53 @@ def strategy_class(name: str) -> type[Strategy]:
     return getattr(importlib.import_module(module), cls)
 
 
-def build_strategy(config: StrategyConfig, *, launch: LaunchInfo, platform: Platform | None = None) -> Strategy:
+def build_strategy(
+    config: StrategyConfig,
+    *,
+    launch: LaunchInfo,
+    platform: Platform | None = None,
+    parallelism: ParallelismConfig | None = None,
+) -> Strategy:
     """Resolve the strategy from the config and the launcher, and construct it.
 
     Args:
         config: the ``strategy`` config section.
         launch: what the launcher said (world size, the accelerate config's strategy).
         platform: device/backend; detected when None.
+        parallelism: the ``parallelism`` section (the defaults when None: no axis splits the model).
     """
     from hftrain.strategies.platform import Platform
 
     name = resolve_strategy_name(config.name, launch.accelerate_strategy)
-    return strategy_class(name)(config, platform=platform or Platform.detect(), launch=launch)
+    cls = strategy_class(name)
+    return cls(config, platform=platform or Platform.detect(), launch=launch, parallelism=parallelism)
+
+
+def strategy_from_options(
+    name: str | None, options: dict[str, Any] | None = None, *, launch: LaunchInfo, platform: Platform | None = None
+) -> Strategy:
+    """:func:`build_strategy` from flat options (``{"tp": 2, "shard_optimizer": True}``), for code that builds a
+    job without a config file: each option goes to the section that owns it (``strategy`` or ``parallelism``), as a
+    bare ``--tp`` does on the command line.
+
+    Args:
+        name: the strategy (None: the launcher's, else ``ddp``).
+        options: fields of ``StrategyConfig`` and ``ParallelismConfig``; an unknown one is a ``ConfigError``.
+        launch: what the launcher said.
+        platform: device/backend; detected when None.
+    """
+    import dataclasses
+
+    from hftrain.config import ParallelismConfig, StrategyConfig
+
+    axes = {f.name for f in dataclasses.fields(ParallelismConfig)}
+    own = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
+    unknown = sorted(set(options or {}) - axes - own)
+    if unknown:
+        raise ConfigError(f"strategy option '{unknown[0]}' is not a strategy or parallelism field")
+    split = {key: value for key, value in (options or {}).items() if key in axes}
+    config = StrategyConfig(name=name, **{key: value for key, value in (options or {}).items() if key in own})
+    return build_strategy(config, launch=launch, platform=platform, parallelism=ParallelismConfig(**split))
 
 
 def resolve_strategy_name(configured: str | None, launched: str | None) -> str:
@@ -63,4 +98,11 @@ def resolve_strategy_name(configured: str | None, launched: str | None) -> str:
     return configured or launched or "ddp"
 
 
-__all__ = ["LaunchInfo", "Strategy", "available_strategies", "build_strategy", "strategy_class"]
+__all__ = [
+    "LaunchInfo",
+    "Strategy",
+    "available_strategies",
+    "build_strategy",
+    "strategy_class",
+    "strategy_from_options",
+]

@@ -13,12 +13,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hftrain.errors import HFTrainError
+from hftrain.errors import ConfigError, HFTrainError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.config import ParallelismConfig, StrategyConfig, TrainingConfig
     from hftrain.strategies.platform import HeapWarmer, Platform
     from hftrain.strategies.runtime import AccelerateRuntime
 
@@ -47,14 +47,34 @@ class Strategy(ABC):
         config: the ``strategy`` config section.
         platform: device and backend of this machine.
         launch: what the launcher set up.
+        parallelism: the ``parallelism`` section; a strategy that does not split the model (``splits_model``
+            False) refuses any value there but the defaults.
     """
 
     name: ClassVar[str]
+    splits_model: ClassVar[bool] = False
+    """Whether the strategy takes the ``parallelism`` section's axes (tensor, pipeline, context, expert)."""
 
-    def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
+    def __init__(
+        self,
+        config: StrategyConfig,
+        *,
+        platform: Platform,
+        launch: LaunchInfo,
+        parallelism: ParallelismConfig | None = None,
+    ) -> None:
+        from hftrain.config import ParallelismConfig
+
         self.config = config
+        self.parallelism = parallelism or ParallelismConfig()
         self.platform = platform
         self.launch = launch
+        changed = [] if self.splits_model else self.parallelism.changed()
+        if changed:
+            raise ConfigError(
+                f"parallelism.{changed[0]} is a megatron option but strategy.name is {self.name}; "
+                "set strategy.name: megatron or drop it"
+            )
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.config import ParallelismConfig, StrategyConfig, TrainingConfig
     from hftrain.strategies.base import LaunchInfo
     from hftrain.strategies.platform import Platform
 
@@ -60,8 +60,15 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
 
-    def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
-        super().__init__(config, platform=platform, launch=launch)
+    def __init__(
+        self,
+        config: StrategyConfig,
+        *,
+        platform: Platform,
+        launch: LaunchInfo,
+        parallelism: ParallelismConfig | None = None,
+    ) -> None:
+        super().__init__(config, platform=platform, launch=launch, parallelism=parallelism)
         launched = (launch.accelerate_settings or {}) if launch.accelerate_strategy == "fsdp" else {}
         self.settings = resolve_settings(config, launched)
         self.single_node = launch.local_world_size == launch.world_size

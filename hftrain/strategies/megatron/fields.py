@@ -1,8 +1,8 @@
 """The megatron strategy's config names for the layout axes ``hftrain.parallel`` refuses values of.
 
 ``hftrain.parallel`` names an axis (``tp``, ``pp``, ``virtual_stages``) and knows no config; this strategy took
-those values from the ``strategy`` section, so its refusals name ``strategy.<axis>`` (and the launcher for the
-world size).
+those values from the ``parallelism`` section, so its refusals name ``parallelism.<axis>`` (and the launcher for
+the world size).
 """
 
 from __future__ import annotations
@@ -19,5 +19,5 @@ def named_by_config() -> Iterator[None]:
     try:
         yield
     except AxisError as error:
-        field = "the launcher's process count" if error.axis == "world_size" else f"strategy.{error.axis}"
+        field = "the launcher's process count" if error.axis == "world_size" else f"parallelism.{error.axis}"
         raise error.named_as(field) from None

@@ -313,7 +313,7 @@ def _padded_to_multiple(loader: DataLoader, multiple: int) -> DataLoader:
     collate = loader.collate_fn
     if not hasattr(collate, "pad_to_multiple_of"):
         raise ConfigError(
-            "strategy.sequence_parallel needs a padding collator with pad_to_multiple_of "
+            "parallelism.sequence_parallel needs a padding collator with pad_to_multiple_of "
             f"(transformers' DataCollatorWithPadding), got {type(collate).__name__}"
         )
     return DataLoader(

@@ -1,6 +1,7 @@
 """The ``megatron`` strategy: tensor × context × pipeline × data parallelism, its layout validated once.
 
-``strategy: {name: megatron, tp: 2, cp: 1, pp: 1, ep: 1, sequence_parallel: false, shard_optimizer: false}``. The
+``strategy: {name: megatron, shard_optimizer: false}`` with ``parallelism: {tp: 2, cp: 1, pp: 1, ep: 1,
+sequence_parallel: false}``: the ``parallelism`` section is consumed whole, its sizes by one ``ParallelDims``. The
 world is laid out in Megatron-LM's order (tp ranks adjacent, then cp, then dp, then pp; ep carved out of dp) by one
 ``ParallelDims``, built and validated here once and passed down to the plugin's groups. The Trainer runs through
 :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
@@ -10,8 +11,8 @@ Refused up front, before any process group: a ``tp`` that does not divide the wo
 an unsupported model family, LoRA with pipeline, context or expert parallelism (LoRA's adapters are split with
 their layers under tp, ``hftrain.parallel.lora``; stages, context and expert parallelism do not handle them yet),
 ``ep`` on a dense model or one that does not divide the experts and dp, ``ep`` with pipeline or context
-parallelism or ZeRO-1 (``shard_optimizer`` would mix experts of different ranks), and another strategy's options
-(FSDP/DeepSpeed settings).
+parallelism or ZeRO-1 (``shard_optimizer`` would mix experts of different ranks), ZeRO-1 with stages, and another
+strategy's options (FSDP/DeepSpeed settings).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from hftrain.strategies.megatron.fields import named_by_config
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.config import ParallelismConfig, StrategyConfig, TrainingConfig
     from hftrain.strategies.base import LaunchInfo
     from hftrain.strategies.megatron.runtime import MegatronRuntime
     from hftrain.strategies.platform import Platform
@@ -56,17 +57,27 @@ class MegatronStrategy(Strategy):
     """Tensor parallelism over ``tp`` adjacent ranks, data parallelism over the rest.
 
     Args:
-        config: the ``strategy`` section (``tp``, ``sequence_parallel``, ``shard_optimizer``).
+        config: the ``strategy`` section (``shard_optimizer``).
         platform: device and backend.
-        launch: the launcher's world size (``tp`` must divide it).
+        launch: the launcher's world size (the axes' product must divide it).
+        parallelism: the ``parallelism`` section: the axis sizes and each axis's options.
     """
 
     name = "megatron"
+    splits_model = True
 
-    def __init__(self, config: StrategyConfig, *, platform: Platform, launch: LaunchInfo) -> None:
+    def __init__(
+        self,
+        config: StrategyConfig,
+        *,
+        platform: Platform,
+        launch: LaunchInfo,
+        parallelism: ParallelismConfig | None = None,
+    ) -> None:
         from hftrain.parallel.dims import AXIS_SIZES, ParallelDims
 
-        super().__init__(config, platform=platform, launch=launch)
+        super().__init__(config, platform=platform, launch=launch, parallelism=parallelism)
+        axes = self.parallelism
         for key, unused in _FOREIGN_OPTIONS.items():
             if getattr(config, key) != unused:
                 raise ConfigError(
@@ -74,12 +85,16 @@ class MegatronStrategy(Strategy):
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
         with named_by_config():  # the layout, and ep with pp or cp, checked as hftrain groups checks them
-            sizes = {axis: getattr(config, axis) for axis in AXIS_SIZES}
+            sizes = {axis: getattr(axes, axis) for axis in AXIS_SIZES}
             self.dims = ParallelDims(launch.world_size, **sizes).validate_trainable()
-        if config.ep > 1 and config.shard_optimizer:
+        if config.shard_optimizer and axes.ep > 1:
             raise ConfigError(
-                f"strategy.shard_optimizer with strategy.ep={config.ep} is not supported yet (ZeRO-1 over dp would "
+                f"strategy.shard_optimizer with parallelism.ep={axes.ep} is not supported yet (ZeRO-1 over dp would "
                 "mix different ranks' experts); use shard_optimizer: false or ep: 1"
+            )
+        if config.shard_optimizer and axes.pp > 1:
+            raise ConfigError(
+                "strategy.shard_optimizer with parallelism.pp > 1 is not supported yet; use shard_optimizer: false"
             )
 
     def preflight(self, training: TrainingConfig) -> None:
@@ -89,36 +104,36 @@ class MegatronStrategy(Strategy):
                 "use bf16 or no"
             )
         with named_by_config():
-            check_pipeline_training(self.config, training)  # also at pp=1: an interleaved schedule there is refused
-            check_context_parallel(self.config)
+            check_pipeline_training(self.parallelism, training)  # also at pp=1: an interleaved schedule is refused
+            check_context_parallel(self.parallelism)
 
     def check_model(self, model_config: Any, *, use_lora: bool, task: str = "sequence_classification") -> None:
         from hftrain.parallel import check_tensor_parallel
         from hftrain.parallel.expert_parallel import check_expert_parallel
 
         for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if task == "causal_lm" else ():
-            if all(getattr(self.config, axis) > 1 for axis in axes):
-                given = " with ".join(f"strategy.{axis}={getattr(self.config, axis)}" for axis in axes)
+            if all(getattr(self.dims, axis) > 1 for axis in axes):
+                given = " with ".join(f"parallelism.{axis}={getattr(self.dims, axis)}" for axis in axes)
                 raise ConfigError(
                     f"{given} with model.task: causal_lm is not built yet (a language model takes each of them "
                     f"alone, with tp, sequence_parallel, ep and dp); use {axes[-1]}: 1 or {axes[0]}: 1"
                 )
         for axis in ("pp", "cp", "ep"):
-            if use_lora and getattr(self.config, axis) > 1:
+            if use_lora and getattr(self.dims, axis) > 1:
                 raise ConfigError(
-                    f"lora.use_lora with strategy.{axis}={getattr(self.config, axis)} is not supported yet (LoRA runs "
+                    f"lora.use_lora with parallelism.{axis}={getattr(self.dims, axis)} is not supported yet (LoRA runs "
                     f"under megatron's tp and dp); use {axis}: 1, or train the full model"
                 )
         with named_by_config():
-            check_tensor_parallel(model_config, self.config.tp, sequence_parallel=self.config.sequence_parallel)
-            check_expert_parallel(model_config, self.dims.ep, self.dims.dp, self.config.moe_capacity_factor)
-            if self.config.cp > 1:
-                check_context_parallel_model(self.config, model_config)
-            if self.config.pp > 1:
+            check_tensor_parallel(model_config, self.dims.tp, sequence_parallel=self.parallelism.sequence_parallel)
+            check_expert_parallel(model_config, self.dims.ep, self.dims.dp, self.parallelism.moe_capacity_factor)
+            if self.dims.cp > 1:
+                check_context_parallel_model(self.parallelism, model_config)
+            if self.dims.pp > 1:
                 from hftrain.parallel.families import check_family
 
                 check_family(model_config)
-                check_pipeline_model(self.config, model_config)
+                check_pipeline_model(self.parallelism, model_config)
 
     def tune_host_allocator(self) -> str:
         """Under pipeline parallelism tune the host allocator for a lean resident set: memory is what stages are for.
@@ -139,14 +154,18 @@ class MegatronStrategy(Strategy):
             "type": "megatron",
             "tp": self.dims.tp,
             "pp": self.dims.pp,
-            **({"cp": self.dims.cp, "cp_comm": self.config.cp_comm} if self.dims.cp > 1 else {}),
+            **({"cp": self.dims.cp, "cp_comm": self.parallelism.cp_comm} if self.dims.cp > 1 else {}),
             **({"ep": self.dims.ep, "edp": self.dims.edp} if self.dims.ep > 1 else {}),
-            **({"moe_capacity_factor": self.config.moe_capacity_factor} if self.config.moe_capacity_factor else {}),
-            "sequence_parallel": self.config.sequence_parallel,
+            **(
+                {"moe_capacity_factor": self.parallelism.moe_capacity_factor}
+                if self.parallelism.moe_capacity_factor
+                else {}
+            ),
+            "sequence_parallel": self.parallelism.sequence_parallel,
             "shard_optimizer": self.config.shard_optimizer,
-            "vocab_multiple": self.config.vocab_multiple,
+            "vocab_multiple": self.parallelism.vocab_multiple,
             "checkpoint_format": "sharded (torch.distributed.checkpoint)",
-            **(pipeline_facts(self.config) if self.dims.pp > 1 else {}),
+            **(pipeline_facts(self.parallelism) if self.dims.pp > 1 else {}),
         }
 
     def summary(self, training: TrainingConfig, accelerator: Accelerator) -> dict[str, Any]:
@@ -159,25 +178,25 @@ class MegatronStrategy(Strategy):
 
         plugin = MegatronPlugin(
             tp=self.dims.tp,
-            sequence_parallel=self.config.sequence_parallel,
+            sequence_parallel=self.parallelism.sequence_parallel,
             shard_optimizer=self.config.shard_optimizer,
             pp=self.dims.pp,
             cp=self.dims.cp,
-            cp_comm=self.config.cp_comm,
-            pad_to_multiple_of=self.config.pad_to_multiple_of,
-            vocab_multiple=self.config.vocab_multiple,
+            cp_comm=self.parallelism.cp_comm,
+            pad_to_multiple_of=self.parallelism.pad_to_multiple_of,
+            vocab_multiple=self.parallelism.vocab_multiple,
             ep=self.dims.ep,
-            moe_capacity_factor=self.config.moe_capacity_factor,
+            moe_capacity_factor=self.parallelism.moe_capacity_factor,
         ).setup(device_type=self.platform.device, dims=self.dims)
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
             from hftrain.strategies.megatron.checks import num_microbatches
             from hftrain.strategies.megatron.pipeline_runtime import PipelineOptions, PipelineRuntime
 
             options = PipelineOptions(
-                schedule=self.config.schedule,
-                num_microbatches=num_microbatches(self.config),
-                virtual_stages=self.config.virtual_stages,
-                balance=self.config.balance,
+                schedule=self.parallelism.schedule,
+                num_microbatches=num_microbatches(self.parallelism),
+                virtual_stages=self.parallelism.virtual_stages,
+                balance=self.parallelism.balance,
             )
             return PipelineRuntime(
                 accelerator, plugin, options, release_freed_memory=self.platform.release_freed_memory
