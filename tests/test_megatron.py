@@ -301,7 +301,12 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
             "lora.use_lora with parallelism.pp=2 is not supported yet",
         ),
         "foreign-option": (["--offload_optimizer", "true"], {"WORLD_SIZE": "1"}, "not a megatron option"),
-        "tp-with-ddp": (["--tp", "2", "--strategy.name", "ddp"], {"WORLD_SIZE": "2"}, "parallelism.tp is a megatron"),
+        # refused by the strategy that does not split the model, once the launcher is known to have started it
+        "tp-with-ddp": (
+            ["--tp", "2", "--strategy.name", "ddp"],
+            {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+            "parallelism.tp is a megatron option but strategy.name is ddp",
+        ),
         # the platform refuses fp16 on CPU first; on CUDA the megatron strategy refuses it (no gradient scaler)
         "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16"),
         "unsupported-family": (
