@@ -152,10 +152,11 @@ def test_ring_and_all_to_all_attention_equal_unsplit_attention(cp, heads):
 def test_zigzag_gives_every_rank_one_early_and_one_late_chunk():
     import torch
 
-    from hftrain.parallel.context_parallel import zigzag_positions
+    from hftrain.parallel.context_parallel import unzigzag_order, zigzag_positions
 
     chunks = [zigzag_positions(16, 4, r) for r in range(4)]
     assert torch.equal(torch.sort(torch.cat(chunks)).values, torch.arange(16))
+    assert torch.equal(torch.cat(chunks)[unzigzag_order(16, 4)], torch.arange(16))  # the gather's token order
     assert chunks[0].tolist() == [0, 1, 14, 15] and chunks[3].tolist() == [6, 7, 8, 9]
     # causal work (keys at or before each query) is the same on every rank
     assert len({int((c + 1).sum()) for c in chunks}) == 1

@@ -123,6 +123,13 @@ def zigzag_runs(seq_len: int, cp: int) -> tuple[tuple[tuple[slice, int, int], ..
     return tuple(tuple(_chunks(zigzag_positions(seq_len, cp, r))) for r in range(cp))
 
 
+@functools.lru_cache(maxsize=64)
+def unzigzag_order(seq_len: int, cp: int) -> torch.Tensor:
+    """``π⁻¹``: the index that puts the cp ranks' zigzag shards, concatenated in rank order
+    (``π = [p_0; …; p_{cp−1}]``), back in token order (on the host, computed once per ``(seq_len, cp)``)."""
+    return torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)]).argsort()
+
+
 def _mask(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
@@ -607,7 +614,7 @@ class ContextSplit:
         ``[b, s/cp, ...]``: an all-gather over the cp group whose backward is an all-reduce and this rank's slice
         (:class:`_GatherContext`)."""
         seq = x.shape[1] * self.cp
-        order = torch.cat([zigzag_positions(seq, self.cp, r) for r in range(self.cp)]).argsort().to(x.device)
+        order = unzigzag_order(seq, self.cp).to(x.device)
         return _GatherContext.apply(x, self.batch.group, self.positions(seq, x.device), order)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
