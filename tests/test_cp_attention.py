@@ -6,7 +6,7 @@ values (through a random weighting of the outputs) must equal PyTorch's ``scaled
 sequence within 1e-6 of each tensor's largest entry (fp32), causal and not, with right padding and grouped-query
 heads, causal over packed documents (no token sees another document's), and causal in a sliding window (Mistral's,
 Gemma-3's local layers), at cp = 2 and 4. Then whole classifiers
-split over cp = 2 against the unsplit model.
+split over cp = 2 against the unsplit model (recomputed too), running their own forward.
 """
 
 from __future__ import annotations
@@ -152,18 +152,20 @@ def test_ring_and_all_to_all_attention_equal_unsplit_attention(cp, heads):
 def test_zigzag_gives_every_rank_one_early_and_one_late_chunk():
     import torch
 
-    from hftrain.parallel.context_parallel import zigzag_positions
+    from hftrain.parallel.context_parallel import unzigzag_order, zigzag_positions
 
     chunks = [zigzag_positions(16, 4, r) for r in range(4)]
     assert torch.equal(torch.sort(torch.cat(chunks)).values, torch.arange(16))
+    assert torch.equal(torch.cat(chunks)[unzigzag_order(16, 4)], torch.arange(16))  # the gather's token order
     assert chunks[0].tolist() == [0, 1, 14, 15] and chunks[3].tolist() == [6, 7, 8, 9]
     # causal work (keys at or before each query) is the same on every rank
     assert len({int((c + 1).sum()) for c in chunks}) == 1
 
 
-def _model_parity(kinds: list[str], comms: list[str], seq: int) -> dict:
-    """Each model × communication: the cp-split classifier's loss, logits and cp-averaged gradients against the
-    same model unsplit, on a padded batch."""
+def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: int) -> dict:
+    """Each model × (communication, recomputation): the cp-split classifier's loss, logits and cp-averaged gradients
+    against the same model unsplit, on a padded batch; and whether the split model still runs its class's own
+    ``forward`` (no instance attribute replacing it) with context parallelism's hooks on its base model."""
     import copy
 
     import torch
@@ -171,18 +173,20 @@ def _model_parity(kinds: list[str], comms: list[str], seq: int) -> dict:
     from transformers import AutoModelForSequenceClassification
 
     from hftrain.parallel.context_parallel import apply_context_parallel
+    from hftrain.parallel.recompute import apply_activation_checkpointing
     from tests.tiny import tiny_config
 
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
-    errors = {}
+    errors, own_forward = {}, {}
     for kind in kinds:
-        for comm in comms:
+        for comm, recompute in cases:
             torch.manual_seed(0)
             config = tiny_config(kind, num_labels=3, vocab_size=128)
-            config.max_position_embeddings = config.n_positions = seq
+            # RoBERTa numbers positions from its padding index: pad + seq at most
+            config.max_position_embeddings = config.n_positions = seq + 2
             config.pad_token_id = 0
-            model = AutoModelForSequenceClassification.from_config(config)
+            model = AutoModelForSequenceClassification.from_config(config).train()
             reference = copy.deepcopy(model)
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(1, 128, (3, seq), generator=g)
@@ -191,6 +195,14 @@ def _model_parity(kinds: list[str], comms: list[str], seq: int) -> dict:
             expected = reference(**batch)
             expected.loss.backward()
             apply_context_parallel(model, cp_group=dist.group.WORLD, comm=comm)
+            if recompute is not None:
+                apply_activation_checkpointing(model, recompute)
+            label = f"{kind} {comm}" + (f" recompute={recompute}" if recompute else "")
+            own_forward[label] = (
+                "forward" not in vars(model)
+                and model.forward.__func__ is type(model).forward
+                and len(model.base_model._forward_pre_hooks) == 1
+            )
             got = model(**batch)
             got.loss.backward()
             worst = max(
@@ -204,19 +216,36 @@ def _model_parity(kinds: list[str], comms: list[str], seq: int) -> dict:
                 # A key bias's gradient is 0 in exact arithmetic (softmax ignores a per-query constant): rounding
                 # noise of 1e-9 there is no error, so the scale has a floor.
                 worst = max(worst, ((grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-4)).item())
-            errors[f"{kind} {comm}"] = worst
-    return errors
+            errors[label] = worst
+    return {"errors": errors, "own_forward": own_forward}
+
+
+@pytest.fixture(scope="module")
+def classifier_runs() -> list[dict]:
+    """cp = 2, sequence length 256 with padding: BERT (not causal; its pooler inside the base model reads the first
+    token), RoBERTa (positions numbered from the padding index over the whole sequence), GPT-2 and Llama (causal,
+    zigzag; the last non-pad token pooled), each with ring and all-to-all attention, and with full and selective
+    recomputation."""
+    cases = [("ring", None), ("all_to_all", None), ("ring", "full"), ("all_to_all", "selective")]
+    return run_distributed(
+        _model_parity, nprocs=2, timeout=600, kinds=["bert", "roberta", "gpt2", "llama"], cases=cases, seq=256
+    )
 
 
 @pytest.mark.distributed
-def test_context_parallel_classifiers_equal_the_unsplit_model():
-    """cp = 2: BERT (not causal), GPT-2 and Llama (causal, zigzag) at sequence length 256 with padding, ring and
-    all-to-all: loss, logits and every gradient (averaged over cp) within 1e-5 of the unsplit model's."""
-    runs = run_distributed(
-        _model_parity, nprocs=2, timeout=600, kinds=["bert", "gpt2", "llama"], comms=["ring", "all_to_all"], seq=256
-    )
-    for errors in runs:
-        assert max(errors.values()) < 1e-5, errors
+def test_context_parallel_classifiers_equal_the_unsplit_model(classifier_runs):
+    """Loss, logits and every gradient (averaged over cp) within 1e-5 of the unsplit model's."""
+    for run in classifier_runs:
+        assert max(run["errors"].values()) < 1e-5, run["errors"]
+
+
+@pytest.mark.distributed
+def test_context_parallel_runs_the_models_own_forward(classifier_runs):
+    """Context parallelism wraps the inputs and the attention only: the split classifier's ``forward`` is its class's
+    own (no replacement set on the instance), with one pre-hook on its base model; its head, pooling and loss are
+    transformers' (their equality with one process, recomputed or not, is the test above)."""
+    for run in classifier_runs:
+        assert len(run["own_forward"]) == 16 and all(run["own_forward"].values()), run["own_forward"]
 
 
 @pytest.mark.parametrize("cp", [2, 4])

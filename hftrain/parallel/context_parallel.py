@@ -38,6 +38,17 @@ positions, and one ``all_to_all`` turns the output back; each all-to-all's backw
 moves 4 · (cp − 1)/cp of the activations per layer forward (3 in, 1 out) instead of the ring's 2 · (cp − 1)
 blocks, while the heads divide by ``cp``.
 
+**The model** (:func:`apply_context_parallel`) keeps its own ``forward``, head, pooling and loss: context parallelism
+touches only the inputs, the positions and the attention. A forward pre-hook on the base model numbers the whole
+sequences' positions as the family does, sets the attention's padding, and hands the base model rank ``r``'s
+positions ``p_r`` of every per-token input. A classifier's hidden states are gathered back after the trunk's last
+layer, by one all-gather and the inverse zigzag permutation ``π⁻¹`` (an index: exact)::
+
+    H = [H_0; …; H_{cp−1}][:, π⁻¹],       ∂L/∂H_r = (Σ_c ∂L_c/∂H)[:, p_r]   (backward: one all-reduce, a slice)
+
+so the final norm or pooler, the head and transformers' loss see the whole sequences, as on one process. A causal
+LM gathers nothing: its logits are this rank's positions', and its task sums the loss over cp.
+
 Why hand-written: torch's ``torch.distributed.tensor.experimental.context_parallel`` runs ring attention only
 inside SDPA on CUDA DTensors, without key-padding masks (its load balancer assumes causal LM batches); BERT-style
 padded, non-causal classification on gloo is outside it, as it is outside Megatron's and Accelerate's CP.
@@ -110,6 +121,13 @@ def zigzag_runs(seq_len: int, cp: int) -> tuple[tuple[tuple[slice, int, int], ..
     """:func:`_chunks` of every cp rank's zigzag positions, computed on the host from ``(seq_len, cp)``: the ring
     then reads no positions from the device (a ``.tolist()`` of a GPU tensor per ring step waits for the GPU)."""
     return tuple(tuple(_chunks(zigzag_positions(seq_len, cp, r))) for r in range(cp))
+
+
+@functools.lru_cache(maxsize=64)
+def unzigzag_order(seq_len: int, cp: int) -> torch.Tensor:
+    """``π⁻¹``: the index that puts the cp ranks' zigzag shards, concatenated in rank order
+    (``π = [p_0; …; p_{cp−1}]``), back in token order (on the host, computed once per ``(seq_len, cp)``)."""
+    return torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)]).argsort()
 
 
 def _mask(
@@ -465,7 +483,7 @@ def _local_attention(q, k, v, keep, positions, causal, scale, segments=None, win
     return out * any_visible.to(out.dtype)
 
 
-# ----------------------------------------------------------------------------- a classifier over cp ranks
+# ----------------------------------------------------------------------------- a model over cp ranks
 ATTENTION_NAME = "hftrain_context_parallel"
 
 
@@ -511,8 +529,9 @@ def _register() -> None:
 
 
 class _SumOverContext(torch.autograd.Function):
-    """``y = Σ_c x_c`` over the cp group, whose backward is the same sum: every cp rank computes the whole loss
-    from ``y``, so each receives ``cp · ∂L/∂y`` and averaging gradients over cp (with dp) is exact."""
+    """``y = Σ_c x_c`` over the cp group (all-reduce), whose backward is the same sum (all-reduce): every cp rank
+    computes the whole loss from ``y``, so each receives ``cp · ∂L/∂y`` and averaging gradients over cp (with dp) is
+    exact. A pipeline's last chunk pools the classified token with it, a language model's loss sums its blocks."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -528,8 +547,40 @@ class _SumOverContext(torch.autograd.Function):
         return grad, None
 
 
+class _GatherContext(torch.autograd.Function):
+    """The whole sequences ``H [b, S, ...]`` from every cp rank's positions ``H_r [b, S/cp, ...]``, in token order.
+
+    Forward: one all-gather over the cp group, then the inverse of the zigzag permutation (an index, exact)::
+
+        H = [H_0; H_1; …; H_{cp−1}][:, π⁻¹],   π = [p_0; p_1; …; p_{cp−1}]  (p_r: rank r's positions)
+
+    Backward: every cp rank computes the whole loss ``L`` from ``H``, so rank ``r``'s input gradient is the sum of
+    every rank's, at its positions: one all-reduce, then a slice::
+
+        ∂L/∂H_r = (Σ_c ∂L_c/∂H)[:, p_r] = cp · ∂L/∂H[:, p_r]
+
+    A rank's parameter gradients below the gather are then ``cp`` × its share, those above it (the head) the whole
+    gradient on every rank, and the mean over the ``dp × cp`` group is the gradient in both (as
+    :class:`_SumOverContext`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, positions, order):
+        ctx.group, ctx.positions = group, positions
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, 1).index_select(1, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.index_select(1, ctx.positions), None, None, None
+
+
 class ContextSplit:
-    """This rank's part of every sequence, for code that runs the model's modules itself (pipeline chunks).
+    """This rank's part of every sequence: what the model's hooks (:func:`apply_context_parallel`), pipeline chunks
+    and a language model's loss use to split, gather and sum over the cp ranks.
 
     Args:
         batch: the per-forward state the model's attention modules read.
@@ -558,6 +609,14 @@ class ContextSplit:
         """This rank's positions of a per-token tensor of the whole sequences ``[b, s, ...]`` (e.g. the targets)."""
         return x[:, self.positions(x.shape[1], x.device)]
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequences ``[b, s, ...]``, in token order, of a per-token tensor of this rank's positions
+        ``[b, s/cp, ...]``: an all-gather over the cp group whose backward is an all-reduce and this rank's slice
+        (:class:`_GatherContext`)."""
+        seq = x.shape[1] * self.cp
+        order = unzigzag_order(seq, self.cp).to(x.device)
+        return _GatherContext.apply(x, self.batch.group, self.positions(seq, x.device), order)
+
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """``Σ`` over the cp ranks, whose backward is the same sum (:class:`_SumOverContext`)."""
         return _SumOverContext.apply(x, self.batch.group)
@@ -565,29 +624,41 @@ class ContextSplit:
 
 def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str = "ring") -> torch.nn.Module:
     """Make an HF model of a family context parallelism takes (``hftrain.parallel.families``: BERT, GPT-2, GPT-NeoX
-    and the rotary decoders, sliding windows included) run split over the sequence, in place: its attention becomes
-    context-parallel (:func:`_attention`), and its forward takes the *same* whole batch on every cp rank (padded to
-    a multiple of ``2·cp``), keeps this rank's zigzag positions of every per-token input and runs on them with their
-    global positions:
+    and the rotary decoders, sliding windows included) run split over the sequence, in place. Context parallelism
+    touches the inputs, the positions and the attention only; the model's own ``forward``, head, pooling and loss run
+    unchanged on every cp rank, which takes the *same* whole batch (padded to a multiple of ``2·cp``):
 
-    - a ``*ForSequenceClassification`` (:func:`_pooled_forward`) pools the classified token (BERT: the first; GPT-2
-      and Llama: the last non-pad one) by a sum over the cp group, so every cp rank returns the same logits and loss
-      (HF's ``ForSequenceClassificationLoss``: regression, single- or multi-label);
-    - a ``*ForCausalLM`` (:func:`_per_token_forward`) returns the logits of this rank's positions only; the task
-      takes the same positions of its targets (``model.context_split.local``) and sums its loss over the cp group
+    - the attention becomes context-parallel (:func:`_attention`: ring or all-to-all);
+    - a forward pre-hook on the base model (``model.base_model``: BertModel, GPT2Model, LlamaModel, …;
+      :class:`_SplitInputs`) numbers the whole sequences' positions as the family does (by index, or RoBERTa's
+      count of non-pad tokens: the trunk adapter's ``position_ids``), sets the attention's padding (and, for a causal
+      LM, packed documents), and hands the base model this rank's zigzag positions of ``input_ids``,
+      ``attention_mask``, ``token_type_ids``, ``position_ids`` (and ``inputs_embeds``);
+    - a ``*ForSequenceClassification``: a forward hook on the trunk's last layer (the family's trunk adapter's
+      ``layers``) gathers every rank's hidden states back into the whole sequences in token order
+      (:class:`_GatherContext`: all-gather forward, all-reduce and this rank's slice backward), so the base model's
+      final norm or pooler (BERT's sits inside the base model, after the layers), the model's head, its pooling of
+      the classified token (BERT's first, GPT-2's and Llama's last non-pad one, found on the whole ``input_ids``) and
+      transformers' loss run as on one process: the head needs to know nothing of the split. A base model that views
+      its output to its (local) input's shape (GPT-2's ``view(output_shape)``) is viewed back to the whole batch's;
+    - a ``*ForCausalLM`` gathers nothing: it returns the logits of this rank's positions only; the task takes the
+      same positions of its targets (``model.context_split.local``) and sums its loss over the cp group
       (``model.context_split.sum``). Packed documents (positions restarting) stay apart: the attention masks by
       document as well as by position.
 
-    Parameter gradients are then ``cp`` × one rank's share; averaging them over the cp (and dp) group, as Megatron
-    does, gives the gradient. The model's ``context_split`` (:class:`ContextSplit`) also serves code that runs its
-    modules itself: pipeline chunks take it (``hftrain.parallel.stages.PipelineChunk``).
+    Every cp rank computes the whole loss, so parameter gradients are ``cp`` × one rank's share below the gather
+    (the whole gradient above it); averaging them over the cp (and dp) group, as Megatron does, gives the gradient.
+    The hooks stay outside transformers' layer checkpoints (``GradientCheckpointingLayer`` checkpoints ``forward``,
+    not ``__call__``): recomputation runs no collective of theirs again. The model's ``context_split``
+    (:class:`ContextSplit`) also serves code that runs its modules itself: pipeline chunks take it
+    (``hftrain.parallel.stages.PipelineChunk``), and there the hooks stay idle (the base model is never called).
 
     Args:
         model: the model (possibly tensor-parallel already: attention sees this rank's heads).
         cp_group: the context-parallel process group.
         comm: ``"ring"`` or ``"all_to_all"``.
     """
-    from hftrain.parallel.families import classifier_for, is_causal_lm_class, stages_for
+    from hftrain.parallel.families import is_causal_lm_class, stages_for
 
     name = type(model).__name__
     trunk = stages_for(model.config, class_name=name, axis="cp")
@@ -597,49 +668,92 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
         module.context_parallel_batch = batch
     model.set_attn_implementation(ATTENTION_NAME)
     split = model.context_split = ContextSplit(batch)
-    if is_causal_lm_class(name):
-        model.forward = _per_token_forward(model.forward, split)
-    else:
-        model.forward = _pooled_forward(model, split, trunk, classifier_for(model.config))
+    per_token = is_causal_lm_class(name)
+    base = model.base_model
+    inputs = _SplitInputs(split, trunk, trunk.embed_modules(model), base, packed=per_token)
+    base.register_forward_pre_hook(inputs, with_kwargs=True)
+    if not per_token:  # a classifier: the whole sequences again after the last layer
+        trunk.layers(model)[-1].register_forward_hook(inputs.gather)
+        base.register_forward_hook(inputs.whole, always_call=True)
     return model
 
 
-def _per_token_forward(forward: Any, split: ContextSplit) -> Any:
-    """The model's own ``forward`` on this rank's positions of ``input_ids`` and ``position_ids`` (their values: a
-    packed block's positions restart at each document), with the documents and padding set for the attention."""
+def _first(output: Any, function: Any) -> Any:
+    """``output`` (a tensor, a tuple whose first item is the hidden states, or a ``ModelOutput``) with its hidden
+    states replaced by ``function`` of them."""
+    if isinstance(output, torch.Tensor):
+        return function(output)
+    if isinstance(output, tuple):
+        return (function(output[0]), *output[1:])
+    output.last_hidden_state = function(output.last_hidden_state)
+    return output
 
-    def run(input_ids, attention_mask=None, position_ids=None, **kwargs):
+
+class _SplitInputs:
+    """The base model's forward pre-hook (this rank's positions of its inputs) and a classifier's gather.
+
+    Args:
+        split: this rank's part of the sequences.
+        trunk: the family's trunk adapter (``position_ids``: RoBERTa's numbering from the padding index).
+        embeddings: the trunk's embedding modules (``trunk.embed_modules``).
+        base: the base model (its ``forward``'s positional parameters, to name positional arguments).
+        packed: a causal LM's: each token's document (:func:`packed_segments`) from the positions.
+    """
+
+    def __init__(self, split: ContextSplit, trunk: Any, embeddings: Any, base: torch.nn.Module, *, packed: bool):
+        import inspect
+
+        self.split, self.trunk, self.embeddings, self.packed = split, trunk, embeddings, packed
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = inspect.signature(base.forward).parameters.values()
+        self.names = [p.name for p in parameters if p.kind in kinds]
+        self.whole_shape: tuple[int, int] | None = None  # (b, S) while a classifier's base model runs
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``(args, kwargs) → ((), kwargs)`` with this rank's positions of every per-token input: position ids
+        numbered on the whole sequences first (given, the family's, or the index), the attention's padding mask
+        (and documents) set."""
+        kwargs = {**dict(zip(self.names, args, strict=False)), **kwargs}
+        input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        whole = input_ids if input_ids is not None else embeds
+        b, seq, device = whole.shape[0], whole.shape[1], whole.device
+        local = self.split.positions(seq, device)
+        position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        split.attend(split.local(keep), segments=split.local(packed_segments(position_ids)))
-        return forward(input_ids=split.local(input_ids), position_ids=split.local(position_ids), **kwargs)
+            position_ids = self._numbered(input_ids, b, seq, device)
+        mask = kwargs.get("attention_mask")
+        keep = torch.ones((b, seq), dtype=torch.bool, device=device) if mask is None else mask.bool()
+        segments = packed_segments(position_ids.expand(b, -1))[:, local] if self.packed else None
+        self.split.attend(keep[:, local], segments=segments)
+        kwargs["position_ids"] = position_ids[:, local]
+        for key in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = kwargs[key][:, local]
+        self.whole_shape = None if self.packed else (b, seq)
+        return (), kwargs
 
-    return run
+    def _numbered(self, input_ids: torch.Tensor | None, b: int, seq: int, device: Any) -> torch.Tensor:
+        """The family's position ids of the whole sequences ``[b | 1, S]``: RoBERTa's count of non-pad tokens from
+        the padding index (the trunk's ``position_ids``), else the index."""
+        if input_ids is not None:
+            numbered = self.trunk.position_ids(self.embeddings, input_ids)
+            if numbered is not None:
+                return numbered
+        elif getattr(self.trunk, "pad_numbered", False):
+            raise ValueError("context parallelism numbers this family's positions from input_ids; pass input_ids")
+        return torch.arange(seq, device=device).expand(b, -1)
 
+    def gather(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        """The trunk's last layer's forward hook: the whole sequences of its hidden states (:meth:`ContextSplit.gather`)
+        while the base model runs on this rank's positions (idle in a pipeline chunk, which calls the layer itself)."""
+        if self.whole_shape is None:
+            return output
+        return _first(output, self.split.gather)
 
-def _pooled_forward(model: torch.nn.Module, split: ContextSplit, trunk: Any, classifier: Any) -> Any:
-    """A classifier's forward: the base model on this rank's positions, the classified token pooled over the cp
-    group, the family's classification head (``hftrain.parallel.stages.SequenceClassificationHead``) on it."""
-    head, embeddings = classifier.modules(model), trunk.embed_modules(model)
-    base = model.base_model
-
-    def forward(input_ids, attention_mask=None, labels=None, token_type_ids=None, **_ignored):
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        positions = split.positions(input_ids.shape[1], input_ids.device)
-        split.attend(attention_mask[:, positions])
-        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, positions]}
-        numbered = trunk.position_ids(embeddings, input_ids)  # RoBERTa's count non-pad tokens of the whole
-        hidden = base(
-            input_ids=input_ids[:, positions],
-            attention_mask=attention_mask[:, positions],
-            position_ids=positions[None].expand(input_ids.shape[0], -1) if numbered is None else numbered[:, positions],
-            **extra,
-        ).last_hidden_state
-        pool = classifier.pool(model.config, input_ids, attention_mask, hidden.dtype)
-        token = split.sum((hidden * pool[:, positions, None]).sum(1))
-        logits = classifier.classify(head, token)  # the family's head on the pooled token (after the base's final norm)
-        return classifier.output(logits, labels, model.config)  # transformers' output and loss
-
-    return forward
+    def whole(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        """The base model's forward hook: its output's hidden states ``[b, S, h]`` (a base model that viewed them to
+        its local input's shape ``(-1, S/cp, h)``, GPT-2's, viewed back: the same memory); the gather goes idle."""
+        shape, self.whole_shape = self.whole_shape, None
+        if shape is None or output is None:
+            return output
+        return _first(output, lambda hidden: hidden.reshape(*shape, *hidden.shape[2:]))

@@ -2,10 +2,10 @@
 
 An entry (:class:`Family`) holds what hftrain knows of a family: its tensor-parallel plan (``hftrain.parallel.plans``
 styles), its pipeline trunk adapter and sequence-classification head (``hftrain.parallel.stages``; context
-parallelism pools and classifies with the head too), its expert plan (mixtures of experts), why an axis cannot run
-it (one line), and the planner's facts. The axes look their family up here (:func:`plan_for`, :func:`stages_for`,
-:func:`stages_of`, :func:`expert_plan_for`, :func:`check_family`), and so does ``hftrain plan``, so the planner
-never offers a layout the trainer refuses.
+parallelism reads the trunk's layers and numbering of positions), its expert plan (mixtures of experts), why an
+axis cannot run it (one line), and the planner's facts. The axes look their family up here (:func:`plan_for`,
+:func:`stages_for`, :func:`stages_of`, :func:`expert_plan_for`, :func:`check_family`), and so does ``hftrain plan``,
+so the planner never offers a layout the trainer refuses.
 
 Where transformers ships a family's own tensor-parallel plan (``config.base_model_tp_plan``, e.g.
 ``"layers.*.self_attn.q_proj": "colwise"``), the entry is derived from it (:func:`derived_plan`): ``colwise`` is a
@@ -70,8 +70,8 @@ class Family:
             where tp cannot split it (``refusals["tp"]`` says why).
         stages: its trunk's pipeline adapter (embedding, layers, final norm; ``hftrain.parallel.stages``); None: no
             pp and no cp.
-        classifier: its ``*ForSequenceClassification``'s head (a ``StageHead``: the pipeline's last chunk and context
-            parallelism's pooling and classifier); a task names its own head otherwise (:func:`stages_of`).
+        classifier: its ``*ForSequenceClassification``'s head (a ``StageHead``: the pipeline's last chunk's pooling
+            and classifier); a task names its own head otherwise (:func:`stages_of`).
         experts: its expert plan (a mixture of experts), or None.
         refusals: ``axis -> why`` for the axes it cannot take (one line each).
         cp_refusal: a function of the config giving why context parallelism cannot be exact for it (Gemma-2's

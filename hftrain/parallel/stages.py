@@ -533,7 +533,7 @@ class SequenceClassificationHead(StageHead):
         return (self.pool(config, input_ids, attention_mask, dtype),)
 
     def classify(self, mods: Any, token: torch.Tensor) -> torch.Tensor:
-        """The family's classifier on the pooled token ``[b, hidden]`` (context parallelism's forward calls it too)."""
+        """The family's classifier on the pooled token ``[b, hidden]``."""
         raise NotImplementedError
 
     def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, pool: torch.Tensor, reduce=None):
