@@ -160,7 +160,7 @@ def _schedule(name: str, v: int, m: int, args, rank: int, recorder):
     chunk_class = _chunk_class()
     total = args.pp * v
     torch.manual_seed(0)
-    ids = chunk_ids_of_rank(rank, pp=args.pp, virtual_stages=v, layout=REGISTRY[name].layout)
+    ids = chunk_ids_of_rank(rank, pp=args.pp, virtual_stages=v, style=REGISTRY[name].style)
     chunks = []
     for c in ids:
         chunks.append(

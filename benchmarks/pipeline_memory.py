@@ -160,7 +160,7 @@ def _measure(tp: int, pp: int, folder: str) -> dict:
     trainer.fit()
     peak, held = measured["peak"], measured["held"]
     runtime = trainer.runtime
-    layout = runtime.plugin.layout
+    layout = runtime.plugin.groups
     stages = list(trainer.model.stages) if pp > 1 else []
     layers = sum(len(s.layers) for s in stages) if pp > 1 else trainer.model.config.num_hidden_layers
     owned = sum(p.numel() for p in runtime._params.values())

@@ -114,8 +114,7 @@ def test_saved_config_round_trips(tmp_path):
 def test_parallelism_section_takes_the_old_strategy_keys_with_one_deprecation_line(tmp_path, capsys):
     """The axes moved from ``strategy`` to ``parallelism``: an old key sets the new one with one line per key (not
     per use), a file setting both names of one field is refused, and a run's saved config converts silently."""
-    from hftrain.config import MOVED_KEYS, ParallelismConfig, config_from_flat
-    from hftrain.config import loader
+    from hftrain.config import MOVED_KEYS, ParallelismConfig, config_from_flat, loader
 
     assert set(MOVED_KEYS.values()) == {f"parallelism.{name}" for name in ParallelismConfig.__dataclass_fields__}
     loader._warned.clear()

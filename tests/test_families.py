@@ -262,7 +262,7 @@ def test_a_family_with_llamas_layout_is_found_without_an_entry():
 
     config = tiny_config("llama")
     config.model_type = "llama_descendant"  # e.g. a family transformers adds after this release
-    assert family_of(config).name == "llama_descendant (Llama layout)"
+    assert family_of(config).name == "llama_descendant (Llama architecture)"
     assert trainable_axes(config) == {"tp", "pp", "cp"}
     assert [style for path, style in plan_for(config).layer if path.endswith("k_proj")] == ["column_kv"]
     config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.extra_proj": "colwise"}

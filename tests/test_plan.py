@@ -306,7 +306,7 @@ def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = F
     ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([0, 1] * (micro // 2))
     model(input_ids=ids, labels=labels).loss.backward()
-    sum_partial_grads(unwrap(model), "tp", plugin.layout.tp_group)
+    sum_partial_grads(unwrap(model), "tp", plugin.groups.tp_group)
     optimizer.step()
     states = model_state_bytes(unwrap(model), optimizer)
     states["activations"] = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=labels))
@@ -357,7 +357,7 @@ def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: 
     from hftrain.strategies.megatron.plugin import MegatronPlugin
 
     dist.init_process_group("gloo")
-    layout = MegatronPlugin(tp=tp, pp=pp).setup().layout
+    layout = MegatronPlugin(tp=tp, pp=pp).setup().groups
     model = _measured_bert()
     model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=False)
     stages = build_stage_modules(model, pp_rank=layout.pp_rank, pp=pp)

@@ -72,7 +72,7 @@ def _stage_memory(folder: str) -> dict:
     holds_embedding = "model.embed_tokens.weight" in runtime._params
     trainer.fit()  # the stages still train after the release
     return {
-        "pp_rank": runtime.plugin.layout.pp_rank,
+        "pp_rank": runtime.plugin.groups.pp_rank,
         "grew": after - before,
         "peak_grew": peak[0],
         "holds_embedding": holds_embedding,

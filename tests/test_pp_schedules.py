@@ -85,8 +85,8 @@ def pipeline_run(kind: str, schedule: str, virtual_stages: int) -> dict:
 
     rank = dist.get_rank()
     model = four_layer_model(kind)
-    layout = SCHEDULES[schedule].layout  # which chunks this rank holds ("v" for ZBV)
-    chunks = build_stage_modules(model, pp_rank=rank, pp=2, virtual_stages=virtual_stages, layout=layout)
+    style = SCHEDULES[schedule].style  # which chunks this rank holds ("v" for ZBV)
+    chunks = build_stage_modules(model, pp_rank=rank, pp=2, virtual_stages=virtual_stages, style=style)
     recorder = TimelineRecorder(rank)
     pipe = build_schedule(
         schedule,
@@ -160,7 +160,7 @@ def test_schedule_matches_single_process(runs, kind, schedule):
     from hftrain.parallel import SCHEDULES
 
     ref = reference(kind)
-    last_rank = 0 if SCHEDULES[schedule].layout == "v" else 1  # ZBV's V ends on rank 0
+    last_rank = 0 if SCHEDULES[schedule].style == "v" else 1  # ZBV's V ends on rank 0
     last, other = runs[last_rank][(kind, schedule)], runs[1 - last_rank][(kind, schedule)]
     assert other["losses"] == [None, None] and other["logits"] is None
     torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-7)
@@ -196,8 +196,8 @@ def test_timeline_png_and_bubble(runs, tmp_path):
         assert sorted((e.chunk, e.microbatch, e.kind) for e in last_step) == sorted(
             (c, m, k) for c in range(2 * v) for m in range(MICROBATCHES) for k in kinds
         )
-        layout = SCHEDULES[schedule].layout
-        assert all(e.chunk in chunk_ids_of_rank(e.rank, pp=2, virtual_stages=v, layout=layout) for e in events)
+        style = SCHEDULES[schedule].style
+        assert all(e.chunk in chunk_ids_of_rank(e.rank, pp=2, virtual_stages=v, style=style) for e in events)
         png = render_timeline(
             events,
             tmp_path / f"{schedule}.png",

@@ -244,19 +244,19 @@ def test_recorder_keeps_recent_steps_only():
     assert all(e.rank == 1 for e in recorder.events)
 
 
-def test_v_layout_and_layout_mismatch_refused():
-    """ZBV's V: rank r holds chunks r and 2p-1-r; stages built for another layout are refused, not mis-run."""
+def test_v_style_and_style_mismatch_refused():
+    """ZBV's V: rank r holds chunks r and 2p-1-r; stages built for another style are refused, not mis-run."""
     from hftrain.parallel import build_schedule, build_stage_modules
 
-    assert chunk_ids_of_rank(0, pp=4, virtual_stages=2, layout="v") == [0, 7]
-    assert chunk_ids_of_rank(3, pp=4, virtual_stages=2, layout="v") == [3, 4]
+    assert chunk_ids_of_rank(0, pp=4, virtual_stages=2, style="v") == [0, 7]
+    assert chunk_ids_of_rank(3, pp=4, virtual_stages=2, style="v") == [3, 4]
     model = _model("gpt2", layers=4)
-    v_chunks = build_stage_modules(model, pp_rank=0, pp=2, virtual_stages=2, layout="v")
+    v_chunks = build_stage_modules(model, pp_rank=0, pp=2, virtual_stages=2, style="v")
     assert [c.index for c in v_chunks] == [0, 3] and v_chunks[0].is_first and v_chunks[1].is_last
     loop_chunks = build_stage_modules(model, pp_rank=0, pp=2, virtual_stages=2)
     options = {"pp_group": None, "pp_rank": 0, "pp": 2, "num_microbatches": 2, "loss_fn": None, "device": "cpu"}
-    with pytest.raises(ConfigError, match="pass layout='v' to build_stage_modules"):
+    with pytest.raises(ConfigError, match="pass style='v' to build_stage_modules"):
         build_schedule("zbv", loop_chunks, **options)
-    with pytest.raises(ConfigError, match="pass layout='loop'"):
+    with pytest.raises(ConfigError, match="pass style='loop'"):
         build_schedule("interleaved_1f1b", v_chunks, **options)
     assert build_schedule("zbv", v_chunks, **options).is_last  # the V ends on rank 0

@@ -355,7 +355,7 @@ def _plan_folders(
     source: _Source, export_dtype: torch.dtype, merge: bool
 ) -> list[tuple[Callable[[Path], None], str, list[_Target]]]:
     """Per output folder: its config writer, its file prefix and its tensors."""
-    base, peft_model = _layout(source)
+    base, peft_model = _skeleton(source)
     config = copy.deepcopy(source.config)
     config.architectures = [type(base).__name__]
     if hasattr(config, "dtype"):
@@ -377,7 +377,7 @@ def _plan_folders(
     return folders
 
 
-def _layout(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def _skeleton(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The model (and its PEFT wrapper under LoRA) on the meta device, of the class whose names the checkpoint has."""
     import transformers
 
@@ -406,12 +406,12 @@ def _layout(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]:
                 )
             except (ValueError, TypeError, KeyError, AttributeError):  # a class that does not take this config
                 continue
-            # get_peft_model rewrites the modules it is given: the adapter's layout is built on a second copy.
+            # get_peft_model rewrites the modules it is given: the adapter's skeleton is built on a second copy.
             peft_model = (
                 _peft_on(copy.deepcopy(base), source.adapter_config) if source.adapter_config is not None else None
             )
-        layout = peft_model if peft_model is not None else base
-        expected = {k: tuple(v.shape) for k, v in layout.state_dict().items()}
+        skeleton = peft_model if peft_model is not None else base
+        expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
         tied = _tied(base, prefix=PEFT_PREFIX if peft_model is not None else "")
         missing = sorted(set(expected) - names - tied)
         extra = sorted(names - set(expected))

@@ -240,7 +240,7 @@ def _streamed_export(
     """Write the full model from ``runtime.iter_full_state`` into ``model.safetensors``, one tensor at a time.
 
     Every rank consumes the iterator to its end (each tensor is a collective); the main process writes each tensor as
-    it arrives (``hftrain.checkpoint.stream``: the headers come first, from the model's layout on the meta device),
+    it arrives (``hftrain.checkpoint.stream``: the headers come first, from the model's skeleton on the meta device),
     reads it back, and drops it, so no rank holds more than its own shards and one full tensor. A failure on the main
     process stops its writing, not the iteration, and is reported to every rank after it. Then config and tokenizer
     and the reload check, as the gathered export does; on the main process the result comes with the staged folder
@@ -253,12 +253,12 @@ def _streamed_export(
     plan: dict[str, Any] = {}
 
     def begin() -> None:
-        with torch.device("meta"):  # the model's layout with clean parameter names, at no memory cost
-            layout = _fresh_like(unwrapped)
-        plan["tied"] = _tied_keys(layout)
+        with torch.device("meta"):  # the model's skeleton with clean parameter names, at no memory cost
+            skeleton = _fresh_like(unwrapped)
+        plan["tied"] = _tied_keys(skeleton)
         plan["specs"] = [
             TensorSpec(name, tuple(value.shape), saved_dtype(value.dtype, EXPORT_DTYPES[export_dtype]))
-            for name, value in layout.state_dict().items()
+            for name, value in skeleton.state_dict().items()
             if name not in plan["tied"]
         ]
         shutil.rmtree(stage, ignore_errors=True)  # left by a killed export
@@ -306,7 +306,7 @@ def _streamed_export(
 
 def _write_one(plan: dict[str, Any], name: str, tensor: torch.Tensor | None, directory: Path) -> None:
     writer = plan["writer"]
-    if name not in writer:  # a name the model does not have: another model than the layout
+    if name not in writer:  # a name the model does not have: another model than the skeleton
         raise HFTrainError(
             f"export to '{directory}': the runtime yields {name}, which a fresh model of this config does not have; "
             "nothing was written"
@@ -463,21 +463,21 @@ def _write_and_verify(
     dtype = EXPORT_DTYPES[export_dtype]
     # What is written, in the saved dtype (a copy only when it differs); a merge is computed from the fp32 values.
     written = {k: v.to(saved_dtype(v.dtype, dtype)) for k, v in state_dict.items()}
-    with torch.device("meta"):  # the model's layout with clean parameter names, at no memory cost
-        layout = _fresh_like(unwrapped)
-    shapes = {k: v.shape for k, v in layout.state_dict().items()}
-    _check_complete(state_dict, shapes, _tied_keys(layout), directory)
+    with torch.device("meta"):  # the model's skeleton with clean parameter names, at no memory cost
+        skeleton = _fresh_like(unwrapped)
+    shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
+    _check_complete(state_dict, shapes, _tied_keys(skeleton), directory)
     # PEFT picks the adapter's entries by walking the model's LoRA layers; under FSDP1 the trained model's layer
     # names carry wrapper prefixes and PEFT silently drops every LoRA weight (pitfall "PEFT + FSDP1 key prefixes",
-    # docs/pitfalls.md), so the layout
+    # docs/pitfalls.md), so the skeleton
     # filters the full state dict instead. A copy, as save_pretrained pops entries from the dict it is given.
-    writer = layout if is_adapter else unwrapped
+    writer = skeleton if is_adapter else unwrapped
     writer.save_pretrained(directory, state_dict=dict(written), safe_serialization=True)
     if not is_adapter and export_dtype != "float32":  # save_pretrained records the model's dtype, not the dict's
         _record_dtype(directory / "config.json", export_dtype)
     tokenizer.save_pretrained(directory)
     if is_adapter:
-        _check_adapter_written(directory, layout, written)
+        _check_adapter_written(directory, skeleton, written)
     trained = _rebuild_on_cpu(unwrapped, state_dict) if is_adapter and (merged_dir or expected is not None) else None
     if merged_dir is not None:
         copy.deepcopy(trained).merge_and_unload().to(dtype).save_pretrained(merged_dir, safe_serialization=True)
@@ -527,7 +527,7 @@ def _check_complete(
         )
 
 
-def _check_adapter_written(directory: Path, layout: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def _check_adapter_written(directory: Path, skeleton: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """The adapter file holds one tensor per trained parameter (LoRA and head), equal to the gathered one.
 
     Exact in any precision, unlike the logits: it catches PEFT dropping entries it did not recognise (#2-#5).
@@ -535,8 +535,8 @@ def _check_adapter_written(directory: Path, layout: torch.nn.Module, state_dict:
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    trained = [name for name, param in layout.named_parameters() if param.requires_grad]
-    expected = get_peft_model_state_dict(layout, state_dict=state_dict)
+    trained = [name for name, param in skeleton.named_parameters() if param.requires_grad]
+    expected = get_peft_model_state_dict(skeleton, state_dict=state_dict)
     written = load_file(directory / "adapter_model.safetensors")
     wrong = [k for k in expected if k not in written or not torch.equal(written[k], expected[k])]
     if len(written) != len(trained) or wrong:
@@ -546,10 +546,10 @@ def _check_adapter_written(directory: Path, layout: torch.nn.Module, state_dict:
         )
 
 
-def _tied_keys(layout: torch.nn.Module) -> set[str]:
+def _tied_keys(skeleton: torch.nn.Module) -> set[str]:
     """State-dict names the model declares tied to another tensor (save_pretrained writes one of each, #22)."""
-    base = _base_of(layout)
-    prefix = "base_model.model." if base is not layout else ""
+    base = _base_of(skeleton)
+    prefix = "base_model.model." if base is not skeleton else ""
     return {prefix + key for key in getattr(base, "all_tied_weights_keys", None) or {}}
 
 
@@ -562,7 +562,7 @@ def _rebuild_on_cpu(unwrapped: torch.nn.Module, state_dict: dict[str, torch.Tens
 
 
 def _fresh_like(unwrapped: torch.nn.Module) -> torch.nn.Module:
-    """A newly built model of the same class and config (and the same LoRA layout), randomly initialised."""
+    """A newly built model of the same class and config (and the same LoRA adapters), randomly initialised."""
     base = _base_of(unwrapped)
     fresh = type(base)(copy.deepcopy(base.config))
     if unwrapped is not base:

@@ -232,33 +232,35 @@ class ParallelismConfig:
     """How the model itself is split: one size per parallel axis and each axis's options, consumed whole by
     ``hftrain.parallel.ParallelDims`` (the sizes) and the strategy that splits models (``strategy.name: megatron``).
     Every other strategy refuses a value here that is not the default. The fields were in ``strategy`` before;
-    ``strategy.tp`` and the others are still read, as ``parallelism.tp``, with one deprecation line."""
+    ``strategy.tp`` and the others are still read, as ``parallelism.tp``, with one deprecation line. An axis's
+    option names its axis in its metadata (``field(metadata={"axis": "cp"})``); ``pad_to_multiple_of`` serves
+    them all."""
 
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer); must divide the world size and the
     model's heads, hidden and intermediate sizes, and divide or be a multiple of its key/value heads (then
     replicated over ``tp / kv`` ranks). The vocabulary is padded to a multiple of ``tp × vocab_multiple``."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = field(default=False, metadata={"axis": "tp"})
     """Megatron sequence parallelism (norm/dropout regions split along the sequence, which is
     padded to a multiple of ``tp``)."""
     pp: int = 1
     """Pipeline-parallel size (stages); ``tp × pp`` must divide the world size."""
-    num_microbatches: int | None = None
+    num_microbatches: int | None = field(default=None, metadata={"axis": "pp"})
     """``pp > 1``: micro-batches each per-device batch is split into by the schedule; null uses ``pp``."""
-    schedule: str = "1f1b"
+    schedule: str = field(default="1f1b", metadata={"axis": "pp"})
     """``pp > 1``: the pipeline schedule, a name in ``hftrain.parallel.SCHEDULES`` (``gpipe``, ``1f1b``,
     ``interleaved_1f1b``, and the zero-bubble ones); checked with the batch by the strategy."""
-    virtual_stages: int = 1
+    virtual_stages: int = field(default=1, metadata={"axis": "pp"})
     """``schedule: interleaved_1f1b``: model chunks per pipeline rank."""
-    balance: Literal["layers", "parameters"] = "layers"
+    balance: Literal["layers", "parameters"] = field(default="layers", metadata={"axis": "pp"})
     """``pp > 1``: split the layers into stages of equal layer count or equal parameter count."""
     cp: int = 1
     """Context-parallel size (ranks that split every sequence; ``tp × cp × pp`` must divide the world
     size); sequences are padded to a multiple of ``2·cp`` and attention dropout must be 0."""
-    cp_comm: Literal["ring", "all_to_all"] = "ring"
+    cp_comm: Literal["ring", "all_to_all"] = field(default="ring", metadata={"axis": "cp"})
     """``cp > 1``: ring attention (key/value blocks passed around the cp ranks) or all-to-all
     (DeepSpeed-Ulysses: heads, and key/value heads, per tp rank must divide by ``cp``)."""
-    vocab_multiple: int = 1
+    vocab_multiple: int = field(default=1, metadata={"axis": "tp"})
     """The vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this many
     rows (Megatron's ``make-vocab-size-divisible-by``, e.g. 128 for aligned GPU matmuls), 1 to 65536
     (``MAX_VOCAB_MULTIPLE``); the zero padding rows never receive gradient and never reach a checkpoint's logical
@@ -267,7 +269,7 @@ class ParallelismConfig:
     """Expert-parallel size for mixture-of-experts models (Mixtral, Qwen2-MoE): the experts of every
     MoE layer are split over ``ep`` data-parallel ranks and tokens reach them by all-to-all; ``ep`` divides the
     data-parallel size and the number of experts (Megatron-LM's expert parallelism)."""
-    moe_capacity_factor: float | None = None
+    moe_capacity_factor: float | None = field(default=None, metadata={"axis": "ep"})
     """Mixture-of-experts models: null routes every token to its experts (dropless, the model's own
     result); a number > 0 caps each expert at ``factor × tokens × top_k / experts`` tokens per rank and batch, drops
     the rest (they keep their residual) and logs how many were dropped."""
@@ -301,6 +303,10 @@ class ParallelismConfig:
         )
         buckets = self.pad_to_multiple_of
         _require(buckets is None or buckets >= 1, "parallelism.pad_to_multiple_of", "must be at least 1 or null")
+
+    def options(self, axes: set[str] | frozenset[str]) -> dict[str, Any]:
+        """The options of the given axes (each field names its axis in its metadata), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("axis") in axes}
 
     def changed(self) -> list[str]:
         """The fields set to something other than their default (what a strategy that splits no model refuses)."""

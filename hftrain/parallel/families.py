@@ -15,7 +15,7 @@ transformers' plan cannot say is written beside it: the norms that run on sequen
 parallelism. Where transformers' plan gathers (``colwise_gather_output``) the entry is written by hand: OLMo-2's
 q/k norms over every head are split with their projections (``width_norm``); Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are split part by part (``column_fused_qkv``, ``column_gate_up``). Where transformers has no plan
-the entry is written by hand too: BERT's layout and its kin, DeBERTa-v2's disentangled relative attention (its
+the entry is written by hand too: BERT's architecture and its kin, DeBERTa-v2's disentangled relative attention (its
 shared relative embeddings ``head_shared``: each rank projects them onto its own heads). A family transformers adds
 later whose plan has exactly Llama's modules is found without an entry (:func:`family_of`), checked against the
 model's modules when it is split.
@@ -122,7 +122,7 @@ _LLAMA_LINEARS = frozenset(
 
 
 def derived_plan(config: Any, *, norms: tuple[str, ...] = _LLAMA_NORMS) -> TensorParallelPlan:
-    """A Llama-layout decoder's plan derived from transformers' ``base_model_tp_plan`` (see the module doc).
+    """A Llama-architecture decoder's plan derived from transformers' ``base_model_tp_plan`` (see the module doc).
 
     Args:
         config: the model's config (its ``base_model_tp_plan``, head counts and sizes).
@@ -133,8 +133,8 @@ def derived_plan(config: Any, *, norms: tuple[str, ...] = _LLAMA_NORMS) -> Tenso
     if unsupported or not _LLAMA_LINEARS <= set(hf_plan):
         raise ConfigError(
             f"tensor parallelism cannot split this {config.model_type} model: transformers' plan for it "
-            f"({', '.join(f'{k}: {v}' for k, v in sorted(unsupported.items())) or 'no Llama-layout plan'}) is not "
-            "one hftrain splits; use strategy ddp/fsdp/zero* or pp for this model"
+            f"({', '.join(f'{k}: {v}' for k, v in sorted(unsupported.items())) or 'no Llama-architecture plan'}) "
+            "is not one hftrain splits; use strategy ddp/fsdp/zero* or pp for this model"
         )
     layer: list[tuple[str, str]] = [(norm, "sequence") for norm in norms]
     layer += [("self_attn", "region"), ("mlp", "region")]
@@ -168,7 +168,7 @@ def _moe_plan(*, head_norms: bool = False) -> TensorParallelPlan:
 
 
 def _encoder_plan(base: str) -> TensorParallelPlan:
-    """BERT's layer layout under another base model (RoBERTa, XLM-R, ELECTRA)."""
+    """BERT's layers under another base model (RoBERTa, XLM-R, ELECTRA)."""
     return TensorParallelPlan(
         layers=f"{base}.encoder.layer",
         layer=(
@@ -349,7 +349,7 @@ _MODERNBERT_PLAN = TensorParallelPlan(
 )
 
 
-# DeBERTa-v2/v3: BERT's layer layout with disentangled relative attention. The encoder's relative embeddings
+# DeBERTa-v2/v3: BERT's layers with disentangled relative attention. The encoder's relative embeddings
 # ``E = LayerNorm(rel_embeddings.weight)`` ([2k, hidden], k the position buckets) are computed once per forward and
 # projected by every layer's (column-split) query/key projections per head: ``query_proj(E)``, ``key_proj(E)`` (or
 # ``pos_query_proj``/``pos_key_proj`` when ``share_att_key`` is off). Each rank thus projects E onto its own heads
@@ -552,7 +552,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def family_of(config: Any) -> Family | None:
-    """The registry entry of a model's family: by ``model_type``, else found by layout (a config whose
+    """The registry entry of a model's family: by ``model_type``, else found by architecture (a config whose
     transformers tp plan names exactly Llama's modules, e.g. a family added to transformers later); None when
     neither.
 
@@ -565,7 +565,7 @@ def family_of(config: Any) -> Family | None:
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     if set(hf_plan) == _LLAMA_LINEARS and set(hf_plan.values()) <= {"colwise", "rowwise"}:
         return Family(
-            f"{model_type} (Llama layout)",
+            f"{model_type} (Llama architecture)",
             tp=derived_plan,
             stages=_LLAMA_STAGES,
             classifier=_LAST_TOKEN,

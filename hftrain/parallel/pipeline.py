@@ -19,8 +19,8 @@ Position ids are otherwise ``arange(s)`` (as in the families' ``forward`` withou
 them (and rotary embeddings) instead of sending them. Parameters keep their HF names through
 ``PipelineChunk.hf_name``, so checkpoints and export can merge stages.
 
-Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` layout: Megatron's
-interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` layout); see
+Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` style: Megatron's
+interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` style); see
 :func:`chunk_ids_of_rank`.
 """
 
@@ -134,22 +134,22 @@ def stage_layer_ranges(
     return ranges
 
 
-LAYOUTS = ("loop", "v")
+STYLES = ("loop", "v")
 
 
-def chunk_ids_of_rank(pp_rank: int, *, pp: int, virtual_stages: int = 1, layout: str = "loop") -> list[int]:
+def chunk_ids_of_rank(pp_rank: int, *, pp: int, virtual_stages: int = 1, style: str = "loop") -> list[int]:
     """The chunk (global stage) indices pipeline rank ``pp_rank`` owns, in execution order.
 
     Args:
         pp_rank: this rank's index in the pipeline group.
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
-        layout: ``"loop"`` (chunk ``c`` on rank ``c % pp``: Megatron's interleaving) or ``"v"`` (the chunks go
-            down the ranks and back up, so rank ``r`` holds ``r`` and ``2p-1-r``: zero-bubble ZBV's layout).
+        style: ``"loop"`` (chunk ``c`` on rank ``c % pp``: Megatron's interleaving) or ``"v"`` (the chunks go
+            down the ranks and back up, so rank ``r`` holds ``r`` and ``2p-1-r``: zero-bubble ZBV's style).
     """
-    if layout not in LAYOUTS:
-        raise ConfigError(f"pipeline chunk layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if layout == "v":
+    if style not in STYLES:
+        raise ConfigError(f"pipeline chunk style must be one of {', '.join(STYLES)}, got {style!r}")
+    if style == "v":
         return [k * pp + (pp_rank if k % 2 == 0 else pp - 1 - pp_rank) for k in range(virtual_stages)]
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
@@ -179,7 +179,7 @@ def stage_ranges(model: torch.nn.Module, *, pp: int, virtual_stages: int = 1, ba
 
 
 def other_stages_modules(
-    model: torch.nn.Module, ranges: list[range], *, pp_rank: int, pp: int, virtual_stages: int = 1, layout: str = "loop"
+    model: torch.nn.Module, ranges: list[range], *, pp_rank: int, pp: int, virtual_stages: int = 1, style: str = "loop"
 ) -> list[str]:
     """Dotted paths of the layers and embedding modules no chunk of ``pp_rank`` holds: what its build can leave
     unmaterialized. The head is not among them: it is small, and the whole model initialises it from the random
@@ -191,12 +191,12 @@ def other_stages_modules(
         pp_rank: this rank's index in the pipeline group.
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
-        layout: ``"loop"`` or ``"v"`` (:func:`chunk_ids_of_rank`).
+        style: ``"loop"`` or ``"v"`` (:func:`chunk_ids_of_rank`).
     """
     from hftrain.parallel.families import stages_of
 
     family = stages_of(model)
-    owned = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, layout=layout)
+    owned = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, style=style)
     kept = {i for c in owned for i in ranges[c]}
     layers = family.layers(model)
     others = [layer for i, layer in enumerate(layers) if i not in kept]
@@ -234,7 +234,7 @@ def build_stage_modules(
     pp: int,
     virtual_stages: int = 1,
     balance: str = "layers",
-    layout: str = "loop",
+    style: str = "loop",
     ranges: list[range] | None = None,
     example_group: Any = None,
 ) -> list[PipelineChunk]:
@@ -248,7 +248,7 @@ def build_stage_modules(
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank (interleaved schedules).
         balance: ``"layers"`` or ``"parameters"`` (:func:`stage_ranges`).
-        layout: which chunks a rank holds, ``"loop"`` or ``"v"`` (the schedule's ``layout``; see
+        style: which chunks a rank holds, ``"loop"`` or ``"v"`` (the schedule's ``style``; see
             :func:`chunk_ids_of_rank`).
         ranges: the split, when it was decided before (on the whole model, before tensor parallelism split its
             layers); None computes it from ``model``.
@@ -268,7 +268,7 @@ def build_stage_modules(
         ranges = stage_ranges(model, pp=pp, virtual_stages=virtual_stages, balance=balance)
     hf_names = {id(p): name for name, p in model.named_parameters()}
     chunks = []
-    for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, layout=layout):
+    for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, style=style):
         first, last = c == 0, c == len(ranges) - 1
         chunk = PipelineChunk(
             family,
@@ -279,7 +279,7 @@ def build_stage_modules(
             aux=family.aux_modules(model),
         )
         chunk.attach_hf_names(hf_names)
-        chunk.index = c  # its global stage index: schedules check it against their layout
+        chunk.index = c  # its global stage index: schedules check it against their style
         chunk.context_split = getattr(model, "context_split", None)  # set by apply_context_parallel
         if experts is not None:
             chunk.routing = StageRouting(

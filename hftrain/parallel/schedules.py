@@ -18,7 +18,7 @@ Torch's stages infer the shapes they send, and size their receive buffers, once 
 micro-batch shape. Micro-batches of one size therefore run as one pass of a torch schedule, and a batch whose
 micro-batches have two sizes (a short last batch, one the count does not divide) as two passes, the longer
 micro-batches first. A pass with a micro-batch count the configured torch schedule cannot run (1F1B needs at least
-``pp``) runs through the layout's any-count schedule (GPipe for one chunk per rank, looped BFS for several; ZBV
+``pp``) runs through the style's any-count schedule (GPipe for one chunk per rank, looped BFS for several; ZBV
 runs any count): the same gradients in another order.
 
 The schedules do not open the batch nor the output: the first chunk picks the columns it reads (its task head's
@@ -195,7 +195,7 @@ class PipelineSchedule:
 
     name: ClassVar[str]
     torch_class: ClassVar[type]
-    layout: ClassVar[str] = "loop"  # which chunks a rank holds (pass to build_stage_modules)
+    style: ClassVar[str] = "loop"  # which chunks a rank holds (pass to build_stage_modules)
 
     def __init__(
         self,
@@ -216,14 +216,14 @@ class PipelineSchedule:
         self.loss_fn = loss_fn
         self.device = torch.device(device)
         self.recorder = recorder
-        self.chunk_ids = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=len(stages), layout=self.layout)
+        self.chunk_ids = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=len(stages), style=self.style)
         built_for = [getattr(chunk, "index", c) for chunk, c in zip(stages, self.chunk_ids, strict=True)]
         if built_for != self.chunk_ids:
             raise ConfigError(
                 f"pipeline schedule {self.name!r} runs chunks {self.chunk_ids} on pp rank {pp_rank} but the stages "
-                f"were built as chunks {built_for}; pass layout={self.layout!r} to build_stage_modules"
+                f"were built as chunks {built_for}; pass style={self.style!r} to build_stage_modules"
             )
-        self.is_first = 0 in self.chunk_ids  # pipeline rank 0 in every layout
+        self.is_first = 0 in self.chunk_ids  # pipeline rank 0 in every style
         self.is_last = pp * len(stages) - 1 in self.chunk_ids  # the last rank ("loop") or rank 0 again ("v")
         self._schedules: dict[str, OrderedDict[tuple, tuple[Any, list[TimedStage]]]] = {
             "train": OrderedDict(),
@@ -442,7 +442,7 @@ class PipelineSchedule:
 
     def build_any_count_schedule(self, stages: list[TimedStage], num_microbatches: int, loss_fn: Callable) -> Any:
         """A training schedule for a pass this schedule cannot run (too few micro-batches for its warm-up): all
-        forwards, then all backwards (GPipe, or looped BFS over several chunks per rank in the loop layout).
+        forwards, then all backwards (GPipe, or looped BFS over several chunks per rank in the loop style).
 
         Args:
             stages: this rank's ``TimedStage`` objects.
@@ -519,7 +519,7 @@ class Interleaved1F1BSchedule(PipelineSchedule):
 
 class InterleavedZeroBubbleSchedule(Interleaved1F1BSchedule):
     """Interleaved zero bubble (ZB1P): backward split into input (``B``) and weight (``W``) gradients, the ``W``
-    passes moved into the bubbles. Same chunk layout and rules as interleaved 1F1B."""
+    passes moved into the bubbles. Same chunk style and rules as interleaved 1F1B."""
 
     name = "interleaved_zb"
     torch_class = ScheduleInterleavedZeroBubble
@@ -531,7 +531,7 @@ class ZBVSchedule(Interleaved1F1BSchedule):
 
     name = "zbv"
     torch_class = ScheduleZBVZeroBubble
-    layout = "v"
+    style = "v"
 
     @classmethod
     def check(cls, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
@@ -543,13 +543,13 @@ class ZBVSchedule(Interleaved1F1BSchedule):
     @classmethod
     def runs(cls, *, pp: int, num_microbatches: int) -> bool:
         """Torch's ZBV runs any count (it plans ``max(2·pp - 1, m)`` and drops the missing micro-batches); no
-        other torch schedule runs the V layout."""
+        other torch schedule runs the V style."""
         return True
 
     def eval_step(self, inputs: dict[str, torch.Tensor] | None, labels: torch.Tensor | None = None) -> Any:
         """Forward only, the whole batch chunk after chunk down and up the V.
 
-        Torch's forward-only schedules assume the loop layout and its V schedules need a backward, so this
+        Torch's forward-only schedules assume the loop style and its V schedules need a backward, so this
         hand-written pass sends each chunk's activation tuple to the next chunk's rank (tested against the
         same reference logits as the other schedules).
 
@@ -562,7 +562,7 @@ class ZBVSchedule(Interleaved1F1BSchedule):
         owner = {
             c: r
             for r in range(self.pp)
-            for c in chunk_ids_of_rank(r, pp=self.pp, virtual_stages=len(self.stages), layout=self.layout)
+            for c in chunk_ids_of_rank(r, pp=self.pp, virtual_stages=len(self.stages), style=self.style)
         }
         local = dict(zip(self.chunk_ids, self.stages, strict=True))
         with torch.no_grad():

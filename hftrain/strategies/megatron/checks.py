@@ -145,17 +145,3 @@ def check_pipeline_model(parallelism: ParallelismConfig, model_config: Any) -> N
 
     # The same split the stages will use; balance "layers" needs no parameter sizes and applies the same checks.
     stage_layer_ranges(model_config.num_hidden_layers, pp=parallelism.pp, virtual_stages=parallelism.virtual_stages)
-
-
-def pipeline_facts(parallelism: ParallelismConfig) -> dict[str, Any]:
-    """The pipeline settings for the start-of-run log and ``hftrain_strategy.json``.
-
-    Args:
-        parallelism: the ``parallelism`` section.
-    """
-    return {
-        "schedule": parallelism.schedule,
-        "num_microbatches": num_microbatches(parallelism),
-        "virtual_stages": parallelism.virtual_stages,
-        "balance": parallelism.balance,
-    }

@@ -116,13 +116,13 @@ class PipelineModel(nn.Module):
 
     @property
     def last_stage_rank(self) -> int:
-        """The pipeline rank holding the last chunk (the head): ``pp - 1``, or 0 in the V layout (ZBV)."""
+        """The pipeline rank holding the last chunk (the head): ``pp - 1``, or 0 in the V style (ZBV)."""
         from hftrain.parallel.pipeline import chunk_ids_of_rank
 
         pp, chunks = self.groups.pp_size, len(self.stages)
         last = pp * chunks - 1
-        layout = self.schedule.layout
-        return next(r for r in range(pp) if last in chunk_ids_of_rank(r, pp=pp, virtual_stages=chunks, layout=layout))
+        style = self.schedule.style
+        return next(r for r in range(pp) if last in chunk_ids_of_rank(r, pp=pp, virtual_stages=chunks, style=style))
 
     def forward(self, **inputs: torch.Tensor) -> Any:
         """The model's output for ``inputs`` on every stage: the task head's ``output`` of the last stage's (a
@@ -211,19 +211,19 @@ class PipelineRuntime(MegatronRuntime):
         from hftrain.parallel import other_stages_modules, stage_ranges
         from hftrain.parallel.schedules import schedule_class
 
-        layout, options = self.plugin.layout, self.pipeline
+        groups, options = self.plugin.groups, self.pipeline
 
         def leave_out(model: nn.Module) -> list[str]:
             self._ranges = stage_ranges(
-                model, pp=layout.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
+                model, pp=groups.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
             )
             return other_stages_modules(
                 model,
                 self._ranges,
-                pp_rank=layout.pp_rank,
-                pp=layout.pp_size,
+                pp_rank=groups.pp_rank,
+                pp=groups.pp_size,
                 virtual_stages=options.virtual_stages,
-                layout=schedule_class(options.schedule).layout,
+                style=schedule_class(options.schedule).style,
             )
 
         with self.plain_model_context():
@@ -231,7 +231,7 @@ class PipelineRuntime(MegatronRuntime):
             model = build(leave_out=leave_out) if build is not None else model_init()
         if self._ranges is None:  # built whole: split by the whole model's logical sizes, as a built-out one
             self._ranges = stage_ranges(
-                model, pp=layout.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
+                model, pp=groups.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
             )
         return model
 
@@ -245,7 +245,7 @@ class PipelineRuntime(MegatronRuntime):
         from hftrain.parallel import TimelineRecorder, build_schedule, build_stage_modules, release_other_stages
         from hftrain.parallel.schedules import schedule_class
 
-        layout, device = self.plugin.layout, self.accelerator.device
+        groups, device = self.plugin.groups, self.accelerator.device
         plan = OptimizerPlan.take(optimizer, model)  # the optimizer lets go of the full model's parameters
         # Split every layer over tp on the host (the plugin's one preparation), keep this rank's stages and move
         # only those to the device; the rest is freed below, never having reached it.
@@ -254,11 +254,11 @@ class PipelineRuntime(MegatronRuntime):
         stages = build_stage_modules(
             model,
             example_group=self.example_group,  # a mixture of experts' router loss is over them
-            pp_rank=layout.pp_rank,
-            pp=layout.pp_size,
+            pp_rank=groups.pp_rank,
+            pp=groups.pp_size,
             virtual_stages=self.pipeline.virtual_stages,
             balance=self.pipeline.balance,
-            layout=schedule_class(self.pipeline.schedule).layout,  # which chunks a rank holds (loop or V)
+            style=schedule_class(self.pipeline.schedule).style,  # which chunks a rank holds (loop or V)
             ranges=self._ranges,
         )
         for stage in stages:
@@ -272,18 +272,18 @@ class PipelineRuntime(MegatronRuntime):
         if tied is not None:
             self._tie_stages(tied, stage_params, stages)
         self._share_aux(stages)
-        self.recorder = TimelineRecorder(layout.pp_rank)
+        self.recorder = TimelineRecorder(groups.pp_rank)
         schedule = build_schedule(
             self.pipeline.schedule,
             stages,
-            pp_group=layout.pp_group,
-            pp_rank=layout.pp_rank,
-            pp=layout.pp_size,
+            pp_group=groups.pp_group,
+            pp_rank=groups.pp_rank,
+            pp=groups.pp_size,
             num_microbatches=self.num_microbatches,
             device=device,
             recorder=self.recorder,
         )
-        pipeline = PipelineModel(model, stages, schedule, layout)
+        pipeline = PipelineModel(model, stages, schedule, groups)
         prepared = self._prepare_rest(plan, train_loader, eval_loader)
         release_other_stages(model, stages)
         to_device(model, device)  # what this rank keeps outside its stages (buffers); the rest is on meta now
@@ -346,7 +346,7 @@ class PipelineRuntime(MegatronRuntime):
         on several pipeline ranks (a tied embedding's over Megatron's embedding group, shared aux weights' over pp)."""
         from hftrain.parallel import complete_grads
 
-        complete_grads(self._model, self.plugin.layout, data_mean=True)
+        complete_grads(self._model, self.plugin.groups, data_mean=True)
         for copy, group in self._copies:  # every copy's gradient is the sum of all of them: one update
             if copy.grad is None:  # a stage that took no gradient into it still joins the sum
                 copy.grad = torch.zeros_like(copy)
@@ -367,21 +367,21 @@ class PipelineRuntime(MegatronRuntime):
         from hftrain.parallel.pipeline import chunk_ids_of_rank
         from hftrain.parallel.schedules import schedule_class
 
-        layout, options = self.plugin.layout, self.pipeline
-        pp, virtual = layout.pp_size, options.virtual_stages
-        chunk_layout = schedule_class(options.schedule).layout
+        groups, options = self.plugin.groups, self.pipeline
+        pp, virtual = groups.pp_size, options.virtual_stages
+        chunk_style = schedule_class(options.schedule).style
         owner = {
-            c: r for r in range(pp) for c in chunk_ids_of_rank(r, pp=pp, virtual_stages=virtual, layout=chunk_layout)
+            c: r for r in range(pp) for c in chunk_ids_of_rank(r, pp=pp, virtual_stages=virtual, style=chunk_style)
         }
         first, last = owner[0], owner[pp * virtual - 1]
         held = id(tied) in stage_params
         if first == last:  # one rank holds both (ZBV's V): one parameter, nothing to sum
             return
-        if held and layout.pp_rank != first:  # the first stage counts it in the gradient norm
+        if held and groups.pp_rank != first:  # the first stage counts it in the gradient norm
             self.foreign_copies |= {n for n, p in self._params.items() if p is tied}
         rank = dist.get_rank()
         embedding_group = None
-        for stages in layout.dims.iter_groups("pp"):  # every pipeline: its first and last stage's ranks
+        for stages in groups.dims.iter_groups("pp"):  # every pipeline: its first and last stage's ranks
             ranks = [stages[first], stages[last]]
             group = dist.new_group(ranks)
             if rank in ranks:
@@ -397,19 +397,19 @@ class PipelineRuntime(MegatronRuntime):
         from hftrain.parallel.pipeline import chunk_ids_of_rank
         from hftrain.parallel.schedules import schedule_class
 
-        layout = self.plugin.layout
+        groups = self.plugin.groups
         shared = {id(p): p for stage in stages for p in stage.aux.parameters()}
-        if not shared or layout.pp_size == 1:
+        if not shared or groups.pp_size == 1:
             return
         chunks = chunk_ids_of_rank(
-            layout.pp_rank,
-            pp=layout.pp_size,
+            groups.pp_rank,
+            pp=groups.pp_size,
             virtual_stages=self.pipeline.virtual_stages,
-            layout=schedule_class(self.pipeline.schedule).layout,
+            style=schedule_class(self.pipeline.schedule).style,
         )
         if 0 not in chunks:
             self.foreign_copies |= {n for n, p in self._params.items() if id(p) in shared}
-        self._copies += [(p, layout.pp_group) for p in shared.values()]
+        self._copies += [(p, groups.pp_group) for p in shared.values()]
 
     def evaluation_step(
         self, model: nn.Module, batch: Batch, predict: Callable[[nn.Module, Batch], tuple]
@@ -426,10 +426,10 @@ class PipelineRuntime(MegatronRuntime):
         with torch.no_grad():
             logits = model.schedule.eval_step(inputs, None)
             outputs = None if logits is None else predict(LogitsModel(logits, model.config, model.task_head), batch)
-        if self.plugin.layout.pp_size > 1:  # a few numbers per example, as host objects
+        if self.plugin.groups.pp_size > 1:  # a few numbers per example, as host objects
             outputs = broadcast_object(
                 None if outputs is None else tuple(t.detach().cpu() for t in outputs),
-                group=self.plugin.layout.pp_group,
+                group=self.plugin.groups.pp_group,
                 group_src=model.last_stage_rank,
             )
         device = self.accelerator.device
@@ -465,14 +465,14 @@ class PipelineRuntime(MegatronRuntime):
 
         from hftrain.parallel import gather_events, measured_bubble, render_timeline, theoretical_bubble
 
-        layout = self.plugin.layout
-        events = gather_events(self.recorder, layout.pp_group)
+        groups = self.plugin.groups
+        events = gather_events(self.recorder, groups.pp_group)
         if not self.is_main_process or not events:
             return
         output = Path(self.accelerator.project_dir)
         facts = {
             "schedule": self.pipeline.schedule,
-            "pp": layout.pp_size,
+            "pp": groups.pp_size,
             "num_microbatches": self.num_microbatches,
             "virtual_stages": self.pipeline.virtual_stages,
         }
@@ -481,7 +481,7 @@ class PipelineRuntime(MegatronRuntime):
             **facts,
             "measured_bubble": measured_bubble(events),
             "theoretical_bubble": theoretical_bubble(
-                layout.pp_size, self.num_microbatches, virtual_stages=self.pipeline.virtual_stages
+                groups.pp_size, self.num_microbatches, virtual_stages=self.pipeline.virtual_stages
             ),
         }
         last = max(e.step for e in events)

@@ -70,10 +70,10 @@ class MegatronPlugin:
     vocab_multiple: int = 1  # the embedding pads the vocabulary to a multiple of tp × this
     ep: int = 1  # expert parallelism: dp ranks that split the experts of a mixture-of-experts model
     moe_capacity_factor: float | None = None  # None: dropless routing (hftrain.parallel.expert_parallel)
-    groups: ParallelGroups | None = field(default=None, init=False, repr=False)
+    _groups: ParallelGroups | None = field(default=None, init=False, repr=False)
     rng_tracker: RNGTracker | None = field(default=None, init=False, repr=False)  # set by parallelize()
 
-    # ----------------------------------------------------------------- layout
+    # ----------------------------------------------------------------- groups
     def setup(self, *, device_type: str = "cpu", dims: ParallelDims | None = None) -> MegatronPlugin:
         """Build the tp/dp/pp groups in Megatron's rank order (collective; needs the default process group).
 
@@ -91,15 +91,15 @@ class MegatronPlugin:
             dims = ParallelDims(world, **{axis: getattr(self, axis) for axis in AXIS_SIZES}).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
             _init_single_process_group("nccl" if device_type == "cuda" else "gloo")
-        self.groups = build_groups(dims, rank, device_type=device_type)
+        self._groups = build_groups(dims, rank, device_type=device_type)
         return self
 
     @property
-    def layout(self) -> ParallelGroups:
+    def groups(self) -> ParallelGroups:
         """This rank's groups; ``setup()`` must have run."""
-        if self.groups is None:
+        if self._groups is None:
             raise RuntimeError("MegatronPlugin.setup() must run before the plugin is used")
-        return self.groups
+        return self._groups
 
     @property
     def sequence_multiple(self) -> int | None:
@@ -136,13 +136,13 @@ class MegatronPlugin:
         from hftrain.parallel import parallelize_model
         from hftrain.parallel.random import RNGTracker
 
-        layout = self.layout
+        groups = self.groups
         self.rng_tracker = RNGTracker(
-            seed=torch.initial_seed(), tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, device=device or "cpu"
+            seed=torch.initial_seed(), tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=device or "cpu"
         ).seed_streams()
         model = parallelize_model(
             model,
-            layout,
+            groups,
             sequence_parallel=self.sequence_parallel,
             cp_comm=self.cp_comm,
             rng_tracker=self.rng_tracker,
@@ -161,15 +161,15 @@ class MegatronPlugin:
         """
         from torch.nn.parallel import DistributedDataParallel
 
-        layout = self.layout
+        groups = self.groups
         model = self.parallelize(model, device=device)
-        data_group, _, replicas = layout.data_replicas(None)  # dp × cp: the ranks holding the same shards
+        data_group, _, replicas = groups.data_replicas(None)  # dp × cp: the ranks holding the same shards
         if replicas == 1:
             return model
         from hftrain.parallel import ddp_ignored
 
         # parameters whose data replicas are another group (ep's experts): finalize_grads averages them there
-        ignored = ddp_ignored(model, layout)
+        ignored = ddp_ignored(model, groups)
         if ignored:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         # Gradients are averaged over the ranks holding the same shard only (and its sequence parts: dp × cp);
@@ -184,8 +184,8 @@ class MegatronPlugin:
         """
         from accelerate.optimizer import AcceleratedOptimizer
 
-        if self.shard_optimizer and self.layout.dp_size > 1:
-            optimizer = _zero_from(optimizer, self.layout.dp_group)
+        if self.shard_optimizer and self.groups.dp_size > 1:
+            optimizer = _zero_from(optimizer, self.groups.dp_group)
         # device_placement=False: a ZeroRedundancyOptimizer has no state_dict() before consolidation.
         return AcceleratedOptimizer(optimizer, device_placement=False)
 
@@ -200,12 +200,12 @@ class MegatronPlugin:
 
         if self.sequence_multiple:
             loader = _padded_to_multiple(loader, self.sequence_multiple)
-        layout = self.layout
+        groups = self.groups
         return prepare_data_loader(
             loader,
             device,
-            num_processes=layout.dp_size,
-            process_index=layout.dp_rank,
+            num_processes=groups.dp_size,
+            process_index=groups.dp_rank,
             put_on_device=device is not None,
             use_seedable_sampler=True,
             non_blocking=loader.pin_memory,  # pinned batches (a GPU run): their copies do not wait for the device
@@ -221,7 +221,7 @@ class MegatronPlugin:
         """
         from hftrain.parallel import complete_grads
 
-        complete_grads(unwrap(model), self.layout, data_mean=False)
+        complete_grads(unwrap(model), self.groups, data_mean=False)
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to the global gradient norm, as one process with the whole model would compute it
@@ -234,7 +234,7 @@ class MegatronPlugin:
         from hftrain.parallel import clip_grad_norm_
 
         module = unwrap(model)
-        return clip_grad_norm_(module, dict(module.named_parameters()), max_norm, groups=self.layout.cut_groups)
+        return clip_grad_norm_(module, dict(module.named_parameters()), max_norm, groups=self.groups.cut_groups)
 
     # ----------------------------------------------------------------- evaluation and state
     def gather_for_metrics(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -250,11 +250,11 @@ class MegatronPlugin:
         import torch.distributed as dist
         from accelerate.state import GradientState
 
-        layout = self.layout
-        if layout.dp_size == 1:
+        groups = self.groups
+        if groups.dp_size == 1:
             return tensors
-        parts: list[Any] = [None] * layout.dp_size
-        dist.all_gather_object(parts, [t.cpu() for t in tensors], group=layout.dp_group)
+        parts: list[Any] = [None] * groups.dp_size
+        dist.all_gather_object(parts, [t.cpu() for t in tensors], group=groups.dp_group)
         gathered = tuple(torch.cat([p[i] for p in parts]) for i in range(len(tensors)))
         state = GradientState()
         if state.end_of_dataloader and state.remainder > 0:
@@ -269,7 +269,7 @@ class MegatronPlugin:
         """
         from hftrain.parallel import full_state_dict
 
-        return full_state_dict(unwrap(model), groups=self.layout.cut_groups)
+        return full_state_dict(unwrap(model), groups=self.groups.cut_groups)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

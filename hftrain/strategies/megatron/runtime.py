@@ -46,13 +46,13 @@ class MegatronRuntime(AccelerateRuntime):
 
     @property
     def dp_size(self) -> int:
-        return self.plugin.layout.dp_size
+        return self.plugin.groups.dp_size
 
     @property
     def example_group(self) -> Any:
         # tp (and pp) ranks of a replica hold the same examples; the data replicas of a dense parameter (dp, and
         # the context-parallel ranks holding parts of the same examples) hold the others
-        group, _, count = self.plugin.layout.data_replicas(None)
+        group, _, count = self.plugin.groups.data_replicas(None)
         return group if count > 1 else None
 
     @property
@@ -111,13 +111,13 @@ class MegatronRuntime(AccelerateRuntime):
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         from hftrain.parallel import clip_grad_norm_
 
-        layout = self.plugin.layout
+        groups = self.plugin.groups
         return clip_grad_norm_(
             self._model,
             self._params,
             max_norm,
-            groups=layout.cut_groups,
-            pp_group=layout.pp_group,
+            groups=groups.cut_groups,
+            pp_group=groups.pp_group,
             uncounted=self.foreign_copies,
         )
 
@@ -137,19 +137,19 @@ class MegatronRuntime(AccelerateRuntime):
         from hftrain.parallel import check_replicas_agree
         from hftrain.parallel.random import save_streams
 
-        layout = self.plugin.layout
+        groups = self.plugin.groups
         # Before anything is written: the checkpoint keeps one copy of every replicated parameter.
         # Bit-identical where kernels are deterministic (a CPU); on a GPU within a bound after one broadcast.
-        check_replicas_agree(self._model, tp_group=layout.tp_group, exact=self.device.type == "cpu")
+        check_replicas_agree(self._model, tp_group=groups.tp_group, exact=self.device.type == "cpu")
         # Scheduler and per-rank RNG as every strategy saves them, the RNG tracker's streams per mesh coordinate
         # beside them.
         super().save_extras(directory)
-        save_streams(directory, self.plugin.rng_tracker, groups=layout)
+        save_streams(directory, self.plugin.rng_tracker, groups=groups)
 
     def snapshot(self) -> Snapshot:
         from hftrain.strategies.megatron.state import snapshot
 
-        return snapshot(self._model, self._params, self._optimizer, groups=self.plugin.layout, info=self.layout_facts())
+        return snapshot(self._model, self._params, self._optimizer, groups=self.plugin.groups, info=self.layout_facts())
 
     def load_extras(self, directory: str) -> None:
         from hftrain.log import log_main
@@ -158,34 +158,34 @@ class MegatronRuntime(AccelerateRuntime):
         super().load_extras(directory)
         # After Accelerate's per-rank RNG: on another layout those are other ranks' states, and the tracker's
         # deterministic rebuild replaces them, identical over each tp group.
-        note = load_streams(directory, self.plugin.rng_tracker, groups=self.plugin.layout)
+        note = load_streams(directory, self.plugin.rng_tracker, groups=self.plugin.groups)
         if note:
             log_main(note)
 
     def load_snapshot(self, directory: str) -> None:
         from hftrain.strategies.megatron.state import load_snapshot
 
-        load_snapshot(directory, self._model, self._params, self._optimizer, groups=self.plugin.layout)
+        load_snapshot(directory, self._model, self._params, self._optimizer, groups=self.plugin.groups)
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights gathered over tp (and merged over pp); collective."""
         from hftrain.strategies.megatron.state import merged_weights
 
-        return merged_weights(self._model, self._params, self.plugin.layout)
+        return merged_weights(self._model, self._params, self.plugin.groups)
 
     def iter_full_state(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The full tensors one at a time, gathered over tp by the stage holding each and sent to the main
         process (collective; see the base)."""
         from hftrain.strategies.megatron.state import iter_full_state
 
-        return iter_full_state(self._model, self._params, self.plugin.layout)
+        return iter_full_state(self._model, self._params, self.plugin.groups)
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return self._model if self._model is not None else self.plugin_unwrap(model)
 
     def layout_facts(self) -> dict[str, int]:
         """This run's layout, recorded in checkpoints."""
-        dims = self.plugin.layout.dims
+        dims = self.plugin.groups.dims
         return {**dims.sizes, "world_size": dims.world_size}
 
 

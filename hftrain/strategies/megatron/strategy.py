@@ -17,6 +17,7 @@ strategy's options (FSDP/DeepSpeed settings).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError
@@ -26,7 +27,7 @@ from hftrain.strategies.megatron.checks import (
     check_context_parallel_model,
     check_pipeline_model,
     check_pipeline_training,
-    pipeline_facts,
+    num_microbatches,
 )
 from hftrain.strategies.megatron.fields import named_by_config
 
@@ -150,22 +151,21 @@ class MegatronStrategy(Strategy):
         return {"cpu": self.platform.is_cpu}
 
     def describe(self) -> dict[str, Any]:
+        """The layout (tp and pp, and every other axis in use, with the options of the axes in use), for the
+        start-of-run log and ``hftrain_strategy.json``."""
+        from hftrain.parallel.dims import AXIS_SIZES
+
+        sizes = {axis: getattr(self.dims, axis) for axis in AXIS_SIZES}
+        used = {axis for axis, size in sizes.items() if size > 1}
         return {
             "type": "megatron",
-            "tp": self.dims.tp,
-            "pp": self.dims.pp,
-            **({"cp": self.dims.cp, "cp_comm": self.parallelism.cp_comm} if self.dims.cp > 1 else {}),
-            **({"ep": self.dims.ep, "edp": self.dims.edp} if self.dims.ep > 1 else {}),
-            **(
-                {"moe_capacity_factor": self.parallelism.moe_capacity_factor}
-                if self.parallelism.moe_capacity_factor
-                else {}
-            ),
-            "sequence_parallel": self.parallelism.sequence_parallel,
+            **{axis: size for axis, size in sizes.items() if axis in used | {"tp", "pp"}},
+            **({"edp": self.dims.edp} if self.dims.ep > 1 else {}),  # expert parallelism's data-parallel groups
+            **self.parallelism.options(used | {"tp"}),
+            **({"pad_to_multiple_of": buckets} if (buckets := self.parallelism.pad_to_multiple_of) else {}),
             "shard_optimizer": self.config.shard_optimizer,
-            "vocab_multiple": self.parallelism.vocab_multiple,
             "checkpoint_format": "sharded (torch.distributed.checkpoint)",
-            **(pipeline_facts(self.parallelism) if self.dims.pp > 1 else {}),
+            **({"num_microbatches": num_microbatches(self.parallelism)} if self.dims.pp > 1 else {}),
         }
 
     def summary(self, training: TrainingConfig, accelerator: Accelerator) -> dict[str, Any]:
@@ -176,20 +176,14 @@ class MegatronStrategy(Strategy):
     def build_runtime(self, accelerator: Accelerator) -> MegatronRuntime:
         from hftrain.strategies.megatron.plugin import MegatronPlugin
 
+        # The plugin takes the parallelism section's fields it has (the axes' sizes and options) and ZeRO-1.
+        taken = {f.name for f in dataclasses.fields(MegatronPlugin) if f.init}
+        section = {f.name: getattr(self.parallelism, f.name) for f in dataclasses.fields(self.parallelism)}
         plugin = MegatronPlugin(
-            tp=self.dims.tp,
-            sequence_parallel=self.parallelism.sequence_parallel,
+            **{key: value for key, value in section.items() if key in taken},
             shard_optimizer=self.config.shard_optimizer,
-            pp=self.dims.pp,
-            cp=self.dims.cp,
-            cp_comm=self.parallelism.cp_comm,
-            pad_to_multiple_of=self.parallelism.pad_to_multiple_of,
-            vocab_multiple=self.parallelism.vocab_multiple,
-            ep=self.dims.ep,
-            moe_capacity_factor=self.parallelism.moe_capacity_factor,
         ).setup(device_type=self.platform.device, dims=self.dims)
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
-            from hftrain.strategies.megatron.checks import num_microbatches
             from hftrain.strategies.megatron.pipeline_runtime import PipelineOptions, PipelineRuntime
 
             options = PipelineOptions(
