@@ -26,9 +26,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-    from hftrain.config import ParallelismConfig, StrategyConfig, TrainingConfig
-    from hftrain.strategies.base import LaunchInfo
-    from hftrain.strategies.platform import Platform
+    from hftrain.config import StrategyConfig, TrainingConfig
 
 # FSDP2 has one knob: reshard parameters after forward (FULL_SHARD) or keep them until backward (SHARD_GRAD_OP).
 # NO_SHARD maps to False as in Accelerate's ``to_fsdp2`` (used to compare with a launcher's setting); a job that
@@ -60,15 +58,9 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
 
-    def __init__(
-        self,
-        config: StrategyConfig,
-        *,
-        platform: Platform,
-        launch: LaunchInfo,
-        parallelism: ParallelismConfig | None = None,
-    ) -> None:
-        super().__init__(config, platform=platform, launch=launch, parallelism=parallelism)
+    def __init__(self, config: StrategyConfig, **context: Any) -> None:
+        super().__init__(config, **context)  # platform, launch, parallelism: see Strategy
+        platform, launch = self.platform, self.launch
         launched = (launch.accelerate_settings or {}) if launch.accelerate_strategy == "fsdp" else {}
         self.settings = resolve_settings(config, launched)
         self.single_node = launch.local_world_size == launch.world_size

@@ -34,10 +34,8 @@ from hftrain.strategies.megatron.fields import named_by_config
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from hftrain.config import ParallelismConfig, StrategyConfig, TrainingConfig
-    from hftrain.strategies.base import LaunchInfo
+    from hftrain.config import StrategyConfig, TrainingConfig
     from hftrain.strategies.megatron.runtime import MegatronRuntime
-    from hftrain.strategies.platform import Platform
 
 # Options of other strategies, with the values that mean "not used".
 _FOREIGN_OPTIONS = {
@@ -67,18 +65,11 @@ class MegatronStrategy(Strategy):
     name = "megatron"
     splits_model = True
 
-    def __init__(
-        self,
-        config: StrategyConfig,
-        *,
-        platform: Platform,
-        launch: LaunchInfo,
-        parallelism: ParallelismConfig | None = None,
-    ) -> None:
+    def __init__(self, config: StrategyConfig, **context: Any) -> None:
         from hftrain.parallel.dims import AXIS_SIZES, ParallelDims
 
-        super().__init__(config, platform=platform, launch=launch, parallelism=parallelism)
-        axes = self.parallelism
+        super().__init__(config, **context)  # platform, launch, parallelism: see Strategy
+        axes, launch = self.parallelism, self.launch
         for key, unused in _FOREIGN_OPTIONS.items():
             if getattr(config, key) != unused:
                 raise ConfigError(
