@@ -1,5 +1,5 @@
 import sys
 
-from hftrain.cli import main
+from hftrain.cli import entry
 
-sys.exit(main(process_exits_after=True))
+sys.exit(entry())

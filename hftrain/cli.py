@@ -155,8 +155,17 @@ def main(argv: list[str] | None = None, *, process_exits_after: bool = False) ->
 
 
 def entry() -> int:
-    """The ``hftrain`` command: :func:`main` on ``sys.argv``, in a process that exits when it returns."""
-    return main(process_exits_after=True)
+    """The ``hftrain`` command: :func:`main` on ``sys.argv``, in a process that exits when it returns.
+
+    A reader that stops early (``hftrain groups --world-size 64 --tp 8 | head``) closes the pipe: the command
+    stops quietly, with the shell's usual status for it, instead of a ``BrokenPipeError`` traceback (Python's
+    documented way: the rest of the output goes to ``/dev/null``, so the interpreter's final flush cannot fail).
+    """
+    try:
+        return main(process_exits_after=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE's status, as a command killed by it reports
 
 
 def reports_errors(environ: typing.Mapping[str, str]) -> bool:

@@ -42,6 +42,17 @@ def test_console_script_exits_2_on_bad_key(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """``hftrain groups … | head -1``: the reader closes the pipe after one line; the command stops with SIGPIPE's
+    status and no ``BrokenPipeError`` traceback (it printed one before)."""
+    command = [sys.executable, "-m", "hftrain", "groups", "--world-size", "8192", "--tp", "8", "--pp", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline().startswith("world size 8192 = tp 8")
+    process.stdout.close()  # as head does after its line
+    stderr = process.stderr.read()
+    assert process.wait(timeout=60) == 141 and stderr == "", stderr
+
+
 def _csv(tmp_path, text: str, name: str = "train.csv") -> str:
     path = tmp_path / name
     path.write_text(text)
