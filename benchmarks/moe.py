@@ -55,6 +55,7 @@ def _train(ep: int, steps: int) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForSequenceClassification
 
+    from hftrain.config import ParallelismConfig
     from hftrain.parallel.expert_parallel import ExpertParallelExperts, RouterMonitor
     from hftrain.strategies.megatron.plugin import MegatronPlugin
 
@@ -63,7 +64,7 @@ def _train(ep: int, steps: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(_config())
-    plugin = MegatronPlugin(ep=ep).setup()
+    plugin = MegatronPlugin(ParallelismConfig(ep=ep)).setup()
     model = plugin.prepare_model(model)
     monitor = RouterMonitor(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -77,6 +77,7 @@ def _hand_written_loop(tp: int | None, shard_optimizer: bool = False) -> dict:
     from torch.utils.data import DataLoader
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
+    from hftrain.config import ParallelismConfig
     from hftrain.data.batching import tokenize_splits
     from hftrain.strategies.megatron.plugin import MegatronPlugin
     from tests.tiny import reset_accelerate_state, tiny_splits
@@ -89,7 +90,7 @@ def _hand_written_loop(tp: int | None, shard_optimizer: bool = False) -> dict:
     tokenizer.pad_token = tokenizer.eos_token
     data = tokenize_splits(tiny_splits(32, 1), tokenizer, max_seq_length=32)["train"].remove_columns(["length"])
     loader = DataLoader(data, batch_size=4, collate_fn=DataCollatorWithPadding(tokenizer))
-    plugin = MegatronPlugin(tp=tp, shard_optimizer=shard_optimizer).setup() if tp else None
+    plugin = MegatronPlugin(ParallelismConfig(tp=tp), shard_optimizer=shard_optimizer).setup() if tp else None
     if plugin is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -319,7 +320,7 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         "cp-with-sequence-parallel": (
             ["--cp", "2", "--tp", "2", "--sequence_parallel", "true"],
             {**_LAUNCHED_3, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
-            "parallelism.cp=2 with parallelism.sequence_parallel",
+            "parallelism.cp: cp=2 with sequence parallelism is not supported yet",
         ),
         "cp-buckets": (
             ["--cp", "2", "--pad_to_multiple_of", "6"],

@@ -294,13 +294,14 @@ def _tensor_parallel_measurement(seq: int, micro: int, shard_optimizer: bool = F
     import torch.distributed as dist
     from accelerate import Accelerator
 
+    from hftrain.config import ParallelismConfig
     from hftrain.parallel import sum_partial_grads
     from hftrain.plan.measure import model_state_bytes, saved_activation_bytes
     from hftrain.strategies.megatron.plugin import MegatronPlugin, unwrap
 
     dist.init_process_group("gloo")
     Accelerator(cpu=True)  # the plugin's optimizer wrapper is Accelerate's, which needs its state
-    plugin = MegatronPlugin(tp=2, sequence_parallel=True, shard_optimizer=shard_optimizer).setup()
+    plugin = MegatronPlugin(ParallelismConfig(tp=2, sequence_parallel=True), shard_optimizer=shard_optimizer).setup()
     model = plugin.prepare_model(_measured_bert())
     optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     ids = torch.randint(0, MEASURED_MODEL["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(1))
@@ -352,12 +353,13 @@ def _pipeline_measurement(tp: int, pp: int, seq: int, micro: int, microbatches: 
     import torch
     import torch.distributed as dist
 
+    from hftrain.config import ParallelismConfig
     from hftrain.parallel import apply_tensor_parallel, build_schedule, build_stage_modules, sum_partial_grads
     from hftrain.plan.measure import model_state_bytes
     from hftrain.strategies.megatron.plugin import MegatronPlugin
 
     dist.init_process_group("gloo")
-    layout = MegatronPlugin(tp=tp, pp=pp).setup().groups
+    layout = MegatronPlugin(ParallelismConfig(tp=tp, pp=pp)).setup().groups
     model = _measured_bert()
     model = apply_tensor_parallel(model, tp_group=layout.tp_group, sequence_parallel=False)
     stages = build_stage_modules(model, pp_rank=layout.pp_rank, pp=pp)

@@ -308,6 +308,14 @@ class ParallelismConfig:
         """The options of the given axes (each field names its axis in its metadata), by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("axis") in axes}
 
+    def taken_by(self, function: Any) -> dict[str, Any]:
+        """The fields ``function`` takes as keyword arguments, by name: how the section reaches ``hftrain.parallel``
+        (which knows no config) whole, without naming each axis's options on the way."""
+        import inspect
+
+        names = inspect.signature(function).parameters
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
+
     def changed(self) -> list[str]:
         """The fields set to something other than their default (what a strategy that splits no model refuses)."""
         default = ParallelismConfig()

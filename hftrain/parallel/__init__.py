@@ -27,7 +27,19 @@ _EXPORTS = {
     "check_replicas_agree": "tensor_parallel",
     "RNGTracker": "random",
     "record_collectives": "collectives",
-    "parallelize_model": "parallelize",
+    # the composition of the axes: one apply call each, and their refusals before any process group
+    **dict.fromkeys(
+        (
+            "parallelize_model",
+            "check_layout",
+            "check_model",
+            "padding_multiple",
+            "LANGUAGE_MODEL_LAYOUTS_NOT_BUILT",
+            "LORA_AXES_NOT_BUILT",
+            "ZERO1_AXES_NOT_BUILT",
+        ),
+        "parallelize",
+    ),
     # where each parameter lives, and what is written once over the records (issue 38)
     **dict.fromkeys(
         (

@@ -68,6 +68,73 @@ import torch.distributed as dist
 NEG_INF = float("-inf")
 
 
+# ----------------------------------------------------------------- what cp can split
+ATTENTION_DROPOUT_FIELDS = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
+"""The config fields that hold a family's attention dropout, which must be 0 under cp."""
+
+
+def check_context_parallel(cp: int, *, sequence_parallel: bool = False, pad_to_multiple_of: int | None = None) -> None:
+    """Refuse, before any model or process group, what ``cp`` does not compose with yet (sequence parallelism) and
+    length buckets the zigzag split (``2·cp`` equal chunks) cannot cut; ``AxisError`` naming ``cp``.
+
+    Args:
+        cp: context-parallel size.
+        sequence_parallel: Megatron sequence parallelism in the tp regions.
+        pad_to_multiple_of: the length buckets (None: none).
+    """
+    import math
+
+    from hftrain.errors import AxisError
+
+    if cp == 1:
+        return
+    if sequence_parallel:
+        raise AxisError("cp", f"cp={cp} with sequence parallelism is not supported yet; use sequence_parallel: false")
+    if pad_to_multiple_of and pad_to_multiple_of % (2 * cp):
+        raise AxisError(
+            "cp",
+            f"length buckets of {pad_to_multiple_of} (pad_to_multiple_of) are not a multiple of 2·cp = {2 * cp}, and "
+            f"context parallelism cuts every sequence into 2·cp equal chunks; use a multiple of {2 * cp} (e.g. "
+            f"{math.lcm(pad_to_multiple_of, 2 * cp)})",
+        )
+
+
+def check_context_parallel_model(config: Any, cp: int, *, tp: int = 1, comm: str = "ring") -> None:
+    """Refuse a model ``cp`` cannot split (no processes needed): another family, attention dropout (the attention
+    probabilities never exist whole), heads the all-to-all cannot divide; ``AxisError`` naming ``cp``.
+
+    Args:
+        config: the model's ``PretrainedConfig``.
+        cp: context-parallel size (> 1).
+        tp: tensor-parallel size (the all-to-all splits each tp rank's heads).
+        comm: ``"ring"`` or ``"all_to_all"``.
+    """
+    from hftrain.errors import AxisError
+    from hftrain.parallel.families import check_family
+    from hftrain.parallel.plans import grouped_query_split
+
+    check_family(config, axis="cp")
+    for name in ATTENTION_DROPOUT_FIELDS:
+        if getattr(config, name, 0) or 0:
+            raise AxisError(
+                "cp",
+                f"cp={cp}: context parallelism needs attention dropout 0, and the model's {name} is "
+                f"{getattr(config, name)}; save the model with {name}: 0.0 in its config.json",
+            )
+    if comm == "all_to_all":
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        # each tp rank's own heads (checked by check_tensor_parallel first); key/value heads fewer than tp are
+        # replicated, one per rank, which no cp > 1 divides
+        split = grouped_query_split(heads, kv_heads, tp)
+        if split.heads % cp or split.kv_heads % cp:
+            raise AxisError(
+                "cp",
+                f"cp_comm all_to_all splits heads over cp, and each tp rank's {split.heads} heads / {split.kv_heads} "
+                f"key/value heads do not divide by cp={cp}; use cp_comm: ring or a cp dividing both",
+            )
+
+
 def zigzag_positions(seq_len: int, cp: int, cp_rank: int, device: Any = None) -> torch.Tensor:
     """The global positions rank ``cp_rank`` holds under the zigzag split: chunks ``cp_rank`` and
     ``2·cp − 1 − cp_rank`` of ``2·cp`` equal chunks (``seq_len`` must divide by ``2·cp``).

@@ -144,6 +144,14 @@ class ParallelDims:
         return ("tp", "pp", "dp") + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "edp") if self.ep > 1 else ())
 
     @property
+    def group_sizes(self) -> dict[str, int]:
+        """The size of each listed group (:attr:`axes`): ``{"tp", "pp", "dp"}``, and cp's and ep's groups when
+        they split something."""
+        every = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "dp_cp": self.dp * self.cp}
+        every |= {"ep": self.ep, "edp": self.edp}
+        return {axis: every[axis] for axis in self.axes}
+
+    @property
     def sizes(self) -> dict[str, int]:
         """The mesh's axis sizes, ``{"tp", "cp", "pp", "dp"}`` (ep lies inside dp), as checkpoints record a layout."""
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}

@@ -12,13 +12,95 @@ blocks' experts (``hftrain.parallel.expert_parallel``): each is one more ``apply
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from hftrain.parallel.dims import ParallelGroups
+    from hftrain.parallel.dims import ParallelDims, ParallelGroups
     from hftrain.parallel.random import RNGTracker
+
+LANGUAGE_MODEL_LAYOUTS_NOT_BUILT = (("pp", "cp"),)
+"""Axes that do not run a causal language model *together* yet: the pipeline's chunks do not take a
+context-parallel split of a language model's positions."""
+
+LORA_AXES_NOT_BUILT = {"pp": "pipeline stages", "cp": "context parallelism", "ep": "expert parallelism"}
+"""Axes whose layers do not take LoRA adapters yet (LoRA's adapters are split with their layers under tp,
+``hftrain.parallel.lora``), with what each is called."""
+
+ZERO1_AXES_NOT_BUILT = {
+    "pp": "the stages' optimizers are not sharded",
+    "ep": "ZeRO-1 over dp would mix different ranks' experts",
+}
+"""Axes a ZeRO-1 optimizer over the dp group does not compose with yet, with why."""
+
+
+def check_layout(dims: ParallelDims, *, sequence_parallel: bool = False, pad_to_multiple_of: int | None = None) -> None:
+    """Refuse, before any model or process group, options the layout's axes do not take together; ``AxisError``
+    naming the axis (the layout itself is ``ParallelDims.validate_trainable``'s).
+
+    Args:
+        dims: the layout.
+        sequence_parallel: Megatron sequence parallelism in the tp regions.
+        pad_to_multiple_of: the length buckets (None: none).
+    """
+    from hftrain.parallel.context_parallel import check_context_parallel
+
+    check_context_parallel(dims.cp, sequence_parallel=sequence_parallel, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def check_model(
+    config: Any,
+    dims: ParallelDims,
+    *,
+    sequence_parallel: bool = False,
+    cp_comm: str = "ring",
+    moe_capacity_factor: float | None = None,
+    virtual_stages: int = 1,
+) -> None:
+    """Refuse a model the layout cannot split, from its config, before any process group: each axis's own check, in
+    the order of their refusals (tp, ep, cp, pp); ``AxisError`` naming the axis.
+
+    Args:
+        config: the model's ``PretrainedConfig``.
+        dims: the layout.
+        sequence_parallel: Megatron sequence parallelism in the tp regions.
+        cp_comm: context parallelism's exchange, ``"ring"`` or ``"all_to_all"``.
+        moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless).
+        virtual_stages: model chunks per pipeline rank.
+    """
+    from hftrain.parallel.context_parallel import check_context_parallel_model
+    from hftrain.parallel.expert_parallel import check_expert_parallel
+    from hftrain.parallel.families import check_family, check_tensor_parallel
+    from hftrain.parallel.pipeline import stage_layer_ranges
+
+    check_tensor_parallel(config, dims.tp, sequence_parallel=sequence_parallel)
+    check_expert_parallel(config, dims.ep, dims.dp, moe_capacity_factor)
+    if dims.cp > 1:
+        check_context_parallel_model(config, dims.cp, tp=dims.tp, comm=cp_comm)
+    if dims.pp > 1:
+        check_family(config)
+        # The same split the stages will use; balance "layers" needs no parameter sizes and applies the same checks.
+        stage_layer_ranges(config.num_hidden_layers, pp=dims.pp, virtual_stages=virtual_stages)
+
+
+def padding_multiple(
+    dims: ParallelDims, *, sequence_parallel: bool = False, pad_to_multiple_of: int | None = None
+) -> int | None:
+    """What every batch's sequence length is padded up to a multiple of: the length buckets, else what the axes that
+    cut the sequence need (``2·cp`` equal zigzag chunks; ``tp`` parts under sequence parallelism), else None (the
+    longest example).
+
+    Args:
+        dims: the layout.
+        sequence_parallel: Megatron sequence parallelism in the tp regions.
+        pad_to_multiple_of: the length buckets (None: none).
+    """
+    if pad_to_multiple_of:
+        return pad_to_multiple_of
+    if dims.cp > 1:
+        return 2 * dims.cp
+    return dims.tp if sequence_parallel and dims.tp > 1 else None
 
 
 def parallelize_model(

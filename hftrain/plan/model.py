@@ -12,7 +12,7 @@ they are counted from the model built on the meta device (exactly, as Ψ). Which
 A language model (``task="causal_lm"``, ``model.task: causal_lm``) is counted as the ``AutoModelForCausalLM`` model
 that training builds: its output projection (``lm_head``) counted once when tied to the input embedding, ``V·h`` more
 when untied (``lm_head_parameters``). The megatron axes that do not run a language model yet
-(``hftrain.strategies.megatron.strategy.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
+(``hftrain.parallel.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class ModelSpec:
         those not built yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp), none for a classifier."""
         if not self.causal_lm:
             return ()
-        from hftrain.strategies.megatron.strategy import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
+        from hftrain.parallel.parallelize import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
 
         return LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
 

@@ -10,7 +10,7 @@ four things Accelerate would get wrong, and leaves the rest (process group, ``ac
 autocast, trackers) to Accelerate::
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)   # the default process group
-    plugin = MegatronPlugin(tp=2).setup()                # Megatron-order tp/dp groups (4 processes: tp2 × dp2)
+    plugin = MegatronPlugin(ParallelismConfig(tp=2)).setup()  # Megatron-order groups (4 processes: tp2 × dp2)
     model = plugin.prepare_model(model)                  # TP layers, then DDP over the dp group only
     optimizer = plugin.prepare_optimizer(torch.optim.AdamW(model.parameters()))
     loader = plugin.prepare_data_loader(loader)          # sharded by dp rank: tp ranks see the same batches
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import DataLoader
 
+    from hftrain.config import ParallelismConfig
     from hftrain.parallel.dims import ParallelDims, ParallelGroups
     from hftrain.parallel.random import RNGTracker
 
@@ -51,25 +52,16 @@ class MegatronPlugin:
     """Megatron-style tensor parallelism composed with data parallelism over the dp groups.
 
     Args:
-        tp: tensor-parallel size; must divide the world size and the model's sizes.
-        sequence_parallel: Megatron sequence parallelism (sequences are padded to a multiple of ``tp``).
+        parallelism: the axes' sizes and options (the job config's ``parallelism`` section,
+            ``hftrain.config.ParallelismConfig``), passed to ``hftrain.parallel`` whole.
         shard_optimizer: ZeRO-1-style optimizer-state sharding over the dp group
             (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+        recompute: activation recomputation, ``"full"``, ``"selective"`` or None.
     """
 
-    tp: int = 1
-    sequence_parallel: bool = False
+    parallelism: ParallelismConfig = field(default_factory=lambda: _section())
     shard_optimizer: bool = False
-    pp: int = (
-        1  # pipeline stages: the groups are laid out tp × cp × dp × pp (the stages are hftrain's pipeline runtime)
-    )
-    cp: int = 1  # context parallelism: ranks that split every sequence (hftrain.parallel.context_parallel)
-    cp_comm: str = "ring"  # "ring" or "all_to_all"
-    pad_to_multiple_of: int | None = None  # length buckets (a multiple of tp under sequence parallelism)
-    recompute: str | None = None  # activation recomputation: "full", "selective" or None
-    vocab_multiple: int = 1  # the embedding pads the vocabulary to a multiple of tp × this
-    ep: int = 1  # expert parallelism: dp ranks that split the experts of a mixture-of-experts model
-    moe_capacity_factor: float | None = None  # None: dropless routing (hftrain.parallel.expert_parallel)
+    recompute: str | None = None
     _groups: ParallelGroups | None = field(default=None, init=False, repr=False)
     rng_tracker: RNGTracker | None = field(default=None, init=False, repr=False)  # set by parallelize()
 
@@ -79,8 +71,8 @@ class MegatronPlugin:
 
         Args:
             device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
-            dims: the layout, validated once by its owner (the strategy); None builds it from ``tp``/``pp`` and
-                the world size (a hand-written loop).
+            dims: the layout, validated once by its owner (the strategy); None builds it from the section's
+                sizes and the world size (a hand-written loop).
         """
         import torch.distributed as dist
 
@@ -88,7 +80,7 @@ class MegatronPlugin:
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         if dims is None:
-            dims = ParallelDims(world, **{axis: getattr(self, axis) for axis in AXIS_SIZES}).validate()
+            dims = ParallelDims(world, **{axis: getattr(self.parallelism, axis) for axis in AXIS_SIZES}).validate()
         if not dist.is_initialized():  # one process (tp=1): a group of one keeps every code path the same
             _init_single_process_group("nccl" if device_type == "cuda" else "gloo")
         self._groups = build_groups(dims, rank, device_type=device_type)
@@ -104,12 +96,10 @@ class MegatronPlugin:
     @property
     def sequence_multiple(self) -> int | None:
         """What every batch's sequence length is padded up to a multiple of: the length buckets, else ``tp`` under
-        sequence parallelism, else None (the longest example)."""
-        if self.pad_to_multiple_of:
-            return self.pad_to_multiple_of
-        if self.cp > 1:  # the zigzag split cuts every sequence into 2·cp equal chunks
-            return 2 * self.cp
-        return self.tp if self.sequence_parallel and self.tp > 1 else None
+        sequence parallelism, ``2·cp`` under context parallelism, else None (the longest example)."""
+        from hftrain.parallel import padding_multiple
+
+        return padding_multiple(self.groups.dims, **self.parallelism.taken_by(padding_multiple))
 
     # ----------------------------------------------------------------- wrapping
     def parallelize(self, model: torch.nn.Module, *, device: Any = None, move: bool = True) -> torch.nn.Module:
@@ -140,16 +130,8 @@ class MegatronPlugin:
         self.rng_tracker = RNGTracker(
             seed=torch.initial_seed(), tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=device or "cpu"
         ).seed_streams()
-        model = parallelize_model(
-            model,
-            groups,
-            sequence_parallel=self.sequence_parallel,
-            cp_comm=self.cp_comm,
-            rng_tracker=self.rng_tracker,
-            recompute=self.recompute,
-            vocab_multiple=self.vocab_multiple,
-            moe_capacity_factor=self.moe_capacity_factor,
-        )
+        options = self.parallelism.taken_by(parallelize_model)  # the axes' options, as parallelize_model names them
+        model = parallelize_model(model, groups, rng_tracker=self.rng_tracker, recompute=self.recompute, **options)
         return to_device(model, device) if device is not None and move else model
 
     def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
@@ -338,3 +320,10 @@ def _init_single_process_group(backend: str) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _section() -> ParallelismConfig:
+    """The default ``parallelism`` section (no axis splits the model)."""
+    from hftrain.config import ParallelismConfig
+
+    return ParallelismConfig()

@@ -1,10 +1,11 @@
 """The ``megatron`` strategy: tensor × context × pipeline × data parallelism, its layout validated once.
 
 ``strategy: {name: megatron, shard_optimizer: false}`` with ``parallelism: {tp: 2, cp: 1, pp: 1, ep: 1,
-sequence_parallel: false}``: the ``parallelism`` section is consumed whole, its sizes by one ``ParallelDims``. The
-world is laid out in Megatron-LM's order (tp ranks adjacent, then cp, then dp, then pp; ep carved out of dp) by one
-``ParallelDims``, built and validated here once and passed down to the plugin's groups. The Trainer runs through
-:class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
+sequence_parallel: false}``: the ``parallelism`` section is consumed whole. Its sizes make one ``ParallelDims``
+(Megatron-LM's rank order: tp ranks adjacent, then cp, then dp, then pp; ep carved out of dp), built and validated
+here once and passed down to the plugin's groups; its options reach ``hftrain.parallel`` as the keyword arguments
+each check and apply call takes (``ParallelismConfig.taken_by``), and each axis's refusals are its own module's.
+The Trainer runs through :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
 :class:`~hftrain.strategies.megatron.pipeline_runtime.PipelineRuntime` (stages and a schedule).
 
 Refused up front, before any process group: a ``tp`` that does not divide the world size or the model's sizes,
@@ -17,18 +18,11 @@ strategy's options (FSDP/DeepSpeed settings).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
-from hftrain.strategies.megatron.checks import (
-    check_context_parallel,
-    check_context_parallel_model,
-    check_pipeline_model,
-    check_pipeline_training,
-    num_microbatches,
-)
+from hftrain.strategies.megatron.checks import check_pipeline_training, num_microbatches
 from hftrain.strategies.megatron.fields import named_by_config
 
 if TYPE_CHECKING:
@@ -47,11 +41,6 @@ _FOREIGN_OPTIONS = {
 }
 
 
-LANGUAGE_MODEL_LAYOUTS_NOT_BUILT = (("pp", "cp"),)
-"""Megatron axes that do not run ``model.task: causal_lm`` *together* yet (refused in one line): the pipeline's
-chunks do not take a context-parallel split of a language model's positions."""
-
-
 class MegatronStrategy(Strategy):
     """Tensor parallelism over ``tp`` adjacent ranks, data parallelism over the rest.
 
@@ -67,9 +56,9 @@ class MegatronStrategy(Strategy):
 
     def __init__(self, config: StrategyConfig, **context: Any) -> None:
         from hftrain.parallel.dims import AXIS_SIZES, ParallelDims
+        from hftrain.parallel.parallelize import ZERO1_AXES_NOT_BUILT
 
         super().__init__(config, **context)  # platform, launch, parallelism: see Strategy
-        axes, launch = self.parallelism, self.launch
         for key, unused in _FOREIGN_OPTIONS.items():
             if getattr(config, key) != unused:
                 raise ConfigError(
@@ -77,19 +66,18 @@ class MegatronStrategy(Strategy):
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
         with named_by_config():  # the layout, and ep with pp or cp, checked as hftrain groups checks them
-            sizes = {axis: getattr(axes, axis) for axis in AXIS_SIZES}
-            self.dims = ParallelDims(launch.world_size, **sizes).validate_trainable()
-        if config.shard_optimizer and axes.ep > 1:
-            raise ConfigError(
-                f"strategy.shard_optimizer with parallelism.ep={axes.ep} is not supported yet (ZeRO-1 over dp would "
-                "mix different ranks' experts); use shard_optimizer: false or ep: 1"
-            )
-        if config.shard_optimizer and axes.pp > 1:
-            raise ConfigError(
-                "strategy.shard_optimizer with parallelism.pp > 1 is not supported yet; use shard_optimizer: false"
-            )
+            sizes = {axis: getattr(self.parallelism, axis) for axis in AXIS_SIZES}
+            self.dims = ParallelDims(self.launch.world_size, **sizes).validate_trainable()
+        for axis, why in ZERO1_AXES_NOT_BUILT.items():
+            if config.shard_optimizer and getattr(self.dims, axis) > 1:
+                raise ConfigError(
+                    f"strategy.shard_optimizer with parallelism.{axis}={getattr(self.dims, axis)} is not supported "
+                    f"yet ({why}); use shard_optimizer: false or {axis}: 1"
+                )
 
     def preflight(self, training: TrainingConfig) -> None:
+        from hftrain.parallel import check_layout
+
         if training.mixed_precision == "fp16":  # Accelerate's gradient scaler would meet an optimizer it never saw
             raise ConfigError(
                 "training.mixed_precision fp16 is not supported with strategy megatron (no gradient scaler); "
@@ -97,11 +85,10 @@ class MegatronStrategy(Strategy):
             )
         with named_by_config():
             check_pipeline_training(self.parallelism, training)  # also at pp=1: an interleaved schedule is refused
-            check_context_parallel(self.parallelism)
+            check_layout(self.dims, **self.parallelism.taken_by(check_layout))
 
     def check_model(self, model_config: Any, *, use_lora: bool, task: str = "sequence_classification") -> None:
-        from hftrain.parallel import check_tensor_parallel
-        from hftrain.parallel.expert_parallel import check_expert_parallel
+        from hftrain.parallel import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT, LORA_AXES_NOT_BUILT, check_model
 
         for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if task == "causal_lm" else ():
             if all(getattr(self.dims, axis) > 1 for axis in axes):
@@ -110,22 +97,15 @@ class MegatronStrategy(Strategy):
                     f"{given} with model.task: causal_lm is not built yet (a language model takes each of them "
                     f"alone, with tp, sequence_parallel, ep and dp); use {axes[-1]}: 1 or {axes[0]}: 1"
                 )
-        for axis in ("pp", "cp", "ep"):
-            if use_lora and getattr(self.dims, axis) > 1:
+        for axis, what in LORA_AXES_NOT_BUILT.items():
+            size = getattr(self.dims, axis)
+            if use_lora and size > 1:
                 raise ConfigError(
-                    f"lora.use_lora with parallelism.{axis}={getattr(self.dims, axis)} is not supported yet (LoRA runs "
-                    f"under megatron's tp and dp); use {axis}: 1, or train the full model"
+                    f"lora.use_lora with parallelism.{axis}={size} is not supported yet (LoRA runs under megatron's "
+                    f"tp and dp, not {what}); use {axis}: 1, or train the full model"
                 )
         with named_by_config():
-            check_tensor_parallel(model_config, self.dims.tp, sequence_parallel=self.parallelism.sequence_parallel)
-            check_expert_parallel(model_config, self.dims.ep, self.dims.dp, self.parallelism.moe_capacity_factor)
-            if self.dims.cp > 1:
-                check_context_parallel_model(self.parallelism, model_config)
-            if self.dims.pp > 1:
-                from hftrain.parallel.families import check_family
-
-                check_family(model_config)
-                check_pipeline_model(self.parallelism, model_config)
+            check_model(model_config, self.dims, **self.parallelism.taken_by(check_model))
 
     def tune_host_allocator(self) -> str:
         """Under pipeline parallelism tune the host allocator for a lean resident set: memory is what stages are for.
@@ -142,16 +122,12 @@ class MegatronStrategy(Strategy):
         return {"cpu": self.platform.is_cpu}
 
     def describe(self) -> dict[str, Any]:
-        """The layout (tp and pp, and every other axis in use, with the options of the axes in use), for the
-        start-of-run log and ``hftrain_strategy.json``."""
-        from hftrain.parallel.dims import AXIS_SIZES
-
-        sizes = {axis: getattr(self.dims, axis) for axis in AXIS_SIZES}
-        used = {axis for axis, size in sizes.items() if size > 1}
+        """The layout (every group's size: tp, pp, dp, and the groups of the other axes in use) with the options of
+        the axes in use (tp's always), for the start-of-run log and ``hftrain_strategy.json``."""
+        used = {axis for axis in self.dims.axes if getattr(self.dims, axis, 1) > 1}
         return {
             "type": "megatron",
-            **{axis: size for axis, size in sizes.items() if axis in used | {"tp", "pp"}},
-            **({"edp": self.dims.edp} if self.dims.ep > 1 else {}),  # expert parallelism's data-parallel groups
+            **self.dims.group_sizes,
             **self.parallelism.options(used | {"tp"}),
             **({"pad_to_multiple_of": buckets} if (buckets := self.parallelism.pad_to_multiple_of) else {}),
             "shard_optimizer": self.config.shard_optimizer,
@@ -167,13 +143,9 @@ class MegatronStrategy(Strategy):
     def build_runtime(self, accelerator: Accelerator) -> MegatronRuntime:
         from hftrain.strategies.megatron.plugin import MegatronPlugin
 
-        # The plugin takes the parallelism section's fields it has (the axes' sizes and options) and ZeRO-1.
-        taken = {f.name for f in dataclasses.fields(MegatronPlugin) if f.init}
-        section = {f.name: getattr(self.parallelism, f.name) for f in dataclasses.fields(self.parallelism)}
-        plugin = MegatronPlugin(
-            **{key: value for key, value in section.items() if key in taken},
-            shard_optimizer=self.config.shard_optimizer,
-        ).setup(device_type=self.platform.device, dims=self.dims)
+        plugin = MegatronPlugin(self.parallelism, shard_optimizer=self.config.shard_optimizer).setup(
+            device_type=self.platform.device, dims=self.dims
+        )
         if self.dims.pp > 1:  # the stages run through the pipeline schedule
             from hftrain.strategies.megatron.pipeline_runtime import PipelineOptions, PipelineRuntime
 
