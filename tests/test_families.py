@@ -26,7 +26,7 @@ MICROBATCHES = 2  # the pipeline layouts' num_microbatches
 
 
 def _axes(kind: str) -> frozenset[str]:
-    from hftrain.plan.model import trainable_axes
+    from hftrain.parallel.families import trainable_axes
     from tests.tiny import tiny_config
 
     return trainable_axes(tiny_config(kind))
@@ -256,8 +256,7 @@ def test_a_family_with_llamas_layout_is_found_without_an_entry():
     modules takes Llama's layout (tp from the derived plan, pp and cp from the rotary decoder adapter); one whose
     plan differs is refused naming the axis and the families that have one."""
     from hftrain.errors import ConfigError
-    from hftrain.parallel.families import family_of, plan_for
-    from hftrain.plan.model import trainable_axes
+    from hftrain.parallel.families import family_of, plan_for, trainable_axes
     from tests.tiny import tiny_config
 
     config = tiny_config("llama")

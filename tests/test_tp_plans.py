@@ -395,8 +395,7 @@ def test_deberta_v2_refuses_what_its_plan_cannot_split_in_one_line():
     (conv_kernel_size > 0: v2-xlarge) is refused for both, and cp for every config, each naming why."""
     from hftrain.errors import AxisError
     from hftrain.parallel import check_tensor_parallel
-    from hftrain.parallel.families import check_family
-    from hftrain.plan.model import trainable_axes
+    from hftrain.parallel.families import check_family, trainable_axes
 
     config = _config("deberta-v2")
     check_tensor_parallel(config, 2, sequence_parallel=True)

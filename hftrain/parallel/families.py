@@ -759,3 +759,30 @@ def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = Fal
             f"tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
             f"valid tp values for it: {', '.join(map(str, _valid_tp(sizes, kv_heads)))}",
         )
+
+
+def trainable_axes(config: Any, class_name: str | None = None) -> frozenset[str]:
+    """The model-parallel axes the trainer takes for ``config``, each checked as the trainer checks it (the planner
+    asks here, so it never offers a layout ``train`` refuses).
+
+    Args:
+        config: the model's ``transformers`` config.
+        class_name: the model class (e.g. a ``*ForCausalLM``), whose own limits count too.
+    """
+    from hftrain.errors import ConfigError
+
+    checks = (
+        ("tp", plan_for),
+        ("pp", lambda c: check_family(c, class_name=class_name)),
+        ("cp", lambda c: check_family(c, class_name=class_name, axis="cp")),
+    )
+    axes = set()
+    for axis, check in checks:
+        try:
+            check(config)
+        except ConfigError:
+            continue
+        axes.add(axis)
+    if expert_plan_for(config) is not None:
+        axes.add("ep")
+    return frozenset(axes)

@@ -6,6 +6,7 @@ import argparse
 import math
 
 from hftrain.errors import ConfigError
+from hftrain.parallel.dims import AXIS_SIZES
 
 SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 MAX_PARAMETERS = 10**15  # a thousand trillion: beyond any model, and every byte count stays a finite float
@@ -93,17 +94,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="fused (flash/SDPA: no a·s² scores saved; default) or eager",
     )
     out = parser.add_argument_group("layouts and output")
-    out.add_argument("--tp", type=int, help="only TP × PP × DP layouts with this tensor-parallel size")
-    out.add_argument("--pp", type=int, help="only layouts with this pipeline-parallel size")
-    out.add_argument(
-        "--cp", type=int, default=1, help="only layouts with this context-parallel size (sequences split over cp GPUs)"
-    )
-    out.add_argument(
-        "--ep",
-        type=int,
-        help="only layouts with this expert-parallel size (a mixture-of-experts model's experts split over ep of the "
-        "data-parallel GPUs; default: every ep dividing dp and the experts)",
-    )
+    for axis, meaning in AXIS_SIZES.items():  # every axis of the layout: only layouts with this size of it
+        out.add_argument(f"--{axis}", type=int, help=f"only layouts with this {meaning}")
     out.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds, formulas)")
     out.add_argument("--write-configs", metavar="DIR", help="write job/DeepSpeed/accelerate files for the choice")
     out.add_argument("--row", help="with --write-configs: this row instead of the recommendation")
@@ -127,7 +119,7 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
             "no model: give --model <folder|config.json|embedded:name>, or --layers, --hidden, "
             "--heads and --vocab (and optionally --parameters)"
         )
-    for name in ("tp", "pp", "cp", "ep"):
+    for name in AXIS_SIZES:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} {getattr(args, name)}: must be a positive integer")
     for name in ("gpu_memory", "cpu_memory", "reserve"):  # GB, turned into bytes below
@@ -159,7 +151,7 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
         dropout=model.dropout and not args.no_dropout,
         fused_attention=args.attention == "fused",
     )
-    return plan(model, hardware, workload, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    return plan(model, hardware, workload, **{axis: getattr(args, axis) for axis in AXIS_SIZES})
 
 
 def run_plan(args: argparse.Namespace, extra: list[str]) -> int:

@@ -109,7 +109,7 @@ def finish(row: Row, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
     """
     bandwidth = {"intra": hw.bandwidth(False), "inter": hw.bandwidth(True), "pcie": BANDWIDTH_PCIE}
     row.comm_seconds = sum(nbytes / bandwidth[link] for link, nbytes in row.comm.items())
-    row.compute_seconds = compute_seconds(model, work, hw, model_split=row.tp * row.pp * row.cp)
+    row.compute_seconds = compute_seconds(model, work, hw, model_split=row.model_split)
     row.step_seconds = row.compute_seconds / (1 - row.bubble) + row.comm_seconds
     tokens = work.micro_batch * work.seq * work.accumulation * row.dp
     row.tokens_per_second = tokens / row.step_seconds

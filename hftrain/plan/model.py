@@ -26,6 +26,7 @@ from typing import Any
 
 from hftrain.errors import ConfigError, reading
 from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
+from hftrain.parallel.dims import AXIS_SIZES
 
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
 # real model, and small enough that every formula's product stays a finite float.
@@ -95,7 +96,7 @@ class ModelSpec:
     replicated_mlp_parameters: int = 0
     shared_intermediate: int = 0
     gated: bool = False
-    axes: frozenset[str] = frozenset({"tp", "pp", "cp", "ep"})
+    axes: frozenset[str] = frozenset(AXIS_SIZES)
     task: str = "sequence_classification"
     lm_head_parameters: int = 0
 
@@ -184,28 +185,6 @@ class ModelSpec:
                 f"{', '.join(str(d) for d in divisors(self.layers))}"
             )
 
-    def check_experts(self, ep: int) -> None:
-        """Refuse an expert-parallel size the model cannot split (one line naming ``--ep``): a dense model takes only
-        1, a MoE model a divisor of its experts.
-
-        Args:
-            ep: expert-parallel size.
-        """
-        if not isinstance(ep, int) or ep < 1:
-            raise ConfigError(f"--ep {ep}: must be a positive integer")
-        if ep == 1:
-            return
-        if not self.moe:
-            raise ConfigError(
-                f"--ep {ep}: {self.name} is a dense model (no experts to split); drop --ep, or plan a mixture-of-"
-                "experts model (e.g. Mixtral, Qwen2-MoE)"
-            )
-        if self.experts % ep:
-            raise ConfigError(
-                f"--ep {ep} does not divide the {self.experts} experts of {self.name}; valid --ep: "
-                f"{', '.join(str(d) for d in divisors(self.experts))}"
-            )
-
     def admits(self, tp: int, pp: int) -> bool:
         """Whether ``check_parallel(tp, pp)`` passes."""
         try:
@@ -213,28 +192,6 @@ class ModelSpec:
         except ConfigError:
             return False
         return True
-
-
-def trainable_axes(config: Any, class_name: str | None = None) -> frozenset[str]:
-    """The model-parallel axes the trainer takes for ``config`` (each checked as the trainer checks it; ``class_name``:
-    the model class, e.g. a ``*ForCausalLM``, whose own limits count too)."""
-    from hftrain.parallel.families import check_family, expert_plan_for, plan_for
-
-    axes = set()
-    checks = (
-        ("tp", plan_for),
-        ("pp", lambda c: check_family(c, class_name=class_name)),
-        ("cp", lambda c: check_family(c, class_name=class_name, axis="cp")),
-    )
-    for axis, check in checks:
-        try:
-            check(config)
-        except ConfigError:
-            continue
-        axes.add(axis)
-    if expert_plan_for(config) is not None:
-        axes.add("ep")
-    return frozenset(axes)
 
 
 def divisors(n: int) -> list[int]:
@@ -316,7 +273,7 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
         name_or_path: what ``hftrain.models.resolve_model_path`` accepts, or a config file.
         task: ``model.task``: the ``*ForSequenceClassification`` or the ``*ForCausalLM`` model is counted.
     """
-    from hftrain.parallel.families import is_gated_mlp
+    from hftrain.parallel.families import is_gated_mlp, trainable_axes
 
     _check_task(task)
     with _as_option():
@@ -353,7 +310,7 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
         source=None if name_or_path.endswith(".json") else name_or_path,
         head_parameters=_head_parameters(model, task),
         gated=is_gated_mlp(config),
-        axes=trainable_axes(config, type(model).__name__),
+        axes=trainable_axes(config, type(model).__name__),  # the registry's answer (hftrain.parallel.families)
         task=task,
         lm_head_parameters=_lm_head_parameters(model) if task == "causal_lm" else 0,
         **_moe_sizes(config, model),

@@ -86,6 +86,30 @@ def layouts(
     ]
 
 
+def check_experts(model: ModelSpec, ep: int) -> None:
+    """Refuse an expert-parallel size the model cannot split (one line naming ``--ep``): a dense model takes only
+    1, a MoE model a divisor of its experts.
+
+    Args:
+        model: the model.
+        ep: expert-parallel size.
+    """
+    if not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"--ep {ep}: must be a positive integer")
+    if ep == 1:
+        return
+    if not model.moe:
+        raise ConfigError(
+            f"--ep {ep}: {model.name} is a dense model (no experts to split); drop --ep, or plan a mixture-of-"
+            "experts model (e.g. Mixtral, Qwen2-MoE)"
+        )
+    if model.experts % ep:
+        raise ConfigError(
+            f"--ep {ep} does not divide the {model.experts} experts of {model.name}; valid --ep: "
+            f"{', '.join(str(d) for d in divisors(model.experts))}"
+        )
+
+
 def expert_sizes(model: ModelSpec, dp: int) -> list[int]:
     """The expert-parallel sizes e a layout with ``dp`` data-parallel ranks admits: the divisors of both dp and the
     experts E (1 only for a dense model)."""
@@ -121,7 +145,7 @@ def expert_layouts(
     from hftrain.parallel.dims import ParallelDims
 
     if ep is not None:
-        model.check_experts(ep)
+        check_experts(model, ep)
     if ep is not None and ep > 1 and ((pp or 1) > 1 or cp > 1):
         raise ConfigError(
             f"--ep {ep} with --pp {pp or 1} / --cp {cp}: training composes expert parallelism with tp and dp only; "
@@ -144,6 +168,30 @@ def expert_layouts(
             f"ranks split the experts); give an --ep dividing {hw.world} // (tp·pp·cp), or more GPUs"
         )
     return triples
+
+
+def fixed_layouts(
+    model: ModelSpec,
+    hw: Hardware,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int | None = None,
+    ep: int | None = None,
+) -> list[dict[str, int]]:
+    """The :func:`expert_layouts` as ``{"tp", "pp", "cp", "ep"}`` sizes (:func:`estimate`'s keywords), with the
+    sizes a plan fixed (None: searched; cp, which is not searched, 1).
+
+    Args:
+        model: the model.
+        hw: the hardware.
+        tp: only this tensor-parallel size.
+        pp: only this pipeline-parallel size.
+        cp: the context-parallel size of every layout (None: 1).
+        ep: only this expert-parallel size.
+    """
+    cp = cp or 1
+    return [{"tp": t, "pp": p, "cp": cp, "ep": e} for t, p, e in expert_layouts(model, hw, tp=tp, pp=pp, cp=cp, ep=ep)]
 
 
 def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *, cp: int = 1, ep: int = 1) -> Row:

@@ -6,6 +6,7 @@ import dataclasses
 
 import hftrain.plan.data_parallel as data_parallel
 import hftrain.plan.model_parallel as model_parallel
+from hftrain.parallel.dims import AXIS_SIZES
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Plan, Row, Workload
@@ -13,33 +14,25 @@ from hftrain.plan.rows import Plan, Row, Workload
 MAX_NODES_TRIED = 4096  # "what it would need": the node count at which something fits, searched up to this
 
 
-def estimate_rows(
-    model: ModelSpec,
-    hw: Hardware,
-    work: Workload,
-    *,
-    tp: int | None = None,
-    pp: int | None = None,
-    cp: int = 1,
-    ep: int | None = None,
-) -> list[Row]:
-    """Every data-parallel strategy and every admitted TP × PP × DP (× EP) layout (only layouts when tp/pp/ep is
-    fixed).
+def estimate_rows(model: ModelSpec, hw: Hardware, work: Workload, **fixed: int | None) -> list[Row]:
+    """Every data-parallel strategy and every admitted model-parallel layout (only layouts when an axis is fixed
+    above 1).
 
     Args:
         model: the model.
         hw: the hardware.
         work: the workload.
-        tp: fix the tensor-parallel size (layouts only).
-        pp: fix the pipeline-parallel size (layouts only).
-        cp: the context-parallel size of every layout (layouts only when > 1).
-        ep: fix the expert-parallel size (layouts only when > 1; a MoE model's layouts take every ep otherwise).
+        **fixed: an axis of ``hftrain.parallel.dims.AXIS_SIZES`` -> its only size (None: any, as
+            :func:`~hftrain.plan.model_parallel.expert_layouts` searches it).
     """
-    fixed = (tp or 1) * (pp or 1) * cp * (ep or 1) > 1
-    rows = [] if fixed else [data_parallel.estimate(label, model, work, hw) for label in data_parallel.STRATEGIES]
+    unknown = sorted(set(fixed) - set(AXIS_SIZES))
+    if unknown:
+        raise TypeError(f"plan: '{unknown[0]}' is not an axis; give sizes of {', '.join(AXIS_SIZES)}")
+    split = any((size or 1) > 1 for size in fixed.values())
+    rows = [] if split else [data_parallel.estimate(label, model, work, hw) for label in data_parallel.STRATEGIES]
     return rows + [
-        model_parallel.estimate(t, p, model, work, hw, cp=cp, ep=e)
-        for t, p, e in model_parallel.expert_layouts(model, hw, tp=tp, pp=pp, cp=cp, ep=ep)
+        model_parallel.estimate(model=model, work=work, hw=hw, **layout)
+        for layout in model_parallel.fixed_layouts(model, hw, **fixed)
     ]
 
 
@@ -47,11 +40,7 @@ def plan(
     model: ModelSpec,
     hardware: Hardware,
     workload: Workload | None = None,
-    *,
-    tp: int | None = None,
-    pp: int | None = None,
-    cp: int = 1,
-    ep: int | None = None,
+    **fixed: int | None,
 ) -> Plan:
     """The plan: per-GPU memory, communication and time for each option, and one recommendation with reasons.
 
@@ -63,21 +52,20 @@ def plan(
         model: a ``ModelSpec`` (``model_from_config`` / ``model_from_sizes``).
         hardware: a ``Hardware``.
         workload: a ``Workload`` (defaults: bf16, micro-batch 8, sequence 512).
-        tp: consider only layouts with this tensor-parallel size.
-        pp: consider only layouts with this pipeline-parallel size.
-        cp: consider only layouts with this context-parallel size (sequences split over cp GPUs).
-        ep: consider only layouts with this expert-parallel size (a MoE model's experts split over ep GPUs).
+        **fixed: consider only layouts with these sizes: ``tp=2``, ``pp=4``, ``cp=2`` (sequences split over cp
+            GPUs; 1 when not given), ``ep=8`` (a MoE model's experts split over ep GPUs); an axis not given is
+            searched (``hftrain.parallel.dims.AXIS_SIZES`` lists them).
     """
     work = (workload or Workload()).validate()
     hw = hardware.validate()
-    rows = estimate_rows(model, hw, work, tp=tp, pp=pp, cp=cp, ep=ep)
+    rows = estimate_rows(model, hw, work, **fixed)
     fitting = [i for i, r in enumerate(rows) if r.fits]
     runnable = [i for i in fitting if rows[i].runnable] or fitting
     if runnable:
         best = max(runnable, key=lambda i: (round(rows[i].tokens_per_second, -1), -i))
         return Plan(model, hw, work, rows, best, None, _reasons(rows, best, runnable, hw))
     nearest = min(range(len(rows)), key=lambda i: _overflow(rows[i], hw))
-    return Plan(model, hw, work, rows, None, nearest, _needs(rows[nearest], model, hw, work, tp=tp, pp=pp, ep=ep))
+    return Plan(model, hw, work, rows, None, nearest, _needs(rows[nearest], model, hw, work, **fixed))
 
 
 def _overflow(row: Row, hw: Hardware) -> float:

@@ -120,6 +120,11 @@ class Row:
         """Per-GPU bytes: model states + activations + working buffers."""
         return self.model_states + self.activations + self.working
 
+    @property
+    def model_split(self) -> int:
+        """GPUs that split one model replica's compute: ``tp · pp · cp`` (experts are split over dp ranks)."""
+        return self.tp * self.pp * self.cp
+
 
 @dataclass
 class Plan:
