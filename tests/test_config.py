@@ -156,5 +156,7 @@ def test_parallelism_is_refused_by_a_strategy_that_does_not_split_the_model():
             )
     megatron = strategy_from_options("megatron", {"tp": 2, "shard_optimizer": True}, launch=LaunchInfo(world_size=4))
     assert (megatron.dims.tp, megatron.dims.dp, megatron.config.shard_optimizer) == (2, 2, True)
-    with pytest.raises(ConfigError, match="strategy option 'tpp' is not a strategy or parallelism field"):
+    with pytest.raises(ConfigError, match="strategy options: unknown key 'tpp'; did you mean 'tp'"):
         strategy_from_options("megatron", {"tpp": 2}, launch=LaunchInfo(world_size=4))
+    with pytest.raises(ConfigError, match="'learning_rate' is a field of section 'training', not a strategy option"):
+        strategy_from_options("megatron", {"learning_rate": 1.0}, launch=LaunchInfo(world_size=4))

@@ -19,6 +19,7 @@ from hftrain.config.loader import (
     config_from_flat,
     from_dict,
     load_config,
+    nest_fields,
     save_config,
     set_field,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "config_from_flat",
     "from_dict",
     "load_config",
+    "nest_fields",
     "save_config",
     "set_field",
 ]

@@ -75,16 +75,10 @@ def from_dict(raw: dict[str, Any], *, source: str = "config", written: bool = Tr
             given = f"{section}.{key}"
             new = MOVED_KEYS.get(given, given)
             if new in seen:
-                raise ConfigError(
-                    f"{source}: {seen[new]} and {given} are one field ({new}, its old name {_old(new)}); keep {new}"
-                )
+                raise ConfigError(f"{source}: {seen[new]} and {given} are one field ({new}); keep {new}")
             seen[new] = given
             set_field(config, given, value, source=source, written=written)
     return config
-
-
-def _old(new: str) -> str:
-    return next(old for old, moved in MOVED_KEYS.items() if moved == new)
 
 
 def config_from_flat(flat: dict[str, Any], *, source: str) -> TrainConfig:
@@ -94,6 +88,22 @@ def config_from_flat(flat: dict[str, Any], *, source: str) -> TrainConfig:
         section, name = key.split(".", 1)
         nested.setdefault(section, {})[name] = value
     return from_dict(nested, source=source, written=False)
+
+
+def nest_fields(flat: dict[str, Any], *, source: str) -> dict[str, dict[str, Any]]:
+    """``{section: {field: value}}`` from bare field names (``{"name": "megatron", "tp": 2}``), each put in the
+    section that owns it, as a bare ``--tp`` on the command line is; an unknown name is a ``ConfigError`` naming the
+    closest one.
+
+    Args:
+        flat: field name -> value.
+        source: where the names come from, for errors.
+    """
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, name = _resolve_key(key, source)
+        nested.setdefault(section, {})[name] = value
+    return nested
 
 
 def set_field(config: TrainConfig, key: str, value: Any, *, source: str, written: bool = True) -> None:

@@ -132,14 +132,16 @@ def parallelize_model(
     from hftrain.parallel.tensor_parallel import apply_tensor_parallel
 
     check_tensor_parallel(model.config, groups.tp_size, sequence_parallel=sequence_parallel)
-    if (groups.pp_size > 1 or groups.cp_size > 1) and hf_model_of(model) is not model:
-        from hftrain.errors import ConfigError
+    for axis, what in LORA_AXES_NOT_BUILT.items():  # the strategy refuses these first; here for hand-split models
+        size = getattr(groups.dims, axis)
+        if size > 1 and hf_model_of(model) is not model:
+            from hftrain.errors import AxisError
 
-        # The megatron strategy refuses this before any process group; here for models split by hand.
-        raise ConfigError(
-            "LoRA adapters with pipeline or context parallelism (pp or cp > 1) are not supported yet (LoRA runs under "
-            "tp and dp); use pp = 1 and cp = 1, or train the full model"
-        )
+            raise AxisError(
+                axis,
+                f"LoRA adapters with {what} ({axis}={size}) are not supported yet (LoRA runs under tp and dp); use "
+                f"{axis} = 1, or train the full model",
+            )
     if groups.tp_size > 1 or has_tp_plan(model.config):  # at tp 1 a family without a plan stays whole
         model = apply_tensor_parallel(
             model,

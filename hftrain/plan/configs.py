@@ -34,13 +34,10 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
         work: the workload.
         ds_config: the DeepSpeed JSON written beside it (ZeRO rows).
     """
-    import dataclasses
+    from hftrain.config import nest_fields
 
-    from hftrain.config import ParallelismConfig
-
-    axes = {f.name for f in dataclasses.fields(ParallelismConfig)}
-    strategy = {key: value for key, value in row.strategy.items() if key not in axes}
-    parallelism = {key: value for key, value in row.strategy.items() if key in axes}
+    sections = nest_fields(row.strategy, source=f"plan row {row.label}")  # strategy, and parallelism if split
+    strategy, parallelism = sections["strategy"], sections.get("parallelism")
     # A pipeline splits each per-device batch into its micro-batches: the plan's m micro-batches of b are one
     # per-device batch of m·b (parallelism.num_microbatches = m), not m accumulation steps.
     pipelined = row.pp > 1

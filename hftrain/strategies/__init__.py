@@ -74,18 +74,17 @@ def strategy_from_options(
         launch: what the launcher said.
         platform: device/backend; detected when None.
     """
-    import dataclasses
+    from hftrain.config import ParallelismConfig, StrategyConfig, nest_fields
 
-    from hftrain.config import ParallelismConfig, StrategyConfig
-
-    axes = {f.name for f in dataclasses.fields(ParallelismConfig)}
-    own = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
-    unknown = sorted(set(options or {}) - axes - own)
-    if unknown:
-        raise ConfigError(f"strategy option '{unknown[0]}' is not a strategy or parallelism field")
-    split = {key: value for key, value in (options or {}).items() if key in axes}
-    config = StrategyConfig(name=name, **{key: value for key, value in (options or {}).items() if key in own})
-    return build_strategy(config, launch=launch, platform=platform, parallelism=ParallelismConfig(**split))
+    sections = nest_fields({"name": name, **(options or {})}, source="strategy options")
+    other = sorted(set(sections) - {"strategy", "parallelism"})
+    if other:
+        field = next(iter(sections[other[0]]))
+        raise ConfigError(f"strategy options: '{field}' is a field of section '{other[0]}', not a strategy option")
+    config = StrategyConfig(**sections["strategy"])
+    return build_strategy(
+        config, launch=launch, platform=platform, parallelism=ParallelismConfig(**sections.get("parallelism", {}))
+    )
 
 
 def resolve_strategy_name(configured: str | None, launched: str | None) -> str:
