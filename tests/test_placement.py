@@ -91,3 +91,55 @@ def test_a_new_axis_is_completed_clipped_gathered_and_boxed_by_its_records():
     assert results[0]["norm"] == pytest.approx(results[1]["norm"], rel=0, abs=0)  # one norm on every rank
     boxes = sorted(box for result in results for box in result["boxes"])
     assert boxes == [((0, 0), (ROWS // 2, COLS)), ((ROWS // 2, 0), (ROWS // 2, COLS))]  # the tensor once
+
+
+def _run_pipeline_copies() -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.testing import assert_close
+
+    from hftrain.parallel.placement import clip_grad_norm_, place, sum_copies
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD  # two pipeline stages
+    torch.manual_seed(0)
+    init = {"shared": torch.randn(ROWS), "unused_here": torch.randn(3)}
+    probes = torch.randn(2, ROWS)  # what each stage's use of the shared weight contributes
+    own = [torch.randn(4), torch.randn(2)]  # each stage's own parameter
+
+    # one process: the shared weight used by both stages, the other used by stage 0 only
+    whole = {name: nn.Parameter(value.clone()) for name, value in init.items()}
+    stages = [nn.Parameter(value.clone()) for value in own]
+    loss = sum((whole["shared"] * probes[r]).sum() + stages[r].pow(2).sum() for r in range(2))
+    (loss + whole["unused_here"].sum()).backward()
+    expected = {name: param.grad.clone() for name, param in whole.items()}  # before clipping
+    expected_norm = torch.nn.utils.clip_grad_norm_([*whole.values(), *stages], MAX_NORM)
+
+    # two ranks: each holds a copy of both (rank 0's primary) and its own stage's parameter
+    module = nn.Module()
+    module.shared = nn.Parameter(init["shared"].clone())
+    module.unused_here = nn.Parameter(init["unused_here"].clone())
+    module.own = nn.Parameter(own[rank].clone())
+    for name in ("shared", "unused_here"):
+        place(module, name, copies="pp", primary=rank == 0)
+    loss = (module.shared * probes[rank]).sum() + module.own.pow(2).sum()
+    if rank == 0:
+        loss = loss + module.unused_here.sum()
+    loss.backward()
+    assert (module.unused_here.grad is None) == (rank == 1)  # the copy on rank 1 took no gradient
+
+    sum_copies(module, "pp", group)
+    assert_close(module.shared.grad, expected["shared"])  # every copy applies the sum
+    assert_close(module.unused_here.grad, expected["unused_here"])  # rank 1 joined with zeros
+    params = dict(module.named_parameters())
+    norm = clip_grad_norm_(module, params, MAX_NORM, groups={}, pp_group=group)
+    assert_close(norm, expected_norm)  # each copied weight counted once, on its primary
+    assert_close(module.shared.grad, whole["shared"].grad)  # clipped as one process clips
+    return {"norm": float(norm), "shared": module.shared.grad.tolist()}
+
+
+@pytest.mark.distributed
+def test_pipeline_copies_are_summed_and_counted_once_by_their_records():
+    results = run_distributed(_run_pipeline_copies, nprocs=2, timeout=300)
+    assert results[0] == results[1]  # one norm, one clipped gradient of the copies

@@ -260,3 +260,32 @@ def test_v_style_and_style_mismatch_refused():
     with pytest.raises(ConfigError, match="pass style='loop'"):
         build_schedule("interleaved_1f1b", v_chunks, **options)
     assert build_schedule("zbv", v_chunks, **options).is_last  # the V ends on rank 0
+
+
+@pytest.mark.parametrize("style", ["loop", "v"])
+def test_the_stage_cut_records_the_weights_several_ranks_hold(style):
+    """``build_stage_modules`` records each pipeline copy on its parameter (``Placement.copies``, ``primary``), which
+    the gradient completion, the norm and the checkpoint read: a causal LM's tied embedding over the embedding group
+    when the first and last chunk are on different ranks (the first chunk's rank holds the primary; the V style puts
+    both on rank 0: one weight, no record), DeBERTa's relative embeddings over pp on every rank; nothing else."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.parallel import build_stage_modules, placements
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(tiny_config("gpt2", num_layers=4))
+    for rank in range(2):
+        build_stage_modules(lm, pp_rank=rank, pp=2, virtual_stages=2, style=style)
+        copies = {name: (r.copies, r.primary) for name, r in placements(lm).items() if r.copies is not None}
+        expected = {"transformer.wte.weight": ("embedding", rank == 0), "lm_head.weight": ("embedding", rank == 0)}
+        assert copies == ({} if style == "v" else expected), (style, rank)
+
+    deberta = _model("deberta-v2", layers=4)
+    for rank in range(2):
+        build_stage_modules(deberta, pp_rank=rank, pp=2, virtual_stages=2, style=style)
+        copies = {name: (r.copies, r.primary) for name, r in placements(deberta).items() if r.copies is not None}
+        encoder = deberta.deberta.encoder
+        aux = {f"deberta.encoder.{n}" for n, _ in encoder.named_parameters() if n.startswith(("rel_", "LayerNorm"))}
+        assert copies == dict.fromkeys(aux, ("pp", rank == 0)), (style, rank)

@@ -1,9 +1,10 @@
 """A task ``hftrain.parallel`` does not know, added in this file alone: per-token regression.
 
 The task is a tiny Llama trunk with its own head (``TokenRegressor``: one number per token from the final-normed
-hidden state), its own pipeline head (``TokenHead``, a ``hftrain.parallel.stages.StageHead``: the columns the first
-stage reads, the head's modules and its output ``[b, s]``), and its own loss (``TokenRegressionTrainer``: per example
-the mean squared error over its real tokens against a target of the token ids, then the mean over the examples). It
+hidden state) and its own Trainer (``TokenRegressionTrainer``), which defines the task once: its pipeline head
+(``stage_head = TokenHead()``, a ``hftrain.parallel.stages.StageHead``: the columns the first stage reads, the head's
+modules and its output ``[b, s]``) and its loss (per example the mean squared error over its real tokens against a
+target of the token ids, then the mean over the examples). It
 trains through hftrain's real megatron runtime at tp=2 × pp=2 (4 gloo processes, 1F1B over 4 micro-batches) and
 equals its 1-process run within 1e-5 (fp32, ``mixed_precision: no``): the loss of every step and every trained weight.
 """
@@ -41,8 +42,6 @@ def _model_class():
     from transformers import LlamaModel, LlamaPreTrainedModel
 
     class TokenRegressor(LlamaPreTrainedModel):
-        stage_head = TokenHead()  # the task names its own pipeline head
-
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             self.model = LlamaModel(config)
@@ -65,6 +64,8 @@ def _targets(input_ids: torch.Tensor) -> torch.Tensor:
 
 class TokenRegressionTrainer(Trainer):
     """Per-token regression: each example's mean squared error over its real tokens, the mean over the examples."""
+
+    stage_head = TokenHead()  # the task hands its own head to the pipeline; the model names none
 
     def _per_example(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch["attention_mask"].float()

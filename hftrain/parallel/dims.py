@@ -191,7 +191,9 @@ class ParallelDims:
 
         Args:
             axis: ``"tp"``, ``"pp"``, ``"dp"``, ``"cp"``, ``"dp_cp"`` (the ranks gradients are averaged over),
-                ``"ep"`` (consecutive dp ranks splitting the experts) or ``"edp"`` (dp ranks holding the same experts).
+                ``"ep"`` (consecutive dp ranks splitting the experts), ``"edp"`` (dp ranks holding the same experts) or
+                ``"embedding"`` (Megatron's embedding group: the first and last stage of each pipeline, which hold the
+                two copies of tied input/output embeddings; none when ``pp = 1``).
         """
         self.validate()
         pp_range, dp_range, cp_range, tp_range = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
@@ -223,7 +225,14 @@ class ParallelDims:
                 for c in cp_range
                 for t in tp_range
             )
-        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp, cp, dp_cp, ep, edp")
+        if axis == "embedding":
+            last = self.pp - 1
+            return iter(
+                [[rank(0, d, c, t), rank(last, d, c, t)] for d in dp_range for c in cp_range for t in tp_range]
+                if self.pp > 1
+                else []
+            )
+        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp, cp, dp_cp, ep, edp, embedding")
 
 
 @dataclass(frozen=True)
@@ -245,6 +254,9 @@ class ParallelGroups:
         ep_group: the ``ep`` dp ranks splitting the experts (tokens are exchanged over it); None when ``ep = 1``.
         ep_rank: position in ``ep_group`` (which experts this rank holds).
         edp_group: the dp ranks holding the same experts (expert gradients are reduced over it); None if ``ep = 1``.
+        embedding_group: this pipeline's first and last stage rank, when this rank is one of them (Megatron's embedding
+            group: the copies of a weight both hold, tied input/output embeddings, sum their gradients over it); None
+            elsewhere and when ``pp = 1``.
     """
 
     dims: ParallelDims
@@ -261,6 +273,7 @@ class ParallelGroups:
     ep_group: Any = None
     ep_rank: int = 0
     edp_group: Any = None
+    embedding_group: Any = None
 
     @property
     def ep_size(self) -> int:
@@ -288,9 +301,10 @@ class ParallelGroups:
         return {"pp": self.pp_rank, "tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank}
 
     def axis_group(self, axis: str) -> Any:
-        """The process group of mesh axis ``axis`` (``tp``, ``cp``, ``dp``, ``pp``, ``ep``; None where it has none)."""
+        """The process group of mesh axis ``axis`` (``tp``, ``cp``, ``dp``, ``pp``, ``ep``), or of the pipeline's
+        ``embedding`` group; None where this rank has none."""
         return {"tp": self.tp_group, "cp": self.cp_group, "dp": self.dp_group, "pp": self.pp_group,
-                "ep": self.ep_group}[axis]  # fmt: skip
+                "ep": self.ep_group, "embedding": self.embedding_group}[axis]  # fmt: skip
 
     @property
     def cut_groups(self) -> dict[str, Any]:
@@ -362,6 +376,14 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     ep_group, edp_group = (group, edp_group) if axis == "ep" else (ep_group, group)
+    embedding_group = None
+    if dims.pp == 2:  # the first and last stage are the whole pipeline
+        embedding_group = mesh.get_group("pp")
+    else:  # every rank creates every embedding group, in the same order
+        for ranks in dims.iter_groups("embedding"):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                embedding_group = group
     return ParallelGroups(
         dims=dims,
         mesh=mesh,
@@ -377,6 +399,7 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
         ep_group=ep_group,
         ep_rank=dp_rank % dims.ep,
         edp_group=edp_group,
+        embedding_group=embedding_group,
     )
 
 

@@ -71,7 +71,7 @@ class Family:
         stages: its trunk's pipeline adapter (embedding, layers, final norm; ``hftrain.parallel.stages``); None: no
             pp and no cp.
         classifier: its ``*ForSequenceClassification``'s head (a ``StageHead``: the pipeline's last chunk's pooling
-            and classifier); a task names its own head otherwise (:func:`stages_of`).
+            and classifier); another task hands its own head over (:func:`stages_of`).
         experts: its expert plan (a mixture of experts), or None.
         refusals: ``axis -> why`` for the axes it cannot take (one line each).
         cp_refusal: a function of the config giving why context parallelism cannot be exact for it (Gemma-2's
@@ -637,16 +637,19 @@ def classifier_for(config: Any) -> Any:
     return None if family is None else family.classifier
 
 
-def stages_of(model: Any) -> Any:
+def stages_of(model: Any, head: Any = None) -> Any:
     """The pipeline adapter of ``model`` (:class:`~hftrain.parallel.stages.ModelStages`): its family's trunk with its
-    task's head. The head is the one the model names (``model.stage_head``: a task's own
-    :class:`~hftrain.parallel.stages.StageHead`), else the one its class implies: a decoder's ``*ForCausalLM``'s
-    :class:`~hftrain.parallel.stages.CausalLMHead`, a ``*ForSequenceClassification``'s the family's classifier;
-    ``AxisError`` (pp) otherwise."""
+    task's head.
+
+    Args:
+        model: the model.
+        head: the task's own :class:`~hftrain.parallel.stages.StageHead` (the Trainer's ``stage_head``); None: the
+            one the model's class implies, a decoder's ``*ForCausalLM``'s :class:`~hftrain.parallel.stages.CausalLMHead`
+            or a ``*ForSequenceClassification``'s family classifier (``AxisError`` (pp) for another class).
+    """
     from hftrain.parallel.stages import CausalLMHead, ModelStages
 
     name, config = type(model).__name__, getattr(model, "config", None)
-    head = getattr(model, "stage_head", None)
     trunk = stages_for(config, class_name=None if head is not None else name)
     if head is None:
         head = CausalLMHead(config) if is_causal_lm_class(name) else classifier_for(config)

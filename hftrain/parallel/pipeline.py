@@ -158,19 +158,22 @@ def _numel(modules: dict[str, Any]) -> int:
     return sum(p.numel() for m in modules.values() for p in m.parameters())
 
 
-def stage_ranges(model: torch.nn.Module, *, pp: int, virtual_stages: int = 1, balance: str = "layers") -> list[range]:
+def stage_ranges(
+    model: torch.nn.Module, *, pp: int, virtual_stages: int = 1, balance: str = "layers", head: Any = None
+) -> list[range]:
     """The layer range of every chunk of ``model`` (``balance="parameters"``: the embedding counts towards the
     first layer and the head towards the last, with the parameters' logical sizes, so a ``meta`` model works).
 
     Args:
-        model: an HF BERT, GPT-2 or Llama ``*ForSequenceClassification`` (whole, possibly on ``meta``).
+        model: a model of a family the registry splits (whole, possibly on ``meta``).
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
         balance: ``"layers"`` or ``"parameters"``.
+        head: the task's :class:`~hftrain.parallel.stages.StageHead` (None: the model's class implies it).
     """
     from hftrain.parallel.families import stages_of
 
-    family = stages_of(model)
+    family = stages_of(model, head)
     layers = family.layers(model)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     sizes[0] += _numel(family.embed_modules(model))
@@ -179,7 +182,14 @@ def stage_ranges(model: torch.nn.Module, *, pp: int, virtual_stages: int = 1, ba
 
 
 def other_stages_modules(
-    model: torch.nn.Module, ranges: list[range], *, pp_rank: int, pp: int, virtual_stages: int = 1, style: str = "loop"
+    model: torch.nn.Module,
+    ranges: list[range],
+    *,
+    pp_rank: int,
+    pp: int,
+    virtual_stages: int = 1,
+    style: str = "loop",
+    head: Any = None,
 ) -> list[str]:
     """Dotted paths of the layers and embedding modules no chunk of ``pp_rank`` holds: what its build can leave
     unmaterialized. The head is not among them: it is small, and the whole model initialises it from the random
@@ -192,10 +202,11 @@ def other_stages_modules(
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
         style: ``"loop"`` or ``"v"`` (:func:`chunk_ids_of_rank`).
+        head: the task's :class:`~hftrain.parallel.stages.StageHead` (None: the model's class implies it).
     """
     from hftrain.parallel.families import stages_of
 
-    family = stages_of(model)
+    family = stages_of(model, head)
     owned = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, style=style)
     kept = {i for c in owned for i in ranges[c]}
     layers = family.layers(model)
@@ -237,10 +248,12 @@ def build_stage_modules(
     style: str = "loop",
     ranges: list[range] | None = None,
     example_group: Any = None,
+    head: Any = None,
 ) -> list[PipelineChunk]:
     """The chunks of ``model`` that pipeline rank ``pp_rank`` owns, in order; they share the model's modules.
 
-    The first chunk embeds, the last ends in the task head (:func:`~hftrain.parallel.families.stages_of`).
+    The first chunk embeds, the last ends in the task's head (:func:`~hftrain.parallel.families.stages_of`). The
+    weights several pipeline ranks hold a copy of are recorded as such (:func:`place_stage_copies`).
 
     Args:
         model: a model of a family the registry splits, with its task's head (possibly already tensor-parallel).
@@ -254,18 +267,20 @@ def build_stage_modules(
             layers); None computes it from ``model``.
         example_group: the ranks a micro-batch's examples are split over (dp): a mixture of experts' router loss
             is taken over them (:class:`~hftrain.parallel.expert_parallel.StageRouting`).
+        head: the task's :class:`~hftrain.parallel.stages.StageHead` (the Trainer's ``stage_head``); None: the one the
+            model's class implies.
     """
     from hftrain.parallel.expert_parallel import StageRouting, moe_layer_indices
     from hftrain.parallel.families import expert_plan_for, stages_of
     from hftrain.parallel.stages import PipelineChunk
 
-    family = stages_of(model)
+    family = stages_of(model, head)
     layers = family.layers(model)
     experts = expert_plan_for(model.config)  # a mixture of experts: its router loss spans the stages
     moe_layers = [] if experts is None else moe_layer_indices(model, experts)
-    embed, head = family.embed_modules(model), family.head_modules(model)
+    embed, head_modules = family.embed_modules(model), family.head_modules(model)
     if ranges is None:
-        ranges = stage_ranges(model, pp=pp, virtual_stages=virtual_stages, balance=balance)
+        ranges = stage_ranges(model, pp=pp, virtual_stages=virtual_stages, balance=balance, head=head)
     hf_names = {id(p): name for name, p in model.named_parameters()}
     chunks = []
     for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, style=style):
@@ -275,7 +290,7 @@ def build_stage_modules(
             model.config,
             embed=embed if first else None,
             layers={str(i): layers[i] for i in ranges[c]},
-            head=head if last else None,
+            head=head_modules if last else None,
             aux=family.aux_modules(model),
         )
         chunk.attach_hf_names(hf_names)
@@ -289,7 +304,56 @@ def build_stage_modules(
     missing = [n for chunk in chunks for n, p in chunk.named_parameters() if p.device.type == "meta"]
     if missing:
         raise RuntimeError(f"pipeline rank {pp_rank}'s stages hold unbuilt (meta) parameters, e.g. {missing[0]}")
+    place_stage_copies(model, family, pp_rank=pp_rank, pp=pp, virtual_stages=virtual_stages, style=style)
     return chunks
+
+
+def place_stage_copies(
+    model: torch.nn.Module, family: Any, *, pp_rank: int, pp: int, virtual_stages: int, style: str
+) -> None:
+    """Record the weights that more than one pipeline rank holds a copy of (``Placement.copies``), each copy from the
+    same initial values (every rank builds the same model); the copy on the rank holding the first chunk is the
+    primary (counted in the gradient norm, written to checkpoints):
+
+    - tied input/output embeddings, when the first chunk (the embedding) and the last (the output projection) are on
+      different ranks: copies over Megatron's ``embedding`` group, the first and last stage of each pipeline (one
+      rank holds both under the V style: one weight, nothing recorded);
+    - the parameters of the modules every chunk reads (the family's ``aux_modules``: DeBERTa's relative embeddings):
+      copies over the pipeline group.
+
+    ``hftrain.parallel.placement`` then sums their gradients, counts and writes them.
+
+    Args:
+        model: the model the chunks were cut from (its tie intact).
+        family: its pipeline adapter (:func:`~hftrain.parallel.families.stages_of`).
+        pp_rank: this rank's index in the pipeline group.
+        pp: pipeline-parallel size.
+        virtual_stages: chunks per rank.
+        style: ``"loop"`` or ``"v"``.
+    """
+    from hftrain.parallel.placement import place
+
+    if pp == 1:
+        return
+    owner = {c: r for r in range(pp) for c in chunk_ids_of_rank(r, pp=pp, virtual_stages=virtual_stages, style=style)}
+    primary = owner[0] == pp_rank
+    copies = {id(p): "pp" for module in family.aux_modules(model).values() for p in module.parameters()}
+    tied = tied_embedding(model)
+    if tied is not None and owner[0] != owner[pp * virtual_stages - 1]:
+        copies[id(tied)] = "embedding"
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in copies:
+                place(module, name, copies=copies[id(param)], primary=primary)
+
+
+def tied_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
+    """The weight a model's input embedding and output projection share (GPT-2's, SmolLM2's), else None."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is None or head is None or getattr(head, "weight", None) is not getattr(embed, "weight", 0):
+        return None
+    return head.weight
 
 
 def release_other_stages(model: torch.nn.Module, stages: list[torch.nn.Module]) -> int:

@@ -3,19 +3,24 @@
 A parameter is either whole on every rank of an axis, or cut into slices along one mesh axis (tp by a family's
 plan, ep along the experts), described by a :class:`Split`; and its gradient on a rank is either complete or one term
 of a sum over an axis (``partial``: under sequence parallelism a LayerNorm saw only this rank's sequence chunk, a
-LoRA factor under a column-parallel layer only its share of the product). The axis's ``apply_*`` call records this
-(:func:`place`) when it replaces a module; everything that must know where a parameter lives reads the records,
-and is written once, here:
+LoRA factor under a column-parallel layer only its share of the product). A weight several pipeline stages read is
+held as a copy by each of their ranks (``copies``: tied input/output embeddings over the first and last stage,
+Megatron's embedding group; weights every chunk reads over the pipeline group), one of which is the ``primary``. The
+axis's ``apply_*`` call records this (:func:`place`) when it replaces a module or cuts the stages; everything that
+must know where a parameter lives reads the records, and is written once, here:
 
 - **gradient completion** (:func:`complete_grads`): ``g = Σ_axis g_r`` for partial gradients; the copies of a slice
-  several ranks hold (``Split.replicas``) summed over their holders; the data-parallel mean ``(1 / (dp·cp)) Σ g_r``
-  over each parameter's data replicas (``ParallelGroups.data_replicas``: dp × cp for a dense parameter, the edp ranks
-  for one cut along ep, which is carved out of dp);
+  several ranks hold (``Split.replicas``) summed over their holders; a pipeline copy's gradient the sum over the
+  copies, zero where one took none; the data-parallel mean ``(1 / (dp·cp)) Σ g_r`` over each parameter's data
+  replicas (``ParallelGroups.data_replicas``: dp × cp for a dense parameter, the edp ranks for one cut along ep,
+  which is carved out of dp);
 - **the DDP ignore list** (:func:`ddp_ignored`): parameters whose data replicas are not DDP's group;
-- **clipping** (:func:`clip_grad_norm_`): each slice's square counted once, summed over the axis that cuts it;
+- **clipping** (:func:`clip_grad_norm_`): each slice's square counted once, summed over the axis that cuts it; a
+  pipeline copy's by its primary only;
 - **full tensors** (:func:`gather_full_tensors`, :func:`load_full_state_dict`, :func:`shard_full_tensor`): the export,
   the reload check, loading a full state dict;
-- **checkpoint boxes** (:meth:`Split.boxes`) and which of a box's holders writes it (``ParallelGroups.holders``);
+- **checkpoint boxes** (:meth:`Split.boxes`) and which of a box's holders writes it (``ParallelGroups.holders``; a
+  pipeline copy's primary: ``Placement.primary``);
 - **the replica check** (``tensor_parallel.check_replicas_agree``): what tp does not cut is compared over tp.
 
 A new axis that cuts parameters adds its ``place`` calls and its group in ``ParallelGroups``; none of the above
@@ -186,22 +191,40 @@ class Placement:
         axis: the mesh axis whose ranks hold different slices (``"tp"``, ``"ep"``); None: whole on every rank.
         split: how the logical tensor is cut along ``axis`` (None when it is not).
         partial: axes over which this rank's gradient is one term of a sum (``"tp"``).
+        copies: the group (``ParallelGroups.axis_group``) whose ranks each hold a copy of this weight for a different
+            pipeline stage and take their own uses' gradient: ``"embedding"`` (tied input/output embeddings on the
+            first and last stage), ``"pp"`` (a weight every chunk reads, DeBERTa's relative embeddings); None: one
+            holder per stage. Every copy applies the sum of their gradients, so all stay one weight.
+        primary: whether this rank's copy is the one counted in the gradient norm and written to checkpoints (the
+            copy on the rank holding the first chunk).
     """
 
     axis: str | None = None
     split: Split | None = None
     partial: tuple[str, ...] = ()
+    copies: str | None = None
+    primary: bool = True
 
     @property
     def counted(self) -> bool:
-        """Whether this rank's copy of its slice is the one counted in norms (the first of its holders)."""
-        return self.split is None or self.split.first_replica
+        """Whether this rank's copy of its slice is the one counted in norms (the first of its holders, on the
+        primary stage)."""
+        return self.primary and (self.split is None or self.split.first_replica)
 
 
 WHOLE = Placement()
 
 
-def place(module: nn.Module, name: str, *, axis: str | None = None, split: Split | None = None, partial=()) -> None:
+def place(
+    module: nn.Module,
+    name: str,
+    *,
+    axis: str | None = None,
+    split: Split | None = None,
+    partial=(),
+    copies: str | None = None,
+    primary: bool | None = None,
+) -> None:
     """Record where ``module``'s own parameter ``name`` lives (merged into what an earlier axis recorded).
 
     Args:
@@ -210,6 +233,8 @@ def place(module: nn.Module, name: str, *, axis: str | None = None, split: Split
         axis: the axis that cuts it, with ``split``.
         split: how it is cut.
         partial: axes over which its gradient is partial.
+        copies: the group whose ranks hold pipeline copies of it (``Placement.copies``).
+        primary: whether this rank's copy is counted and written (``Placement.primary``); None: unchanged.
     """
     records = dict(getattr(module, PLACEMENTS, {}))
     old = records.get(name, WHOLE)
@@ -217,6 +242,8 @@ def place(module: nn.Module, name: str, *, axis: str | None = None, split: Split
         axis=axis or old.axis,
         split=split or old.split,
         partial=tuple(dict.fromkeys((*old.partial, *partial))),
+        copies=copies or old.copies,
+        primary=old.primary if primary is None else primary,
     )
     setattr(module, PLACEMENTS, records)
 
@@ -313,6 +340,32 @@ def sum_partial_grads(model: nn.Module, axis: str, group: Any) -> None:
         grad.copy_(slot[split.rank // split.replicas])
 
 
+def sum_copies(model: nn.Module, axis: str, group: Any) -> None:
+    """Make every pipeline copy recorded over ``axis`` (``Placement.copies``) hold the sum of the copies' gradients
+    (collective over ``group``, whose ranks hold those copies): ``g = Σ_copies g_r``, a copy that took no gradient
+    joining with zeros, so each applies the same update and they stay one weight. One all-reduce per dtype.
+
+    Args:
+        model: the model, possibly wrapped (parameters on ``meta`` are another stage's, left out).
+        axis: the copies' group name (``"embedding"``, ``"pp"``).
+        group: its process group.
+    """
+    from hftrain.parallel.collectives import all_reduce_coalesced
+
+    grads, seen = [], set()
+    for module in model.modules():
+        for name, record in placed(module).items():
+            param = getattr(module, name)
+            if record.copies != axis or id(param) in seen or param.device.type == "meta" or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+    if grads:
+        all_reduce_coalesced(grads, group)
+
+
 def ddp_ignored(model: nn.Module, groups: Any) -> list[str]:
     """Names of the parameters DDP must leave alone: their data replicas are not DDP's group (cut along an axis
     carved out of the data-parallel ranks, as ep's experts: :func:`complete_grads` averages them over their own).
@@ -334,7 +387,8 @@ def complete_grads(model: nn.Module, groups: Any, *, data_mean: bool) -> None:
        out of dp (ep) sums over its fewer replicas but divides by ``dp·cp`` too: its gradient already holds the
        terms of its whole ep group (their tokens came to it). Such a parameter with no gradient (an expert no token
        reached) gets zeros, as the unsplit tensor's slice would;
-    2. the partial gradients of each axis (:func:`sum_partial_grads`).
+    2. the partial gradients of each axis (:func:`sum_partial_grads`);
+    3. the gradients of the pipeline copies over their group (:func:`sum_copies`).
 
     Args:
         model: the parallelized model, possibly wrapped (its parameters on ``meta`` are another stage's).
@@ -369,6 +423,10 @@ def complete_grads(model: nn.Module, groups: Any, *, data_mean: bool) -> None:
         group = groups.axis_group(axis)
         if group is not None and dist.get_world_size(group) > 1:
             sum_partial_grads(model, axis, group)
+    for axis in sorted({r.copies for r in records.values() if r.copies is not None}):  # a copy's holders agree
+        group = groups.axis_group(axis)
+        if group is not None and dist.get_world_size(group) > 1:
+            sum_copies(model, axis, group)
 
 
 def clip_grad_norm_(
@@ -378,7 +436,6 @@ def clip_grad_norm_(
     *,
     groups: Mapping[str, Any],
     pp_group: Any = None,
-    uncounted: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Clip to the global gradient norm, as one process with the whole model computes it; returns the norm.
 
@@ -386,7 +443,8 @@ def clip_grad_norm_(
     Σ_whole g²)``. The squares of the parameters cut along an axis are summed over that axis's group (one
     all-reduce each), a slice several ranks hold by its first holder only; whole parameters hold the same gradient on
     every rank of those axes and count once; under pipeline parallelism each stage's total is summed over the pp group,
-    since each stage owns its own parameters. The coefficient is ``torch.nn.utils.clip_grad_norm_``'s,
+    since each stage owns its own parameters (a weight several stages hold a copy of counts on its primary only). The
+    coefficient is ``torch.nn.utils.clip_grad_norm_``'s,
     ``min(1, max_norm / (‖g‖ + 1e-6))``, so one process matches it exactly.
 
     Args:
@@ -395,8 +453,6 @@ def clip_grad_norm_(
         max_norm: the largest allowed norm.
         groups: axis -> its process group, for every axis that cuts parameters in this run (``{"tp": ...}``).
         pp_group: the pipeline group (None: one stage).
-        uncounted: names clipped but left out of the norm: a copy another stage counts (a tied embedding's on the
-            last pipeline stage).
     """
     records = placements(model)
     axes = list(groups)
@@ -407,7 +463,7 @@ def clip_grad_norm_(
     squares = torch.zeros(len(axes) + 1, dtype=torch.float64, device=device)  # whole, then one per axis
     for name, grad in grads.items():
         record = records.get(name, WHOLE)
-        if record.counted and name not in uncounted:
+        if record.counted:
             # Each tensor's norm in fp32 (no float64 copy of a 28M-element embedding gradient: that transient cost
             # 450 MB per step on SmolLM2), its square accumulated in float64.
             norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32)

@@ -53,6 +53,11 @@ class AccelerateRuntime:
     ``loss_is_example_mean``): a pipeline weights each of its micro-batches' losses by its share of the examples then,
     and adds them as they are otherwise."""
 
+    stage_head: Any = None
+    """The task's pipeline head (``hftrain.parallel.stages.StageHead``: the columns the first stage reads, what the
+    last one returns), set by the Trainer from its task's ``stage_head``; None: the one the model's class implies. Read
+    by a strategy that cuts the model into pipeline stages."""
+
     def __init__(
         self,
         accelerator: Accelerator,

@@ -124,6 +124,7 @@ class Trainer:
         self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
         self.runtime = strategy.build_runtime(self.accelerator)
         self.runtime.loss_is_example_mean = self.loss_is_example_mean
+        self.runtime.stage_head = self.stage_head
         self.strategy_summary = strategy.summary(args, self.accelerator)
         self._log("strategy: " + ", ".join(f"{k}={v}" for k, v in self.strategy_summary.items()))
         for choice in choices:
@@ -196,6 +197,11 @@ class Trainer:
     micro-batch further (a pipeline's micro-batches), each part's loss counts by its share of the examples. False: the
     loss is already scaled to the global batch (a causal LM's token sum over the global target count), and the parts'
     losses add up as they are."""
+
+    stage_head: Any = None
+    """The task's head on a pipeline's stages (a ``hftrain.parallel.stages.StageHead``: the batch columns the first
+    stage reads and what the last one returns, on which ``compute_loss`` runs), for a task whose model class does not
+    imply one; None: a ``*ForSequenceClassification``'s family classifier, a ``*ForCausalLM``'s language-model head."""
 
     whole_global_batches = False
     """Train on whole global batches only (``EpochSampler``'s ``whole_groups``): a task whose loss is one mean over

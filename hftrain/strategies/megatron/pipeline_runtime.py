@@ -198,11 +198,6 @@ class PipelineRuntime(MegatronRuntime):
         self.num_microbatches = options.num_microbatches
         self.recorder: Any = None
         self._ranges: list[range] | None = None  # the stages' layer ranges, decided on the whole model
-        # weights several pipeline ranks hold a copy of, each with the group that sums its gradient: tied input/output
-        # embeddings split over the first and last stage (Megatron's embedding group), a family's weights every chunk
-        # reads (DeBERTa's relative embeddings: the pipeline group)
-        self._copies: list[tuple[nn.Parameter, Any]] = []
-        self.foreign_copies: frozenset[str] = frozenset()  # names of the copies another rank counts and writes
 
     # ----------------------------------------------------------------- setup
     def build_model(self, model_init: Callable[[], Any]) -> Any:
@@ -215,7 +210,11 @@ class PipelineRuntime(MegatronRuntime):
 
         def leave_out(model: nn.Module) -> list[str]:
             self._ranges = stage_ranges(
-                model, pp=groups.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
+                model,
+                pp=groups.pp_size,
+                virtual_stages=options.virtual_stages,
+                balance=options.balance,
+                head=self.stage_head,
             )
             return other_stages_modules(
                 model,
@@ -224,6 +223,7 @@ class PipelineRuntime(MegatronRuntime):
                 pp=groups.pp_size,
                 virtual_stages=options.virtual_stages,
                 style=schedule_class(options.schedule).style,
+                head=self.stage_head,
             )
 
         with self.plain_model_context():
@@ -231,7 +231,11 @@ class PipelineRuntime(MegatronRuntime):
             model = build(leave_out=leave_out) if build is not None else model_init()
         if self._ranges is None:  # built whole: split by the whole model's logical sizes, as a built-out one
             self._ranges = stage_ranges(
-                model, pp=groups.pp_size, virtual_stages=options.virtual_stages, balance=options.balance
+                model,
+                pp=groups.pp_size,
+                virtual_stages=options.virtual_stages,
+                balance=options.balance,
+                head=self.stage_head,
             )
         return model
 
@@ -250,7 +254,6 @@ class PipelineRuntime(MegatronRuntime):
         # Split every layer over tp on the host (the plugin's one preparation), keep this rank's stages and move
         # only those to the device; the rest is freed below, never having reached it.
         model = self.plugin.parallelize(model, device=device, move=False)
-        tied = _tied_embedding(model)  # before the stages are cut: the other stages' copies go then
         stages = build_stage_modules(
             model,
             example_group=self.example_group,  # a mixture of experts' router loss is over them
@@ -260,6 +263,7 @@ class PipelineRuntime(MegatronRuntime):
             balance=self.pipeline.balance,
             style=schedule_class(self.pipeline.schedule).style,  # which chunks a rank holds (loop or V)
             ranges=self._ranges,
+            head=self.stage_head,  # the task's, when it names one
         )
         for stage in stages:
             to_device(stage, device)
@@ -269,9 +273,6 @@ class PipelineRuntime(MegatronRuntime):
         stage_params = {id(p) for stage in stages for p in stage.parameters()}
         self._model = model
         self._params = {n: p for n, p in model.named_parameters() if id(p) in stage_params}
-        if tied is not None:
-            self._tie_stages(tied, stage_params, stages)
-        self._share_aux(stages)
         self.recorder = TimelineRecorder(groups.pp_rank)
         schedule = build_schedule(
             self.pipeline.schedule,
@@ -341,75 +342,13 @@ class PipelineRuntime(MegatronRuntime):
         return loss
 
     def _finalize_grads(self) -> None:
-        """Complete the gradients over the placement records (``hftrain.parallel.complete_grads``: the mean over each
-        parameter's data replicas, dp × cp, as no DDP wraps the stages; tp's partial ones), and sum a weight's copies
-        on several pipeline ranks (a tied embedding's over Megatron's embedding group, shared aux weights' over pp)."""
+        """Complete the gradients over the placement records (``hftrain.parallel.complete_grads``): the mean over each
+        parameter's data replicas, dp × cp, as no DDP wraps the stages; tp's partial ones; the sum over a weight's
+        copies on several pipeline ranks (a tied embedding's over Megatron's embedding group, shared aux weights' over
+        pp)."""
         from hftrain.parallel import complete_grads
 
         complete_grads(self._model, self.plugin.groups, data_mean=True)
-        for copy, group in self._copies:  # every copy's gradient is the sum of all of them: one update
-            if copy.grad is None:  # a stage that took no gradient into it still joins the sum
-                copy.grad = torch.zeros_like(copy)
-            dist.all_reduce(copy.grad, group=group)
-
-    def _tie_stages(self, tied: nn.Parameter, stage_params: set[int], stages: list[nn.Module]) -> None:
-        """Keep tied input/output embeddings one weight when the embedding (first stage) and the output projection
-        (last stage) are on different pipeline ranks: each holds a copy, from the same initial values (every rank
-        builds the same model), and each step sums the two copies' gradients over Megatron's embedding group, the
-        first and last pipeline rank of each pipeline, so both apply the same update (collective: every
-        rank creates every group).
-
-        Args:
-            tied: the shared weight (this rank's tp slice), found before the stages were cut.
-            stage_params: ids of the parameters of this rank's stages.
-            stages: this rank's chunks.
-        """
-        from hftrain.parallel.pipeline import chunk_ids_of_rank
-        from hftrain.parallel.schedules import schedule_class
-
-        groups, options = self.plugin.groups, self.pipeline
-        pp, virtual = groups.pp_size, options.virtual_stages
-        chunk_style = schedule_class(options.schedule).style
-        owner = {
-            c: r for r in range(pp) for c in chunk_ids_of_rank(r, pp=pp, virtual_stages=virtual, style=chunk_style)
-        }
-        first, last = owner[0], owner[pp * virtual - 1]
-        held = id(tied) in stage_params
-        if first == last:  # one rank holds both (ZBV's V): one parameter, nothing to sum
-            return
-        if held and groups.pp_rank != first:  # the first stage counts it in the gradient norm
-            self.foreign_copies |= {n for n, p in self._params.items() if p is tied}
-        rank = dist.get_rank()
-        embedding_group = None
-        for stages in groups.dims.iter_groups("pp"):  # every pipeline: its first and last stage's ranks
-            ranks = [stages[first], stages[last]]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                embedding_group = group
-        assert (embedding_group is None) != held, "the tied weight is not on its stages"
-        if held:
-            self._copies.append((tied, embedding_group))
-
-    def _share_aux(self, stages: list[nn.Module]) -> None:
-        """Keep the weights every chunk reads (its ``aux`` modules' parameters: DeBERTa's relative embeddings) one
-        weight: each pipeline rank holds a copy, from the same initial values, and each step sums their gradients over
-        the pipeline group; the rank holding the first chunk counts and writes it."""
-        from hftrain.parallel.pipeline import chunk_ids_of_rank
-        from hftrain.parallel.schedules import schedule_class
-
-        groups = self.plugin.groups
-        shared = {id(p): p for stage in stages for p in stage.aux.parameters()}
-        if not shared or groups.pp_size == 1:
-            return
-        chunks = chunk_ids_of_rank(
-            groups.pp_rank,
-            pp=groups.pp_size,
-            virtual_stages=self.pipeline.virtual_stages,
-            style=schedule_class(self.pipeline.schedule).style,
-        )
-        if 0 not in chunks:
-            self.foreign_copies |= {n for n, p in self._params.items() if id(p) in shared}
-        self._copies += [(p, groups.pp_group) for p in shared.values()]
 
     def evaluation_step(
         self, model: nn.Module, batch: Batch, predict: Callable[[nn.Module, Batch], tuple]
@@ -436,20 +375,6 @@ class PipelineRuntime(MegatronRuntime):
         return self.plugin.gather_for_metrics(tuple(t.to(device) for t in outputs))
 
     # ----------------------------------------------------------------- state
-    def snapshot(self) -> Any:
-        """MegatronRuntime's, without a tied embedding's last-stage copy (and its moments): the first stage writes
-        the one tensor. A load fills the copy from it like any parameter this rank holds."""
-        from hftrain.checkpoint.sharded import MODEL_PREFIX, OPTIM_PREFIX
-
-        snap = super().snapshot()
-        for name in self.foreign_copies:
-            snap.state = {
-                key: boxes
-                for key, boxes in snap.state.items()
-                if key != MODEL_PREFIX + name and not key.startswith(f"{OPTIM_PREFIX}{name}.")
-            }
-        return snap
-
     def save_extras(self, directory: str) -> None:
         super().save_extras(directory)
         self.write_timeline()
@@ -491,15 +416,6 @@ class PipelineRuntime(MegatronRuntime):
             f"pipeline timeline: {output / TIMELINE_PNG} (bubble measured {bubble['measured_bubble']:.3f}, "
             f"theoretical {bubble['theoretical_bubble']:.3f})"
         )
-
-
-def _tied_embedding(model: nn.Module) -> nn.Parameter | None:
-    """The weight a model's input embedding and output projection share (GPT-2's, SmolLM2's), else None."""
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if embed is None or head is None or getattr(head, "weight", None) is not getattr(embed, "weight", 0):
-        return None
-    return head.weight
 
 
 def _batch_size(inputs: dict[str, torch.Tensor]) -> int:

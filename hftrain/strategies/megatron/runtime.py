@@ -118,12 +118,7 @@ class MegatronRuntime(AccelerateRuntime):
             max_norm,
             groups=groups.cut_groups,
             pp_group=groups.pp_group,
-            uncounted=self.foreign_copies,
         )
-
-    # parameters this rank holds as a copy of a weight another rank owns (a pipeline's tied embedding on the last
-    # stage): clipped with the rest, but counted in the gradient norm, and written to checkpoints, by the owner only
-    foreign_copies: frozenset[str] = frozenset()
 
     def evaluation_step(
         self, model: torch.nn.Module, batch: Batch, predict: Callable[[torch.nn.Module, Batch], tuple]

@@ -4,7 +4,8 @@ Save (:func:`snapshot`): each parameter's placement record (``hftrain.parallel.p
 occupies in the full HF-layout tensor (``Split.boxes``: packed query/key/value blocks as separate ranges, vocabulary
 padding left out; experts' ranges along ep), a whole one the whole tensor; Adam's moments are boxed like their
 parameter. The ranks holding the same box (``ParallelGroups.holders``: its data replicas, and the tp ranks unless tp
-cuts it) deal the writes out among themselves (``split_replicated``), so each piece is written once, from live
+cuts it) deal the writes out among themselves (``split_replicated``), and a weight several pipeline stages hold a
+copy of is written by its primary copy's stage (``Placement.primary``), so each piece is written once, from live
 memory, with no gather: a rank's save costs its own state. Under ``shard_optimizer`` (ZeRO-1 over dp) each dp rank
 writes the moments of the parameters it owns. Load (:func:`load_snapshot`): the same boxes, filled in place from a
 checkpoint of any strategy and layout (``hftrain.checkpoint.sharded``). :func:`iter_full_state` streams the full
@@ -71,6 +72,11 @@ def snapshot(
                 owner[f"{OPTIM_PREFIX}{name}.{key}"] = name
     if not share:
         return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
+    # A weight several pipeline ranks hold a copy of (a tied embedding's last-stage copy) is written by its primary
+    # copy only; a load fills every copy from it, like any parameter this rank holds.
+    copies = {name for name in set(owner.values()) if name in records and not records[name].primary}
+    state = {key: boxes for key, boxes in state.items() if owner[key] not in copies}
+    owner = {key: name for key, name in owner.items() if key in state}
     # The ranks holding the same box (a parameter's data replicas, and the tp ranks unless tp cuts it) deal its writes
     # out among themselves; under ZeRO-1 only the owner holds a parameter's optimizer state (it writes it alone).
     by_axis: dict[str | None, list[str]] = {}  # one set of holders per axis cutting the keys (None: whole)
