@@ -255,8 +255,8 @@ BAD_INPUT = {
     "buckets-not-multiple-of-tp-under-sequence-parallelism": (
         ["--tp", "2", "--sequence_parallel", "true", "--pad_to_multiple_of", "3"],
         "2",
-        "parallelism.pad_to_multiple_of=3 is not a multiple of parallelism.tp=2, and sequence parallelism cuts every "
-        "sequence into tp equal parts; use a multiple of 2 (e.g. 6)",
+        "parallelism.tp: length buckets of 3 (pad_to_multiple_of) are not a multiple of tp=2, and sequence "
+        "parallelism cuts every sequence into tp equal parts; use a multiple of 2 (e.g. 6)",
     ),
     "buckets-below-one": (["--pp", "2", "--pad_to_multiple_of", "0"], "2", "parallelism.pad_to_multiple_of must be at"),
     "buckets-without-megatron": (

@@ -45,7 +45,9 @@ def check_layout(dims: ParallelDims, *, sequence_parallel: bool = False, pad_to_
         pad_to_multiple_of: the length buckets (None: none).
     """
     from hftrain.parallel.context_parallel import check_context_parallel
+    from hftrain.parallel.tensor_parallel import check_sequence_parallel
 
+    check_sequence_parallel(dims.tp, sequence_parallel=sequence_parallel, pad_to_multiple_of=pad_to_multiple_of)
     check_context_parallel(dims.cp, sequence_parallel=sequence_parallel, pad_to_multiple_of=pad_to_multiple_of)
 
 

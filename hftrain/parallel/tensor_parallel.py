@@ -329,6 +329,29 @@ def parallelize_layer(
     return layer
 
 
+def check_sequence_parallel(tp: int, *, sequence_parallel: bool = False, pad_to_multiple_of: int | None = None) -> None:
+    """Refuse, before any model or process group, length buckets (``pad_to_multiple_of``) that sequence parallelism
+    cannot cut: it splits every sequence into ``tp`` equal parts; ``AxisError`` naming ``tp``.
+
+    Args:
+        tp: tensor-parallel size.
+        sequence_parallel: Megatron sequence parallelism in the tp regions.
+        pad_to_multiple_of: the length buckets (None: none).
+    """
+    import math
+
+    from hftrain.errors import AxisError
+
+    buckets = pad_to_multiple_of
+    if buckets and sequence_parallel and tp > 1 and buckets % tp:
+        raise AxisError(
+            "tp",
+            f"length buckets of {buckets} (pad_to_multiple_of) are not a multiple of tp={tp}, and sequence "
+            f"parallelism cuts every sequence into tp equal parts; use a multiple of {tp} "
+            f"(e.g. {math.lcm(buckets, tp)})",
+        )
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     *,

@@ -25,8 +25,8 @@ def num_microbatches(parallelism: ParallelismConfig) -> int:
 
 
 def check_pipeline_training(parallelism: ParallelismConfig, training: TrainingConfig) -> None:
-    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, length
-    buckets that sequence parallelism cannot split, and sequence parallelism, which the stages do not support yet.
+    """Refuse a micro-batch count that does not split the per-device batch or cannot fill the schedule, and sequence
+    parallelism, which the stages do not support yet.
 
     A short last batch is not refused: the schedule runs it in fewer or uneven micro-batches, weighted by their
     examples (``hftrain.parallel.schedules``).
@@ -41,7 +41,6 @@ def check_pipeline_training(parallelism: ParallelismConfig, training: TrainingCo
             f"parallelism.num_microbatches={micro} does not divide training.per_device_train_batch_size={batch}; "
             "choose a divisor of the per-device batch (each optimizer step's batch is split into equal micro-batches)"
         )
-    check_length_buckets(parallelism)
     from hftrain.parallel.schedules import check_schedule
 
     check_schedule(
@@ -52,22 +51,4 @@ def check_pipeline_training(parallelism: ParallelismConfig, training: TrainingCo
     if parallelism.sequence_parallel and parallelism.pp > 1:
         raise ConfigError(
             "parallelism.sequence_parallel with parallelism.pp > 1 is not supported yet; use sequence_parallel: false"
-        )
-
-
-def check_length_buckets(parallelism: ParallelismConfig) -> None:
-    """Refuse length buckets (``pad_to_multiple_of``) that are not a multiple of ``tp`` under sequence parallelism,
-    which cuts every sequence into ``tp`` equal parts.
-
-    Args:
-        parallelism: the ``parallelism`` section.
-    """
-    import math
-
-    buckets, tp = parallelism.pad_to_multiple_of, parallelism.tp
-    if buckets and parallelism.sequence_parallel and tp > 1 and buckets % tp:
-        raise ConfigError(
-            f"parallelism.pad_to_multiple_of={buckets} is not a multiple of parallelism.tp={tp}, and sequence "
-            f"parallelism cuts every sequence into tp equal parts; use a multiple of {tp} (e.g. "
-            f"{math.lcm(buckets, tp)})"
         )
