@@ -552,6 +552,11 @@ def test_context_parallel_rows_split_activations_and_name_their_exchange():
     assert estimate(1, 1, model, work, Hardware(gpus_per_node=3, gpu_memory=80e9), cp=3).strategy["cp_comm"] == (
         "all_to_all"
     )
+    # a classifier's head gathers the whole sequences' hidden states: all-gather forward, all-reduce backward
+    lm = model_from_config("embedded:smollm2", task="causal_lm")
+    gather = 3 * (4 - 1) / 4 * work.micro_batch * work.seq * model.hidden * work.element * work.accumulation
+    extra = row.comm["intra"] - estimate(1, 1, lm, work, hardware, cp=4).comm["intra"]
+    assert extra == pytest.approx(gather, rel=1e-3)  # the rest: the score head's gradient in the dp × cp all-reduce
 
 
 # ---------------------------------------------------------------------------------------------- mixture of experts

@@ -199,7 +199,8 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     (and c = 1, and the model has no experts) and ZeRO-1 when dp > 1.
 
     Context parallelism splits every sequence over c ranks: each GPU's activations are those of s/c positions
-    (the plan's per-layer formula at s/c), and each layer exchanges keys and values (``_context_bytes``). Expert
+    (the plan's per-layer formula at s/c), and each layer exchanges keys and values (``_context_bytes``); a
+    classifier's head gathers the whole sequences' hidden states once (``_context_gather_bytes``). Expert
     parallelism splits a MoE model's routed experts over e of the dp ranks (the module docstring).
 
     Args:
@@ -289,7 +290,8 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
             + formulas.ALL_TO_ALL_FORMULA
         )
     if cp > 1:
-        row.comm["intra"] = row.comm.get("intra", 0.0) + _context_bytes(model, tp, cp, work)
+        gather = 0.0 if model.causal_lm else _context_gather_bytes(model, cp, work)
+        row.comm["intra"] = row.comm.get("intra", 0.0) + _context_bytes(model, tp, cp, work) + gather
     row.formulas["model states"] = (
         "max(first stage (L/p)·Ψ_layer/t + V'·h/t (V padded to a multiple V' of t) + other embeddings, "
         "last stage (L/p)·Ψ_layer/t + head) × (params + grads) + Adam"
@@ -440,6 +442,15 @@ def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload, *, comm: 
     else:
         per_layer = (cp - 1) * 2 * kv * e * 2 + cp * 2 * kv * 4
     return work.accumulation * model.layers * per_layer
+
+
+def _context_gather_bytes(model: ModelSpec, cp: int, work: Workload) -> float:
+    """Bytes one GPU sends per step to give a classifier's head the whole sequences under context parallelism
+    (``hftrain.parallel.context_parallel``'s gather after the trunk's last layer): per micro-batch, an all-gather
+    of the hidden states ``[b, s, h]`` forward, (c−1)/c·b·s·h·e, and the all-reduce of their gradient backward,
+    2·(c−1)/c·b·s·h·e. A causal LM gathers nothing (its logits stay per rank)."""
+    hidden = work.micro_batch * work.seq * model.hidden * work.element
+    return work.accumulation * 3 * (cp - 1) / cp * hidden
 
 
 def _communication(

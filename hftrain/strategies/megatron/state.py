@@ -74,8 +74,7 @@ def snapshot(
         return Snapshot(state=state, param_groups=optimizer.param_groups, info=info, model=model)
     # A weight several pipeline ranks hold a copy of (a tied embedding's last-stage copy) is written by its primary
     # copy only; a load fills every copy from it, like any parameter this rank holds.
-    copies = {name for name in set(owner.values()) if name in records and not records[name].primary}
-    state = {key: boxes for key, boxes in state.items() if owner[key] not in copies}
+    state = {key: boxes for key, boxes in state.items() if _given_here(owner[key], params, buffers, records, groups)}
     owner = {key: name for key, name in owner.items() if key in state}
     # The ranks holding the same box (a parameter's data replicas, and the tp ranks unless tp cuts it) deal its writes
     # out among themselves; under ZeRO-1 only the owner holds a parameter's optimizer state (it writes it alone).
@@ -138,14 +137,13 @@ def merged_weights(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
         params: HF name -> the parameters this rank owns.
         groups: the run's ``ParallelGroups``.
     """
-    from hftrain.parallel import gather_full_tensors
+    from hftrain.parallel import gather_full_tensors, placements
 
-    buffers = _buffer_names(model)
-    # Buffers are not trained: the first stage contributes them; each parameter comes from the stage owning it.
+    records, buffers = placements(model), _buffer_names(model)
     local = {
         name: tensor.detach()
         for name, tensor in model.state_dict().items()
-        if name in params or (name in buffers and groups.pp_rank == 0)
+        if _given_here(name, params, buffers, records, groups)
     }
     full = gather_full_tensors(local, model, groups=groups.cut_groups)  # each cut tensor over the axis cutting it
     if groups.pp_size == 1:
@@ -179,20 +177,16 @@ def iter_full_state(
     local = [
         (name, tuple(records[name].split.full_shape) if _cut(records, name) else tuple(tensor.shape), str(tensor.dtype))
         for name, tensor in state.items()
-        if name in params or (name in buffers and groups.pp_rank == 0)
+        if _given_here(name, params, buffers, records, groups)
     ]
     stages = _merged_over_stages(local, groups.pp_group) if groups.pp_size > 1 else [local]
     rank = dist.get_rank() if dist.is_initialized() else 0
     # Received where this rank computes: the default group of a CUDA run (NCCL) takes no CPU tensor.
     device = next(iter(params.values())).device if params else torch.device("cpu")
     holder = groups.holders(None)[0] == 0  # the first data replica's tp rank 0: it sends (or yields) each tensor
-    given: set[str] = set()
     for stage, entries in enumerate(stages):
         sender = groups.dims.rank(stage, 0, 0, 0)
         for name, shape, dtype in entries:
-            if name in given:  # a tied embedding's copy on the last stage: the first stage's is the one
-                continue
-            given.add(name)
             full = None
             axis = records[name].axis if _cut(records, name) else None
             if stage == groups.pp_rank and groups.data_replicas(axis)[1] == 0:  # its first data replica gathers it
@@ -205,6 +199,15 @@ def iter_full_state(
                 dist.recv(full, src=sender)
             yield name, full if rank == 0 else None
             del full
+
+
+def _given_here(name: str, params: dict[str, Any], buffers: set[str], records: dict[str, Any], groups: Any) -> bool:
+    """Whether this rank's stage gives ``name`` to the full state: a parameter it holds, unless it is a copy whose
+    primary another stage holds (a tied embedding's last-stage copy, ``Placement.primary``), or a buffer on the first
+    stage (buffers are not trained; every stage holds them)."""
+    if name in params:
+        return name not in records or records[name].primary
+    return name in buffers and groups.pp_rank == 0
 
 
 def _cut(records: dict[str, Any], name: str) -> bool:
