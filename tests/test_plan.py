@@ -764,6 +764,11 @@ def test_language_model_parameters_count_the_lm_head_once_when_tied(tmp_path):
     assert stage_parameters(specs[False], 1, 1) == specs[False].parameters
     for tp in (2, 4):
         assert stage_parameters(specs[False], tp, 1) - stage_parameters(specs[True], tp, 1) == vocab * hidden / tp
+    # under a pipeline the last stage holds the tied head's copy (place_stage_copies), as it holds an untied head
+    from hftrain.plan.model_parallel import _head_per_gpu
+
+    for tp in (1, 2):
+        assert _head_per_gpu(specs[True], tp) == _head_per_gpu(specs[False], tp) == vocab * hidden / tp
     # GPT-2 ties its head: the language model is the classifier less its 2-label score (and GPT-2's has no bias)
     from tests.tiny import tiny_config
 

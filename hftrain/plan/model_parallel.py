@@ -382,9 +382,11 @@ def _vocab_parameters(model: ModelSpec, tp: int) -> tuple[float, float]:
 
 
 def _head_per_gpu(model: ModelSpec, tp: int) -> float:
-    """The last stage's head on one GPU: a language model's untied lm_head split over the vocabulary like the
-    embedding (``VocabParallelHead``: V'·h/t), a classifier's head whole (replicated)."""
-    return _vocab_parameters(model, tp)[1] if model.lm_head_parameters else model.head_parameters
+    """The last stage's head on one GPU: a language model's lm_head split over the vocabulary like the embedding
+    (``VocabParallelHead``: V'·h/t; a tied one is the last stage's copy of the embedding, which the pipeline keeps
+    beside the first stage's, ``hftrain.parallel.pipeline.place_stage_copies``), a classifier's head whole
+    (replicated)."""
+    return _vocab_parameters(model, tp)[1] if model.causal_lm else model.head_parameters
 
 
 def _first_stage_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
