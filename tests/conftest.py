@@ -73,7 +73,7 @@ def assert_refused(stderr: str, code: int, fragment: str) -> None:
 def tiny_job(tmp_path_factory) -> dict[str, str]:
     """Tiny model folders and small labelled CSVs for tests that run real jobs (one per test module).
 
-    Keys: ``model`` and ``bert`` (a tiny BERT), ``gpt2``, ``albert`` (a family tensor parallelism refuses),
+    Keys: ``model`` and ``bert`` (a tiny BERT), ``gpt2``, ``albert`` (a family context parallelism refuses),
     ``bert_dropout`` (dropout 0.1); ``data`` (80 rows, seed 1) and ``data_400`` (400 rows, seed 2) as CSV files
     with columns ``text,label``; ``root``, the folder holding them.
     """

@@ -3,10 +3,11 @@ equal to its 1-process run; the axes it does not take are refused in one line; `
 exactly the axes the trainer takes.
 
 The families beyond the first five (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R, ELECTRA, DistilBERT, GPT-NeoX, Mistral,
-Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE, DeBERTa-v2), tiny but with their special layers on
-(sliding windows shorter than the texts, soft-capping, qk-norm, scaled embeddings, fused qkv, ELECTRA's embedding
-projection, DeBERTa-v3's relative attention). Three launches: one process (the references); 2 processes for tp=2, pp=2,
-cp=2 and ep=2 (each where the family takes it); 4 processes for tp=2 × pp=2 (and RoBERTa at pp=2 × cp=2). Each run
+Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE, DeBERTa-v2, ALBERT), tiny but with their special
+layers on (sliding windows shorter than the texts, soft-capping, qk-norm, scaled embeddings, fused qkv, ELECTRA's
+embedding projection, DeBERTa-v3's relative attention, ALBERT's one layer group run by every layer). Three launches:
+one process (the references); 2 processes for tp=2, pp=2, cp=2 and ep=2 (each where the family takes it); 4
+processes for tp=2 × pp=2 (and RoBERTa at pp=2 × cp=2). Each run
 equals its reference within 1e-5 (fp32): losses every step, the final evaluation, and the trained weights (gathered as
 the export gathers them) loaded strictly into the plain transformers class. BERT, GPT-2, Llama, Mixtral and Qwen2-MoE
 have their own tests (``test_pp_trainer``, ``test_cp_trainer``, ``test_ep_trainer``, ``test_tp_plans``).
@@ -112,7 +113,7 @@ def test_the_registry_gives_each_family_its_axes():
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp cp", "qwen2": "tp pp cp", "qwen3": "tp pp cp", "gemma": "tp pp cp",
         "gemma2": "tp pp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
-        "modernbert": "tp pp", "deberta-v2": "tp pp",
+        "modernbert": "tp pp", "deberta-v2": "tp pp", "albert": "tp pp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
@@ -164,8 +165,8 @@ def _model_folder(root, kind: str, **config_changes) -> str:
 
 
 REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
-    "albert-tp2": ("albert", ["--tp", "2"], "2", "parallelism.tp: tensor parallelism cannot split this ALBERT model: "
-                   "its layers share one set of weights"),
+    "albert-cp2": ("albert", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this ALBERT model: "
+                   "its layers are one module run num_hidden_layers times"),
     "qwen3_moe-cp2": ("qwen3_moe", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this "
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
@@ -181,7 +182,7 @@ def test_an_axis_a_family_cannot_take_is_one_line_exit_2_nothing_written(tmp_pat
     from tests.tiny import write_csv
 
     kind, extra, world, message = REFUSALS[label]
-    model = _albert_folder(tmp_path) if kind == "albert" else _model_folder(tmp_path, kind)
+    model = _model_folder(tmp_path, kind)
     data = str(write_csv(tmp_path / "train.csv"))
     capsys.readouterr()  # the folders' save progress
     refused_as_launched_rank0(monkeypatch, capsys, tmp_path, model, data, extra, world, message)
@@ -204,7 +205,7 @@ def test_a_family_without_sdpa_trains_with_eager_said_in_one_line(tmp_path, caps
     assert (out / "model" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("kind", [*FAMILY_KINDS, "albert"])
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
 def test_a_plan_row_is_runnable_exactly_when_the_trainer_takes_its_layout(tmp_path, kind):
     """``hftrain plan`` reads the registry: each tp/pp/cp row of every family is marked runnable exactly when the
     megatron strategy's own model check (what ``train`` runs before any process group) accepts that layout."""
@@ -218,12 +219,12 @@ def test_a_plan_row_is_runnable_exactly_when_the_trainer_takes_its_layout(tmp_pa
     from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
-    folder = _albert_folder(tmp_path) if kind == "albert" else _model_folder(tmp_path, kind)
+    folder = _model_folder(tmp_path, kind)
     model, config = model_from_config(folder), AutoConfig.from_pretrained(folder)
     assert model.moe == (kind == "qwen3_moe")  # a mixture of experts is counted as one
     for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
         row = estimate(tp, pp, model, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
-        options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
+        options = {key: value for key, value in row.strategy.items() if key != "name"}  # what --write-configs writes
         strategy = strategy_from_options(
             "megatron",
             options,
@@ -236,19 +237,6 @@ def test_a_plan_row_is_runnable_exactly_when_the_trainer_takes_its_layout(tmp_pa
         except ConfigError:
             accepted = False
         assert row.runnable == accepted, (kind, tp, pp, cp)
-
-
-def _albert_folder(root) -> str:
-    from transformers import AlbertConfig, AutoModelForSequenceClassification
-
-    from tests.tiny import tiny_tokenizer
-
-    path = root / "albert"
-    config = AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, intermediate_size=64, pad_token_id=0)  # fmt: skip
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
-    tiny_tokenizer("bert").save_pretrained(path)
-    return str(path)
 
 
 def test_a_family_with_llamas_layout_is_found_without_an_entry():

@@ -877,3 +877,28 @@ def test_language_model_activation_estimate_matches_saved_tensors(tmp_path, voca
     estimate = activation_bytes(spec, work, Hardware(dropout_mask_bytes=4), layers=spec.layers)
     assert logits_bytes(spec, work) == micro * seq * vocab * (4 + 4)
     assert estimate == pytest.approx(measured, rel=ACTIVATION_TOLERANCE)
+
+
+def test_a_layer_every_layer_runs_is_held_once_per_stage_and_run_every_layer(tmp_path):
+    """ALBERT: one layer group run by all L layers. The plan counts its weights once (Ψ at pp = 1), once on every
+    pipeline stage (as the stages hold it: counted from the real chunks), and its compute L times."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hftrain.parallel import build_stage_modules
+    from hftrain.plan.model_parallel import stage_parameters
+    from tests.tiny import tiny_config
+
+    config = tiny_config("albert", num_layers=4)
+    config.save_pretrained(tmp_path)
+    model = AutoModelForSequenceClassification.from_config(config)
+    spec = model_from_config(str(tmp_path))
+    assert (spec.layers, spec.held_layers) == (4, 1)
+    assert spec.parameters == sum(p.numel() for p in model.parameters())
+    assert stage_parameters(spec, 1, 1) == spec.parameters
+    for pp in (2, 4):
+        held = []
+        for rank in range(pp):
+            chunks = build_stage_modules(model, pp_rank=rank, pp=pp)
+            held.append(sum({id(p): p.numel() for chunk in chunks for p in chunk.parameters()}.values()))
+        assert stage_parameters(spec, 1, pp) == max(held), (pp, held)
+    assert spec.active_parameters == spec.parameters + 3 * spec.layer_parameters

@@ -1,9 +1,10 @@
 """TP plans on tiny BERT, GPT-2, Llama and the mixture-of-experts Mixtral and Qwen2-MoE: TP=2 (2 gloo processes) and
 TP2×DP2 (4) equal the unsharded model; every other family with a plan (``tests.tiny.FAMILY_KINDS``: RoBERTa, XLM-R,
 ELECTRA, DistilBERT, GPT-NeoX, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo-2, Qwen3-MoE,
-DeBERTa-v2) at TP=2 with sequence parallelism (MoE: without), its special layers on (sliding windows, soft-capping,
-qk-norm, scaled embeddings, fused qkv: GPT-NeoX's per head, Phi-3's grouped-query q, k, v parts and fused gate/up;
-DeBERTa-v2's disentangled relative attention, its key projections shared with the positions (v3) or not).
+DeBERTa-v2, ALBERT) at TP=2 with sequence parallelism (MoE and ALBERT: without), its special layers on (sliding
+windows, soft-capping, qk-norm, scaled embeddings, fused qkv: GPT-NeoX's per head, Phi-3's grouped-query q, k, v
+parts and fused gate/up; DeBERTa-v2's disentangled relative attention, its key projections shared with the
+positions (v3) or not; ALBERT's one layer group run by every layer, split once).
 
 Checked per family, with and without sequence parallelism, in one launch: logits, loss and full gradients;
 three AdamW steps; each rank holding 1/tp of each split weight (read from the live modules); the per-rank
@@ -41,6 +42,7 @@ SPLIT_COUNTS = {
     "phi3": 2 * 4 + 1,  # fused qkv (q, k and v rows split each per head), o, fused gate_up (each half split), down
     "deberta-v2": 2 * 10 + 1,  # BERT's layout (its relative embeddings are replicated, their gradient summed)
     "deberta-v2_separate": 2 * 14 + 1,  # and pos_key_proj, pos_query_proj w+b: share_att_key off (DeBERTa-v2's default)
+    "albert": 10 + 1,  # its one layer group, which both layers run: q, k, v w+b, dense w, ffn w+b, ffn_output w
 }
 HEAD_ATTRIBUTES = {
     "bert": ("bert.encoder.layer.0.attention.self", {"num_attention_heads": 1, "all_head_size": 16}),
@@ -59,6 +61,7 @@ HEAD_ATTRIBUTES = {
         for kind in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "olmo2")
     },
     "modernbert": ("model.layers.0.attn", {}),  # its views take the head count from -1
+    "albert": ("albert.encoder.albert_layer_groups.0.albert_layers.0.attention", {}),  # its views too
     # Phi-3 slices its fused qkv by its (own, per-rank) config's head counts
     "phi3": ("model.layers.0.self_attn", {"num_key_value_groups": 2, "num_key_value_heads": 1}),
     **{
@@ -70,7 +73,7 @@ KINDS = ("bert", "gpt2", "llama", "llama_kv1")
 # mixture of experts: without sequence parallelism only (refused: the replicated MoE block needs the whole sequence)
 MOE_KINDS = ("mixtral", "qwen2_moe")
 # the other families with a tensor-parallel plan: at tp2 (2 processes) with sequence parallelism (MoE: without)
-FAMILY_SP = {kind: kind != "qwen3_moe" for kind in SPLIT_COUNTS if kind not in (*KINDS, *MOE_KINDS)}
+FAMILY_SP = {kind: kind not in ("qwen3_moe", "albert") for kind in SPLIT_COUNTS if kind not in (*KINDS, *MOE_KINDS)}
 # "llama_kv1": 4 query heads of 8 and one key/value head: tp=2 replicates it (Megatron/vLLM), each rank holds the
 # whole head (k/v rows 8) beside its 2 query heads (q/o rows 16)
 REPLICATED = {"k_proj": 8, "v_proj": 8}
@@ -383,11 +386,15 @@ def test_check_tensor_parallel_refuses_unknown_family():
     from transformers import AlbertConfig, BartConfig
 
     from hftrain.parallel import check_tensor_parallel
+    from hftrain.parallel.families import check_family
 
     with pytest.raises(ConfigError, match="tensor parallelism has no entry for model type 'bart' .supported: BERT"):
         check_tensor_parallel(BartConfig(), 2)
-    with pytest.raises(ConfigError, match="cannot split this ALBERT model: its layers share one set of weights"):
-        check_tensor_parallel(AlbertConfig(), 2)
+    check_tensor_parallel(AlbertConfig(), 2)  # its shared layer group is split once
+    with pytest.raises(ConfigError, match="sequence parallelism is not supported for this albert model: its attention"):
+        check_tensor_parallel(AlbertConfig(), 2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="context parallelism cannot split this ALBERT model: its layers are one"):
+        check_family(AlbertConfig(), axis="cp")
 
 
 def test_deberta_v2_refuses_what_its_plan_cannot_split_in_one_line():

@@ -113,7 +113,7 @@ def tiny_config(
 
 FAMILY_KINDS = (
     "roberta", "xlm-roberta", "electra", "distilbert", "gpt_neox", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-    "gemma3_text", "phi3", "olmo2", "qwen3_moe", "modernbert", "deberta-v2",
+    "gemma3_text", "phi3", "olmo2", "qwen3_moe", "modernbert", "deberta-v2", "albert",
 )  # fmt: skip
 """The families beyond the first five (``family_config``), each with its special layers switched on."""
 
@@ -125,7 +125,8 @@ def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, n
     alternating global and local attention and mean pooling), a factorised embedding
     (ELECTRA's 16 → 32 projection), grouped-query attention (4 heads, 2 key/value heads) in every decoder,
     DeBERTa-v3's disentangled relative attention (c2p and p2c over 8 log buckets, shared key projections, the
-    relative embeddings layer-normed, no absolute positions).
+    relative embeddings layer-normed, no absolute positions), ALBERT's one layer group shared by every layer and its
+    16 → 32 embedding projection.
     """
     from transformers import CONFIG_MAPPING
 
@@ -153,6 +154,13 @@ def family_config(kind: str, num_labels: int, vocab_size: int, dropout: float, n
             max_relative_positions=max_positions, share_att_key=True, position_biased_input=False,
             norm_rel_ebd="layer_norm", type_vocab_size=0, hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout, pooler_dropout=dropout,
+        )  # fmt: skip
+    if kind == "albert":  # one layer group run by every layer, its 16-wide embedding projected to 32
+        return CONFIG_MAPPING[kind](
+            vocab_size=vocab_size, embedding_size=16, hidden_size=32, num_hidden_layers=num_layers,
+            num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_positions, num_labels=num_labels,
+            pad_token_id=0, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+            classifier_dropout_prob=dropout,
         )  # fmt: skip
     if kind == "distilbert":
         return CONFIG_MAPPING[kind](

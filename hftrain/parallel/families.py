@@ -34,7 +34,7 @@ model's modules when it is split.
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | no: local attention layers | |
 | DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp) | yes (... over pp) | no | |
-| ALBERT | refused, with the reason | | | |
+| ALBERT | yes (the shared layer group split once) | yes (the shared group: a copy per rank) | no: one layer run L× | |
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from typing import Any
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan, kv_heads_split
 from hftrain.parallel.stages import (
+    AlbertStages,
     DebertaHead,
     DebertaStages,
     DecoderStages,
@@ -164,6 +165,39 @@ def _moe_plan(*, head_norms: bool = False) -> TensorParallelPlan:
         sizes=lambda c: {"num_attention_heads": c.num_attention_heads},
         grouped_query="self_attn",
         replicated=("mlp",),
+    )
+
+
+def _albert_plan(config: Any) -> TensorParallelPlan:
+    """ALBERT: its layer group split once for every layer that runs it (the shared weights are cut once; each run's
+    partial sums complete in the run). ``AlbertAttention`` adds its residual and norm inside the module, so the region
+    is entered at each projection (query, key and value: three all-reduces backward where BERT has one) and the
+    module only draws its attention dropout from the rank's stream. It also reshapes the projections by its input's
+    length, so its layers cannot run on sequence chunks: sequence parallelism is refused."""
+    layer: list[tuple[str, str]] = []
+    for inner in range(config.inner_group_num):
+        at = f"albert_layers.{inner}"
+        for projection in ("query", "key", "value"):
+            layer += [(f"{at}.attention.{projection}", "column"), (f"{at}.attention.{projection}", "region")]
+        layer += [
+            (f"{at}.attention", "heads_dropout"),
+            (f"{at}.attention.dense", "row"),
+            (f"{at}.attention.output_dropout", "sequence_dropout"),
+            (f"{at}.ffn", "column"),
+            (f"{at}.ffn", "region"),
+            (f"{at}.ffn_output", "row"),
+        ]
+    return TensorParallelPlan(
+        layers="albert.encoder.albert_layer_groups",
+        layer=tuple(layer),
+        model=(("albert.embeddings.word_embeddings", "vocab"),),
+        sizes=lambda c: {
+            "num_attention_heads": c.num_attention_heads,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+        },
+        sequence_refusal="its attention reshapes the projections by its input's length, which a sequence chunk "
+        "would not have",
     )
 
 
@@ -518,13 +552,17 @@ FAMILIES: dict[str, Family] = {
         refusals=_MOE_STAGES,
         gated_mlp=True,
     ),
+    # every layer runs one shared group: tp splits it once, each pipeline rank holds a copy (AlbertStages)
     "albert": Family(
         "ALBERT",
-        refusals=dict.fromkeys(
-            ("tp", "pp", "cp"),
-            "its layers share one set of weights (every layer is the same module), so stages would hold copies of "
-            "one layer and tp would split it once for all: hftrain does not split it; use strategy ddp/fsdp/zero*",
-        ),
+        tp=_albert_plan,
+        stages=AlbertStages(),
+        classifier=FirstTokenHead("albert", "albert_pooler"),
+        refusals={
+            "cp": "its layers are one module run num_hidden_layers times, and context parallelism gathers a "
+            "classifier's hidden states after the trunk's last layer, which that module's every run would be; use "
+            "cp 1 (tp and pp split it)",
+        },
     ),
     "deberta-v2": Family(
         "DeBERTa-v2",
@@ -731,7 +769,8 @@ def _valid_tp(sizes: dict[str, int], kv_heads: dict[str, int]) -> list[int]:
 
 def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:
     """Refuse a model that ``tp`` cannot split, naming the size and the valid tp values (no processes needed), and
-    sequence parallelism (tp > 1) for a family with blocks replicated over tp (mixture of experts).
+    sequence parallelism (tp > 1) for a family with blocks replicated over tp (mixture of experts) or layers that
+    cannot run on sequence chunks (the plan's ``sequence_refusal``: ALBERT's).
 
     Args:
         config: the model's ``transformers.PretrainedConfig``.
@@ -750,6 +789,12 @@ def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = Fal
             f"blocks ({', '.join(plan.replicated)}) run whole on every tp rank and need the full sequence, which "
             "sequence parallelism cuts into tp chunks; use sequence_parallel: false (tp still splits the attention)",
         )
+    if sequence_parallel and tp > 1 and plan.sequence_refusal:
+        raise AxisError(
+            "sequence_parallel",
+            f"sequence parallelism is not supported for this {config.model_type} model: {plan.sequence_refusal}; "
+            "use sequence_parallel: false (tp still splits its layers)",
+        )
     sizes, kv_heads = plan.sizes(config), _kv_heads(plan, config)
     indivisible = ", ".join(f"{name}={value}" for name, value in sizes.items() if value % tp)
     unsplittable = ", ".join(f"{name}={value}" for name, value in kv_heads.items() if not kv_heads_split(value, tp))
@@ -762,6 +807,15 @@ def check_tensor_parallel(config: Any, tp: int, *, sequence_parallel: bool = Fal
             f"tp={tp} {' and '.join(problems)} of this {config.model_type} model; "
             f"valid tp values for it: {', '.join(map(str, _valid_tp(sizes, kv_heads)))}",
         )
+
+
+def takes_sequence_parallel(config: Any) -> bool:
+    """Whether tensor parallelism may also cut the sequence for this model (its family has a plan with no replicated
+    blocks and no ``sequence_refusal``)."""
+    if not has_tp_plan(config):
+        return False
+    plan = plan_for(config)
+    return not plan.replicated and plan.sequence_refusal is None
 
 
 def trainable_axes(config: Any, class_name: str | None = None) -> frozenset[str]:

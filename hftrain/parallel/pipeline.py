@@ -210,7 +210,8 @@ def other_stages_modules(
     owned = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, style=style)
     kept = {i for c in owned for i in ranges[c]}
     layers = family.layers(model)
-    others = [layer for i, layer in enumerate(layers) if i not in kept]
+    kept_modules = {id(layers[i]) for i in kept}  # a layer module several layers run (ALBERT's group) is kept whole
+    others = list({id(m): m for i, m in enumerate(layers) if i not in kept and id(m) not in kept_modules}.values())
     paths = {id(module): name for name, module in model.named_modules()}
     if 0 not in owned:
         # an embedding whose weight the head shares (tied input/output embeddings) is built where the head is
@@ -304,12 +305,19 @@ def build_stage_modules(
     missing = [n for chunk in chunks for n, p in chunk.named_parameters() if p.device.type == "meta"]
     if missing:
         raise RuntimeError(f"pipeline rank {pp_rank}'s stages hold unbuilt (meta) parameters, e.g. {missing[0]}")
-    place_stage_copies(model, family, pp_rank=pp_rank, pp=pp, virtual_stages=virtual_stages, style=style)
+    place_stage_copies(model, family, ranges, pp_rank=pp_rank, pp=pp, virtual_stages=virtual_stages, style=style)
     return chunks
 
 
 def place_stage_copies(
-    model: torch.nn.Module, family: Any, *, pp_rank: int, pp: int, virtual_stages: int, style: str
+    model: torch.nn.Module,
+    family: Any,
+    ranges: list[range],
+    *,
+    pp_rank: int,
+    pp: int,
+    virtual_stages: int,
+    style: str,
 ) -> None:
     """Record the weights that more than one pipeline rank holds a copy of (``Placement.copies``), each copy from the
     same initial values (every rank builds the same model); the copy on the rank holding the first chunk is the
@@ -318,14 +326,16 @@ def place_stage_copies(
     - tied input/output embeddings, when the first chunk (the embedding) and the last (the output projection) are on
       different ranks: copies over Megatron's ``embedding`` group, the first and last stage of each pipeline (one
       rank holds both under the V style: one weight, nothing recorded);
-    - the parameters of the modules every chunk reads (the family's ``aux_modules``: DeBERTa's relative embeddings):
-      copies over the pipeline group.
+    - the parameters of the modules every chunk reads (the family's ``aux_modules``: DeBERTa's relative embeddings),
+      and of a layer module every rank's layers run (ALBERT's shared layer group): copies over the pipeline group. A
+      layer module only some of the ranks run is refused (``AxisError``, pp): it would need a group of its own.
 
     ``hftrain.parallel.placement`` then sums their gradients, counts and writes them.
 
     Args:
         model: the model the chunks were cut from (its tie intact).
         family: its pipeline adapter (:func:`~hftrain.parallel.families.stages_of`).
+        ranges: every chunk's layer range.
         pp_rank: this rank's index in the pipeline group.
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
@@ -338,6 +348,15 @@ def place_stage_copies(
     owner = {c: r for r in range(pp) for c in chunk_ids_of_rank(r, pp=pp, virtual_stages=virtual_stages, style=style)}
     primary = owner[0] == pp_rank
     copies = {id(p): "pp" for module in family.aux_modules(model).values() for p in module.parameters()}
+    layers, runs = family.layers(model), {}  # a layer module -> the ranks whose chunks run it
+    for chunk, layer_range in enumerate(ranges):
+        for index in layer_range:
+            runs.setdefault(id(layers[index]), (layers[index], set()))[1].add(owner[chunk])
+    for module, ranks in runs.values():
+        if 1 < len(ranks) < pp:
+            raise AxisError("pp", f"a layer module is run by pipeline ranks {sorted(ranks)} of {pp} only; use pp 1")
+        if len(ranks) == pp:
+            copies |= {id(p): "pp" for p in module.parameters()}
     tied = tied_embedding(model)
     if tied is not None and owner[0] != owner[pp * virtual_stages - 1]:
         copies[id(tied)] = "embedding"

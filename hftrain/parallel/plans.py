@@ -25,6 +25,9 @@ A plan names modules by their path in the HF ``*ForSequenceClassification`` mode
 - ``region``: the module's ``hidden_states`` input enters a tensor-parallel region (f, or the sequence
   all-gather under sequence parallelism) once for all the column layers inside it; its dropout (attention
   probabilities on this rank's heads) draws from the rank's own ``tensor`` RNG stream (``hftrain.parallel.random``);
+- ``heads_dropout``: an attention module whose projections are each a ``region`` (ALBERT's, which adds its residual
+  inside the module, so the module's input cannot enter the region): its dropout of the attention probabilities of
+  this rank's heads draws from the rank's own ``tensor`` stream;
 - ``sequence_dropout``: a residual-stream dropout: the rank's ``tensor`` stream under sequence parallelism (it
   drops this rank's sequence chunk), the tp group's shared default stream otherwise (even inside a region);
 - ``replicated_dropout``: a dropout on an activation every tp rank holds whole in both modes (DeBERTa's
@@ -80,6 +83,8 @@ class TensorParallelPlan:
             ``num_key_value_heads``; its ``num_key_value_groups`` is set per rank), or None.
         replicated: paths in the layer of blocks every tp rank runs whole on the full sequence (a mixture-of-experts
             block); such a family refuses sequence parallelism.
+        sequence_refusal: why the family's layers cannot run on sequence chunks (sequence parallelism refused in one
+            line naming it), or None.
     """
 
     layers: str
@@ -89,6 +94,7 @@ class TensorParallelPlan:
     sizes: Callable[[Any], dict[str, int]] = lambda config: {}
     grouped_query: str | None = None
     replicated: tuple[str, ...] = ()
+    sequence_refusal: str | None = None
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,42 @@ class _RelativeState(torch.nn.Module):
         return self.encoder_class.get_rel_pos(self, hidden)
 
 
+class AlbertStages(EncoderStages):
+    """ALBERT's trunk: its factorised embedding (``embedding_size`` wide) → the encoder's
+    ``embedding_hidden_mapping_in`` (to ``hidden_size``) → the layer group run ``num_hidden_layers`` times, as
+    ``AlbertTransformer`` runs it: layer ``i`` is group ``⌊i / (L / G)⌋``, so with one group (every released ALBERT)
+    every layer is the same module.
+
+    The layers are that module repeated, so the chunks of every pipeline rank hold the group's weights: a copy on
+    each rank, from the same initial values, its gradient summed over the pipeline group and the first stage's copy
+    the one checkpointed and exported (``hftrain.parallel.pipeline.place_stage_copies`` records it, as it records
+    DeBERTa's relative embeddings). Several groups (G > 1) are refused: a group would be held by some pipeline ranks
+    only. Its classification head is :class:`FirstTokenHead`'s ``albert_pooler``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("albert")
+
+    def refusal(self, config: Any) -> str | None:
+        """Why a config cannot be cut into stages (several layer groups), else None."""
+        if getattr(config, "num_hidden_groups", 1) != 1:
+            return (
+                f"its {config.num_hidden_groups} layer groups would each be held by some pipeline ranks only; hftrain "
+                "cuts ALBERT models with one group (num_hidden_groups 1, as every released ALBERT); use pp 1"
+            )
+        return None
+
+    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The layer group each of the ``num_hidden_layers`` layers runs, in order (the same module, repeated)."""
+        config, groups = model.config, model.albert.encoder.albert_layer_groups
+        count, group_count = config.num_hidden_layers, config.num_hidden_groups
+        return torch.nn.ModuleList([groups[int(i / (count / group_count))] for i in range(count)])
+
+    def embed_modules(self, model: torch.nn.Module) -> Modules:
+        """The embeddings and the projection to the hidden size."""
+        return {"embeddings": model.albert.embeddings, "project": model.albert.encoder.embedding_hidden_mapping_in}
+
+
 class DebertaStages(EncoderStages):
     """DeBERTa-v2/v3's trunk: embeddings (padding zeroed by the mask, as ``DebertaV2Embeddings`` does) → ``layer[i]``
     with the encoder's relative positions and relative embeddings. Its classification head is :class:`DebertaHead`.
@@ -553,14 +589,14 @@ class SequenceClassificationHead(StageHead):
 
 
 class FirstTokenHead(SequenceClassificationHead):
-    """BERT-style classifiers on the first token: BERT's pooler → dropout → classifier; RoBERTa's, XLM-R's and
-    ELECTRA's classification head (it takes the first token itself); DistilBERT's ``pre_classifier`` → ReLU →
-    dropout → classifier.
+    """BERT-style classifiers on the first token: BERT's pooler → dropout → classifier; ALBERT's ``pooler`` linear →
+    ``pooler_activation`` (tanh) → dropout → classifier; RoBERTa's, XLM-R's and ELECTRA's classification head (it
+    takes the first token itself); DistilBERT's ``pre_classifier`` → ReLU → dropout → classifier.
 
     Args:
-        base: the base model's attribute (BERT's pooler lives in it).
-        kind: ``"pooler"`` (BERT), ``"classification_head"`` (RoBERTa, XLM-R, ELECTRA) or ``"pre_classifier"``
-            (DistilBERT).
+        base: the base model's attribute (BERT's and ALBERT's pooler live in it).
+        kind: ``"pooler"`` (BERT), ``"albert_pooler"`` (ALBERT), ``"classification_head"`` (RoBERTa, XLM-R,
+            ELECTRA) or ``"pre_classifier"`` (DistilBERT).
     """
 
     def __init__(self, base: str, kind: str = "pooler") -> None:
@@ -574,6 +610,14 @@ class FirstTokenHead(SequenceClassificationHead):
                 "dropout": model.dropout,
                 "classifier": model.classifier,
             }
+        if self.kind == "albert_pooler":
+            base = getattr(model, self.base)
+            return {
+                "pooler": base.pooler,
+                "activation": base.pooler_activation,
+                "dropout": model.dropout,
+                "classifier": model.classifier,
+            }
         if self.kind == "pre_classifier":
             return {"pre_classifier": model.pre_classifier, "dropout": model.dropout, "classifier": model.classifier}
         return {"classifier": model.classifier}
@@ -583,6 +627,8 @@ class FirstTokenHead(SequenceClassificationHead):
         if self.kind == "pooler":
             pooler = mods["pooler"]
             return mods["classifier"](mods["dropout"](pooler.activation(pooler.dense(token))))
+        if self.kind == "albert_pooler":
+            return mods["classifier"](mods["dropout"](mods["activation"](mods["pooler"](token))))
         if self.kind == "pre_classifier":
             return mods["classifier"](mods["dropout"](torch.relu(mods["pre_classifier"](token))))
         return mods["classifier"](token.unsqueeze(1))  # the head takes features[:, 0, :] itself

@@ -183,6 +183,13 @@ def _region(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> N
         run_in_stream(module, ctx.rng, "tensor")
 
 
+def _heads_dropout(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+    # an attention whose projections enter the region one by one (ALBERT's: its residual is inside the module): its
+    # dropout on the attention probabilities of this rank's heads draws from the rank's own stream
+    if ctx.rng is not None:
+        run_in_stream(module, ctx.rng, "tensor")
+
+
 def _sequence(parent: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
     if ctx.sequence_parallel:
         _partial_over_tp(module)
@@ -246,6 +253,7 @@ STYLES: dict[str, Callable[[nn.Module, str, nn.Module, _Context], None]] = {
     "row": _row,
     "vocab": _vocab,
     "region": _region,
+    "heads_dropout": _heads_dropout,
     "sequence": _sequence,
     "head_shared": _head_shared,
     "width_norm": _width_norm,

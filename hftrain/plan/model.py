@@ -72,6 +72,11 @@ class ModelSpec:
             the activations include the logits (``formulas.logits_activation_bytes``).
         lm_head_parameters: a language model's untied output projection (split over the vocabulary under tp, like
             the embedding); 0 when tied to the input embedding, and for a classifier.
+        sequence_parallel: whether tp may also cut the sequence (the registry's answer: not for a mixture of experts
+            nor ALBERT; assumed for sizes given by hand).
+        layer_modules: the distinct layer modules when the layers run fewer of them (ALBERT's one group, run by every
+            layer: its weights counted once, its activations, compute and tp traffic ``layers`` times); 0: one
+            module per layer.
     """
 
     name: str
@@ -99,6 +104,13 @@ class ModelSpec:
     axes: frozenset[str] = frozenset(AXIS_SIZES)
     task: str = "sequence_classification"
     lm_head_parameters: int = 0
+    sequence_parallel: bool = True
+    layer_modules: int = 0
+
+    @property
+    def held_layers(self) -> int:
+        """The layer modules the model holds: ``layers``, or fewer where layers share one (ALBERT: 1)."""
+        return self.layer_modules or self.layers
 
     @property
     def causal_lm(self) -> bool:
@@ -126,9 +138,10 @@ class ModelSpec:
 
     @property
     def active_parameters(self) -> float:
-        """Parameters each token runs through: Ψ − (1 − k/E) · the routed experts' (Ψ for a dense model)."""
+        """Parameters each token runs through: Ψ − (1 − k/E) · the routed experts' (Ψ for a dense model; a shared
+        layer counted once per layer that runs it)."""
         if not self.moe:
-            return self.parameters
+            return self.parameters + (self.layers - self.held_layers) * self.layer_parameters
         return self.parameters - self.expert_parameters * (1 - self.top_k / self.experts)
 
     @property
@@ -139,7 +152,7 @@ class ModelSpec:
     @property
     def embedding_parameters(self) -> int:
         """Everything outside the layers (embeddings, final norm, head)."""
-        return self.parameters - self.layers * self.layer_parameters
+        return self.parameters - self.held_layers * self.layer_parameters
 
     def lora_parameters(self, rank: int) -> int:
         """Trainable parameters of LoRA r on the query and value projections of every layer (PEFT's default).
@@ -150,7 +163,7 @@ class ModelSpec:
         head_dim = self.hidden // self.heads
         query = rank * (self.hidden + self.hidden)
         value = rank * (self.hidden + self.kv_heads * head_dim)
-        return self.layers * (query + value)
+        return self.held_layers * (query + value)
 
     def check_parallel(self, tp: int, pp: int) -> None:
         """Refuse a tensor/pipeline split the model's sizes do not allow (one line, naming the size).
@@ -273,13 +286,14 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
         name_or_path: what ``hftrain.models.resolve_model_path`` accepts, or a config file.
         task: ``model.task``: the ``*ForSequenceClassification`` or the ``*ForCausalLM`` model is counted.
     """
-    from hftrain.parallel.families import is_gated_mlp, trainable_axes
+    from hftrain.parallel.families import is_gated_mlp, takes_sequence_parallel, trainable_axes
 
     _check_task(task)
     with _as_option():
         config, where = _load_config(name_or_path)
         model = _meta_model(config, where, task)
     layers_module = _layers(model)
+    runs = _layer_runs(config, model)  # the registry's trunk: the module each layer runs (ALBERT: one, L times)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers_module]
     mean = sum(per_layer) / len(per_layer)  # Qwen2-MoE's dense layers are smaller than its sparse ones
     layer_params = int(mean) if mean.is_integer() else mean
@@ -290,7 +304,7 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
     return ModelSpec(
         name=name_or_path,
         parameters=total,
-        layers=len(layers_module),
+        layers=len(runs) if runs else len(layers_module),
         hidden=hidden,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -313,8 +327,22 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
         axes=trainable_axes(config, type(model).__name__),  # the registry's answer (hftrain.parallel.families)
         task=task,
         lm_head_parameters=_lm_head_parameters(model) if task == "causal_lm" else 0,
+        sequence_parallel=takes_sequence_parallel(config),
+        layer_modules=len(layers_module) if runs else 0,
         **_moe_sizes(config, model),
     )
+
+
+def _layer_runs(config: Any, model: Any) -> list[Any] | None:
+    """The module each layer runs, by the family's trunk adapter (``hftrain.parallel.families``), where the layers
+    share modules (ALBERT's group, run ``num_hidden_layers`` times); None when every layer is its own module."""
+    from hftrain.parallel.families import family_of
+
+    family = family_of(config)
+    if family is None or family.stages is None:
+        return None
+    runs = list(family.stages.layers(model))
+    return runs if len({id(m) for m in runs}) < len(runs) else None
 
 
 def _check_task(task: str) -> None:

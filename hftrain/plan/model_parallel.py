@@ -220,8 +220,9 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     experts = stage_expert_parameters(model, pp, ep)
     trained_experts = 0.0 if work.lora_rank else experts
     # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only; a MoE model's tp plan
-    # refuses sequence parallelism, and expert parallelism composes with tp and dp only (no ZeRO-1, pp or cp yet)
-    sequence_parallel = tp > 1 and pp == 1 and cp == 1 and not model.moe
+    # (and ALBERT's: model.sequence_parallel, from the registry) refuses sequence parallelism, and expert parallelism
+    # composes with tp and dp only (no ZeRO-1, pp or cp yet)
+    sequence_parallel = tp > 1 and pp == 1 and cp == 1 and not model.moe and model.sequence_parallel
     shard_optimizer = dp > 1 and pp == 1 and ep == 1
     in_flight = min(pp, work.accumulation)
     label = f"megatron tp{tp}·cp{cp}·pp{pp}·dp{dp}" if cp > 1 else f"megatron tp{tp}·pp{pp}·dp{dp}"
@@ -389,9 +390,15 @@ def _head_per_gpu(model: ModelSpec, tp: int) -> float:
     return _vocab_parameters(model, tp)[1] if model.causal_lm else model.head_parameters
 
 
+def _held(model: ModelSpec, layers: int) -> int:
+    """The layer modules a stage of ``layers`` layers holds: one each, or at most the model's shared ones (ALBERT's
+    group: every stage holds a copy of it, ``hftrain.parallel.pipeline.place_stage_copies``)."""
+    return min(layers, model.held_layers)
+
+
 def _first_stage_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
     vocab, vocab_per_gpu = _vocab_parameters(model, tp)
-    layers = stage_layers(model, pp)[0] * layer_parameters_per_gpu(model, tp, ep)
+    layers = _held(model, stage_layers(model, pp)[0]) * layer_parameters_per_gpu(model, tp, ep)
     return layers + vocab_per_gpu + model.embedding_parameters - vocab - model.head_parameters
 
 
@@ -411,8 +418,8 @@ def stage_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
     outside = model.embedding_parameters - vocab - model.lm_head_parameters
     if pp == 1:
         head = _head_per_gpu(model, tp) if model.lm_head_parameters else 0.0
-        return model.layers * layer_parameters_per_gpu(model, tp, ep) + vocab_per_gpu + outside + head
-    last = stage_layers(model, pp)[1] * layer_parameters_per_gpu(model, tp, ep) + _head_per_gpu(model, tp)
+        return model.held_layers * layer_parameters_per_gpu(model, tp, ep) + vocab_per_gpu + outside + head
+    last = _held(model, stage_layers(model, pp)[1]) * layer_parameters_per_gpu(model, tp, ep) + _head_per_gpu(model, tp)
     return max(_first_stage_parameters(model, tp, pp, ep), last)
 
 
