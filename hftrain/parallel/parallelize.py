@@ -98,11 +98,14 @@ def padding_multiple(
         sequence_parallel: Megatron sequence parallelism in the tp regions.
         pad_to_multiple_of: the length buckets (None: none).
     """
+    from hftrain.parallel.plans import sequence_multiple
+
     if pad_to_multiple_of:
         return pad_to_multiple_of
     if dims.cp > 1:
         return 2 * dims.cp
-    return dims.tp if sequence_parallel and dims.tp > 1 else None
+    multiple = sequence_multiple(dims.tp, sequence_parallel=sequence_parallel)  # tp's rule: tp parts under sp
+    return multiple if multiple > 1 else None
 
 
 def parallelize_model(
