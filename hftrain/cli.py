@@ -125,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--write-configs DIR writes the files that start it.",
     )
     add_plan_arguments(plan)
+    commands.add_parser(
+        "launch",
+        help="torchrun whose exit code is the ranks' own (75 preempted, 2 bad input): "
+        "hftrain launch --nproc_per_node 2 -- train --config job.yaml",
+        description="Run an hftrain command under torchrun (its options before --, the command after) and exit "
+        "with the ranks' exit code: 75 when they were preempted and saved a checkpoint, so a requeue script sees it. "
+        "SIGUSR1 is handled like SIGTERM, and signalled ranks get time to checkpoint.",
+        add_help=False,
+    )
     return parser
 
 
@@ -137,7 +146,14 @@ def main(argv: list[str] | None = None, *, process_exits_after: bool = False) ->
             ``scripts/train.py``): a training job leaves its long-lived objects frozen for the garbage collector
             (``job.collections_paused_while_setting_up``), which spares the interpreter's exit a walk over them.
     """
+    from hftrain.launch.supervise import INTERRUPTED_EXIT_CODE
+
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):  # torchrun's options are not ours
+            from hftrain.launch.supervise import launch_main
+
+            return launch_main(argv[1:])
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         args.process_exits_after = process_exits_after
@@ -152,20 +168,34 @@ def main(argv: list[str] | None = None, *, process_exits_after: bool = False) ->
         else:  # torchrun stops every rank at the first exit: the main process must get to print first
             time.sleep(SILENT_RANK_GRACE_S)
         return error.exit_code
+    except KeyboardInterrupt:
+        _close_progress_bars()
+        if reports_errors(os.environ):
+            print(
+                f"hftrain: interrupted (Ctrl-C); a training run resumes from its last complete checkpoint with "
+                f"--resume_from_checkpoint auto (exit code {INTERRUPTED_EXIT_CODE})",
+                file=sys.stderr,
+            )
+        return INTERRUPTED_EXIT_CODE
 
 
-def entry() -> int:
+def entry(argv: list[str] | None = None) -> int:
     """The ``hftrain`` command: :func:`main` on ``sys.argv``, in a process that exits when it returns.
 
     A reader that stops early (``hftrain groups --world-size 64 --tp 8 | head``) closes the pipe: the command
     stops quietly, with the shell's usual status for it, instead of a ``BrokenPipeError`` traceback (Python's
     documented way: the rest of the output goes to ``/dev/null``, so the interpreter's final flush cannot fail).
     """
+    from hftrain.launch.supervise import die_with_parent, record_exit
+
+    die_with_parent(os.environ)  # a worker whose agent dies checkpoints and exits instead of training on alone
     try:
-        return main(process_exits_after=True)
+        code = main(argv, process_exits_after=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + 13  # SIGPIPE's status, as a command killed by it reports
+        code = 128 + 13  # SIGPIPE's status, as a command killed by it reports
+    record_exit(code, os.environ)  # for hftrain launch, whose torchrun keeps no exit code after a signal
+    return code
 
 
 def reports_errors(environ: typing.Mapping[str, str]) -> bool:

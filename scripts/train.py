@@ -5,7 +5,7 @@ Equivalent to ``hftrain train``; runs in every launched process.
 
 import sys
 
-from hftrain.cli import main
+from hftrain.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]], process_exits_after=True))
+    sys.exit(entry(["train", *sys.argv[1:]]))
