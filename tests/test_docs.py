@@ -143,6 +143,12 @@ def _command_cases() -> list:
 def test_hftrain_command_lines_parse(line, monkeypatch):
     monkeypatch.chdir(ROOT)  # the docs' paths (configs/, ds_configs/) are relative to the repository root
     argv = hftrain_argv(line)
+    if argv[:1] == ["launch"]:  # torchrun's options, checked by its parser, then the hftrain command after --
+        from torch.distributed.run import parse_args
+
+        split = argv.index("--")
+        parse_args([*argv[1:split], "--module", "hftrain"])
+        argv = argv[split + 1 :]
     args, extra = build_parser().parse_known_args(argv)
     if args.command != "train":
         assert not extra, f"unrecognized arguments: {extra}"
