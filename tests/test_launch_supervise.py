@@ -142,3 +142,31 @@ def with_children_killed(job: subprocess.Popen) -> None:
         os.killpg(job.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def test_sigterm_after_the_last_step_is_a_preemption_not_143(tiny_job, tmp_path):
+    """SIGTERM while the run evaluates, saves and exports after its last step: the signal is a preemption (exit 75,
+    the 'preempted' line, the export left to the resumed run) or, once the export began, the run finishes (exit 0,
+    the model exported); never the default action's 143 with no word. The resumed run then exports."""
+    out, log = tmp_path / "out", tmp_path / "job.log"
+    args = [*job_args(tiny_job, out, steps=4), "--gradient_accumulation_steps", "1"]
+    job = _start([sys.executable, "-m", "hftrain", "train", *args], log)
+    try:
+        deadline = time.monotonic() + 300
+        while not list((out / "checkpoints").glob("*step_00000004")):  # the final save began: the loop is over
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.01)
+        os.killpg(job.pid, signal.SIGTERM)
+        code = job.wait(timeout=300)
+    finally:
+        with_children_killed(job)
+    text = log.read_text()
+    assert code in (0, 75) and "Traceback" not in text, (code, text[-3000:])
+    if code == 75:
+        assert "preempted (SIGTERM) at step 4" in text and not (out / "model").exists()
+        resumed = subprocess.run(
+            [sys.executable, "-m", "hftrain", "train", *args, "--resume_from_checkpoint", "auto"],
+            cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (out / "model" / "model.safetensors").is_file()

@@ -307,11 +307,24 @@ class Trainer:
         self.throughput.peak = peak_flops(self.runtime.device, self.args.mixed_precision, self.args.peak_tflops)
         self._log(f"peak per process: {self.throughput.peak[0] / 1e12:.2f} TFLOP/s ({self.throughput.peak[1]})")
         self.throughput.restart_clock()
-        start, stopped = time.perf_counter(), None
+        # Installed until fit returns: a signal after the last step (the final evaluation, save or export) is a
+        # preemption too, never the default action that kills the run mid-export with 143.
+        with PreemptionFlag() as preemption:
+            return self._fit(progress, preemption, time.perf_counter(), stop_at_step, beside_last_save)
+
+    def _fit(
+        self,
+        progress: Any,
+        preemption: PreemptionFlag,
+        start: float,
+        stop_at_step: int | None,
+        beside_last_save: Callable[[], Any] | None,
+    ) -> TrainResult:
+        """:meth:`fit` from its first step on, with the preemption flag installed."""
+        acc, stopped = self.accelerator, None
         try:
-            with PreemptionFlag() as preemption:
-                while self.state.global_step < self.max_steps and stopped is None:
-                    stopped = self._run_epoch(progress, preemption, stop_at_step)
+            while self.state.global_step < self.max_steps and stopped is None:
+                stopped = self._run_epoch(progress, preemption, stop_at_step)
         except BaseException:  # a non-finite loss, a failed step: the checkpoint being written is completed first
             self.checkpoints.settle()
             raise
@@ -329,7 +342,14 @@ class Trainer:
         for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
             tracker.finish()
         if beside_last_save is not None and stopped is None:
-            self._beside_last_save(beside_last_save)
+            if self._any_rank(preemption.requested):  # signalled after the last step: the export waits for a resume
+                stopped = preemption.received or "signal on another rank"
+                self._log(
+                    f"stopping after the last step ({stopped}) before the export; checkpoint "
+                    f"{self.last_checkpoint}: the resumed run exports"
+                )
+            else:
+                self._beside_last_save(beside_last_save)
         # Before the main process's own files: a failed background write is raised here, on every rank alike.
         self.wait_for_checkpoint()
         self._save_trainer_state()
