@@ -499,6 +499,10 @@ class VerifiedCheckpoint:
     def _recorded(self, name: str) -> str:
         files = self.meta["files"]
         if name not in files:
+            if not os.path.lexists(self.path / name):
+                raise CheckpointError(
+                    f"checkpoint '{self.path}' is incomplete: {name} is missing; resume from another checkpoint"
+                )
             raise _unlisted(self.path, name)
         return files[name]
 
