@@ -187,7 +187,7 @@ def convert_checkpoint(
 # ----------------------------------------------------------------- sources
 def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | None) -> _Source:
     """The checkpoint behind ``path``, after its trust and no-code checks."""
-    from hftrain.checkpoint.manager import MARKER, read_checkpoint
+    from hftrain.checkpoint.manager import MARKER, open_checkpoint
     from hftrain.checkpoint.run import CHECKPOINTS_DIR, latest_of_run
 
     if not path.exists():
@@ -203,8 +203,7 @@ def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | Non
             raise ConfigError(
                 f"--config: checkpoint '{path}' carries its model config (state/{HF_MODEL_DIR}); drop --config"
             )
-        meta = read_checkpoint(path)
-        return _dcp_source(path, meta, trust=trust, output_dir=output_dir)
+        return _dcp_source(path, open_checkpoint(path), trust=trust, output_dir=output_dir)
     deepspeed_root = _deepspeed_root(path)
     if deepspeed_root is not None:
         return _zero_source(*deepspeed_root, trust=trust, output_dir=output_dir, config=config)
@@ -214,9 +213,14 @@ def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | Non
     )
 
 
-def _dcp_source(path: Path, meta: dict[str, Any], *, trust: bool, output_dir: Path) -> _Source:
+def _dcp_source(path: Path, verified: Any, *, trust: bool, output_dir: Path) -> _Source:
+    """The tensors of an hftrain checkpoint, read through ``verified`` (``manager.VerifiedCheckpoint``): the metadata
+    from the bytes whose checksum was checked, each ``.distcp`` through a descriptor on the very file verified."""
     from hftrain.checkpoint.resume import check_trusted
     from hftrain.checkpoint.safety import check_no_code
+    from hftrain.checkpoint.sharded import dcp_metadata
+
+    meta = verified.meta
 
     state = path / STATE_DIR
     dcp_dir = state / DCP_DIR
@@ -233,12 +237,10 @@ def _dcp_source(path: Path, meta: dict[str, Any], *, trust: bool, output_dir: Pa
         )
     check_trusted(path, output_dir, trusted=trust, export=True)
     check_no_code(path, state)  # every pickle (the DCP .metadata included) through a restricted unpickler first
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    with reading(f"checkpoint '{path}': {STATE_DIR}/{DCP_DIR}/.metadata", "convert another checkpoint",
-                 catch=(Exception,), error_class=CheckpointError):  # fmt: skip
-        metadata = FileSystemReader(str(dcp_dir)).read_metadata()
+    with verified.active():  # read once, its checksum checked on those bytes, built by the restricted unpickler
+        metadata = dcp_metadata(dcp_dir)
     shapes = {
         key[len(MODEL_PREFIX) :]: (tuple(entry.size), entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
@@ -255,7 +257,7 @@ def _dcp_source(path: Path, meta: dict[str, Any], *, trust: bool, output_dir: Pa
     def load(name: str) -> torch.Tensor:
         shape, dtype = shapes[name]
         with reading(f"checkpoint '{path}': {MODEL_PREFIX}{name}", "convert another checkpoint",
-                     catch=(Exception,), error_class=CheckpointError):  # fmt: skip
+                     catch=(Exception,), error_class=CheckpointError), verified.active():  # fmt: skip
             return read_dcp_tensor(dcp_dir, MODEL_PREFIX + name, shape, dtype, chunks.get(name, []))
 
     adapter_file = hf_model / "adapter_config.json"
@@ -396,6 +398,12 @@ def _skeleton(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]
     names = set(source.shapes)
     best: tuple[int, str] | None = None
     for model_class in candidates:
+        config_class = getattr(model_class, "config_class", None)
+        if isinstance(config_class, type) and not isinstance(source.config, config_class):
+            # A class named by ``architectures`` built from another model type's config (a resealed model_type)
+            # would take the tensors, and the written folder would then load as the config's own class, whose
+            # names differ: random weights. Only classes of the config's own type count.
+            continue
         with torch.device("meta"), warnings.catch_warnings(), _quiet_transformers():
             warnings.simplefilter("ignore")  # a class that does not fit this config says so: it is only a candidate
             try:

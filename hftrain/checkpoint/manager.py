@@ -16,6 +16,7 @@ A checkpoint becomes visible only by the rename of its finished staging folder, 
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -177,11 +178,29 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- finding and verifying
     def complete(self) -> list[Path]:
-        """Checkpoint folders with a marker, oldest first (checksums are checked on load, not here)."""
+        """Checkpoint folders with a marker that is a regular file, oldest first (checksums are checked on load, not
+        here; :meth:`resolve` names what this leaves out)."""
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[list[Path], list[Path], list[tuple[Path, int]]]:
+        """``(complete, unfinished, odd)``: step folders with a regular marker, without one, and with a marker that
+        is something else (with its ``st_mode``), each oldest first. Markers are looked at with ``lstat``, never
+        opened: a FIFO there would block a reader forever."""
+        import stat
+
+        complete: list[Path] = []
+        unfinished: list[Path] = []
+        odd: list[tuple[Path, int]] = []
         if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name))]
-        return [p for _, p in sorted(found) if (p / MARKER).is_file()]
+            return complete, unfinished, odd
+        for _, path in sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name))):
+            try:
+                mode = os.lstat(path / MARKER).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                unfinished.append(path)
+                continue
+            (complete.append(path) if stat.S_ISREG(mode) else odd.append((path, mode)))
+        return complete, unfinished, odd
 
     def latest(self) -> Path | None:
         """The complete checkpoint with the highest step, or None."""
@@ -189,9 +208,33 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def resolve(self, spec: str) -> Path | None:
-        """The checkpoint ``spec`` names: ``latest``, ``auto`` (None when there is none yet) or a folder."""
+        """The checkpoint ``spec`` names: ``latest``, ``auto`` (None when there is none yet) or a folder.
+
+        A step folder whose marker is not a regular file (a link, a FIFO) is refused in one line naming it: hftrain
+        writes none such, and skipping it would resume silently from an older step. A step folder newer than the
+        latest complete one without a marker is a write that did not finish (killed before its rename): logged,
+        and skipped.
+        """
         if spec in ("latest", "auto"):
-            found = self.complete()
+            found, unfinished, odd = self._scan()
+            if odd:
+                from hftrain.files import kind_of
+
+                path, mode = odd[-1]
+                raise CheckpointError(
+                    f"checkpoint '{path}': {MARKER} is {kind_of(mode)}, not a file; hftrain writes none such and "
+                    "reads none through it: remove that step folder, or resume from a step_<N> folder by name"
+                )
+            newest = found[-1].name if found else ""
+            skipped = [p.name for p in unfinished if p.name > newest]
+            if skipped:
+                from hftrain.log import get_logger
+
+                taken = f"resuming from {newest}" if found else "no complete checkpoint"
+                get_logger().warning(
+                    f"{self.root}: {', '.join(skipped)} has no {MARKER} (a checkpoint write that did not finish): "
+                    f"skipped, {taken}"
+                )
             self._check_run(found)
             if found:
                 return found[-1]
@@ -205,14 +248,14 @@ class CheckpointManager:
 
     def _check_run(self, found: list[Path]) -> None:
         """Refuse checkpoints of another run among ``found`` (an overwritten run's, or copied in)."""
+        from hftrain.files import UnsafePathError, read_regular
+
         if self.run_id is None:
             return
         for path in found:
-            if (path / MARKER).is_symlink():
-                continue  # refused by read_checkpoint if it is the one taken; never read through a link
-            try:
-                meta = json.loads((path / MARKER).read_text())
-            except (ValueError, OSError):
+            try:  # one descriptor that follows no link and never waits on a FIFO
+                meta = json.loads(read_regular(path / MARKER, MARKER))
+            except (ValueError, OSError, UnsafePathError):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
             if not isinstance(meta, dict):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
@@ -323,12 +366,29 @@ class _AgreedWrite:
 
 
 def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str, Any]:
-    """The metadata of a complete checkpoint, after checking its marker, version and file checksums.
+    """The metadata of a complete checkpoint, after checking its marker, version, listing and file checksums.
 
     Args:
         path: a ``step_<N>`` folder.
         verify_files: recompute every file's checksum (the main process does; others trust it after a barrier).
     """
+    return open_checkpoint(path, verify_files=verify_files).meta
+
+
+def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedCheckpoint:
+    """A complete checkpoint, checked: its marker (read once, through one descriptor that follows no link and never
+    waits on a FIFO), version and keys, every file under it listed (an unlisted one is refused) and, with
+    ``verify_files``, every file's checksum computed on the bytes of one descriptor whose file is recorded.
+
+    Loaders then read through the returned :class:`VerifiedCheckpoint` (:meth:`~VerifiedCheckpoint.read`): each file
+    once, its checksum checked on those bytes, and those bytes parsed.
+
+    Args:
+        path: a ``step_<N>`` folder.
+        verify_files: recompute every file's checksum now (the main process does; others check what they read).
+    """
+    from hftrain.files import UnsafePathError, read_regular
+
     path = Path(path)
     marker = path / MARKER
     if not path.is_dir():
@@ -336,13 +396,15 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
             f"checkpoint '{path}' does not exist; give a step_<N> folder under output_dir/checkpoints"
         )
     check_regular_tree(path)  # before any byte of it is read
-    if not marker.is_file():
+    if not os.path.lexists(marker):
         raise CheckpointError(
             f"'{path}' is not a complete hftrain checkpoint (no {MARKER}); it may be a partial write: "
             "resume from 'latest' or another step_<N> folder"
         )
     try:
-        meta = json.loads(marker.read_text())
+        meta = json.loads(read_regular(marker, f"checkpoint '{path}': {MARKER}"))
+    except UnsafePathError as error:
+        raise CheckpointError(f"{error}; resume from another checkpoint") from None
     except (ValueError, OSError):
         raise CheckpointError(f"checkpoint '{path}': {MARKER} is corrupted; resume from another checkpoint") from None
     if not isinstance(meta, dict):
@@ -357,9 +419,184 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
         )
     _check_keys(path, meta)
     _check_step(path, meta)
+    _check_listed(path, meta["files"])
+    verified = VerifiedCheckpoint(path, meta)
     if verify_files:
-        _verify_files(path, meta["files"])
-    return meta
+        verified.identities = _verify_files(path, meta["files"])
+    return verified
+
+
+class VerifiedCheckpoint:
+    """A checkpoint whose ``checkpoint.json`` was read and checked once: every later read of one of its files goes
+    through :meth:`read` (or :meth:`open`), so that what is loaded is what was verified.
+
+    Checking a file and then handing its path to a library leaves a window: a writer that swaps the file between the
+    two (a rename every few hundred microseconds) gets its own bytes loaded, checksum and restricted unpickler
+    notwithstanding (issue 52). Here a file is read once, through one descriptor (``O_NOFOLLOW``, checked with
+    ``fstat`` to be a regular file), its checksum is checked on those bytes, and those bytes are what the caller
+    parses (and what a library is handed: ``checkpoint.safety.verified_copy``). A large tensor file (a ``.distcp``) is
+    not held in memory: :meth:`open` gives a descriptor on the very file whose checksum the main process computed
+    (same device, inode, size and change time), so a file renamed over it since is refused.
+
+    Args:
+        path: the ``step_<N>`` folder.
+        meta: its ``checkpoint.json``, checked.
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.meta = meta
+        self.identities: dict[str, tuple[int, int, int, int]] = {}
+        """``(st_dev, st_ino, st_size, st_ctime_ns)`` of each file whose checksum was computed (main process)."""
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+    def name_of(self, file: str | Path) -> str:
+        """``file``'s name in ``checkpoint.json``'s ``files`` (its path relative to the checkpoint)."""
+        try:
+            return str(Path(file).relative_to(self.path))
+        except ValueError:
+            return str(Path(os.path.abspath(file)).relative_to(os.path.abspath(self.path)))
+
+    def read(self, file: str | Path) -> bytes:
+        """The bytes of ``file`` (a path under the checkpoint), read once, after checking them against its
+        checksum; a file not listed in ``checkpoint.json`` is refused.
+
+        Args:
+            file: the file's path.
+        """
+        name = self.name_of(file)
+        recorded = self._recorded(name)
+        fd = self._open(name)
+        with os.fdopen(fd, "rb") as handle:
+            data = handle.read()
+        if bytes_checksum(data, recorded) != recorded:
+            raise _mismatch(self.path, name)
+        return data
+
+    def open(self, file: str | Path) -> Any:
+        """A binary file object on ``file``, the very file whose checksum was verified when this process verified it
+        (a file renamed over it since is refused); on a process that did not verify (another rank), the file as it
+        is now, through a descriptor that follows no link.
+
+        Args:
+            file: the file's path.
+        """
+        name = self.name_of(file)
+        self._recorded(name)
+        fd = self._open(name)
+        seen = self.identities.get(name)
+        if seen is not None and _identity(os.fstat(fd)) != seen:
+            os.close(fd)
+            raise CheckpointError(
+                f"checkpoint '{self.path}': {name} was replaced after its checksum was verified (another process is "
+                "writing into the checkpoint); resume from another checkpoint, and let nothing else write there"
+            )
+        return os.fdopen(fd, "rb")
+
+    def _recorded(self, name: str) -> str:
+        files = self.meta["files"]
+        if name not in files:
+            if not os.path.lexists(self.path / name):
+                raise CheckpointError(
+                    f"checkpoint '{self.path}' is incomplete: {name} is missing; resume from another checkpoint"
+                )
+            raise _unlisted(self.path, name)
+        return files[name]
+
+    def _open(self, name: str) -> int:
+        return open_regular(self.path, name)
+
+    def active(self) -> Any:
+        """A context in which the checkpoint loaders (``checkpoint.sharded``, ``checkpoint.safety``) read through this
+        checkpoint (:func:`active_checkpoint`)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope() -> Any:
+            token = _ACTIVE.set(self)
+            try:
+                yield self
+            finally:
+                _ACTIVE.reset(token)
+
+        return scope()
+
+
+_ACTIVE: contextvars.ContextVar[VerifiedCheckpoint | None] = contextvars.ContextVar("hftrain_checkpoint", default=None)
+
+
+def active_checkpoint() -> VerifiedCheckpoint | None:
+    """The checkpoint being loaded (:meth:`VerifiedCheckpoint.active`), or None outside a load.
+
+    A context rather than a parameter: the strategies' loaders (``runtime.load_state`` and the DCP reads under it)
+    take a folder, and every one of them reads through the checkpoint of the resume that called them.
+    """
+    return _ACTIVE.get()
+
+
+def open_regular(checkpoint: Path, name: str) -> int:
+    """A descriptor on ``checkpoint/name`` opened without following a link or waiting on a FIFO, checked with
+    ``fstat`` to be a regular file; anything else is a one-line :class:`CheckpointError`.
+
+    Args:
+        checkpoint: the ``step_<N>`` folder.
+        name: the file's path inside it.
+    """
+    import errno
+    import stat
+
+    try:
+        fd = os.open(checkpoint / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}' is incomplete: {name} is missing; resume from another checkpoint"
+        ) from None
+    except OSError as error:
+        what = "a symbolic link" if error.errno == errno.ELOOP else error.strerror
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}': {name} cannot be read ({what}); a checkpoint is a tree of regular files: "
+            "resume from another checkpoint"
+        ) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        from hftrain.files import kind_of
+
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}': {name} is {kind_of(mode)}, not a file; resume from another checkpoint"
+        )
+    return fd
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    return (status.st_dev, status.st_ino, status.st_size, status.st_ctime_ns)
+
+
+def _unlisted(path: Path, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint '{path}': {name} is not listed in {MARKER} (no checksum of it is recorded); every file of a "
+        "checkpoint is listed and checked: remove it if you put it there, or resume from another checkpoint"
+    )
+
+
+def _mismatch(path: Path, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint '{path}' is corrupted: {name} does not match its checksum (truncated or modified); "
+        "resume from another checkpoint"
+    )
+
+
+def _check_listed(path: Path, files: dict[str, str]) -> None:
+    """Every file under the checkpoint must be listed in ``files``: a file a loader reads but no checksum covers
+    (an entry removed from ``checkpoint.json``, a ``random_states_1.pkl`` added beside it) would load unchecked."""
+    for folder, _, names in os.walk(path):
+        for file in sorted(names):
+            name = str((Path(folder) / file).relative_to(path))
+            if name != MARKER and name not in files:
+                raise _unlisted(path, name)
 
 
 def check_regular_tree(path: Path) -> None:
@@ -495,18 +732,17 @@ def _damaged_field(path: Path, key: str, what: str) -> CheckpointError:
     )
 
 
-def _verify_files(path: Path, files: dict[str, str]) -> None:
+def _verify_files(path: Path, files: dict[str, str]) -> dict[str, tuple[int, int, int, int]]:
+    """Check every listed file's checksum, each through one descriptor (no link followed, no FIFO waited on); returns
+    each file's identity, which a later :meth:`VerifiedCheckpoint.open` compares."""
+    identities = {}
     for name, digest in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint '{path}' is incomplete: {name} is missing; resume from another checkpoint"
-            )
-        if _checksum(file, digest) != digest:
-            raise CheckpointError(
-                f"checkpoint '{path}' is corrupted: {name} does not match its checksum (truncated or modified); "
-                "resume from another checkpoint"
-            )
+        fd = open_regular(path, name)
+        with os.fdopen(fd, "rb") as handle:
+            if _checksum_of(handle, digest, path / name) != digest:
+                raise _mismatch(path, name)
+            identities[name] = _identity(os.fstat(handle.fileno()))
+    return identities
 
 
 CHECKSUM = "xxh3_128"
@@ -528,22 +764,36 @@ def file_checksum(path: Path) -> str:
 
 def _checksum(path: Path, recorded: str) -> str:
     """The checksum of ``path`` of the kind ``recorded`` is (a bare hex digest: SHA-256, as written before)."""
+    with path.open("rb") as handle:
+        return _checksum_of(handle, recorded, path)
+
+
+def bytes_checksum(data: bytes, recorded: str) -> str:
+    """The checksum of ``data`` of the kind ``recorded`` is (what :func:`file_checksum` gives for a file of them)."""
+    digest, prefix = _hasher(recorded, "checkpoint file")
+    digest.update(data)
+    return prefix + digest.hexdigest()
+
+
+def _checksum_of(handle: Any, recorded: str, path: Path) -> str:
+    digest, prefix = _hasher(recorded, f"checkpoint file '{path}'")
+    for block in iter(lambda: handle.read(1 << 20), b""):
+        digest.update(block)
+    return prefix + digest.hexdigest()
+
+
+def _hasher(recorded: str, what: str) -> tuple[Any, str]:
     kind, _, _ = recorded.rpartition(":")
     if kind == CHECKSUM:
         import xxhash
 
-        digest, prefix = xxhash.xxh3_128(), f"{CHECKSUM}:"
-    elif not kind:
-        digest, prefix = hashlib.sha256(), ""
-    else:
-        raise CheckpointError(
-            f"checkpoint file '{path}' is recorded with a checksum of kind '{kind}', which this hftrain does not "
-            f"know ({CHECKSUM} or SHA-256); read it with the hftrain version that wrote it"
-        )
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return prefix + digest.hexdigest()
+        return xxhash.xxh3_128(), f"{CHECKSUM}:"
+    if not kind:
+        return hashlib.sha256(), ""
+    raise CheckpointError(
+        f"{what} is recorded with a checksum of kind '{kind}', which this hftrain does not "
+        f"know ({CHECKSUM} or SHA-256); read it with the hftrain version that wrote it"
+    )
 
 
 def _write_json_durably(path: Path, data: dict[str, Any]) -> None:

@@ -22,11 +22,15 @@ zip file (a protocol-0 ``INST`` or a non-zip pickle slips past it).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import math
+import os
 import pickle
 import re
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -297,24 +301,9 @@ def _check_dcp(checkpoint: Path, folder: Path) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     name = str((folder / ".metadata").relative_to(checkpoint))
-    try:
-        metadata = _DcpUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
-        entries = metadata.state_dict_metadata
-        storage = metadata.storage_data
-    except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL ([\w.]+)", str(error))
-        _refuse_or_damaged(checkpoint, name, found.group(1) if found else None, detail=str(error).splitlines()[0])
-        raise AssertionError("unreachable") from None
-    except Exception as error:  # noqa: BLE001 - truncated, or not DCP metadata at all
-        raise _damaged(checkpoint, name, error) from None
+    metadata = dcp_metadata_of(checkpoint, name, (folder / ".metadata").read_bytes())
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
     for index, info in storage.items():
-        # DCP reads folder / relative_path: a name with a separator or '..' would read a file outside the checkpoint
-        relative = getattr(info, "relative_path", None)
-        if not isinstance(relative, str) or Path(relative).name != relative or relative in ("", ".", ".."):
-            raise CheckpointError(
-                f"checkpoint '{checkpoint}': {name} points {index.fqn} at {relative!r}, not a file of its folder; "
-                "it is damaged or forged: resume from another checkpoint"
-            )
         if not isinstance(entries.get(index.fqn), BytesStorageMetadata):
             continue  # tensors: DCP reads them with weights_only=True
         entry = f"{folder.relative_to(checkpoint)}/{info.relative_path} ({index.fqn})"
@@ -330,3 +319,135 @@ def _check_dcp(checkpoint: Path, folder: Path) -> None:
         except OSError as error:
             raise _damaged(checkpoint, entry, error) from None
         _restricted_torch_load(checkpoint, entry, data)
+
+
+def dcp_metadata_of(checkpoint: Path, name: str, data: bytes) -> Any:
+    """A DCP ``.metadata`` built from ``data`` by the restricted unpickler, with every file it points at a plain name
+    of its folder; a refusal or damage is one line.
+
+    Args:
+        checkpoint: the ``step_<N>`` folder, for messages.
+        name: the file's name in the checkpoint, for messages.
+        data: its bytes (read once, checksum checked: ``VerifiedCheckpoint.read``).
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _DcpUnpickler(io.BytesIO(data)).load()
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"it holds a {type(metadata).__name__}, not DCP metadata")
+        storage = metadata.storage_data
+        if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+            raise TypeError("its storage or state records are not mappings")
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        _refuse_or_damaged(checkpoint, name, found.group(1) if found else None, detail=str(error).splitlines()[0])
+        raise AssertionError("unreachable") from None
+    except Exception as error:  # noqa: BLE001 - truncated, or not DCP metadata at all
+        raise _damaged(checkpoint, name, error) from None
+    for index, info in storage.items():
+        # DCP reads folder / relative_path: a name with a separator or '..' would read a file outside the checkpoint
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str) or Path(relative).name != relative or relative in ("", ".", ".."):
+            raise CheckpointError(
+                f"checkpoint '{checkpoint}': {name} points {index.fqn} at {relative!r}, not a file of its folder; "
+                "it is damaged or forged: resume from another checkpoint"
+            )
+    return metadata
+
+
+# The files of a checkpoint's state/ that Accelerate's load_state reads (its scheduler and registered objects, its
+# samplers, its per-rank RNG, its loss scaler): copied, verified, into a private folder (:func:`verified_copy`).
+_ACCELERATE_FILE = re.compile(
+    r"^(custom_checkpoint_\d+\.pkl|random_states_\d+\.pkl|(sampler|dl_state_dict|scheduler)(_\d+)?\.bin|scaler\.pt)$"
+)
+
+
+@contextlib.contextmanager
+def verified_copy(state_dir: str | Path) -> Iterator[str]:
+    """A private folder holding the very bytes of ``state_dir``'s Accelerate files that were checked: each read once
+    (through the resume's ``VerifiedCheckpoint``: its checksum checked on those bytes), loaded by the restricted
+    unpickler, its counters checked (:func:`check_counters`), and written into a new folder only this process can
+    write; Accelerate's ``load_state`` is pointed there.
+
+    Why a copy: Accelerate's loader takes a folder and ``torch.load``s each file by its path, without a restriction;
+    handed the checkpoint itself, it would read again a file that a writer may have swapped since it was checked (the
+    check-then-load race of issue 52). Its folder is made by ``tempfile.mkdtemp`` (mode 0700, a random name) and
+    removed after the load, so the bytes Accelerate unpickles are the ones the restricted unpickler built: built again
+    without the restriction, they construct the same tensors and plain data, and run nothing.
+
+    Args:
+        state_dir: the checkpoint's ``state/`` folder.
+    """
+    import shutil
+    import tempfile
+
+    from hftrain.checkpoint.manager import active_checkpoint
+
+    state_dir = Path(state_dir)
+    verified = active_checkpoint()
+    private = tempfile.mkdtemp(prefix="hftrain-verified-")
+    try:
+        for entry in sorted(os.scandir(state_dir), key=lambda e: e.name):
+            if not _ACCELERATE_FILE.match(entry.name):
+                continue
+            path = state_dir / entry.name
+            if verified is None:  # a load outside a resume (a test's): the file as it is, read once all the same
+                from hftrain.files import read_regular
+
+                checkpoint, data = state_dir.parent, read_regular(path, f"checkpoint file '{path}'")
+            else:
+                checkpoint, data = verified.path, verified.read(path)
+            name = str(path.relative_to(checkpoint))
+            loaded = _restricted_torch_load(checkpoint, name, data)
+            if _RNG_FILE.match(entry.name):
+                _check_rng(checkpoint, name, loaded)
+            if verified is not None:
+                check_counters(checkpoint, name, loaded, verified.meta)
+            with open(os.path.join(private, entry.name), "xb") as handle:
+                handle.write(data)
+        yield private
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def check_counters(checkpoint: Path, name: str, loaded: Any, meta: dict[str, Any]) -> None:
+    """A learning-rate scheduler's state must be one of this checkpoint's step: it steps once per optimizer step (a
+    step skipped by fp16's loss scaler skips it too), so ``last_epoch`` lies in ``[0, step]``, ``_step_count`` is one
+    more, and its learning rates are finite and not negative. A forged ``last_epoch`` of 10⁹ would otherwise move the
+    schedule (and the weights it trains) to a step the run never reaches.
+
+    Args:
+        checkpoint: the ``step_<N>`` folder, for messages.
+        name: the file's name, for messages.
+        loaded: what the restricted unpickler built from it.
+        meta: the checkpoint's ``checkpoint.json``.
+    """
+    if not isinstance(loaded, dict) or "last_epoch" not in loaded:
+        return
+    step = meta["step"]
+
+    def refuse(what: str) -> None:
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}': {name} is damaged or forged ({what}, at step {step}); resume from another "
+            "checkpoint"
+        )
+
+    last = loaded["last_epoch"]
+    if isinstance(last, bool) or not isinstance(last, int) or not 0 <= last <= step:
+        refuse(f"the scheduler's last_epoch {last!r} is not a step in [0, {step}]")
+    count = loaded.get("_step_count", last + 1)
+    if count != last + 1:
+        refuse(f"the scheduler's _step_count {count!r} is not last_epoch + 1")
+    for key in ("base_lrs", "_last_lr"):
+        values = loaded.get(key, [])
+        if not isinstance(values, list) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= MAX_LR
+            for v in values
+        ):
+            refuse(f"the scheduler's {key} {values!r} are not learning rates in [0, {MAX_LR}]")
+
+
+MAX_LR = 10.0
+"""The largest learning rate a checkpoint may hold (a scheduler's, an optimizer group's): fine-tuning rates are
+around 1e-5 to 1e-2; one above this is a forged value that would make the first step's loss NaN."""

@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, read_checkpoint
+from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, open_checkpoint
 from hftrain.checkpoint.resume import batches_to_skip, check_position, check_resumable, check_trusted
 from hftrain.checkpoint.safety import check_no_code, check_rng_states
 
@@ -78,6 +78,7 @@ class CheckpointSession:
         """The last checkpoint written or resumed from."""
         self.last_step: int | None = None
         """Its step (a trusted checkpoint's folder may be named freely)."""
+        self._verified: Any = None  # the checkpoint being resumed (manager.VerifiedCheckpoint)
 
     # ----------------------------------------------------------------- save
     def save(self, trainer_state: dict[str, Any], *, step: int, max_steps: int) -> Path:
@@ -172,11 +173,15 @@ class CheckpointSession:
     def _read_verified(self, path: Path) -> dict[str, Any]:
         # The main process checks every checksum and loads every pickled file once with a restricted unpickler
         # (nothing in a checkpoint runs code); the others wait for its verdict instead of re-reading.
+        # Every rank then loads through its VerifiedCheckpoint (_load_state): each small file read once, its checksum
+        # checked on those bytes, which are what is parsed (issue 52's check-then-load race).
         error = None
+        verified = None
         if self.runtime.is_main_process:
             try:
-                meta = read_checkpoint(path, verify_files=True)
+                verified = open_checkpoint(path, verify_files=True)
                 check_no_code(path, path / STATE_DIR)
+                meta = verified.meta
                 check_rng_states(path, path / STATE_DIR, meta["topology"]["world_size"], self.runtime.num_processes)
             except CheckpointError as raised:
                 error = raised
@@ -185,7 +190,8 @@ class CheckpointSession:
             raise error
         if failed:
             raise CheckpointError(f"checkpoint '{path}' failed verification on the main process; see its error")
-        return read_checkpoint(path, verify_files=False)
+        self._verified = verified if verified is not None else open_checkpoint(path, verify_files=False)
+        return self._verified.meta
 
     def _load_state(self, path: Path, *, model: Any, optimizer: Any) -> None:
         """Load the verified state; a file that does not fit this run (a missing key, another shape) is one line.
@@ -194,7 +200,8 @@ class CheckpointSession:
         """
         error: Exception | None = None
         try:
-            self.runtime.load_state(str(path / STATE_DIR), model=model, optimizer=optimizer)
+            with self._verified.active():  # every loader below reads through it
+                self.runtime.load_state(str(path / STATE_DIR), model=model, optimizer=optimizer)
         except CheckpointError as raised:
             error = raised
         except Exception as raised:  # the libraries' load errors: RuntimeError (keys, shapes), KeyError, ValueError

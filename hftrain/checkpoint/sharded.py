@@ -36,7 +36,9 @@ import contextlib
 import io
 import json
 import math
+import os
 import pickle
+import stat
 import struct
 import sys
 import warnings
@@ -366,13 +368,148 @@ def read(state: dict[str, Chunked], directory: str | Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     single = _single_process(dist)
+    reader = VerifiedReader(directory, dcp_metadata(directory))
     with _first_failure(f"reading '{directory}'"):
-        dcp.load(
-            state,
-            storage_reader=FileSystemReader(str(directory)),
-            planner=_LoadPlanner(),
-            no_dist=single,
+        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=single)
+    _check_optimizer_steps(state, directory)
+
+
+class VerifiedReader(FileSystemReader):
+    """DCP's file reader, handed the metadata hftrain built from verified bytes (:func:`dcp_metadata`) instead of
+    unpickling ``.metadata`` again, opening each ``.distcp`` file through the resume's ``VerifiedCheckpoint`` (the
+    very file whose checksum was verified, or at least no link and no FIFO), and refusing to read a byte entry.
+
+    DCP's own ``read_metadata`` runs ``pickle.load`` on the path, a second read after hftrain's checks that a writer
+    can race (issue 52); its ``read_data`` reads tensors with ``weights_only=True``, but gives a byte entry to the
+    planner, whose ``load_bytes`` unpickles it without a restriction. hftrain's checkpoints hold tensors only (its
+    planners ask for nothing else), so a request for a byte entry is a forged checkpoint's.
+
+    Args:
+        directory: the DCP folder.
+        metadata: its metadata, from :func:`dcp_metadata`.
+    """
+
+    def __init__(self, directory: str | Path, metadata: Any) -> None:
+        super().__init__(str(directory))
+        self.metadata = metadata
+        self.fs = _VerifiedFileSystem()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(self.metadata, "storage_meta", None) is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        entry = next((item for item in plan.items if item.type == LoadItemType.BYTE_IO), None)
+        if entry is not None:
+            raise CheckpointError(
+                f"'{self.path}' holds a pickled entry '{entry.storage_index.fqn}' where hftrain stores tensors only; "
+                "it is damaged or forged: resume from another checkpoint"
+            )
+        return super().read_data(plan, planner)
+
+
+class _VerifiedFileSystem(type(FileSystemReader(".").fs)):  # torch's private FileSystem class, by its instance
+    """DCP's file system whose read streams are :func:`open_verified` files."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | Path, mode: str) -> Iterator[Any]:
+        if mode != "rb":
+            raise ValueError(f"a verified checkpoint is read only, not opened with mode {mode!r}")
+        with open_verified(Path(path)) as handle:
+            yield handle
+
+
+def open_verified(path: Path) -> Any:
+    """A binary file object on a checkpoint file: through the resume's ``VerifiedCheckpoint`` (the very file whose
+    checksum was verified), or outside a resume through one descriptor that follows no link and never waits on a
+    FIFO.
+
+    Args:
+        path: the file.
+    """
+    from hftrain.checkpoint.manager import active_checkpoint
+    from hftrain.files import UnsafePathError, kind_of
+
+    verified = active_checkpoint()
+    if verified is not None:
+        return verified.open(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise CheckpointError(f"'{path}' cannot be read ({error.strerror}); the checkpoint is damaged") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UnsafePathError(f"'{path}' is {kind_of(mode)}, not a file; the checkpoint is damaged")
+    return os.fdopen(fd, "rb")
+
+
+def read_verified(path: Path) -> bytes:
+    """The bytes of a checkpoint file, read once: checked against its checksum when a resume's ``VerifiedCheckpoint``
+    is active, through one descriptor that follows no link otherwise.
+
+    Args:
+        path: the file.
+    """
+    from hftrain.checkpoint.manager import active_checkpoint
+
+    verified = active_checkpoint()
+    if verified is not None:
+        return verified.read(path)
+    with open_verified(path) as handle:
+        return handle.read()
+
+
+def dcp_metadata(directory: str | Path) -> Any:
+    """The metadata of the DCP folder ``directory``: its ``.metadata`` read once (its checksum checked on those
+    bytes during a resume) and built from those bytes by the restricted unpickler (``checkpoint.safety``).
+
+    Args:
+        directory: the DCP folder.
+    """
+    from hftrain.checkpoint.manager import active_checkpoint
+    from hftrain.checkpoint.safety import dcp_metadata_of
+
+    path = Path(directory) / ".metadata"
+    verified = active_checkpoint()
+    if verified is not None:
+        return dcp_metadata_of(verified.path, verified.name_of(path), verified.read(path))
+    checkpoint = Path(directory).parent.parent
+    if not os.path.lexists(path):
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}' is incomplete: {path.relative_to(checkpoint)} is missing; resume from another "
+            "checkpoint"
         )
+    with open_verified(path) as handle:
+        data = handle.read()
+    return dcp_metadata_of(checkpoint, str(path.relative_to(checkpoint)), data)
+
+
+def _check_optimizer_steps(state: dict[str, Chunked], directory: str | Path) -> None:
+    """Adam's per-parameter ``step`` counts optimizer steps: one beyond the checkpoint's step is forged (it sets the
+    bias correction of every later update)."""
+    from hftrain.checkpoint.manager import active_checkpoint
+
+    verified = active_checkpoint()
+    if verified is None:
+        return
+    for key, value in state.items():
+        if not (key.startswith(OPTIM_PREFIX) and key.endswith(".step")):
+            continue
+        for _, box in value.boxes:
+            values = box.detach().float()
+            if values.numel() and not bool(((values >= 0) & (values <= verified.step)).all()):
+                raise CheckpointError(
+                    f"checkpoint '{verified.path}': {DCP_DIR}/ holds {key} {values.max().item():g}, more optimizer "
+                    f"steps than the checkpoint's {verified.step}; it is damaged or forged: resume from "
+                    "another checkpoint"
+                )
 
 
 def _single_process(dist: Any) -> bool:
@@ -441,7 +578,7 @@ def _nearly_full(path: Path) -> bool:
 
 def stored_keys(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Key -> (shape, dtype) of every tensor stored in the DCP folder ``directory`` (reads only its metadata)."""
-    metadata = FileSystemReader(str(directory)).read_metadata()
+    metadata = dcp_metadata(directory)
     return {
         key: (tuple(md.size), md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -508,7 +645,7 @@ def read_dcp_tensor(
     if stored != result.numel():  # DCP keeps each element once: the chunks must tile the tensor
         raise ValueError(f"its stored chunks hold {stored} of its {result.numel()} elements")
     for offsets, info in chunks:
-        with (dcp_dir / info.relative_path).open("rb") as handle:
+        with open_verified(dcp_dir / info.relative_path) as handle:
             window = _Window(handle, info.offset, info.length)
             saved = torch.load(window, map_location="meta", weights_only=True)
             region = (
@@ -532,7 +669,7 @@ def _chunk_shapes(dcp_dir: Path, chunks: list[tuple[tuple[int, ...], Any]]) -> l
     """Each stored chunk's shape, from its archive loaded on the meta device (no data read)."""
     shapes = []
     for _, info in chunks:
-        with (dcp_dir / info.relative_path).open("rb") as handle:
+        with open_verified(dcp_dir / info.relative_path) as handle:
             shapes.append(tuple(torch.load(_Window(handle, info.offset, info.length), map_location="meta",
                                            weights_only=True).shape))  # fmt: skip
     return shapes
@@ -544,7 +681,7 @@ def _dcp_load(dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dtyp
     destination = {key: torch.empty(shape, dtype=dtype)}  # full size: DCP copies each chunk into it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no_dist's notice, once per tensor
-        dcp.load(destination, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+        dcp.load(destination, storage_reader=VerifiedReader(dcp_dir, dcp_metadata(dcp_dir)), no_dist=True)
     return destination.pop(key)
 
 
@@ -660,7 +797,7 @@ def read_info(state_dir: str | Path) -> dict[str, Any]:
             f"{DCP_DIR}/ folder; it is damaged: resume from another checkpoint"
         )
     try:
-        info = json.loads(path.read_text())
+        info = json.loads(read_verified(path))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"'{path}' is damaged ({error}); resume from another checkpoint") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
@@ -790,7 +927,7 @@ def read_snapshot(directory: str | Path, state: dict[str, Chunked], param_groups
     read_info(directory)
     read(state, directory / DCP_DIR)
     try:
-        saved = json.loads((directory / GROUPS_FILE).read_text())["param_groups"]
+        saved = json.loads(read_verified(directory / GROUPS_FILE))["param_groups"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"'{directory / GROUPS_FILE}' is damaged ({error}); resume from another checkpoint"
@@ -882,4 +1019,12 @@ def _hyperparameter_problem(key: str, value: Any, live: Any) -> str | None:
             return "is not a finite number"
         if key in _AT_LEAST_ZERO and value < 0:
             return "is negative"
+        if key == "eps" and value <= 0:
+            return "is not positive (Adam divides by it: the first update would be NaN)"
+        if key in ("lr", "initial_lr") and value > _MAX_LR:
+            return f"is above {_MAX_LR:g}, no fine-tuning rate (the first steps would make the loss NaN)"
     return None
+
+
+# The largest learning rate a checkpoint may hold (checkpoint.safety.MAX_LR, the scheduler's bound too).
+_MAX_LR = 10.0

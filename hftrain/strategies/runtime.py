@@ -304,9 +304,15 @@ class AccelerateRuntime:
         self.load_snapshot(directory)
 
     def load_extras(self, directory: str) -> None:
-        """What :meth:`save_extras` wrote: scheduler, sampler and this rank's RNG (collective)."""
-        with _without_model_and_optimizer(self.accelerator):
-            self.accelerator.load_state(directory)
+        """What :meth:`save_extras` wrote: scheduler, sampler and this rank's RNG (collective).
+
+        Accelerate reads a private copy of the very bytes that were checked (``checkpoint.safety.verified_copy``),
+        never the checkpoint's files again: a file swapped after its check would otherwise be unpickled.
+        """
+        from hftrain.checkpoint.safety import verified_copy
+
+        with _without_model_and_optimizer(self.accelerator), verified_copy(directory) as private:
+            self.accelerator.load_state(private)
 
     def load_snapshot(self, directory: str) -> None:
         """Fill the live model and optimizer from the sharded state in ``directory`` (collective): each rank

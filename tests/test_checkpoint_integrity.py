@@ -1,0 +1,281 @@
+"""Verify what you load, and load what you verified (issue 52): every file of a checkpoint is listed and checked, each
+is read once and parsed from the bytes whose checksum was checked, counters are bounded by the checkpoint's step,
+markers that are links or FIFOs are named, and a resealed config that no longer fits the tensors is refused.
+
+One real checkpoint is written by a 2-step DDP run (module fixture); each case copies it, forges it as an attacker or
+a careless user would (checksums recomputed where a forger would), and runs ``hftrain convert`` in this process or a
+resume in a subprocess: one ``hftrain: error:`` line, exit 2, nothing written, and no planted code run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hftrain.checkpoint.manager import CheckpointError, open_checkpoint
+from tests.conftest import assert_refused, cli_in_process
+from tests.forged_checkpoints import STEP2, planted_bytes, reseal
+from tests.tiny import save_model_folder, write_csv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+
+
+def _train_args(root: Path, out: Path, steps: int = 2) -> list[str]:
+    return [
+        "train", "--model_name_or_path", str(root / "model"), "--dataset_name", "null",
+        "--train_file", str(root / "train.csv"), "--output_dir", str(out), "--log_with", "none",
+        "--per_device_train_batch_size", "4", "--max_steps", str(steps), "--save_steps", "2",
+        "--mixed_precision", "no",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("integrity")
+    save_model_folder(root / "model")
+    write_csv(root / "train.csv", rows=40)
+    done = subprocess.run([sys.executable, "-m", "hftrain", *_train_args(root, root / "run")], cwd=root,
+                          env=_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "run"
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, symlinks=True)
+    return copy
+
+
+def _convert(source: Path, out: Path, fragment: str) -> None:
+    """``hftrain convert`` in this process: refused in one line, nothing written."""
+    code, stderr = cli_in_process(["convert", str(source), str(out)])
+    assert_refused(stderr, code, fragment)
+    assert not out.exists() and not out.with_name(f".staging-{out.name}").exists()
+
+
+def _resume(run: Path, fragment: str) -> None:
+    """A resume of the run's latest checkpoint: refused in one line, no later checkpoint written."""
+    args = _train_args(Path(os.environ["HFTRAIN_INTEGRITY_ROOT"]), run, steps=4)
+    done = subprocess.run([sys.executable, "-m", "hftrain", *args, "--resume_from_checkpoint", "auto"],
+                          cwd=Path.cwd(), env=_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert_refused(done.stderr, done.returncode, fragment)
+    assert not (run / "checkpoints" / "step_00000004").exists()
+
+
+@pytest.fixture(autouse=True)
+def _root(run, monkeypatch, tmp_path):
+    monkeypatch.setenv("HFTRAIN_INTEGRITY_ROOT", str(run.parent))  # the model and data of the run
+    monkeypatch.chdir(tmp_path)  # a planted pickle that ran would leave PWNED here
+
+
+def _edit_marker(run: Path, edit) -> None:
+    marker = run / STEP2 / "checkpoint.json"
+    meta = json.loads(marker.read_text())
+    edit(meta)
+    marker.write_text(json.dumps(meta))
+
+
+# ----------------------------------------------------------------- check, then load
+def _swapper(target: Path, genuine: bytes, forged: bytes, stop: threading.Event) -> threading.Thread:
+    """A writer that renames the forged and the genuine file over ``target`` in turn, every ~0.3 ms."""
+    staging = target.with_name(target.name + ".swap")
+
+    def swap() -> None:
+        turn = 0
+        while not stop.is_set():
+            staging.write_bytes(forged if turn % 2 else genuine)
+            os.replace(staging, target)
+            turn += 1
+            time.sleep(0.0003)
+
+    thread = threading.Thread(target=swap, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("file", ["state/dcp/.metadata", "state/custom_checkpoint_0.pkl"])
+def test_a_file_swapped_while_it_is_checked_and_loaded_never_runs_code(run, tmp_path, file):
+    """The race of issue 52: the checksum sees the genuine file, the loader would read the planted one. Every read
+    now parses the bytes whose checksum it checked, so each try loads the genuine file or is refused; none runs."""
+    from hftrain.checkpoint.safety import verified_copy
+    from hftrain.checkpoint.sharded import dcp_metadata
+
+    copy = _copy(run, tmp_path)
+    checkpoint = copy / STEP2
+    target = checkpoint / file
+    genuine, forged = target.read_bytes(), planted_bytes("bare")
+    outcomes = {"loaded": 0, "refused": 0}
+    stop = threading.Event()
+    thread = _swapper(target, genuine, forged, stop)
+    try:
+        deadline = time.monotonic() + 8
+        tries = 0
+        while time.monotonic() < deadline and tries < 300:
+            tries += 1
+            try:
+                verified = open_checkpoint(checkpoint)
+                with verified.active():
+                    if file.endswith(".metadata"):
+                        dcp_metadata(checkpoint / "state" / "dcp")
+                    else:
+                        with verified_copy(checkpoint / "state") as private:
+                            import torch
+
+                            torch.load(Path(private) / "custom_checkpoint_0.pkl", weights_only=False)  # Accelerate's
+                outcomes["loaded"] += 1
+            except CheckpointError:
+                outcomes["refused"] += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert not Path("PWNED").exists(), outcomes
+    assert outcomes["loaded"] and outcomes["refused"], outcomes  # the race was run both ways
+
+
+def test_convert_under_a_racing_writer_never_runs_code(run, tmp_path):
+    copy = _copy(run, tmp_path)
+    target = copy / STEP2 / "state" / "dcp" / ".metadata"
+    stop = threading.Event()
+    thread = _swapper(target, target.read_bytes(), planted_bytes("bare"), stop)
+    codes = []
+    try:
+        for attempt in range(12):
+            out = tmp_path / f"out{attempt}"
+            code, stderr = cli_in_process(["convert", str(copy / STEP2), str(out), "--output_dir", str(copy)])
+            codes.append(code)
+            assert code in (0, 2) and "Traceback" not in stderr, stderr[-2000:]
+    finally:
+        stop.set()
+        thread.join()
+    assert not Path("PWNED").exists(), codes
+
+
+# ----------------------------------------------------------------- every file listed and checked
+def test_a_file_whose_entry_is_removed_is_refused(run, tmp_path):
+    copy = _copy(run, tmp_path)
+    _edit_marker(copy, lambda meta: meta["files"].pop("state/custom_checkpoint_0.pkl"))
+    _convert(copy, tmp_path / "out", "state/custom_checkpoint_0.pkl is not listed in checkpoint.json")
+
+
+def test_an_unlisted_rng_file_is_refused_on_resume(run, tmp_path):
+    """Resumed on one process a planted random_states_1.pkl would be ignored, on two it would be loaded unchecked:
+    refused either way, before anything loads."""
+    copy = _copy(run, tmp_path)
+    state = copy / STEP2 / "state"
+    shutil.copy(state / "random_states_0.pkl", state / "random_states_1.pkl")
+    _resume(copy, "state/random_states_1.pkl is not listed in checkpoint.json")
+
+
+def test_a_dcp_metadata_missing_is_one_line_on_convert_and_resume(run, tmp_path):
+    copy = _copy(run, tmp_path)
+    (copy / STEP2 / "state" / "dcp" / ".metadata").unlink()
+    reseal(copy, STEP2)  # a forger, or a careless copy that left it out and recomputed the list
+    _convert(copy / STEP2, tmp_path / "out", ".metadata")
+    _resume(copy, ".metadata")
+
+
+# ----------------------------------------------------------------- counters bounded by the run
+def _forge_pickle(path: Path, edit) -> None:
+    import torch
+
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+
+
+def test_a_scheduler_beyond_the_checkpoints_step_is_refused(run, tmp_path):
+    copy = _copy(run, tmp_path)
+    _forge_pickle(copy / STEP2 / "state" / "custom_checkpoint_0.pkl",
+                  lambda s: s.update(last_epoch=10**9, _step_count=10**9 + 1))  # fmt: skip
+    reseal(copy, STEP2)
+    _resume(copy, "last_epoch 1000000000 is not a step in [0, 2]")
+
+
+def test_scheduler_counters_and_rates_are_checked():
+    from hftrain.checkpoint.safety import check_counters
+
+    meta = {"step": 2}
+    good = {"last_epoch": 2, "_step_count": 3, "base_lrs": [5e-5], "_last_lr": [0.0]}
+    check_counters(Path("c"), "s", good, meta)
+    for forged, fragment in (
+        ({"last_epoch": -1}, "last_epoch -1"),
+        ({"last_epoch": 3, "_step_count": 4}, "last_epoch 3"),
+        ({"_step_count": 7}, "_step_count 7"),
+        ({"base_lrs": [1e30]}, "base_lrs"),
+        ({"_last_lr": [float("nan")]}, "_last_lr"),
+    ):
+        with pytest.raises(CheckpointError, match=fragment):
+            check_counters(Path("c"), "s", {**good, **forged}, meta)
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [("lr", 1e30, "above 10"), ("eps", 0.0, "not positive")])
+def test_a_forged_optimizer_hyperparameter_is_refused_naming_the_file(run, tmp_path, key, value, fragment):
+    copy = _copy(run, tmp_path)
+    groups = copy / STEP2 / "state" / "optimizer.json"
+    data = json.loads(groups.read_text())
+    data["param_groups"][0][key] = value
+    groups.write_text(json.dumps(data))
+    reseal(copy, STEP2)
+    _resume(copy, f"optimizer.json is damaged (param_groups[0].{key}")
+
+
+def test_optimizer_steps_beyond_the_checkpoints_are_refused(run, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hftrain.checkpoint.sharded import Chunked, read
+
+    copy = _copy(run, tmp_path)
+    checkpoint, key = copy / STEP2, "optim.classifier.bias.step"
+    with open_checkpoint(checkpoint).active():
+        read({key: Chunked.whole(torch.tensor(0.0))}, checkpoint / "state" / "dcp")  # the genuine step (2) loads
+    shutil.rmtree(checkpoint / "state" / "dcp")
+    dcp.save({key: torch.tensor(1e9)}, checkpoint_id=str(checkpoint / "state" / "dcp"), no_dist=True)
+    reseal(copy, STEP2)
+    with open_checkpoint(checkpoint).active(), pytest.raises(CheckpointError, match="more optimizer steps than"):
+        read({key: Chunked.whole(torch.tensor(0.0))}, checkpoint / "state" / "dcp")
+
+
+# ----------------------------------------------------------------- markers
+def test_a_marker_that_is_a_fifo_or_a_link_is_named_and_never_waited_on(run, tmp_path):
+    copy = _copy(run, tmp_path)
+    newer = copy / "checkpoints" / "step_00000003"
+    newer.mkdir()
+    os.mkfifo(newer / "checkpoint.json")
+    _convert(copy, tmp_path / "out", "step_00000003': checkpoint.json is a FIFO")
+    (newer / "checkpoint.json").unlink()
+    os.symlink("../step_00000002/checkpoint.json", newer / "checkpoint.json")
+    _convert(copy, tmp_path / "out", "checkpoint.json is a symbolic link")
+
+
+def test_a_newer_step_without_a_marker_is_logged(run, tmp_path, capsys):
+    from hftrain.checkpoint.manager import CheckpointManager
+
+    copy = _copy(run, tmp_path)
+    (copy / "checkpoints" / "step_00000003").mkdir()
+    assert CheckpointManager(copy / "checkpoints").resolve("auto").name == "step_00000002"
+    said = capsys.readouterr()
+    assert "step_00000003 has no checkpoint.json (a checkpoint write that did not finish)" in said.out + said.err
+
+
+# ----------------------------------------------------------------- a resealed config
+def test_a_resealed_model_type_is_refused_by_convert(run, tmp_path):
+    copy = _copy(run, tmp_path)
+    config = copy / STEP2 / "state" / "hf_model" / "config.json"
+    data = json.loads(config.read_text())
+    data["model_type"] = "roberta"  # BertForSequenceClassification's names would load as RoBERTa's: random weights
+    config.write_text(json.dumps(data))
+    reseal(copy, STEP2)
+    _convert(copy, tmp_path / "out", "does not hold the model its config describes")
