@@ -217,6 +217,8 @@ def test_links_and_fifos_where_hftrain_deletes_or_writes_a_folder_are_refused_be
         ("trainer_state.json", "folder", resume, "is a folder where the run writes a file"),
         ("trainer_state.json", "fifo", overwrite, "trainer_state.json' is a FIFO"),
         ("run_summary.json", "link", overwrite, "run_summary.json' is a symbolic link"),
+        (".hftrain.lock", "link", resume, ".hftrain.lock' is a symbolic link"),
+        (".hftrain.lock", "fifo", overwrite, ".hftrain.lock' is a FIFO"),
     ]
     commands, checks = [], []
 
@@ -240,7 +242,7 @@ def test_links_and_fifos_where_hftrain_deletes_or_writes_a_folder_are_refused_be
     # hftrain export RUN OUT / hftrain convert RUN OUT: the staging and previous folders beside OUT, OUT itself
     for command in ("export", "convert"):
         for entry, kind in ((".staging-OUT", "link"), (".staging-OUT", "fifo"), (".previous-OUT", "link"),
-                            ("OUT", "link"), ("OUT", "fifo")):  # fmt: skip
+                            ("OUT", "link"), ("OUT", "fifo"), (".OUT.hftrain.lock", "fifo")):  # fmt: skip
             place = tmp_path / f"{command}-{entry}-{kind}"
             outside = tmp_path / f"outside-{command}-{entry}-{kind}"
             outside.mkdir()
@@ -249,7 +251,7 @@ def test_links_and_fifos_where_hftrain_deletes_or_writes_a_folder_are_refused_be
             case([command, str(finished_run), str(place / "OUT")], place, outside, f"{entry}' is {word}")
     before = _tree(finished_run)
     results = _refusals(tmp_path, commands)
-    assert len(results) == len(checks) == 27
+    assert len(results) == len(checks) == 31
     for (code, err), (folder, outside, tree, outside_tree, fragment) in zip(results, checks, strict=True):
         assert_refused(err, code, fragment)
         assert _tree(folder) == tree, (folder, fragment)  # nothing written, nothing removed
@@ -406,3 +408,30 @@ def test_the_other_writers_replace_links_and_refuse_to_write_through_them(tmp_pa
             hold_folder(lock, Rank1(), lambda: None, run_id="b")
     with pytest.raises(HFTrainError, match="holds no lock"):
         hold_folder(FolderLock(folder / ".hftrain.lock", "training.output_dir"), Rank1(), lambda: None, run_id="a")
+
+
+def test_publishing_checks_every_target_before_the_first_rename(tmp_path):
+    """An export's (or convert's) targets, checked before anything is renamed: a link or a FIFO at the second target
+    or a ``.previous-`` folder leaves the first target and both staging folders as they were, and nothing waits."""
+    from hftrain.checkpoint.export import _publish_all
+    from hftrain.files import UnsafePathError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for planted in ("model_merged", ".previous-model_merged", ".previous-model"):
+        root = tmp_path / planted
+        staged = []
+        for name in ("model", "model_merged"):
+            (root / f".staging-{name}").mkdir(parents=True)
+            (root / f".staging-{name}" / "config.json").write_text("{}")
+            staged.append((root / f".staging-{name}", root / name))
+        (root / "model").mkdir()
+        (root / "model" / "config.json").write_text('{"old": 1}')
+        if planted.startswith(".previous-model_"):
+            os.mkfifo(root / planted)
+        else:
+            (root / planted).symlink_to(outside)
+        before = _tree(root)
+        with pytest.raises(UnsafePathError, match="is a (symbolic link|FIFO)"):
+            _publish_all(staged)
+        assert _tree(root) == before and not any(outside.iterdir())
