@@ -112,10 +112,10 @@ def take_run_folder(config: TrainConfig, plan: RunPlan, runtime: Any) -> FolderL
     from hftrain.checkpoint.run import run_folder_lock
 
     lock = run_folder_lock(Path(config.training.output_dir), run_id=plan.run_id)
-    return hold_folder(lock, runtime, lambda: write_run_config(config, plan), run_id=plan.run_id)
+    return hold_folder(lock, runtime, lambda: write_run_config(config, plan))
 
 
-def hold_folder(lock: FolderLock, runtime: Any, work: Callable[[], Any], **holder: Any) -> FolderLock | None:
+def hold_folder(lock: FolderLock, runtime: Any, work: Callable[[], Any]) -> FolderLock | None:
     """Take ``lock`` on the main process and run ``work`` under it; the other ranks check that the main process
     holds it (collective). A failure on any rank is raised on every rank, with the lock released.
 
@@ -123,7 +123,6 @@ def hold_folder(lock: FolderLock, runtime: Any, work: Callable[[], Any], **holde
         lock: the folder's lock.
         runtime: the ranks' runtime (None or one process: no agreement).
         work: what the main process does first under the lock (re-checks, the first write).
-        holder: what the lock must record on the other ranks (``run_id``).
     """
     from hftrain.parallel.host import broadcast_object
 
@@ -141,13 +140,14 @@ def hold_folder(lock: FolderLock, runtime: Any, work: Callable[[], Any], **holde
             failure = error
     if not several:
         return lock
-    message = broadcast_object(None if failure is None else str(failure))
+    # the main process's outcome, and who it is: the lock must record that holder (host and pid), not another
+    message, holder = broadcast_object((None, lock.holder) if failure is None else (str(failure), None))
     if message is not None:  # said by the main process; the others exit with it
         raise failure or HFTrainError(message)
     mine: HFTrainError | None = None
     if not main:
         try:
-            lock.check_held_by(**holder)
+            lock.check_held_by(host=holder["host"], pid=holder["pid"])
         except HFTrainError as error:
             mine = ProcessError(str(error))  # this rank's view of the folder: printed by the rank that met it
     if runtime.any_rank(mine is not None):

@@ -401,13 +401,16 @@ def test_the_other_writers_replace_links_and_refuse_to_write_through_them(tmp_pa
         def any_rank(flag: bool) -> bool:
             return flag
 
+    # (out of a process group, the main process's broadcast is this process's own holder: this pid, this host)
+    lock = FolderLock(folder / ".hftrain.lock", "training.output_dir")
     with FolderLock(folder / ".hftrain.lock", "training.output_dir", run_id="a", command="train"):
-        lock = FolderLock(folder / ".hftrain.lock", "training.output_dir")
-        assert hold_folder(lock, Rank1(), lambda: None, run_id="a") is None
-        with pytest.raises(HFTrainError, match="held by another command"):
-            hold_folder(lock, Rank1(), lambda: None, run_id="b")
+        assert hold_folder(lock, Rank1(), lambda: None) is None
+    (folder / ".hftrain.lock").write_text(json.dumps({"host": "elsewhere", "pid": os.getpid()}))
+    with pytest.raises(HFTrainError, match="held by another command"):
+        hold_folder(lock, Rank1(), lambda: None)
+    (folder / ".hftrain.lock").unlink()
     with pytest.raises(HFTrainError, match="holds no lock"):
-        hold_folder(FolderLock(folder / ".hftrain.lock", "training.output_dir"), Rank1(), lambda: None, run_id="a")
+        hold_folder(lock, Rank1(), lambda: None)
 
 
 def test_publishing_checks_every_target_before_the_first_rename(tmp_path):
