@@ -158,6 +158,47 @@ def make_folder(path: str | os.PathLike[str], what: str) -> None:
     os.mkdir(path)
 
 
+def fresh_folder(path: str | os.PathLike[str], what: str) -> Path:
+    """A new, empty folder at ``path`` for hftrain to fill (a staging folder): a leftover of a killed command there
+    (a folder or a file) is removed first; a link or a special file is refused in one line, never written through.
+
+    Args:
+        path: the folder.
+        what: what it is, for the message.
+    """
+    remove(path, what)
+    make_folder(path, what)
+    return Path(path)
+
+
+def open_regular(path: str | os.PathLike[str], what: str, mode: str = "wb") -> Any:
+    """A binary file object on a regular file, opened without following a link and without waiting on a FIFO, for
+    a file of a folder hftrain created (a staging folder): a hard link there is refused, not written through (a
+    file hftrain rewrites in a folder it shares with the user is :func:`write_file`'s).
+
+    Args:
+        path: the file.
+        what: what it is, for the message.
+        mode: ``wb`` (created, or truncated) or ``r+b`` (an existing file, read and written in place).
+    """
+    flags = {"wb": os.O_WRONLY | os.O_CREAT, "r+b": os.O_RDWR}[mode]  # truncated below, once checked
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link, a FIFO without reader, a folder
+            check_own(path, what, folder=False)
+        raise
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+        os.close(fd)
+        kind = kind_of(status.st_mode) if not stat.S_ISREG(status.st_mode) else "a file with other hard links"
+        raise UnsafePathError(f"{what} '{path}' is {kind}, which hftrain does not write through; remove it yourself")
+    os.set_blocking(fd, True)
+    if mode == "wb":
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, mode)
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a folder's entries (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -335,4 +376,3 @@ def _describe(holder: dict[str, Any]) -> str:
         return "holder not recorded yet"
     names = ("command", "host", "pid", "run_id")
     return ", ".join(f"{key} {holder[key]}" for key in names if key in holder)
-

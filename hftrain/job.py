@@ -2,7 +2,8 @@
 
 Every check that can fail on bad input runs before anything is written to ``output_dir``: the strategy's
 preflight, ``hftrain.validate`` (output_dir, resume request), the model folder, the data, and the trainer's
-resume checks. The config is written last, once the run is certain to start.
+resume checks. The config is written last, once the run is certain to start, under the folder's lock
+(:func:`take_run_folder`), which the main process then holds until the run ends.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hftrain.config import TrainConfig, config_from_flat, save_config
-from hftrain.errors import writing
+from hftrain.errors import ConfigError, HFTrainError, ProcessError, writing
 from hftrain.log import get_logger, is_main_process
 
 if TYPE_CHECKING:
     from hftrain.config import ModelConfig
+    from hftrain.files import FolderLock
     from hftrain.models.checks import ModelFacts
     from hftrain.strategies import LaunchInfo
     from hftrain.validate import RunPlan
@@ -89,9 +91,69 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
             trainer.accelerator.process_index, trainer.accelerator.num_processes, config.training.output_dir
         )
     # The trainer accepted the resume checkpoint: the run is certain to start, and may now write.
-    if write and is_main_process():
-        write_run_config(config, plan)
+    if write:
+        trainer.folder_lock = take_run_folder(config, plan, trainer.runtime)
     return trainer, tokenizer, tokenized
+
+
+def take_run_folder(config: TrainConfig, plan: RunPlan, runtime: Any) -> FolderLock | None:
+    """Take ``output_dir``'s lock for the run's life, then write the run config under it (collective).
+
+    The main process takes the lock (a second command is refused in one line naming the holder), checks that the
+    folder is as the plan found it, removes a replaced run's outputs and writes the config; the other ranks learn
+    the outcome from it and check that it holds the lock for this run. Returns the lock on the main process (the
+    trainer releases it in ``close``), None elsewhere.
+
+    Args:
+        config: the job config, accepted by every check.
+        plan: the run it starts or continues.
+        runtime: the trainer's runtime (its ranks agree through it).
+    """
+    from hftrain.checkpoint.run import run_folder_lock
+
+    lock = run_folder_lock(Path(config.training.output_dir), run_id=plan.run_id)
+    return hold_folder(lock, runtime, lambda: write_run_config(config, plan))
+
+
+def hold_folder(lock: FolderLock, runtime: Any, work: Callable[[], Any]) -> FolderLock | None:
+    """Take ``lock`` on the main process and run ``work`` under it; the other ranks check that the main process
+    holds it (collective). A failure on any rank is raised on every rank, with the lock released.
+
+    Args:
+        lock: the folder's lock.
+        runtime: the ranks' runtime (None or one process: no agreement).
+        work: what the main process does first under the lock (re-checks, the first write).
+    """
+    from hftrain.parallel.host import broadcast_object
+
+    main = runtime is None or runtime.is_main_process
+    several = runtime is not None and runtime.num_processes > 1
+    failure: HFTrainError | None = None
+    if main:
+        try:
+            lock.acquire()
+            work()
+        except BaseException as error:
+            lock.release()
+            if not isinstance(error, HFTrainError) or not several:
+                raise
+            failure = error
+    if not several:
+        return lock
+    # the main process's outcome, and who it is: the lock must record that holder (host and pid), not another
+    message, holder = broadcast_object((None, lock.holder) if failure is None else (str(failure), None))
+    if message is not None:  # said by the main process; the others exit with it
+        raise failure or HFTrainError(message)
+    mine: HFTrainError | None = None
+    if not main:
+        try:
+            lock.check_held_by(host=holder["host"], pid=holder["pid"])
+        except HFTrainError as error:
+            mine = ProcessError(str(error))  # this rank's view of the folder: printed by the rank that met it
+    if runtime.any_rank(mine is not None):
+        lock.release()
+        raise mine or HFTrainError(f"another process does not see the lock '{lock.path}' this one took; see its error")
+    return lock if main else None
 
 
 def load_splits(config: TrainConfig, facts: ModelFacts, log: Callable[[str], None]) -> Any:
@@ -197,15 +259,23 @@ def requested_problem_type(model: ModelConfig, facts: ModelFacts) -> str | None:
 
 
 def write_run_config(config: TrainConfig, plan: RunPlan) -> None:
-    """Create ``output_dir``, remove a replaced run's outputs, and write the resolved config (atomically).
+    """Create ``output_dir``, remove a replaced run's outputs, and write the resolved config (atomically); under the
+    folder's lock, once the folder is found as the plan found it.
 
     Args:
         config: the job config, accepted by every check.
         plan: the run it starts or continues.
     """
-    from hftrain.checkpoint.run import remove_run_outputs
+    from hftrain.checkpoint.run import folder_state, remove_run_outputs
 
     output_dir = Path(config.training.output_dir)
+    if plan.folder_state and folder_state(output_dir) != plan.folder_state:
+        # Another command wrote into the folder after this one decided what to do with it (a run started at the
+        # same moment, which took the lock first and has ended): decided on what is no longer there.
+        raise ConfigError(
+            f"training.output_dir '{output_dir}' changed while this command was starting (another hftrain command "
+            "wrote into it); run the command again, which decides anew what to do with the folder"
+        )
     with writing(f"the run config into training.output_dir '{output_dir}'", location=output_dir):
         if plan.replaces:
             removed = remove_run_outputs(output_dir)
@@ -234,6 +304,7 @@ def run_training(config: TrainConfig, launch: LaunchInfo, *, process_exits_after
     ):
         ending.callback(pictures.discard_spare)  # not taken: the job failed before its first drawing
         trainer, tokenizer, tokenized = prepare_job(config, launch)
+        ending.callback(trainer.release_folder)  # a failed run frees its folder too (close() does it otherwise)
         collector.set_up()
         output_dir = Path(config.training.output_dir)
         # A full or read-only disk during training (trackers, state files) is one line naming what survived.
@@ -298,12 +369,12 @@ def run_export(
     """
     from hftrain.checkpoint.manager import CheckpointError, read_checkpoint
     from hftrain.checkpoint.run import CHECKPOINTS_DIR, latest_of_run
-    from hftrain.errors import ConfigError
+    from hftrain.files import FolderLock
     from hftrain.validate import check_export_dir
 
     target = Path(directory)
     path = Path(checkpoint)
-    check_export_dir(target, source=path)
+    check_export_dir(target, source=path, merged=merge_lora)
     if (path / CHECKPOINTS_DIR).is_dir():  # a run folder: its latest checkpoint, trusted as the user named the run
         output_dir = str(path)
         path = latest_of_run(path, "export")
@@ -327,9 +398,15 @@ def run_export(
     config.training.log_with = "none"
     # Only a folder the user named makes the checkpoint the user's own; without one, nothing is inside the run.
     config.training.output_dir = output_dir if output_dir is not None else str(target)
-    with collections_paused_while_setting_up() as collector:
+    with collections_paused_while_setting_up() as collector, contextlib.ExitStack() as ending:
         trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
         collector.set_up()
+        # The export folder is this command's until it ends: a second export into it is refused naming this one,
+        # and one that ran meanwhile and published is found under the lock (the folder is no longer empty).
+        lock = FolderLock.for_folder(target, "export directory", command="export")
+        recheck = lambda: check_export_dir(target, source=path, merged=merge_lora, locked=True)  # noqa: E731
+        held = hold_folder(lock, trainer.runtime, recheck)
+        ending.callback(held.release if held is not None else lambda: None)
         model_dir = export_model(trainer, tokenizer, tokenized, target, config, merge_lora=merge_lora)
         _close(trainer, collector, launch)
     return str(model_dir)

@@ -120,12 +120,18 @@ def render_expert_load(counts: list[list[float]], path: str | Path) -> Path | No
 
 
 def save_figure(figure: Any, path: str | Path) -> Path:
-    """``figure`` laid out and written to ``path`` as a PNG, atomically (a staging file renamed over it)."""
+    """``figure`` laid out and written to ``path`` as a PNG, atomically: drawn into memory, then a new file renamed
+    over ``path`` (``files.write_file``), so that a link planted at ``path`` (or at a staging name beside it) is
+    replaced, never written through, and a FIFO there is never opened."""
+    import io
+
+    from hftrain.files import write_file
+
     figure.tight_layout()
     path = Path(path)
-    staging = path.with_name(path.name + ".tmp.png")
-    figure.savefig(staging, dpi=90)
-    os.replace(staging, path)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    write_file(path, buffer.getvalue())
     return path
 
 

@@ -16,15 +16,27 @@ What a run directory may be asked to do by a later command (``plan_run`` decides
   anything (``checkpoint.run``); ``auto`` then starts fresh. Only ``auto``/``latest`` with the same run's config
   continue the run instead (a preempted job requeued with the same command resumes, overwrite or not).
 A directory holding only the config of a start that failed before its first checkpoint is not a run to protect.
+
+A directory another command holds (``.hftrain.lock``: a live run, an overwrite under way) is refused first, naming
+the holder, before any data is loaded; the main process takes the lock before it writes anything
+(``hftrain.job.take_run_folder``), and decides again under it if the folder changed meanwhile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hftrain.checkpoint.run import check_outside_source, check_writable_dir
+from hftrain.checkpoint.run import (
+    LOCK_FILENAME,
+    check_outside_source,
+    check_run_folder,
+    check_writable_dir,
+    folder_state,
+    run_folder_lock,
+)
 from hftrain.config import CONFIG_FILENAME, config_differences, from_dict
 from hftrain.errors import ConfigError, reading
 
@@ -47,6 +59,8 @@ class RunPlan:
     """An earlier run's outputs are removed before the new run writes (``overwrite_output_dir``)."""
     notes: list[str] = field(default_factory=list)
     """What to log about the decision."""
+    folder_state: tuple = ()
+    """``output_dir`` as the plan found it (``checkpoint.run.folder_state``), compared again under the folder's lock."""
 
 
 def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> tuple[ModelFacts, RunPlan]:
@@ -75,10 +89,23 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> tup
 def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
     """Check ``output_dir`` and the resume request together, and decide which run the command continues or starts.
 
+    A training command is refused first if another command holds ``output_dir`` (a probe: the lock is taken when
+    the run first writes), and last if an entry the run would write through or delete is a link or a FIFO.
+
     Args:
         config: the validated job config.
         write: the command trains into ``output_dir`` (an export only reads a checkpoint).
     """
+    if not write:
+        return _decide(config, write=False)
+    output_dir = Path(config.training.output_dir)
+    run_folder_lock(output_dir).check_free()
+    plan = _decide(config, write=True)
+    check_run_folder(output_dir, replaces=plan.replaces)
+    return dataclasses.replace(plan, folder_state=folder_state(output_dir))
+
+
+def _decide(config: TrainConfig, *, write: bool) -> RunPlan:
     from hftrain.checkpoint.run import new_run_id, saved_run_id
 
     training = config.training
@@ -140,7 +167,8 @@ def check_output_dir(config: TrainConfig) -> None:
         return
     saved = output_dir / CONFIG_FILENAME
     if not saved.is_file():
-        if any(output_dir.iterdir()):
+        # the lock file of a run killed before it wrote its config (a probe found it free) is no one's run
+        if any(entry.name != LOCK_FILENAME for entry in output_dir.iterdir()):
             raise ConfigError(
                 f"training.output_dir '{output_dir}' is not empty and holds no hftrain run; choose a new "
                 "output_dir or set overwrite_output_dir: true"
@@ -190,14 +218,26 @@ def check_resume_request(training: TrainingConfig, *, run_id: str | None, export
     return path
 
 
-def check_export_dir(directory: Path, source: Path) -> None:
-    """Refuse an export folder that cannot be written, already holds files (nothing is overwritten), or lies inside
-    what it exports.
+def check_export_dir(directory: Path, source: Path, *, merged: bool = False, locked: bool = False) -> None:
+    """Refuse an export folder that another command holds, cannot be written, already holds files (nothing is
+    overwritten), lies inside what it exports, or is a link or a special file (as are the staging and previous
+    folders beside it that the export writes and deletes).
 
     Args:
         directory: the folder ``hftrain export`` writes.
         source: the checkpoint or run folder it exports, as given.
+        merged: ``<directory>_merged`` is written too (``--merge_lora``).
+        locked: this command holds the folder's lock already (checked again under it; else only probed).
     """
+    from hftrain.files import FolderLock, check_own
+
+    if not locked:
+        FolderLock.for_folder(directory, "export directory").check_free()
+    targets = [directory, directory.with_name(directory.name + "_merged")] if merged else [directory]
+    for target in targets:
+        check_own(target, "export directory", folder=True)
+        for kind in ("staging", "previous"):  # what the export writes and deletes beside it
+            check_own(target.with_name(f".{kind}-{target.name}"), f"export directory: the {kind} folder", folder=True)
     check_outside_source(directory, source, "export directory")
     check_writable_dir(directory, "export directory")
     if directory.exists() and any(directory.iterdir()):

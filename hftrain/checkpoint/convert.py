@@ -35,7 +35,6 @@ import copy
 import io
 import json
 import math
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from hftrain.checkpoint.sharded import DCP_DIR, MODEL_PREFIX, check_sharded, rea
 from hftrain.checkpoint.sharded import HF_DIR as HF_MODEL_DIR
 from hftrain.checkpoint.stream import EXPORT_DTYPES, TensorSpec, parse_shard_size, saved_dtype, write_streamed
 from hftrain.errors import ConfigError, reading, writing
+from hftrain.files import FolderLock, check_own, fresh_folder, remove_quietly, write_file
 from hftrain.log import get_logger
 
 PEFT_PREFIX = "base_model.model."
@@ -132,6 +132,10 @@ def convert_checkpoint(
     for target in (out, merged):
         if target is not None:
             _check_new_dir(target, Path(checkpoint))
+    # OUT is this command's from its first write to its end; a second command is refused naming it (probed now,
+    # before the checkpoint is read; taken before the first write, and the folder checked again under it)
+    lock = FolderLock.for_folder(out, "convert output", command="convert")
+    lock.check_free()
     # Trust comes from the command: without a run folder named, nothing is inside one (as ``hftrain export``).
     run_dir = Path(output_dir) if output_dir is not None else out
     source = _open_source(Path(checkpoint), trust=trust, output_dir=run_dir, config=config)
@@ -144,16 +148,17 @@ def convert_checkpoint(
     folders = _plan_folders(source, export_dtype, merged is not None)
     targets = [out] + ([merged] if merged is not None else [])
     stages = [t.with_name(f".staging-{t.name}") for t in targets]
-    from hftrain.checkpoint.export import _publish
+    from hftrain.checkpoint.export import _publish_all
 
     tensors = 0
     tokenizer_written = False
-    with writing(f"the converted model '{out}'", location=out, catch=(OSError,)):
+    with lock, writing(f"the converted model '{out}'", location=out, catch=(OSError,)):
+        for target in targets:  # another convert may have published into it since the check above
+            _check_new_dir(target, Path(checkpoint))
         try:
-            for stage in stages:
-                shutil.rmtree(stage, ignore_errors=True)  # left by a killed convert
             for stage, (write_config, prefix, planned) in zip(stages, folders, strict=True):
-                stage.mkdir(parents=True)
+                # a killed convert's staging folder is removed; a link or a FIFO there is refused, never written
+                fresh_folder(stage, "the convert's staging folder")
                 write_config(stage)
                 write_streamed(
                     stage,
@@ -165,11 +170,10 @@ def convert_checkpoint(
                 )
                 tensors += len(planned)
                 tokenizer_written = _save_tokenizer(source.tokenizer_from, stage)
-            for stage, target in zip(stages, targets, strict=True):
-                _publish(stage, target)
+            _publish_all(list(zip(stages, targets, strict=True)))  # every target checked before the first rename
         finally:
             for stage in stages:
-                shutil.rmtree(stage, ignore_errors=True)
+                remove_quietly(stage)  # a link or a FIFO is left as it is
     if source.tokenizer_from is not None and not tokenizer_written:
         get_logger().warning(
             f"no tokenizer written: '{source.tokenizer_from}' has no tokenizer files here; copy them into {out}"
@@ -371,7 +375,7 @@ def _plan_folders(
 
     def write_adapter_config(stage: Path) -> None:
         adapter = {**source.adapter_config, "inference_mode": True}
-        (stage / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n")
+        write_file(stage / "adapter_config.json", json.dumps(adapter, indent=2, sort_keys=True) + "\n")
 
     folders = [(write_adapter_config, "adapter_model", _adapter_targets(source, peft_model, export_dtype))]
     if merge:
@@ -542,6 +546,9 @@ def _merge_producer(
 def _check_new_dir(target: Path, source: Path) -> None:
     from hftrain.checkpoint.run import check_outside_source, check_writable_dir
 
+    check_own(target, "convert output", folder=True)
+    for kind in ("staging", "previous"):  # what the convert writes and deletes beside it
+        check_own(target.with_name(f".{kind}-{target.name}"), f"convert output: the {kind} folder", folder=True)
     check_outside_source(target, source, "convert output")
     check_writable_dir(target, "convert output")
     if target.exists() and any(target.iterdir()):

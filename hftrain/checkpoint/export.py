@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hftrain.errors import HFTrainError, writing
+from hftrain.files import check_own, fresh_folder, remove, remove_quietly
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -177,7 +177,7 @@ def _export(
         published = _broadcast(accelerator, published)
     finally:
         for stage, _ in staged:
-            shutil.rmtree(stage, ignore_errors=True)  # published: gone already; else not to be published
+            remove_quietly(stage)  # published: gone already; else not to be published
     if failure is not None:
         raise failure
     if isinstance(published, str):
@@ -186,6 +186,8 @@ def _export(
 
 
 def _publish_all(staged: list[tuple[Path, Path]]) -> None:
+    for _, target in staged:  # every target checked before the first is replaced
+        _check_publishable(target)
     for stage, target in staged:
         _publish(stage, target)
 
@@ -261,7 +263,7 @@ def _streamed_export(
             for name, value in skeleton.state_dict().items()
             if name not in plan["tied"]
         ]
-        shutil.rmtree(stage, ignore_errors=True)  # left by a killed export
+        fresh_folder(stage, "the export's staging folder")  # a killed export's is removed; a link is refused
         plan["writer"] = StreamedSafetensorsWriter(stage, plan["specs"])
 
     outcome, failure = _on_main(accelerator, directory, last_checkpoint, begin)
@@ -292,7 +294,7 @@ def _streamed_export(
                     trained_on=trained_on,
                 )  # fmt: skip
         except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
+            remove_quietly(stage)
             raise
         result = ExportResult(model_dir=str(directory), tensors=len(plan["specs"]), logit_diffs=diffs, streamed=True)
         return result, [(stage, directory)]  # published by export_pretrained
@@ -300,7 +302,7 @@ def _streamed_export(
     if failure is None:
         outcome, failure = _on_main(accelerator, directory, last_checkpoint, finish)
     elif accelerator.is_main_process:
-        shutil.rmtree(stage, ignore_errors=True)
+        remove_quietly(stage)  # a link or a FIFO there (refused by begin) is left as it is
     return outcome, failure
 
 
@@ -417,30 +419,43 @@ def _staged_export(
     merged = directory.with_name(directory.name + "_merged") if is_peft_model(unwrapped) and merge_lora else None
     targets = [t for t in (directory, merged) if t is not None]
     stages = [t.with_name(f".staging-{t.name}") for t in targets]
+    made: list[Path] = []
     try:
-        for stage in stages:
-            shutil.rmtree(stage, ignore_errors=True)  # left by a killed export
+        for stage in stages:  # a killed export's is removed; a link or a FIFO is refused, never written through
+            made.append(fresh_folder(stage, "the export's staging folder"))
         result = _write_and_verify(
             unwrapped, state_dict, tokenizer, stages[0], merged_dir=stages[-1] if merged else None, **options
         )
     except BaseException:
-        for stage in stages:
-            shutil.rmtree(stage, ignore_errors=True)
+        for stage in made:
+            remove_quietly(stage)
         raise
     result = dataclasses.replace(result, model_dir=str(directory), merged_dir=str(merged) if merged else None)
     return result, list(zip(stages, targets, strict=True))
 
 
+def _check_publishable(target: Path) -> None:
+    """Refuse, before anything is renamed, a ``target`` (or its ``.previous-`` twin) that is a link or a special
+    file: publishing deletes it."""
+    check_own(target, "the export folder", folder=True)
+    check_own(target.with_name(f".previous-{target.name}"), "the export's previous folder", folder=True)
+
+
 def _publish(stage: Path, target: Path) -> None:
-    """Rename a finished staging folder to ``target``; a previous export there is replaced only now."""
-    if not target.exists():
+    """Rename a finished staging folder to ``target``; a previous export there is replaced only now.
+
+    ``target`` and its ``.previous-`` twin are checked first (``files.check_own``): a link or a FIFO there is refused
+    in one line with nothing renamed, never deleted through or waited on.
+    """
+    _check_publishable(target)
+    if not os.path.lexists(target):
         os.replace(stage, target)
         return
     previous = target.with_name(f".previous-{target.name}")
-    shutil.rmtree(previous, ignore_errors=True)
+    remove(previous, "the export's previous folder")
     os.replace(target, previous)
     os.replace(stage, target)
-    shutil.rmtree(previous)
+    remove(previous, "the export's previous folder")
 
 
 def _write_and_verify(

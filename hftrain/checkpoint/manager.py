@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import CheckpointError, HFTrainError, WriteError, write_error
+from hftrain.files import check_own, fsync_dir, make_folder, remove, remove_quietly, write_file
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -152,29 +152,40 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
+    # What a save writes, replaces and deletes is checked with ``lstat`` first (``hftrain.files``): a link or a FIFO
+    # where a checkpoint folder goes (``checkpoints/`` itself, a future step_<N>, a stale .staging-*, a step the
+    # rotation deletes) is refused in one line before anything is published, never followed, opened or waited on.
     def _begin(self, staging: Path) -> None:
+        check_own(self.root, "the checkpoints folder", folder=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         self._clear_staging()
-        staging.mkdir(parents=True)
+        make_folder(staging, "a checkpoint's staging folder")
 
     def _finish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
         files = {str(p.relative_to(staging)): file_checksum(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         _write_json_durably(staging / MARKER, {"format_version": FORMAT_VERSION, **meta, "files": files})
-        if final.exists():  # a re-save of the same step (e.g. preempted right after a periodic save)
-            shutil.rmtree(final)
+        rotated = self._to_rotate(final)
+        for old in [final, *rotated]:
+            check_own(old, "a checkpoint folder", folder=True)
+        # a re-save of the same step (e.g. preempted right after a periodic save)
+        remove(final, "a checkpoint folder")
         os.replace(staging, final)
-        _fsync_dir(self.root)
-        self._rotate()
+        fsync_dir(self.root)
+        for old in rotated:
+            remove(old, "a rotated checkpoint folder")
 
     def _clear_staging(self) -> None:
         if self.root.is_dir():
-            for stale in self.root.glob(".staging-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            for stale in sorted(self.root.glob(".staging-*")):
+                remove(stale, "a stale checkpoint staging folder")
 
-    def _rotate(self) -> None:
+    def _to_rotate(self, final: Path) -> list[Path]:
+        """The complete checkpoints that rotation deletes once ``final`` is published."""
         if self.keep is None:
-            return
-        for old in self.complete()[: -self.keep]:
-            shutil.rmtree(old)
+            return []
+        kept = [p for p in self.complete() if p != final] + [final]
+        kept.sort(key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+        return kept[: -self.keep] if len(kept) > self.keep else []
 
     # ----------------------------------------------------------------- finding and verifying
     def complete(self) -> list[Path]:
@@ -359,7 +370,7 @@ class _AgreedWrite:
         if not any_rank(error is not None):
             return
         if self.accelerator.is_main_process:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            remove_quietly(self.staging)
         if error is None:
             error = WriteError(f"another process could not write {self.what}; see its error")
         raise error
@@ -797,15 +808,4 @@ def _hasher(recorded: str, what: str) -> tuple[Any, str]:
 
 
 def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
-    with path.open("w") as handle:
-        json.dump(data, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file(path, json.dumps(data, indent=1), durable=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from hftrain.errors import ConfigError, HFTrainError
+from hftrain.files import open_regular, write_file
 
 # safetensors' dtype names (the Rust crate's Dtype enum) for the torch dtypes a model holds.
 SAFETENSORS_DTYPES = {
@@ -194,7 +195,8 @@ class StreamedSafetensorsWriter:
             offset += spec.nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors itself writes
-        with path.open("wb") as handle:
+        # not through a link, nor into a FIFO or a hard link (``files.open_regular``)
+        with open_regular(path, "a safetensors file being written") as handle:
             handle.write(struct.pack("<Q", len(encoded)))
             handle.write(encoded)
             handle.truncate(8 + len(encoded) + offset)  # sparse until written; close() checks nothing is left out
@@ -223,7 +225,7 @@ class StreamedSafetensorsWriter:
         source = tensor.detach().to(device="cpu").contiguous()
         if self._open_index != index:
             self._close_handle()
-            self._handle = (self.directory / self.files[index]).open("r+b")
+            self._handle = open_regular(self.directory / self.files[index], "a safetensors file being written", "r+b")
             self._open_index = index
         self._handle.seek(offset)
         flat = source.view(-1)
@@ -257,7 +259,7 @@ class StreamedSafetensorsWriter:
                 },
                 "weight_map": {name: self.files[i] for name, (i, _, _) in sorted(self._where.items())},
             }
-            (self.directory / f"{self.prefix}{INDEX_SUFFIX}").write_text(json.dumps(index, indent=2) + "\n")
+            write_file(self.directory / f"{self.prefix}{INDEX_SUFFIX}", json.dumps(index, indent=2) + "\n")
             return [*self.files, f"{self.prefix}{INDEX_SUFFIX}"]
         return list(self.files)
 

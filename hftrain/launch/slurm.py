@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hftrain.errors import ConfigError, HFTrainError
+from hftrain.files import write_file
 from hftrain.launch.hostfile import host_key
 
 MAX_HOSTS = 65536
@@ -192,7 +193,7 @@ def launcher_command(
                 "--machine_rank", str(launch.node_rank), "--main_process_ip", addr, "--main_process_port", port,
                 "--num_processes", str(launch.nnodes * launch.nproc_per_node), *script]  # fmt: skip
     hostfile = workdir / "hostfile"
-    hostfile.write_text("".join(f"{host} slots={launch.nproc_per_node}\n" for host in launch.hosts))
+    write_file(hostfile, "".join(f"{host} slots={launch.nproc_per_node}\n" for host in launch.hosts))  # not via a link
     return [*python, "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
             str(launch.node_rank), "--master_addr", addr, "--master_port", port, *script]  # fmt: skip
 

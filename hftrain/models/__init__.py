@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,7 +117,9 @@ def _converted_gguf(source: Path, gguf_file: str, name: str) -> Path:
     try:
         staging.rename(target)  # atomic; another process may have won the race
     except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
+        from hftrain.files import remove_quietly
+
+        remove_quietly(staging)  # this process's own mkdtemp folder; lstat-checked all the same
     return target
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hftrain.errors import ConfigError, HFTrainError, writing
+from hftrain.files import check_own, remove_quietly, write_file
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Row, Workload
@@ -129,6 +130,7 @@ def write_configs(row: Row, model: ModelSpec, work: Workload, hw: Hardware, dire
             "(not sizes or a lone config file)"
         )
     folder = Path(directory).absolute()
+    check_own(folder, "--write-configs", folder=True)  # a link to an empty folder would be written through
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"--write-configs: '{directory}' exists and is not an empty folder; give a new folder")
     name = row.strategy["name"]
@@ -152,12 +154,11 @@ def write_configs(row: Row, model: ModelSpec, work: Workload, hw: Hardware, dire
     try:
         with writing(f"the planned configs into --write-configs '{folder}'", location=folder):
             folder.mkdir(parents=True, exist_ok=True)
-            for filename, text in files.items():
-                (folder / filename).write_text(text)
+            for filename, text in files.items():  # each a new file renamed into place: a planted link is replaced
+                write_file(folder / filename, text)
     except HFTrainError:  # a failed write leaves nothing behind: no partial set of files, no new folders
-        with contextlib.suppress(OSError):  # a read-only file system refuses even removing what is not there
-            for filename in files:
-                (folder / filename).unlink(missing_ok=True)
+        for filename in files:  # a read-only file system refuses even removing what is not there: quietly
+            remove_quietly(folder / filename)
         for path in reversed(created):
             with contextlib.suppress(OSError):
                 path.rmdir()

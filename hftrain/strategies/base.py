@@ -191,15 +191,18 @@ class Strategy(ABC):
             "dropout_kernel": training.dropout_kernel,
         }
 
-    def build_accelerator(self, training: TrainingConfig, *, project_dir: str | None = None) -> Accelerator:
+    def build_accelerator(
+        self, training: TrainingConfig, *, project_dir: str | None = None, logging_dir: str | None = None
+    ) -> Accelerator:
         """Construct the ``Accelerator`` for this strategy and refuse a silently unsynchronised job.
 
         Args:
             training: the ``training`` config section (precision, accumulation, trackers).
-            project_dir: where trackers write (``output_dir``).
+            project_dir: the run's folder (``output_dir``; the pipeline's timeline is written there).
+            logging_dir: where trackers write (``output_dir/runs``); ``project_dir`` when not given.
         """
         from accelerate import Accelerator
-        from accelerate.utils import DataLoaderConfiguration
+        from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
         check_launcher_precision(training, self.launch)
         self.platform.check_precision(training.mixed_precision)
@@ -209,7 +212,7 @@ class Strategy(ABC):
             mixed_precision=training.mixed_precision,
             gradient_accumulation_steps=training.gradient_accumulation_steps,
             log_with=None if training.log_with == "none" else training.log_with,
-            project_dir=project_dir,
+            project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=logging_dir or project_dir),
             # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself
             # (pitfall "accumulation differs under DeepSpeed", docs/pitfalls.md).
             step_scheduler_with_optimizer=False,

@@ -24,11 +24,13 @@ from hftrain.checkpoint.run import (
     CURVES_PNG,
     RUN_SUMMARY_FILENAME,
     STRATEGY_FILENAME,
+    TRACKER_DIR,
     TRAINER_STATE_FILENAME,
 )
 from hftrain.checkpoint.session import CheckpointSession
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader, lengths_of
 from hftrain.errors import HFTrainError
+from hftrain.files import check_own, write_json
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
@@ -119,9 +121,15 @@ class Trainer:
         self.run_id = run_id
         self._skip_batches = 0
         self._curves: BackgroundPainter | None = None  # draws training_curves.png in the background (main process)
+        self.folder_lock: Any = None
+        """``output_dir``'s lock (``hftrain.files.FolderLock``), held by the main process of a training run from its
+        first write (``hftrain.job.take_run_folder``) until :meth:`close` or :meth:`release_folder`."""
         configure_threads(args.torch_num_threads, strategy.launch.local_world_size)
         choices.append(strategy.tune_host_allocator())
-        self.accelerator = strategy.build_accelerator(args, project_dir=args.output_dir)
+        # TensorBoard writes into output_dir/runs, which overwrite_output_dir removes with the run's other outputs
+        self.accelerator = strategy.build_accelerator(
+            args, project_dir=args.output_dir, logging_dir=str(Path(args.output_dir) / TRACKER_DIR)
+        )
         self.runtime = strategy.build_runtime(self.accelerator)
         self.runtime.loss_is_example_mean = self.loss_is_example_mean
         self.runtime.stage_head = self.stage_head
@@ -575,14 +583,16 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.log.info(message)
 
+    # The run's own files in output_dir are each a new file renamed over the old one (``files.write_json``): a link
+    # or a hard link planted there is replaced, never written through, and a FIFO is never opened.
     def _save_run_info(self) -> None:
-        import json
-        from pathlib import Path
-
         if self.accelerator.is_main_process:
             directory = Path(self.args.output_dir)
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / STRATEGY_FILENAME).write_text(json.dumps(self.strategy_summary, indent=2) + "\n")
+            directory.mkdir(parents=True, exist_ok=True)  # a trainer built without a job (tests, notebooks)
+            write_json(directory / STRATEGY_FILENAME, self.strategy_summary)
+            # TensorBoard creates its folders following links: one planted since the job's check is refused here
+            check_own(directory / TRACKER_DIR, f"training.output_dir: {TRACKER_DIR}", folder=True)
+            check_own(directory / TRACKER_DIR / "hftrain", f"training.output_dir: {TRACKER_DIR}/hftrain", folder=True)
 
     def _draw_curves(self) -> None:
         """Start drawing ``training_curves.png`` (and a mixture of experts' ``expert_load.png``) in the background
@@ -600,19 +610,19 @@ class Trainer:
 
     def _save_run_summary(self, summary: dict[str, Any]) -> None:
         """``run_summary.json`` (throughput, FLOPs, MFU), on the main process."""
-        import json
-
         if self.accelerator.is_main_process:
             path = Path(self.args.output_dir) / RUN_SUMMARY_FILENAME
-            path.write_text(json.dumps({"global_step": self.state.global_step, **summary}, indent=2) + "\n")
+            write_json(path, {"global_step": self.state.global_step, **summary})
 
     def _save_trainer_state(self) -> None:
-        import json
-        from pathlib import Path
-
         if self.accelerator.is_main_process:
-            path = Path(self.args.output_dir) / TRAINER_STATE_FILENAME
-            path.write_text(json.dumps(self.state_dict(), indent=2) + "\n")
+            write_json(Path(self.args.output_dir) / TRAINER_STATE_FILENAME, self.state_dict())
+
+    def release_folder(self) -> None:
+        """Release ``output_dir``'s lock, if this process holds it (idempotent): the run has ended."""
+        lock, self.folder_lock = self.folder_lock, None
+        if lock is not None:
+            lock.release()
 
     def close(self) -> None:
         """End the run: release the wrapped model, then flush trackers and destroy the process group.
@@ -624,6 +634,12 @@ class Trainer:
         garbage before it drops its own references, so one more collection frees the model; a single process has no
         reducer and skips it (a full collection costs ~0.3 s with transformers loaded).
         """
+        try:
+            self._close()
+        finally:
+            self.release_folder()
+
+    def _close(self) -> None:
         import gc
 
         self._release_heap()

@@ -386,8 +386,10 @@ class PipelineRuntime(MegatronRuntime):
         The main process draws its own pipeline (dp and tp rank 0); the other replicas run the same schedule.
         """
         import json
+        import tempfile
         from pathlib import Path
 
+        from hftrain.files import write_file
         from hftrain.parallel import gather_events, measured_bubble, render_timeline, theoretical_bubble
 
         groups = self.plugin.groups
@@ -401,7 +403,11 @@ class PipelineRuntime(MegatronRuntime):
             "num_microbatches": self.num_microbatches,
             "virtual_stages": self.pipeline.virtual_stages,
         }
-        render_timeline(events, output / TIMELINE_PNG, **facts)
+        # drawn in a folder of its own, then renamed into output_dir as a new file (``files.write_file``): matplotlib
+        # would write through a link planted at the PNG's path, or wait on a FIFO there
+        with tempfile.TemporaryDirectory(prefix="hftrain-timeline-") as drawn:
+            picture = Path(render_timeline(events, Path(drawn) / TIMELINE_PNG, **facts))
+            write_file(output / TIMELINE_PNG, picture.read_bytes())
         bubble = {
             **facts,
             "measured_bubble": measured_bubble(events),
@@ -411,7 +417,7 @@ class PipelineRuntime(MegatronRuntime):
         }
         last = max(e.step for e in events)
         steps = [e._asdict() for e in events if e.step == last]
-        (output / TIMELINE_JSON).write_text(json.dumps({**bubble, "events": steps}, indent=1) + "\n")
+        write_file(output / TIMELINE_JSON, json.dumps({**bubble, "events": steps}, indent=1) + "\n")
         self.accelerator.print(
             f"pipeline timeline: {output / TIMELINE_PNG} (bubble measured {bubble['measured_bubble']:.3f}, "
             f"theoretical {bubble['theoretical_bubble']:.3f})"
