@@ -78,6 +78,10 @@ def from_dict(raw: dict[str, Any], *, source: str = "config", written: bool = Tr
                 raise ConfigError(f"{source}: {seen[new]} and {given} are one field ({new}); keep {new}")
             seen[new] = given
             set_field(config, given, value, source=source, written=written)
+    if not written:
+        # Trust to run a model folder's code comes from the person's own command, never from a file hftrain wrote
+        # (a checkpoint's or a run's saved config, which anyone who can write the folder can forge).
+        config.model.trust_remote_code = False
     return config
 
 

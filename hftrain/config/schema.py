@@ -30,6 +30,12 @@ class ModelConfig:
     """The task, transformers' ``problem_type``: one class per text (cross entropy), several (BCE; the label column
     holds lists of class ids or multi-hot rows), or a number (MSE, ``num_labels: 1``). ``auto``: the model folder's
     ``config.json`` says, else the data (lists: multi-label; ``num_labels: 1``: regression; else single-label)."""
+    trust_remote_code: bool = False
+    """Run the Python code a model folder's ``config.json`` or ``tokenizer_config.json`` names in its ``auto_map``
+    (transformers' ``trust_remote_code``). ``false``: a folder with an ``auto_map`` is refused in one line before
+    transformers reads it (no prompt, no code run). Only for the folder in ``model_name_or_path`` that you wrote or
+    checked yourself: a checkpoint, a run's saved config and ``hftrain convert``/``export`` never run model code,
+    whatever this says."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """transformers' attention kernel (its ``attn_implementation``). On CPU, eager measured no faster in the default
     job (length-grouped batches: 0.210 vs 0.201 s/step; random order: 2-4% faster), so sdpa stays the default."""
@@ -393,6 +399,7 @@ RUN_INVARIANT_EXEMPT = frozenset(
         "training.torch_num_threads",
         "training.trust_external_checkpoint",
         "lora.merge_lora_on_export",
+        "model.trust_remote_code",  # each command says it again: a saved config never grants it (config.loader)
     }
 )
 
