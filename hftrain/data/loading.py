@@ -158,6 +158,39 @@ def _read_local(
     return _drop_missing(frame, str(path), field, log)
 
 
+def check_regular_file(file: Path, field: str) -> None:
+    """Refuse a path that is missing, or that is not a regular file (a pipe, a device, a socket), in one line.
+
+    A pipe (``--train_file <(zcat data.csv.gz)``, a FIFO) is read once and then empty, and every process reads the
+    data file, some more than once; waiting on it could block forever. A device (``/dev/zero``) never ends.
+    ``stat`` follows a link (``/dev/fd/N`` is one) without opening anything.
+
+    Args:
+        file: the data file.
+        field: the config field that named it.
+    """
+    import stat
+
+    from hftrain.files import kind_of
+
+    try:
+        mode = file.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as error:  # a link loop, a permission on a folder of the path
+        raise DataError(f"{field}: cannot read {file} ({error.strerror}); fix the path or its permissions") from None
+    if mode is None:
+        raise DataError(
+            f"{field}: file not found: {file} (relative paths are resolved from {Path.cwd()}); fix the path"
+        )
+    if not stat.S_ISREG(mode):
+        kind = "a pipe" if stat.S_ISFIFO(mode) else kind_of(mode)
+        raise DataError(
+            f"{field}: {file} is {kind}, not a regular file (every process reads the data, a pipe can be read only "
+            "once); write the data to a file first (e.g. zcat data.csv.gz > data.csv) and give that file"
+        )
+
+
 def _file_format(path: Path, field: str) -> str:
     """Map a file name to a `datasets` builder name by its extension.
 
@@ -184,10 +217,7 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
     file = Path(path)
     if file.is_dir():
         raise DataError(f"{field}: {path} is a directory; give the data file itself (CSV, JSON/JSONL or Parquet)")
-    if not file.is_file():
-        raise DataError(
-            f"{field}: file not found: {path} (relative paths are resolved from {Path.cwd()}); fix the path"
-        )
+    check_regular_file(file, field)
     builder = _file_format(file, field)
     if file.stat().st_size == 0:
         raise DataError(f"{field}: {path} is empty; fill in the data or point to another file")

@@ -109,6 +109,22 @@ def check_remote_code(folder: str | os.PathLike[str], field: str, *, trusted: bo
     return False
 
 
+CODE_KEYS = ("auto_map", "trust_remote_code")
+"""Config keys that make a loader import code from beside the file: never written into an export or a conversion."""
+
+
+def without_code(model_config: PretrainedConfig) -> PretrainedConfig:
+    """``model_config`` without :data:`CODE_KEYS` (in place; returned), so that the ``config.json`` written from it
+    names no code for a later loader to run.
+
+    Args:
+        model_config: a copy of the model's config about to be saved.
+    """
+    for key in CODE_KEYS:
+        model_config.__dict__.pop(key, None)
+    return model_config
+
+
 def shown_value(value: object, limit: int = 60) -> str:
     """A value from a file, cut short for a message."""
     text = repr(value)
