@@ -61,9 +61,7 @@ def _check_one_name_each(keys: list[str]) -> None:
         section, name = _resolve_key(key, "command line", written=False)
         full, old = f"{section}.{name}", key in MOVED_KEYS
         if full in seen and seen[full][1] != old:
-            raise ConfigError(
-                f"command line: --{seen[full][0]} and --{key} are one field ({full}); keep --{full}"
-            )
+            raise ConfigError(f"command line: --{seen[full][0]} and --{key} are one field ({full}); keep --{full}")
         seen.setdefault(full, (key, old))
 
 

@@ -409,9 +409,9 @@ class TrainConfig:
         buckets, longest = self.parallelism.pad_to_multiple_of, self.data.max_seq_length
         if buckets is not None and buckets > longest:  # 10⁹ was a 23.5 GB batch before any check
             raise ConfigError(
-                f"parallelism.pad_to_multiple_of is {buckets:,}, more than data.max_seq_length={longest:,}: every batch "
-                f"would be padded past the longest text to {buckets:,} tokens; give at most {longest:,} (e.g. 64), "
-                "or null"
+                f"parallelism.pad_to_multiple_of is {buckets:,}, more than data.max_seq_length={longest:,}: every "
+                f"batch would be padded past the longest text to {buckets:,} tokens; give at most {longest:,} (e.g. "
+                "64), or null"
             )
         return self
 
