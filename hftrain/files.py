@@ -335,3 +335,4 @@ def _describe(holder: dict[str, Any]) -> str:
         return "holder not recorded yet"
     names = ("command", "host", "pid", "run_id")
     return ", ".join(f"{key} {holder[key]}" for key in names if key in holder)
+
