@@ -342,3 +342,12 @@ def test_saved_config_replaces_a_planted_link(tmp_path):
     save_config(TrainConfig(), run)
     assert outside.read_text() == "mine"
     assert not (run / "hftrain_config.yaml").is_symlink()
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", "3", '"text"'], ids=["list", "number", "string"])
+def test_a_json_lines_row_that_is_not_an_object_is_named(tmp_path, line):
+    from hftrain.errors import DataError
+
+    rows = [*_jsonl([0, 1]), line + "\n", *_jsonl([1, 0])]
+    with pytest.raises(DataError, match=r"line 3 of .* is .*, not a JSON object"):
+        _classification_splits(tmp_path, rows, num_labels=2)

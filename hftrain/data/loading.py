@@ -233,8 +233,42 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
                 f"{field}: {path} holds a number too large for a 64-bit integer ({reason}); fix that value "
                 "(labels are class ids 0..num_labels-1)"
             ) from err
+        if builder == "json":
+            _check_json_lines(file, field)
         raise DataError(f"{field}: could not read {path} as {builder}: {reason}") from err
     return dataset.to_pandas()
+
+
+def _check_json_lines(file: Path, field: str) -> None:
+    """Name the first line of a JSON Lines file that is not a JSON object (a row), where the parser only says
+    "Trailing data at position N"; silent when every line is one (the parser's reason is then the message).
+
+    Args:
+        file: a .json/.jsonl file the parser refused.
+        field: the config field that named it.
+    """
+    import json
+
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return
+    if len(lines) < 2:  # one JSON document (a .json array): not JSON Lines
+        return
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise DataError(
+                f"{field}: line {number} of {file} is not valid JSON ({error.msg}); write one JSON object per line"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{field}: line {number} of {file} is {shown(row)}, not a JSON object; write one object per line "
+                '(e.g. {"text": "...", "label": 0})'
+            )
 
 
 def _root_cause(err: BaseException) -> str:
