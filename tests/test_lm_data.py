@@ -130,9 +130,11 @@ def test_long_documents_are_cut_to_the_block_and_counted() -> None:
         "truncated documents longer than data.max_seq_length=5 tokens to their first 5 tokens: "
         "train 2 of 3, validation 1 of 1"
     )
-    # A prompt as long as the block leaves nothing to train on, and it is counted as cut.
-    prompt = {"prompt": ["w0 w1 w2 w3 w4 w5"], "response": ["w6"]}
-    block = pack_splits(_splits(prompt), _tokenizer(), block_size=4, log=lambda m: None)["train"][0]
+    # A prompt as long as the block leaves nothing to train on, and it is counted as cut (another document has
+    # targets: a split with none is refused, tests/test_untrusted_inputs.py).
+    prompt = {"prompt": ["w0 w1 w2 w3 w4 w5", "w7"], "response": ["w6", "w8"]}
+    block = pack_splits(_splits(prompt, {"prompt": ["w7"], "response": ["w8"]}), _tokenizer(), block_size=4,
+                        log=lambda m: None)["train"][0]  # fmt: skip
     assert block["input_ids"] == [2, 3, 4, 5] and block["num_tokens"] == 0 and set(block["labels"]) == {-100}
 
 

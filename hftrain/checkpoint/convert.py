@@ -343,9 +343,13 @@ def _zero_source(root: Path, tag: str, *, trust: bool, output_dir: Path, config:
 def _read_config(where: str, what: str) -> Any:
     from transformers import AutoConfig
 
+    from hftrain.models.checks import check_remote_code
+
+    # Before transformers reads it: it would ask on stdin whether to run the code an auto_map names.
+    check_remote_code(where, what, fix="hftrain convert never runs model code: remove auto_map from that config.json")
     with reading(what, "give a folder with the model's config.json or a cached model name",
                  catch=(OSError, ValueError, KeyError)):  # fmt: skip
-        return AutoConfig.from_pretrained(where, local_files_only=True)
+        return AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=False)
 
 
 def _read_adapter_config(path: Path) -> dict[str, Any]:
@@ -362,7 +366,9 @@ def _plan_folders(
 ) -> list[tuple[Callable[[Path], None], str, list[_Target]]]:
     """Per output folder: its config writer, its file prefix and its tensors."""
     base, peft_model = _skeleton(source)
-    config = copy.deepcopy(source.config)
+    from hftrain.models.checks import without_code
+
+    config = without_code(copy.deepcopy(source.config))  # no auto_map: the converted folder names no code to run
     config.architectures = [type(base).__name__]
     if hasattr(config, "dtype"):
         config.dtype = export_dtype
@@ -412,7 +418,7 @@ def _skeleton(source: _Source) -> tuple[torch.nn.Module, torch.nn.Module | None]
             warnings.simplefilter("ignore")  # a class that does not fit this config says so: it is only a candidate
             try:
                 base = (
-                    model_class.from_config(copy.deepcopy(source.config))
+                    model_class.from_config(copy.deepcopy(source.config), trust_remote_code=False)
                     if hasattr(model_class, "from_config")
                     else model_class(copy.deepcopy(source.config))
                 )
@@ -564,7 +570,7 @@ def _save_tokenizer(name_or_path: str | None, stage: Path) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError):  # no tokenizer files there: the folder is still a model
         return False
     tokenizer.save_pretrained(stage)

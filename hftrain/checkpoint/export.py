@@ -280,7 +280,9 @@ def _streamed_export(
         try:
             _close_streamed(plan["writer"], directory)
             base = _base_of(unwrapped)
-            config = copy.deepcopy(base.config)
+            from hftrain.models.checks import without_code
+
+            config = without_code(copy.deepcopy(base.config))  # no auto_map: the export names no code to run
             config.architectures = [type(base).__name__]  # as save_pretrained records them, and the dtype
             config.dtype = EXPORT_DTYPES[export_dtype]
             config.save_pretrained(stage)
@@ -598,11 +600,11 @@ def _reload(directory: Path, base_model: torch.nn.Module | None, *, upcast: bool
         import transformers
 
         # The class save_pretrained recorded (a *ForSequenceClassification for hftrain's own runs).
-        architectures = transformers.AutoConfig.from_pretrained(directory).architectures or []
+        architectures = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=False).architectures or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         model_class = model_class or transformers.AutoModelForSequenceClassification
         dtype = {"dtype": torch.float32} if upcast else {}  # else transformers' "auto": the saved dtype
-        model, info = model_class.from_pretrained(directory, output_loading_info=True, **dtype)
+        model, info = model_class.from_pretrained(directory, output_loading_info=True, trust_remote_code=False, **dtype)
         problems = {k: v for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if (v := info.get(k))}
         if problems:  # a missing tensor would be silently initialised at random
             kind, keys = next(iter(problems.items()))

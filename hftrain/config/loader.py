@@ -41,9 +41,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     raw = _read_yaml(Path(path)) if path is not None else {}
     config = from_dict(raw, source=str(path) if path else "defaults")
-    for key, values in _parse_overrides(overrides or []):
+    pairs = _parse_overrides(overrides or [])
+    _check_one_name_each([key for key, _ in pairs])
+    for key, values in pairs:
         set_field(config, key, _override_value(key, values), source="command line")
     return config.validate()
+
+
+def _check_one_name_each(keys: list[str]) -> None:
+    """Refuse a command line that sets one field by both its names (``--strategy.tp 2 --parallelism.tp 4``), as a
+    file with both is refused: which one the user meant cannot be told, and the last one would win unsaid. One name
+    given twice (``--max_steps 4 ... --max_steps 8``) stays an override: the last one wins, as a shell alias expects.
+
+    Args:
+        keys: the override keys as given (``strategy.tp``, ``tp``, ``training.seed``...).
+    """
+    seen: dict[str, tuple[str, bool]] = {}  # section.field -> (the key as given, given by its old name)
+    for key in keys:
+        section, name = _resolve_key(key, "command line", written=False)
+        full, old = f"{section}.{name}", key in MOVED_KEYS
+        if full in seen and seen[full][1] != old:
+            raise ConfigError(f"command line: --{seen[full][0]} and --{key} are one field ({full}); keep --{full}")
+        seen.setdefault(full, (key, old))
 
 
 def from_dict(raw: dict[str, Any], *, source: str = "config", written: bool = True) -> TrainConfig:
@@ -78,6 +97,10 @@ def from_dict(raw: dict[str, Any], *, source: str = "config", written: bool = Tr
                 raise ConfigError(f"{source}: {seen[new]} and {given} are one field ({new}); keep {new}")
             seen[new] = given
             set_field(config, given, value, source=source, written=written)
+    if not written:
+        # Trust to run a model folder's code comes from the person's own command, never from a file hftrain wrote
+        # (a checkpoint's or a run's saved config, which anyone who can write the folder can forge).
+        config.model.trust_remote_code = False
     return config
 
 
@@ -123,15 +146,15 @@ def save_config(config: TrainConfig, directory: str | Path, *, run_id: str | Non
         directory: the run's ``output_dir`` (it must exist).
         run_id: the run's id, written as the top-level ``run_id`` key.
     """
-    import os
-
     import yaml
 
+    from hftrain.files import write_file
+
     path = Path(directory) / CONFIG_FILENAME
-    staging = path.with_name(f".{CONFIG_FILENAME}.tmp")
     saved: dict[str, Any] = {RUN_ID_KEY: run_id} if run_id else {}
-    staging.write_text(yaml.safe_dump({**saved, **config.to_dict()}, sort_keys=False))
-    os.replace(staging, path)
+    # A new file renamed over the config: a link planted at its name (or at a fixed staging name) is replaced, never
+    # written through (hftrain.files).
+    write_file(path, yaml.safe_dump({**saved, **config.to_dict()}, sort_keys=False))
     return path
 
 

@@ -30,12 +30,24 @@ class ModelConfig:
     """The task, transformers' ``problem_type``: one class per text (cross entropy), several (BCE; the label column
     holds lists of class ids or multi-hot rows), or a number (MSE, ``num_labels: 1``). ``auto``: the model folder's
     ``config.json`` says, else the data (lists: multi-label; ``num_labels: 1``: regression; else single-label)."""
+    trust_remote_code: bool = False
+    """Run the Python code a model folder's ``config.json`` or ``tokenizer_config.json`` names in its ``auto_map``
+    (transformers' ``trust_remote_code``). ``false``: a folder with an ``auto_map`` is refused in one line before
+    transformers reads it (no prompt, no code run). Only for the folder in ``model_name_or_path`` that you wrote or
+    checked yourself: a checkpoint, a run's saved config and ``hftrain convert``/``export`` never run model code,
+    whatever this says."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """transformers' attention kernel (its ``attn_implementation``). On CPU, eager measured no faster in the default
     job (length-grouped batches: 0.210 vs 0.201 s/step; random order: 2-4% faster), so sdpa stays the default."""
 
     def validate(self) -> None:
         _require(self.num_labels >= 1, "model.num_labels", "must be at least 1 (1: regression)")
+        _require(
+            self.num_labels <= MAX_NUM_LABELS,
+            "model.num_labels",
+            f"must be at most {MAX_NUM_LABELS:,}, got {self.num_labels:,}: the head holds hidden_size × num_labels "
+            "weights, allocated before any label is read (model.num_labels is the number of classes)",
+        )
         _require(
             self.task == "sequence_classification" or self.problem_type == "auto",
             "model.problem_type",
@@ -82,10 +94,32 @@ class DataConfig:
             self.dataset_name = "embedded:rotten_tomatoes"
         _require(0 < self.validation_split_percentage < 100, "data.validation_split_percentage", "must be in (0, 100)")
         _require(self.max_seq_length > 0, "data.max_seq_length", "must be positive")
+        _require(
+            self.max_seq_length <= MAX_SEQ_LENGTH,
+            "data.max_seq_length",
+            f"must be at most {MAX_SEQ_LENGTH:,} tokens, got {self.max_seq_length:,}: a causal LM packs blocks of "
+            "this length in memory before any model limit applies; give the model's context length",
+        )
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"data.{name}", "must be positive or null")
 
+
+MAX_SEQ_LENGTH = 2**21
+"""``data.max_seq_length``'s bound: 2M tokens, beyond the longest context of the models hftrain trains (1M); a
+causal LM's packed blocks are this long, built in memory before the model's own limit is known."""
+
+MAX_NUM_LABELS = 2**20
+"""``model.num_labels``' bound: a million classes (the largest extreme multi-label benchmarks have ~670k); the
+head's ``hidden × num_labels`` weights are allocated before the labels are read (10⁹ asked for 1.5 TB)."""
+
+MAX_LORA_R = 2**16
+"""``lora.lora_r``'s bound before the model is known (the widest layers are ~2**16): each adapted layer allocates
+``r × (in + out)`` weights; ``hftrain.models.lora`` then bounds it by the adapted layers' own sizes."""
+
+MAX_WORKERS = 1024
+"""``training.dataloader_num_workers``' and ``torch_num_threads``' bound: each worker is a process (each thread a
+stack), started before the first batch."""
 
 PEAK_TFLOPS_RANGE = (1e-3, 1e5)
 """``training.peak_tflops``'s plausible values: from 1 GFLOP/s (a single core without vector units) to 100,000
@@ -187,6 +221,13 @@ class TrainingConfig:
         for name in ("eval_steps", "save_steps", "save_total_limit", "torch_num_threads"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"training.{name}", "must be positive or null")
+        for name in ("dataloader_num_workers", "torch_num_threads"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_WORKERS:
+                raise ConfigError(
+                    f"training.{name} must be at most {MAX_WORKERS}, got {value:,}: each is a process or thread "
+                    "started up front; give at most the machine's cores"
+                )
         low, high = PEAK_TFLOPS_RANGE
         _require(
             self.peak_tflops is None or low <= self.peak_tflops <= high,
@@ -341,6 +382,12 @@ class LoraConfig:
 
     def validate(self) -> None:
         _require(self.lora_r > 0, "lora.lora_r", "must be positive")
+        _require(
+            self.lora_r <= MAX_LORA_R,
+            "lora.lora_r",
+            f"must be at most {MAX_LORA_R:,}, got {self.lora_r:,}: each adapted layer allocates r × (in + out) "
+            "weights, and a rank above min(in, out) adds no capacity; typical ranks are 4 to 64",
+        )
         _require(self.lora_alpha > 0, "lora.lora_alpha", "must be positive")
         _require(0 <= self.lora_dropout < 1, "lora.lora_dropout", "must be in [0, 1)")
 
@@ -359,6 +406,13 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        buckets, longest = self.parallelism.pad_to_multiple_of, self.data.max_seq_length
+        if buckets is not None and buckets > longest:  # 10⁹ was a 23.5 GB batch before any check
+            raise ConfigError(
+                f"parallelism.pad_to_multiple_of is {buckets:,}, more than data.max_seq_length={longest:,}: every "
+                f"batch would be padded past the longest text to {buckets:,} tokens; give at most {longest:,} (e.g. "
+                "64), or null"
+            )
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -393,6 +447,7 @@ RUN_INVARIANT_EXEMPT = frozenset(
         "training.torch_num_threads",
         "training.trust_external_checkpoint",
         "lora.merge_lora_on_export",
+        "model.trust_remote_code",  # each command says it again: a saved config never grants it (config.loader)
     }
 )
 

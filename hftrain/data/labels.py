@@ -199,6 +199,16 @@ def _numbers(labels: pd.Series, source: str, label_column: str) -> pd.Series:
     if bad.any():
         row = bad.idxmax()
         raise DataError(f"{where}, found {shown(labels[row])} at row {row + 1}; write a finite number there")
+    # The model sees float32 targets: a finite float64 beyond float32's range (1e39) would train on inf.
+    limit = float(np.finfo(np.float32).max)
+    huge = numbers.abs() > limit
+    if huge.any():
+        row = huge.idxmax()
+        raise DataError(
+            f"{where} within float32's range (±{limit:.3g}, the dtype the model's loss takes), found "
+            f"{shown(labels[row])} at row {row + 1}, which is inf in float32; scale the targets (e.g. to their "
+            "standard score) or fix that row"
+        )
     return numbers.astype("float32")
 
 
@@ -213,7 +223,22 @@ def _multi_hot(labels: pd.Series, num_labels: int, source: str, label_column: st
 
     where = f"data.label_column: multi-label labels in column {label_column!r} of {source}"
     rows = [_as_list(value) for value in labels]
-    multi_hot = all(len(row) == num_labels and all(_in_unit(v) for v in row) for row in rows)
+    shaped = [_is_list(value) and _hot_shaped(row, num_labels) for value, row in zip(labels, rows, strict=True)]
+    # Each row is read one way, checked row by row: a column is multi-hot when every row is, else class ids. A
+    # multi-hot row among class-id rows (or one of the wrong length among multi-hot rows) would otherwise flip the
+    # whole column to class ids, [1, 0, 1] becoming [1, 1, 0] without a word.
+    multi_hot = all(shaped)
+    if not multi_hot:
+        hot_only = [i for i, (ok, row) in enumerate(zip(shaped, rows, strict=True)) if ok and not _distinct_ids(row)]
+        if hot_only:
+            first_hot = hot_only[0]
+            other = next(i for i, ok in enumerate(shaped) if not ok)
+            raise DataError(
+                f"{where}: row {labels.index[first_hot] + 1} is a multi-hot row of {num_labels} values "
+                f"({shown(labels.iloc[first_hot])}) but row {labels.index[other] + 1} is not "
+                f"({shown(labels.iloc[other])}: {_not_hot(rows[other], num_labels)}); write every row the same "
+                f"way: a multi-hot list of model.num_labels={num_labels} values in [0, 1], or a list of class ids"
+            )
     converted = []
     for index, row in zip(labels.index, rows, strict=True):
         if multi_hot:
@@ -227,9 +252,32 @@ def _multi_hot(labels: pd.Series, num_labels: int, source: str, label_column: st
                     f"values in [0, 1]), found {shown(labels[index])} at row {index + 1}; fix that row, or set "
                     "model.num_labels to the number of labels"
                 )
+            if hot[int(value)]:
+                raise DataError(
+                    f"{where}: row {index + 1} ({shown(labels[index])}) lists class {int(value)} twice, which a list "
+                    f"of class ids does not and a multi-hot row of model.num_labels={num_labels} values would not "
+                    "either; fix that row"
+                )
             hot[int(value)] = 1.0
         converted.append(hot)
     return labels.__class__(converted, index=labels.index, dtype=object)
+
+
+def _hot_shaped(row: list, num_labels: int) -> bool:
+    """A list that reads as a multi-hot row: ``num_labels`` values, each in [0, 1]."""
+    return len(row) == num_labels and all(_in_unit(v) for v in row)
+
+
+def _distinct_ids(row: list) -> bool:
+    """A multi-hot-shaped row that is also a list of distinct class ids (``[0, 1]`` of 2 labels): either reading."""
+    return all(_whole(v) for v in row) and len({int(v) for v in row}) == len(row)
+
+
+def _not_hot(row: list, num_labels: int) -> str:
+    """Why a row is not a multi-hot row, for the message."""
+    if len(row) != num_labels:
+        return f"{len(row)} value{'s' if len(row) != 1 else ''}, not {num_labels}"
+    return "a value outside [0, 1]"
 
 
 def _as_list(value: Any) -> list:

@@ -45,6 +45,7 @@ from hftrain.data.loading import (
     _is_blank,
     _read_file,
     _split,
+    check_regular_file,
     check_texts,
 )
 from hftrain.errors import ConfigError, DataError
@@ -215,10 +216,7 @@ def _read_lines(path: str | os.PathLike[str], field: str) -> list[str]:
     file = Path(path)
     if file.is_dir():
         raise DataError(f"{field}: {path} is a directory; give the data file itself (TXT, CSV, JSON/JSONL or Parquet)")
-    if not file.is_file():
-        raise DataError(
-            f"{field}: file not found: {path} (relative paths are resolved from {Path.cwd()}); fix the path"
-        )
+    check_regular_file(file, field)
     if file.stat().st_size == 0:
         raise DataError(f"{field}: {path} is empty; fill in the data or point to another file")
     try:
@@ -332,6 +330,7 @@ def pack_splits(
         # from_dict builds the table in memory: no cache files, nothing for concurrent processes to race on, and
         # no map over a closure holding the tokenizer for datasets to hash with dill.
         packed[name] = datasets.Dataset.from_dict(blocks, features=features)
+        _check_targets(name, blocks["num_tokens"], len(documents), block_size)
         n_blocks = len(blocks["input_ids"])
         fill = sum(filled) / (n_blocks * block_size) if n_blocks else 0.0
         summary.append(f"{name} {len(documents)} documents in {n_blocks} blocks (fill {fill:.1%})")
@@ -344,6 +343,26 @@ def pack_splits(
         )
     log(f"packed into blocks of {block_size} tokens: {'; '.join(summary)}")
     return datasets.DatasetDict(packed)
+
+
+def _check_targets(split: str, num_tokens: Sequence[int], documents: int, block_size: int) -> None:
+    """Refuse a split with no target token: training on it takes no step of learning (every loss is 0 over 0
+    targets) and evaluating it reports perplexity 1.0, both without a word.
+
+    Args:
+        split: ``train`` or ``validation``.
+        num_tokens: the targets of each of its blocks.
+        documents: its documents, for the message.
+        block_size: ``data.max_seq_length``.
+    """
+    if sum(num_tokens):
+        return
+    field = "data.train_file" if split == "train" else "data.validation_file"
+    raise DataError(
+        f"data.max_seq_length: the {split} split ({documents} documents) has no token to train on: every response "
+        f"is cut away, its prompt being data.max_seq_length={block_size} tokens or longer (the loss is on the "
+        f"responses only); raise data.max_seq_length, or shorten the prompts in {field}"
+    )
 
 
 def _tokenize_documents(

@@ -158,6 +158,39 @@ def _read_local(
     return _drop_missing(frame, str(path), field, log)
 
 
+def check_regular_file(file: Path, field: str) -> None:
+    """Refuse a path that is missing, or that is not a regular file (a pipe, a device, a socket), in one line.
+
+    A pipe (``--train_file <(zcat data.csv.gz)``, a FIFO) is read once and then empty, and every process reads the
+    data file, some more than once; waiting on it could block forever. A device (``/dev/zero``) never ends.
+    ``stat`` follows a link (``/dev/fd/N`` is one) without opening anything.
+
+    Args:
+        file: the data file.
+        field: the config field that named it.
+    """
+    import stat
+
+    from hftrain.files import kind_of
+
+    try:
+        mode = file.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as error:  # a link loop, a permission on a folder of the path
+        raise DataError(f"{field}: cannot read {file} ({error.strerror}); fix the path or its permissions") from None
+    if mode is None:
+        raise DataError(
+            f"{field}: file not found: {file} (relative paths are resolved from {Path.cwd()}); fix the path"
+        )
+    if not stat.S_ISREG(mode):
+        kind = "a pipe" if stat.S_ISFIFO(mode) else kind_of(mode)
+        raise DataError(
+            f"{field}: {file} is {kind}, not a regular file (every process reads the data, a pipe can be read only "
+            "once); write the data to a file first (e.g. zcat data.csv.gz > data.csv) and give that file"
+        )
+
+
 def _file_format(path: Path, field: str) -> str:
     """Map a file name to a `datasets` builder name by its extension.
 
@@ -184,10 +217,7 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
     file = Path(path)
     if file.is_dir():
         raise DataError(f"{field}: {path} is a directory; give the data file itself (CSV, JSON/JSONL or Parquet)")
-    if not file.is_file():
-        raise DataError(
-            f"{field}: file not found: {path} (relative paths are resolved from {Path.cwd()}); fix the path"
-        )
+    check_regular_file(file, field)
     builder = _file_format(file, field)
     if file.stat().st_size == 0:
         raise DataError(f"{field}: {path} is empty; fill in the data or point to another file")
@@ -203,8 +233,42 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
                 f"{field}: {path} holds a number too large for a 64-bit integer ({reason}); fix that value "
                 "(labels are class ids 0..num_labels-1)"
             ) from err
+        if builder == "json":
+            _check_json_lines(file, field)
         raise DataError(f"{field}: could not read {path} as {builder}: {reason}") from err
     return dataset.to_pandas()
+
+
+def _check_json_lines(file: Path, field: str) -> None:
+    """Name the first line of a JSON Lines file that is not a JSON object (a row), where the parser only says
+    "Trailing data at position N"; silent when every line is one (the parser's reason is then the message).
+
+    Args:
+        file: a .json/.jsonl file the parser refused.
+        field: the config field that named it.
+    """
+    import json
+
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return
+    if len(lines) < 2:  # one JSON document (a .json array): not JSON Lines
+        return
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise DataError(
+                f"{field}: line {number} of {file} is not valid JSON ({error.msg}); write one JSON object per line"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{field}: line {number} of {file} is {shown(row)}, not a JSON object; write one object per line "
+                '(e.g. {"text": "...", "label": 0})'
+            )
 
 
 def _root_cause(err: BaseException) -> str:

@@ -79,6 +79,19 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
+def model_folder(config: ModelConfig) -> tuple[Path, bool]:
+    """The model folder ``model.model_name_or_path`` names, and whether transformers may run its code: a folder whose
+    config names code (an ``auto_map``) is refused unless ``model.trust_remote_code`` (``checks.check_remote_code``).
+
+    Args:
+        config: the ``model`` config section.
+    """
+    from hftrain.models.checks import FIELD, check_remote_code
+
+    path = resolve_model_path(config.model_name_or_path)
+    return path, check_remote_code(path, FIELD, trusted=config.trust_remote_code)
+
+
 def _embedded_path(name: str) -> Path:
     if name not in EMBEDDED_MODELS:
         raise ConfigError(
@@ -104,8 +117,8 @@ def _converted_gguf(source: Path, gguf_file: str, name: str) -> Path:
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=False)
     # The GGUF quantizer marks the model unserialisable although its weights are already dequantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -127,13 +140,13 @@ def build_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with a pad token for GPT-style models that have none."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(config.model_name_or_path)
+    path, trusted = model_folder(config)
     with reading(
         f"model.model_name_or_path: the tokenizer in '{path}' does not load",
         "save the model's tokenizer there again (tokenizer.save_pretrained)",
         catch=(OSError, ValueError, KeyError, TypeError),
     ):
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trusted)
     if tokenizer.pad_token is None:
         # Decoder-only models ship no pad token; padding with EOS is the standard choice for classification.
         tokenizer.pad_token = tokenizer.eos_token
@@ -144,7 +157,8 @@ def model_config(config: ModelConfig) -> PretrainedConfig:
     """The model's ``transformers`` config (read before any weights, for the strategy's checks)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model_path(config.model_name_or_path), num_labels=config.num_labels)
+    path, trusted = model_folder(config)
+    return AutoConfig.from_pretrained(path, num_labels=config.num_labels, trust_remote_code=trusted)
 
 
 def model_init_fn(
@@ -184,7 +198,7 @@ class PretrainedBuilder:
         lora: LoraConfig | None = None,
         problem_type: str | None = None,
     ) -> None:
-        self.path = resolve_model_path(config.model_name_or_path)
+        self.path, self.trusted = model_folder(config)
         self.config = config
         self.pad_token_id = pad_token_id
         self.lora = lora if lora is not None and lora.use_lora else None
@@ -229,7 +243,7 @@ class PretrainedBuilder:
         import torch
         from transformers import AutoConfig
 
-        model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path))
+        model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path, trust_remote_code=self.trusted))
         kwargs: dict[str, object] = {"attn_implementation": self.attention(model_class)}
         if self.task == "sequence_classification":
             kwargs["num_labels"] = self.config.num_labels
@@ -260,7 +274,9 @@ class PretrainedBuilder:
                     torch.set_rng_state(random_state)
             if loaded is None:
                 with quiet_load_report():
-                    loaded = auto_model_class(self.task).from_pretrained(self.path, output_loading_info=True, **kwargs)
+                    loaded = auto_model_class(self.task).from_pretrained(
+                        self.path, output_loading_info=True, trust_remote_code=self.trusted, **kwargs
+                    )
                 loaded = loaded[0], sorted(loaded[1]["missing_keys"])
         model, initialised = loaded
         if initialised:

@@ -9,6 +9,8 @@ memory, no weights read), it holds weights and tokenizer files, a trained classi
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,79 @@ class ModelFacts:
     problem_type: str | None = None
 
 
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+"""The files whose ``auto_map`` makes transformers import Python code from the model folder (the model's classes,
+its tokenizer's)."""
+
+
+def check_remote_code(folder: str | os.PathLike[str], field: str, *, trusted: bool = False, fix: str = "") -> bool:
+    """Refuse a model folder whose config names Python code to run (an ``auto_map``) unless ``trusted``; True when
+    it names some (the caller passes ``trust_remote_code=True`` on, under ``trusted``).
+
+    Runs before transformers sees the folder: transformers asks "Do you wish to run the custom code? [y/N]" on stdin
+    when it is not told, so a command would stop at a terminal, and a "y" piped in would run the planted code.
+
+    Args:
+        folder: the model folder.
+        field: the config field or argument that named it, for the message.
+        trusted: the user's ``model.trust_remote_code`` (never a checkpoint's).
+        fix: how to get past the refusal; the default names ``model.trust_remote_code``.
+    """
+    folder = Path(folder)
+    for name in REMOTE_CODE_FILES:
+        raw = _json_if_regular(folder / name)
+        auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+        if not auto_map:
+            continue
+        if trusted:
+            return True
+        named = ", ".join(sorted(map(str, auto_map))) if isinstance(auto_map, dict) else shown_value(auto_map)
+        fix = fix or "remove auto_map from it, or set model.trust_remote_code: true if you wrote or checked that code"
+        raise ConfigError(
+            f"{field}: {folder / name} names Python code to run (auto_map: {named}), and hftrain runs no code from a "
+            f"model folder; {fix}"
+        )
+    return False
+
+
+CODE_KEYS = ("auto_map", "trust_remote_code")
+"""Config keys that make a loader import code from beside the file: never written into an export or a conversion."""
+
+
+def without_code(model_config: PretrainedConfig) -> PretrainedConfig:
+    """``model_config`` without :data:`CODE_KEYS` (in place; returned), so that the ``config.json`` written from it
+    names no code for a later loader to run.
+
+    Args:
+        model_config: a copy of the model's config about to be saved.
+    """
+    for key in CODE_KEYS:
+        model_config.__dict__.pop(key, None)
+    return model_config
+
+
+def shown_value(value: object, limit: int = 60) -> str:
+    """A value from a file, cut short for a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _json_if_regular(file: Path) -> Any:
+    """A JSON file's contents; None when it is missing, not a regular file (a FIFO is not waited on) or not JSON
+    (the checks that read it properly say why)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            return json.loads(handle.read())
+        except (ValueError, OSError):
+            return None
+
+
 def check_model_folder(config: ModelConfig) -> ModelFacts:
     """Check that the folder loads as a ``num_labels``-class classifier, reading no weights.
 
@@ -81,6 +156,7 @@ def check_model_folder(config: ModelConfig) -> ModelFacts:
     from hftrain.models import resolve_model_path
 
     path = resolve_model_path(config.model_name_or_path)
+    trusted = check_remote_code(path, FIELD, trusted=config.trust_remote_code)
     _read_config_json(path)
     present = {p.name for p in path.iterdir()}
     if not present & set(WEIGHT_FILES):
@@ -93,10 +169,10 @@ def check_model_folder(config: ModelConfig) -> ModelFacts:
             f"{FIELD}: '{path}' has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}...); a default tokenizer "
             "would turn every text into unknown tokens: save the model's tokenizer there (tokenizer.save_pretrained)"
         )
-    model_config = _auto_config(path)
+    model_config = _auto_config(path, trusted)
     if config.task == "sequence_classification":
         _check_head(path, model_config, config.num_labels)
-    _build_on_meta(path, model_config, config.num_labels, config.task)
+    _build_on_meta(path, model_config, config.num_labels, config.task, trusted)
     return ModelFacts(
         path=path,
         max_length=_max_positions(model_config),
@@ -163,7 +239,7 @@ def read_config_file(file: Path, field: str) -> dict[str, Any]:
     return raw
 
 
-def _auto_config(path: Path) -> PretrainedConfig:
+def _auto_config(path: Path, trusted: bool = False) -> PretrainedConfig:
     from transformers import AutoConfig
 
     with reading(
@@ -171,7 +247,7 @@ def _auto_config(path: Path) -> PretrainedConfig:
         "fix the config or save the model again with save_pretrained",
         catch=config_errors(),
     ):
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trusted)
 
 
 def _check_head(path: Path, model_config: PretrainedConfig, num_labels: int) -> None:
@@ -184,15 +260,25 @@ def _check_head(path: Path, model_config: PretrainedConfig, num_labels: int) -> 
         )
 
 
-def _build_on_meta(path: Path, model_config: PretrainedConfig, num_labels: int, task: str) -> None:
-    """Construct the task's model on the meta device: the architecture's own checks of its sizes, at no cost."""
+def _build_on_meta(
+    path: Path, model_config: PretrainedConfig, num_labels: int, task: str, trusted: bool = False
+) -> None:
+    """Construct the task's model on the meta device: the architecture's own checks of its sizes, at no cost.
+
+    Args:
+        path: the model folder, for messages.
+        model_config: its config.
+        num_labels: ``model.num_labels``.
+        task: ``model.task``.
+        trusted: the folder's own code (its ``auto_map``) may build it (``model.trust_remote_code``).
+    """
     import copy
 
     import torch
 
     from hftrain.models import auto_model_class, task_model_class
 
-    if task_model_class(task, model_config) is None:
+    if task_model_class(task, model_config) is None and not trusted:
         raise ConfigError(
             f"{FIELD}: transformers has no {task.replace('_', ' ')} model for model type '{model_config.model_type}' "
             f"({path / 'config.json'}); choose a model of another family, or another model.task"
@@ -205,7 +291,7 @@ def _build_on_meta(path: Path, model_config: PretrainedConfig, num_labels: int, 
         catch=config_errors(),
     ):
         with torch.device("meta"):
-            auto_model_class(task).from_config(model_config)
+            auto_model_class(task).from_config(model_config, trust_remote_code=trusted)
 
 
 def _max_positions(model_config: PretrainedConfig) -> int | None:

@@ -43,6 +43,7 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig, task: str = "sequence
             f"lora.lora_target_modules: PEFT has no default for model type '{model.config.model_type}'; "
             "list the linear layers to adapt (e.g. [q_proj, v_proj])"
         )
+    _check_rank(model, config.lora_r, targets)
     peft_config = PeftLoraConfig(
         task_type=TaskType.SEQ_CLS if task == "sequence_classification" else TaskType.CAUSAL_LM,
         r=config.lora_r,
@@ -67,6 +68,37 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig, task: str = "sequence
             "use a *ForSequenceClassification model"
         )
     return peft_model
+
+
+def _check_rank(model: PreTrainedModel, rank: int, targets: list[str] | None) -> None:
+    """Refuse a rank above the smallest adapted layer's ``min(in, out)``, before PEFT allocates ``r × (in + out)``
+    weights per layer (``lora_r`` 10⁹ asked for 128 GB): such a rank adds parameters and no capacity.
+
+    Args:
+        model: the base model.
+        rank: ``lora.lora_r``.
+        targets: ``lora.lora_target_modules``, or None for PEFT's default of the architecture.
+    """
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+        targets = list(TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.model_type, []))
+    sizes = {}
+    for name, module in model.named_modules():
+        if not any(name == key or name.endswith(f".{key}") for key in targets):  # PEFT's match of a name
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.dim() == 2:  # Linear (out × in), GPT-2's Conv1D (in × out): either way
+            sizes[name] = tuple(weight.shape)
+    if not sizes:
+        return  # PEFT says which names match nothing
+    name, shape = min(sizes.items(), key=lambda item: min(item[1]))
+    if rank > min(shape):
+        raise ConfigError(
+            f"lora.lora_r {rank:,} is larger than the smallest adapted layer ({name}: {shape[0]} × {shape[1]}), whose "
+            f"rank is at most {min(shape)}: a larger r adds parameters and no capacity; set lora_r to at most "
+            f"{min(shape)} (typical: 4 to 64)"
+        )
 
 
 def is_peft_model(model: object) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hftrain.errors import ConfigError, reading
-from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
+from hftrain.models.checks import FIELD, _auto_config, check_remote_code, config_errors, read_config_file
 from hftrain.parallel.dims import AXIS_SIZES
 
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
@@ -428,12 +428,19 @@ def _load_config(name_or_path: str) -> tuple[Any, Path]:
             )
         if path.name != "config.json":  # AutoConfig reads config.json from a folder; any other name: for_model
             raw = read_config_file(path, "--model")
+            if raw.get("auto_map"):  # the classes it names would be imported from beside it
+                raise ConfigError(
+                    f"--model: {path} names Python code to run (auto_map), and hftrain plan runs no model code; "
+                    "remove auto_map from it, or give the sizes (--parameters, --layers, ...)"
+                )
             with reading(f"--model: {path}", "fix the config or save the model again with save_pretrained",
                          catch=config_errors()):  # fmt: skip
                 return AutoConfig.for_model(**raw), path
         folder = path.parent
     else:
         folder = resolve_model_path(name_or_path)
+    # Before transformers reads the folder: it would ask on stdin whether to run the code an auto_map names.
+    check_remote_code(folder, "--model", fix="remove auto_map from it, or give the sizes (--parameters, --layers, ...)")
     read_config_file(folder / "config.json", "--model")
     with reading(f"--model: {folder / 'config.json'}", "fix the config or save the model again with save_pretrained",
                  catch=config_errors()):  # fmt: skip
@@ -462,7 +469,7 @@ def _meta_model(config: Any, where: Path, task: str = "sequence_classification")
         catch=config_errors(),
     ):
         with torch.device("meta"):
-            return builder.from_config(config)
+            return builder.from_config(config, trust_remote_code=False)
 
 
 def _layers(model: Any) -> Any:

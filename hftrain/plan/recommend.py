@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import hftrain.plan.data_parallel as data_parallel
 import hftrain.plan.model_parallel as model_parallel
+from hftrain.errors import ConfigError
 from hftrain.parallel.dims import AXIS_SIZES
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Plan, Row, Workload
 
 MAX_NODES_TRIED = 4096  # "what it would need": the node count at which something fits, searched up to this
+
+
+def _no_layout(hw: Hardware, fixed: dict[str, int]) -> str:
+    """Why no layout has the sizes ``fixed`` (their product, times any searched axis, must divide the GPUs)."""
+    given = " ".join(f"--{axis} {size}" for axis, size in fixed.items() if size > 1) or "the sizes given"
+    product = math.prod(size for axis, size in fixed.items() if axis != "ep")  # ep splits dp: not in tp·pp·cp
+    return (
+        f"{given}: no layout of {hw.world} GPUs ({hw.nodes} node(s) × {hw.gpus_per_node}) has these sizes "
+        f"(tp·pp·cp = {product} must divide the GPU count, and the model's sizes); give sizes that divide "
+        f"{hw.world}, or --gpus-per-node / --nodes so that {product} divides their product"
+    )
 
 
 def estimate_rows(model: ModelSpec, hw: Hardware, work: Workload, **fixed: int | None) -> list[Row]:
@@ -59,6 +72,8 @@ def plan(
     work = (workload or Workload()).validate()
     hw = hardware.validate()
     rows = estimate_rows(model, hw, work, **fixed)
+    if not rows:  # every row is a layout of the fixed sizes, and none of them divides the GPUs
+        raise ConfigError(_no_layout(hw, {axis: size for axis, size in fixed.items() if size is not None}))
     fitting = [i for i, r in enumerate(rows) if r.fits]
     runnable = [i for i in fitting if rows[i].runnable] or fitting
     if runnable:
