@@ -351,3 +351,16 @@ def test_a_json_lines_row_that_is_not_an_object_is_named(tmp_path, line):
     rows = [*_jsonl([0, 1]), line + "\n", *_jsonl([1, 0])]
     with pytest.raises(DataError, match=r"line 3 of .* is .*, not a JSON object"):
         _classification_splits(tmp_path, rows, num_labels=2)
+
+
+def test_an_exports_config_names_no_code(tmp_path):
+    """The non-streamed export (a LoRA's merged model, a full model written by save_pretrained) rewrites the
+    config.json save_pretrained wrote without auto_map and trust_remote_code, with the saved dtype."""
+    from hftrain.checkpoint.export import _clean_config
+
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps({"model_type": "bert", "auto_map": {"AutoConfig": "x.Y"},
+                                       "trust_remote_code": True, "dtype": "float32"}))  # fmt: skip
+    _clean_config(config_file, "bfloat16")
+    written = json.loads(config_file.read_text())
+    assert written == {"model_type": "bert", "dtype": "bfloat16"}

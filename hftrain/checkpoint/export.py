@@ -490,14 +490,15 @@ def _write_and_verify(
     # filters the full state dict instead. A copy, as save_pretrained pops entries from the dict it is given.
     writer = skeleton if is_adapter else unwrapped
     writer.save_pretrained(directory, state_dict=dict(written), safe_serialization=True)
-    if not is_adapter and export_dtype != "float32":  # save_pretrained records the model's dtype, not the dict's
-        _record_dtype(directory / "config.json", export_dtype)
+    if not is_adapter:  # save_pretrained records the model's dtype, not the dict's, and a trusted model's auto_map
+        _clean_config(directory / "config.json", export_dtype)
     tokenizer.save_pretrained(directory)
     if is_adapter:
         _check_adapter_written(directory, skeleton, written)
     trained = _rebuild_on_cpu(unwrapped, state_dict) if is_adapter and (merged_dir or expected is not None) else None
     if merged_dir is not None:
         copy.deepcopy(trained).merge_and_unload().to(dtype).save_pretrained(merged_dir, safe_serialization=True)
+        _clean_config(merged_dir / "config.json", export_dtype)
         tokenizer.save_pretrained(merged_dir)
     diffs: dict[str, float] = {}
     if expected is not None:
@@ -515,12 +516,20 @@ def _write_and_verify(
     )
 
 
-def _record_dtype(config_file: Path, export_dtype: str) -> None:
+def _clean_config(config_file: Path, export_dtype: str) -> None:
+    """The written ``config.json`` as an export records it: the saved dtype, and no code to run (``auto_map``,
+    ``trust_remote_code``: a model trusted for training is not trusted again by whoever loads the export)."""
     import json
 
+    from hftrain.files import write_file
+    from hftrain.models.checks import CODE_KEYS
+
     config = json.loads(config_file.read_text())
-    config["dtype"] = export_dtype
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for key in CODE_KEYS:
+        config.pop(key, None)
+    if export_dtype != "float32":
+        config["dtype"] = export_dtype
+    write_file(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _check_complete(
