@@ -423,6 +423,7 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
     verified = VerifiedCheckpoint(path, meta)
     if verify_files:
         verified.identities = _verify_files(path, meta["files"])
+        verified.machine = machine_id()
     return verified
 
 
@@ -438,6 +439,12 @@ class VerifiedCheckpoint:
     not held in memory: :meth:`open` gives a descriptor on the very file whose checksum the main process computed
     (same device, inode, size and change time), so a file renamed over it since is refused.
 
+    Every rank compares: the main process records each file's identity while it verifies, and the other ranks
+    :meth:`adopt` that record (``CheckpointSession`` broadcasts it). A rank on the main process's machine compares the
+    whole identity; a rank on another machine sees the shared file system through another mount, whose device (and,
+    on some file systems, inode) numbers differ, and compares what the file system keeps: size and modification time.
+    A rank that has no record at all checks the checksum on the descriptor it reads through, once per file.
+
     Args:
         path: the ``step_<N>`` folder.
         meta: its ``checkpoint.json``, checked.
@@ -446,8 +453,22 @@ class VerifiedCheckpoint:
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
         self.path = path
         self.meta = meta
-        self.identities: dict[str, tuple[int, int, int, int]] = {}
-        """``(st_dev, st_ino, st_size, st_ctime_ns)`` of each file whose checksum was computed (main process)."""
+        self.identities: dict[str, tuple[int, int, int, int, int]] = {}
+        """``(st_dev, st_ino, st_size, st_ctime_ns, st_mtime_ns)`` of each file whose checksum was computed (by the
+        main process; the other ranks :meth:`adopt` them)."""
+        self.machine: str | None = None
+        """The machine the identities were recorded on (:func:`machine_id`)."""
+        self._checked: set[tuple[int, int, int, int, int]] = set()  # files whose checksum this process computed
+
+    def adopt(self, identities: dict[str, tuple[int, int, int, int, int]], machine: str | None) -> None:
+        """Take the main process's record of the files it verified, which :meth:`open` then compares.
+
+        Args:
+            identities: its :attr:`identities`.
+            machine: its :attr:`machine`.
+        """
+        self.identities = {name: tuple(value) for name, value in identities.items()}  # type: ignore[misc]
+        self.machine = machine
 
     @property
     def step(self) -> int:
@@ -477,18 +498,28 @@ class VerifiedCheckpoint:
         return data
 
     def open(self, file: str | Path) -> Any:
-        """A binary file object on ``file``, the very file whose checksum was verified when this process verified it
-        (a file renamed over it since is refused); on a process that did not verify (another rank), the file as it
-        is now, through a descriptor that follows no link.
+        """A binary file object on ``file``, the very file whose checksum the main process verified: its identity
+        compared with the one recorded then (a file renamed over it since is refused), or, where none was recorded,
+        its checksum computed on this descriptor (once per file and process).
 
         Args:
             file: the file's path.
         """
         name = self.name_of(file)
-        self._recorded(name)
+        recorded = self._recorded(name)
         fd = self._open(name)
+        status = _identity(os.fstat(fd))
         seen = self.identities.get(name)
-        if seen is not None and _identity(os.fstat(fd)) != seen:
+        if seen is None:
+            if status not in self._checked:
+                with os.fdopen(os.dup(fd), "rb") as handle:
+                    digest = _checksum_of(handle, recorded, self.path / name)
+                if digest != recorded:
+                    os.close(fd)
+                    raise _mismatch(self.path, name)
+                self._checked.add(status)
+            os.lseek(fd, 0, os.SEEK_SET)
+        elif _moved(status, seen, same_machine=self.machine == machine_id()):
             os.close(fd)
             raise CheckpointError(
                 f"checkpoint '{self.path}': {name} was replaced after its checksum was verified (another process is "
@@ -571,8 +602,29 @@ def open_regular(checkpoint: Path, name: str) -> int:
     return fd
 
 
-def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
-    return (status.st_dev, status.st_ino, status.st_size, status.st_ctime_ns)
+def _identity(status: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (status.st_dev, status.st_ino, status.st_size, status.st_ctime_ns, status.st_mtime_ns)
+
+
+def _moved(status: tuple[int, ...], seen: tuple[int, ...], *, same_machine: bool) -> bool:
+    """Whether the file of identity ``status`` is not the one recorded as ``seen``: the whole identity (device, inode,
+    size, change time) on the machine that recorded it; through another mount, whose device and inode numbers are its
+    own, size and modification time (what the shared file system keeps)."""
+    if same_machine:
+        return status[:4] != seen[:4]
+    return (status[2], status[4]) != (seen[2], seen[4])
+
+
+def machine_id() -> str:
+    """This machine's identity, for comparing file identities: the kernel's boot id (containers on one kernel share
+    its device and inode numbers, and may share a host name with another machine's), else the host name."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def _unlisted(path: Path, name: str) -> CheckpointError:
@@ -732,7 +784,7 @@ def _damaged_field(path: Path, key: str, what: str) -> CheckpointError:
     )
 
 
-def _verify_files(path: Path, files: dict[str, str]) -> dict[str, tuple[int, int, int, int]]:
+def _verify_files(path: Path, files: dict[str, str]) -> dict[str, tuple[int, int, int, int, int]]:
     """Check every listed file's checksum, each through one descriptor (no link followed, no FIFO waited on); returns
     each file's identity, which a later :meth:`VerifiedCheckpoint.open` compares."""
     identities = {}
