@@ -386,7 +386,7 @@ def _config_of(data: bytes, what: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     fix = "convert another checkpoint"
-    with reading(what, fix, catch=(ValueError,), error_class=CheckpointError):
+    with reading(what, fix, catch=(ValueError, RecursionError), error_class=CheckpointError):
         values = json.loads(data)
     if not isinstance(values, dict):
         raise CheckpointError(f"{what} holds a {type(values).__name__}, not a config; it is damaged: {fix}")
@@ -402,7 +402,7 @@ def _config_of(data: bytes, what: str) -> Any:
 
 
 def _read_adapter_config(path: Path) -> dict[str, Any]:
-    with reading(f"{path}", "restore the adapter_config.json PEFT wrote", catch=(OSError, ValueError)):
+    with reading(f"{path}", "restore the adapter_config.json PEFT wrote", catch=(OSError, ValueError, RecursionError)):
         adapter = json.loads(path.read_text())
     return _lora_only(adapter, str(path), ConfigError)
 
@@ -414,7 +414,7 @@ def _adapter_config_of(data: bytes, what: str) -> dict[str, Any]:
         data: the file's bytes.
         what: the file, for messages.
     """
-    with reading(what, "convert another checkpoint", catch=(ValueError,), error_class=CheckpointError):
+    with reading(what, "convert another checkpoint", catch=(ValueError, RecursionError), error_class=CheckpointError):
         adapter = json.loads(data)
     return _lora_only(adapter, what, CheckpointError)
 
@@ -632,7 +632,9 @@ def _save_tokenizer(name_or_path: str | None, stage: Path) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+            # No code from the folder a checkpoint's config names: on a terminal, transformers would otherwise stop
+            # at its "run the custom code? [y/N]" prompt (issue 52).
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError):  # no tokenizer files there: the folder is still a model
         return False
     tokenizer.save_pretrained(stage)

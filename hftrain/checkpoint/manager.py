@@ -248,14 +248,14 @@ class CheckpointManager:
 
     def _check_run(self, found: list[Path]) -> None:
         """Refuse checkpoints of another run among ``found`` (an overwritten run's, or copied in)."""
-        from hftrain.files import UnsafePathError, read_regular
+        from hftrain.files import UnsafePathError
 
         if self.run_id is None:
             return
         for path in found:
             try:  # one descriptor that follows no link and never waits on a FIFO
-                meta = json.loads(read_regular(path / MARKER, MARKER))
-            except (ValueError, OSError, UnsafePathError):
+                meta = json.loads(read_small(path / MARKER, MARKER))
+            except (ValueError, RecursionError, OSError, UnsafePathError, CheckpointError):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
             if not isinstance(meta, dict):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
@@ -387,7 +387,7 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
         path: a ``step_<N>`` folder.
         verify_files: recompute every file's checksum now (the main process does; others check what they read).
     """
-    from hftrain.files import UnsafePathError, read_regular
+    from hftrain.files import UnsafePathError
 
     path = Path(path)
     marker = path / MARKER
@@ -402,10 +402,10 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
             "resume from 'latest' or another step_<N> folder"
         )
     try:
-        meta = json.loads(read_regular(marker, f"checkpoint '{path}': {MARKER}"))
+        meta = json.loads(read_small(marker, f"checkpoint '{path}': {MARKER}"))
     except UnsafePathError as error:
         raise CheckpointError(f"{error}; resume from another checkpoint") from None
-    except (ValueError, OSError):
+    except (ValueError, RecursionError, OSError):  # RecursionError: JSON nested deeper than Python's stack
         raise CheckpointError(f"checkpoint '{path}': {MARKER} is corrupted; resume from another checkpoint") from None
     if not isinstance(meta, dict):
         raise CheckpointError(
@@ -492,6 +492,7 @@ class VerifiedCheckpoint:
         recorded = self._recorded(name)
         fd = self._open(name)
         with os.fdopen(fd, "rb") as handle:
+            _check_small(self.path, name, os.fstat(fd).st_size)  # this file, not the one listed before a swap
             data = handle.read()
         if bytes_checksum(data, recorded) != recorded:
             raise _mismatch(self.path, name)
@@ -643,12 +644,61 @@ def _mismatch(path: Path, name: str) -> CheckpointError:
 
 def _check_listed(path: Path, files: dict[str, str]) -> None:
     """Every file under the checkpoint must be listed in ``files``: a file a loader reads but no checksum covers
-    (an entry removed from ``checkpoint.json``, a ``random_states_1.pkl`` added beside it) would load unchecked."""
+    (an entry removed from ``checkpoint.json``, a ``random_states_1.pkl`` added beside it) would load unchecked.
+    And every file but the tensor files (``.distcp``) is one that a loader reads whole into memory: one larger than
+    :data:`SMALL_FILE_LIMIT` is refused before a byte of it is hashed (a sparse file of a terabyte costs its forger
+    nothing, and its reader the memory it asks for)."""
     for folder, _, names in os.walk(path):
         for file in sorted(names):
             name = str((Path(folder) / file).relative_to(path))
             if name != MARKER and name not in files:
                 raise _unlisted(path, name)
+            if not file.endswith(".distcp"):
+                _check_small(path, name, os.lstat(Path(folder) / file).st_size)
+
+
+SMALL_FILE_LIMIT = 1 << 30
+"""The largest checkpoint file that is read whole into memory (``checkpoint.json``, the JSON and pickled state files,
+DCP's ``.metadata``): each is kilobytes to megabytes in a real checkpoint."""
+
+
+def _check_small(path: Path, name: str, size: int) -> None:
+    if size > SMALL_FILE_LIMIT:
+        raise CheckpointError(
+            f"checkpoint '{path}': {name} is {size} bytes, more than the {SMALL_FILE_LIMIT >> 20} MiB any checkpoint "
+            "file read whole may hold; it is damaged or forged: resume from another checkpoint"
+        )
+
+
+def read_small(file: Path, what: str) -> bytes:
+    """The bytes of a checkpoint file read whole: through one descriptor that follows no link and never waits on a
+    FIFO (``fstat``: a regular file), and refused unread when larger than :data:`SMALL_FILE_LIMIT`.
+
+    Args:
+        file: the file.
+        what: what it is, for messages.
+    """
+    import errno
+    import stat
+
+    from hftrain.files import UnsafePathError, kind_of
+
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UnsafePathError(f"{what} '{file}' is a symbolic link; hftrain reads none through a link") from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise UnsafePathError(f"{what} '{file}' is {kind_of(status.st_mode)}, not a file")
+        if status.st_size > SMALL_FILE_LIMIT:
+            raise CheckpointError(
+                f"{what} is {status.st_size} bytes, more than the {SMALL_FILE_LIMIT >> 20} MiB it may hold; it is "
+                "damaged or forged: resume from another checkpoint"
+            )
+        return handle.read()
 
 
 def check_regular_tree(path: Path) -> None:

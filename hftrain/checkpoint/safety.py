@@ -274,7 +274,7 @@ def _check_safetensors(checkpoint: Path, name: str, path: Path) -> None:
 def _check_json(checkpoint: Path, name: str, path: Path) -> None:
     try:
         json.loads(path.read_text())
-    except (ValueError, OSError) as error:
+    except (ValueError, RecursionError, OSError) as error:  # RecursionError: nested deeper than Python's stack
         raise _damaged(checkpoint, name, error) from None
 
 
