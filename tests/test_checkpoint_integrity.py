@@ -467,3 +467,77 @@ def test_rng_streams_are_parsed_from_the_bytes_read(tmp_path):
     os.mkfifo(tmp_path / FILE)
     with pytest.raises(Exception, match="FIFO"):
         load_streams(tmp_path, fresh, groups=groups, read=read_verified)
+
+
+# ----------------------------------------------------------------- probes: sizes, nesting, extents, remote code
+_DEEP = "[" * 200_000 + "]" * 200_000  # nested past Python's stack: json raises RecursionError, not ValueError
+
+
+@pytest.mark.parametrize(
+    ("file", "fragment"),
+    [
+        ("checkpoint.json", "checkpoint.json is corrupted"),
+        ("state/sharded.json", "state/sharded.json is damaged (maximum recursion depth"),
+        ("state/hf_model/config.json", "state/hf_model/config.json is damaged (maximum recursion depth"),
+    ],
+)
+def test_json_nested_past_the_stack_is_damage_not_a_traceback(run, tmp_path, file, fragment):
+    copy = _copy(run, tmp_path)
+    (copy / STEP2 / file).write_text(_DEEP)
+    if file != "checkpoint.json":
+        reseal(copy, STEP2)
+    _convert(copy, tmp_path / "out", fragment)
+
+
+@pytest.mark.parametrize("file", ["checkpoint.json", "state/sharded.json"])
+def test_a_sparse_terabyte_file_is_refused_unread(run, tmp_path, file):
+    """A file read whole is bounded before a byte is read or hashed: a sparse file costs its forger nothing."""
+    copy = _copy(run, tmp_path)
+    if file != "checkpoint.json":
+        os.truncate(copy / STEP2 / file, 1 << 40)
+        _edit_marker(copy, lambda meta: meta["files"].__setitem__(file, "xxh3_128:" + "0" * 32))
+    else:
+        os.truncate(copy / STEP2 / file, 1 << 40)
+    started = time.monotonic()
+    _convert(copy, tmp_path / "out", f"{file} is 1099511627776 bytes, more than the 1024 MiB")
+    assert time.monotonic() - started < 30
+
+
+def test_a_dcp_chunk_beyond_its_file_is_named_on_convert_and_resume(run, tmp_path):
+    """A .distcp shorter than its .metadata lists (truncated, resealed): the chunk and the file's size are named,
+    not an EOFError or a message about torch's internals."""
+    import torch
+
+    from hftrain.checkpoint.sharded import Chunked, dcp_metadata, read
+
+    copy = _copy(run, tmp_path)
+    dcp = copy / STEP2 / "state" / "dcp"
+    distcp = next(dcp.glob("*.distcp"))
+    os.truncate(distcp, 100)
+    reseal(copy, STEP2)
+    _convert(copy, tmp_path / "out", "beyond the end of its 100-byte file")
+    with open_checkpoint(copy / STEP2).active():
+        metadata = dcp_metadata(dcp)
+        state = {key: Chunked.whole(torch.zeros(tuple(entry.size), dtype=entry.properties.dtype))
+                 for key, entry in metadata.state_dict_metadata.items()}  # fmt: skip
+        with pytest.raises(CheckpointError, match="beyond the end of its 100-byte file"):
+            read(state, dcp)
+
+
+def test_the_tokenizer_folder_a_checkpoint_names_runs_no_code_even_on_yes(run, tmp_path, monkeypatch):
+    """convert copies the tokenizer of the model the checkpoint's config names: one with an auto_map would make
+    transformers ask "run the custom code? [y/N]"; a "y" on stdin ran it. Now it is never asked."""
+    import io
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    auto = {"AutoConfig": "evil.C", "AutoTokenizer": ["evil.Tok", None]}
+    (evil / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": auto}))  # no local class
+    (evil / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto, "tokenizer_class": "Tok"}))
+    (evil / "evil.py").write_text("open('PWNED', 'w').close()\n")
+    copy = _copy(run, tmp_path)
+    _edit_marker(copy, lambda meta: meta["config"].__setitem__("model.model_name_or_path", str(evil)))
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 10))
+    code, stderr = cli_in_process(["convert", str(copy), str(tmp_path / "out")])
+    assert code == 0, stderr
+    assert not Path("PWNED").exists()
