@@ -541,3 +541,20 @@ def test_the_tokenizer_folder_a_checkpoint_names_runs_no_code_even_on_yes(run, t
     code, stderr = cli_in_process(["convert", str(copy), str(tmp_path / "out")])
     assert code == 0, stderr
     assert not Path("PWNED").exists()
+
+
+def test_a_sparse_or_bare_pickle_deepspeed_file_is_refused_before_it_is_copied(zero_folder, tmp_path):
+    folder = tmp_path / "zero2"
+    shutil.copytree(zero_folder / "zero2", folder)
+    state = folder / "global_step2" / "mp_rank_00_model_states.pt"
+    state.write_bytes(planted_bytes("bare"))
+    code, stderr = _convert_zero(folder, tmp_path / "out", zero_folder / "config")
+    assert_refused(stderr, code, "holds a pickled object (posix.system)")
+    state.unlink()
+    with state.open("wb") as handle:  # a sparse terabyte: never streamed into the private copy
+        handle.truncate(1 << 40)
+    started = time.monotonic()
+    code, stderr = _convert_zero(folder, tmp_path / "out", zero_folder / "config")
+    assert_refused(stderr, code, "mp_rank_00_model_states.pt is damaged")
+    assert time.monotonic() - started < 30
+    assert not Path("PWNED").exists() and not list(tmp_path.glob(".hftrain-verified-*"))

@@ -508,6 +508,17 @@ def verified_zero_copy(root: Path, tag: str, *, scratch: Path | None = None) -> 
                 if not stat.S_ISREG(mode):
                     raise CheckpointError(f"DeepSpeed checkpoint '{root}': {name} is {kind_of(mode)}, not a file; "
                                           "give the folder of a complete ZeRO save")  # fmt: skip
+                size = os.fstat(fd).st_size
+                if source.read(4) != b"PK\x03\x04":  # torch's zip format; a bare pickle or garbage is never copied
+                    source.seek(0)
+                    _refuse_or_damaged(root, name, _plain_pickle_global(source.read(1 << 20)))
+                free = shutil.disk_usage(private).free
+                if size > free:  # a sparse file of a terabyte would otherwise fill the disk with its zeros
+                    raise CheckpointError(
+                        f"DeepSpeed checkpoint '{root}': {name} is {size} bytes, more than the {free} free beside the "
+                        f"converted model, where its verified copy is made; free space there, or convert elsewhere"
+                    )
+                source.seek(0)
                 copy = private / tag / entry.name
                 with open(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as target:
                     shutil.copyfileobj(source, target, 1 << 20)
