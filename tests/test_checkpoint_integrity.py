@@ -279,3 +279,282 @@ def test_a_resealed_model_type_is_refused_by_convert(run, tmp_path):
     config.write_text(json.dumps(data))
     reseal(copy, STEP2)
     _convert(copy, tmp_path / "out", "does not hold the model its config describes")
+
+
+# ----------------------------------------------------------------- a DeepSpeed folder in convert
+def _zero2_save(directory: str) -> None:
+    """A tiny BERT trained 2 steps under ZeRO-2 on one gloo process, written by ``engine.save_checkpoint``."""
+    import deepspeed
+    import torch
+
+    from tests.tiny import tiny_config, tiny_model_init
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = tiny_model_init("bert")()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": False},
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=config)  # fmt: skip
+    ids = torch.randint(0, 64, (2, 8))
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=torch.tensor([0, 1])).loss)
+        engine.step()
+    engine.save_checkpoint(f"{directory}/zero2")
+    tiny_config("bert").save_pretrained(f"{directory}/config")
+
+
+@pytest.fixture(scope="module")
+def zero_folder(tmp_path_factory) -> Path:
+    from tests.distributed import run_distributed
+
+    directory = tmp_path_factory.mktemp("zero")
+    run_distributed(_zero2_save, nprocs=1, directory=str(directory))
+    return directory
+
+
+def _convert_zero(folder: Path, out: Path, config: Path) -> tuple[int, str]:
+    return cli_in_process(["convert", str(folder), str(out), "--config", str(config), "--trust_external_checkpoint"])
+
+
+def test_a_deepspeed_file_swapped_while_convert_checks_and_loads_it_never_runs_code(zero_folder, tmp_path):
+    """DeepSpeed's zero_to_fp32 unpickles its *_states.pt without a restriction: it is handed a private copy of the
+    files the restricted unpickler checked, never the folder a writer is swapping files in."""
+    folder = tmp_path / "zero2"
+    shutil.copytree(zero_folder / "zero2", folder)
+    target = folder / "global_step2" / "mp_rank_00_model_states.pt"
+    stop = threading.Event()
+    thread = _swapper(target, target.read_bytes(), planted_bytes("torch"), stop)
+    codes = []
+    try:
+        for attempt in range(16):
+            code, stderr = _convert_zero(folder, tmp_path / f"out{attempt}", zero_folder / "config")
+            codes.append(code)
+            assert code in (0, 2) and "Traceback" not in stderr, stderr[-2000:]
+    finally:
+        stop.set()
+        thread.join()
+    assert not Path("PWNED").exists(), codes
+    assert 0 in codes and 2 in codes, codes  # the race was run both ways
+    assert not list(tmp_path.glob(".hftrain-verified-*"))  # the private copies are gone
+
+
+def test_deepspeed_folder_links_fifos_and_tags_are_one_line(zero_folder, tmp_path):
+    config = zero_folder / "config"
+    folder = tmp_path / "zero2"
+    shutil.copytree(zero_folder / "zero2", folder)
+    code, stderr = _convert_zero(folder, tmp_path / "ok", config)
+    assert code == 0, stderr
+    latest = folder / "latest"
+    for plant, fragment in (
+        (lambda: os.mkfifo(latest), "'latest' is a FIFO"),
+        (lambda: os.symlink("global_step2", latest), "'latest' is a symbolic link"),
+        (lambda: latest.write_text("x" * 5000), "'latest' is 5000 bytes"),
+        (lambda: latest.write_text("../zero2/global_step2"), "is not a folder name of it"),
+    ):
+        latest.unlink()
+        plant()
+        code, stderr = _convert_zero(folder, tmp_path / "out", config)
+        assert_refused(stderr, code, fragment)
+        assert not (tmp_path / "out").exists()
+    latest.unlink()
+    latest.write_text("global_step2")
+    state = folder / "global_step2" / "mp_rank_00_model_states.pt"
+    state.rename(folder / "elsewhere.pt")
+    os.symlink("../elsewhere.pt", state)
+    code, stderr = _convert_zero(folder, tmp_path / "out", config)
+    assert_refused(stderr, code, "is a symbolic link")
+    state.unlink()
+    os.mkfifo(state)
+    code, stderr = _convert_zero(folder, tmp_path / "out", config)
+    assert_refused(stderr, code, "a FIFO")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".hftrain-verified-*"))
+
+
+# ----------------------------------------------------------------- every rank compares what it opens
+def test_every_rank_compares_the_file_it_opens_with_the_main_process_record(run, tmp_path):
+    """Another rank adopts the main process's record: a .distcp renamed over after the check is refused there too,
+    through another machine's mount by size and modification time, and without a record by its checksum."""
+    from hftrain.checkpoint.manager import machine_id
+
+    copy = _copy(run, tmp_path)
+    checkpoint = copy / STEP2
+    name = next(str(p.relative_to(checkpoint)) for p in (checkpoint / "state" / "dcp").glob("*.distcp"))
+    main = open_checkpoint(checkpoint)
+    assert main.machine == machine_id() and name in main.identities
+    other = open_checkpoint(checkpoint, verify_files=False)
+    other.adopt(main.identities, main.machine)
+    other.open(checkpoint / name).close()  # the very file: taken
+    genuine = (checkpoint / name).read_bytes()
+    forged = bytearray(genuine)
+    forged[-1] ^= 1  # same size, another byte: what a forger renames over the file after the check
+    os.replace(_written(checkpoint / "swap", bytes(forged)), checkpoint / name)
+    for rank in (main, other):
+        with pytest.raises(CheckpointError, match="was replaced after its checksum was verified"):
+            rank.open(checkpoint / name)
+    remote = open_checkpoint(checkpoint, verify_files=False)
+    remote.adopt(main.identities, "another machine")  # its own device and inode numbers: size and mtime compared
+    with pytest.raises(CheckpointError, match="was replaced"):
+        remote.open(checkpoint / name)
+    bare = open_checkpoint(checkpoint, verify_files=False)  # no record: the checksum, on the descriptor read
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        bare.open(checkpoint / name)
+    os.replace(_written(checkpoint / "swap", genuine), checkpoint / name)
+    bare.open(checkpoint / name).close()
+
+
+def _written(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+# ----------------------------------------------------------------- read from the bytes that were checked
+def test_convert_builds_the_config_from_the_checked_bytes(run, tmp_path, monkeypatch):
+    """config.json is parsed from the bytes whose checksum was checked, never opened by transformers by path; a
+    checkpoint's auto_map is not followed (no prompt, no code) and a model type transformers lacks is one line."""
+    import transformers
+
+    copy = _copy(run, tmp_path)
+    original = transformers.PretrainedConfig.get_config_dict.__func__
+
+    def never_the_checkpoints(cls, where, *args, **kwargs):
+        assert str(copy) not in str(where), "config.json read again by path"
+        return original(cls, where, *args, **kwargs)  # the tokenizer's model folder, named by the run's config
+
+    monkeypatch.setattr(transformers.PretrainedConfig, "get_config_dict", classmethod(never_the_checkpoints))
+    config = copy / STEP2 / "state" / "hf_model" / "config.json"
+    data = json.loads(config.read_text())
+    data["auto_map"] = {"AutoConfig": "planted.PlantedConfig"}
+    config.write_text(json.dumps(data))
+    (config.parent / "planted.py").write_text("open('PWNED', 'w').close()\n")
+    reseal(copy, STEP2)
+    code, stderr = cli_in_process(["convert", str(copy / STEP2), str(tmp_path / "out"), "--output_dir", str(copy)])
+    assert code == 0, stderr
+    assert not Path("PWNED").exists()
+    data["model_type"] = "planted"
+    config.write_text(json.dumps(data))
+    reseal(copy, STEP2)
+    _convert(copy, tmp_path / "out2", "model_type 'planted' is not one this transformers knows")
+    config.write_text("[1, 2]")
+    reseal(copy, STEP2)
+    _convert(copy, tmp_path / "out2", "config.json holds a list, not a config")
+
+
+def test_rng_streams_are_parsed_from_the_bytes_read(tmp_path):
+    """Megatron's RNG streams: parsed from the bytes ``read`` returns (the resume's checked read), a truncated file is
+    an error, not a silent rebuild, and a FIFO in its place is refused by the reader, never waited on."""
+    from types import SimpleNamespace
+
+    from hftrain.checkpoint.sharded import read_verified
+    from hftrain.parallel.random import FILE, RNGTracker, load_streams, save_streams
+
+    groups = SimpleNamespace(coordinates={"tp": 0}, dims=SimpleNamespace(sizes={"tp": 1}))
+    tracker = RNGTracker(seed=3, tp_rank=0, pp_rank=0).seed_streams()
+    import unittest.mock
+
+    with unittest.mock.patch("hftrain.parallel.host.gather_bytes", lambda flat: [flat]), \
+         unittest.mock.patch("torch.distributed.get_rank", lambda: 0):  # fmt: skip
+        save_streams(tmp_path, tracker, groups=groups)
+    data = (tmp_path / FILE).read_bytes()
+    reads = []
+    fresh = RNGTracker(seed=4, tp_rank=0, pp_rank=0).seed_streams()
+    assert load_streams(tmp_path, fresh, groups=groups, read=lambda p: reads.append(p) or data) is None
+    assert reads == [tmp_path / FILE]
+    assert all(bool((fresh.states()[s] == tracker.states()[s]).all()) for s in ("default", "tensor"))
+    with pytest.raises(ValueError, match="truncated"):
+        load_streams(tmp_path, fresh, groups=groups, read=lambda p: data[:20])
+    (tmp_path / FILE).unlink()
+    os.mkfifo(tmp_path / FILE)
+    with pytest.raises(Exception, match="FIFO"):
+        load_streams(tmp_path, fresh, groups=groups, read=read_verified)
+
+
+# ----------------------------------------------------------------- probes: sizes, nesting, extents, remote code
+_DEEP = "[" * 200_000 + "]" * 200_000  # nested past Python's stack: json raises RecursionError, not ValueError
+
+
+@pytest.mark.parametrize(
+    ("file", "fragment"),
+    [
+        ("checkpoint.json", "checkpoint.json is corrupted"),
+        ("state/sharded.json", "state/sharded.json is damaged (maximum recursion depth"),
+        ("state/hf_model/config.json", "state/hf_model/config.json is damaged (maximum recursion depth"),
+    ],
+)
+def test_json_nested_past_the_stack_is_damage_not_a_traceback(run, tmp_path, file, fragment):
+    copy = _copy(run, tmp_path)
+    (copy / STEP2 / file).write_text(_DEEP)
+    if file != "checkpoint.json":
+        reseal(copy, STEP2)
+    _convert(copy, tmp_path / "out", fragment)
+
+
+@pytest.mark.parametrize("file", ["checkpoint.json", "state/sharded.json"])
+def test_a_sparse_terabyte_file_is_refused_unread(run, tmp_path, file):
+    """A file read whole is bounded before a byte is read or hashed: a sparse file costs its forger nothing."""
+    copy = _copy(run, tmp_path)
+    if file != "checkpoint.json":
+        os.truncate(copy / STEP2 / file, 1 << 40)
+        _edit_marker(copy, lambda meta: meta["files"].__setitem__(file, "xxh3_128:" + "0" * 32))
+    else:
+        os.truncate(copy / STEP2 / file, 1 << 40)
+    started = time.monotonic()
+    _convert(copy, tmp_path / "out", f"{file} is 1099511627776 bytes, more than the 1024 MiB")
+    assert time.monotonic() - started < 30
+
+
+def test_a_dcp_chunk_beyond_its_file_is_named_on_convert_and_resume(run, tmp_path):
+    """A .distcp shorter than its .metadata lists (truncated, resealed): the chunk and the file's size are named,
+    not an EOFError or a message about torch's internals."""
+    import torch
+
+    from hftrain.checkpoint.sharded import Chunked, dcp_metadata, read
+
+    copy = _copy(run, tmp_path)
+    dcp = copy / STEP2 / "state" / "dcp"
+    distcp = next(dcp.glob("*.distcp"))
+    os.truncate(distcp, 100)
+    reseal(copy, STEP2)
+    _convert(copy, tmp_path / "out", "beyond the end of its 100-byte file")
+    with open_checkpoint(copy / STEP2).active():
+        metadata = dcp_metadata(dcp)
+        state = {key: Chunked.whole(torch.zeros(tuple(entry.size), dtype=entry.properties.dtype))
+                 for key, entry in metadata.state_dict_metadata.items()}  # fmt: skip
+        with pytest.raises(CheckpointError, match="beyond the end of its 100-byte file"):
+            read(state, dcp)
+
+
+def test_the_tokenizer_folder_a_checkpoint_names_runs_no_code_even_on_yes(run, tmp_path, monkeypatch):
+    """convert copies the tokenizer of the model the checkpoint's config names: one with an auto_map would make
+    transformers ask "run the custom code? [y/N]"; a "y" on stdin ran it. Now it is never asked."""
+    import io
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    auto = {"AutoConfig": "evil.C", "AutoTokenizer": ["evil.Tok", None]}
+    (evil / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": auto}))  # no local class
+    (evil / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto, "tokenizer_class": "Tok"}))
+    (evil / "evil.py").write_text("open('PWNED', 'w').close()\n")
+    copy = _copy(run, tmp_path)
+    _edit_marker(copy, lambda meta: meta["config"].__setitem__("model.model_name_or_path", str(evil)))
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 10))
+    code, stderr = cli_in_process(["convert", str(copy), str(tmp_path / "out")])
+    assert code == 0, stderr
+    assert not Path("PWNED").exists()
+
+
+def test_a_sparse_or_bare_pickle_deepspeed_file_is_refused_before_it_is_copied(zero_folder, tmp_path):
+    folder = tmp_path / "zero2"
+    shutil.copytree(zero_folder / "zero2", folder)
+    state = folder / "global_step2" / "mp_rank_00_model_states.pt"
+    state.write_bytes(planted_bytes("bare"))
+    code, stderr = _convert_zero(folder, tmp_path / "out", zero_folder / "config")
+    assert_refused(stderr, code, "holds a pickled object (posix.system)")
+    state.unlink()
+    with state.open("wb") as handle:  # a sparse terabyte: never streamed into the private copy
+        handle.truncate(1 << 40)
+    started = time.monotonic()
+    code, stderr = _convert_zero(folder, tmp_path / "out", zero_folder / "config")
+    assert_refused(stderr, code, "mp_rank_00_model_states.pt is damaged")
+    assert time.monotonic() - started < 30
+    assert not Path("PWNED").exists() and not list(tmp_path.glob(".hftrain-verified-*"))

@@ -35,6 +35,7 @@ import copy
 import io
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -138,7 +139,8 @@ def convert_checkpoint(
     lock.check_free()
     # Trust comes from the command: without a run folder named, nothing is inside one (as ``hftrain export``).
     run_dir = Path(output_dir) if output_dir is not None else out
-    source = _open_source(Path(checkpoint), trust=trust, output_dir=run_dir, config=config)
+    scratch = out.parent if out.parent.is_dir() else None  # DeepSpeed's files are copied there: as large
+    source = _open_source(Path(checkpoint), trust=trust, output_dir=run_dir, config=config, scratch=scratch)
     if merge_lora and source.adapter_config is None:
         raise ConfigError(
             f"--merge_lora: checkpoint '{source.path}' is of a full fine-tune, there is no adapter to merge; "
@@ -189,8 +191,9 @@ def convert_checkpoint(
 
 
 # ----------------------------------------------------------------- sources
-def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | None) -> _Source:
-    """The checkpoint behind ``path``, after its trust and no-code checks."""
+def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | None, scratch: Path | None) -> _Source:
+    """The checkpoint behind ``path``, after its trust and no-code checks (``scratch``: where a DeepSpeed folder's
+    verified copy is made, :func:`~hftrain.checkpoint.safety.verified_zero_copy`)."""
     from hftrain.checkpoint.manager import MARKER, open_checkpoint
     from hftrain.checkpoint.run import CHECKPOINTS_DIR, latest_of_run
 
@@ -210,7 +213,7 @@ def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | Non
         return _dcp_source(path, open_checkpoint(path), trust=trust, output_dir=output_dir)
     deepspeed_root = _deepspeed_root(path)
     if deepspeed_root is not None:
-        return _zero_source(*deepspeed_root, trust=trust, output_dir=output_dir, config=config)
+        return _zero_source(*deepspeed_root, trust=trust, output_dir=output_dir, config=config, scratch=scratch)
     raise CheckpointError(
         f"'{path}' is not a checkpoint: it has neither {MARKER} (an hftrain checkpoint) nor a DeepSpeed 'latest' "
         "file or *_optim_states.pt; give a step_<N> folder, a run's output_dir or a DeepSpeed checkpoint folder"
@@ -264,22 +267,46 @@ def _dcp_source(path: Path, verified: Any, *, trust: bool, output_dir: Path) -> 
                      catch=(Exception,), error_class=CheckpointError), verified.active():  # fmt: skip
             return read_dcp_tensor(dcp_dir, MODEL_PREFIX + name, shape, dtype, chunks.get(name, []))
 
+    # The model's config and adapter config from the bytes whose checksums were checked, never by path again
+    # (transformers' from_pretrained would open config.json anew, a file a writer could have swapped since).
     adapter_file = hf_model / "adapter_config.json"
+    config_what = f"checkpoint '{path}': {STATE_DIR}/{HF_MODEL_DIR}/config.json"
+    adapter_what = f"checkpoint '{path}': {STATE_DIR}/{HF_MODEL_DIR}/adapter_config.json"
+    listed = f"{STATE_DIR}/{HF_MODEL_DIR}/adapter_config.json" in meta["files"]
     return _Source(
         kind="dcp",
         path=path,
         shapes=shapes,
         load=load,
-        config=_read_config(str(hf_model), f"checkpoint '{path}': {STATE_DIR}/{HF_MODEL_DIR}/config.json"),
-        adapter_config=_read_adapter_config(adapter_file) if adapter_file.is_file() else None,
+        config=_config_of(verified.read(hf_model / "config.json"), config_what),
+        adapter_config=_adapter_config_of(verified.read(adapter_file), adapter_what) if listed else None,
         tokenizer_from=meta["config"].get("model.model_name_or_path"),
     )
 
 
 def _deepspeed_root(path: Path) -> tuple[Path, str] | None:
     """``(checkpoint_dir, tag)`` of a DeepSpeed folder: one holding ``latest``, or a tag folder of optim states."""
-    if path.is_dir() and (path / "latest").is_file():
-        tag = (path / "latest").read_text().strip()
+    latest = path / "latest"
+    if path.is_dir() and os.path.lexists(latest):
+        import stat
+
+        from hftrain.files import kind_of
+
+        status = os.lstat(latest)  # never opened when it is a link or a FIFO (which would block), nor when huge
+        if not stat.S_ISREG(status.st_mode) or status.st_size > 4096:
+            what = kind_of(status.st_mode) if not stat.S_ISREG(status.st_mode) else f"{status.st_size} bytes"
+            raise CheckpointError(
+                f"DeepSpeed checkpoint '{path}': 'latest' is {what}, not the tag DeepSpeed writes (a short text "
+                "file); give the folder of a complete ZeRO save, or a global_step<N> folder inside it"
+            )
+        from hftrain.files import UnsafePathError, read_regular
+
+        try:
+            tag = read_regular(latest, "DeepSpeed's 'latest'").decode("utf-8", "replace").strip()
+        except (OSError, UnsafePathError) as error:
+            raise CheckpointError(
+                f"DeepSpeed checkpoint '{path}': {error}; give the folder of a complete ZeRO save"
+            ) from None
         if not (path / tag).is_dir():
             raise CheckpointError(
                 f"DeepSpeed checkpoint '{path}': 'latest' names '{tag}', which is missing; give the folder of a "
@@ -291,8 +318,13 @@ def _deepspeed_root(path: Path) -> tuple[Path, str] | None:
     return None
 
 
-def _zero_source(root: Path, tag: str, *, trust: bool, output_dir: Path, config: str | None) -> _Source:
-    from hftrain.checkpoint.safety import check_no_code
+def _zero_source(
+    root: Path, tag: str, *, trust: bool, output_dir: Path, config: str | None, scratch: Path | None
+) -> _Source:
+    """The fp32 weights of a DeepSpeed ZeRO folder, through DeepSpeed's ``zero_to_fp32`` in lazy mode, handed a
+    private copy of the state files that the restricted unpickler checked (never the folder itself, whose files a
+    writer could swap between the check and DeepSpeed's unrestricted load)."""
+    from hftrain.checkpoint.safety import verified_zero_copy
 
     folder = root / tag
     if config is None:
@@ -308,20 +340,18 @@ def _zero_source(root: Path, tag: str, *, trust: bool, output_dir: Path, config:
             "with --output_dir RUN, or pass --trust_external_checkpoint if you trust it"
         )
     import deepspeed  # noqa: F401 - its classes are in the restricted unpickler's allow-list only once imported
-
-    check_no_code(root, folder)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with (
-        reading(
-            f"DeepSpeed checkpoint '{folder}'",
-            "give the folder of a complete ZeRO save",
-            catch=(OSError, ValueError, KeyError),
-            error_class=CheckpointError,
-        ),  # fmt: skip
-        contextlib.redirect_stdout(io.StringIO()),  # zero_to_fp32 prints its progress
-    ):
-        lazy = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag, lazy_mode=True)
+    with verified_zero_copy(root, tag, scratch=scratch) as private:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
+                # Its optimizer files are mapped: the lazy tensors outlive the private folder's removal.
+                lazy = get_fp32_state_dict_from_zero_checkpoint(str(private), tag=tag, lazy_mode=True)
+        except (OSError, ValueError, KeyError) as error:
+            reason = " ".join(str(error).replace(str(private), str(root)).split())  # the user's folder, not ours
+            raise CheckpointError(
+                f"DeepSpeed checkpoint '{folder}': {reason}; give the folder of a complete ZeRO save"
+            ) from None
     shapes = {name: (tuple(value.shape), value.dtype) for name, value in lazy.items()}
 
     def load(name: str) -> torch.Tensor:
@@ -352,11 +382,56 @@ def _read_config(where: str, what: str) -> Any:
         return AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=False)
 
 
+def _config_of(data: bytes, what: str) -> Any:
+    """A transformers config built from a checkpoint's ``config.json`` bytes (read once and checked), of a model type
+    transformers itself knows: a checkpoint's ``auto_map`` (code to import) is left out, as hftrain runs no code that
+    comes with a checkpoint.
+
+    Args:
+        data: the file's bytes.
+        what: the file, for messages.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    fix = "convert another checkpoint"
+    with reading(what, fix, catch=(ValueError, RecursionError), error_class=CheckpointError):
+        values = json.loads(data)
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{what} holds a {type(values).__name__}, not a config; it is damaged: {fix}")
+    model_type = values.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise CheckpointError(
+            f"{what}: model_type {model_type!r} is not one this transformers knows (hftrain runs no code shipped with "
+            f"a checkpoint); {fix}, or upgrade transformers"
+        )
+    values = {key: value for key, value in values.items() if key != "auto_map"}
+    with reading(what, fix, catch=(ValueError, TypeError, KeyError, AttributeError), error_class=CheckpointError):
+        return CONFIG_MAPPING[model_type].from_dict(values)
+
+
 def _read_adapter_config(path: Path) -> dict[str, Any]:
-    with reading(f"{path}", "restore the adapter_config.json PEFT wrote", catch=(OSError, ValueError)):
+    with reading(f"{path}", "restore the adapter_config.json PEFT wrote", catch=(OSError, ValueError, RecursionError)):
         adapter = json.loads(path.read_text())
+    return _lora_only(adapter, str(path), ConfigError)
+
+
+def _adapter_config_of(data: bytes, what: str) -> dict[str, Any]:
+    """A checkpoint's ``adapter_config.json`` from its bytes (read once and checked).
+
+    Args:
+        data: the file's bytes.
+        what: the file, for messages.
+    """
+    with reading(what, "convert another checkpoint", catch=(ValueError, RecursionError), error_class=CheckpointError):
+        adapter = json.loads(data)
+    return _lora_only(adapter, what, CheckpointError)
+
+
+def _lora_only(adapter: Any, what: str, error_class: type[Exception]) -> dict[str, Any]:
+    if not isinstance(adapter, dict):
+        raise error_class(f"{what} holds a {type(adapter).__name__}, not an adapter config; restore the one PEFT wrote")
     if adapter.get("peft_type") != "LORA":
-        raise ConfigError(f"{path}: peft_type {adapter.get('peft_type')!r} is not LORA; hftrain converts LoRA only")
+        raise error_class(f"{what}: peft_type {adapter.get('peft_type')!r} is not LORA; hftrain converts LoRA only")
     return adapter
 
 
@@ -570,6 +645,8 @@ def _save_tokenizer(name_or_path: str | None, stage: Path) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            # No code from the folder a checkpoint's config names: on a terminal, transformers would otherwise stop
+            # at its "run the custom code? [y/N]" prompt (issue 52).
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError):  # no tokenizer files there: the folder is still a model
         return False

@@ -259,14 +259,14 @@ class CheckpointManager:
 
     def _check_run(self, found: list[Path]) -> None:
         """Refuse checkpoints of another run among ``found`` (an overwritten run's, or copied in)."""
-        from hftrain.files import UnsafePathError, read_regular
+        from hftrain.files import UnsafePathError
 
         if self.run_id is None:
             return
         for path in found:
             try:  # one descriptor that follows no link and never waits on a FIFO
-                meta = json.loads(read_regular(path / MARKER, MARKER))
-            except (ValueError, OSError, UnsafePathError):
+                meta = json.loads(read_small(path / MARKER, MARKER))
+            except (ValueError, RecursionError, OSError, UnsafePathError, CheckpointError):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
             if not isinstance(meta, dict):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
@@ -398,7 +398,7 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
         path: a ``step_<N>`` folder.
         verify_files: recompute every file's checksum now (the main process does; others check what they read).
     """
-    from hftrain.files import UnsafePathError, read_regular
+    from hftrain.files import UnsafePathError
 
     path = Path(path)
     marker = path / MARKER
@@ -413,10 +413,10 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
             "resume from 'latest' or another step_<N> folder"
         )
     try:
-        meta = json.loads(read_regular(marker, f"checkpoint '{path}': {MARKER}"))
+        meta = json.loads(read_small(marker, f"checkpoint '{path}': {MARKER}"))
     except UnsafePathError as error:
         raise CheckpointError(f"{error}; resume from another checkpoint") from None
-    except (ValueError, OSError):
+    except (ValueError, RecursionError, OSError):  # RecursionError: JSON nested deeper than Python's stack
         raise CheckpointError(f"checkpoint '{path}': {MARKER} is corrupted; resume from another checkpoint") from None
     if not isinstance(meta, dict):
         raise CheckpointError(
@@ -434,6 +434,7 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
     verified = VerifiedCheckpoint(path, meta)
     if verify_files:
         verified.identities = _verify_files(path, meta["files"])
+        verified.machine = machine_id()
     return verified
 
 
@@ -449,6 +450,12 @@ class VerifiedCheckpoint:
     not held in memory: :meth:`open` gives a descriptor on the very file whose checksum the main process computed
     (same device, inode, size and change time), so a file renamed over it since is refused.
 
+    Every rank compares: the main process records each file's identity while it verifies, and the other ranks
+    :meth:`adopt` that record (``CheckpointSession`` broadcasts it). A rank on the main process's machine compares the
+    whole identity; a rank on another machine sees the shared file system through another mount, whose device (and,
+    on some file systems, inode) numbers differ, and compares what the file system keeps: size and modification time.
+    A rank that has no record at all checks the checksum on the descriptor it reads through, once per file.
+
     Args:
         path: the ``step_<N>`` folder.
         meta: its ``checkpoint.json``, checked.
@@ -457,8 +464,22 @@ class VerifiedCheckpoint:
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
         self.path = path
         self.meta = meta
-        self.identities: dict[str, tuple[int, int, int, int]] = {}
-        """``(st_dev, st_ino, st_size, st_ctime_ns)`` of each file whose checksum was computed (main process)."""
+        self.identities: dict[str, tuple[int, int, int, int, int]] = {}
+        """``(st_dev, st_ino, st_size, st_ctime_ns, st_mtime_ns)`` of each file whose checksum was computed (by the
+        main process; the other ranks :meth:`adopt` them)."""
+        self.machine: str | None = None
+        """The machine the identities were recorded on (:func:`machine_id`)."""
+        self._checked: set[tuple[int, int, int, int, int]] = set()  # files whose checksum this process computed
+
+    def adopt(self, identities: dict[str, tuple[int, int, int, int, int]], machine: str | None) -> None:
+        """Take the main process's record of the files it verified, which :meth:`open` then compares.
+
+        Args:
+            identities: its :attr:`identities`.
+            machine: its :attr:`machine`.
+        """
+        self.identities = {name: tuple(value) for name, value in identities.items()}  # type: ignore[misc]
+        self.machine = machine
 
     @property
     def step(self) -> int:
@@ -482,24 +503,35 @@ class VerifiedCheckpoint:
         recorded = self._recorded(name)
         fd = self._open(name)
         with os.fdopen(fd, "rb") as handle:
+            _check_small(self.path, name, os.fstat(fd).st_size)  # this file, not the one listed before a swap
             data = handle.read()
         if bytes_checksum(data, recorded) != recorded:
             raise _mismatch(self.path, name)
         return data
 
     def open(self, file: str | Path) -> Any:
-        """A binary file object on ``file``, the very file whose checksum was verified when this process verified it
-        (a file renamed over it since is refused); on a process that did not verify (another rank), the file as it
-        is now, through a descriptor that follows no link.
+        """A binary file object on ``file``, the very file whose checksum the main process verified: its identity
+        compared with the one recorded then (a file renamed over it since is refused), or, where none was recorded,
+        its checksum computed on this descriptor (once per file and process).
 
         Args:
             file: the file's path.
         """
         name = self.name_of(file)
-        self._recorded(name)
+        recorded = self._recorded(name)
         fd = self._open(name)
+        status = _identity(os.fstat(fd))
         seen = self.identities.get(name)
-        if seen is not None and _identity(os.fstat(fd)) != seen:
+        if seen is None:
+            if status not in self._checked:
+                with os.fdopen(os.dup(fd), "rb") as handle:
+                    digest = _checksum_of(handle, recorded, self.path / name)
+                if digest != recorded:
+                    os.close(fd)
+                    raise _mismatch(self.path, name)
+                self._checked.add(status)
+            os.lseek(fd, 0, os.SEEK_SET)
+        elif _moved(status, seen, same_machine=self.machine == machine_id()):
             os.close(fd)
             raise CheckpointError(
                 f"checkpoint '{self.path}': {name} was replaced after its checksum was verified (another process is "
@@ -582,8 +614,29 @@ def open_regular(checkpoint: Path, name: str) -> int:
     return fd
 
 
-def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
-    return (status.st_dev, status.st_ino, status.st_size, status.st_ctime_ns)
+def _identity(status: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (status.st_dev, status.st_ino, status.st_size, status.st_ctime_ns, status.st_mtime_ns)
+
+
+def _moved(status: tuple[int, ...], seen: tuple[int, ...], *, same_machine: bool) -> bool:
+    """Whether the file of identity ``status`` is not the one recorded as ``seen``: the whole identity (device, inode,
+    size, change time) on the machine that recorded it; through another mount, whose device and inode numbers are its
+    own, size and modification time (what the shared file system keeps)."""
+    if same_machine:
+        return status[:4] != seen[:4]
+    return (status[2], status[4]) != (seen[2], seen[4])
+
+
+def machine_id() -> str:
+    """This machine's identity, for comparing file identities: the kernel's boot id (containers on one kernel share
+    its device and inode numbers, and may share a host name with another machine's), else the host name."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def _unlisted(path: Path, name: str) -> CheckpointError:
@@ -602,12 +655,61 @@ def _mismatch(path: Path, name: str) -> CheckpointError:
 
 def _check_listed(path: Path, files: dict[str, str]) -> None:
     """Every file under the checkpoint must be listed in ``files``: a file a loader reads but no checksum covers
-    (an entry removed from ``checkpoint.json``, a ``random_states_1.pkl`` added beside it) would load unchecked."""
+    (an entry removed from ``checkpoint.json``, a ``random_states_1.pkl`` added beside it) would load unchecked.
+    And every file but the tensor files (``.distcp``) is one that a loader reads whole into memory: one larger than
+    :data:`SMALL_FILE_LIMIT` is refused before a byte of it is hashed (a sparse file of a terabyte costs its forger
+    nothing, and its reader the memory it asks for)."""
     for folder, _, names in os.walk(path):
         for file in sorted(names):
             name = str((Path(folder) / file).relative_to(path))
             if name != MARKER and name not in files:
                 raise _unlisted(path, name)
+            if not file.endswith(".distcp"):
+                _check_small(path, name, os.lstat(Path(folder) / file).st_size)
+
+
+SMALL_FILE_LIMIT = 1 << 30
+"""The largest checkpoint file that is read whole into memory (``checkpoint.json``, the JSON and pickled state files,
+DCP's ``.metadata``): each is kilobytes to megabytes in a real checkpoint."""
+
+
+def _check_small(path: Path, name: str, size: int) -> None:
+    if size > SMALL_FILE_LIMIT:
+        raise CheckpointError(
+            f"checkpoint '{path}': {name} is {size} bytes, more than the {SMALL_FILE_LIMIT >> 20} MiB any checkpoint "
+            "file read whole may hold; it is damaged or forged: resume from another checkpoint"
+        )
+
+
+def read_small(file: Path, what: str) -> bytes:
+    """The bytes of a checkpoint file read whole: through one descriptor that follows no link and never waits on a
+    FIFO (``fstat``: a regular file), and refused unread when larger than :data:`SMALL_FILE_LIMIT`.
+
+    Args:
+        file: the file.
+        what: what it is, for messages.
+    """
+    import errno
+    import stat
+
+    from hftrain.files import UnsafePathError, kind_of
+
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UnsafePathError(f"{what} '{file}' is a symbolic link; hftrain reads none through a link") from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise UnsafePathError(f"{what} '{file}' is {kind_of(status.st_mode)}, not a file")
+        if status.st_size > SMALL_FILE_LIMIT:
+            raise CheckpointError(
+                f"{what} is {status.st_size} bytes, more than the {SMALL_FILE_LIMIT >> 20} MiB it may hold; it is "
+                "damaged or forged: resume from another checkpoint"
+            )
+        return handle.read()
 
 
 def check_regular_tree(path: Path) -> None:
@@ -743,7 +845,7 @@ def _damaged_field(path: Path, key: str, what: str) -> CheckpointError:
     )
 
 
-def _verify_files(path: Path, files: dict[str, str]) -> dict[str, tuple[int, int, int, int]]:
+def _verify_files(path: Path, files: dict[str, str]) -> dict[str, tuple[int, int, int, int, int]]:
     """Check every listed file's checksum, each through one descriptor (no link followed, no FIFO waited on); returns
     each file's identity, which a later :meth:`VerifiedCheckpoint.open` compares."""
     identities = {}

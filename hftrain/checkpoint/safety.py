@@ -274,7 +274,7 @@ def _check_safetensors(checkpoint: Path, name: str, path: Path) -> None:
 def _check_json(checkpoint: Path, name: str, path: Path) -> None:
     try:
         json.loads(path.read_text())
-    except (ValueError, OSError) as error:
+    except (ValueError, RecursionError, OSError) as error:  # RecursionError: nested deeper than Python's stack
         raise _damaged(checkpoint, name, error) from None
 
 
@@ -451,3 +451,78 @@ def check_counters(checkpoint: Path, name: str, loaded: Any, meta: dict[str, Any
 MAX_LR = 10.0
 """The largest learning rate a checkpoint may hold (a scheduler's, an optimizer group's): fine-tuning rates are
 around 1e-5 to 1e-2; one above this is a forged value that would make the first step's loss NaN."""
+
+
+# The files of a DeepSpeed tag folder that DeepSpeed's zero_to_fp32 reads (its two globs).
+_ZERO_FILE = re.compile(r"^.*_(model|optim)_states\.pt$")
+
+
+@contextlib.contextmanager
+def verified_zero_copy(root: Path, tag: str, *, scratch: Path | None = None) -> Iterator[Path]:
+    """A private DeepSpeed checkpoint folder (``<private>/<tag>``) holding copies of ``root/tag``'s state files, each
+    checked by the restricted unpickler on the copy itself; DeepSpeed's ``zero_to_fp32`` is pointed there.
+
+    Why a copy: ``zero_to_fp32`` takes a folder and ``torch.load``\\ s each ``*_states.pt`` by its path with
+    ``weights_only=False``; handed the checkpoint itself, it would read again a file that a writer may have swapped
+    since it was checked (issue 52's check-then-load race), and run the planted pickle. Each file is read once through
+    a descriptor that follows no link and never waits on a FIFO (``fstat``: a regular file), streamed into a folder
+    made by ``tempfile.mkdtemp`` (mode 0700, a random name), and the copy is what the restricted unpickler loads
+    (mapped, not read into memory) and what DeepSpeed loads after it: the same bytes, which construct the same tensors
+    and plain data, and run nothing. The folder is removed on leaving; what DeepSpeed mapped stays mapped.
+
+    Args:
+        root: the DeepSpeed checkpoint folder (holding ``tag``).
+        tag: the tag folder's name (``global_step<N>``), a plain name.
+        scratch: where the private folder is made (the converted model's parent: the copy is as large as the
+            checkpoint); None: the system's temporary folder.
+    """
+    import shutil
+    import stat
+    import tempfile
+
+    from hftrain.files import kind_of
+
+    if Path(tag).name != tag or tag in ("", ".", ".."):
+        raise CheckpointError(
+            f"DeepSpeed checkpoint '{root}': its tag {tag!r} is not a folder name of it; it is damaged or forged: "
+            "give the folder of a complete ZeRO save"
+        )
+    folder = root / tag
+    check_regular_tree(folder)
+    private = Path(tempfile.mkdtemp(prefix=".hftrain-verified-", dir=scratch))
+    try:
+        (private / tag).mkdir(mode=0o700)
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if not _ZERO_FILE.match(entry.name):
+                continue
+            name = f"{tag}/{entry.name}"
+            try:
+                fd = os.open(folder / entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as error:
+                raise CheckpointError(
+                    f"DeepSpeed checkpoint '{root}': {name} cannot be read ({error.strerror}); a checkpoint is a "
+                    "tree of regular files: give the folder of a complete ZeRO save"
+                ) from None
+            with os.fdopen(fd, "rb") as source:
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):
+                    raise CheckpointError(f"DeepSpeed checkpoint '{root}': {name} is {kind_of(mode)}, not a file; "
+                                          "give the folder of a complete ZeRO save")  # fmt: skip
+                size = os.fstat(fd).st_size
+                if source.read(4) != b"PK\x03\x04":  # torch's zip format; a bare pickle or garbage is never copied
+                    source.seek(0)
+                    _refuse_or_damaged(root, name, _plain_pickle_global(source.read(1 << 20)))
+                free = shutil.disk_usage(private).free
+                if size > free:  # a sparse file of a terabyte would otherwise fill the disk with its zeros
+                    raise CheckpointError(
+                        f"DeepSpeed checkpoint '{root}': {name} is {size} bytes, more than the {free} free beside the "
+                        f"converted model, where its verified copy is made; free space there, or convert elsewhere"
+                    )
+                source.seek(0)
+                copy = private / tag / entry.name
+                with open(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as target:
+                    shutil.copyfileobj(source, target, 1 << 20)
+            _restricted_torch_load(root, name, copy)  # the copy: what DeepSpeed loads next
+        yield private
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

@@ -190,8 +190,16 @@ class CheckpointSession:
             raise error
         if failed:
             raise CheckpointError(f"checkpoint '{path}' failed verification on the main process; see its error")
-        self._verified = verified if verified is not None else open_checkpoint(path, verify_files=False)
-        return self._verified.meta
+        from hftrain.parallel.host import broadcast_object
+
+        # Every rank compares each file it opens with the main process's record of the file it verified (a file
+        # renamed over it since is refused on every rank, not only on the main process).
+        record = broadcast_object((verified.identities, verified.machine) if verified is not None else None)
+        if verified is None:
+            verified = open_checkpoint(path, verify_files=False)
+            verified.adopt(*record)
+        self._verified = verified
+        return verified.meta
 
     def _load_state(self, path: Path, *, model: Any, optimizer: Any) -> None:
         """Load the verified state; a file that does not fit this run (a missing key, another shape) is one line.

@@ -411,6 +411,19 @@ class VerifiedReader(FileSystemReader):
                 f"'{self.path}' holds a pickled entry '{entry.storage_index.fqn}' where hftrain stores tensors only; "
                 "it is damaged or forged: resume from another checkpoint"
             )
+        sizes: dict[str, int] = {}
+        for item in plan.items:  # every chunk inside its file: a truncated or forged one is named, not an EOFError
+            info = self.storage_data[item.storage_index]
+            if info.relative_path not in sizes:
+                with open_verified(Path(self.path) / info.relative_path) as handle:
+                    sizes[info.relative_path] = os.fstat(handle.fileno()).st_size
+            try:
+                check_extent(sizes[info.relative_path], info.offset, info.length)
+            except ValueError as error:
+                raise CheckpointError(
+                    f"'{Path(self.path) / info.relative_path}' ({item.storage_index.fqn}): {error}; resume from "
+                    "another checkpoint"
+                ) from None
         return super().read_data(plan, planner)
 
 
@@ -733,11 +746,32 @@ def _read_exactly(handle: Any, offset: int, into: torch.Tensor) -> None:
         done += count
 
 
+def check_extent(size: int, offset: Any, length: Any) -> None:
+    """A chunk ``[offset, offset + length)`` that DCP's ``.metadata`` places in a file of ``size`` bytes must lie
+    inside it: a forged or truncated checkpoint's would read past the end (an ``EOFError``, or a message about
+    torch's internals, instead of what is wrong).
+
+    Args:
+        size: the file's size.
+        offset: where the chunk starts.
+        length: its length.
+    """
+    for value in (offset, length):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"its .metadata places a chunk at {offset!r}+{length!r}, not a byte range")
+    if offset + length > size:
+        raise ValueError(
+            f"its .metadata places a chunk at bytes {offset} to {offset + length}, beyond the end of its "
+            f"{size}-byte file (truncated, or the .metadata is forged)"
+        )
+
+
 class _Window(io.RawIOBase):
     """A read-only, seekable window ``[offset, offset + length)`` of an open file (one saved DCP chunk)."""
 
     def __init__(self, handle: Any, offset: int, length: int) -> None:
         super().__init__()
+        check_extent(os.fstat(handle.fileno()).st_size, offset, length)
         self._handle, self._start, self._length, self._position = handle, offset, length, 0
 
     def readable(self) -> bool:
@@ -798,7 +832,7 @@ def read_info(state_dir: str | Path) -> dict[str, Any]:
         )
     try:
         info = json.loads(read_verified(path))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested deeper than Python's stack
         raise CheckpointError(f"'{path}' is damaged ({error}); resume from another checkpoint") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         found = info.get("format") if isinstance(info, dict) else None
@@ -928,7 +962,7 @@ def read_snapshot(directory: str | Path, state: dict[str, Chunked], param_groups
     read(state, directory / DCP_DIR)
     try:
         saved = json.loads(read_verified(directory / GROUPS_FILE))["param_groups"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"'{directory / GROUPS_FILE}' is damaged ({error}); resume from another checkpoint"
         ) from None

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,9 @@ def save_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> 
     save_file(tensors, str(Path(directory) / FILE), metadata={"layout": json.dumps(layout)})
 
 
-def load_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> str | None:
+def load_streams(
+    directory: str | Path, tracker: RNGTracker, *, groups: Any, read: Callable[[Path], bytes] | None = None
+) -> str | None:
     """Restore this rank's streams from ``directory/FILE`` (no collective); returns a line to log, or None.
 
     The same layout restores each rank's own states (the run continues exactly as if uninterrupted). Another layout,
@@ -251,23 +254,27 @@ def load_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> 
         directory: the checkpoint's ``state/`` folder.
         tracker: this rank's tracker.
         groups: the run's ``ParallelGroups``.
+        read: reads a checkpoint file's bytes once, checked against its checksum (``checkpoint.sharded.
+            read_verified``): the streams are parsed from those bytes, never from the path again, which a writer
+            could have swapped since the check. None reads the file as it is (a test's tracker).
     """
-    from safetensors import safe_open
+    from safetensors.torch import load
 
     path = Path(directory) / FILE
     here = groups.dims.sizes
-    if path.is_file():
-        with safe_open(str(path), framework="pt") as file:
-            saved = json.loads((file.metadata() or {}).get("layout", "{}"))
-            coords = groups.coordinates
-            first = dict.fromkeys(coords, 0)
-            # A generator state of another device type (a CPU run resumed on a GPU: 5056 bytes against CUDA's 16)
-            # does not load: rebuilt from the checkpoint as for another layout.
-            same_device = file.get_tensor(_key(first, "default")).numel() == _get_state(tracker.device).numel()
-            if {axis: saved.get(axis) for axis in here} == here and same_device:
-                tracker.load_states({s: file.get_tensor(_key(coords, s)) for s in STREAMS})
-                return None
-            source = b"".join(file.get_tensor(_key(first, s)).numpy().tobytes() for s in STREAMS)
+    if os.path.lexists(path):  # a link or a FIFO there is the reader's to refuse, not a checkpoint without streams
+        data = read(path) if read is not None else path.read_bytes()
+        saved = json.loads(_safetensors_metadata(data).get("layout", "{}"))
+        tensors = load(data)
+        coords = groups.coordinates
+        first = dict.fromkeys(coords, 0)
+        # A generator state of another device type (a CPU run resumed on a GPU: 5056 bytes against CUDA's 16)
+        # does not load: rebuilt from the checkpoint as for another layout.
+        same_device = tensors[_key(first, "default")].numel() == _get_state(tracker.device).numel()
+        if {axis: saved.get(axis) for axis in here} == here and same_device:
+            tracker.load_states({s: tensors[_key(coords, s)] for s in STREAMS})
+            return None
+        source = b"".join(tensors[_key(first, s)].numpy().tobytes() for s in STREAMS)
         described = " × ".join(f"{axis}={saved.get(axis)}" for axis in here)
         if not same_device:
             described += f", written with another device's generator than {tracker.device.type}'s"
@@ -280,3 +287,14 @@ def load_streams(directory: str | Path, tracker: RNGTracker, *, groups: Any) -> 
         f"RNG streams rebuilt for the layout {now} (the checkpoint's is {described}): every tp group draws "
         "identical replicated dropout masks"
     )
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's bytes (its 8-byte header length, then the JSON header)."""
+    length = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or length > len(data) - 8:
+        raise ValueError(f"{FILE} is truncated (its header says {length} bytes, {len(data) - 8} follow)")
+    metadata = json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{FILE}'s __metadata__ is not a mapping")
+    return metadata

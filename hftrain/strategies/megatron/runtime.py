@@ -147,13 +147,14 @@ class MegatronRuntime(AccelerateRuntime):
         return snapshot(self._model, self._params, self._optimizer, groups=self.plugin.groups, info=self.layout_facts())
 
     def load_extras(self, directory: str) -> None:
+        from hftrain.checkpoint.sharded import read_verified
         from hftrain.log import log_main
         from hftrain.parallel.random import load_streams
 
         super().load_extras(directory)
         # After Accelerate's per-rank RNG: on another layout those are other ranks' states, and the tracker's
         # deterministic rebuild replaces them, identical over each tp group.
-        note = load_streams(directory, self.plugin.rng_tracker, groups=self.plugin.groups)
+        note = load_streams(directory, self.plugin.rng_tracker, groups=self.plugin.groups, read=read_verified)
         if note:
             log_main(note)
 
