@@ -152,7 +152,7 @@ def test_convert_refuses_a_checkpoint_whose_config_names_code(tiny_job, tmp_path
     _plant_code(step / "state" / "hf_model", marker)  # the .py shipped inside the checkpoint
     _reseal(step)
     out = tmp_path / "converted"
-    _refused_with_yes(monkeypatch, capsys, ["convert", str(run), str(out)], "never runs model code")
+    _refused_with_yes(monkeypatch, capsys, ["convert", str(run), str(out)], "runs no code shipped with a checkpoint")
     assert not marker.exists() and not out.exists()
 
 
