@@ -389,7 +389,8 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
 def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedCheckpoint:
     """A complete checkpoint, checked: its marker (read once, through one descriptor that follows no link and never
     waits on a FIFO), version and keys, every file under it listed (an unlisted one is refused) and, with
-    ``verify_files``, every file's checksum computed on the bytes of one descriptor whose file is recorded.
+    ``verify_files``, every file's checksum computed on the bytes of one descriptor whose file is recorded (pitfall
+    "checked file swapped before it is loaded", docs/pitfalls.md).
 
     Loaders then read through the returned :class:`VerifiedCheckpoint` (:meth:`~VerifiedCheckpoint.read`): each file
     once, its checksum checked on those bytes, and those bytes parsed.

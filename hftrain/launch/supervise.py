@@ -19,7 +19,7 @@ process) with SIGUSR1 among the handled signals and a shutdown grace long enough
 A worker started by any agent (torchrun, ``accelerate launch``, ``deepspeed``) asks the kernel for SIGTERM when
 its parent dies (``PR_SET_PDEATHSIG``, :func:`die_with_parent`): the preemption path then checkpoints and exits,
 instead of a rank training on with no agent to stop it. Written by hand: torchrun offers neither the exit-code rule
-nor a parent-death signal.
+nor a parent-death signal. Pitfall "preemption exit code lost by the launcher", docs/pitfalls.md.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ its tokenizer's)."""
 
 def check_remote_code(folder: str | os.PathLike[str], field: str, *, trusted: bool = False, fix: str = "") -> bool:
     """Refuse a model folder whose config names Python code to run (an ``auto_map``) unless ``trusted``; True when
-    it names some (the caller passes ``trust_remote_code=True`` on, under ``trusted``).
+    it names some (the caller passes ``trust_remote_code=True`` on, under ``trusted``). Pitfall "remote code behind a
+    prompt", docs/pitfalls.md.
 
     Runs before transformers sees the folder: transformers asks "Do you wish to run the custom code? [y/N]" on stdin
     when it is not told, so a command would stop at a terminal, and a "y" piped in would run the planted code.
