@@ -15,8 +15,9 @@ one line naming the holder (host, pid, run id, command) that the lock file recor
 compared with the path's (a holder that released and removed it meanwhile makes the taker retry), so the file can
 be removed on release.
 
-Pitfall "writes through planted links", docs/pitfalls.md. Written by hand: the standard library's helpers (``Path.write_text``, ``shutil.rmtree``) follow links or block, and
-the ``filelock`` package records no holder and follows a planted link.
+Pitfall "writes through planted links", docs/pitfalls.md. Written by hand: the standard library's helpers
+(``Path.write_text``, ``shutil.rmtree``) follow links or block, and the ``filelock`` package records no holder and
+follows a planted link.
 """
 
 from __future__ import annotations
