@@ -68,7 +68,7 @@ def check_own(path: str | os.PathLike[str], what: str, *, folder: bool | None = 
     """
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # under a file: the caller's writability check names it
         return False
     regular = stat.S_ISREG(mode) or stat.S_ISDIR(mode)
     wrong = not regular or (folder is True and not stat.S_ISDIR(mode)) or (folder is False and stat.S_ISDIR(mode))

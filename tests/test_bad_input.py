@@ -723,7 +723,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
             "--resume_from_checkpoint",
             "auto",
         ],
-        "its files are damaged",
+        "(truncated, or the .metadata is forged)",
     ),
     "resume: truncated optimizer state": (
         lambda c: [
@@ -731,7 +731,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
             "--resume_from_checkpoint",
             "auto",
         ],
-        "its files are damaged",
+        "(truncated, or the .metadata is forged)",
     ),
     "resume: weights missing a key": (
         lambda c: [
