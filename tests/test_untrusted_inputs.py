@@ -135,6 +135,28 @@ def test_trust_remote_code_runs_the_folders_own_code_when_the_user_says_so(tiny_
     assert marker.exists()
 
 
+def test_a_trusted_models_run_exports_no_code(tiny_job, tmp_path):
+    """With model.trust_remote_code the run trains and its export reloads (with the class already imported), yet
+    the exported folder names no code: no auto_map, no copied module."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, launch_env
+
+    folder, marker = _planted_folder(tiny_job, tmp_path)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "hftrain", "train", *job_args({**tiny_job, "model": str(folder)}, out, steps=2),
+         "--trust_remote_code", "true"],
+        cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert marker.exists()  # the user's own code ran, as asked
+    exported = out / "model"
+    assert not list(exported.glob("*.py"))
+    assert all("auto_map" not in json.loads(p.read_text()) for p in exported.glob("*config.json"))
+
+
 def test_a_checkpoint_config_never_grants_trust():
     from hftrain.config import config_from_flat
 

@@ -293,7 +293,7 @@ def _streamed_export(
             if expected is not None:
                 diffs["model"] = verify_export(
                     stage, verify_inputs, expected, mixed_precision=mixed_precision, export_dtype=export_dtype,
-                    trained_on=trained_on,
+                    trained_on=trained_on, model_class=type(base),
                 )  # fmt: skip
         except BaseException:
             remove_quietly(stage)
@@ -336,6 +336,7 @@ def verify_export(
     mixed_precision: str = "no",
     export_dtype: str = "float32",
     trained_on: str = "cpu",
+    model_class: type | None = None,
 ) -> float:
     """Reload an export with plain transformers (or peft onto ``base_model``) and compare its logits.
 
@@ -358,8 +359,12 @@ def verify_export(
         trained_on: the device type ``expected`` was computed on: the reload computes on the CPU, and fp32 kernels
             of another device sum in another order (TF32 rounds too, where torch lets fp32 matmuls use it), so
             ``cross_device_tolerance`` is accepted on top.
+        model_class: the trained model's class, to reload a full model with (None: the class ``config.json``
+            records, looked up in transformers). A model whose code came with its folder (``model.trust_remote_code``)
+            is reloaded with the class already imported: the export names no code (no ``auto_map``) for a loader to
+            import.
     """
-    reloaded = _reload(Path(directory), base_model, upcast=export_dtype != "float32")
+    reloaded = _reload(Path(directory), base_model, upcast=export_dtype != "float32", model_class=model_class)
     logits = _logits(reloaded, inputs, mixed_precision)
     if logits.shape != expected.shape:
         raise HFTrainError(
@@ -504,6 +509,7 @@ def _write_and_verify(
     if expected is not None:
         base = trained.unload() if trained is not None else None
         precision = {"mixed_precision": mixed_precision, "export_dtype": export_dtype, "trained_on": trained_on}
+        precision["model_class"] = type(_base_of(unwrapped))
         diffs["model"] = verify_export(directory, verify_inputs, expected, base_model=base, **precision)
         if merged_dir is not None:
             diffs["merged"] = verify_export(merged_dir, verify_inputs, expected, **precision)
@@ -604,14 +610,17 @@ def _base_of(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def _reload(directory: Path, base_model: torch.nn.Module | None, *, upcast: bool = False) -> torch.nn.Module:
+def _reload(
+    directory: Path, base_model: torch.nn.Module | None, *, upcast: bool = False, model_class: type | None = None
+) -> torch.nn.Module:
     if base_model is None:
         import transformers
 
-        # The class save_pretrained recorded (a *ForSequenceClassification for hftrain's own runs).
-        architectures = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=False).architectures or []
-        model_class = getattr(transformers, architectures[0], None) if architectures else None
-        model_class = model_class or transformers.AutoModelForSequenceClassification
+        if model_class is None:  # the class save_pretrained recorded (a *ForSequenceClassification for hftrain's runs)
+            config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=False)
+            architectures = config.architectures or []
+            model_class = getattr(transformers, architectures[0], None) if architectures else None
+            model_class = model_class or transformers.AutoModelForSequenceClassification
         dtype = {"dtype": torch.float32} if upcast else {}  # else transformers' "auto": the saved dtype
         model, info = model_class.from_pretrained(directory, output_loading_info=True, trust_remote_code=False, **dtype)
         problems = {k: v for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if (v := info.get(k))}

@@ -123,6 +123,9 @@ def without_code(model_config: PretrainedConfig) -> PretrainedConfig:
     """
     for key in CODE_KEYS:
         model_config.__dict__.pop(key, None)
+    # A config class loaded through an auto_map is registered for an auto class: save_pretrained would copy its
+    # module beside the file and write the auto_map back (transformers' custom_object_save).
+    model_config.__dict__["_auto_class"] = None
     return model_config
 
 
