@@ -30,6 +30,7 @@ import os
 import socket
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,52 @@ def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
         if not stat.S_ISREG(mode):
             raise UnsafePathError(f"{what} '{path}' is {kind_of(mode)}, not a file")
         return handle.read()
+
+
+@contextlib.contextmanager
+def reading_folder(folder: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold a shared ``flock`` on ``folder`` while a command reads it: a run's checkpoint rotation
+    (:func:`remove_unless_read`) keeps a folder that an export or a conversion is reading.
+
+    Best effort: a folder that cannot be opened (missing, a link: the reader's own checks name it) or locked (a file
+    system without ``flock`` on folders) is read without the lock, as before.
+
+    Args:
+        folder: the folder read (a ``step_<N>`` checkpoint).
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a rotation deletes it (then the reader names it)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_unless_read(folder: str | os.PathLike[str], what: str) -> bool:
+    """:func:`remove` a folder unless a reader holds it (:func:`reading_folder`); False when it was kept.
+
+    Args:
+        folder: the folder to delete.
+        what: what it is, for the message.
+    """
+    if not check_own(folder, what, folder=True):
+        return False
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:  # no flock on folders here (some network file systems): removed, as before
+            pass
+        return remove(folder, what)
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

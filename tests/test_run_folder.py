@@ -438,3 +438,30 @@ def test_publishing_checks_every_target_before_the_first_rename(tmp_path):
         with pytest.raises(UnsafePathError, match="is a (symbolic link|FIFO)"):
             _publish_all(staged)
         assert _tree(root) == before and not any(outside.iterdir())
+
+
+def test_rotation_keeps_a_checkpoint_another_command_is_reading(tmp_path):
+    """An export or a conversion reading step_N (a shared flock held through ``VerifiedCheckpoint.active``) keeps the
+    live run's rotation from deleting it under the reader; the next save removes it."""
+    from hftrain.checkpoint.manager import MARKER, CheckpointManager
+    from hftrain.files import reading_folder, remove_unless_read
+
+    root = tmp_path / "checkpoints"
+    manager = CheckpointManager(root, keep=1)
+
+    def save(step: int) -> Path:
+        staging = root / f".staging-step_{step:08d}"
+        (staging / "state").mkdir(parents=True)
+        (staging / "state" / "weights").write_bytes(b"w")
+        final = root / f"step_{step:08d}"
+        manager._finish(staging, final, {"step": step})
+        assert (final / MARKER).is_file()
+        return final
+
+    first = save(2)
+    with reading_folder(first):
+        assert not remove_unless_read(first, "a checkpoint")
+        second = save(4)
+        assert first.is_dir() and second.is_dir()  # kept while read
+    third = save(6)
+    assert not first.exists() and not second.exists() and third.is_dir()

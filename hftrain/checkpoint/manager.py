@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import CheckpointError, HFTrainError, WriteError, write_error
-from hftrain.files import check_own, fsync_dir, make_folder, remove, remove_quietly, write_file
+from hftrain.files import (
+    check_own,
+    fsync_dir,
+    make_folder,
+    reading_folder,
+    remove,
+    remove_quietly,
+    remove_unless_read,
+    write_file,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -171,8 +180,11 @@ class CheckpointManager:
         remove(final, "a checkpoint folder")
         os.replace(staging, final)
         fsync_dir(self.root)
-        for old in rotated:
-            remove(old, "a rotated checkpoint folder")
+        for old in rotated:  # one an export or a conversion is reading stays, and goes at a later save
+            if not remove_unless_read(old, "a rotated checkpoint folder"):
+                from hftrain.log import get_logger
+
+                get_logger().info(f"kept {old.name} for now: another command is reading it")
 
     def _clear_staging(self) -> None:
         if self.root.is_dir():
@@ -562,7 +574,8 @@ class VerifiedCheckpoint:
         def scope() -> Any:
             token = _ACTIVE.set(self)
             try:
-                yield self
+                with reading_folder(self.path):  # the run's rotation keeps it while this command reads it
+                    yield self
             finally:
                 _ACTIVE.reset(token)
 
