@@ -15,9 +15,9 @@ import os
 import sys
 import time
 import typing
-from pathlib import Path
 
 from hftrain.errors import AxisError, ConfigError, HFTrainError, UsageError
+from hftrain.files import read_input
 from hftrain.parallel.dims import AXIS_SIZES
 from hftrain.plan.command import add_plan_arguments, run_plan
 
@@ -388,7 +388,7 @@ def _accelerate_strategy(env: dict[str, str]) -> str | None:
     config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if config_file and config_file != "none":
         try:
-            stage = str(json.loads(Path(config_file).read_text())["zero_optimization"]["stage"])
+            stage = str(json.loads(read_input(config_file, "deepspeed_config_file"))["zero_optimization"]["stage"])
         except (OSError, ValueError, KeyError) as error:
             raise ConfigError(
                 f"deepspeed_config_file '{config_file}' (from the accelerate config) has no readable "

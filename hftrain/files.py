@@ -277,6 +277,22 @@ def remove_unless_read(folder: str | os.PathLike[str], what: str) -> bool:
         os.close(fd)
 
 
+def read_input(path: str | os.PathLike[str], what: str) -> bytes:
+    """The bytes of a file a user names (a config, a DeepSpeed JSON): links are followed, as the user may keep
+    configs anywhere, but a FIFO, socket or device is refused in one line instead of blocking the command forever.
+
+    Args:
+        path: the file.
+        what: the field or flag that named it, for the message.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once, and is then refused
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafePathError(f"{what} '{path}' is {kind_of(mode)}, not a file; give a regular file")
+        return handle.read()
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

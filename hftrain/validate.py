@@ -39,6 +39,7 @@ from hftrain.checkpoint.run import (
 )
 from hftrain.config import CONFIG_FILENAME, config_differences, from_dict
 from hftrain.errors import ConfigError, reading
+from hftrain.files import read_input
 
 if TYPE_CHECKING:
     from hftrain.config import TrainConfig, TrainingConfig
@@ -279,7 +280,7 @@ def _saved_config(saved: Path) -> TrainConfig:
         "it is damaged: restore it, or choose a new output_dir",
         catch=(OSError, ValueError, yaml.YAMLError),
     ):
-        raw = yaml.safe_load(saved.read_text())
+        raw = yaml.safe_load(read_input(saved, "training.output_dir's config"))
     return from_dict(raw or {}, source=str(saved), written=False)
 
 

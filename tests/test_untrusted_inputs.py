@@ -386,3 +386,33 @@ def test_an_exports_config_names_no_code(tmp_path):
     _clean_config(config_file, "bfloat16")
     written = json.loads(config_file.read_text())
     assert written == {"model_type": "bert", "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--deepspeed", "{fifo}"], "--deepspeed '{fifo}' is a FIFO, not a file"),
+        (
+            ["--strategy.name", "zero2", "--strategy.deepspeed_config", "{fifo}"],
+            "strategy.deepspeed_config '{fifo}' is a FIFO",
+        ),
+    ],
+)
+def test_a_fifo_named_as_a_config_file_is_refused_not_waited_on(tiny_job, tmp_path, flags, fragment):
+    """A DeepSpeed JSON that is a FIFO (``--deepspeed <(...)``, a planted pipe) is refused in one line; it used to
+    block the command forever on open()."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, launch_env
+
+    fifo = tmp_path / "ds.json"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    flags = [flag.format(fifo=fifo) for flag in flags]
+    done = subprocess.run(
+        [sys.executable, "-m", "hftrain", "train", *job_args(tiny_job, out, steps=1), *flags],
+        cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert_refused(done.stderr, done.returncode, fragment.format(fifo=fifo))
+    assert not out.exists()

@@ -49,7 +49,7 @@ from hftrain.checkpoint.sharded import DCP_DIR, MODEL_PREFIX, check_sharded, rea
 from hftrain.checkpoint.sharded import HF_DIR as HF_MODEL_DIR
 from hftrain.checkpoint.stream import EXPORT_DTYPES, TensorSpec, parse_shard_size, saved_dtype, write_streamed
 from hftrain.errors import ConfigError, reading, writing
-from hftrain.files import FolderLock, check_own, fresh_folder, remove_quietly, write_file
+from hftrain.files import FolderLock, check_own, fresh_folder, read_input, remove_quietly, write_file
 from hftrain.log import get_logger
 
 PEFT_PREFIX = "base_model.model."
@@ -411,7 +411,7 @@ def _config_of(data: bytes, what: str) -> Any:
 
 def _read_adapter_config(path: Path) -> dict[str, Any]:
     with reading(f"{path}", "restore the adapter_config.json PEFT wrote", catch=(OSError, ValueError, RecursionError)):
-        adapter = json.loads(path.read_text())
+        adapter = json.loads(read_input(path, "adapter_config.json"))
     return _lora_only(adapter, str(path), ConfigError)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hftrain.errors import ConfigError, ProcessError
+from hftrain.files import read_input
 
 if TYPE_CHECKING:
     from hftrain.config import TrainConfig
@@ -120,7 +121,7 @@ def _deepspeed_strategy(path: str, environ: Mapping[str, str]) -> str:
             "DeepSpeed accelerate config (accelerate_configs/zero*.yaml) or drop --deepspeed"
         )
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(read_input(path, "--deepspeed"))
     except OSError:
         raise ConfigError(f"--deepspeed: cannot read '{path}'; give an existing DeepSpeed JSON") from None
     except ValueError as error:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hftrain.errors import ConfigError
+from hftrain.files import read_input
 from hftrain.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ class ZeroStrategy(Strategy):
                 self.stage, offload_optimizer=self.config.offload_optimizer, offload_params=self.config.offload_params
             )
         try:
-            config = json.loads(Path(path).read_text())
+            config = json.loads(read_input(path, "strategy.deepspeed_config"))
         except OSError:
             raise ConfigError(
                 f"strategy.deepspeed_config: cannot read '{path}'; give an existing DeepSpeed JSON"
