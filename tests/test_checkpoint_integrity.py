@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,26 @@ def _swapper(target: Path, genuine: bytes, forged: bytes, stop: threading.Event)
     return thread
 
 
+def _converts_under_a_swapping_writer(
+    target: Path, forged: bytes, tries: int, convert: Callable[[int], tuple[int, str]]
+) -> list[int]:
+    """Run ``convert(attempt)`` ``tries`` times while a writer swaps ``forged`` and the genuine bytes over
+    ``target``; each try converts or is refused in one line, and the planted code never runs. Returns the codes."""
+    stop = threading.Event()
+    thread = _swapper(target, target.read_bytes(), forged, stop)
+    codes = []
+    try:
+        for attempt in range(tries):
+            code, stderr = convert(attempt)
+            codes.append(code)
+            assert code in (0, 2) and "Traceback" not in stderr, stderr[-2000:]
+    finally:
+        stop.set()
+        thread.join()
+    assert not Path("PWNED").exists(), codes
+    return codes
+
+
 @pytest.mark.parametrize("file", ["state/dcp/.metadata", "state/custom_checkpoint_0.pkl"])
 def test_a_file_swapped_while_it_is_checked_and_loaded_never_runs_code(run, tmp_path, file):
     """The race of issue 52: the checksum sees the genuine file, the loader would read the planted one. Every read
@@ -147,19 +168,14 @@ def test_a_file_swapped_while_it_is_checked_and_loaded_never_runs_code(run, tmp_
 def test_convert_under_a_racing_writer_never_runs_code(run, tmp_path):
     copy = _copy(run, tmp_path)
     target = copy / STEP2 / "state" / "dcp" / ".metadata"
-    stop = threading.Event()
-    thread = _swapper(target, target.read_bytes(), planted_bytes("bare"), stop)
-    codes = []
-    try:
-        for attempt in range(12):
-            out = tmp_path / f"out{attempt}"
-            code, stderr = cli_in_process(["convert", str(copy / STEP2), str(out), "--output_dir", str(copy)])
-            codes.append(code)
-            assert code in (0, 2) and "Traceback" not in stderr, stderr[-2000:]
-    finally:
-        stop.set()
-        thread.join()
-    assert not Path("PWNED").exists(), codes
+    _converts_under_a_swapping_writer(
+        target,
+        planted_bytes("bare"),
+        12,
+        lambda attempt: cli_in_process(
+            ["convert", str(copy / STEP2), str(tmp_path / f"out{attempt}"), "--output_dir", str(copy)]
+        ),
+    )
 
 
 # ----------------------------------------------------------------- every file listed and checked
@@ -323,18 +339,12 @@ def test_a_deepspeed_file_swapped_while_convert_checks_and_loads_it_never_runs_c
     folder = tmp_path / "zero2"
     shutil.copytree(zero_folder / "zero2", folder)
     target = folder / "global_step2" / "mp_rank_00_model_states.pt"
-    stop = threading.Event()
-    thread = _swapper(target, target.read_bytes(), planted_bytes("torch"), stop)
-    codes = []
-    try:
-        for attempt in range(16):
-            code, stderr = _convert_zero(folder, tmp_path / f"out{attempt}", zero_folder / "config")
-            codes.append(code)
-            assert code in (0, 2) and "Traceback" not in stderr, stderr[-2000:]
-    finally:
-        stop.set()
-        thread.join()
-    assert not Path("PWNED").exists(), codes
+    codes = _converts_under_a_swapping_writer(
+        target,
+        planted_bytes("torch"),
+        16,
+        lambda attempt: _convert_zero(folder, tmp_path / f"out{attempt}", zero_folder / "config"),
+    )
     assert 0 in codes and 2 in codes, codes  # the race was run both ways
     assert not list(tmp_path.glob(".hftrain-verified-*"))  # the private copies are gone
 
