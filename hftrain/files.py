@@ -427,12 +427,20 @@ class FolderLock:
         )
 
 
-def _read_holder(fd: int) -> dict[str, Any]:
-    try:
-        holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (ValueError, OSError):
-        return {}
-    return holder if isinstance(holder, dict) else {}
+def _read_holder(fd: int, *, wait_s: float = 1.0) -> dict[str, Any]:
+    """The holder a lock file records; a holder that took the lock a moment ago writes it right after: waited for,
+    up to ``wait_s``, so that the refusal names it."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (ValueError, OSError):
+            holder = {}
+        if (isinstance(holder, dict) and holder) or time.monotonic() >= deadline:
+            return holder if isinstance(holder, dict) else {}
+        time.sleep(0.02)
 
 
 def _describe(holder: dict[str, Any]) -> str:
