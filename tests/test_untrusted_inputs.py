@@ -416,3 +416,18 @@ def test_a_fifo_named_as_a_config_file_is_refused_not_waited_on(tiny_job, tmp_pa
     )  # fmt: skip
     assert_refused(done.stderr, done.returncode, fragment.format(fifo=fifo))
     assert not out.exists()
+
+
+def test_export_refuses_a_model_folder_its_checkpoint_names_that_names_code(tiny_job, tmp_path, monkeypatch, capsys):
+    """``hftrain export`` builds the model from the folder the checkpoint's config names: with an ``auto_map`` there
+    (planted after the run), "y" on stdin runs nothing; the export is refused in one line (a checkpoint never grants
+    trust), nothing written."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder, marker = _planted_folder(tiny_job, tmp_path)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_job["model"])
+    run = tmp_path / "run"
+    _write_dcp_checkpoint(model, run, str(folder))
+    out = tmp_path / "exported"
+    _refused_with_yes(monkeypatch, capsys, ["export", str(run), str(out)], "model.trust_remote_code")
+    assert not marker.exists() and not out.exists()
