@@ -211,7 +211,7 @@ def test_convert_writes_no_auto_map(tiny_job, tmp_path):
 def test_without_code_drops_the_keys_an_export_writes():
     from transformers import BertConfig
 
-    from hftrain.models.checks import without_code
+    from hftrain.models.remote_code import without_code
 
     config = BertConfig(auto_map={"AutoConfig": "x.Y"}, trust_remote_code=True)
     assert "auto_map" in config.to_dict()

@@ -373,7 +373,7 @@ def _zero_source(
 def _read_config(where: str, what: str) -> Any:
     from transformers import AutoConfig
 
-    from hftrain.models.checks import check_remote_code
+    from hftrain.models.remote_code import check_remote_code
 
     # Before transformers reads it: it would ask on stdin whether to run the code an auto_map names.
     check_remote_code(where, what, fix="hftrain convert never runs model code: remove auto_map from that config.json")
@@ -441,7 +441,7 @@ def _plan_folders(
 ) -> list[tuple[Callable[[Path], None], str, list[_Target]]]:
     """Per output folder: its config writer, its file prefix and its tensors."""
     base, peft_model = _skeleton(source)
-    from hftrain.models.checks import without_code
+    from hftrain.models.remote_code import without_code
 
     config = without_code(copy.deepcopy(source.config))  # no auto_map: the converted folder names no code to run
     config.architectures = [type(base).__name__]

@@ -280,7 +280,7 @@ def _streamed_export(
         try:
             _close_streamed(plan["writer"], directory)
             base = _base_of(unwrapped)
-            from hftrain.models.checks import without_code
+            from hftrain.models.remote_code import without_code
 
             config = without_code(copy.deepcopy(base.config))  # no auto_map: the export names no code to run
             config.architectures = [type(base).__name__]  # as save_pretrained records them, and the dtype
@@ -528,7 +528,7 @@ def _clean_config(config_file: Path, export_dtype: str) -> None:
     import json
 
     from hftrain.files import write_file
-    from hftrain.models.checks import CODE_KEYS
+    from hftrain.models.remote_code import CODE_KEYS
 
     config = json.loads(config_file.read_text())
     for key in CODE_KEYS:
@@ -633,6 +633,8 @@ def _reload(
         return model.eval()
     from peft import PeftModel
 
+    # PEFT reads only adapter_config.json and the adapter's tensors onto the base model given: it imports no code from
+    # the folder and takes no trust_remote_code (the base model was built by hftrain, with the user's trust).
     return PeftModel.from_pretrained(base_model, directory).eval()
 
 

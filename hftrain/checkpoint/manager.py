@@ -16,7 +16,6 @@ A checkpoint becomes visible only by the rename of its finished staging folder, 
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import json
 import os
@@ -28,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hftrain.checkpoint.reading import activated, check_regular_tree, open_regular
 from hftrain.errors import CheckpointError, HFTrainError, WriteError, write_error
 from hftrain.files import (
     check_own,
     fsync_dir,
     make_folder,
-    reading_folder,
     remove,
     remove_quietly,
     remove_unless_read,
@@ -567,65 +566,8 @@ class VerifiedCheckpoint:
 
     def active(self) -> Any:
         """A context in which the checkpoint loaders (``checkpoint.sharded``, ``checkpoint.safety``) read through this
-        checkpoint (:func:`active_checkpoint`)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope() -> Any:
-            token = _ACTIVE.set(self)
-            try:
-                with reading_folder(self.path):  # the run's rotation keeps it while this command reads it
-                    yield self
-            finally:
-                _ACTIVE.reset(token)
-
-        return scope()
-
-
-_ACTIVE: contextvars.ContextVar[VerifiedCheckpoint | None] = contextvars.ContextVar("hftrain_checkpoint", default=None)
-
-
-def active_checkpoint() -> VerifiedCheckpoint | None:
-    """The checkpoint being loaded (:meth:`VerifiedCheckpoint.active`), or None outside a load.
-
-    A context rather than a parameter: the strategies' loaders (``runtime.load_state`` and the DCP reads under it)
-    take a folder, and every one of them reads through the checkpoint of the resume that called them.
-    """
-    return _ACTIVE.get()
-
-
-def open_regular(checkpoint: Path, name: str) -> int:
-    """A descriptor on ``checkpoint/name`` opened without following a link or waiting on a FIFO, checked with
-    ``fstat`` to be a regular file; anything else is a one-line :class:`CheckpointError`.
-
-    Args:
-        checkpoint: the ``step_<N>`` folder.
-        name: the file's path inside it.
-    """
-    import errno
-    import stat
-
-    try:
-        fd = os.open(checkpoint / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint '{checkpoint}' is incomplete: {name} is missing; resume from another checkpoint"
-        ) from None
-    except OSError as error:
-        what = "a symbolic link" if error.errno == errno.ELOOP else error.strerror
-        raise CheckpointError(
-            f"checkpoint '{checkpoint}': {name} cannot be read ({what}); a checkpoint is a tree of regular files: "
-            "resume from another checkpoint"
-        ) from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        from hftrain.files import kind_of
-
-        raise CheckpointError(
-            f"checkpoint '{checkpoint}': {name} is {kind_of(mode)}, not a file; resume from another checkpoint"
-        )
-    return fd
+        checkpoint (``reading.active_checkpoint``), its folder kept from rotation meanwhile."""
+        return activated(self)
 
 
 def _identity(status: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -724,42 +666,6 @@ def read_small(file: Path, what: str) -> bytes:
                 "damaged or forged: resume from another checkpoint"
             )
         return handle.read()
-
-
-def check_regular_tree(path: Path) -> None:
-    """Refuse a checkpoint that is not a tree of regular files and folders, before any library reads a byte of it.
-
-    A symbolic link anywhere in it (``state/dcp -> ../elsewhere``, which survives ``cp -a`` and tar) would let a
-    file be read that no check ever looked at: ``Path.rglob`` does not enter a symlinked folder, while the loaders
-    (torch's DCP reader unpickles ``.metadata``) follow the link. A FIFO or device would block or read forever. So
-    every entry below ``path`` is listed without following links (``os.walk``), and the first that is a link, or
-    neither a folder nor a regular file, is named in one line. ``path`` itself may be reached through links (a
-    symlinked scratch file system); whether it lies inside the run is :func:`~hftrain.checkpoint.resume.
-    check_trusted`'s question, asked of its real path. Pitfall "symlinked checkpoint runs code", docs/pitfalls.md.
-
-    Args:
-        path: a ``step_<N>`` folder (or a DeepSpeed checkpoint's tag folder).
-    """
-
-    def unreadable(error: OSError) -> None:
-        raise CheckpointError(f"checkpoint '{path}': '{error.filename}' cannot be listed ({error.strerror}); "
-                              "resume from another checkpoint")  # fmt: skip
-
-    for folder, folders, files in os.walk(path, onerror=unreadable):
-        for name in [*folders, *files]:
-            entry = Path(folder) / name
-            relative = entry.relative_to(path)
-            if entry.is_symlink():
-                raise CheckpointError(
-                    f"checkpoint '{path}': {relative} is a symbolic link (to '{os.readlink(entry)}'); a checkpoint "
-                    "is a tree of regular files, and hftrain reads none through a link: replace the link with a "
-                    "copy of what it points to (cp -rL) if you trust it, or resume from another checkpoint"
-                )
-            if not (entry.is_dir() or entry.is_file()):
-                raise CheckpointError(
-                    f"checkpoint '{path}': {relative} is neither a file nor a folder (a FIFO, socket or device); "
-                    "resume from another checkpoint"
-                )
 
 
 def _check_step(path: Path, meta: dict[str, Any]) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hftrain.checkpoint.manager import CheckpointError, check_regular_tree
+from hftrain.checkpoint.reading import check_regular_tree
+from hftrain.errors import CheckpointError
 
 # Config keys that define the model and task: a checkpoint of another model or task cannot be resumed.
 IDENTITY_KEYS = (

@@ -34,7 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hftrain.checkpoint.manager import CheckpointError, check_regular_tree
+from hftrain.checkpoint.reading import active_checkpoint, check_regular_tree
+from hftrain.errors import CheckpointError
 
 # Globals that the checkpoints of hftrain's strategies hold besides tensors and plain data, found by loading the
 # checkpoints of every strategy (tests/test_checkpoint_trust.py): NumPy's RNG state arrays (what Accelerate adds to
@@ -381,8 +382,6 @@ def verified_copy(state_dir: str | Path) -> Iterator[str]:
     """
     import shutil
     import tempfile
-
-    from hftrain.checkpoint.manager import active_checkpoint
 
     state_dir = Path(state_dir)
     verified = active_checkpoint()

@@ -38,7 +38,6 @@ import json
 import math
 import os
 import pickle
-import stat
 import struct
 import sys
 import warnings
@@ -59,6 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from hftrain.checkpoint.reading import active_checkpoint, open_regular
 from hftrain.errors import CheckpointError
 
 FORMAT = "hftrain-dcp-v1"
@@ -441,26 +441,15 @@ class _VerifiedFileSystem(type(FileSystemReader(".").fs)):  # torch's private Fi
 def open_verified(path: Path) -> Any:
     """A binary file object on a checkpoint file: through the resume's ``VerifiedCheckpoint`` (the very file whose
     checksum was verified), or outside a resume through one descriptor that follows no link and never waits on a
-    FIFO.
+    FIFO (``reading.open_regular``).
 
     Args:
         path: the file.
     """
-    from hftrain.checkpoint.manager import active_checkpoint
-    from hftrain.files import UnsafePathError, kind_of
-
     verified = active_checkpoint()
     if verified is not None:
         return verified.open(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        raise CheckpointError(f"'{path}' cannot be read ({error.strerror}); the checkpoint is damaged") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise UnsafePathError(f"'{path}' is {kind_of(mode)}, not a file; the checkpoint is damaged")
-    return os.fdopen(fd, "rb")
+    return os.fdopen(open_regular(path.parent, path.name), "rb")
 
 
 def read_verified(path: Path) -> bytes:
@@ -470,7 +459,6 @@ def read_verified(path: Path) -> bytes:
     Args:
         path: the file.
     """
-    from hftrain.checkpoint.manager import active_checkpoint
 
     verified = active_checkpoint()
     if verified is not None:
@@ -486,7 +474,6 @@ def dcp_metadata(directory: str | Path) -> Any:
     Args:
         directory: the DCP folder.
     """
-    from hftrain.checkpoint.manager import active_checkpoint
     from hftrain.checkpoint.safety import dcp_metadata_of
 
     path = Path(directory) / ".metadata"
@@ -507,7 +494,6 @@ def dcp_metadata(directory: str | Path) -> Any:
 def _check_optimizer_steps(state: dict[str, Chunked], directory: str | Path) -> None:
     """Adam's per-parameter ``step`` counts optimizer steps: one beyond the checkpoint's step is forged (it sets the
     bias correction of every later update)."""
-    from hftrain.checkpoint.manager import active_checkpoint
 
     verified = active_checkpoint()
     if verified is None:

@@ -86,10 +86,10 @@ def model_folder(config: ModelConfig) -> tuple[Path, bool]:
     Args:
         config: the ``model`` config section.
     """
-    from hftrain.models.checks import FIELD, check_remote_code
+    from hftrain.models.remote_code import check_remote_code
 
     path = resolve_model_path(config.model_name_or_path)
-    return path, check_remote_code(path, FIELD, trusted=config.trust_remote_code)
+    return path, check_remote_code(path, "model.model_name_or_path", trusted=config.trust_remote_code)
 
 
 def _embedded_path(name: str) -> Path:
@@ -262,7 +262,9 @@ class PretrainedBuilder:
                 from hftrain.models.partial import from_pretrained_leaving_out
 
                 random_state = torch.get_rng_state()
-                loaded = from_pretrained_leaving_out(model_class, self.path, leave_out, **kwargs)
+                loaded = from_pretrained_leaving_out(
+                    model_class, self.path, leave_out, trust_remote_code=self.trusted, **kwargs
+                )
                 if loaded is None:  # a left-out parameter was not in the checkpoint: only the whole model is exact
                     from hftrain.log import get_logger
 

@@ -37,7 +37,7 @@ LeaveOut = Callable[["nn.Module"], Iterable[str]]
 
 
 def from_pretrained_leaving_out(
-    model_class: type[PreTrainedModel], path: Any, leave_out: LeaveOut, **kwargs: Any
+    model_class: type[PreTrainedModel], path: Any, leave_out: LeaveOut, *, trust_remote_code: bool, **kwargs: Any
 ) -> tuple[PreTrainedModel, list[str]] | None:
     """``model_class.from_pretrained(path, **kwargs)`` with the submodules ``leave_out`` names left on ``meta``.
 
@@ -46,6 +46,7 @@ def from_pretrained_leaving_out(
         path: the model folder.
         leave_out: given the whole model (on ``meta``, before any weight is read), the dotted paths of the
             submodules this process does not need; they must not hold parameters the checkpoint lacks.
+        trust_remote_code: the user's ``model.trust_remote_code``, said to transformers (never left to its prompt).
         kwargs: ``from_pretrained``'s keyword arguments (``num_labels``, ``attn_implementation``...).
 
     Returns:
@@ -72,7 +73,9 @@ def from_pretrained_leaving_out(
         {"__init__": init, "__module__": model_class.__module__, "__qualname__": model_class.__qualname__},
     )
     with quiet_load_report():
-        model, info = partial.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, info = partial.from_pretrained(
+            path, output_loading_info=True, trust_remote_code=trust_remote_code, **kwargs
+        )
     model.__class__ = model_class
     for dotted, module in removed.items():
         parent, _, name = dotted.rpartition(".")

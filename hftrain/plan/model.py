@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from hftrain.errors import ConfigError, reading
-from hftrain.models.checks import FIELD, _auto_config, check_remote_code, config_errors, read_config_file
+from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
+from hftrain.models.remote_code import check_remote_code
 from hftrain.parallel.dims import AXIS_SIZES
 
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
