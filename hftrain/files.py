@@ -30,7 +30,7 @@ import os
 import socket
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,13 +210,17 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
+def read_regular(
+    path: str | os.PathLike[str], what: str, *, too_large: tuple[int, Callable[[int], HFTrainError]] | None = None
+) -> bytes:
     """The bytes of a regular file, read through one descriptor opened without following a link and checked with
     ``fstat`` (a FIFO is never waited on, a file swapped after the check is not the one read).
 
     Args:
         path: the file.
         what: what it is, for the message.
+        too_large: ``(limit, error)``: a file of more than ``limit`` bytes is refused unread with ``error(size)``
+            (a sparse terabyte file would otherwise be read into memory).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -228,6 +232,9 @@ def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise UnsafePathError(f"{what} '{path}' is {kind_of(mode)}, not a file")
+        size = os.fstat(fd).st_size
+        if too_large is not None and size > too_large[0]:
+            raise too_large[1](size)
         return handle.read()
 
 

@@ -33,6 +33,7 @@ from hftrain.files import (
     check_own,
     fsync_dir,
     make_folder,
+    read_regular,
     remove,
     remove_quietly,
     remove_unless_read,
@@ -645,27 +646,14 @@ def read_small(file: Path, what: str) -> bytes:
         file: the file.
         what: what it is, for messages.
     """
-    import errno
-    import stat
 
-    from hftrain.files import UnsafePathError, kind_of
+    def damaged(size: int) -> CheckpointError:
+        return CheckpointError(
+            f"{what} is {size} bytes, more than the {SMALL_FILE_LIMIT >> 20} MiB it may hold; it is damaged or "
+            "forged: resume from another checkpoint"
+        )
 
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise UnsafePathError(f"{what} '{file}' is a symbolic link; hftrain reads none through a link") from None
-        raise
-    with os.fdopen(fd, "rb") as handle:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise UnsafePathError(f"{what} '{file}' is {kind_of(status.st_mode)}, not a file")
-        if status.st_size > SMALL_FILE_LIMIT:
-            raise CheckpointError(
-                f"{what} is {status.st_size} bytes, more than the {SMALL_FILE_LIMIT >> 20} MiB it may hold; it is "
-                "damaged or forged: resume from another checkpoint"
-            )
-        return handle.read()
+    return read_regular(file, what, too_large=(SMALL_FILE_LIMIT, damaged))
 
 
 def _check_step(path: Path, meta: dict[str, Any]) -> None:
