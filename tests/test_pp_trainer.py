@@ -206,9 +206,21 @@ def test_tp2_pp2_job_exports_a_reloadable_model_and_draws_its_timeline(pp_job, t
     timeline = json.loads((output_dir / "pipeline_timeline.json").read_text())
     assert timeline["theoretical_bubble"] == pytest.approx(1 / 5)
     print(f"\ntp2×pp2 1f1b m=4: bubble measured {timeline['measured_bubble']:.3f}, theoretical 0.200")
-    # Never below the ideal; above it by the sends and the 2 shared cores (tiny stages: communication dominates;
-    # benchmarks/ measures the formula with even stage compute).
-    assert timeline["theoretical_bubble"] - 0.05 <= timeline["measured_bubble"] < 0.9
+    # The measured figure is wall-clock on 2 shared cores (uneven tiny stages, sends): a fraction, not a bound to
+    # assert; benchmarks/ measures the formula with even stage compute. What must hold is the schedule itself.
+    assert 0.0 <= timeline["measured_bubble"] < 1.0
+    for rank in (0, 1):  # each stage runs its passes one after another: their order is the schedule's, not timing's
+        order = [
+            (e["kind"], e["microbatch"])
+            for e in sorted(timeline["events"], key=lambda e: e["start"])
+            if e["rank"] == rank
+        ]
+        assert sorted(order) == [(k, m) for k in "BF" for m in range(4)], order
+        assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(4)), order
+    first = [
+        (e["kind"], e["microbatch"]) for e in sorted(timeline["events"], key=lambda e: e["start"]) if e["rank"] == 0
+    ]
+    assert first.index(("B", 0)) < first.index(("F", 3)), first  # 1F1B: a backward before the last forward, not GPipe
     assert {e["kind"] for e in timeline["events"]} == {"F", "B"} and {e["rank"] for e in timeline["events"]} == {0, 1}
     assert len(timeline["events"]) == 2 * 2 * 4  # F and B of 4 micro-batches on each of 2 stages
     # a tp=2 × pp=2 checkpoint exports the same way, launched like its run
