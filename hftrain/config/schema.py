@@ -83,6 +83,23 @@ class DataConfig:
     max_seq_length: int = 128
     """Texts are truncated to this many tokens; batches are padded only to their longest text. ``model.task:
     causal_lm``: the length of the packed blocks."""
+    long_documents: Literal["continue", "truncate"] = "continue"
+    """``model.task: causal_lm``: a document longer than a block ``continue``s in the next blocks (its positions go on,
+    each of its tokens is trained on once; transformers' ``group_texts``), or is ``truncate``d to its first block."""
+    streaming: bool = False
+    """``model.task: causal_lm``: read the training file as a stream (a ``datasets`` IterableDataset), packed on the
+    fly and split over the data-parallel ranks, for a corpus larger than memory or disk; needs
+    ``training.max_steps``. Its position is saved in every checkpoint, so a resume continues where it stopped. The
+    validation split stays a fixed set."""
+    cache_dir: str | None = None
+    """Where tokenized and packed data is cached, keyed by the data files' content, the tokenizer and the packing
+    rules (a second run, a resume and an export reuse it). Default: ``$HFTRAIN_CACHE``, else
+    ``~/.cache/hftrain/data``."""
+    overwrite_cache: bool = False
+    """Tokenize again even when the cache holds this data (as run_clm's ``overwrite_cache``)."""
+    preprocessing_num_workers: int | None = None
+    """Processes that tokenize (``datasets.map``'s ``num_proc``); null: one per core for a large corpus, one for a
+    small one."""
 
     def validate(self) -> None:
         _require(
@@ -103,6 +120,11 @@ class DataConfig:
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"data.{name}", "must be positive or null")
+        _require(
+            self.preprocessing_num_workers is None or 1 <= self.preprocessing_num_workers <= MAX_WORKERS,
+            "data.preprocessing_num_workers",
+            f"must be between 1 and {MAX_WORKERS} or null (one per core for a large corpus)",
+        )
 
 
 MAX_SEQ_LENGTH = 2**21
@@ -413,6 +435,17 @@ class TrainConfig:
                 f"batch would be padded past the longest text to {buckets:,} tokens; give at most {longest:,} (e.g. "
                 "64), or null"
             )
+        language = self.model.task == "causal_lm"
+        for name in ("long_documents", "streaming"):
+            if getattr(self.data, name) != getattr(DataConfig, name) and not language:
+                raise ConfigError(
+                    f"data.{name} is a language-model setting and model.task is {self.model.task}; remove it"
+                )
+        if self.data.streaming and self.training.max_steps <= 0:
+            raise ConfigError(
+                "data.streaming: a stream has no known length, so training.num_train_epochs cannot end it; set "
+                "training.max_steps"
+            )
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -448,6 +481,9 @@ RUN_INVARIANT_EXEMPT = frozenset(
         "training.trust_external_checkpoint",
         "lora.merge_lora_on_export",
         "model.trust_remote_code",  # each command says it again: a saved config never grants it (config.loader)
+        "data.cache_dir",  # where the same tokenized data is kept, not what it is
+        "data.overwrite_cache",
+        "data.preprocessing_num_workers",
     }
 )
 
