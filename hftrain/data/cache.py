@@ -99,6 +99,8 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 
 SPECIAL_TOKENS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 
+_PER_CALL = ("truncation", "padding")
+
 
 def tokenizer_digest(tokenizer: Any) -> str:
     """SHA-256 of what a tokenizer turns text into: a fast tokenizer's whole pipeline (``backend_tokenizer.to_str()``:
@@ -113,7 +115,10 @@ def tokenizer_digest(tokenizer: Any) -> str:
     digest = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        digest.update(backend.to_str().encode())
+        # truncation and padding are per-call states that transformers sets on the backend (a classifier's
+        # tokenization leaves its max_length there), not what the tokenizer is
+        pipeline = {key: value for key, value in json.loads(backend.to_str()).items() if key not in _PER_CALL}
+        digest.update(json.dumps(pipeline, sort_keys=True).encode())
     else:
         with tempfile.TemporaryDirectory() as folder:
             tokenizer.save_pretrained(folder)

@@ -49,6 +49,7 @@ def load_classification_splits(
     seed: int,
     log: Callable[[str], None] = print,
     problem_type: str | None = None,
+    work_dir: str | os.PathLike[str] | None = None,
 ) -> datasets.DatasetDict:
     """Load and validate a classification dataset as splits "train" and "validation".
 
@@ -70,6 +71,8 @@ def load_classification_splits(
         log: receives one-line progress messages (e.g. dropped-row counts).
         problem_type: the task (``model.problem_type``, or the model's ``config.json``); None: the training
             labels decide (``hftrain.data.labels.decide_problem_type``).
+        work_dir: where `datasets` writes its Arrow copy of a file (a cache build's scratch folder); None: its own
+            cache.
     """
     import datasets
 
@@ -81,13 +84,13 @@ def load_classification_splits(
         problem_type = decide_problem_type(problem_type, num_labels, frame["label"], dataset_name)
         train = _to_dataset(frame, problem_type, num_labels, dataset_name, "label")
     else:
-        frame = _read_local(train_file, "data.train_file", text_column, label_column, log)
+        frame = _read_local(train_file, "data.train_file", text_column, label_column, log, work_dir)
         problem_type = decide_problem_type(problem_type, num_labels, frame["label"], str(train_file))
         train = _to_dataset(frame, problem_type, num_labels, str(train_file), label_column)
     if validation_file is None:
         train, validation = _split(train, validation_split_percentage, seed, dataset_name or str(train_file))
     else:
-        frame = _read_local(validation_file, "data.validation_file", text_column, label_column, log)
+        frame = _read_local(validation_file, "data.validation_file", text_column, label_column, log, work_dir)
         validation = _to_dataset(frame, problem_type, num_labels, str(validation_file), label_column)
     return datasets.DatasetDict(
         {"train": _head(train, max_train_samples), "validation": _head(validation, max_eval_samples)}
@@ -142,6 +145,7 @@ def _read_local(
     text_column: str,
     label_column: str,
     log: Callable[[str], None],
+    work_dir: str | os.PathLike[str] | None = None,
 ) -> pd.DataFrame:
     """Read a local file: its text and label columns, texts checked, rows missing either dropped.
 
@@ -151,8 +155,9 @@ def _read_local(
         text_column: name of the text column.
         label_column: name of the label column.
         log: receives the dropped-row count.
+        work_dir: where `datasets` writes its Arrow copy (None: its own cache).
     """
-    frame = _read_file(path, field)
+    frame = _read_file(path, field, Path(work_dir) / "tables" if work_dir is not None else None)
     frame = _select_columns(frame, str(path), text_column, label_column)
     check_texts(frame["text"], str(path), text_column)
     return _drop_missing(frame, str(path), field, log)
