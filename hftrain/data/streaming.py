@@ -62,7 +62,13 @@ if TYPE_CHECKING:
     from hftrain.config import TrainConfig
     from hftrain.data.packing import BlockRules
 
-STREAM_FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+STREAM_FORMATS: dict[str, str] = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".txt": "text",
+    ".parquet": "parquet",
+}
 """File suffix -> reader (every shard of a stream has one format)."""
 
 DEFAULT_EVAL_DOCUMENTS = 1000
@@ -463,7 +469,7 @@ class StreamingBlocks(torch.utils.data.IterableDataset):
             if not batch:
                 break
             pulled = True
-            for row, ids in zip(batch, self._tokenize(batch), strict=True):
+            for ids in self._tokenize(batch):
                 self._rows_done += 1
                 if ids is None:
                     self._blank += 1
@@ -697,9 +703,9 @@ def _pack_validation(
         rows = documents[start : start + TOKENIZE_BATCH]
         limit = rules.tokenize_max_length
         encoded = {
-            c: tokenizer([r[c] for r in rows], add_special_tokens=False, truncation=limit is not None, max_length=limit)[
-                "input_ids"
-            ]
+            c: tokenizer(
+                [r[c] for r in rows], add_special_tokens=False, truncation=limit is not None, max_length=limit
+            )["input_ids"]
             for c in rows[0]
         }
         for k in range(len(rows)):
@@ -759,7 +765,9 @@ def _hub_stream(
     )
     documents = _documents(iter(rows.take(eval_documents)), columns, limit=eval_documents)
     log(f"data.streaming: the first {eval_documents} rows of {name} are the validation set; training reads the rest")
-    stream = StreamingBlocks(rows.skip(eval_documents), tokenizer, rules, columns, source=name, field="data.dataset_name")
+    stream = StreamingBlocks(
+        rows.skip(eval_documents), tokenizer, rules, columns, source=name, field="data.dataset_name"
+    )
     return {"train": stream, "validation": _pack_validation(documents, tokenizer, rules, log)}
 
 
