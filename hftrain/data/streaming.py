@@ -48,7 +48,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-    from hftrain.config import TrainConfig
     from hftrain.data.packing import BlockRules
 
 STREAM_FORMATS: dict[str, str] = {
@@ -80,6 +79,19 @@ TOKENIZE_BATCH = 64
 STATE_VERSION = 1
 
 LM_COLUMNS = ("input_ids", "labels", "position_ids")
+
+
+class DataSection(Protocol):
+    """The fields of the ``data`` config section a stream reads (``hftrain.config.DataConfig``; this layer is below
+    the config's)."""
+
+    dataset_name: str | None
+    train_file: str | None
+    validation_file: str | None
+    text_column: str
+    prompt_column: str
+    response_column: str
+    max_eval_samples: int | None
 
 
 @dataclass(frozen=True)
@@ -565,7 +577,7 @@ def collate_blocks(blocks: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def stream_train_split(
-    config: TrainConfig, tokenizer: PreTrainedTokenizerBase, rules: BlockRules, *, log: Callable[[str], None]
+    data: DataSection, tokenizer: PreTrainedTokenizerBase, rules: BlockRules, *, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """``{"train": StreamingBlocks, "validation": packed Dataset}`` for ``data.streaming: true``.
 
@@ -573,17 +585,16 @@ def stream_train_split(
     them yet. Every rank builds the same validation blocks (a fixed, map-style split).
 
     Args:
-        config: the validated job config.
+        data: the validated ``data`` config section.
         tokenizer: the model's tokenizer.
         rules: the packing rules.
         log: receives one-line notes (main process).
     """
     import datasets
 
-    data = config.data
     eval_documents = data.max_eval_samples or DEFAULT_EVAL_DOCUMENTS
     if data.train_file is None:
-        return _hub_stream(config, tokenizer, rules, eval_documents, log)
+        return _hub_stream(data, tokenizer, rules, eval_documents, log)
     field = "data.train_file"
     files, fmt = list_shards(data.train_file, field)
     columns = detect_columns(
@@ -722,7 +733,7 @@ def _pack_validation(
 
 
 def _hub_stream(
-    config: TrainConfig,
+    data: DataSection,
     tokenizer: PreTrainedTokenizerBase,
     rules: BlockRules,
     eval_documents: int,
@@ -732,7 +743,6 @@ def _hub_stream(
     is reachable; its first documents are the validation set (a hub dataset cannot be paired with a local file)."""
     import datasets
 
-    data = config.data
     name = str(data.dataset_name)
     if data.validation_file is not None:
         raise ConfigError(
