@@ -259,6 +259,7 @@ def ddp_runs(tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.mark.slow  # five 2-process runs: ~80 s on 2 cores
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", ["stopped", "killed"])
 def test_a_resumed_stream_sees_exactly_the_blocks_of_an_uninterrupted_run(ddp_runs, case):
@@ -299,19 +300,20 @@ def _checkpoint_is_complete(path: str) -> None:
 
 @pytest.mark.distributed
 def test_a_malformed_line_mid_shard_stops_every_rank_in_one_line(tmp_path):
-    """4 shards over 2 ranks (by shard: rank 1 reads shards 1 and 3); line 20 of shard 3 is not JSON. Rank 1 says
-    which file and line, rank 0 that another process failed; both raise a DataError (exit 2) and the last checkpoint
-    (written before the stream reached the line) is complete."""
-    data = write_shards(tmp_path / "data", shards=4)
+    """4 shards over 2 ranks (by shard: rank 1 reads shards 1 and 3); a line near the end of shard 3 is not JSON. Rank
+    1 says which file and line, rank 0 that another process failed; both raise a DataError (exit 2) and the last
+    checkpoint (written before the stream reached the line) is complete."""
+    data = write_shards(tmp_path / "data", shards=4, documents=60)
     shard = data / "part-03.jsonl"
     lines = shard.read_text().splitlines()
-    lines[19] = '{"text": "w1 w2'
+    lines[-3] = '{"text": "w1 w2'
     shard.write_text("\n".join(lines) + "\n")
     results = run_distributed(
-        run_stream, 2, data=str(data), output_dir=str(tmp_path / "out"), save_steps=1, max_steps=40
+        run_stream, 2, data=str(data), output_dir=str(tmp_path / "out"), save_steps=2, max_steps=60
     )
     assert all(r["code"] == 2 for r in results)
-    assert "data.train_file" in results[1]["error"] and f"{shard} line 20 is not a JSON object" in results[1]["error"]
+    bad = f"{shard} line {len(lines) - 2} is not a JSON object"
+    assert results[1]["error"].startswith("data.train_file: ") and bad in results[1]["error"]
     assert "another process" in results[0]["error"]
     assert results[0]["latest"] == results[1]["latest"]
     _checkpoint_is_complete(results[0]["latest"])
@@ -322,10 +324,10 @@ def test_a_shard_deleted_mid_run_stops_every_rank_in_one_line(tmp_path):
     """4 shards over 2 ranks (by shard); the last, not yet opened, is deleted after step 2 (its checkpoint written):
     when rank 1's stream reaches it, every rank stops with a DataError (exit 2), the file named, and the step-2
     checkpoint is complete."""
-    data = write_shards(tmp_path / "data", shards=4)
+    data = write_shards(tmp_path / "data", shards=4, documents=60)
     gone = data / "part-03.jsonl"
     results = run_distributed(
-        run_stream, 2, data=str(data), output_dir=str(tmp_path / "out"), save_steps=2, max_steps=40,
+        run_stream, 2, data=str(data), output_dir=str(tmp_path / "out"), save_steps=2, max_steps=60,
         delete_at=(2, gone),
     )  # fmt: skip
     assert all(r["code"] == 2 for r in results)
