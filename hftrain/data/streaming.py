@@ -26,9 +26,11 @@ the current tokenizer batch of documents (``IterableDataset.state_dict``), how m
 the packer's partial block (``Packer.state_dict``) and the blocks the last document completed that were not yet
 yielded. Taken when the trainer has consumed every block it fetched (a window's micro-batches, read in this process:
 no loader worker reads ahead), it names exactly the next block, and :meth:`load_state_dict` continues there: no
-document is skipped or read twice. The trainer stores it per rank in the checkpoint (``state/rank_state_<r>.json``);
-a resume under another data-parallel size is refused (the shards would be dealt anew). Resuming re-reads the current
-shard up to the position (``datasets`` restores a generator shard by skipping its first examples).
+document is skipped or read twice (rows are read :data:`TOKENIZE_BATCH` at a time: a bad row is met, and reported,
+up to that many rows before its blocks are due). The trainer stores it per rank in the checkpoint
+(``state/rank_state_<r>.json``); a resume under another data-parallel size is refused (the shards would be dealt
+anew). Resuming re-reads the current shard up to the position (``datasets`` restores a generator shard by skipping
+its first examples).
 
 **Validation.** ``data.validation_file`` is read whole (the same readers) and packed into a fixed, map-style split.
 Without it, the first ``data.max_eval_samples`` documents (default :data:`DEFAULT_EVAL_DOCUMENTS`) of the stream, in
