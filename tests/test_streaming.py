@@ -259,7 +259,6 @@ def ddp_runs(tmp_path_factory) -> dict:
     return runs
 
 
-@pytest.mark.slow  # five 2-process runs: ~80 s on 2 cores
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", ["stopped", "killed"])
 def test_a_resumed_stream_sees_exactly_the_blocks_of_an_uninterrupted_run(ddp_runs, case):
