@@ -71,8 +71,11 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     strategy.start_processes(strategy.resolve_training(config.training)[0])
     tokenizer = build_tokenizer(config.model)
     check_tokenizer(tokenizer, model_facts)
-    max_length = effective_max_length(config.data.max_seq_length, model_facts, tokenizer, note)
-    tokenized, problem_type = prepare_data(config, model_facts, tokenizer, max_length, note)
+    if config.data.streaming:
+        tokenized, problem_type = streaming_inputs(config, model_facts, tokenizer, note), None
+    else:
+        max_length = effective_max_length(config.data.max_seq_length, model_facts, tokenizer, note)
+        tokenized, problem_type = prepare_data(config, model_facts, tokenizer, max_length, note)
     trainer = TASKS[config.model.task].trainer()(
         dataclasses.replace(config.training, resume_from_checkpoint=plan.resume),
         run_id=plan.run_id,
@@ -289,6 +292,25 @@ def load_splits(
         "work_dir": work_dir,
     }
     return TASKS[config.model.task].load(config, facts, sources)
+
+
+def streaming_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, log: Callable[[str], None]) -> dict:
+    """``data.streaming``: ``{"train": the training stream, "validation": its fixed packed blocks}``
+    (``hftrain.data.streaming``); the trainer deals the stream over its data-parallel ranks.
+
+    Args:
+        config: the validated job config (``model.task: causal_lm``).
+        facts: what the model-folder check read (its position limit bounds continued documents).
+        tokenizer: the model's tokenizer.
+        log: receives one-line notes.
+    """
+    from hftrain.data.packing import BlockRules
+    from hftrain.data.streaming import stream_train_split
+    from hftrain.models.checks import effective_max_length
+
+    block = effective_max_length(config.data.max_seq_length, facts, tokenizer, log)
+    rules = BlockRules.of(tokenizer, block, long_documents=config.data.long_documents, max_position=facts.max_length)
+    return stream_train_split(config.data, tokenizer, rules, log=log)
 
 
 @dataclass(frozen=True)
