@@ -330,6 +330,10 @@ def prepared_per_node(
        numbered node by node, as the launchers number them); a rank that cannot (its node's folder not shared by it)
        fails, and all ranks learn it (``any_rank``).
 
+    The waiting ranks sit in the all-gather of step 2, so a build must end within the host group's timeout (gloo's
+    30 minutes on a CPU default group, ``COLLECTIVE_TIMEOUT`` elsewhere); a corpus that takes longer to tokenize is
+    built once beforehand (any single-process run of the same data, tokenizer and rules) or streamed.
+
     Args:
         cache: the cache folder.
         inputs: the key's inputs (called on builders only).
