@@ -330,9 +330,8 @@ def prepared_per_node(
        numbered node by node, as the launchers number them); a rank that cannot (its node's folder not shared by it)
        fails, and all ranks learn it (``any_rank``).
 
-    The waiting ranks sit in the all-gather of step 2, so a build must end within the host group's timeout (gloo's
-    30 minutes on a CPU default group, ``COLLECTIVE_TIMEOUT`` elsewhere); a corpus that takes longer to tokenize is
-    built once beforehand (any single-process run of the same data, tokenizer and rules) or streamed.
+    While a builder works (in a thread), every rank agrees every :data:`POLL_SECONDS` whether one still is
+    (:func:`_while_building`), so a build is not bounded by a collective's timeout.
 
     Args:
         cache: the cache folder.
@@ -348,22 +347,24 @@ def prepared_per_node(
 
     several = dist.is_initialized() and dist.get_world_size() > 1
     builder = local_rank == 0 or not several
-    entry: Entry | None = None
-    failure: BaseException | None = None
-    digest = bytes(32)
-    if builder:
+    outcome: dict[str, Any] = {"entry": None, "failure": None, "digest": bytes(32)}
+
+    def prepare() -> None:
         try:
             key_inputs = inputs()
             key = cache_key(key_inputs)
-            digest = bytes.fromhex(key)
-            entry = cache.open_or_build(key, key_inputs, build, log)
-        except BaseException as error:
-            if not several:
-                raise
-            failure = error
+            outcome["digest"] = bytes.fromhex(key)
+            outcome["entry"] = cache.open_or_build(key, key_inputs, build, log)
+        except BaseException as error:  # noqa: BLE001 - handed to every rank below
+            outcome["failure"] = error
+
     if not several:
-        assert entry is not None
-        return _logged(entry, log)
+        prepare()
+        if outcome["failure"] is not None:
+            raise outcome["failure"]
+        return _logged(outcome["entry"], log)
+    _while_building(prepare if builder else None)
+    entry, failure, digest = outcome["entry"], outcome["failure"], outcome["digest"]
     status = 2 if not builder else (1 if failure is not None else 0)
     rows = gather_bytes(torch.tensor([status, *digest], dtype=torch.uint8))
     failed = [rank for rank, row in enumerate(rows) if int(row[0]) == 1]
@@ -393,6 +394,38 @@ def prepared_per_node(
         raise ProcessError("another process could not open the cached data; see its error")
     assert entry is not None
     return _logged(entry, log)
+
+
+POLL_SECONDS = 2.0
+"""How often the ranks agree whether the builders are done (:func:`_while_building`)."""
+
+
+def _while_building(work: Callable[[], None] | None) -> None:
+    """Run ``work`` (a builder's; None on the other ranks) in a thread while every rank asks, every
+    :data:`POLL_SECONDS`, whether any builder is still at it (one host all-reduce of a flag); return on every rank when
+    none is.
+
+    Waiting in one collective instead would bound a build by the group's timeout (gloo's 30 minutes on a CPU default
+    group): tokenizing gigabytes takes longer. Each poll here completes at once, so a build may take as long as it
+    takes, and a rank that died (its process gone) still ends the others' wait with the group's error.
+
+    Args:
+        work: what this rank does while the others wait; it must not raise (it records its failure itself).
+    """
+    import threading
+    import time
+
+    from hftrain.parallel.host import any_rank
+
+    thread = None
+    if work is not None:
+        thread = threading.Thread(target=work, name="hftrain-data-build", daemon=True)
+        thread.start()
+    while any_rank(thread is not None and thread.is_alive()):
+        if thread is not None:
+            thread.join(POLL_SECONDS)
+        else:
+            time.sleep(POLL_SECONDS)
 
 
 def _logged(entry: Entry, log: Callable[[str], None]) -> Entry:
