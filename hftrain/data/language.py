@@ -177,32 +177,44 @@ def _read_documents(
         )
     table = load_table(path, field, Path(work_dir) / "tables" if work_dir is not None else None)
     source = str(path)
-    present = table.column_names
-    available = ", ".join(map(str, present)) or "(none)"
-    if prompt_column in present and response_column in present:
-        selected = {
-            "prompt": (prompt_column, "data.prompt_column"),
-            "response": (response_column, "data.response_column"),
-        }
-    elif text_column in present:
-        selected = {"text": (text_column, "data.text_column")}
-    else:
-        pair = {prompt_column: "data.prompt_column", response_column: "data.response_column"}
-        found = [column for column in pair if column in present]
-        if found:  # one of the pair is there: the user meant prompt/response data
-            have, lack = found[0], next(column for column in pair if column != found[0])
-            raise DataError(
-                f"{pair[lack]}: column {lack!r} not found in {source}, which has {have!r} ({pair[have]}); "
-                f"available columns: {available}. Set {pair[lack]} to one of them, or data.text_column for plain text"
-            )
-        raise DataError(
-            f"data.text_column: column {text_column!r} not found in {source}; available columns: {available}. "
-            "Set data.text_column to one of them, or data.prompt_column and data.response_column "
-            "for prompt/response data"
-        )
+    selected = select_columns(table.column_names, source, text_column, prompt_column, response_column)
     for column, field_name in selected.values():
         _check_column_texts(table, column, source, field_name)
     return _as_documents(table, selected, source, field, log)
+
+
+def select_columns(
+    present: Sequence[str], source: str, text_column: str, prompt_column: str, response_column: str
+) -> dict[str, tuple[str, str]]:
+    """The columns documents are read from: ``{"prompt": ..., "response": ...}`` when ``present`` has both of the
+    pair, else ``{"text": ...}``, each as ``(column in the source, the config field that named it)``; a missing column
+    is one line naming the field to set (the map-style loader's and the stream's rule).
+
+    Args:
+        present: the source's column names.
+        source: the file, for messages.
+        text_column: ``data.text_column``.
+        prompt_column: ``data.prompt_column``.
+        response_column: ``data.response_column``.
+    """
+    available = ", ".join(map(str, present)) or "(none)"
+    if prompt_column in present and response_column in present:
+        return {"prompt": (prompt_column, "data.prompt_column"), "response": (response_column, "data.response_column")}
+    if text_column in present:
+        return {"text": (text_column, "data.text_column")}
+    pair = {prompt_column: "data.prompt_column", response_column: "data.response_column"}
+    found = [column for column in pair if column in present]
+    if found:  # one of the pair is there: the user meant prompt/response data
+        have, lack = found[0], next(column for column in pair if column != found[0])
+        raise DataError(
+            f"{pair[lack]}: column {lack!r} not found in {source}, which has {have!r} ({pair[have]}); "
+            f"available columns: {available}. Set {pair[lack]} to one of them, or data.text_column for plain text"
+        )
+    raise DataError(
+        f"data.text_column: column {text_column!r} not found in {source}; available columns: {available}. "
+        "Set data.text_column to one of them, or data.prompt_column and data.response_column "
+        "for prompt/response data"
+    )
 
 
 _BATCH = 10_000

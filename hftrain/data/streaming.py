@@ -174,24 +174,10 @@ def detect_columns(file: Path, fmt: str, *, text_column: str, prompt_column: str
         )
     if fmt == "text":
         return Columns(("",), ("data.train_file",))
-    available = _first_columns(file, fmt)
-    shown = ", ".join(map(str, available)) or "(none)"
-    if prompt_column in available and response_column in available:
-        return Columns((prompt_column, response_column), ("data.prompt_column", "data.response_column"))
-    if text_column in available:
-        return Columns((text_column,), ("data.text_column",))
-    pair = {prompt_column: "data.prompt_column", response_column: "data.response_column"}
-    present = [column for column in pair if column in available]
-    if present:
-        have, lack = present[0], next(column for column in pair if column != present[0])
-        raise DataError(
-            f"{pair[lack]}: column {lack!r} not found in {file}, which has {have!r} ({pair[have]}); available "
-            f"columns: {shown}. Set {pair[lack]} to one of them, or data.text_column for plain text"
-        )
-    raise DataError(
-        f"data.text_column: column {text_column!r} not found in {file}; available columns: {shown}. Set "
-        "data.text_column to one of them, or data.prompt_column and data.response_column for prompt/response data"
-    )
+    from hftrain.data.language import select_columns
+
+    fields = select_columns(_first_columns(file, fmt), str(file), text_column, prompt_column, response_column).values()
+    return Columns(tuple(column for column, _ in fields), tuple(field for _, field in fields))
 
 
 def _first_columns(file: Path, fmt: str) -> list[str]:
