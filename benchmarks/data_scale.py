@@ -351,7 +351,7 @@ def goals(rows: list[dict], pipelines: list[str]) -> None:
             print(f"  {pipeline} first / standard first: {ratio:.2f} (goal <= 1.2)")
         if cached and standard:
             ratio = cached["to_first_step_s"] / standard["to_first_step_s"]
-            print(f"  {pipeline} cached / standard first: {ratio:.2f} (goal <= 0.1x the standard's first start)")
+            print(f"  {pipeline} cached / standard first: {ratio:.2f} (goal <= 0.1)")
         if first and len(first["ranks"]) > 1:
             cpu = [r["cpu_s"] + r["children_cpu_s"] for r in first["ranks"]]
             print(f"  {pipeline} first: CPU s of rank 0 / rank 1: {cpu[0]:.0f} / {cpu[1]:.0f} (goal: rank 1 does not "
@@ -373,10 +373,14 @@ def _peak(row: dict) -> float:
 
 
 def commit(code: Path) -> str:
-    rev = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "--", "hftrain"], capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
-    return rev.stdout.strip() + (" + uncommitted edits in hftrain/" if dirty else "")
+    """``code``'s commit, the last one that changed ``hftrain/``, and whether ``hftrain/`` has uncommitted edits."""
+
+    def git(*words: str) -> str:
+        return subprocess.run(["git", "-C", str(code), *words], capture_output=True, text=True).stdout.strip()
+
+    head, package = git("rev-parse", "--short", "HEAD"), git("log", "-1", "--format=%h", "--", "hftrain")
+    dirty = " + uncommitted edits" if git("status", "--porcelain", "--", "hftrain") else ""
+    return f"{head} (hftrain/ as of {package}{dirty})"
 
 
 def checkouts(ref: str | None, work_dir: Path) -> list[tuple[str, Path]]:
