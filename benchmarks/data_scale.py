@@ -56,17 +56,22 @@ Usage (the 5 MB rows take a few minutes on 2 shared cores; 500 MB takes hours):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import itertools
 import json
 import math
 import os
 import random
 import re
 import shutil
-import signal
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().with_name("data_scale_worker.py")
@@ -249,38 +254,77 @@ def job_args(pipeline: str, code: Path, args: argparse.Namespace, data: Path, mo
     return argv
 
 
-def run_job(kind: str, code: Path, nprocs: int, argv: list[str], run_dir: Path, log: Path, timeout: float) -> dict:
-    """Launch one job (its output to ``log``), wait for it, and return the ranks' records (empty: it failed)."""
-    import psutil
+def run_job(kind: str, code: Path, nprocs: int, argv: list[str], run_dir: Path, log: Path, limits: Limits) -> dict:
+    """Launch one job (its output to ``log``), wait for it, and return the ranks' records (none: it failed).
 
+    The job is stopped (its whole process tree) past ``limits.timeout`` seconds, or as soon as the machine has less
+    than ``limits.min_free_gb`` available: a job that would run the shared machine out of memory is a result (the
+    row says so), not a reason to let the kernel's OOM killer choose among everyone's processes.
+    """
     records = run_dir / "records"
     shutil.rmtree(records, ignore_errors=True)
     records.mkdir(parents=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
     cmd = [sys.executable, *(launcher if nprocs > 1 else []), str(WORKER), kind, str(records), "--", *argv]
     env = child_env(code, HF_DATASETS_CACHE=str(run_dir / "cache" / "datasets"))
+    note, held = None, 0
     with log.open("w") as out:
         out.write(" ".join(cmd) + "\n\n")
         out.flush()
         start = time.time()
         proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc, timed_out = proc.wait(timeout=timeout), False
-        except subprocess.TimeoutExpired:  # torchrun's ranks have sessions of their own: the tree, by pid
-            tree = psutil.Process(proc.pid).children(recursive=True)
-            proc.send_signal(signal.SIGTERM)
-            for p in psutil.wait_procs(tree, timeout=30)[1]:
-                p.kill()
-            proc.kill()
-            rc, timed_out = proc.wait(), True
+        while (rc := _wait(proc, 1.0)) is None:
+            tree = _tree(proc.pid)
+            held = max(held, sum(_rss(p) for p in tree))
+            available = psutil.virtual_memory().available
+            if available < limits.min_free_gb * GB:
+                note = (f"stopped: {available / GB:.1f} GB left on the machine, the job's processes held "
+                        f"{held / GB:.1f} GB")  # fmt: skip
+            elif time.time() - start > limits.timeout:
+                note = f"timed out after {limits.timeout:.0f} s"
+            if note:  # torchrun's ranks have sessions of their own: the tree, by pid
+                for p in tree:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+                rc = proc.wait()
+                break
     found = sorted(records.glob("rank*.json"))
-    ranks = [json.loads(path.read_text()) for path in found]
-    ranks.sort(key=lambda r: r["rank"])
-    ok = len(ranks) == nprocs
-    result = {"rc": rc, "timed_out": timed_out, "wall_s": time.time() - start, "ok": ok, "ranks": ranks}
+    ranks = sorted((json.loads(path.read_text()) for path in found), key=lambda r: r["rank"])
+    ok = len(ranks) == nprocs and note is None
+    result = {"rc": rc, "note": note, "wall_s": time.time() - start, "ok": ok, "ranks": ranks, "tree_peak_rss": held}
     if ok:
         result["to_first_step_s"] = max(r["first_step_time"] for r in ranks) - start
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    timeout: float
+    """Seconds a job may run."""
+    min_free_gb: float
+    """Available memory (GB) below which a job is stopped."""
+
+
+def _wait(proc: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _rss(process: psutil.Process) -> int:
+    try:
+        return process.memory_info().rss
+    except psutil.Error:  # gone between the listing and the read
+        return 0
 
 
 # ----------------------------------------------------------------------------- the table
@@ -290,22 +334,44 @@ def gb(values: list[float]) -> str:
 
 def row_cells(row: dict) -> list[str]:
     if not row["ok"]:
-        why = row.get("note") or (
-            f"timed out after {row['wall_s']:.0f} s" if row["timed_out"] else f"failed (exit {row['rc']})"
-        )
+        why = row.get("note") or f"failed (exit {row['rc']})"
         return [why, "", "", "", ""]
-    ranks = row["ranks"]
+    ranks, times = row["ranks"], row.get("times", [])
     blocks = {r["train_blocks"] for r in ranks}
+    spread = f" ({min(times):.1f}–{max(times):.1f})" if len(times) > 1 else ""
     return [
-        f"{row['to_first_step_s']:.1f}",
+        f"{row['to_first_step_s']:.1f}{spread}",
         gb([r["vm_hwm_before_step"] for r in ranks]),
         gb([r["vm_hwm"] for r in ranks]),
         " / ".join(f"{r['cpu_s'] + r['children_cpu_s']:.0f}" for r in ranks),
-        ", ".join("stream" if b is None else f"{b:,}" for b in sorted(blocks, key=lambda b: b or 0)),
+        ", ".join("stream" if b is None else f"{round(b):,}" for b in sorted(blocks, key=lambda b: b or 0)),
     ]
 
 
+def combine(rows: list[dict]) -> list[dict]:
+    """One row per (size, pipeline, processes, run) in first-seen order: over its repetitions, the median time (and
+    ``times``, all of them) and each rank's median of every measurement; rows that failed count only if all did."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((*_key(row), row["pipeline"]), []).append(row)
+    combined = []
+    for group in groups.values():
+        ok = [row for row in group if row["ok"]]
+        if not ok:
+            combined.append(group[-1])
+            continue
+        ranks = [
+            {name: statistics.median(values) if all(isinstance(v, float | int) for v in values) else values[0]
+             for name, values in ((k, [row["ranks"][i][k] for row in ok]) for k in ok[0]["ranks"][i])}
+            for i in range(len(ok[0]["ranks"]))
+        ]  # fmt: skip
+        times = [row["to_first_step_s"] for row in ok]
+        combined.append(ok[0] | {"ranks": ranks, "to_first_step_s": statistics.median(times), "times": times})
+    return combined
+
+
 def print_tables(rows: list[dict], pipelines: list[str]) -> None:
+    rows = combine(rows)
     head = ("| corpus | pipeline | processes | run | to first step s | peak RSS before the step GB | peak RSS at "
             "first step GB | CPU s per rank | train blocks |")  # fmt: skip
     print(f"\n{head}\n{re.sub(r'[^|]+', '---', head)}")
@@ -408,7 +474,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42, help="the corpus's and the runs' seed")
     parser.add_argument("--no_streaming", action="store_true", help="leave out the streaming rows")
     parser.add_argument("--streaming_steps", type=int, default=10, help="training.max_steps of a streaming run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each row (the table: medians, time range)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per job")
+    parser.add_argument("--min_free_gb", type=float, default=2.0, help="stop a job when less memory is available")
     parser.add_argument("--json", help="write every row (with each rank's record) here")
     parser.add_argument("--_build_model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -436,7 +504,7 @@ def main() -> None:
         argv = job_args("stream" if run_name == "stream" else pipeline, code, args, data, model, run_dir)
         log = work_dir / "logs" / f"{label}-{run_name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        result = run_job(kind, code, nprocs, argv, run_dir, log, args.timeout)
+        result = run_job(kind, code, nprocs, argv, run_dir, log, Limits(args.timeout, args.min_free_gb))
         row = {"size_mb": size, "pipeline": pipeline + (" stream" if run_name == "stream" else ""),
                "nprocs": nprocs, "run": run_name, "log": str(log), **result}  # fmt: skip
         if run_name == "stream" and result["ok"] and not all(r.get("iterable") for r in result["ranks"]):
@@ -451,7 +519,7 @@ def main() -> None:
     sides = [(name, code) for name, code in codes] + ([("standard", ROOT)] if "standard" in wanted else [])
     for size in sizes:
         data = corpus(size, args.seed, work_dir)
-        for nprocs in counts:
+        for nprocs, _ in itertools.product(counts, range(args.repeats)):
             for run_name in ("first", "cached"):  # alternated: hftrain, standard, hftrain, standard
                 for pipeline, code in sides:
                     run(pipeline, code, size, data, nprocs, run_name)
