@@ -24,8 +24,8 @@ over 49,152 ids are 0.2 GB in fp32, about the same extra memory on both sides.
 The corpus is deterministic synthetic English-like JSONL (``{"text": ...}`` per line), made once per size and seed
 under ``--work_dir``: words drawn Zipf-like (weight ∝ 1/(rank + 2.7)^1.07) from a fixed vocabulary (common English
 words, then made-up words of English syllables), sentences of 4-28 words with commas and end marks, documents of
-log-normal length (median ~120 words) and, one in twelve, 1,500-12,000 words: several 1,024-token blocks, which
-``data.long_documents: continue`` carries over blocks and ``truncate`` cuts.
+log-normal length (median ~120 words) and, one in sixteen, 1,200-6,000 words (2-8 blocks of 1,024 tokens; about
+60% of the words), which ``data.long_documents: continue`` carries over blocks and ``truncate`` cuts.
 
 What each row measures, from inside each rank (``benchmarks/data_scale_worker.py``: a hook at the end of the
 first optimizer step records, then the rank exits; the docstring there says why not a poller):
@@ -112,8 +112,11 @@ ONSETS = ("b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "v", 
 NUCLEI = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "ie", "oo", "ou", "y")
 CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "nt", "rd", "st", "ck", "ght", "sh", "ble", "tion", "ment")
 VOCABULARY = 30_000
-LONG_DOCUMENT = (1_500, 12_000)
-"""Words of one document in twelve: 2,000-16,000 tokens, several 1,024-token blocks."""
+LONG_DOCUMENT = (1 / 16, 1_200, 6_000)
+"""The share of long documents and their words (1,600-8,000 tokens: 2 to 8 blocks of 1,024). They hold about 60% of
+the words, as the long tail of web text does."""
+CORPUS_VERSION = 1
+"""In the corpus's file name: a change to how it is made makes a new file, never a stale one reused."""
 
 
 def vocabulary(seed: int) -> tuple[list[str], list[float]]:
@@ -134,9 +137,10 @@ def vocabulary(seed: int) -> tuple[list[str], list[float]]:
 
 
 def document(rng: random.Random, words: list[str], cumulative: list[float]) -> str:
-    """One document: sentences of Zipf-drawn words; one in twelve is long (several blocks)."""
-    if rng.random() < 1 / 12:
-        length = rng.randint(*LONG_DOCUMENT)
+    """One document: sentences of Zipf-drawn words; one in sixteen is long (several blocks)."""
+    share, *words_range = LONG_DOCUMENT
+    if rng.random() < share:
+        length = rng.randint(*words_range)
     else:
         length = max(3, min(1_400, int(rng.lognormvariate(math.log(120), 0.9))))
     drawn = rng.choices(words, cum_weights=cumulative, k=length)
@@ -155,7 +159,7 @@ def document(rng: random.Random, words: list[str], cumulative: list[float]) -> s
 
 def corpus(size_mb: int, seed: int, work_dir: Path) -> Path:
     """The corpus of ``size_mb`` MB (10^6 bytes, whole documents up to that size), made once and kept."""
-    path = work_dir / "corpus" / f"english-{size_mb}mb-seed{seed}.jsonl"
+    path = work_dir / "corpus" / f"english-v{CORPUS_VERSION}-{size_mb}mb-seed{seed}.jsonl"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
