@@ -74,7 +74,14 @@ def packed_blocks(config):
 
     tokenizer = build_tokenizer(config.model)
     splits = hftrain.load_splits(config)
-    return pack_splits(splits, tokenizer, block_size=config.data.max_seq_length, log=lambda _: None), tokenizer
+    blocks = pack_splits(
+        splits,
+        tokenizer,
+        block_size=config.data.max_seq_length,
+        long_documents=config.data.long_documents,
+        log=lambda _: None,
+    )
+    return blocks, tokenizer
 
 
 def planned_steps(config, blocks) -> int:

@@ -67,13 +67,16 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     model_facts, plan = validate_job(config, strategy, write=write)
     for line in plan.notes:
         note(line)
+    # The process group before the data: the first process of each node prepares it while the others wait.
+    strategy.start_processes(strategy.resolve_training(config.training)[0])
     tokenizer = build_tokenizer(config.model)
     check_tokenizer(tokenizer, model_facts)
-    splits = load_splits(config, model_facts, note)
-    max_length = effective_max_length(config.data.max_seq_length, model_facts, tokenizer, note)
-    task = TASKS[config.model.task]
-    tokenized, problem_type = task.prepare(splits, tokenizer, max_length, note)
-    trainer = task.trainer()(
+    if config.data.streaming:
+        tokenized, problem_type = streaming_inputs(config, model_facts, tokenizer, note), None
+    else:
+        max_length = effective_max_length(config.data.max_seq_length, model_facts, tokenizer, note)
+        tokenized, problem_type = prepare_data(config, model_facts, tokenizer, max_length, note)
+    trainer = TASKS[config.model.task].trainer()(
         dataclasses.replace(config.training, resume_from_checkpoint=plan.resume),
         run_id=plan.run_id,
         strategy=strategy,
@@ -156,7 +159,116 @@ def hold_folder(lock: FolderLock, runtime: Any, work: Callable[[], Any]) -> Fold
     return lock if main else None
 
 
-def load_splits(config: TrainConfig, facts: ModelFacts, log: Callable[[str], None]) -> Any:
+def prepare_data(
+    config: TrainConfig, facts: ModelFacts, tokenizer: Any, max_length: int, log: Callable[[str], None]
+) -> tuple[Any, str | None]:
+    """The run's model inputs (``train`` and ``validation``, tokenized or packed, memory-mapped) and the task they say,
+    through the data cache (``hftrain.data.cache``; collective when a process group is up).
+
+    The first process of each node reads, tokenizes and packs the data once (in ``data.preprocessing_num_workers``
+    processes) into a cache entry keyed by the data files' content, the tokenizer and every rule below, or opens the
+    entry a run, a resume or an export built before; the other ranks wait on the host group, then open it.
+
+    Args:
+        config: the validated job config.
+        facts: what the model-folder check read (its ``max_length`` bounds continued positions).
+        tokenizer: the model's tokenizer.
+        max_length: ``data.max_seq_length`` as far as the model takes it.
+        log: receives one-line progress messages (the build's, again when the entry was there).
+    """
+    from accelerate.state import PartialState
+
+    from hftrain.data.cache import DataCache, cache_root, prepared_per_node
+
+    task = TASKS[config.model.task]
+
+    def build(work_dir: Path, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+        splits = load_splits(config, facts, log, work_dir=work_dir)
+        inputs = Inputs(
+            max_length,
+            long_documents=config.data.long_documents,
+            max_position=facts.max_length,
+            work_dir=work_dir,
+            num_proc=tokenizing_processes(config),
+        )
+        tokenized, problem_type = task.prepare(splits, tokenizer, inputs, log)
+        return tokenized, {"problem_type": problem_type}
+
+    cache = DataCache(cache_root(config.data.cache_dir), overwrite=config.data.overwrite_cache)
+    entry = prepared_per_node(
+        cache,
+        inputs=lambda: cache_inputs(config, facts, tokenizer, max_length),
+        build=build,
+        log=log,
+        local_rank=PartialState().local_process_index if PartialState._shared_state else 0,
+    )
+    return entry.splits, entry.facts["problem_type"]
+
+
+def cache_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, max_length: int) -> dict[str, Any]:
+    """Everything the model inputs depend on, for the data cache's key: the sources (each file's SHA-256; an embedded
+    dataset's package version), the tokenizer's digest and version, and every rule (the ``data`` section but where
+    the cache lives and how many processes tokenize, the task, labels, seed, block length and position bound).
+
+    Args:
+        config: the validated job config.
+        facts: what the model-folder check read.
+        tokenizer: the model's tokenizer.
+        max_length: ``data.max_seq_length`` as far as the model takes it.
+    """
+    import importlib.metadata
+
+    from hftrain.data.cache import file_digest, tokenizer_digest
+    from hftrain.data.embedded import embedded_version
+
+    data = config.data
+    sources: list[dict[str, Any]] = []
+    for field_name, path in (("data.train_file", data.train_file), ("data.validation_file", data.validation_file)):
+        if path is not None:  # a file that cannot be read keys nothing: its loader refuses it in one line
+            readable = Path(path).is_file()
+            sources.append({"field": field_name, "path": str(path), "sha256": file_digest(path) if readable else None})
+    if data.dataset_name is not None:
+        sources.append({"dataset_name": data.dataset_name, "version": embedded_version(data.dataset_name)})
+    unkeyed = {"cache_dir", "overwrite_cache", "preprocessing_num_workers"}
+    classification = config.model.task == "sequence_classification"
+    return {
+        "task": config.model.task,
+        "sources": sources,
+        "tokenizer": tokenizer_digest(tokenizer),
+        "tokenizers": importlib.metadata.version("tokenizers"),
+        "data": {key: value for key, value in dataclasses.asdict(data).items() if key not in unkeyed},
+        "seed": config.training.seed,
+        "max_length": max_length,
+        "max_position": facts.max_length,
+        "num_labels": config.model.num_labels if classification else None,
+        "problem_type": requested_problem_type(config.model, facts) if classification else None,
+    }
+
+
+LARGE_CORPUS = 10 << 20
+"""Bytes of data files from which tokenizing takes every core (``data.preprocessing_num_workers: null``)."""
+
+
+def tokenizing_processes(config: TrainConfig) -> int:
+    """``data.preprocessing_num_workers``, or (null) one process per core of this process for a corpus above
+    :data:`LARGE_CORPUS` (the node's other ranks wait meanwhile), one for a smaller one (starting processes would
+    cost more than they save).
+
+    Args:
+        config: the validated job config.
+    """
+    import os
+
+    if config.data.preprocessing_num_workers is not None:
+        return config.data.preprocessing_num_workers
+    files = [Path(path) for path in (config.data.train_file, config.data.validation_file) if path is not None]
+    size = sum(file.stat().st_size for file in files if file.is_file())
+    return max(1, len(os.sched_getaffinity(0))) if size > LARGE_CORPUS else 1
+
+
+def load_splits(
+    config: TrainConfig, facts: ModelFacts, log: Callable[[str], None], *, work_dir: Path | None = None
+) -> Any:
     """The run's ``train`` and ``validation`` splits before tokenization: labelled texts (classification: ``text``,
     ``label``), or texts / prompt-response pairs (``causal_lm``).
 
@@ -164,6 +276,7 @@ def load_splits(config: TrainConfig, facts: ModelFacts, log: Callable[[str], Non
         config: the validated job config.
         facts: what the model-folder check read.
         log: receives one-line progress messages.
+        work_dir: where the reading's Arrow files go (a cache build's scratch folder); None: ``datasets``' own cache.
     """
     data = config.data
     sources = {
@@ -176,18 +289,57 @@ def load_splits(config: TrainConfig, facts: ModelFacts, log: Callable[[str], Non
         "max_eval_samples": data.max_eval_samples,
         "seed": config.training.seed,
         "log": log,
+        "work_dir": work_dir,
     }
     return TASKS[config.model.task].load(config, facts, sources)
+
+
+def streaming_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, log: Callable[[str], None]) -> dict:
+    """``data.streaming``: ``{"train": the training stream, "validation": its fixed packed blocks}``
+    (``hftrain.data.streaming``); the trainer deals the stream over its data-parallel ranks.
+
+    Args:
+        config: the validated job config (``model.task: causal_lm``).
+        facts: what the model-folder check read (its position limit bounds continued documents).
+        tokenizer: the model's tokenizer.
+        log: receives one-line notes.
+    """
+    from hftrain.data.packing import BlockRules
+    from hftrain.data.streaming import stream_train_split
+    from hftrain.models.checks import effective_max_length
+
+    block = effective_max_length(config.data.max_seq_length, facts, tokenizer, log)
+    rules = BlockRules.of(tokenizer, block, long_documents=config.data.long_documents, max_position=facts.max_length)
+    return stream_train_split(config.data, tokenizer, rules, log=log)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How a task's splits become model inputs, besides the splits and the tokenizer (``Task.prepare``).
+
+    Args:
+        max_length: ``data.max_seq_length`` as far as the model takes it (truncation, or the block length).
+        long_documents: ``data.long_documents`` (causal LM).
+        max_position: the model's position bound (causal LM: continued positions restart below it).
+        work_dir: where the Arrow files of the tokens go (a cache build's scratch folder); None: in memory.
+        num_proc: processes that tokenize.
+    """
+
+    max_length: int
+    long_documents: str = "continue"
+    max_position: int | None = None
+    work_dir: Path | None = None
+    num_proc: int = 1
 
 
 @dataclass(frozen=True)
 class Task:
     """What a ``model.task`` brings to a job: how its data is read (``load(config, facts, sources)``: the data
-    section's common fields as ``sources``), how its splits become model inputs (and the task they say, for the
-    model's config), and its trainer class."""
+    section's common fields as ``sources``), how its splits become model inputs (``prepare(splits, tokenizer,
+    inputs, log)``: the inputs and the task they say, for the model's config), and its trainer class."""
 
     load: Callable[[TrainConfig, Any, dict[str, Any]], Any]
-    prepare: Callable[[Any, Any, int, Callable[[str], None]], tuple[Any, str | None]]
+    prepare: Callable[[Any, Any, Inputs, Callable[[str], None]], tuple[Any, str | None]]
     trainer: Callable[[], type]
 
 
@@ -209,17 +361,28 @@ def _language_splits(config: TrainConfig, facts: ModelFacts, sources: dict[str, 
     return load_text_splits(**sources, prompt_column=data.prompt_column, response_column=data.response_column)
 
 
-def _classification_inputs(splits: Any, tokenizer: Any, max_length: int, log: Callable[[str], None]) -> tuple:
+def _classification_inputs(splits: Any, tokenizer: Any, inputs: Inputs, log: Callable[[str], None]) -> tuple:
     from hftrain.data.batching import tokenize_splits
     from hftrain.data.labels import problem_type_of
 
-    return tokenize_splits(splits, tokenizer, max_seq_length=max_length), problem_type_of(splits["train"].features)
+    tokenized = tokenize_splits(splits, tokenizer, max_seq_length=inputs.max_length)
+    return tokenized, problem_type_of(splits["train"].features)
 
 
-def _language_inputs(splits: Any, tokenizer: Any, max_length: int, log: Callable[[str], None]) -> tuple:
+def _language_inputs(splits: Any, tokenizer: Any, inputs: Inputs, log: Callable[[str], None]) -> tuple:
     from hftrain.data.language import pack_splits
 
-    return pack_splits(splits, tokenizer, block_size=max_length, log=log), None
+    packed = pack_splits(
+        splits,
+        tokenizer,
+        block_size=inputs.max_length,
+        log=log,
+        long_documents=inputs.long_documents,
+        max_position=inputs.max_position,
+        work_dir=inputs.work_dir,
+        num_proc=inputs.num_proc,
+    )
+    return packed, None
 
 
 def _classification_trainer() -> type:
@@ -529,7 +692,12 @@ class _DecidedByHftrain(logging.Filter):
 
     # transformers turns the key/value cache off under gradient checkpointing, which the job asked for; a
     # classifier never uses that cache.
-    DECIDED = ("is incompatible with gradient checkpointing",)
+    # A document longer than the model takes is tokenized whole on purpose: the packer continues it over blocks (or
+    # cuts it, and logs how many tokens it kept).
+    DECIDED = (
+        "is incompatible with gradient checkpointing",
+        "Token indices sequence length is longer than the specified maximum sequence length",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.DECIDED)

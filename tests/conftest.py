@@ -28,7 +28,14 @@ def _session_tmpdir(tmp_path_factory) -> Iterator[Path]:
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(root)
     tempfile.tempdir = None  # re-read TMPDIR
+    # the data cache too (hftrain.data.cache): shared by the suite's runs, gone with it, never the user's ~/.cache
+    cache_before = os.environ.get("HFTRAIN_CACHE")
+    os.environ["HFTRAIN_CACHE"] = str(root / "hftrain-data-cache")
     yield root
+    if cache_before is None:
+        os.environ.pop("HFTRAIN_CACHE", None)
+    else:
+        os.environ["HFTRAIN_CACHE"] = cache_before
     if before is None:
         os.environ.pop("TMPDIR", None)
     else:

@@ -91,8 +91,9 @@ def test_blocks_pack_whole_documents_in_order_with_masked_starts_and_padding() -
     assert [block["num_tokens"] for block in train] == [5, 6]
     assert packed["train"].column_names == ["input_ids", "labels", "position_ids", "length", "num_tokens"]
     assert messages == [
-        "packed into blocks of 8 tokens: train 4 documents in 2 blocks (fill 93.8%); "
-        "validation 1 documents in 1 blocks (fill 50.0%)"
+        "packed into blocks of 8 tokens (long documents: continue): train 4 documents in 2 blocks (fill 93.8%, "
+        "0 continued over blocks, kept 100.0% of 15 tokens); validation 1 documents in 1 blocks (fill 50.0%, "
+        "0 continued over blocks, kept 100.0% of 4 tokens)"
     ]
 
 
@@ -115,9 +116,10 @@ def test_prompt_tokens_are_masked_and_the_response_and_eos_trained() -> None:
 
 
 def test_long_documents_are_cut_to_the_block_and_counted() -> None:
+    """``data.long_documents: truncate`` (continuation is tests/test_packing.py's)."""
     messages: list[str] = []
     data = {"text": ["w0 w1 w2 w3 w4 w5 w6 w7 w8 w9", "w10 w11", "w12 w13 w14 w15 w16"]}  # 11, 3 and 6 with eos
-    packed = pack_splits(_splits(data), _tokenizer(), block_size=5, log=messages.append)
+    packed = pack_splits(_splits(data), _tokenizer(), block_size=5, log=messages.append, long_documents="truncate")
     train = packed["train"].to_list()
     assert [block["input_ids"] for block in train] == [[2, 3, 4, 5, 6], [12, 13, EOS, 1, 1], [14, 15, 16, 17, 18]]
     assert [block["labels"] for block in train] == [
@@ -127,24 +129,28 @@ def test_long_documents_are_cut_to_the_block_and_counted() -> None:
     ]
     assert [block["num_tokens"] for block in train] == [4, 2, 4]
     assert messages[0] == (
-        "truncated documents longer than data.max_seq_length=5 tokens to their first 5 tokens: "
-        "train 2 of 3, validation 1 of 1"
+        "packed into blocks of 5 tokens (long documents: truncate): train 3 documents in 3 blocks (fill 86.7%, "
+        "2 truncated, kept 65.0% of 20 tokens); validation 1 documents in 1 blocks (fill 100.0%, 1 truncated, kept "
+        "45.5% of 11 tokens)"
     )
     # A prompt as long as the block leaves nothing to train on, and it is counted as cut (another document has
     # targets: a split with none is refused, tests/test_untrusted_inputs.py).
     prompt = {"prompt": ["w0 w1 w2 w3 w4 w5", "w7"], "response": ["w6", "w8"]}
     block = pack_splits(_splits(prompt, {"prompt": ["w7"], "response": ["w8"]}), _tokenizer(), block_size=4,
-                        log=lambda m: None)["train"][0]  # fmt: skip
+                        log=lambda m: None, long_documents="truncate")["train"][0]  # fmt: skip
     assert block["input_ids"] == [2, 3, 4, 5] and block["num_tokens"] == 0 and set(block["labels"]) == {-100}
 
 
 def test_random_documents_round_trip_and_num_tokens_is_the_shifted_target_count() -> None:
     """Many documents of varied lengths: every block is full-length, the documents come back whole (or cut) in
-    order from the position-id runs, and num_tokens counts labels[1:] that are not -100."""
+    order from the position-id runs, and num_tokens counts labels[1:] that are not -100 (``truncate``; continued
+    documents are tests/test_packing.py's)."""
     texts, _ = synthetic_texts(300, seed=3, words=(1, 30))
     block_size = 24
     tokenizer = _tokenizer()
-    packed = pack_splits(_splits({"text": texts}), tokenizer, block_size=block_size, log=lambda m: None)["train"]
+    packed = pack_splits(
+        _splits({"text": texts}), tokenizer, block_size=block_size, log=lambda m: None, long_documents="truncate"
+    )["train"]
     documents: list[list[int]] = []
     for block in packed.to_list():
         ids, labels, positions = block["input_ids"], block["labels"], block["position_ids"]

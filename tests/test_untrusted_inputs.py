@@ -292,7 +292,7 @@ def test_causal_lm_with_every_response_cut_away_is_refused(tiny_job, tmp_path):
     data.write_text(rows)
     out = tmp_path / "out"
     argv = ["train", *job_args({**tiny_job, "model": tiny_job["gpt2"], "data": str(data)}, out),
-            "--task", "causal_lm", "--max_seq_length", "16"]  # fmt: skip
+            "--task", "causal_lm", "--max_seq_length", "16", "--long_documents", "truncate"]  # fmt: skip
     code, stderr = cli_in_process(argv)
     assert_refused(stderr, code, "has no token to train on")
     assert not out.exists()

@@ -38,6 +38,7 @@ from hftrain.files import (
     remove_quietly,
     remove_unless_read,
     write_file,
+    write_json,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +48,20 @@ FORMAT_VERSION = 1
 MARKER = "checkpoint.json"
 STATE_DIR = "state"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def rank_state_file(state_dir: Path, rank: int | None = None) -> Path:
+    """Where a rank's own state goes in a checkpoint's ``state/`` (``rank_state_<global rank>.json``).
+
+    Args:
+        state_dir: the checkpoint's ``state/`` folder.
+        rank: the global rank (None: this process's).
+    """
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    return state_dir / f"rank_state_{rank}.json"
 
 
 class CheckpointManager:
@@ -69,7 +84,14 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- writing (collective)
     def save(
-        self, runtime: Any, *, step: int, meta: dict[str, Any], background: bool = False, live: bool = False
+        self,
+        runtime: Any,
+        *,
+        step: int,
+        meta: dict[str, Any],
+        background: bool = False,
+        live: bool = False,
+        rank_state: dict[str, Any] | None = None,
     ) -> Path:
         """Write a checkpoint of ``step``; every rank must call this.
 
@@ -87,6 +109,8 @@ class CheckpointManager:
             live: nothing changes the model and optimizer states until :meth:`wait` (the run's last save): a
                 background write reads them where they are, without the staged copy (at the end of the default job
                 a copy of 273 MB less, in time and in resident memory).
+            rank_state: this rank's own plain state (a training stream's position), written as
+                ``state/rank_state_<rank>.json`` (:func:`rank_state_file`) by every rank that has one.
         """
         from hftrain.checkpoint.sharded import DCP_DIR, write, write_metadata
 
@@ -100,6 +124,8 @@ class CheckpointManager:
         agreed = _AgreedWrite(runtime, f"checkpoint step {step} ({final})", staging, last=self.latest())
         agreed.phase(self._begin if main else None, staging)
         agreed.phase(runtime.save_extras, str(state_dir))
+        if rank_state is not None:
+            agreed.phase(write_json, rank_state_file(state_dir), rank_state, indent=None)
         snapshot = runtime.snapshot()
         agreed.phase(write_metadata if main else None, state_dir, snapshot)
         marker = {"step": step, **meta}

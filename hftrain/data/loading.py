@@ -49,6 +49,7 @@ def load_classification_splits(
     seed: int,
     log: Callable[[str], None] = print,
     problem_type: str | None = None,
+    work_dir: str | os.PathLike[str] | None = None,
 ) -> datasets.DatasetDict:
     """Load and validate a classification dataset as splits "train" and "validation".
 
@@ -70,6 +71,8 @@ def load_classification_splits(
         log: receives one-line progress messages (e.g. dropped-row counts).
         problem_type: the task (``model.problem_type``, or the model's ``config.json``); None: the training
             labels decide (``hftrain.data.labels.decide_problem_type``).
+        work_dir: where `datasets` writes its Arrow copy of a file (a cache build's scratch folder); None: its own
+            cache.
     """
     import datasets
 
@@ -81,13 +84,13 @@ def load_classification_splits(
         problem_type = decide_problem_type(problem_type, num_labels, frame["label"], dataset_name)
         train = _to_dataset(frame, problem_type, num_labels, dataset_name, "label")
     else:
-        frame = _read_local(train_file, "data.train_file", text_column, label_column, log)
+        frame = _read_local(train_file, "data.train_file", text_column, label_column, log, work_dir)
         problem_type = decide_problem_type(problem_type, num_labels, frame["label"], str(train_file))
         train = _to_dataset(frame, problem_type, num_labels, str(train_file), label_column)
     if validation_file is None:
         train, validation = _split(train, validation_split_percentage, seed, dataset_name or str(train_file))
     else:
-        frame = _read_local(validation_file, "data.validation_file", text_column, label_column, log)
+        frame = _read_local(validation_file, "data.validation_file", text_column, label_column, log, work_dir)
         validation = _to_dataset(frame, problem_type, num_labels, str(validation_file), label_column)
     return datasets.DatasetDict(
         {"train": _head(train, max_train_samples), "validation": _head(validation, max_eval_samples)}
@@ -142,6 +145,7 @@ def _read_local(
     text_column: str,
     label_column: str,
     log: Callable[[str], None],
+    work_dir: str | os.PathLike[str] | None = None,
 ) -> pd.DataFrame:
     """Read a local file: its text and label columns, texts checked, rows missing either dropped.
 
@@ -151,8 +155,9 @@ def _read_local(
         text_column: name of the text column.
         label_column: name of the label column.
         log: receives the dropped-row count.
+        work_dir: where `datasets` writes its Arrow copy (None: its own cache).
     """
-    frame = _read_file(path, field)
+    frame = _read_file(path, field, Path(work_dir) / "tables" if work_dir is not None else None)
     frame = _select_columns(frame, str(path), text_column, label_column)
     check_texts(frame["text"], str(path), text_column)
     return _drop_missing(frame, str(path), field, log)
@@ -205,12 +210,28 @@ def _file_format(path: Path, field: str) -> str:
     raise DataError(f"{field}: unsupported file type for {path}; use one of {', '.join(_FILE_FORMATS)}")
 
 
-def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
+def _read_file(
+    path: str | os.PathLike[str], field: str, cache_dir: str | os.PathLike[str] | None = None
+) -> pd.DataFrame:
     """Load a local file with `datasets` and return it as a DataFrame in file order.
 
     Args:
         path: the data file.
         field: config field that named the file.
+        cache_dir: where `datasets` writes its Arrow copy (None: its own cache).
+    """
+    return load_table(path, field, cache_dir).to_pandas()
+
+
+def load_table(
+    path: str | os.PathLike[str], field: str, cache_dir: str | os.PathLike[str] | None = None
+) -> datasets.Dataset:
+    """Load a local CSV/JSON(L)/Parquet file with `datasets`, in file order, memory-mapped from its Arrow copy.
+
+    Args:
+        path: the data file.
+        field: config field that named the file.
+        cache_dir: where `datasets` writes its Arrow copy (None: its own cache).
     """
     import datasets
 
@@ -223,7 +244,12 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
         raise DataError(f"{field}: {path} is empty; fill in the data or point to another file")
     try:
         # `split="train"` is the builder's single split, not our train split.
-        dataset = datasets.load_dataset(builder, data_files=str(file.resolve()), split="train")
+        return datasets.load_dataset(
+            builder,
+            data_files=str(file.resolve()),
+            split="train",
+            cache_dir=str(cache_dir) if cache_dir is not None else None,
+        )
     except Exception as err:  # noqa: BLE001 - parser errors vary by format; report them as one line
         reason = _root_cause(err)
         if "corresponds to no data" in reason:  # e.g. a CSV with only a header line
@@ -236,7 +262,6 @@ def _read_file(path: str | os.PathLike[str], field: str) -> pd.DataFrame:
         if builder == "json":
             _check_json_lines(file, field)
         raise DataError(f"{field}: could not read {path} as {builder}: {reason}") from err
-    return dataset.to_pandas()
 
 
 def _check_json_lines(file: Path, field: str) -> None:
@@ -247,28 +272,38 @@ def _check_json_lines(file: Path, field: str) -> None:
         file: a .json/.jsonl file the parser refused.
         field: the config field that named it.
     """
-    import json
-
+    # Read line by line: a corpus may not fit in memory.
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        with file.open(encoding="utf-8") as handle:
+            if next(handle, None) is None or next(handle, None) is None:  # one JSON document (a .json array)
+                return
     except (OSError, UnicodeDecodeError):
         return
-    if len(lines) < 2:  # one JSON document (a .json array): not JSON Lines
+    try:
+        with file.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                _check_json_line(line, number, file, field)
+    except (OSError, UnicodeDecodeError):
         return
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as error:
-            raise DataError(
-                f"{field}: line {number} of {file} is not valid JSON ({error.msg}); write one JSON object per line"
-            ) from None
-        if not isinstance(row, dict):
-            raise DataError(
-                f"{field}: line {number} of {file} is {shown(row)}, not a JSON object; write one object per line "
-                '(e.g. {"text": "...", "label": 0})'
-            )
+
+
+def _check_json_line(line: str, number: int, file: Path, field: str) -> None:
+    """Refuse a line of a JSON Lines file that is not blank and not a JSON object (see ``_check_json_lines``)."""
+    import json
+
+    if not line.strip():
+        return
+    try:
+        row = json.loads(line)
+    except ValueError as error:
+        raise DataError(
+            f"{field}: line {number} of {file} is not valid JSON ({error.msg}); write one JSON object per line"
+        ) from None
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{field}: line {number} of {file} is {shown(row)}, not a JSON object; write one object per line "
+            '(e.g. {"text": "...", "label": 0})'
+        )
 
 
 def _root_cause(err: BaseException) -> str:

@@ -191,6 +191,37 @@ class Strategy(ABC):
             "dropout_kernel": training.dropout_kernel,
         }
 
+    def start_processes(self, training: TrainingConfig) -> None:
+        """Start the process group now, before the data is read, exactly as this strategy's ``Accelerator`` would.
+
+        transformers' ``TrainingArguments`` does the same (a ``PartialState`` before the data): the job's data
+        preparation then runs on a live group (``hftrain.parallel.host``: the main process of each node tokenizes,
+        the others wait), and ``Accelerator(...)`` later finds the state started and only adds its own part. The
+        ``PartialState`` gets what ``Accelerator.__init__`` hands ``AcceleratorState`` -> ``PartialState``: ``cpu``
+        (forced by ``ACCELERATE_USE_CPU``, as ``AcceleratorState`` does) and the ``InitProcessGroupKwargs`` handler's
+        ``backend``/``timeout``; and the environment flags ``Accelerator.__init__`` sets for a DeepSpeed or FSDP
+        plugin before it builds the state (``PartialState`` reads them: DeepSpeed's ``init_distributed``, FSDP's
+        ``cpu:gloo`` beside nccl). The kwargs are :meth:`accelerator_kwargs`'s, so nothing differs for any strategy.
+        Idempotent: a started state is left as it is.
+
+        Args:
+            training: the ``training`` section, resolved (``resolve_training``) as the trainer will run it.
+        """
+        import os
+
+        from accelerate.state import PartialState
+        from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
+
+        if PartialState._shared_state:  # started (a notebook's earlier run, or this job's trainer)
+            return
+        kwargs = {"kwargs_handlers": self.platform.default_handlers(), **self.accelerator_kwargs(training)}
+        init = [handler for handler in kwargs["kwargs_handlers"] if isinstance(handler, InitProcessGroupKwargs)]
+        for plugin, flag in (("deepspeed_plugin", "ACCELERATE_USE_DEEPSPEED"), ("fsdp_plugin", "ACCELERATE_USE_FSDP")):
+            if kwargs.get(plugin) is not None:
+                os.environ[flag] = "true"  # what Accelerator.__init__ sets before its state, to the same value
+        cpu = bool(kwargs.get("cpu", False)) or parse_flag_from_env("ACCELERATE_USE_CPU")
+        PartialState(cpu, **(init[-1].to_kwargs() if init else {}))
+
     def build_accelerator(
         self, training: TrainingConfig, *, project_dir: str | None = None, logging_dir: str | None = None
     ) -> Accelerator:

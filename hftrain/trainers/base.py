@@ -29,7 +29,8 @@ from hftrain.checkpoint.run import (
 )
 from hftrain.checkpoint.session import CheckpointSession
 from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader, lengths_of
-from hftrain.errors import HFTrainError
+from hftrain.data.streaming import StreamingBlocks
+from hftrain.errors import ConfigError, DataError, HFTrainError
 from hftrain.files import check_own, write_json
 from hftrain.log import get_logger
 from hftrain.models.dropout import use_bits_dropout
@@ -90,7 +91,9 @@ class Trainer:
         model_init: builds the model (the runtime calls it in the strategy's construction context; an
             ``hftrain.models.PretrainedBuilder`` also lets a pipeline rank leave other stages unbuilt).
         tokenizer: pads batches; saved with the model.
-        train_dataset: tokenized examples with ``labels`` and ``length`` columns.
+        train_dataset: tokenized examples with ``labels`` and ``length`` columns, or a stream of them
+            (``hftrain.data.streaming.StreamingBlocks``: dealt over the data-parallel ranks here, no sampler, no epochs,
+            ``max_steps`` steps, its position saved per rank in every checkpoint; :meth:`_next_window`).
         eval_dataset: as ``train_dataset``; None skips evaluation.
         run_config: the resolved job config, given to the trackers.
         run_id: the run's id (``hftrain.checkpoint.run``), stored in every checkpoint; ``latest``/``auto`` take
@@ -120,6 +123,11 @@ class Trainer:
         self.run_config = run_config or {}
         self.run_id = run_id
         self._skip_batches = 0
+        self.stream = train_dataset if isinstance(train_dataset, StreamingBlocks) else None
+        self._stream_batches: Any = None  # the stream loader's iterator, made at the first window (after a resume)
+        self.window_count = 0.0
+        """The current window's (global batch's) :meth:`count_examples` summed over the data-parallel replicas: agreed
+        by one host all-reduce before the window's first backward when the data is a stream (:meth:`_next_window`)."""
         self._curves: BackgroundPainter | None = None  # draws training_curves.png in the background (main process)
         self.folder_lock: Any = None
         """``output_dir``'s lock (``hftrain.files.FolderLock``), held by the main process of a training run from its
@@ -151,31 +159,40 @@ class Trainer:
             self._log(self.runtime.apply_recomputation(model, recompute))
         # FLOPs are counted from the whole model's shapes, before any strategy splits it
         self.throughput = Throughput(FlopModel.of(model), recompute=recompute)
-        self.train_sampler = EpochSampler(
-            lengths_of(train_dataset),
-            order=args.train_sampling_strategy,
-            # The global batch: the order is then the same however it is split across processes.
-            group_size=self.strategy_summary["global_batch"],
-            seed=args.seed,
-            whole_groups=self.whole_global_batches,
-        )
-        train_loader = build_dataloader(
-            train_dataset,
-            tokenizer,
-            batch_size=args.per_device_train_batch_size,
-            sampler=self.train_sampler,
-            num_workers=args.dataloader_num_workers,
-            pin_memory=self.strategy.platform.pinned_batches,
-            collate_fn=self.data_collator(),
-        )
+        self.train_sampler: EpochSampler | None = None
+        train_loader = None
+        if self.stream is None:
+            self.train_sampler = EpochSampler(
+                lengths_of(train_dataset),
+                order=args.train_sampling_strategy,
+                # The global batch: the order is then the same however it is split across processes.
+                group_size=self.strategy_summary["global_batch"],
+                seed=args.seed,
+                whole_groups=self.whole_global_batches,
+            )
+            train_loader = build_dataloader(
+                train_dataset,
+                tokenizer,
+                batch_size=args.per_device_train_batch_size,
+                sampler=self.train_sampler,
+                num_workers=args.dataloader_num_workers,
+                pin_memory=self.strategy.platform.pinned_batches,
+                collate_fn=self.data_collator(),
+            )
         eval_loader = self._eval_loader(eval_dataset)
         optimizer = self.create_optimizer(model)
+        # A stream is dealt over the ranks by the stream itself, never by Accelerate's loader wrappers (which would
+        # dispatch one rank's reads to all): only the map-style loader goes through prepare.
         self.model, self.optimizer, self.train_loader, self.eval_loader = self.runtime.prepare(
             model, optimizer, train_loader, eval_loader
         )
+        if self.stream is not None:
+            self.train_loader = self._stream_loader(self.stream)
         self.expert_load = ExpertLoad.for_model(self.model, self.runtime.example_group)  # None: not an MoE
         self._expert_picture: BackgroundPainter | None = None
-        self.steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
+        self.steps_per_epoch = (
+            math.ceil(len(self.train_loader) / args.gradient_accumulation_steps) if self.stream is None else None
+        )
         self.max_steps = self._total_steps()
         self.lr_scheduler = self.create_scheduler(self.optimizer)
         self.runtime.register_for_checkpointing(self.lr_scheduler)
@@ -271,6 +288,11 @@ class Trainer:
     def _total_steps(self) -> int:
         if self.args.max_steps > 0:
             return self.args.max_steps
+        if self.steps_per_epoch is None:
+            raise ConfigError(
+                "data.streaming: a stream has no known length, so training.num_train_epochs cannot end it; set "
+                "training.max_steps"
+            )
         return max(1, math.ceil(self.args.num_train_epochs * self.steps_per_epoch))
 
     def _eval_loader(self, dataset: Dataset | None) -> torch.utils.data.DataLoader | None:
@@ -330,9 +352,10 @@ class Trainer:
     ) -> TrainResult:
         """:meth:`fit` from its first step on, with the preemption flag installed."""
         acc, stopped = self.accelerator, None
+        run = self._run_epoch if self.stream is None else self._run_stream
         try:
             while self.state.global_step < self.max_steps and stopped is None:
-                stopped = self._run_epoch(progress, preemption, stop_at_step)
+                stopped = run(progress, preemption, stop_at_step)
         except BaseException:  # a non-finite loss, a failed step: the checkpoint being written is completed first
             self.checkpoints.settle()
             raise
@@ -403,6 +426,102 @@ class Trainer:
         self.state.micro_step = 0
         return None
 
+    # ----------------------------------------------------------------- a stream (data.streaming)
+    def count_examples(self, batch: dict[str, torch.Tensor]) -> float:
+        """What one micro-batch adds to its window's :attr:`window_count`: its examples (a causal LM counts its target
+        tokens instead, the ``N`` its loss divides by)."""
+        return float(batch["labels"].shape[0])
+
+    def _stream_loader(self, stream: StreamingBlocks) -> torch.utils.data.DataLoader:
+        """Deal ``stream`` over the data-parallel ranks and batch it in this process.
+
+        The loader runs no worker: a worker would read ahead of the blocks trained on, and the position a checkpoint
+        saves (the stream's ``state_dict``) must be right after the last block the trainer consumed. Only the
+        Accelerate strategies, where every process is a data-parallel replica, take a stream.
+        """
+        from hftrain.data.streaming import collate_blocks
+
+        if self.runtime.dp_size != self.runtime.num_processes:
+            raise ConfigError(
+                f"data.streaming: strategy {self.strategy.name} splits the model over processes "
+                f"({self.runtime.num_processes} processes, {self.runtime.dp_size} data-parallel); a stream is dealt "
+                "over data-parallel replicas under ddp, fsdp and deepspeed only: use one of them, or data.streaming: "
+                "false"
+            )
+        self._log(
+            stream.split(dp_rank=self.accelerator.process_index, dp_size=self.runtime.dp_size, log=self._log)
+            + "; blocks train in the stream's order (training.train_sampling_strategy is for map-style data)"
+        )
+        if self.args.dataloader_num_workers:
+            self._log(
+                f"data.streaming: the stream is read in each training process (a loader worker would read ahead of the "
+                f"saved position); training.dataloader_num_workers={self.args.dataloader_num_workers} serves the "
+                "evaluation loader"
+            )
+        return torch.utils.data.DataLoader(
+            stream,
+            batch_size=self.args.per_device_train_batch_size,
+            collate_fn=collate_blocks,
+            num_workers=0,
+            pin_memory=self.strategy.platform.pinned_batches,
+        )
+
+    def _run_stream(self, progress: Any, preemption: PreemptionFlag, stop_at_step: int | None) -> str | None:
+        """Optimizer steps on the stream's windows until ``max_steps``; returns why the run must stop, if it must."""
+        runtime = self.runtime
+        if self._stream_batches is None:  # after a resume: the stream continues at its restored position
+            self._stream_batches = iter(self.train_loader)
+        self.model.train()
+        while self.state.global_step < self.max_steps:
+            window_losses = []
+            for batch in self._next_window():
+                window_losses.append(self.train_step(batch))
+                self.state.micro_step += 1
+            if not runtime.sync_gradients:  # Accelerate counts gradient_accumulation_steps micro-batches per step
+                raise RuntimeError("a window of the stream ended without its optimizer step")
+            self.state.global_step += 1
+            self._record_step(torch.stack(window_losses).mean(), progress)
+            stopped = self._on_step_end(preemption, stop_at_step)
+            if stopped:
+                return stopped
+        return None
+
+    def _next_window(self) -> list[dict[str, torch.Tensor]]:
+        """The next window's ``gradient_accumulation_steps`` micro-batches of this rank's stream, read before its
+        first backward, with :attr:`window_count` agreed over the ranks.
+
+        Every rank reads its own blocks, so no rank knows the global batch's count: each sums
+        :meth:`count_examples` over its micro-batches and one host all-reduce over all processes
+        (``parallel.host.all_sum``) adds them, with a flag for a rank whose stream failed (a malformed line, a
+        shard gone): every rank then raises, the failed one its own line, and none waits in a collective. The sum is
+        divided by the processes of one replica (``num_processes / dp_size``, 1 under the strategies that take a
+        stream), which read the same blocks.
+        """
+        from hftrain.parallel.host import all_sum
+
+        runtime = self.runtime
+        window: list[dict[str, torch.Tensor]] = []
+        error: HFTrainError | None = None
+        try:
+            for _ in range(self.args.gradient_accumulation_steps):
+                window.append(next(self._stream_batches))
+        except HFTrainError as raised:
+            error = raised
+        except Exception as raised:  # a library's failure inside the stream, on this rank only: no rank may hang
+            reason = " ".join(str(raised).split())[:300] or type(raised).__name__
+            error = DataError(f"the training stream failed on this process ({type(raised).__name__}: {reason})")
+        local = sum(self.count_examples(batch) for batch in window) if error is None else 0.0
+        total, failed = all_sum([local, float(error is not None)])
+        if failed:
+            says = runtime.reports(error)
+            if error is not None:
+                error.every_rank = says
+                raise error
+            raise DataError("the training stream failed on another process; see its error")
+        self.window_count = total / (runtime.num_processes // runtime.dp_size)
+        device, pinned = runtime.device, self.strategy.platform.pinned_batches
+        return [{k: v.to(device, non_blocking=pinned) for k, v in batch.items()} for batch in window]
+
     def _on_step_end(self, preemption: PreemptionFlag, stop_at_step: int | None) -> str | None:
         """Evaluate and checkpoint on schedule; checkpoint and stop when all ranks agree to."""
         if self._eval_due():
@@ -461,7 +580,11 @@ class Trainer:
         """Write a complete checkpoint of the current step (collective: every rank calls it), and start drawing
         ``training_curves.png`` in the background, except at the run's last step: ``fit`` draws it once more after
         the final evaluation anyway."""
-        path = self.checkpointing.save(self.state_dict(), step=self.state.global_step, max_steps=self.max_steps)
+        # A stream's position is right after the window just trained on (no loader reads ahead): each rank's own.
+        position = self.stream.state_dict() if self.stream is not None else None
+        path = self.checkpointing.save(
+            self.state_dict(), step=self.state.global_step, max_steps=self.max_steps, rank_state=position
+        )
         if self.state.global_step < self.max_steps:
             self._draw_curves()
         self.throughput.restart_clock()  # a step's rate counts the step, not the save after it
@@ -486,11 +609,29 @@ class Trainer:
             spec,
             model=self.model,
             optimizer=self.optimizer,
-            micro_batches=len(self.train_loader),
+            micro_batches=len(self.train_loader) if self.stream is None else None,
             max_steps=self.max_steps,
         )
         if resumed is not None:
             self.state, self._skip_batches = resumed.state, resumed.skip
+            if self.stream is not None:
+                self._restore_stream(resumed.rank_state or {})
+
+    def _restore_stream(self, position: dict[str, Any]) -> None:
+        """Put this rank's stream at its saved position; a position that does not fit is refused on every rank."""
+        error: HFTrainError | None = None
+        try:
+            self.stream.load_state_dict(position)
+        except HFTrainError as raised:
+            error = raised
+        except (KeyError, TypeError, ValueError) as raised:
+            error = DataError(f"{self.last_checkpoint}: this process's stream position is damaged ({raised!r})")
+        if self.runtime.any_rank(error is not None):
+            says = self.runtime.reports(error)
+            if error is not None:
+                error.every_rank = says
+                raise error
+            raise DataError("another process cannot continue its stream from the checkpoint; see its error")
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward one micro-batch; step the optimizer when the window closes.

@@ -15,6 +15,11 @@ batch is always the ``G = micro × accumulation × dp`` consecutive examples of 
 ``num_tokens`` column of the ones of its window. The logged loss, the mean of the scaled micro-batch losses over the
 window and the replicas, is then ``Σ S / N`` too.
 
+**A stream** (``data.streaming``, ``hftrain.data.streaming``): each rank packs its own share of the corpus, so no rank
+knows the other ranks' blocks. Before a window's first backward, each rank reads the window's micro-batches, counts
+their targets, and one host all-reduce of the counts over the processes gives ``N`` (``Trainer._next_window``: the
+sum over the processes divided by the processes of one replica); the scaling is then the same, and so is the loss.
+
 Evaluation sums each block's token losses and counts its targets; the evaluation loss is ``Σ sums / Σ counts`` over the
 whole set (each block counted once, gathered over the replicas), and the perplexity ``exp`` of it.
 
@@ -51,11 +56,15 @@ class CausalLMTrainer(Trainer):
     whole_global_batches = True  # N counts a global batch's blocks: Accelerate's repeats of a short one would not be
 
     def __init__(self, *args: Any, train_dataset: Any, **kwargs: Any) -> None:
+        from hftrain.data.streaming import StreamingBlocks
         from hftrain.errors import DataError
 
-        self._targets = [int(n) for n in train_dataset["num_tokens"][:]]
+        streamed = isinstance(train_dataset, StreamingBlocks)
+        self._targets = [] if streamed else [int(n) for n in train_dataset["num_tokens"][:]]
         self._window_targets: dict[int, list[float]] = {}  # epoch -> target count of each global batch
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        if streamed:
+            return
         blocks, size = len(self._targets), self.strategy_summary["global_batch"]
         if blocks < size:
             raise DataError(
@@ -101,8 +110,15 @@ class CausalLMTrainer(Trainer):
         unwrapped = self.runtime.unwrap_model(self.model)
         return unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
 
+    def count_examples(self, batch: dict[str, torch.Tensor]) -> float:
+        """A micro-batch's target tokens (a stream's window sums them into ``N``)."""
+        return float((next_token_targets(batch["labels"]) != IGNORE_INDEX).sum())
+
     def _global_targets(self) -> float:
-        """``N``: the target tokens of the global batch the current micro-batch belongs to (at least 1)."""
+        """``N``: the target tokens of the global batch the current micro-batch belongs to (at least 1); a stream's
+        window agreed it before its first backward (``Trainer._next_window``)."""
+        if self.stream is not None:
+            return max(1.0, self.window_count)
         epoch = self.state.epoch
         if epoch not in self._window_targets:
             self.train_sampler.set_epoch(epoch)
