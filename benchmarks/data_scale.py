@@ -47,10 +47,14 @@ The ratio table divides hftrain by the standard pipeline at the same size, proce
 rank's peak RSS before the step); the goal lines are issue 53's. Runs alternate (hftrain, standard) so a change in
 machine load hits both alike; on a shared 2-core machine times move by ±1.6×, memory by < 0.05 GB.
 
-Usage (the 5 MB rows take a few minutes on 2 shared cores; 500 MB takes hours):
-    python benchmarks/data_scale.py --sizes 5,50                 # 1 and 2 processes, both pipelines
-    python benchmarks/data_scale.py --sizes 5,50,500 --json out.json
-    python benchmarks/data_scale.py --sizes 5 --ref 1439dcd      # also hftrain at another commit (rows hftrain@REV)
+A job is stopped, and its row says so, when the machine has less than ``--min_free_gb`` available (before issue 53,
+two ranks on a 500 MB corpus would need ~30 GB), or past ``--timeout``.
+
+Usage (5 and 50 MB: about 10 minutes on 2 shared cores; 500 MB: an hour or more):
+    python benchmarks/data_scale.py --sizes 5,50                 # 1 and 2 processes, both pipelines, streaming
+    python benchmarks/data_scale.py --sizes 5,50,500 --json out.json --repeats 3
+    python benchmarks/data_scale.py --sizes 5,50 --ref 1439dcd   # also hftrain at another commit (rows hftrain@REV;
+                                                                 # a git worktree in the work dir: remove it after)
 """
 
 from __future__ import annotations
