@@ -397,7 +397,7 @@ def prepared_per_node(
 
 
 POLL_SECONDS = 2.0
-"""How often the ranks agree whether the builders are done (:func:`_while_building`)."""
+"""How often, at most, the ranks agree whether the builders are done (:func:`_while_building`: from 10 ms, doubling)."""
 
 
 def _while_building(work: Callable[[], None] | None) -> None:
@@ -421,11 +421,13 @@ def _while_building(work: Callable[[], None] | None) -> None:
     if work is not None:
         thread = threading.Thread(target=work, name="hftrain-data-build", daemon=True)
         thread.start()
+    wait = 0.01  # opening an entry that is there takes milliseconds: the first polls come soon, then every 2 s
     while any_rank(thread is not None and thread.is_alive()):
         if thread is not None:
-            thread.join(POLL_SECONDS)
+            thread.join(wait)
         else:
-            time.sleep(POLL_SECONDS)
+            time.sleep(wait)
+        wait = min(2 * wait, POLL_SECONDS)
 
 
 def _logged(entry: Entry, log: Callable[[str], None]) -> Entry:
