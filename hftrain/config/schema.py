@@ -89,10 +89,10 @@ class DataConfig:
     change). ``auto`` chooses per device (``hftrain.strategies.platform``): on CUDA the smallest power of two ≥ 64
     giving at most 8 lengths (64 up to ``max_seq_length`` 512, so 2 lengths at 128; 256 at 2048), because every new
     shape costs cuDNN attention a new plan and ``torch.compile`` a recompile; on CPU none (each batch to its longest
-    example), the fastest in the default job (step 0.2xx s against 0.2xx s with a multiple of 8, 0.2xx with 64:
-    benchmarks/README.md). null: no buckets. The megatron strategy's own multiple (``tp`` under sequence parallelism,
-    ``2·cp`` under context parallelism) combines with it (their lcm). ``model.task: causal_lm``: blocks are already of
-    one length; only the strategy's multiple applies."""
+    example), the fastest in the default job (median step 2.50 s against 3.40 s with a multiple of 8 and 3.62 s with
+    64, on a 2-core machine under heavy load: benchmarks/README.md). null: no buckets. The megatron strategy's own
+    multiple (``tp`` under sequence parallelism, ``2·cp`` under context parallelism) combines with it (their lcm).
+    ``model.task: causal_lm``: blocks are already of one length; only the strategy's multiple applies."""
     long_documents: Literal["continue", "truncate"] = "continue"
     """``model.task: causal_lm``: a document longer than a block ``continue``s in the next blocks (its positions go on,
     each of its tokens is trained on once; transformers' ``group_texts``), or is ``truncate``d to its first block."""
