@@ -255,7 +255,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _throughput(summary: dict) -> str:
-    """The training steps' rates for the final line: real tokens/s, samples/s, TFLOP/s per process, MFU."""
+    """The training steps' rates for the final line: real tokens/s, samples/s, TFLOP/s per process, MFU, padding."""
+    from hftrain.trainers.throughput import padding_words
+
     if not summary.get("train_steps_seconds"):
         return "no training step"
     mfu = summary.get("train_mfu")
@@ -263,6 +265,7 @@ def _throughput(summary: dict) -> str:
         f"{summary['train_tokens_per_second']:,.0f} tokens/s, {summary['train_samples_per_second']:.1f} samples/s, "
         f"{summary['train_tflops_per_process']:.3f} TFLOP/s per process"
         + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")
+        + (f", {padding}" if (padding := padding_words(summary)) else "")
     )
 
 

@@ -85,6 +85,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         train_dataset=tokenized["train"],
         eval_dataset=tokenized["validation"],
         run_config=config.flat(),
+        pad_to_multiple_of=config.data.pad_to_multiple_of,
     )
     if write and launch.world_size > launch.local_world_size:
         from hftrain.launch.storage import check_shared_output_dir

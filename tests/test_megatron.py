@@ -322,11 +322,6 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
             {**_LAUNCHED_3, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
             "parallelism.cp: cp=2 with sequence parallelism is not supported yet",
         ),
-        "cp-buckets": (
-            ["--cp", "2", "--pad_to_multiple_of", "6"],
-            {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
-            "not a multiple of 2·cp = 4",
-        ),
         "cp-all-to-all-heads": (
             ["--cp", "4", "--cp_comm", "all_to_all"],
             {**_LAUNCHED_3, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
@@ -341,7 +336,7 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
 
 
 BAD_INPUT = ["tp-not-dividing-world", "tp-not-dividing-heads", "lora-pp", "foreign-option", "tp-with-ddp", "fp16",
-             "unsupported-family", "cp-not-dividing-world", "cp-with-sequence-parallel", "cp-buckets",
+             "unsupported-family", "cp-not-dividing-world", "cp-with-sequence-parallel",
              "cp-all-to-all-heads", "cp-attention-dropout"]  # fmt: skip
 
 

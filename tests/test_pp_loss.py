@@ -13,12 +13,12 @@ at once), fp32 (``mixed_precision: no``), compared within 1e-5 relative loss at 
   (``problem_type: multi_label_classification``, BCE with logits over 3 float labels) and a Trainer subclass whose
   ``compute_loss`` adds a logit penalty to HF's loss each equal their reference, and the subclass's loss differs
   from HF's (so it is the one that ran);
-- **length buckets** at pp=2: ``parallelism.pad_to_multiple_of: 8`` builds at most 3 training schedules in an epoch
+- **length buckets** at pp=2: ``data.pad_to_multiple_of: 8`` builds at most 3 training schedules in an epoch
   (lengths 3 to 20 fall into 3 buckets) against one per length seen without, and the loss still equals the
-  reference's (padding is masked).
+  reference's, and the unbucketed reference's (padding is masked).
 
-Bad input (one ``hftrain: error:`` line, exit 2, nothing written): buckets that are not a multiple of ``tp`` under
-sequence parallelism, buckets below 1, and buckets without the ``megatron`` strategy.
+Bad input (one ``hftrain: error:`` line, exit 2, nothing written): buckets below 1. (Buckets that are not a multiple of
+``tp`` under sequence parallelism now combine with it: ``tests/test_buckets.py``.)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PP2 = {
     "regression": ("regression", "bert", {"schedule": "1f1b"}, {}),
     "multi_label": ("multi_label", "gpt2", {"schedule": "gpipe"}, {}),
     "custom": ("custom", "llama", {"schedule": "1f1b"}, {}),
-    "buckets": ("single", "bert", {"schedule": "1f1b", "pad_to_multiple_of": 8}, {}),
+    "buckets": ("single", "bert", {"schedule": "1f1b"}, {"buckets": 8}),
     "dynamic": ("single", "bert", {"schedule": "1f1b"}, {}),
 }
 TP2PP2 = {
@@ -84,14 +84,18 @@ def run_task(
     n_train: int = 96,
     micro: int = 8,
     steps: int = 12,
+    buckets: int | None = None,
 ) -> dict:
-    """Train a tiny ``kind`` model on ``task`` in this process group; returns what the tests compare."""
+    """Train a tiny ``kind`` model on ``task`` in this process group (``buckets``: ``data.pad_to_multiple_of``);
+    returns what the tests compare."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
+    from hftrain.cli import launch_info_from_environ
     from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import strategy_from_options
     from hftrain.trainers.base import Trainer
-    from tests.tiny import _fresh_output_dir, fit_in_rank, fp32_args, reset_accelerate_state
+    from tests.tiny import _fresh_output_dir, fp32_args, reset_accelerate_state
 
     class TaskTrainer(Trainer):
         """Evaluation loss per example in the form of HF's training loss for the task."""
@@ -128,7 +132,16 @@ def run_task(
     splits = tokenize_splits(task_splits(task, n_train), tokenizer, max_seq_length=32)
     args = fp32_args(_fresh_output_dir(), per_device_train_batch_size=micro, max_steps=steps, warmup_steps=2)
     trainer_class = PenaltyTrainer if task == "custom" else TaskTrainer
-    trainer, result = fit_in_rank(trainer_class, args, strategy, options, model_init, tokenizer, splits)
+    trainer = trainer_class(
+        args,
+        strategy=strategy_from_options(strategy, options, launch=launch_info_from_environ()),
+        model_init=model_init,
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+        pad_to_multiple_of=buckets,
+    )
+    result = trainer.fit()
     schedule = getattr(trainer.model, "schedule", None)
     return {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -231,9 +244,10 @@ def test_length_buckets_reuse_schedules(runs):
     assert dynamic["builds"]["train"] > 2 * buckets["builds"]["train"]  # one per length seen
     for run in runs["pp2"]:  # the same builds on every stage (they build together), the same losses
         assert run["buckets"]["builds"] == buckets["builds"]
-    ref = _reference(runs, PP2["buckets"])
+    ref, unbucketed = _reference(runs, PP2["buckets"]), _reference(runs, PP2["dynamic"])
     _assert_parity([r["buckets"] for r in runs["pp2"]], ref)
-    _assert_parity([r["dynamic"] for r in runs["pp2"]], ref)
+    _assert_parity([r["dynamic"] for r in runs["pp2"]], unbucketed)
+    assert ref["losses"] == pytest.approx(unbucketed["losses"], rel=1e-5)  # padding is masked
 
 
 # ----------------------------------------------------------------- bad input
@@ -252,16 +266,7 @@ def job(tmp_path_factory) -> dict[str, str]:
 
 
 BAD_INPUT = {
-    "buckets-not-multiple-of-tp-under-sequence-parallelism": (
-        ["--tp", "2", "--sequence_parallel", "true", "--pad_to_multiple_of", "3"],
-        "2",
-        "parallelism.tp: length buckets of 3 (pad_to_multiple_of) are not a multiple of tp=2, and sequence "
-        "parallelism cuts every sequence into tp equal parts; use a multiple of 2 (e.g. 6)",
-    ),
-    "buckets-below-one": (["--pp", "2", "--pad_to_multiple_of", "0"], "2", "parallelism.pad_to_multiple_of must be at"),
-    "buckets-without-megatron": (
-        ["--strategy.name", "ddp", "--pad_to_multiple_of", "8"], "2", "parallelism.pad_to_multiple_of is a megatron"
-    ),
+    "buckets-below-one": (["--pp", "2", "--pad_to_multiple_of", "0"], "2", "data.pad_to_multiple_of must be at"),
 }  # fmt: skip
 
 

@@ -319,7 +319,7 @@ def test_plan_with_sizes_no_layout_admits_is_one_line():
 @pytest.mark.parametrize(
     ("override", "fragment"),
     [
-        (["--pad_to_multiple_of", "1000000000"], "parallelism.pad_to_multiple_of is 1,000,000,000, more than"),
+        (["--pad_to_multiple_of", "1000000000"], "data.pad_to_multiple_of is 1,000,000,000, more than"),
         (["--lora_r", "1000000000", "--use_lora", "true"], "lora.lora_r must be at most 65,536"),
         (["--num_labels", "1000000000"], "model.num_labels must be at most 1,048,576"),
         (["--max_seq_length", "1000000000"], "data.max_seq_length must be at most 2,097,152"),

@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from hftrain.config.schema import RUN_INVARIANT_EXEMPT, ParallelismConfig, TrainConfig
+from hftrain.config.schema import REMOVED_KEYS, RUN_INVARIANT_EXEMPT, ParallelismConfig, TrainConfig
 from hftrain.errors import ConfigError
 
 CONFIG_FILENAME = "hftrain_config.yaml"
@@ -92,6 +92,8 @@ def from_dict(raw: dict[str, Any], *, source: str = "config", written: bool = Tr
             if not isinstance(key, str):
                 raise ConfigError(f"{source}: key {key!r} in section '{section}' is not a field name")
             given = f"{section}.{key}"
+            if given in REMOVED_KEYS and not written and value is None:
+                continue  # a run saved before the key went, at its default: nothing to carry over
             new = MOVED_KEYS.get(given, given)
             if new in seen:
                 raise ConfigError(f"{source}: {seen[new]} and {given} are one field ({new}); keep {new}")
@@ -263,6 +265,8 @@ def _field_owners() -> dict[str, str]:
 
 def _resolve_key(key: str, source: str, *, written: bool = True) -> tuple[str, str]:
     owners = _field_owners()
+    if key in REMOVED_KEYS:
+        raise ConfigError(f"{source}: {REMOVED_KEYS[key]}")
     if key in MOVED_KEYS:
         new = MOVED_KEYS[key]
         if written and key not in _warned:

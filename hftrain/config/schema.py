@@ -81,8 +81,18 @@ class DataConfig:
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     max_seq_length: int = 128
-    """Texts are truncated to this many tokens; batches are padded only to their longest text. ``model.task:
-    causal_lm``: the length of the packed blocks."""
+    """Texts are truncated to this many tokens; batches are padded to their bucket (``pad_to_multiple_of``).
+    ``model.task: causal_lm``: the length of the packed blocks."""
+    pad_to_multiple_of: int | Literal["auto"] | None = "auto"
+    """Length buckets, for every strategy, training and evaluation alike: each batch is padded to the next multiple
+    of this (at most ``max_seq_length``), so batches come in a few shapes (padding is masked: the results do not
+    change). ``auto`` chooses per device (``hftrain.strategies.platform``): on CUDA the smallest power of two ≥ 64
+    giving at most 8 lengths (64 up to ``max_seq_length`` 512, so 2 lengths at 128; 256 at 2048), because every new
+    shape costs cuDNN attention a new plan and ``torch.compile`` a recompile; on CPU none (each batch to its longest
+    example), the fastest in the default job (median step 2.50 s against 3.40 s with a multiple of 8 and 3.62 s with
+    64, on a 2-core machine under heavy load: benchmarks/README.md). null: no buckets. The megatron strategy's own
+    multiple (``tp`` under sequence parallelism, ``2·cp`` under context parallelism) combines with it (their lcm).
+    ``model.task: causal_lm``: blocks are already of one length; only the strategy's multiple applies."""
     long_documents: Literal["continue", "truncate"] = "continue"
     """``model.task: causal_lm``: a document longer than a block ``continue``s in the next blocks (its positions go on,
     each of its tokens is trained on once; transformers' ``group_texts``), or is ``truncate``d to its first block."""
@@ -111,6 +121,12 @@ class DataConfig:
             self.dataset_name = "embedded:rotten_tomatoes"
         _require(0 < self.validation_split_percentage < 100, "data.validation_split_percentage", "must be in (0, 100)")
         _require(self.max_seq_length > 0, "data.max_seq_length", "must be positive")
+        buckets = self.pad_to_multiple_of
+        _require(
+            buckets is None or buckets == "auto" or buckets >= 1,
+            "data.pad_to_multiple_of",
+            "must be at least 1, auto (chosen per device) or null (no buckets)",
+        )
         _require(
             self.max_seq_length <= MAX_SEQ_LENGTH,
             "data.max_seq_length",
@@ -189,6 +205,10 @@ class TrainingConfig:
     default job's ablation is in benchmarks/README.md); ``torch``: torch's own dropout and SDPA's in-kernel attention
     dropout. ``auto``: ``bits`` on CPU, whose ``bernoulli_`` draws one element at a time, ``torch`` on GPU (fused
     kernels)."""
+    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto"
+    """Which of ``scaled_dot_product_attention``'s CUDA kernels is tried first (the others follow, for the shapes it
+    cannot run). ``auto``: flash, memory-efficient, cuDNN, math, in that order: torch ≥ 2.11 would try cuDNN first on
+    sm90, which builds a plan per exact shape. Logged at startup; ignored on CPU (SDPA's own CPU kernels)."""
     gradient_checkpointing: bool | Literal["full", "selective"] = False
     """Activation recomputation (``hftrain.parallel.recompute``): ``true``/``full`` keeps only each transformer layer's
     input and recomputes the layer in the backward pass; ``selective`` recomputes only the attention core (scores,
@@ -296,8 +316,8 @@ class ParallelismConfig:
     ``hftrain.parallel.ParallelDims`` (the sizes) and the strategy that splits models (``strategy.name: megatron``).
     Every other strategy refuses a value here that is not the default. The fields were in ``strategy`` before;
     ``strategy.tp`` and the others are still read, as ``parallelism.tp``, with one deprecation line. An axis's
-    option names its axis in its metadata (``field(metadata={"axis": "cp"})``); ``pad_to_multiple_of`` serves
-    them all."""
+    option names its axis in its metadata (``field(metadata={"axis": "cp"})``). Length buckets are
+    ``data.pad_to_multiple_of``, for every strategy."""
 
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer); must divide the world size and the
@@ -336,10 +356,6 @@ class ParallelismConfig:
     """Mixture-of-experts models: null routes every token to its experts (dropless, the model's own
     result); a number > 0 caps each expert at ``factor × tokens × top_k / experts`` tokens per rank and batch, drops
     the rest (they keep their residual) and logs how many were dropped."""
-    pad_to_multiple_of: int | None = None
-    """Length buckets: pad every batch's sequence length up to a multiple of this, so dynamic padding
-    gives a few lengths and pipeline schedules (built per shape) are reused; a multiple of ``tp`` under
-    ``sequence_parallel``; null pads to the longest example (to a multiple of ``tp`` under sequence parallelism)."""
 
     def validate(self) -> None:
         for axis in ("tp", "pp", "cp", "ep", "virtual_stages"):
@@ -364,8 +380,6 @@ class ParallelismConfig:
             f"must be at most {MAX_VOCAB_MULTIPLE}, got {self.vocab_multiple}: the vocabulary is padded with zero "
             "rows to a multiple of tp × vocab_multiple, and a larger multiple only adds rows (Megatron uses 128)",
         )
-        buckets = self.pad_to_multiple_of
-        _require(buckets is None or buckets >= 1, "parallelism.pad_to_multiple_of", "must be at least 1 or null")
 
     def options(self, axes: set[str] | frozenset[str]) -> dict[str, Any]:
         """The options of the given axes (each field names its axis in its metadata), by name."""
@@ -384,6 +398,16 @@ class ParallelismConfig:
         default = ParallelismConfig()
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)]
 
+
+REMOVED_KEYS = {
+    "parallelism.pad_to_multiple_of": "parallelism.pad_to_multiple_of was removed: length buckets are "
+    "data.pad_to_multiple_of, for every strategy (megatron's tp or 2·cp multiple combines with it); write "
+    "data.pad_to_multiple_of",
+    "strategy.pad_to_multiple_of": "strategy.pad_to_multiple_of was removed: length buckets are "
+    "data.pad_to_multiple_of, for every strategy; write data.pad_to_multiple_of",
+}
+"""Keys that no longer exist -> the one-line refusal that names the field to write instead (``hftrain.config.loader``
+raises it as a ``ConfigError``)."""
 
 PIPELINE_FIELDS = ("pp", "num_microbatches", "schedule", "virtual_stages", "balance")
 """The ``parallelism`` fields of the pipeline axis."""
@@ -428,12 +452,12 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
-        buckets, longest = self.parallelism.pad_to_multiple_of, self.data.max_seq_length
-        if buckets is not None and buckets > longest:  # 10⁹ was a 23.5 GB batch before any check
+        buckets, longest = self.data.pad_to_multiple_of, self.data.max_seq_length
+        if isinstance(buckets, int) and buckets > longest:  # 10⁹ was a 23.5 GB batch before any check
             raise ConfigError(
-                f"parallelism.pad_to_multiple_of is {buckets:,}, more than data.max_seq_length={longest:,}: every "
+                f"data.pad_to_multiple_of is {buckets:,}, more than data.max_seq_length={longest:,}: every "
                 f"batch would be padded past the longest text to {buckets:,} tokens; give at most {longest:,} (e.g. "
-                "64), or null"
+                "64), auto or null"
             )
         language = self.model.task == "causal_lm"
         for name in ("long_documents", "streaming"):

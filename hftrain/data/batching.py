@@ -1,14 +1,21 @@
-"""Tokenization, samplers and data loaders: dynamic padding and length-aware batching.
+"""Tokenization, samplers and data loaders: dynamic padding, length buckets and length-aware batching.
 
 Every process builds the same index order from ``(seed, epoch)``; Accelerate then hands process ``r`` every
 ``r``-th micro-batch, so a global batch is the same examples whatever the number of processes.
+
+Length buckets (:class:`LengthBuckets`, :class:`BucketCollator`) are hand-written because transformers'
+``DataCollatorWithPadding`` pads to a multiple *or* to a fixed length, never "a multiple, but no further than the
+longest text allowed": with a multiple that does not divide ``data.max_seq_length`` its last bucket would run past
+the model's positions.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -119,6 +126,86 @@ class SortedSampler(Sampler[int]):
         return iter(self.order)
 
 
+@dataclass(frozen=True)
+class LengthBuckets:
+    """What every batch's sequence length is padded up to: the next multiple of ``multiple``, at most ``ceiling``.
+
+    The padded length of a batch whose longest example has ``L`` tokens is ``min(⌈L / m⌉·m, C)`` with ``m =
+    multiple`` and ``C = ceiling``; ``C`` is itself a multiple of ``required`` (what the strategy needs: ``tp`` under
+    sequence parallelism, ``2·cp`` under context parallelism), and ``m`` is ``lcm(buckets, required)``. So a run
+    sees at most ``⌈C / m⌉`` lengths, and every length is one the strategy can cut.
+
+    Args:
+        multiple: ``m``; None or 1: each batch is padded to its longest example (to ``required`` if set).
+        ceiling: ``C``: the longest padded length (the longest example allowed, up to a multiple of ``required``).
+        rule: how ``multiple`` was chosen, for the startup line.
+    """
+
+    multiple: int | None
+    ceiling: int | None = None
+    rule: str = "none"
+
+    @classmethod
+    def combine(cls, buckets: int | None, required: int | None, *, longest: int, rule: str) -> LengthBuckets:
+        """The buckets from the configured multiple and the strategy's required one (their lcm).
+
+        Args:
+            buckets: ``data.pad_to_multiple_of`` resolved for the device (None: no bucketing).
+            required: the multiple the strategy needs (``Runtime.pad_to_multiple_of``; None: any length).
+            longest: the longest example allowed (``data.max_seq_length``, or the data's longest).
+            rule: why ``buckets`` is what it is.
+        """
+        multiple = math.lcm(buckets or 1, required or 1)
+        step = required or 1
+        if step > 1 and multiple != (buckets or 1):
+            rule = f"{rule}; lcm with the strategy's multiple {step}"
+        ceiling = -(-longest // step) * step
+        return cls(multiple if multiple > 1 else None, ceiling, rule)
+
+    def describe(self) -> str:
+        """The startup line: the rule and why."""
+        if not self.multiple:
+            return f"length buckets: none ({self.rule})"
+        return f"length buckets: multiple of {self.multiple}, at most {self.ceiling} ({self.rule})"
+
+    def padded(self, length: int) -> int:
+        """The padded length of a batch whose longest example has ``length`` tokens."""
+        if not self.multiple:
+            return length
+        padded = -(-length // self.multiple) * self.multiple
+        return max(length, min(padded, self.ceiling)) if self.ceiling else padded
+
+
+@dataclass(frozen=True)
+class BucketCollator:
+    """Pads a batch of tokenized examples to :meth:`LengthBuckets.padded` of its longest (``tokenizer.pad``).
+
+    ``pad_to_multiple_of`` is the bucket multiple under the name transformers' collators use, so the megatron plugin
+    can check and raise it as it does theirs (``dataclasses.replace``).
+
+    Args:
+        tokenizer: supplies the pad token and side.
+        pad_to_multiple_of: the bucket multiple (None: pad to the longest example).
+        ceiling: the longest padded length (None: no bound).
+    """
+
+    tokenizer: Any
+    pad_to_multiple_of: int | None = None
+    ceiling: int | None = None
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        from transformers.data.data_collator import pad_without_fast_tokenizer_warning
+
+        buckets = LengthBuckets(self.pad_to_multiple_of, self.ceiling)
+        target = buckets.padded(max(len(f["input_ids"]) for f in features))
+        batch = pad_without_fast_tokenizer_warning(
+            self.tokenizer, list(features), padding="max_length", max_length=target, return_tensors="pt"
+        )
+        if "label" in batch:  # DataCollatorWithPadding's rename
+            batch["labels"] = batch.pop("label")
+        return dict(batch)
+
+
 def build_dataloader(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -128,8 +215,9 @@ def build_dataloader(
     num_workers: int = 0,
     pin_memory: bool = False,
     collate_fn: Callable[[list[dict]], dict[str, torch.Tensor]] | None = None,
+    buckets: LengthBuckets | None = None,
 ) -> DataLoader:
-    """A loader that pads each batch to its longest example (or collates with the task's ``collate_fn``).
+    """A loader that pads each batch to its bucket (or collates with the task's ``collate_fn``).
 
     Args:
         dataset: tokenized examples with a ``length`` column.
@@ -138,15 +226,15 @@ def build_dataloader(
         sampler: the index order.
         num_workers: loader worker processes.
         pin_memory: collate into pinned host memory (a GPU run: its copies to the device then do not wait).
-        collate_fn: the task's collator (packed language-model blocks); None pads with ``DataCollatorWithPadding``.
+        collate_fn: the task's collator (packed language-model blocks); None pads with :class:`BucketCollator`.
+        buckets: the length buckets of the padding collator (None: each batch to its longest example).
     """
-    from transformers import DataCollatorWithPadding
-
+    buckets = buckets or LengthBuckets(None)
     return DataLoader(
         dataset.remove_columns([c for c in dataset.column_names if c == "length"]),
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=collate_fn or DataCollatorWithPadding(tokenizer),
+        collate_fn=collate_fn or BucketCollator(tokenizer, buckets.multiple, buckets.ceiling),
         num_workers=num_workers,
         pin_memory=pin_memory,
         # A loader without its own generator draws worker seeds from the global torch RNG each time an

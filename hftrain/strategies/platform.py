@@ -11,10 +11,16 @@ Facts this module encodes (checked with torch 2.13 CPU, accelerate 1.15, deepspe
   "offloaded" when they already live on the CPU, and then reads them: a segfault. ``force_fsdp`` makes that
   offload the identity on CPU.
 Strategies ask this module what to do instead of testing for CUDA themselves.
+
+Two choices that depend on the device only are made here too: the length buckets ``data.pad_to_multiple_of: auto``
+stands for (:meth:`Platform.resolve_length_buckets`), and the order in which ``scaled_dot_product_attention`` tries
+its CUDA kernels (:meth:`Platform.sdpa_priority`, ``training.sdpa_backend``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +119,80 @@ class Platform:
         if self.is_cpu:
             return "bits", "auto: CPU, 64 random bits per draw instead of one bernoulli_ draw per element"
         return "torch", "auto: GPU, torch's fused dropout"
+
+    def resolve_length_buckets(self, setting: int | str | None, *, longest: int) -> tuple[int | None, str]:
+        """The multiple ``data.pad_to_multiple_of`` stands for on this device, and why (``auto`` is per device).
+
+        On CUDA, ``auto`` keeps the shapes few: every new sequence length costs SDPA a new plan (cuDNN attention keeps
+        one per exact shape, forward and backward, 55-400 ms of host time each) and ``torch.compile`` a recompile,
+        while a padded position costs only its FLOPs. The multiple is the smallest power of two ≥ 64 that cuts
+        ``longest`` into at most :data:`MAX_CUDA_BUCKETS` lengths: 64 up to ``max_seq_length`` 512 (128 → 2 lengths,
+        512 → 8), then ``longest / 8`` rounded up to a power of two (2048 → 256). On CPU every padded position is
+        computed by the same cores and no plan is cached per shape: ``auto`` is :data:`CPU_AUTO_BUCKETS`, the fastest
+        of the default job's step times measured by ``benchmarks/length_buckets.py`` (benchmarks/README.md).
+
+        Args:
+            setting: ``data.pad_to_multiple_of``: an int, ``"auto"`` or None (no buckets).
+            longest: the longest example allowed (``data.max_seq_length`` as the model takes it).
+        """
+        if setting is None:
+            return None, "data.pad_to_multiple_of: null, each batch padded to its longest example"
+        if setting != "auto":
+            return int(setting), "set in data.pad_to_multiple_of"
+        if self.is_cpu:
+            return CPU_AUTO_BUCKETS, CPU_AUTO_REASON
+        per_bucket = -(-longest // MAX_CUDA_BUCKETS)
+        multiple = max(CUDA_MIN_MULTIPLE, 1 << (per_bucket - 1).bit_length())
+        return multiple, "auto on cuda: few shapes, one attention plan each"
+
+    def resolve_sdpa_backend(self, setting: str) -> tuple[tuple[str, ...], str]:
+        """The order in which SDPA tries its CUDA kernels for ``training.sdpa_backend``, and why; () on a CPU.
+
+        ``auto`` on CUDA: flash, then memory-efficient, then cuDNN, then math. torch ≥ 2.11 puts cuDNN first on
+        sm90, and cuDNN builds a plan per exact shape (forward and backward apart); flash and memory-efficient are
+        shape-generic kernels. Flash takes no attention mask (a padded batch's mask goes to memory-efficient, which
+        takes a mask and in-kernel dropout), and needs fp16/bf16 (fp32 goes to memory-efficient too); math takes
+        everything. A named backend is tried first, the others after it in the ``auto`` order, so a shape it cannot
+        run still runs. ``benchmarks/sdpa_backends.py`` times them at the bucketed shapes. On a CPU the setting is
+        ignored: SDPA has its own CPU kernels (flash-style for fp32/bf16, math otherwise), not these.
+
+        Args:
+            setting: ``training.sdpa_backend``: ``auto``, ``flash``, ``efficient``, ``cudnn`` or ``math``.
+        """
+        if setting not in ("auto", *SDPA_ORDER):
+            from hftrain.errors import ConfigError
+
+            raise ConfigError(f"training.sdpa_backend: {setting!r} is not one of auto, {', '.join(SDPA_ORDER)}")
+        if self.is_cpu:
+            return (), "CPU: SDPA's own CPU kernels, training.sdpa_backend applies to CUDA only"
+        if setting == "auto":
+            return SDPA_ORDER, "auto on cuda: shape-generic kernels before cuDNN's plan per shape"
+        return (setting, *(b for b in SDPA_ORDER if b != setting)), "set in training.sdpa_backend"
+
+    @contextlib.contextmanager
+    def sdpa_priority(self, setting: str) -> Iterator[str]:
+        """Run the body with SDPA's CUDA kernels tried in :meth:`resolve_sdpa_backend`'s order; yields the line to log.
+
+        torch's ``sdpa_kernel(backends, set_priority=True)`` enables the listed backends and sets their priority in
+        the global context (read by the autograd threads too), and restores both on exit. On a CPU nothing changes.
+
+        Args:
+            setting: ``training.sdpa_backend``.
+        """
+        order, why = self.resolve_sdpa_backend(setting)
+        if not order:
+            yield f"sdpa_backend: not applied ({why})"
+            return
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }
+        with sdpa_kernel([names[b] for b in order], set_priority=True):
+            yield f"sdpa_backend: {' > '.join(order)} ({why})"
 
     def check_precision(self, mixed_precision: str) -> None:
         """Refuse a mixed precision this device cannot train in, instead of Accelerate's silent fp32 fallback.
@@ -258,6 +338,23 @@ class Platform:
         if plugin.fsdp_version == 1:
             _make_fsdp1_cpu_offload_identity()
 
+
+SDPA_ORDER = ("flash", "efficient", "cudnn", "math")
+"""SDPA's CUDA kernels in the order ``training.sdpa_backend: auto`` tries them (``resolve_sdpa_backend``)."""
+
+MAX_CUDA_BUCKETS = 8
+"""``data.pad_to_multiple_of: auto`` on CUDA cuts ``max_seq_length`` into at most this many padded lengths."""
+
+CUDA_MIN_MULTIPLE = 64
+"""The smallest multiple ``auto`` takes on CUDA: tensor-core tiles and attention kernels' blocks are 64 wide."""
+
+CPU_AUTO_BUCKETS: int | None = None
+"""``data.pad_to_multiple_of: auto`` on CPU: none. ``benchmarks/length_buckets.py``, the default job's own batches
+(bf16, 2 threads): median step 2.50 s with none, 3.40 s with a multiple of 8, 5.96 s with 16, 5.48 s with 32, 3.62 s
+with 64 (padding 2.7%, 13.5%, 23%, 36%, 58% of positions); a CPU computes every padded position and caches no plan per
+shape, so fewer shapes buy nothing there (see :data:`CPU_AUTO_REASON`)."""
+
+CPU_AUTO_REASON = "auto on cpu: each batch padded to its longest example, the fastest (benchmarks/length_buckets.py)"
 
 _KEPT = 1 << 30
 """glibc's mmap and trim thresholds under the speed tuning: freed blocks below this stay in the heap."""

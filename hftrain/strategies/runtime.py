@@ -119,7 +119,8 @@ class AccelerateRuntime:
 
     @property
     def pad_to_multiple_of(self) -> int | None:
-        """The multiple every batch's sequence length must be padded to (None: any length will do)."""
+        """The multiple every batch's sequence length must be padded to (None: any length will do); the length
+        buckets (``data.pad_to_multiple_of``) combine with it (``hftrain.data.batching.LengthBuckets.combine``)."""
         return None
 
     @property

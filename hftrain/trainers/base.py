@@ -8,6 +8,7 @@ runtime (``hftrain.strategies.runtime``): Accelerate for DDP/FSDP/ZeRO, the stra
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from hftrain.checkpoint.run import (
     TRAINER_STATE_FILENAME,
 )
 from hftrain.checkpoint.session import CheckpointSession
-from hftrain.data.batching import EpochSampler, SortedSampler, build_dataloader, lengths_of
+from hftrain.data.batching import EpochSampler, LengthBuckets, SortedSampler, build_dataloader, lengths_of
 from hftrain.data.streaming import StreamingBlocks
 from hftrain.errors import ConfigError, DataError, HFTrainError
 from hftrain.files import check_own, write_json
@@ -98,6 +99,8 @@ class Trainer:
         run_config: the resolved job config, given to the trackers.
         run_id: the run's id (``hftrain.checkpoint.run``), stored in every checkpoint; ``latest``/``auto`` take
             only this run's checkpoints.
+        pad_to_multiple_of: ``data.pad_to_multiple_of``: the length buckets of training and evaluation batches
+            (``auto``: chosen per device; None: none), combined with the strategy's own multiple.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Trainer:
         eval_dataset: Dataset | None = None,
         run_config: dict[str, Any] | None = None,
         run_id: str | None = None,
+        pad_to_multiple_of: int | str | None = "auto",
     ) -> None:
         from accelerate.utils import set_seed
 
@@ -145,6 +149,9 @@ class Trainer:
         self._log("strategy: " + ", ".join(f"{k}={v}" for k, v in self.strategy_summary.items()))
         for choice in choices:
             self._log(choice)
+        # SDPA's CUDA kernel order, for every forward and backward of this trainer (a global torch setting)
+        self._sdpa = contextlib.ExitStack()
+        self._log(self._sdpa.enter_context(strategy.platform.sdpa_priority(args.sdpa_backend)))
         # Same seed on every rank: identical head initialisation and identical data order.
         set_seed(args.seed)
         model = self.runtime.build_model(model_init)
@@ -159,6 +166,8 @@ class Trainer:
             self._log(self.runtime.apply_recomputation(model, recompute))
         # FLOPs are counted from the whole model's shapes, before any strategy splits it
         self.throughput = Throughput(FlopModel.of(model), recompute=recompute)
+        self.buckets = self._length_buckets(pad_to_multiple_of, train_dataset, eval_dataset)
+        self._log(self.buckets.describe())
         self.train_sampler: EpochSampler | None = None
         train_loader = None
         if self.stream is None:
@@ -178,6 +187,7 @@ class Trainer:
                 num_workers=args.dataloader_num_workers,
                 pin_memory=self.strategy.platform.pinned_batches,
                 collate_fn=self.data_collator(),
+                buckets=self.buckets,
             )
         eval_loader = self._eval_loader(eval_dataset)
         optimizer = self.create_optimizer(model)
@@ -306,7 +316,18 @@ class Trainer:
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.strategy.platform.pinned_batches,
             collate_fn=self.data_collator(),
+            buckets=self.buckets,
         )
+
+    def _length_buckets(self, setting: int | str | None, train: Any, evaluation: Any) -> LengthBuckets:
+        """``data.pad_to_multiple_of`` for this device (``Platform.resolve_length_buckets``), combined with the
+        runtime's own multiple; a task with its own collator (packed blocks, of one length) gets none."""
+        required = self.runtime.pad_to_multiple_of
+        if self.data_collator() is not None or self.stream is not None:
+            return LengthBuckets(None, rule="packed blocks, all of one length")
+        longest = max(lengths_of(train) + (lengths_of(evaluation) if evaluation is not None else []))
+        multiple, rule = self.strategy.platform.resolve_length_buckets(setting, longest=longest)
+        return LengthBuckets.combine(multiple, required, longest=longest, rule=rule)
 
     # ----------------------------------------------------------------- the loop
     def fit(self, *, stop_at_step: int | None = None, beside_last_save: Callable[[], Any] | None = None) -> TrainResult:
@@ -778,6 +799,7 @@ class Trainer:
         try:
             self._close()
         finally:
+            self._sdpa.close()
             self.release_folder()
 
     def _close(self) -> None:

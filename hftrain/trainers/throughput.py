@@ -24,7 +24,9 @@ MFU is model FLOPs per second over the processes' peak: ``flops / (seconds · pe
 one process measured at the start of the run as the best rate of a ``1024³`` matmul in the run's compute dtype with
 its threads (a CPU has no datasheet figure that matches its threads and its memory), the datasheet's dense
 bf16/fp16 figure on a known GPU, or ``training.peak_tflops`` when set. Real tokens are the non-padding ones
-(``attention_mask``); the tokens/s a user reads count only those.
+(``attention_mask``); the tokens/s a user reads count only those. Padded positions (every position of a batch,
+``b·s``) are counted beside them, so the summary says what the length buckets cost: ``padding = 1 - tokens /
+positions``.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ class Throughput:
         recompute: the run's recomputation mode (None: off).
     """
 
-    FIELDS = ("tokens", "samples", "model_flops", "hardware_flops")
+    FIELDS = ("tokens", "samples", "model_flops", "hardware_flops", "positions")
 
     def __init__(self, flops: FlopModel, *, recompute: str | None) -> None:
         self.flops = flops
@@ -229,6 +231,7 @@ class Throughput:
         self.window["samples"] += ids.shape[0]
         self.window["model_flops"] += model
         self.window["hardware_flops"] += hardware
+        self.window["positions"] += ids.numel()
 
     def local_window(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """This process's counts since the last step on ``device``, to reduce with the loss (``FIELDS`` order).
@@ -283,6 +286,8 @@ class Throughput:
         return {
             "train_steps_seconds": self.seconds,
             "train_tokens": self.totals["tokens"],
+            "train_positions": self.totals["positions"],
+            "train_padding_fraction": padding_fraction(self.totals["tokens"], self.totals["positions"]),
             "train_samples": self.totals["samples"],
             "model_flops": self.totals["model_flops"],
             "hardware_flops": self.totals["hardware_flops"],
@@ -291,3 +296,14 @@ class Throughput:
             "peak_source": self.peak[1] if self.peak else None,
             **{f"train_{k}": v for k, v in self.rates(self.totals, seconds, processes).items()},
         }
+
+
+def padding_fraction(tokens: float, positions: float) -> float | None:
+    """The share of computed positions that are padding, ``1 - tokens / positions`` (None before any batch)."""
+    return 1.0 - tokens / positions if positions else None
+
+
+def padding_words(summary: dict[str, Any]) -> str:
+    """``"padding 7.9% of tokens"`` from a run summary, for the closing line ("" when nothing was counted)."""
+    fraction = summary.get("train_padding_fraction")
+    return "" if fraction is None else f"padding {100 * fraction:.1f}% of tokens"

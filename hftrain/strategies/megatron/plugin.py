@@ -33,6 +33,7 @@ Trainer's runtime interface. Groups are held by the plugin object, never in modu
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +96,9 @@ class MegatronPlugin:
 
     @property
     def sequence_multiple(self) -> int | None:
-        """What every batch's sequence length is padded up to a multiple of: the length buckets, else ``tp`` under
-        sequence parallelism, ``2·cp`` under context parallelism, else None (the longest example)."""
+        """What every batch's sequence length must be padded up to a multiple of: ``tp`` under sequence parallelism,
+        ``2·cp`` under context parallelism, else None (any length); the trainer's length buckets
+        (``data.pad_to_multiple_of``) combine with it."""
         from hftrain.parallel import padding_multiple
 
         return padding_multiple(self.groups.dims, **self.parallelism.taken_by(padding_multiple))
@@ -289,20 +291,25 @@ def _group_options(group: dict[str, Any], optimizer_class: type) -> dict[str, An
 
 
 def _padded_to_multiple(loader: DataLoader, multiple: int) -> DataLoader:
-    """The same loader whose collator pads sequences to a multiple of ``multiple`` (sequence parallelism)."""
+    """The same loader whose collator pads sequences to a multiple of ``multiple`` (sequence or context parallelism):
+    as it is when its collator's ``pad_to_multiple_of`` already is one (the trainer's length buckets, combined with
+    this multiple), else with the lcm of the two."""
     from torch.utils.data import DataLoader
 
     collate = loader.collate_fn
     if not hasattr(collate, "pad_to_multiple_of"):
         raise ConfigError(
             "parallelism.sequence_parallel needs a padding collator with pad_to_multiple_of "
-            f"(transformers' DataCollatorWithPadding), got {type(collate).__name__}"
+            f"(hftrain's BucketCollator or transformers' DataCollatorWithPadding), got {type(collate).__name__}"
         )
+    buckets = collate.pad_to_multiple_of or 1
+    if buckets % multiple == 0:
+        return loader
     return DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
         sampler=loader.sampler,
-        collate_fn=dataclasses.replace(collate, pad_to_multiple_of=multiple),
+        collate_fn=dataclasses.replace(collate, pad_to_multiple_of=math.lcm(buckets, multiple)),
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         generator=loader.generator,

@@ -57,7 +57,7 @@ class MegatronRuntime(AccelerateRuntime):
 
     @property
     def pad_to_multiple_of(self) -> int | None:
-        # Length buckets, or tp under sequence parallelism (it splits the sequence over tp).
+        # tp under sequence parallelism (it splits the sequence over tp), 2·cp under context parallelism
         return self.plugin.sequence_multiple
 
     def prepare(

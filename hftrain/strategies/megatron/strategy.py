@@ -129,7 +129,6 @@ class MegatronStrategy(Strategy):
             "type": "megatron",
             **self.dims.group_sizes,
             **self.parallelism.options(used | {"tp"}),
-            **({"pad_to_multiple_of": buckets} if (buckets := self.parallelism.pad_to_multiple_of) else {}),
             "shard_optimizer": self.config.shard_optimizer,
             "checkpoint_format": "sharded (torch.distributed.checkpoint)",
             **({"num_microbatches": num_microbatches(self.parallelism)} if self.dims.pp > 1 else {}),
