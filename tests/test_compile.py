@@ -1,13 +1,14 @@
 """``training.compile``: every transformer block compiled in place changes the speed, never the numbers.
 
-A tiny Llama causal LM (fixed-length packed blocks, so one batch shape) trains 20 steps eager and compiled in the same
-two gloo processes under DDP, FSDP2 and megatron tp2: losses and final weights agree within 1e-5 (fp32). Inductor
-(the default backend, C++ kernels on a CPU) compiles each block graph once: every block of a class and batch shape
-shares one graph, so the graphs counted by dynamo equal the distinct (batch shape, grad mode) pairs the model saw,
-with no graph break inside a block. A compiled run's checkpoint resumes in an eager run and an eager one in a compiled
-run, to the uninterrupted run's numbers; ``hftrain train --compile true`` exports a model (full, and a LoRA adapter)
-that plain transformers reloads with the trained logits (the job's own reload check) and names without
-``_orig_mod.``. What cannot run compiled is refused in one line before anything is written.
+A tiny Llama causal LM (fixed-length packed blocks, so one batch shape) trains 20 steps eager and compiled in the
+same two gloo processes under DDP, FSDP2, megatron tp2 and ZeRO-3: losses and final weights agree within 1e-5
+(fp32). Inductor (the default backend, C++ kernels on a CPU) compiles each block graph once: every block of a class
+and batch shape shares one graph, so the graphs counted by dynamo equal the distinct (batch shape, grad mode) pairs
+the model saw, with no graph break inside a block (under DDP and FSDP2; ``WHOLE_BLOCK_GRAPHS``). A compiled run's
+checkpoint resumes in an eager run and an eager one in a compiled run, to the uninterrupted run's numbers;
+``hftrain train --compile true`` exports a model (full, and a LoRA adapter) that plain transformers reloads with the
+trained logits (the job's own reload check) and names without ``_orig_mod.``. What cannot run compiled is refused
+in one line before anything is written.
 
 Cost: inductor's C++ compile of one block graph takes ~40 s on 2 busy cores the first time, then its FX graph cache
 (``$TMPDIR/torchinductor_$USER``, shared by every process and run) serves it in about a second; the same shapes recur
@@ -31,7 +32,13 @@ TWO = {  # label -> (strategy, options)
     "ddp": ("ddp", None),
     "fsdp2": ("fsdp", {"fsdp_version": 2}),
     "megatron-tp2": ("megatron", {"tp": 2}),
+    "zero3": ("zero3", None),
 }
+WHOLE_BLOCK_GRAPHS = {"ddp", "fsdp2"}
+"""Where a block is one graph. Megatron's RNG tracker switches the default generator's state around the
+tensor-parallel region (``torch.get_rng_state``/``set_rng_state``, which dynamo does not trace), and ZeRO-3 gathers
+each submodule's parameters in hooks, so there a block is a few graphs (7 and 15 here), each compiled once per shape
+and shared by the blocks."""
 
 
 def run_lm(
@@ -156,7 +163,9 @@ def test_compiled_equals_eager_over_20_steps(two, label):
     for name, tensor in eager["weights"].items():
         torch.testing.assert_close(compiled["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
     # The blocks did run compiled: one graph for both blocks and the one training shape.
-    assert compiled["graphs"] == len(compiled["shapes"]) == 1, (compiled["graphs"], compiled["shapes"])
+    assert len(compiled["shapes"]) == 1 and compiled["graphs"] >= 1
+    if label in WHOLE_BLOCK_GRAPHS:
+        assert compiled["graphs"] == 1 and compiled["graph_breaks"] == 0, compiled["graphs"]
 
 
 @pytest.mark.distributed
