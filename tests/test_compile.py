@@ -193,6 +193,57 @@ def test_one_graph_per_batch_shape_and_grad_mode():
     assert run["graphs"] == len(run["shapes"]), run
 
 
+def run_classifier(*, steps: int = 6, words: tuple[int, int] = (4, 6)) -> dict:
+    """Train the tiny BERT classifier compiled (batches padded to their longest text, lengths grouped): the graphs
+    dynamo compiled and the distinct (input shape, grad mode, padding-free) triples the model saw."""
+    from torch._dynamo.utils import counters
+
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import strategy_from_options
+    from hftrain.trainers import SequenceClassificationTrainer
+    from tests.tiny import _fresh_output_dir, fp32_args, tiny_model_init, tiny_splits
+
+    reset_accelerate_state()
+    tokenizer = tiny_tokenizer("bert")
+    splits = tokenize_splits(tiny_splits(48, 10, words=words), tokenizer, max_seq_length=32)
+    seen: set[tuple] = set()
+
+    def model_init():
+        model = tiny_model_init("bert")()
+        # transformers drops a mask without padding (SDPA then runs unmasked): a block input of its own
+        model.register_forward_pre_hook(
+            lambda _, args, kwargs: seen.add(
+                (tuple(kwargs["input_ids"].shape), torch.is_grad_enabled(), bool(kwargs["attention_mask"].all()))
+            ),
+            with_kwargs=True,
+        )
+        return model
+
+    args = fp32_args(_fresh_output_dir(), per_device_train_batch_size=4, max_steps=steps, compile=True)
+    trainer = SequenceClassificationTrainer(
+        args,
+        strategy=strategy_from_options("ddp", None, launch=launch_info_from_environ()),
+        model_init=model_init,
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+    )
+    counters.clear()
+    trainer.fit()
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "shapes": sorted(seen)}  # fmt: skip
+
+
+def test_a_classifier_compiles_one_graph_per_padded_length():
+    """BERT's blocks padded per batch: each distinct (batch, length, grad mode, with or without a padding mask) is
+    one graph, no more (dynamo's recompile limit is 8 per block class: bucket the lengths to stay under it)."""
+    run = run_classifier()
+    assert run["graph_breaks"] == 0
+    assert 2 < len(run["shapes"]) <= 8, run["shapes"]
+    assert run["graphs"] == len(run["shapes"]), run
+
+
 def test_checkpoints_resume_across_compile(tmp_path):
     """A compiled run's checkpoint (step 10) resumes eager, and an eager one compiled, to the numbers of the
     uninterrupted runs (within 1e-5: compiled kernels round differently)."""
