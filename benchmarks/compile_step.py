@@ -17,7 +17,7 @@ of the last ``--steps // 2`` steps, with the load average at the start. Run twic
 (inductor's FX graph cache in ``$TMPDIR/torchinductor_$USER``).
 
     python benchmarks/compile_step.py                          # MiniLM, whole model, 40 steps, bucket 16
-    python benchmarks/compile_step.py --model llama-20m --steps 30
+    python benchmarks/compile_step.py --model llama-20m --steps 30 --threads 1
 """
 
 from __future__ import annotations
@@ -131,9 +131,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--bucket", type=int, default=16, help="MiniLM: pad lengths up to a multiple of this")
     parser.add_argument("--seq", type=int, default=None, help="Llama: the block length (default: the model's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
     parser.add_argument("--child", choices=["eager", "compiled"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         if args.model == "minilm":
             minilm_child(args.child, args.steps, args.bucket)
         else:
@@ -144,7 +149,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for mode in ("eager", "compiled"):
         command = [sys.executable, __file__, "--child", mode, "--model", args.model, "--steps", str(args.steps),
-                   "--bucket", str(args.bucket)] + (["--seq", str(args.seq)] if args.seq else [])  # fmt: skip
+                   "--bucket", str(args.bucket)] + (["--seq", str(args.seq)] if args.seq else []) + (
+                   ["--threads", str(args.threads)] if args.threads else [])  # fmt: skip
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
         print(done.stdout.strip() if done.returncode == 0 else f"| {mode} | failed: {done.stderr[-500:]} |")
 
