@@ -235,6 +235,7 @@ def run_classifier(*, steps: int = 6, words: tuple[int, int] = (4, 6)) -> dict:
             "shapes": sorted(seen)}  # fmt: skip
 
 
+@pytest.mark.slow  # six BERT graphs compiled cold: ~2.5 min on 2 busy cores
 def test_a_classifier_compiles_one_graph_per_padded_length():
     """BERT's blocks padded per batch: each distinct (batch, length, grad mode, with or without a padding mask) is
     one graph, no more (dynamo's recompile limit is 8 per block class: bucket the lengths to stay under it)."""
@@ -244,6 +245,7 @@ def test_a_classifier_compiles_one_graph_per_padded_length():
     assert run["graphs"] == len(run["shapes"]), run
 
 
+@pytest.mark.slow  # six runs: ~1.5 min on 2 busy cores
 def test_checkpoints_resume_across_compile(tmp_path):
     """A compiled run's checkpoint (step 10) resumes eager, and an eager one compiled, to the numbers of the
     uninterrupted runs (within 1e-5: compiled kernels round differently)."""
@@ -258,7 +260,7 @@ def test_checkpoints_resume_across_compile(tmp_path):
             torch.testing.assert_close(resumed["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_a_compiled_job_exports_what_transformers_reloads(tmp_path, capsys, lora):
     """``hftrain train --compile true``: the job's export reloads in plain transformers with the trained (compiled)
     model's logits (the job checks them and fails otherwise), under names without ``_orig_mod.``."""
