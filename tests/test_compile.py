@@ -54,6 +54,7 @@ def run_lm(
     output_dir: str | None = None,
     resume: bool = False,
     compile_mode: str = "default",
+    gradient_checkpointing: bool | str = False,
 ) -> dict:
     """Train the tiny Llama causal LM in this process group: per-step losses, the final weights (main process), the
     graphs dynamo compiled and the distinct (input shape, grad mode) pairs the model saw."""
@@ -86,6 +87,7 @@ def run_lm(
         train_sampling_strategy="random",
         compile=compile,
         compile_mode=compile_mode,
+        gradient_checkpointing=gradient_checkpointing,
     )
     seen: set[tuple] = set()
 
@@ -181,6 +183,12 @@ def test_what_cannot_run_compiled_is_refused_in_one_line(two, case):
 def test_reduce_overhead_is_refused_on_a_cpu():
     message = _refusal(compile_mode="reduce-overhead")
     assert message.startswith("training.compile: compile_mode reduce-overhead replays CUDA graphs"), message
+    assert message.endswith("| written: []") and "\n" not in message, message
+
+
+def test_full_recomputation_is_refused_under_compile():
+    message = _refusal(gradient_checkpointing="full")
+    assert message.startswith("training.compile: gradient_checkpointing: full checkpoints"), message
     assert message.endswith("| written: []") and "\n" not in message, message
 
 

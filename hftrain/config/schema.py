@@ -198,8 +198,8 @@ class TrainingConfig:
     """``torch.compile`` each transformer block in place (``block.compile()``, as torchtitan compiles per block: one
     short compile shared by every block of one shape, parameter names unchanged), with ``dynamic=False``: one graph
     per batch shape, so bucket the lengths (fixed-length causal-LM blocks, ``max_seq_length`` padding). Runs under
-    DDP, FSDP2, ZeRO-1/2/3 and megatron tp; refused in one line where a strategy cannot run it
-    (``hftrain.strategies.runtime.AccelerateRuntime.apply_compile``)."""
+    DDP, FSDP2, ZeRO-1/2/3 and megatron tp, with ``gradient_checkpointing`` selective or off; refused in one line
+    where it cannot run (FSDP1, pp, cp, ep, full recomputation: ``hftrain.strategies.runtime``'s ``apply_compile``)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     """``torch.compile``'s mode when ``compile`` is on: ``reduce-overhead`` replays CUDA graphs (CUDA only: refused on
     a CPU), ``max-autotune`` also searches matmul kernels (longer compiles)."""

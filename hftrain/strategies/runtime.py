@@ -456,6 +456,16 @@ def refuse_compile(reason: str) -> None:
     raise ConfigError(f"training.compile: {reason}; or set training.compile: false")
 
 
+def refuse_full_recomputation() -> None:
+    """Refuse ``training.compile`` with full recomputation: the layer checkpoint runs inside the compiled block, where
+    torch requires ``checkpoint``'s ``context_fn`` to return two ``TorchDispatchMode``s, and
+    ``hftrain.parallel.recompute`` passes its own (null contexts, or the RNG tracker's stream switches)."""
+    refuse_compile(
+        "gradient_checkpointing: full checkpoints each block with a context_fn that torch.compile refuses inside the "
+        "compiled block; use gradient_checkpointing: selective (or false)"
+    )
+
+
 def compile_blocks(model: Any, mode: str, *, device: torch.device) -> str:
     """``block.compile(mode=mode, dynamic=False)`` on every transformer block of ``model`` (transformers'
     ``GradientCheckpointingLayer``: the layers ``gradient_checkpointing`` recomputes); returns the line to log.
@@ -477,6 +487,8 @@ def compile_blocks(model: Any, mode: str, *, device: torch.device) -> str:
     blocks = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     if not blocks:
         refuse_compile(f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks to compile")
+    if any(getattr(block, "gradient_checkpointing", False) for block in blocks):
+        refuse_full_recomputation()
     for block in blocks:
         block.compile(mode=mode, dynamic=False)
     classes = sorted({type(block).__name__ for block in blocks})

@@ -114,6 +114,10 @@ class MegatronRuntime(AccelerateRuntime):
                 from hftrain.strategies.runtime import refuse_compile
 
                 refuse_compile(f"parallelism.{axis}={sizes[axis]}: {reason}; use {axis}: 1")
+        if self.plugin.recompute == "full":  # applied after the split, so the blocks do not say it yet
+            from hftrain.strategies.runtime import refuse_full_recomputation
+
+            refuse_full_recomputation()
         return super().apply_compile(model, mode)
 
     def plugin_unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
