@@ -214,6 +214,15 @@ class TrainingConfig:
     input and recomputes the layer in the backward pass; ``selective`` recomputes only the attention core (scores,
     softmax, dropout: the part that grows with the sequence squared); ``false`` keeps everything. Dropout masks are
     recomputed identically (torch's and the RNG tracker's streams are restored)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block in place (``block.compile()``, as torchtitan compiles per block: one
+    short compile shared by every block of one shape, parameter names unchanged), with ``dynamic=False``: one graph
+    per batch shape, so bucket the lengths (fixed-length causal-LM blocks, ``max_seq_length`` padding). Runs under
+    DDP, FSDP2, ZeRO-1/2/3 and megatron tp, with ``gradient_checkpointing`` selective or off; refused in one line
+    where it cannot run (FSDP1, pp, cp, ep, full recomputation: ``hftrain.strategies.runtime``'s ``apply_compile``)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    """``torch.compile``'s mode when ``compile`` is on: ``reduce-overhead`` replays CUDA graphs (CUDA only: refused on
+    a CPU), ``max-autotune`` also searches matmul kernels (longer compiles)."""
     peak_tflops: float | None = None
     """One process's peak TFLOP/s for MFU, between 0.001 (1 GFLOP/s) and 100,000 (a hundred times a 2024 GPU's
     dense bf16 peak); null measures a matmul at the start (CPU) or takes a known GPU's datasheet figure
@@ -503,6 +512,8 @@ RUN_INVARIANT_EXEMPT = frozenset(
         "training.overwrite_output_dir",
         "training.torch_num_threads",
         "training.trust_external_checkpoint",
+        "training.compile",  # how the same steps run: a compiled run resumes eager and back (tests/test_compile.py)
+        "training.compile_mode",
         "lora.merge_lora_on_export",
         "model.trust_remote_code",  # each command says it again: a saved config never grants it (config.loader)
         "data.cache_dir",  # where the same tokenized data is kept, not what it is

@@ -99,6 +99,30 @@ class AccelerateRuntime:
         count = apply_activation_checkpointing(model, mode)
         return f"gradient_checkpointing: {mode} ({count} {'layers' if mode == 'full' else 'attention functions'})"
 
+    def apply_compile(self, model: Any, mode: str) -> str:
+        """``torch.compile`` every transformer block of ``model`` in place (``training.compile``), before ``prepare``;
+        returns the line to log. Refuses (``ConfigError``, one line) what cannot run compiled.
+
+        As torchtitan's ``apply_compile``: one ``torch.compile`` per block, not the whole model, so the compile is
+        one block's graph (shared by every block of that class and batch shape: dynamo guards on the module's
+        structure, not its identity) and the code between blocks (embeddings, head, loss, the strategy's hooks)
+        stays eager. ``block.compile()`` sets the block's compiled call in place, so parameter names keep no
+        ``_orig_mod.``: checkpoints, resume, export and LoRA see the model they always saw. The compile is lazy
+        (at the first forward), so a strategy may still shard or split the block's submodules in ``prepare``:
+        FSDP2's ``fully_shard`` hooks and ZeRO-3's gathers run inside the compiled call, megatron's tensor-parallel
+        layers replace the linears inside it. ``dynamic=False``: one graph per batch shape (bucket the lengths),
+        never a symbolic-shape graph whose guards would change with every new length.
+
+        Args:
+            model: the freshly built model (activation recomputation already applied).
+            mode: ``torch.compile``'s mode: ``"default"``, ``"reduce-overhead"`` (CUDA graphs) or
+                ``"max-autotune"``.
+        """
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None and getattr(plugin, "fsdp_version", 2) == 1:
+            refuse_compile("FSDP1 flattens each unit's parameters into one FlatParameter; use fsdp_version: 2")
+        return compile_blocks(model, mode, device=self.device)
+
     # ----------------------------------------------------------------- facts
     @property
     def num_processes(self) -> int:
@@ -421,3 +445,66 @@ def flat_state(
     flat = {key: Chunked.of(value) for key, value in values.items()}
     replicated = [key for key, value in values.items() if type(value) is torch.Tensor]  # not a DTensor's shard
     return split_replicated(flat, replicated, *replicas)
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def refuse_compile(reason: str) -> None:
+    """Raise the one-line refusal of ``training.compile`` for ``reason`` (what cannot run compiled, and the fix)."""
+    from hftrain.errors import ConfigError
+
+    raise ConfigError(f"training.compile: {reason}; or set training.compile: false")
+
+
+def refuse_full_recomputation() -> None:
+    """Refuse ``training.compile`` with full recomputation: the layer checkpoint runs inside the compiled block, where
+    torch requires ``checkpoint``'s ``context_fn`` to return two ``TorchDispatchMode``s, and
+    ``hftrain.parallel.recompute`` passes its own (null contexts, or the RNG tracker's stream switches)."""
+    refuse_compile(
+        "gradient_checkpointing: full checkpoints each block with a context_fn that torch.compile refuses inside the "
+        "compiled block; use gradient_checkpointing: selective (or false)"
+    )
+
+
+RECOMPILE_LIMIT = 64
+"""Graphs a compiled block may hold: every length bucket, in training and in evaluation, with and without padding."""
+
+
+def compile_blocks(model: Any, mode: str, *, device: torch.device) -> str:
+    """``block.compile(mode=mode, dynamic=False)`` on every transformer block of ``model`` (transformers'
+    ``GradientCheckpointingLayer``: the layers ``gradient_checkpointing`` recomputes); returns the line to log.
+
+    Args:
+        model: an HF model (possibly in PEFT adapters).
+        mode: ``torch.compile``'s mode (``COMPILE_MODES``).
+        device: the run's device: ``reduce-overhead`` captures CUDA graphs, so it needs a CUDA device.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if mode not in COMPILE_MODES:
+        refuse_compile(f"compile_mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    if mode == "reduce-overhead" and device.type != "cuda":
+        refuse_compile(
+            f"compile_mode reduce-overhead replays CUDA graphs, and this run is on {device.type}; use compile_mode: "
+            "default"
+        )
+    blocks = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if not blocks:
+        refuse_compile(f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks to compile")
+    if any(getattr(block, "gradient_checkpointing", False) for block in blocks):
+        refuse_full_recomputation()
+    import torch._dynamo
+
+    # one graph per (shape, grad mode) a block meets: length buckets (≤ 8 on CUDA) in training and evaluation, beyond
+    # dynamo's default 8 graphs per code object, after which it would run eager with only a warning: room for them,
+    # and a failure instead of a silent fall back to eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    for block in blocks:
+        block.compile(mode=mode, dynamic=False)
+    classes = sorted({type(block).__name__ for block in blocks})
+    return (
+        f"compile: {len(blocks)} blocks ({', '.join(classes)}) with torch.compile, mode {mode}, dynamic=False (one "
+        "graph per batch shape, compiled at its first step)"
+    )

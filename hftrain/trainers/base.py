@@ -164,6 +164,8 @@ class Trainer:
         recompute = recompute_mode(args.gradient_checkpointing)
         if recompute is not None:  # after the attention implementation is chosen: selective wraps it
             self._log(self.runtime.apply_recomputation(model, recompute))
+        if args.compile:  # after recomputation (the compiled block calls the attention it wraps), before prepare
+            self._log(self.runtime.apply_compile(model, args.compile_mode))
         # FLOPs are counted from the whole model's shapes, before any strategy splits it
         self.throughput = Throughput(FlopModel.of(model), recompute=recompute)
         self.buckets = self._length_buckets(pad_to_multiple_of, train_dataset, eval_dataset)
