@@ -12,7 +12,10 @@ run everything queued before it (pitfall 37, docs/pitfalls.md):
 - a copy from a non-CPU device to the CPU (``aten._to_copy`` / ``aten.copy_`` into a CPU tensor).
 
 :class:`HostSyncCounter` counts them with a ``TorchDispatchMode`` on any device, so a CPU run shows what a GPU run
-would wait for (a CPU ``.tolist()`` dispatches nothing and is not seen: such reads are found by review). On a CUDA
+would wait for. ``Tensor.tolist()`` of a CPU tensor dispatches nothing: :class:`TolistCounter`, a
+``TorchFunctionMode``, counts each call as one read (a device tensor's ``tolist`` is one copy to the host). A CPU
+tensor that is host memory by construction (a gloo flag of ``parallel.host``) is read through ``numpy()`` where it
+must not count. On a CUDA
 device torch's own ``torch.cuda.set_sync_debug_mode("warn")`` reports the syncs its kernels really make;
 :func:`count_host_syncs` runs both there and the dispatch counter alone elsewhere. Hand-written because torch has no
 counter: the CUDA sync debug mode only warns (and only on CUDA), and the profiler sees kernels, not reads.
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _READS = frozenset(
@@ -118,10 +122,32 @@ class HostSyncCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class TolistCounter(TorchFunctionMode):
+    """Counts ``Tensor.tolist()`` calls as ``tolist`` reads into ``report`` (one host read each; a CPU tensor's
+    ``tolist`` dispatches no op that :class:`HostSyncCounter` could see).
+
+    Args:
+        report: where the counts go.
+        trace: record the caller of each read.
+    """
+
+    def __init__(self, report: SyncReport, *, trace: bool = True) -> None:
+        super().__init__()
+        self.report = report
+        self.trace = trace
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.tolist:
+            self.report.ops["tolist"] += 1
+            if self.trace:
+                self.report.where.append(_caller())
+        return func(*args, **(kwargs or {}))
+
+
 def _caller() -> str:
     """The innermost frame outside torch: the line that asked for the read."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/torch/" not in frame.filename:
+        if "/torch/" not in frame.filename and frame.filename != __file__:
             return f"{frame.filename}:{frame.lineno} {frame.name}"
     return "?"
 
@@ -144,6 +170,7 @@ def count_host_syncs(device: torch.device | str | None = None, *, trace: bool = 
             stack.callback(torch.cuda.set_sync_debug_mode, previous)
             caught = stack.enter_context(warnings.catch_warnings(record=True))
             warnings.simplefilter("always")
+        stack.enter_context(TolistCounter(report, trace=trace))
         stack.enter_context(HostSyncCounter(report, trace=trace))
         try:
             yield report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from hftrain.errors import HFTrainError
 
@@ -29,3 +30,58 @@ def check_finite_loss(loss: float, *, step: int, last_checkpoint: Path | None) -
         f"training loss is {loss} at step {step}; stopped there without writing a checkpoint or export, {kept}; "
         "lower training.learning_rate or max_grad_norm, raise warmup_steps, or check the data"
     )
+
+
+class StopVote:
+    """The ranks' agreement to stop (a preemption signal on any rank), one optimizer step late, without waiting.
+
+    At the end of every step each rank starts an all-reduce (max) of its flag over the host group
+    (``parallel.host.host_group``, gloo, ``async_op=True``) and reads the one it started at the end of the previous
+    step, which the step in between has had time to complete. Every rank reads the same reduced value at the same step
+    boundary, so all of them stop, and checkpoint, at that boundary: one step after the first signal instead of right
+    after it, and no rank waits for the others at any step. One process reads its own flag at once (no collective).
+    :meth:`settle` waits for the vote in flight and agrees on the current flag at once (a run's last step, whose stop
+    decides whether the final evaluation and export run).
+
+    Args:
+        processes: the run's processes (1: no collective).
+    """
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._flag: Any = None  # the CPU tensor of the vote in flight
+        self._work: Any = None
+
+    def poll(self, flag: bool) -> bool:
+        """Whether any rank had a flag at the previous call (its vote read now); starts this call's vote."""
+        if self.processes == 1:
+            return flag
+        agreed = self._read()
+        if agreed:  # every rank stops here alike: no vote left in flight
+            return True
+        import torch
+        import torch.distributed as dist
+
+        from hftrain.parallel.host import host_group
+
+        self._flag = torch.tensor([float(flag)])
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=host_group(), async_op=True)
+        return agreed
+
+    def settle(self, flag: bool) -> bool:
+        """Whether any rank has a flag now or had one at the previous :meth:`poll` (blocking; collective)."""
+        if self.processes == 1:
+            return flag
+        from hftrain.parallel.host import any_rank
+
+        return self._read() | any_rank(flag)
+
+    def _read(self) -> bool:
+        if self._work is None:
+            return False
+        self._work.wait()
+        # host memory of the gloo group by construction: reading it waits for no device (numpy: not counted as a
+        # device read by hftrain.metrics.syncs, which cannot tell it from one on a CPU run)
+        agreed = bool(self._flag.numpy()[0] > 0)
+        self._flag = self._work = None
+        return agreed
