@@ -133,8 +133,14 @@ def _classifier_run(*, strategy: str = "ddp", logging_steps: int = LOGGING, kind
     from hftrain.data.batching import tokenize_splits
     from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
-    from tests.tiny import _fresh_output_dir, fp32_args, reset_accelerate_state, tiny_model_init, tiny_splits
-    from tests.tiny import tiny_tokenizer
+    from tests.tiny import (
+        _fresh_output_dir,
+        fp32_args,
+        reset_accelerate_state,
+        tiny_model_init,
+        tiny_splits,
+        tiny_tokenizer,
+    )
 
     reset_accelerate_state()
     tokenizer = tiny_tokenizer(kind)
