@@ -702,7 +702,7 @@ class Trainer:
         means = self.runtime.reduce_mean(torch.cat([*losses, counts])).tolist()  # the window's one host read
         rates = self.throughput.close_window(means[len(steps) :], self.runtime.dp_size, self.runtime.num_processes)
         for step, loss, learning_rate in zip(steps, means, learning_rates, strict=False):
-            check_finite_loss(loss, step=step, last_checkpoint=self.last_checkpoint)
+            check_finite_loss(loss, step=step, last_checkpoint=self.last_checkpoint, read_at=steps[-1])
             self.state.log_history.append({"step": step, "loss": loss, "learning_rate": learning_rate})
         step = steps[-1]
         if step % self.args.logging_steps:

@@ -13,21 +13,26 @@ class NonFiniteLossError(HFTrainError):
     """The training loss became inf or NaN: every later step (and checkpoint) would be worthless."""
 
 
-def check_finite_loss(loss: float, *, step: int, last_checkpoint: Path | None) -> None:
-    """Stop at the first optimizer step whose logged loss is not finite, writing no checkpoint for it.
+def check_finite_loss(loss: float, *, step: int, last_checkpoint: Path | None, read_at: int | None = None) -> None:
+    """Stop when a logged loss is not finite, writing no checkpoint for its step or any later one.
 
-    The loss is the one already reduced over processes, so every rank sees the same value and stops together.
+    The loss is the one already reduced over processes, so every rank sees the same value and stops together. The
+    trainer reads its losses once per logging window (and before every evaluation and checkpoint), so the run stops
+    at the window's read, up to ``logging_steps - 1`` steps after the step that went wrong, none of them saved.
 
     Args:
         loss: the step's loss, averaged over the accumulation window and the processes.
         step: the optimizer step it belongs to.
         last_checkpoint: the last complete checkpoint (left as it is), for the message.
+        read_at: the step at which it was read, when later than ``step``.
     """
     if math.isfinite(loss):
         return
     kept = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
+    late = read_at is not None and read_at > step
+    where = f"at step {step}" + (f", read {read_at - step} step(s) later with its logging window" if late else "")
     raise NonFiniteLossError(
-        f"training loss is {loss} at step {step}; stopped there without writing a checkpoint or export, {kept}; "
+        f"training loss is {loss} {where}; stopped there without writing a checkpoint or export, {kept}; "
         "lower training.learning_rate or max_grad_norm, raise warmup_steps, or check the data"
     )
 
