@@ -78,13 +78,19 @@ def apply_unchecked_masks(model: nn.Module) -> list[str]:
 
 
 def takes_boolean_masks(model: nn.Module) -> bool:
-    """Whether ``model``'s attention takes SDPA's boolean 4-D mask (its mask function is ``sdpa_mask`` or its
-    unchecked twin): where :func:`packed_causal_mask` may be handed to it."""
+    """Whether :func:`packed_causal_mask` may be handed to ``model``: its attention takes SDPA's boolean 4-D mask
+    (its mask function is ``sdpa_mask`` or its unchecked twin), and every layer attends over the whole causal past
+    (a 4-D mask goes to every layer as it is: a sliding window or chunked attention needs transformers' own masks)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    config = getattr(model, "config", None)
+    name = getattr(config, "_attn_implementation", None)
     function = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name) if isinstance(name, str) else None
-    return function is sdpa_mask or getattr(function, "__wrapped__", None) is sdpa_mask
+    if function is not sdpa_mask and getattr(function, "__wrapped__", None) is not sdpa_mask:
+        return False
+    local = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    layers = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return not local and layers == {"full_attention"}
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
