@@ -217,9 +217,8 @@ def main() -> None:
     parser.add_argument("--profile", metavar="FILE", help="cProfile one extra hftrain run into FILE")
     args = parser.parse_args()
     if args.tiny:
-        args.model, args.batch_size, args.max_seq_length, args.steps, args.warmup, args.threads = (
-            "tiny", 4, 16, 600, 100, 1
-        )
+        args.model, args.batch_size, args.max_seq_length = "tiny", 4, 16
+        args.steps, args.warmup, args.threads = 600, 100, 1
     if args.quick:
         args.steps, args.rounds = min(args.steps, 30), min(args.rounds, 3)
     from transformers.utils import logging as hf_logging
