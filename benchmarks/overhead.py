@@ -6,8 +6,8 @@ Tomatoes reviews, in the same sequential batch order, with the same ``DataCollat
 the same AdamW parameter groups and the same linear schedule, in one process with the same thread count:
 
   (a) ``hftrain``: ``SequenceClassificationTrainer.fit()``, its real loop (``accumulate``, ``backward``,
-      optional clipping, optimizer/scheduler step, the per-step loss ``reduce(...).item()``, tqdm), with
-      ``logging_steps`` huge, ``log_with="none"`` and no evaluation set;
+      optional clipping, optimizer/scheduler step, the losses read once per logging window, the stop vote, tqdm),
+      with ``logging_steps`` huge (``--logging_steps``), ``log_with="none"``, torch's dropout and no evaluation set;
   (b) the loop from the Accelerate docs: ``for batch in loader: loss = model(**batch).loss;
       accelerator.backward(loss); optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()``.
 
