@@ -6,8 +6,8 @@ Tomatoes reviews, in the same sequential batch order, with the same ``DataCollat
 the same AdamW parameter groups and the same linear schedule, in one process with the same thread count:
 
   (a) ``hftrain``: ``SequenceClassificationTrainer.fit()``, its real loop (``accumulate``, ``backward``,
-      optional clipping, optimizer/scheduler step, the per-step loss ``reduce(...).item()``, tqdm), with
-      ``logging_steps`` huge, ``log_with="none"`` and no evaluation set;
+      optional clipping, optimizer/scheduler step, the losses read once per logging window, the stop vote, tqdm),
+      with ``logging_steps`` huge (``--logging_steps``), ``log_with="none"``, torch's dropout and no evaluation set;
   (b) the loop from the Accelerate docs: ``for batch in loader: loss = model(**batch).loss;
       accelerator.backward(loss); optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()``.
 
@@ -71,7 +71,8 @@ def build_data(max_seq_length: int, n_examples: int):
 
 
 def model_init_fn(name: str, vocab_size: int):
-    """``bert4``: a randomly initialised 4-layer, hidden-256 BERT; ``minilm``: the embedded MiniLM."""
+    """``bert4``: a randomly initialised 4-layer, hidden-256 BERT; ``tiny``: 2 layers, hidden 64 (issue 54's host-bound
+    size, where a step is all Python, dispatch and syncs); ``minilm``: the embedded MiniLM."""
 
     def build():
         from transformers import AutoModelForSequenceClassification, BertConfig
@@ -81,12 +82,13 @@ def model_init_fn(name: str, vocab_size: int):
 
             path = resolve_model_path("embedded:minilm")
             return AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+        width, layers = (64, 2) if name == "tiny" else (256, 4)
         config = BertConfig(
             vocab_size=vocab_size,
-            hidden_size=256,
-            num_hidden_layers=4,
+            hidden_size=width,
+            num_hidden_layers=layers,
             num_attention_heads=4,
-            intermediate_size=1024,
+            intermediate_size=4 * width,
             num_labels=2,
         )
         return AutoModelForSequenceClassification.from_config(config)
@@ -126,12 +128,13 @@ def run_hftrain(args: argparse.Namespace, dataset, tokenizer, steps: int) -> Run
         max_grad_norm=args.max_grad_norm,
         seed=args.seed,
         train_sampling_strategy="sequential",
-        logging_steps=10**9,
+        logging_steps=args.logging_steps,
         log_with="none",
         torch_num_threads=args.threads,
         # The hand-written loop's settings: fp32 and torch's default (for-each) AdamW, whatever 'auto' would pick.
         mixed_precision="no",
         optim="adamw_torch",
+        dropout_kernel="torch",  # the hand loop's nn.Dropout and SDPA dropout
     )
     trainer = StampedTrainer(
         training,
@@ -195,7 +198,13 @@ def run_accelerate(args: argparse.Namespace, dataset, tokenizer, steps: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few minutes: 30 steps, 3 rounds")
-    parser.add_argument("--model", choices=["bert4", "minilm"], default="bert4")
+    parser.add_argument("--model", choices=["bert4", "tiny", "minilm"], default="bert4")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="issue 54's size: --model tiny --batch_size 4 --max_seq_length 16 --steps 600 --warmup 100 --threads 1",
+    )
+    parser.add_argument("--logging_steps", type=int, default=10**9, help="hftrain's training.logging_steps")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the per-step time")
     parser.add_argument("--rounds", type=int, default=10, help="timed (hftrain, accelerate) pairs")
@@ -207,6 +216,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--profile", metavar="FILE", help="cProfile one extra hftrain run into FILE")
     args = parser.parse_args()
+    if args.tiny:
+        args.model, args.batch_size, args.max_seq_length = "tiny", 4, 16
+        args.steps, args.warmup, args.threads = 600, 100, 1
     if args.quick:
         args.steps, args.rounds = min(args.steps, 30), min(args.rounds, 3)
     from transformers.utils import logging as hf_logging

@@ -38,7 +38,8 @@ from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
 from hftrain.pictures import BackgroundPainter
 from hftrain.trainers.experts import EXPERT_LOAD_PNG, ExpertLoad
-from hftrain.trainers.guards import check_finite_loss
+from hftrain.trainers.guards import StopVote, check_finite_loss
+from hftrain.trainers.inputs import apply_unchecked_masks
 from hftrain.trainers.throughput import FlopModel, Throughput, peak_flops
 
 if TYPE_CHECKING:
@@ -145,6 +146,11 @@ class Trainer:
         self.runtime = strategy.build_runtime(self.accelerator)
         self.runtime.loss_is_example_mean = self.loss_is_example_mean
         self.runtime.stage_head = self.stage_head
+        # The loop's host reads (``_record_step``, ``_on_step_end``): none per step, one per logging window
+        self._unread: list[tuple[int, torch.Tensor, float]] = []  # (step, its loss on the device, its learning rate)
+        self._logged_step = 0  # the last step whose loss went to the trackers
+        self._stop_vote = StopVote(self.runtime.num_processes)
+        self._progress: Any = None  # fit's progress bar
         self.strategy_summary = strategy.summary(args, self.accelerator)
         self._log("strategy: " + ", ".join(f"{k}={v}" for k, v in self.strategy_summary.items()))
         for choice in choices:
@@ -164,6 +170,10 @@ class Trainer:
         recompute = recompute_mode(args.gradient_checkpointing)
         if recompute is not None:  # after the attention implementation is chosen: selective wraps it
             self._log(self.runtime.apply_recomputation(model, recompute))
+        # over whatever attention is now chosen: padding masks are built without reading the device
+        unchecked = apply_unchecked_masks(model)
+        if unchecked:
+            self._log(f"attention masks: built without a host check of the padding ({', '.join(unchecked)})")
         if args.compile:  # after recomputation (the compiled block calls the attention it wraps), before prepare
             self._log(self.runtime.apply_compile(model, args.compile_mode))
         # FLOPs are counted from the whole model's shapes, before any strategy splits it
@@ -356,6 +366,7 @@ class Trainer:
         progress = tqdm(
             total=self.max_steps, initial=self.state.global_step, disable=not acc.is_local_main_process, unit="step"
         )
+        self._progress, self._logged_step = progress, self.state.global_step
         self._release_heap()  # before the first step's tensors, which then take the pages already faulted in
         self.throughput.peak = peak_flops(self.runtime.device, self.args.mixed_precision, self.args.peak_tflops)
         self._log(f"peak per process: {self.throughput.peak[0] / 1e12:.2f} TFLOP/s ({self.throughput.peak[1]})")
@@ -546,22 +557,31 @@ class Trainer:
         return [{k: v.to(device, non_blocking=pinned) for k, v in batch.items()} for batch in window]
 
     def _on_step_end(self, preemption: PreemptionFlag, stop_at_step: int | None) -> str | None:
-        """Evaluate and checkpoint on schedule; checkpoint and stop when all ranks agree to."""
+        """Read the losses at the end of a logging window, evaluate and checkpoint on schedule; checkpoint and stop
+        when all ranks agree to.
+
+        A signal is agreed one step late (``StopVote``: no rank waits for the others at a step), so every rank stops
+        at the same step boundary, one after the first signal; ``stop_at_step`` is the same on every rank and needs no
+        vote; the last step's vote is settled at once.
+        """
+        step = self.state.global_step
+        last = step >= self.max_steps
+        reason = "stop_at_step" if step == stop_at_step else None
+        if (self._stop_vote.settle if last else self._stop_vote.poll)(preemption.requested) and reason is None:
+            reason = preemption.received or "signal on another rank"
+        if last or reason is not None or step % self.args.logging_steps == 0:
+            self._read_losses()
         if self._eval_due():
             self.evaluate()
         save_every = self.args.save_steps
-        if save_every and self.state.global_step % save_every == 0:
+        if save_every and step % save_every == 0:
             self.save_checkpoint()
-        reason = preemption.received or ("stop_at_step" if self.state.global_step == stop_at_step else None)
-        if not self._any_rank(reason is not None):
+        if reason is None:
             return None
-        if self._checkpointed_step() != self.state.global_step:
+        if self._checkpointed_step() != step:
             self.save_checkpoint()
-        self._log(
-            f"stopping at step {self.state.global_step} ({reason or 'another rank was signalled'}); "
-            f"checkpoint {self.last_checkpoint}"
-        )
-        return reason or "signal on another rank"
+        self._log(f"stopping at step {step} ({reason}); checkpoint {self.last_checkpoint}")
+        return reason
 
     def _beside_last_save(self, work: Callable[[], Any]) -> None:
         try:
@@ -603,6 +623,7 @@ class Trainer:
         """Write a complete checkpoint of the current step (collective: every rank calls it), and start drawing
         ``training_curves.png`` in the background, except at the run's last step: ``fit`` draws it once more after
         the final evaluation anyway."""
+        self._read_losses()  # a non-finite loss stops the run before its checkpoint is written
         # A stream's position is right after the window just trained on (no loader reads ahead): each rank's own.
         position = self.stream.state_dict() if self.stream is not None else None
         path = self.checkpointing.save(
@@ -679,34 +700,54 @@ class Trainer:
         return loss
 
     def _record_step(self, local_loss: torch.Tensor, progress: Any) -> None:
-        # The logged loss is the mean over the window and over processes: what one process with the
-        # whole global batch would report.
-        # The step's token, sample and FLOP counts travel in the same all-reduce.
-        counts = self.throughput.local_window(local_loss.device)
-        # the step's one host read (a device sync on a GPU): the reduced loss and counts together
-        means = self.runtime.reduce_mean(torch.cat([local_loss.float().reshape(1), counts])).tolist()
-        loss = means[0]
-        rates = self.throughput.close_window(means[1:], self.runtime.dp_size, self.runtime.num_processes)
-        check_finite_loss(loss, step=self.state.global_step, last_checkpoint=self.last_checkpoint)
-        entry = {"step": self.state.global_step, "loss": loss, "learning_rate": self.lr_scheduler.get_last_lr()[0]}
-        self.state.log_history.append(entry)
+        """Keep the step's loss (this process's mean over its window) on the device, unread: the host reads it with
+        the rest of its logging window (:meth:`_read_losses`), so it can queue the next steps meanwhile."""
+        self._unread.append((self.state.global_step, local_loss.float().reshape(1), self.lr_scheduler.get_last_lr()[0]))
         progress.update(1)
-        if self.state.global_step % self.args.logging_steps == 0:
-            shares = {}
-            if self.expert_load is not None:  # collective: every rank logs at the same steps
-                figures, shares = self.expert_load.close_window()
-                entry.update(figures)
-            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rates['tokens_per_second']:.0f}")
-            self.accelerator.log(
-                {
-                    "train/loss": loss,
-                    "train/learning_rate": entry["learning_rate"],
-                    **{f"train/{k}": v for k, v in rates.items()},
-                    **{f"train/{k}": v for k, v in entry.items() if k not in ("step", "loss", "learning_rate")},
-                    **{f"train/{k}": v for k, v in shares.items()},
-                },
-                step=entry["step"],
-            )
+
+    def _read_losses(self) -> None:
+        """The steps' one host read since the last: their losses and throughput counts, reduced together.
+
+        Called at the end of every logging window, at a run's last step and stop, and before an evaluation or a
+        checkpoint (whose ``log_history`` and non-finite check need them). One all-reduce (``reduce_mean``) of
+        ``[loss_1 … loss_k, counts]`` and one read: each step's logged loss is the mean over its window and over
+        processes, what one process with the whole global batch would report. A non-finite loss stops the run here
+        (``check_finite_loss``), before any checkpoint of a later step is written. At a logging step the trackers and
+        the progress bar get the mean loss of the steps since the last logging step, and the rates of the steps since
+        the last read.
+        """
+        if not self._unread:
+            return
+        steps, losses = [s for s, _, _ in self._unread], [x for _, x, _ in self._unread]
+        learning_rates = [lr for _, _, lr in self._unread]
+        self._unread = []
+        counts = self.throughput.local_window(losses[0].device)
+        means = self.runtime.reduce_mean(torch.cat([*losses, counts])).tolist()  # the window's one host read
+        rates = self.throughput.close_window(means[len(steps) :], self.runtime.dp_size, self.runtime.num_processes)
+        for step, loss, learning_rate in zip(steps, means, learning_rates, strict=False):
+            check_finite_loss(loss, step=step, last_checkpoint=self.last_checkpoint, read_at=steps[-1])
+            self.state.log_history.append({"step": step, "loss": loss, "learning_rate": learning_rate})
+        step = steps[-1]
+        if step % self.args.logging_steps:
+            return
+        window = [h["loss"] for h in self.state.log_history if "loss" in h and h["step"] > self._logged_step]
+        self._logged_step, loss, entry = step, _mean(window), self.state.log_history[-1]
+        shares = {}
+        if self.expert_load is not None:  # collective: every rank logs at the same steps
+            figures, shares = self.expert_load.close_window()
+            entry.update(figures)
+        if self._progress is not None:
+            self._progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rates['tokens_per_second']:.0f}")
+        self.accelerator.log(
+            {
+                "train/loss": loss,
+                "train/learning_rate": entry["learning_rate"],
+                **{f"train/{k}": v for k, v in rates.items()},
+                **{f"train/{k}": v for k, v in entry.items() if k not in ("step", "loss", "learning_rate")},
+                **{f"train/{k}": v for k, v in shares.items()},
+            },
+            step=step,
+        )
 
     def _eval_due(self) -> bool:
         every = self.args.eval_steps
@@ -715,6 +756,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss and metrics on the evaluation set, every example counted exactly once across processes."""
+        self._read_losses()  # the history in order, and a non-finite loss stops the run before it is evaluated
         if self.eval_loader is None:
             self.state.last_eval_step = self.state.global_step
             return {}

@@ -32,12 +32,14 @@ the same positions of the next-token targets, and its sum over the cp ranks is t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 
 from hftrain.trainers.base import Trainer
+from hftrain.trainers.inputs import packed_causal_mask, takes_boolean_masks
 
 IGNORE_INDEX = -100
 """transformers' label for positions without a target (prompts, padding, a document's first token)."""
@@ -102,8 +104,21 @@ class CausalLMTrainer(Trainer):
         split = getattr(self.runtime.unwrap_model(self.model), "context_split", None)
         if split is not None:
             targets = split.local(targets)
-        sums = token_losses(self._head(), model(**_inputs(batch)).logits, targets).sum(dim=-1)
+        inputs = _inputs(batch)
+        if self._packed_masks and inputs.get("attention_mask") is None and "position_ids" in inputs:
+            # the documents' mask built here, on the device: transformers would read the positions on the host
+            inputs["attention_mask"] = packed_causal_mask(inputs["position_ids"])
+        sums = token_losses(self._head(), model(**inputs).logits, targets).sum(dim=-1)
         return sums if split is None else split.sum(sums)
+
+    @functools.cached_property
+    def _packed_masks(self) -> bool:
+        """Whether the packed blocks' mask is handed to the model 4-D (``hftrain.trainers.inputs``): where its attention
+        takes SDPA's boolean mask and every process is a data-parallel replica of a whole model (a pipeline's stages
+        and a context-parallel ring build their own masks)."""
+        runtime = self.runtime
+        whole = runtime.dp_size == runtime.num_processes
+        return whole and takes_boolean_masks(runtime.unwrap_model(self.model))
 
     def _head(self) -> torch.nn.Module | None:
         """The model's output projection (``lm_head``; vocabulary-parallel under tensor parallelism)."""
