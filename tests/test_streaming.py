@@ -314,8 +314,13 @@ def test_a_malformed_line_mid_shard_stops_every_rank_in_one_line(tmp_path):
     bad = f"{shard} line {len(lines) - 2} is not a JSON object"
     assert results[1]["error"].startswith("data.train_file: ") and bad in results[1]["error"]
     assert "another process" in results[0]["error"]
-    assert results[0]["latest"] == results[1]["latest"]
-    _checkpoint_is_complete(results[0]["latest"])
+    # the newest complete checkpoint once both ranks are gone (a rank's own view at its error may predate the marker
+    # of the save the main process was still finishing)
+    from hftrain.checkpoint.manager import CheckpointManager
+
+    latest = CheckpointManager(tmp_path / "out" / "checkpoints").latest()
+    assert latest is not None and str(latest) in {results[0]["latest"], results[1]["latest"]}
+    _checkpoint_is_complete(str(latest))
 
 
 @pytest.mark.distributed
