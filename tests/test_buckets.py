@@ -28,25 +28,13 @@ CUDA_SHAPES_BOUND = 8
 
 def _default_job_data():
     """The default job's tokenized splits and tokenizer (embedded MiniLM, Rotten Tomatoes, 128 tokens)."""
+    import hftrain
     from hftrain.config import ModelConfig
     from hftrain.data.batching import tokenize_splits
-    from hftrain.data.loading import load_classification_splits
     from hftrain.models import build_tokenizer
 
     tokenizer = build_tokenizer(ModelConfig())
-    splits = load_classification_splits(
-        dataset_name="embedded:rotten_tomatoes",
-        train_file=None,
-        validation_file=None,
-        text_column="text",
-        label_column="label",
-        num_labels=2,
-        validation_split_percentage=10.0,
-        max_train_samples=None,
-        max_eval_samples=None,
-        seed=42,
-        log=lambda _: None,
-    )
+    splits = hftrain.load_splits()  # the default job's, as its run sees them
     return tokenize_splits(splits, tokenizer, max_seq_length=128), tokenizer
 
 
