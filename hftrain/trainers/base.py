@@ -470,17 +470,17 @@ class Trainer:
         """Deal ``stream`` over the data-parallel ranks and batch it in this process.
 
         The loader runs no worker: a worker would read ahead of the blocks trained on, and the position a checkpoint
-        saves (the stream's ``state_dict``) must be right after the last block the trainer consumed. Only the
-        Accelerate strategies, where every process is a data-parallel replica, take a stream.
+        saves (the stream's ``state_dict``) must be right after the last block the trainer consumed. Only a run whose
+        every process is a data-parallel replica (the runtime's ``dp_size`` is its process count) takes a stream.
         """
         from hftrain.data.streaming import collate_blocks
 
         if self.runtime.dp_size != self.runtime.num_processes:
             raise ConfigError(
-                f"data.streaming: strategy {self.strategy.name} splits the model over processes "
-                f"({self.runtime.num_processes} processes, {self.runtime.dp_size} data-parallel); a stream is dealt "
-                "over data-parallel replicas under ddp, fsdp and deepspeed only: use one of them, or data.streaming: "
-                "false"
+                f"data.streaming: this run splits the model over its processes ({self.runtime.num_processes} "
+                f"processes, {self.runtime.dp_size} data-parallel replicas), and a stream is dealt over replicas "
+                "that each hold the whole model; train without model parallelism (parallelism sizes 1), or set "
+                "data.streaming: false"
             )
         self._log(
             stream.split(dp_rank=self.accelerator.process_index, dp_size=self.runtime.dp_size, log=self._log)
