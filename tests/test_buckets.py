@@ -330,3 +330,31 @@ def test_the_cuda_kernel_order_runs_on_cpu_without_changing_results():
         for grad, expected in zip(grads, reference[1], strict=True):
             torch.testing.assert_close(grad, expected, rtol=0, atol=0)
         assert torch._C._get_sdp_priority_order() == before  # restored
+
+
+@pytest.mark.parametrize("longest", [16, 128, 512, 2048])
+def test_under_compile_the_cpu_rule_gives_few_lengths_too(longest):
+    """``training.compile`` makes every batch shape a graph on any device: ``auto`` on a CPU then buckets as CUDA
+    does (each batch to its longest example had the default job stop at dynamo's recompile limit), and
+    ``LengthBuckets.lengths`` counts what the run can see."""
+    from hftrain.data.batching import LengthBuckets
+    from hftrain.strategies.platform import Platform
+
+    multiple, rule = Platform(device="cpu", backend="gloo").resolve_length_buckets(
+        "auto", longest=longest, compiled=True
+    )
+    assert "training.compile" in rule and multiple >= 8
+    buckets = LengthBuckets.combine(multiple, None, longest=longest, rule=rule)
+    lengths = {buckets.padded(n) for n in range(1, longest + 1)}
+    assert len(lengths) == buckets.lengths() <= CUDA_SHAPES_BOUND
+
+
+def test_buckets_beyond_the_recompile_limit_are_refused_before_training():
+    from hftrain.errors import ConfigError
+    from hftrain.strategies.runtime import check_compiled_shapes
+
+    check_compiled_shapes(16, 128)  # 16 lengths x 4 graphs: at the limit
+    with pytest.raises(
+        ConfigError, match=r"^training\.compile: data\.pad_to_multiple_of allows 128 batch lengths.*at least 8\)"
+    ):
+        check_compiled_shapes(128, 128)

@@ -109,6 +109,26 @@ def test_auto_is_bits_on_cpu_and_torch_on_gpu():
     assert Platform(device="cpu", backend="gloo").resolve_dropout_kernel("torch") == ("torch", "set in the config")
 
 
+def test_compiled_blocks_take_torch_dropout_and_bits_is_refused_with_compile():
+    """``bits`` seeds numpy from a host read of torch's generator per mask: under ``training.compile`` each draw was a
+    new constant to dynamo, a recompile per mask until the recompile limit stopped the default job on a CPU."""
+    from hftrain.config import TrainingConfig
+    from hftrain.errors import ConfigError
+    from hftrain.strategies import LaunchInfo, strategy_from_options
+    from tests.tiny import reset_accelerate_state
+
+    cpu = Platform(device="cpu", backend="gloo")
+    assert cpu.resolve_dropout_kernel("auto", compiled=True)[0] == "torch"
+    assert cpu.resolve_dropout_kernel("torch", compiled=True)[0] == "torch"
+    with pytest.raises(ConfigError, match=r"^training\.compile: dropout_kernel: bits .*training\.dropout_kernel: auto"):
+        cpu.resolve_dropout_kernel("bits", compiled=True)
+    reset_accelerate_state()
+    strategy = strategy_from_options("ddp", None, launch=LaunchInfo())
+    resolved, notes = strategy.resolve_training(TrainingConfig(compile=True))
+    assert resolved.dropout_kernel == "torch" and "dropout_kernel: torch (auto: training.compile" in " ".join(notes)
+    assert strategy.resolve_training(TrainingConfig())[0].dropout_kernel == "bits"
+
+
 def test_a_job_with_dropout_runs_the_chosen_kernel(tmp_path):
     def run(kernel: str, folder: str) -> dict:
         return run_tiny_training(steps=4, dropout=0.1, dropout_kernel=kernel, output_dir=str(tmp_path / folder))

@@ -168,6 +168,11 @@ class LengthBuckets:
             return f"length buckets: none ({self.rule})"
         return f"length buckets: multiple of {self.multiple}, at most {self.ceiling} ({self.rule})"
 
+    def lengths(self) -> int:
+        """How many padded lengths a run can see: ``⌈C / m⌉`` (every length up to ``C`` without a multiple)."""
+        ceiling = self.ceiling or 0
+        return -(-ceiling // self.multiple) if self.multiple else ceiling
+
     def padded(self, length: int) -> int:
         """The padded length of a batch whose longest example has ``length`` tokens."""
         if not self.multiple:

@@ -158,7 +158,9 @@ class Strategy(ABC):
         else:
             precision, reason = self.platform.resolve_precision(training.mixed_precision)
         optim = self.resolve_optim(training.optim)
-        dropout_kernel, dropout_reason = self.platform.resolve_dropout_kernel(training.dropout_kernel)
+        dropout_kernel, dropout_reason = self.platform.resolve_dropout_kernel(
+            training.dropout_kernel, compiled=training.compile
+        )
         notes = [
             f"mixed_precision: {precision} ({reason})",
             f"optim: {optim}" + " (auto)" * (training.optim == "auto"),

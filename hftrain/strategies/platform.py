@@ -108,19 +108,39 @@ class Platform:
         device = "GPU" if not self.is_cpu else "CPU (no amx_bf16/avx512_bf16 flag)"
         return "no", f"auto: this {device} only emulates bf16, fp32 is faster"
 
-    def resolve_dropout_kernel(self, kernel: str) -> tuple[str, str]:
-        """The concrete ``training.dropout_kernel`` and why (``auto`` -> ``bits`` on CPU, ``torch`` on GPU).
+    def resolve_dropout_kernel(self, kernel: str, *, compiled: bool = False) -> tuple[str, str]:
+        """The concrete ``training.dropout_kernel`` and why (``auto`` -> ``bits`` on CPU, ``torch`` on GPU and under
+        ``training.compile``).
 
         torch's CPU ``bernoulli_`` draws one element at a time outside Intel's MKL path (~30 ms of a 170 ms MiniLM
         bf16 step on an AMD EPYC); on GPU, torch's fused dropout and SDPA's in-kernel dropout are the fast path.
+        Compiled blocks take torch's dropout, which inductor generates into the block's kernels: ``bits`` seeds numpy
+        from a host read of torch's generator at every mask, which dynamo cannot trace (a graph break per dropout,
+        and the seed as a constant: a recompile per draw until the recompile limit stops the run). An explicit
+        ``bits`` with ``training.compile`` is refused in one line.
+
+        Args:
+            kernel: ``training.dropout_kernel``.
+            compiled: ``training.compile``.
         """
+        if kernel == "bits" and compiled:
+            from hftrain.errors import ConfigError
+
+            raise ConfigError(
+                "training.compile: dropout_kernel: bits draws each mask's seed on the host, which torch.compile cannot "
+                "trace (a recompile per draw); set training.dropout_kernel: auto or torch, or training.compile: false"
+            )
         if kernel != "auto":
             return kernel, "set in the config"
+        if compiled:
+            return "torch", "auto: training.compile, torch's dropout compiles into the block"
         if self.is_cpu:
             return "bits", "auto: CPU, 64 random bits per draw instead of one bernoulli_ draw per element"
         return "torch", "auto: GPU, torch's fused dropout"
 
-    def resolve_length_buckets(self, setting: int | str | None, *, longest: int) -> tuple[int | None, str]:
+    def resolve_length_buckets(
+        self, setting: int | str | None, *, longest: int, compiled: bool = False
+    ) -> tuple[int | None, str]:
         """The multiple ``data.pad_to_multiple_of`` stands for on this device, and why (``auto`` is per device).
 
         On CUDA, ``auto`` keeps the shapes few: every new sequence length costs SDPA a new plan (cuDNN attention keeps
@@ -129,21 +149,25 @@ class Platform:
         ``longest`` into at most :data:`MAX_CUDA_BUCKETS` lengths: 64 up to ``max_seq_length`` 512 (128 → 2 lengths,
         512 → 8), then ``longest / 8`` rounded up to a power of two (2048 → 256). On CPU every padded position is
         computed by the same cores and no plan is cached per shape: ``auto`` is :data:`CPU_AUTO_BUCKETS`, the fastest
-        of the default job's step times measured by ``benchmarks/length_buckets.py`` (benchmarks/README.md).
+        of the default job's step times measured by ``benchmarks/length_buckets.py`` (benchmarks/README.md). Under
+        ``training.compile`` every batch shape is a graph (``dynamic=False``) on any device: ``auto`` on a CPU then
+        cuts ``longest`` into at most :data:`MAX_CUDA_BUCKETS` lengths too, from a multiple of 8 up (128 → 16).
 
         Args:
             setting: ``data.pad_to_multiple_of``: an int, ``"auto"`` or None (no buckets).
             longest: the longest example allowed (``data.max_seq_length`` as the model takes it).
+            compiled: ``training.compile``.
         """
         if setting is None:
             return None, "data.pad_to_multiple_of: null, each batch padded to its longest example"
         if setting != "auto":
             return int(setting), "set in data.pad_to_multiple_of"
+        per_bucket = 1 << (-(-longest // MAX_CUDA_BUCKETS) - 1).bit_length()
+        if self.is_cpu and compiled:
+            return max(8, per_bucket), "auto under training.compile: few shapes, one compiled graph each"
         if self.is_cpu:
             return CPU_AUTO_BUCKETS, CPU_AUTO_REASON
-        per_bucket = -(-longest // MAX_CUDA_BUCKETS)
-        multiple = max(CUDA_MIN_MULTIPLE, 1 << (per_bucket - 1).bit_length())
-        return multiple, "auto on cuda: few shapes, one attention plan each"
+        return max(CUDA_MIN_MULTIPLE, per_bucket), "auto on cuda: few shapes, one attention plan each"
 
     def resolve_sdpa_backend(self, setting: str) -> tuple[tuple[str, ...], str]:
         """The order in which SDPA tries its CUDA kernels for ``training.sdpa_backend``, and why; () on a CPU.

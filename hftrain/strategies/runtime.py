@@ -470,6 +470,27 @@ def refuse_full_recomputation() -> None:
 RECOMPILE_LIMIT = 64
 """Graphs a compiled block may hold: every length bucket, in training and in evaluation, with and without padding."""
 
+GRAPHS_PER_LENGTH = 4
+"""Graphs one padded length can cost a compiled block: training and evaluation, each with and without a padding
+mask."""
+
+
+def check_compiled_shapes(lengths: int, ceiling: int) -> None:
+    """Refuse (one line, before training) length buckets that would give a compiled block more graphs than
+    :data:`RECOMPILE_LIMIT`: dynamo would stop the run at the limit, mid-epoch.
+
+    Args:
+        lengths: the padded lengths the run can see (``LengthBuckets.lengths``).
+        ceiling: the longest padded length.
+    """
+    if lengths * GRAPHS_PER_LENGTH <= RECOMPILE_LIMIT:
+        return
+    smallest = -(-ceiling // (RECOMPILE_LIMIT // GRAPHS_PER_LENGTH))
+    refuse_compile(
+        f"data.pad_to_multiple_of allows {lengths} batch lengths, each up to {GRAPHS_PER_LENGTH} graphs of a compiled "
+        f"block, beyond its {RECOMPILE_LIMIT}; set data.pad_to_multiple_of: auto (or at least {smallest})"
+    )
+
 
 def compile_blocks(model: Any, mode: str, *, device: torch.device) -> str:
     """``block.compile(mode=mode, dynamic=False)`` on every transformer block of ``model`` (transformers'

@@ -338,8 +338,15 @@ class Trainer:
         if self.data_collator() is not None or self.stream is not None:
             return LengthBuckets(None, rule="packed blocks, all of one length")
         longest = max(lengths_of(train) + (lengths_of(evaluation) if evaluation is not None else []))
-        multiple, rule = self.strategy.platform.resolve_length_buckets(setting, longest=longest)
-        return LengthBuckets.combine(multiple, required, longest=longest, rule=rule)
+        multiple, rule = self.strategy.platform.resolve_length_buckets(
+            setting, longest=longest, compiled=self.args.compile
+        )
+        buckets = LengthBuckets.combine(multiple, required, longest=longest, rule=rule)
+        if self.args.compile:
+            from hftrain.strategies.runtime import check_compiled_shapes
+
+            check_compiled_shapes(buckets.lengths(), buckets.ceiling or longest)
+        return buckets
 
     # ----------------------------------------------------------------- the loop
     def fit(self, *, stop_at_step: int | None = None, beside_last_save: Callable[[], Any] | None = None) -> TrainResult:
