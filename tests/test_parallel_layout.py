@@ -180,3 +180,46 @@ def test_expert_parallel_ranks_are_carved_out_of_data_parallel():
         text=True,
     )
     assert done.returncode == 0 and json.loads(done.stdout)["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def _group_timeouts_on_every_rank() -> dict:
+    import os
+    import types
+
+    import torch.distributed as dist
+
+    from hftrain.checkpoint.manager import CheckpointManager
+    from hftrain.parallel import ParallelDims, build_groups
+    from hftrain.parallel.host import group_timeout
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    seen = {}
+    for label, dims in (("cp", ParallelDims(world, cp=2)), ("ep", ParallelDims(world, ep=2)),
+                        ("pp4", ParallelDims(world, pp=4)), ("tp", ParallelDims(world, tp=2))):  # fmt: skip
+        groups = build_groups(dims, rank)
+        for field in ("tp_group", "dp_group", "pp_group", "cp_group", "dp_cp_group", "ep_group", "edp_group",
+                      "embedding_group"):  # fmt: skip
+            group = getattr(groups, field)
+            if group is not None:
+                seen[f"{label}.{field}"] = group_timeout(group).total_seconds()
+    # the checkpoint writer's own group, made by the manager's own method
+    seen["writer"] = group_timeout(CheckpointManager._background_group(types.SimpleNamespace(_group=None)))
+    seen["writer"] = seen["writer"].total_seconds()
+    dist.destroy_process_group()
+    return seen
+
+
+@pytest.mark.distributed
+def test_every_group_waits_as_long_as_the_default_group():
+    """torch gives each new group its own default timeout (NCCL's 10 minutes, gloo's 30), not the default group's:
+    the mesh's axes, the dp × cp, ep, edp and embedding groups and the checkpoint writer's group each wait
+    ``COLLECTIVE_TIMEOUT`` (an hour) instead, like the default group and the host twins."""
+    from hftrain.parallel.host import COLLECTIVE_TIMEOUT
+
+    results = run_distributed(_group_timeouts_on_every_rank, nprocs=4, timeout=300)
+    for rank, seen in enumerate(results):
+        named = {"cp.dp_cp_group", "ep.ep_group", "ep.edp_group", "tp.tp_group", "writer"}
+        named |= {"pp4.embedding_group"} if rank in (0, 3) else set()  # the first and last stage's ranks
+        assert named <= set(seen), seen
+        assert set(seen.values()) == {COLLECTIVE_TIMEOUT.total_seconds()}, seen

@@ -184,7 +184,9 @@ class CheckpointManager:
         import torch.distributed as dist
 
         if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")
+            from hftrain.parallel.host import COLLECTIVE_TIMEOUT
+
+            self._group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
         return self._group
 
     # What a save writes, replaces and deletes is checked with ``lstat`` first (``hftrain.files``): a link or a FIFO

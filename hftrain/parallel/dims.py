@@ -352,6 +352,8 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hftrain.parallel.host import COLLECTIVE_TIMEOUT, mesh_group_options
+
     dims.validate()
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs an initialized default process group (torch.distributed)")
@@ -361,19 +363,26 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
             f"(world size {dist.get_world_size()}, rank {dist.get_rank()}); launch {dims.world_size} processes"
         )
     # Row-major (pp, dp, cp, tp) is exactly Megatron's rank rule, so the mesh's per-dimension groups are its groups.
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp, dims.tp), mesh_dim_names=AXES)
+    # Every group waits COLLECTIVE_TIMEOUT for its peers, as the default group does (torch gives a new group its own
+    # default: NCCL's 10 minutes), so one rank's long work before a collective does not time the others out.
+    mesh = init_device_mesh(
+        device_type,
+        (dims.pp, dims.dp, dims.cp, dims.tp),
+        mesh_dim_names=AXES,
+        backend_override=mesh_group_options(AXES),
+    )
     pp_rank, dp_rank, cp_rank, tp_rank = dims.coords(rank)
     dp_cp_group = mesh.get_group("dp")
     if dims.cp > 1:  # every rank creates every dp × cp group, in the same order (new_group is collective)
         for ranks in dims.iter_groups("dp_cp"):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
             if rank in ranks:
                 dp_cp_group = group
     ep_group = edp_group = None
     if dims.ep > 1:  # every rank creates every ep and edp group, in the same order
         for axis in ("ep", "edp"):
             for ranks in dims.iter_groups(axis):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
                 if rank in ranks:
                     ep_group, edp_group = (group, edp_group) if axis == "ep" else (ep_group, group)
     embedding_group = None
@@ -381,7 +390,7 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
         embedding_group = mesh.get_group("pp")
     else:  # every rank creates every embedding group, in the same order
         for ranks in dims.iter_groups("embedding"):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
             if rank in ranks:
                 embedding_group = group
     return ParallelGroups(

@@ -48,6 +48,40 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 verifying every checksum of a large checkpoint before a resume, writing and reloading the export) can outlast
 NCCL's default 10 minutes (gloo's 30) on a big model; a hang still ends the job, after an hour."""
 
+_GROUP_OPTIONS = {"gloo": "ProcessGroupGloo._Options", "nccl": "ProcessGroupNCCL.Options"}
+"""Each single backend's options class in ``torch.distributed``: what carries a timeout into a ``DeviceMesh``'s groups."""
+
+
+def mesh_group_options(axes: tuple[str, ...]) -> dict[str, tuple[str, Any]] | None:
+    """``init_device_mesh``'s ``backend_override`` that gives every axis's group :data:`COLLECTIVE_TIMEOUT`: the
+    default group's backend with its options (``_timeout``). A mesh's groups are made by ``new_group`` or
+    ``split_group``, which take torch's default timeout (NCCL's 10 minutes, gloo's 30), not the default group's.
+    None where the default group's backend is not one of :data:`_GROUP_OPTIONS` (a mixed ``cpu:gloo,cuda:nccl``
+    group): there each axis keeps torch's default.
+
+    Args:
+        axes: the mesh's dimension names.
+    """
+    backend = str(dist.get_backend())
+    if backend not in _GROUP_OPTIONS:
+        return None
+    owner, _, name = _GROUP_OPTIONS[backend].partition(".")
+    options_class = getattr(getattr(dist, owner, None), name, None)
+    if options_class is None:  # a torch built without that backend
+        return None
+    override = {}
+    for axis in axes:
+        options = options_class()
+        options._timeout = COLLECTIVE_TIMEOUT
+        override[axis] = (backend, options)
+    return override
+
+
+def group_timeout(group: Any, device: str = "cpu") -> timedelta:
+    """How long ``group``'s collectives on ``device`` wait for their peers (its backend's options)."""
+    return group._get_backend(torch.device(device)).options._timeout
+
+
 _TWINS: dict[Any, Any] = {}  # group -> its host twin (the group itself when it has a CPU backend)
 _LOCK = threading.Lock()  # the checkpoint writer thread agrees too
 
