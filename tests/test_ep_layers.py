@@ -55,7 +55,9 @@ def _split_layer_on_every_rank(kind: str, capacity_factor: float | None) -> dict
     full_experts = block.experts
     block.experts = ExpertParallelExperts(full_experts, ep_group=dist.group.WORLD, capacity_factor=capacity_factor)
     x = _tokens(rank).requires_grad_()
-    with record_collectives() as counted:
+    from hftrain.metrics.syncs import count_host_syncs
+
+    with record_collectives() as counted, count_host_syncs() as reads:
         out = block(x[None])[0]
         (out * _tokens(rank + 7)).sum().backward()
     result = {
@@ -68,6 +70,8 @@ def _split_layer_on_every_rank(kind: str, capacity_factor: float | None) -> dict
         "first": block.experts.first,
         "dropped": block.experts.dropped,
         "collectives": dict(counted),
+        "host_reads": reads.total,
+        "read_where": list(reads.where),
     }
     dist.destroy_process_group()
     return result
@@ -89,6 +93,8 @@ def test_expert_parallel_layer_equals_the_unsplit_block_on_two_ranks(kind):
             both = references[0][name][mine] + references[1][name][mine]
             torch.testing.assert_close(got[name], both, atol=1e-6, rtol=1e-5)
         assert got["dropped"] == 0
+        # the split sizes, read once for the layer's forward and backward (the router's top-k reads none)
+        assert got["host_reads"] == 1, got["read_where"]
         # dispatch (counts, then rows) and combine forward; the two row exchanges again backward
         assert got["collectives"] == {"forward all_to_all": 2, "backward all_to_all": 2}
 
@@ -104,6 +110,7 @@ def test_a_capacity_factor_drops_and_counts_the_overflow():
     # 24 tokens × top-2 over 4 experts, cap ⌈0.5 · 48 / 4⌉ = 6 per expert: at most 24 kept, at least 24 dropped
     for got, want in zip(tight, references, strict=True):
         assert got["dropped"] >= 24
+        assert got["host_reads"] == 1, got["read_where"]  # the kept count comes with the split sizes
         assert not torch.allclose(got["out"], want["out"], atol=1e-4)
 
 

@@ -21,6 +21,13 @@ backward: 4 exchanges). Dropless by default (every assignment reaches its expert
 one); with ``capacity_factor`` each rank sends at most ``⌈factor·T·k/E⌉`` rows to each expert (the first by token
 order), drops the rest (those assignments add nothing; the token keeps its residual) and counts them.
 
+Host reads: one per layer, forward and backward together. The all-to-all's split sizes and the per-expert matmuls'
+row counts must be host ints, so the rows sent and received per expert (with a capacity, the kept ones) are read in
+one ``tolist``; everything else stays on the device: ``repeat_interleave`` is given its output size, the capacity's
+cut is a stable sort on "dropped" cut at the kept sum that read brings, and the dropped count is a device sum read
+when the log asks for it (``dropped_assignments``). ``tests/test_ep_layers.py`` counts them (4 before, with a
+capacity).
+
 The router is replicated (it sees only this rank's tokens) and so are a family's shared experts; the expert weights
 keep their HF names and 3-D layout (``experts.gate_up_proj`` ``[E/ep, 2I, h]``, ``experts.down_proj`` ``[E/ep, h,
 I]``), each placed along ep (``hftrain.parallel.placement``: a ``Split`` along dimension 0 over the ep group):
@@ -129,32 +136,39 @@ class ExpertParallelExperts(nn.Module):
         experts, local, ep = self.num_experts, self.local_experts, self.ep
         flat_expert = top_k_index.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)  # assignments by expert, token order within one
+        counts = torch.bincount(flat_expert, minlength=experts)  # assignments routed to each expert
         if self.capacity_factor is not None:
-            order = self._within_capacity(order, flat_expert, tokens * k)
-        sorted_expert = flat_expert[order]
-        token_of = torch.div(order, k, rounding_mode="floor")  # the token of each sorted assignment
-        counts = torch.bincount(sorted_expert, minlength=experts)  # rows this rank sends to each expert
-        rows = hidden_states[token_of]
+            order, counts = self._within_capacity(order, counts, tokens * k)
+        received_counts = None
         if ep > 1:
             received_counts = torch.empty_like(counts)  # [source rank, local expert] rows this rank receives
             dist.all_to_all_single(received_counts, counts, group=self.ep_group)
-            # The split sizes on the host, in one read (one device sync per layer: the all-to-all needs them)
-            sent_host, received_host = torch.stack([counts, received_counts]).view(2, ep, local).tolist()
-            send = [sum(row) for row in sent_host]
-            receive = [sum(row) for row in received_host]
-            per_expert = [sum(column) for column in zip(*received_host, strict=True)]
-            receive_by_source = received_counts.view(ep, local)
+        # The split sizes on the host, in one read per layer (the all-to-all and the per-expert matmuls need them):
+        # with a capacity, the kept assignments' count comes with them, so the cut below waits for nothing more.
+        host = (counts if received_counts is None else torch.stack([counts, received_counts])).tolist()
+        sent_host = host if received_counts is None else host[0]
+        order = order[: sum(sent_host)]  # with a capacity, the kept assignments come first (_within_capacity)
+        token_of = torch.div(order, k, rounding_mode="floor")  # the token of each sorted assignment
+        rows = hidden_states[token_of]
+        if ep > 1:
+            sent_by_rank = [sent_host[r * local : (r + 1) * local] for r in range(ep)]
+            received_by_rank = [host[1][r * local : (r + 1) * local] for r in range(ep)]
+            send = [sum(row) for row in sent_by_rank]
+            receive = [sum(row) for row in received_by_rank]
+            per_expert = [sum(column) for column in zip(*received_by_rank, strict=True)]
             rows = all_to_all_rows(rows, receive, send, self.ep_group)
             # received rows: by source rank, then by local expert; regroup them by expert for the matmuls
             expert_of_row = (
-                torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(receive_by_source.reshape(-1))
+                torch.arange(local, device=rows.device)
+                .repeat(ep)
+                .repeat_interleave(received_counts, output_size=sum(receive))  # size known: no hidden sync
             )
             regroup = torch.argsort(expert_of_row, stable=True)
             outputs = self._run_experts(rows[regroup], per_expert)
             outputs = outputs[torch.argsort(regroup)]  # back to the received order
             outputs = all_to_all_rows(outputs, send, receive, self.ep_group)
         else:
-            outputs = self._run_experts(rows, counts.tolist())
+            outputs = self._run_experts(rows, sent_host)
         weights = top_k_weights.reshape(-1)[order]
         final = torch.zeros_like(hidden_states)
         return final.index_add(0, token_of, (outputs * weights[:, None]).to(final.dtype))
@@ -169,16 +183,26 @@ class ExpertParallelExperts(nn.Module):
             outputs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[index]))
         return torch.cat(outputs) if outputs else rows.new_zeros((0, rows.shape[-1]))
 
-    def _within_capacity(self, order: torch.Tensor, flat_expert: torch.Tensor, assignments: int) -> torch.Tensor:
-        """The sorted assignments each expert can take: the first ``⌈factor · T·k / E⌉`` per expert."""
+    def _within_capacity(
+        self, order: torch.Tensor, counts: torch.Tensor, assignments: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The assignments each expert can take, the first ``c = ⌈factor · T·k / E⌉`` of each: ``order`` with the
+        kept ones first (still by expert, token order within one) and each expert's kept count ``min(count, c)``.
+
+        No host read: an assignment at position ``i`` of its expert's run is kept when ``i < c``; a stable sort on
+        ``dropped`` moves the kept ones to the front, and the caller cuts at their sum, which it reads with the split
+        sizes. The dropped count stays on the device until the log reads it (``dropped_assignments``).
+        """
         capacity = math.ceil(self.capacity_factor * assignments / self.num_experts)
-        sorted_expert = flat_expert[order]
-        counts = torch.bincount(sorted_expert, minlength=self.num_experts)
+        sorted_expert = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=order.device), counts, output_size=order.numel()
+        )
         starts = torch.cumsum(counts, 0) - counts
         position = torch.arange(order.numel(), device=order.device) - starts[sorted_expert]
-        keep = position < capacity
-        self.dropped += int(order.numel() - keep.sum())
-        return order[keep]
+        dropped = position >= capacity
+        kept = counts.clamp(max=capacity)
+        self.dropped = self.dropped + (counts - kept).sum()
+        return order[torch.argsort(dropped.to(torch.int8), stable=True)], kept
 
 
 def apply_expert_parallel(model: nn.Module, *, ep_group: Any, capacity_factor: float | None = None) -> nn.Module:
@@ -225,7 +249,7 @@ def dropped_assignments(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, ExpertParallelExperts):
             total, module.dropped = total + module.dropped, 0
-    return total
+    return int(total)  # a device sum: read here, once per logging window
 
 
 # ----------------------------------------------------------------- router statistics and the auxiliary loss

@@ -49,7 +49,8 @@ verifying every checksum of a large checkpoint before a resume, writing and relo
 NCCL's default 10 minutes (gloo's 30) on a big model; a hang still ends the job, after an hour."""
 
 _GROUP_OPTIONS = {"gloo": "ProcessGroupGloo._Options", "nccl": "ProcessGroupNCCL.Options"}
-"""Each single backend's options class in ``torch.distributed``: what carries a timeout into a ``DeviceMesh``'s groups."""
+"""Each single backend's options class in ``torch.distributed``: what carries a timeout into a ``DeviceMesh``'s
+groups."""
 
 
 def mesh_group_options(axes: tuple[str, ...]) -> dict[str, tuple[str, Any]] | None:
