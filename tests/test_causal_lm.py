@@ -65,9 +65,15 @@ def lm_model_init(kind: str):
     return build
 
 
+LOSS_CHUNK = 7
+"""Positions per chunk of the loss (``training.loss_chunk_tokens``): several chunks per micro-batch, the last one short,
+in every run here; the first step's loss is checked against the whole logits' by hand."""
+
+
 def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt_response: bool = False,
            first_batch: bool = False, strategy_options: dict | None = None, weights: bool = False,
-           stop_at_step: int | None = None, output_dir: str | None = None, resume: bool = False) -> dict:  # fmt: skip
+           stop_at_step: int | None = None, output_dir: str | None = None, resume: bool = False,
+           loss_chunk_tokens: int | None = LOSS_CHUNK) -> dict:  # fmt: skip
     """Train a tiny causal LM in this process group; losses, final metrics and (``first_batch``) the first global
     batch's blocks and the initial model's loss on them computed by hand."""
     import torch
@@ -96,6 +102,7 @@ def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt
         log_with="none",
         mixed_precision="no",
         train_sampling_strategy="random",
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     trainer = CausalLMTrainer(
         args,
@@ -139,6 +146,8 @@ def run_lm(*, kind: str, strategy: str = "ddp", micro: int, gas: int = 1, prompt
         "num_processes": trainer.accelerator.num_processes,
         "output_dir": args.output_dir,
         "head": (type(trainer._head()).__name__, tuple(trainer._head().weight.shape)),
+        # True: the loss ran chunk by chunk; False: the family's logits are not its head's (whole logits)
+        "chunked": trainer._chunked_head.checked if trainer._chunked_head is not None else None,
     }
 
 
@@ -174,7 +183,7 @@ def _references() -> dict:
             kind=kind, micro=micro, gas=gas, prompt_response=pr, first_batch=name in DATA_PARALLEL, weights=True
         )  # fmt: skip
         for name, (kind, pr, micro, gas) in CASES.items()
-    }
+    } | {"llama-text-whole-logits": run_lm(kind="llama", micro=8, weights=True, loss_chunk_tokens=None)}
 
 
 def _two_processes() -> dict:
@@ -247,6 +256,24 @@ def test_first_loss_is_the_mean_over_the_global_batch_targets(runs):
         assert run["losses"][0] == pytest.approx(expected["global_mean"], abs=1e-5), name
         # a loss over every position would differ: the check can fail
         assert abs(expected["all_positions"] - expected["global_mean"]) > 1e-3, name
+
+
+@pytest.mark.distributed
+def test_the_loss_in_chunks_equals_the_whole_logits_loss(references):
+    """``training.loss_chunk_tokens``: the head and the cross entropy over 7 positions at a time, each chunk recomputed
+    in the backward, train as the whole logits do (every step's loss, the evaluation, the weights, within fp32
+    rounding); Gemma-2, whose forward soft-caps the logits after the head, is found at the first step (it does not
+    return the head's output tensor) and builds its whole logits."""
+    chunked, whole = references["llama-text"], references["llama-text-whole-logits"]
+    assert chunked["chunked"] is True and whole["chunked"] is None
+    torch.testing.assert_close(chunked["losses"], whole["losses"], rtol=0, atol=1e-5)
+    assert chunked["metrics"]["eval_loss"] == pytest.approx(whole["metrics"]["eval_loss"], abs=1e-5)
+    for name, tensor in whole["weights"].items():
+        torch.testing.assert_close(chunked["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
+    assert {name: references[name]["chunked"] for name in CASES} == {
+        "llama-text": True, "gpt2-prompt-response": True, "mixtral-text": True, "qwen2-text": True,
+        "gemma2-text": False,
+    }  # fmt: skip
 
 
 @pytest.mark.distributed

@@ -223,6 +223,12 @@ class TrainingConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     """``torch.compile``'s mode when ``compile`` is on: ``reduce-overhead`` replays CUDA graphs (CUDA only: refused on
     a CPU), ``max-autotune`` also searches matmul kernels (longer compiles)."""
+    loss_chunk_tokens: int | Literal["auto"] | None = "auto"
+    """``model.task: causal_lm``: the output projection and the cross entropy run over this many positions at a
+    time, each chunk's logits recomputed in the backward, so no step holds the whole ``[tokens, vocabulary]`` logits
+    (``hftrain.trainers.chunked_head``); null builds them whole. ``auto``: a power of two with about 2^22 logits per
+    chunk on a CPU (64 positions at 49,152 vocabulary rows), 2^26 on a GPU (1,024; ``chunked_head.auto_chunk``). A
+    family that changes its logits after the projection (soft-capping, scaling) builds them whole, said in one line."""
     peak_tflops: float | None = None
     """One process's peak TFLOP/s for MFU, between 0.001 (1 GFLOP/s) and 100,000 (a hundred times a 2024 GPU's
     dense bf16 peak); null measures a matmul at the start (CPU) or takes a known GPU's datasheet figure
@@ -265,6 +271,11 @@ class TrainingConfig:
         _require(0 <= self.seed < 2**32, "training.seed", "must be in [0, 4294967295]")
         _require(self.max_steps > 0 or self.num_train_epochs > 0, "training.num_train_epochs", "must be positive")
         _require(self.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0 (0 disables clipping)")
+        _require(
+            self.loss_chunk_tokens in (None, "auto") or self.loss_chunk_tokens > 0,
+            "training.loss_chunk_tokens",
+            "must be positive, or null to build the whole logits",
+        )
         if isinstance(self.warmup_steps, float):
             _require(0 <= self.warmup_steps < 1, "training.warmup_steps", "as a float is a ratio in [0, 1)")
         _require(self.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
@@ -514,6 +525,7 @@ RUN_INVARIANT_EXEMPT = frozenset(
         "training.trust_external_checkpoint",
         "training.compile",  # how the same steps run: a compiled run resumes eager and back (tests/test_compile.py)
         "training.compile_mode",
+        "training.loss_chunk_tokens",  # the same loss in chunks (within fp32 rounding)
         "lora.merge_lora_on_export",
         "model.trust_remote_code",  # each command says it again: a saved config never grants it (config.loader)
         "data.cache_dir",  # where the same tokenized data is kept, not what it is

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from hftrain.trainers.base import Trainer
+from hftrain.trainers.chunked_head import ChunkedHead
 from hftrain.trainers.inputs import packed_causal_mask, takes_boolean_masks
 
 IGNORE_INDEX = -100
@@ -108,8 +109,20 @@ class CausalLMTrainer(Trainer):
         if self._packed_masks and inputs.get("attention_mask") is None and "position_ids" in inputs:
             # the documents' mask built here, on the device: transformers would read the positions on the host
             inputs["attention_mask"] = packed_causal_mask(inputs["position_ids"])
-        sums = token_losses(self._head(), model(**inputs).logits, targets).sum(dim=-1)
+        chunked = self._chunked_head
+        per_position = chunked.losses(model, inputs, targets) if chunked is not None else None
+        if per_position is None:
+            per_position = token_losses(self._head(), model(**inputs).logits, targets)
+        sums = per_position.sum(dim=-1)
         return sums if split is None else split.sum(sums)
+
+    @functools.cached_property
+    def _chunked_head(self) -> ChunkedHead | None:
+        """The head computing the losses chunk by chunk (``training.loss_chunk_tokens``; None: off, or no head)."""
+        head = self._head()
+        if self.args.loss_chunk_tokens is None or head is None:
+            return None
+        return ChunkedHead(head, self.args.loss_chunk_tokens, token_losses, self._log)
 
     @functools.cached_property
     def _packed_masks(self) -> bool:
