@@ -236,15 +236,27 @@ def test_scheduler_counters_and_rates_are_checked():
             check_counters(Path("c"), "s", {**good, **forged}, meta)
 
 
-@pytest.mark.parametrize(("key", "value", "fragment"), [("lr", 1e30, "above 10"), ("eps", 0.0, "not positive")])
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("lr", 1e30, "optimizer.json is damaged (param_groups[0].lr 1e+30 is above 10"),
+        ("eps", 0.0, "optimizer.json is damaged (param_groups[0].eps 0.0 is below 1.175e-38"),
+        # fused fp32 Adam flushes it to 0: NaN some steps later, blamed on training.learning_rate before
+        ("eps", 1e-300, "optimizer.json is damaged (param_groups[0].eps 1e-300 is below 1.175e-38"),
+        # below the bound of 10 but above the run's 5e-5: it would have trained silently at 20000 x the rate
+        ("lr", 1.0, "optimizer.json's param_groups[0].lr 1.0 is above this run's training.learning_rate 5e-05"),
+        ("initial_lr", 1.0, "param_groups[0].initial_lr 1.0 is above this run's training.learning_rate 5e-05"),
+    ],
+)
 def test_a_forged_optimizer_hyperparameter_is_refused_naming_the_file(run, tmp_path, key, value, fragment):
     copy = _copy(run, tmp_path)
     groups = copy / STEP2 / "state" / "optimizer.json"
     data = json.loads(groups.read_text())
+    assert key in data["param_groups"][0]
     data["param_groups"][0][key] = value
     groups.write_text(json.dumps(data))
     reseal(copy, STEP2)
-    _resume(copy, f"optimizer.json is damaged (param_groups[0].{key}")
+    _resume(copy, fragment)
 
 
 def test_optimizer_steps_beyond_the_checkpoints_are_refused(run, tmp_path):
