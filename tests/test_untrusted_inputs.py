@@ -178,6 +178,40 @@ def test_convert_refuses_a_checkpoint_whose_config_names_code(tiny_job, tmp_path
     assert not marker.exists() and not out.exists()
 
 
+@pytest.mark.parametrize("planted", ["state/hf_model", "model folder"])
+def test_export_runs_no_code_a_checkpoint_names(tiny_job, tmp_path, monkeypatch, capsys, planted):
+    """``hftrain export`` of a (resealed) checkpoint whose ``state/hf_model`` ships a ``.py`` its ``auto_map`` names:
+    exported from the run's own model folder, with no prompt (with "y" on stdin), the code never run and no code
+    named in what is written. One whose ``checkpoint.json`` names a model folder with an ``auto_map``: refused in
+    one line (a checkpoint never grants trust), nothing written."""
+    run = tmp_path / "run"
+    code, stderr = cli_in_process(["train", *job_args(tiny_job, run, steps=2), "--save_steps", "2"])
+    assert code == 0, stderr[-3000:]
+    step = run / "checkpoints" / "step_00000002"
+    marker = tmp_path / "PLANTED_CODE_RAN"
+    if planted == "state/hf_model":
+        _plant_code(step / "state" / "hf_model", marker)  # the .py shipped inside the checkpoint
+    else:
+        folder, marker = _planted_folder(tiny_job, tmp_path)
+        meta = json.loads((step / "checkpoint.json").read_text())
+        meta["config"]["model.model_name_or_path"] = str(folder)
+        (step / "checkpoint.json").write_text(json.dumps(meta))
+    _reseal(step)
+    out = tmp_path / "exported"
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\ny\ny\n"))
+    code, stderr = cli_in_process(["export", str(run), str(out)])
+    said = capsys.readouterr()
+    assert PROMPT not in stderr + said.out + said.err
+    assert not marker.exists()
+    if planted == "state/hf_model":
+        assert code == 0, stderr[-3000:]
+        assert (out / "config.json").is_file() and not list(out.rglob("*.py"))
+        assert all("auto_map" not in json.loads(p.read_text()) for p in out.rglob("*config.json"))
+    else:
+        assert_refused(stderr, code, "names Python code to run (auto_map")
+        assert not out.exists() and not out.with_name(f".staging-{out.name}").exists()
+
+
 def test_convert_writes_no_auto_map(tiny_job, tmp_path):
     """A config object that carries auto_map (a known model type: transformers keeps the key) is written without it."""
     from transformers import AutoModelForSequenceClassification
