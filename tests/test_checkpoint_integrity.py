@@ -219,6 +219,15 @@ def test_a_scheduler_beyond_the_checkpoints_step_is_refused(run, tmp_path):
     _resume(copy, "last_epoch 1000000000 is not a step in [0, 2]")
 
 
+def test_scheduler_rates_above_the_optimizers_initial_rate_are_refused(run, tmp_path):
+    """A forged base_lrs of 1 (under the bound of 10, above the run's 5e-5) would set the rate at the next step."""
+    copy = _copy(run, tmp_path)
+    _forge_pickle(copy / STEP2 / "state" / "custom_checkpoint_0.pkl",
+                  lambda s: s.update(base_lrs=[1.0] * len(s["base_lrs"])))  # fmt: skip
+    reseal(copy, STEP2)
+    _resume(copy, "the scheduler's base_lrs [1.0, 1.0] lie above optimizer.json's initial_lr 5e-05")
+
+
 def test_scheduler_counters_and_rates_are_checked():
     from hftrain.checkpoint.safety import check_counters
 
@@ -234,6 +243,9 @@ def test_scheduler_counters_and_rates_are_checked():
     ):
         with pytest.raises(CheckpointError, match=fragment):
             check_counters(Path("c"), "s", {**good, **forged}, meta)
+    check_counters(Path("c"), "s", good, meta, initial_rates=[5e-5, 5e-5])
+    with pytest.raises(CheckpointError, match=r"_last_lr \[0.001\] lie above optimizer.json's initial_lr 5e-05"):
+        check_counters(Path("c"), "s", {**good, "_last_lr": [1e-3]}, meta, initial_rates=[5e-5])
 
 
 @pytest.mark.parametrize(
