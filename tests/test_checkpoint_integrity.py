@@ -219,6 +219,15 @@ def test_a_scheduler_beyond_the_checkpoints_step_is_refused(run, tmp_path):
     _resume(copy, "last_epoch 1000000000 is not a step in [0, 2]")
 
 
+def test_scheduler_rates_above_the_optimizers_initial_rate_are_refused(run, tmp_path):
+    """A forged base_lrs of 1 (under the bound of 10, above the run's 5e-5) would set the rate at the next step."""
+    copy = _copy(run, tmp_path)
+    _forge_pickle(copy / STEP2 / "state" / "custom_checkpoint_0.pkl",
+                  lambda s: s.update(base_lrs=[1.0] * len(s["base_lrs"])))  # fmt: skip
+    reseal(copy, STEP2)
+    _resume(copy, "the scheduler's base_lrs [1.0, 1.0] lie above optimizer.json's initial_lr 5e-05")
+
+
 def test_scheduler_counters_and_rates_are_checked():
     from hftrain.checkpoint.safety import check_counters
 
@@ -234,17 +243,32 @@ def test_scheduler_counters_and_rates_are_checked():
     ):
         with pytest.raises(CheckpointError, match=fragment):
             check_counters(Path("c"), "s", {**good, **forged}, meta)
+    check_counters(Path("c"), "s", good, meta, initial_rates=[5e-5, 5e-5])
+    with pytest.raises(CheckpointError, match=r"_last_lr \[0.001\] lie above optimizer.json's initial_lr 5e-05"):
+        check_counters(Path("c"), "s", {**good, "_last_lr": [1e-3]}, meta, initial_rates=[5e-5])
 
 
-@pytest.mark.parametrize(("key", "value", "fragment"), [("lr", 1e30, "above 10"), ("eps", 0.0, "not positive")])
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("lr", 1e30, "optimizer.json is damaged (param_groups[0].lr 1e+30 is above 10"),
+        ("eps", 0.0, "optimizer.json is damaged (param_groups[0].eps 0.0 is below 1.175e-38"),
+        # fused fp32 Adam flushes it to 0: NaN some steps later, blamed on training.learning_rate before
+        ("eps", 1e-300, "optimizer.json is damaged (param_groups[0].eps 1e-300 is below 1.175e-38"),
+        # below the bound of 10 but above the run's 5e-5: it would have trained silently at 20000 x the rate
+        ("lr", 1.0, "optimizer.json's param_groups[0].lr 1.0 is above this run's training.learning_rate 5e-05"),
+        ("initial_lr", 1.0, "param_groups[0].initial_lr 1.0 is above this run's training.learning_rate 5e-05"),
+    ],
+)
 def test_a_forged_optimizer_hyperparameter_is_refused_naming_the_file(run, tmp_path, key, value, fragment):
     copy = _copy(run, tmp_path)
     groups = copy / STEP2 / "state" / "optimizer.json"
     data = json.loads(groups.read_text())
+    assert key in data["param_groups"][0]
     data["param_groups"][0][key] = value
     groups.write_text(json.dumps(data))
     reseal(copy, STEP2)
-    _resume(copy, f"optimizer.json is damaged (param_groups[0].{key}")
+    _resume(copy, fragment)
 
 
 def test_optimizer_steps_beyond_the_checkpoints_are_refused(run, tmp_path):

@@ -53,23 +53,32 @@ def _launch(tiny_job, out: Path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_a_signal_to_the_group_ends_hftrain_launch_in_75_and_the_run_resumes(tiny_job, tmp_path, sent):
     """SIGTERM or SIGUSR1 to the whole group (agent and workers, as Slurm and Kubernetes send it): the ranks
     checkpoint, and the launcher exits 75 with one line, no traceback (plain torchrun exits 1 with one, and dies of
-    SIGUSR1 leaving its workers)."""
+    SIGUSR1 leaving its workers). SIGINT (Ctrl-C in the terminal) to the group: exit 130, one "interrupted" line,
+    no traceback, no export."""
     out, log = tmp_path / "out", tmp_path / "job.log"
     job = _start(_launch(tiny_job, out), log)
+    expected = 130 if sent == signal.SIGINT else 75
     try:
         _wait_for_checkpoint(job, out, log)
         os.killpg(job.pid, sent)
-        assert job.wait(timeout=300) == 75, log.read_text()[-3000:]
+        assert job.wait(timeout=300) == expected, log.read_text()[-3000:]
     finally:
         with_children_killed(job)
     text = log.read_text()
-    assert "Traceback" not in text, text[-3000:]
-    assert f"preempted ({sent.name})" in text
-    assert "hftrain launch:" in text and "exited 75" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    launcher = [line for line in text.splitlines() if line.startswith("hftrain launch:")]
+    if sent == signal.SIGINT:  # Ctrl-C is one line: the main process's, naming the resume (the launcher adds none)
+        interrupted = [line for line in text.splitlines() if "interrupted" in line]
+        assert len(interrupted) == 1 and not launcher, text[-3000:]
+        assert interrupted[0].startswith("hftrain: interrupted (Ctrl-C)") and "exit code 130" in interrupted[0]
+        assert "preempted" not in text
+    else:
+        assert f"preempted ({sent.name})" in text
+        assert len(launcher) == 1 and f"exited {expected}" in launcher[0], text[-3000:]
     stopped = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
     assert 0 < stopped < 400 and not (out / "model").exists()
 

@@ -239,6 +239,14 @@ def test_links_and_fifos_where_hftrain_deletes_or_writes_a_folder_are_refused_be
     shutil.move(out / "checkpoints", outside)
     (out / "checkpoints").symlink_to(outside, target_is_directory=True)
     case(_train_args(tiny_job, out, *overwrite, steps=6), out, outside, "checkpoints' is a symbolic link")
+    # a step that rotation deletes (save_total_limit 1) a link to a complete checkpoint elsewhere: refused before the
+    # run writes anything (it used to publish step 4, then fail on "Cannot call rmtree on a symbolic link")
+    out = _copy(finished_run, tmp_path / "run-rotated-link")
+    rotated = tmp_path / "outside-rotated"
+    shutil.copytree(out / "checkpoints" / "step_00000002", rotated)
+    (out / "checkpoints" / "step_00000001").symlink_to(rotated, target_is_directory=True)
+    limit = ["--save_total_limit", "1"]
+    case(_train_args(tiny_job, out, *resume, *limit, steps=6), out, rotated, "step_00000001' is a symbolic link")
     # hftrain export RUN OUT / hftrain convert RUN OUT: the staging and previous folders beside OUT, OUT itself
     for command in ("export", "convert"):
         for entry, kind in ((".staging-OUT", "link"), (".staging-OUT", "fifo"), (".previous-OUT", "link"),
@@ -251,12 +259,15 @@ def test_links_and_fifos_where_hftrain_deletes_or_writes_a_folder_are_refused_be
             case([command, str(finished_run), str(place / "OUT")], place, outside, f"{entry}' is {word}")
     before = _tree(finished_run)
     results = _refusals(tmp_path, commands)
-    assert len(results) == len(checks) == 31
+    assert len(results) == len(checks) == 32
     for (code, err), (folder, outside, tree, outside_tree, fragment) in zip(results, checks, strict=True):
         assert_refused(err, code, fragment)
         assert _tree(folder) == tree, (folder, fragment)  # nothing written, nothing removed
         assert _tree(outside) == outside_tree, (folder, fragment)  # nothing written through the link
     assert _tree(finished_run) == before
+    link = tmp_path / "run-rotated-link" / "checkpoints" / "step_00000001"
+    assert link.is_symlink() and os.readlink(link) == str(rotated)  # the link kept, its checkpoint whole
+    assert (rotated / "checkpoint.json").is_file() and (rotated / "state").is_dir()
 
 
 # -------------------------------------------------------------------------------------------- one command at a time

@@ -178,6 +178,29 @@ def test_convert_refuses_a_checkpoint_whose_config_names_code(tiny_job, tmp_path
     assert not marker.exists() and not out.exists()
 
 
+def test_export_runs_no_code_a_checkpoint_ships(tiny_job, tmp_path, monkeypatch, capsys):
+    """``hftrain export`` of a (resealed) checkpoint whose ``state/hf_model`` ships a ``.py`` its ``auto_map``
+    names: exported from the model folder the run named, with no prompt ("y" waiting on stdin), the shipped code
+    never run, and no code named in what is written (the folder a checkpoint names with an ``auto_map``:
+    ``test_export_refuses_a_model_folder_its_checkpoint_names_that_names_code``)."""
+    run = tmp_path / "run"
+    code, stderr = cli_in_process(["train", *job_args(tiny_job, run, steps=2), "--save_steps", "2"])
+    assert code == 0, stderr[-3000:]
+    step = run / "checkpoints" / "step_00000002"
+    marker = tmp_path / "PLANTED_CODE_RAN"
+    _plant_code(step / "state" / "hf_model", marker)
+    _reseal(step)
+    out = tmp_path / "exported"
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\ny\ny\n"))
+    code, stderr = cli_in_process(["export", str(run), str(out)])
+    said = capsys.readouterr()
+    assert PROMPT not in stderr + said.out + said.err
+    assert code == 0, stderr[-3000:]
+    assert not marker.exists()
+    assert (out / "config.json").is_file() and not list(out.rglob("*.py"))
+    assert all("auto_map" not in json.loads(p.read_text()) for p in out.rglob("*config.json"))
+
+
 def test_convert_writes_no_auto_map(tiny_job, tmp_path):
     """A config object that carries auto_map (a known model type: transformers keeps the key) is written without it."""
     from transformers import AutoModelForSequenceClassification
@@ -283,6 +306,27 @@ def test_a_pipe_as_data_file_is_named_and_never_waited_on(tiny_job, tmp_path):
         assert_refused(stderr, code, "is a pipe, not a regular file")
     finally:
         os.close(read_end)
+    assert not out.exists()
+
+
+def test_a_pipe_as_config_file_is_named_and_never_waited_on(tiny_job, tmp_path):
+    """``--config <(cat job.yaml)`` (a ``/dev/fd/N`` link to a pipe) and a FIFO: one line naming the pipe and the
+    fix (it said "config file '/dev/fd/63' does not exist"); a missing file still says so."""
+    fifo = tmp_path / "job.yaml"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    code, stderr = cli_in_process(["train", "--config", str(fifo), *job_args(tiny_job, out)])
+    assert_refused(stderr, code, f"--config '{fifo}' is a pipe, not a regular file")
+    assert "write the config to a file first" in stderr
+    read_end = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a /dev/fd/N link to a pipe, as bash's <(...) gives
+    try:
+        link = f"/proc/self/fd/{read_end}"
+        code, stderr = cli_in_process(["train", "--config", link, *job_args(tiny_job, out)])
+        assert_refused(stderr, code, f"--config '{link}' is a pipe, not a regular file")
+    finally:
+        os.close(read_end)
+    code, stderr = cli_in_process(["train", "--config", str(tmp_path / "missing.yaml"), *job_args(tiny_job, out)])
+    assert_refused(stderr, code, "missing.yaml' does not exist")
     assert not out.exists()
 
 

@@ -385,6 +385,7 @@ def verified_copy(state_dir: str | Path) -> Iterator[str]:
 
     state_dir = Path(state_dir)
     verified = active_checkpoint()
+    rates = _saved_initial_rates(verified, state_dir) if verified is not None else None
     private = tempfile.mkdtemp(prefix="hftrain-verified-")
     try:
         for entry in sorted(os.scandir(state_dir), key=lambda e: e.name):
@@ -402,7 +403,7 @@ def verified_copy(state_dir: str | Path) -> Iterator[str]:
             if _RNG_FILE.match(entry.name):
                 _check_rng(checkpoint, name, loaded)
             if verified is not None:
-                check_counters(checkpoint, name, loaded, verified.meta)
+                check_counters(checkpoint, name, loaded, verified.meta, initial_rates=rates)
             with open(os.path.join(private, entry.name), "xb") as handle:
                 handle.write(data)
         yield private
@@ -410,17 +411,22 @@ def verified_copy(state_dir: str | Path) -> Iterator[str]:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def check_counters(checkpoint: Path, name: str, loaded: Any, meta: dict[str, Any]) -> None:
+def check_counters(
+    checkpoint: Path, name: str, loaded: Any, meta: dict[str, Any], *, initial_rates: list[float] | None = None
+) -> None:
     """A learning-rate scheduler's state must be one of this checkpoint's step: it steps once per optimizer step (a
     step skipped by fp16's loss scaler skips it too), so ``last_epoch`` lies in ``[0, step]``, ``_step_count`` is one
     more, and its learning rates are finite and not negative. A forged ``last_epoch`` of 10⁹ would otherwise move the
-    schedule (and the weights it trains) to a step the run never reaches.
+    schedule (and the weights it trains) to a step the run never reaches. Its rates are no higher than the
+    optimizer groups' ``initial_lr`` (the schedule's base: a forged ``base_lrs`` would set the rate at the next step;
+    ``sharded.restore_param_groups`` bounds ``initial_lr`` by this run's ``training.learning_rate``).
 
     Args:
         checkpoint: the ``step_<N>`` folder, for messages.
         name: the file's name, for messages.
         loaded: what the restricted unpickler built from it.
         meta: the checkpoint's ``checkpoint.json``.
+        initial_rates: the ``initial_lr`` of each group of the checkpoint's ``optimizer.json`` (None: no bound).
     """
     if not isinstance(loaded, dict) or "last_epoch" not in loaded:
         return
@@ -445,6 +451,26 @@ def check_counters(checkpoint: Path, name: str, loaded: Any, meta: dict[str, Any
             for v in values
         ):
             refuse(f"the scheduler's {key} {values!r} are not learning rates in [0, {MAX_LR}]")
+        if initial_rates and values and max(values) > max(initial_rates) * (1 + 1e-6):
+            refuse(f"the scheduler's {key} {values!r} lie above optimizer.json's initial_lr {max(initial_rates)!r}")
+
+
+def _saved_initial_rates(verified: Any, state_dir: Path) -> list[float] | None:
+    """The ``initial_lr`` of each group of the checkpoint's ``optimizer.json`` (read through ``verified``, checked
+    on the bytes read), or None where there is none to bound the scheduler's rates by (its own damage is refused
+    where the groups are restored: ``sharded.read_snapshot``)."""
+    from hftrain.checkpoint.sharded import GROUPS_FILE
+
+    if not (state_dir / GROUPS_FILE).is_file():
+        return None
+    try:
+        groups = json.loads(verified.read(state_dir / GROUPS_FILE))["param_groups"]
+        rates = [group["initial_lr"] for group in groups]
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return None
+    if not rates or not all(isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) for r in rates):
+        return None
+    return [float(r) for r in rates]
 
 
 MAX_LR = 10.0

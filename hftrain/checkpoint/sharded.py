@@ -997,6 +997,9 @@ def restore_param_groups(param_groups: list[dict[str, Any]], saved: list[dict[st
             "resume with the same model, LoRA and weight-decay settings"
         )
     for index, (group, record) in enumerate(zip(param_groups, saved, strict=True)):
+        # This run's training.learning_rate: the scheduler set each live group's initial_lr to it (a schedule never
+        # goes above it), before any saved value replaces it.
+        run_lr = _run_learning_rate(group)
         for key, value in record.items():
             if key not in group or key in _IMPLEMENTATION_FLAGS:
                 continue
@@ -1006,6 +1009,13 @@ def restore_param_groups(param_groups: list[dict[str, Any]], saved: list[dict[st
                 raise CheckpointError(
                     f"checkpoint '{where}': {GROUPS_FILE} is damaged (param_groups[{index}].{key} {value!r} "
                     f"{problem}); resume from another checkpoint"
+                )
+            if key in ("lr", "initial_lr") and run_lr is not None and value > run_lr * (1 + _LR_ROUNDING):
+                raise CheckpointError(
+                    f"checkpoint '{where}': {GROUPS_FILE}'s param_groups[{index}].{key} {value!r} is above this "
+                    f"run's training.learning_rate {run_lr!r} (no schedule goes above it): a forged value, or a "
+                    "resume with a lower rate than the checkpoint's; resume with the learning rate it was trained "
+                    "with, or from another checkpoint"
                 )
             if isinstance(live, torch.Tensor):
                 live.fill_(value)
@@ -1039,8 +1049,11 @@ def _hyperparameter_problem(key: str, value: Any, live: Any) -> str | None:
             return "is not a finite number"
         if key in _AT_LEAST_ZERO and value < 0:
             return "is negative"
-        if key == "eps" and value <= 0:
-            return "is not positive (Adam divides by it: the first update would be NaN)"
+        if key == "eps" and value < _MIN_EPS:
+            return (
+                f"is below {_MIN_EPS:.4g}, float32's smallest normal number (fused fp32 Adam flushes it to 0 and "
+                "divides by it: an update would be NaN)"
+            )
         if key in ("lr", "initial_lr") and value > _MAX_LR:
             return f"is above {_MAX_LR:g}, no fine-tuning rate (the first steps would make the loss NaN)"
     return None
@@ -1048,3 +1061,19 @@ def _hyperparameter_problem(key: str, value: Any, live: Any) -> str | None:
 
 # The largest learning rate a checkpoint may hold (checkpoint.safety.MAX_LR, the scheduler's bound too).
 _MAX_LR = 10.0
+# The smallest Adam epsilon a checkpoint may hold: below float32's smallest normal number, a fused fp32 Adam (and a
+# flush-to-zero device) computes with 0, and an update whose second moment is 0 divides 0 by 0.
+_MIN_EPS = torch.finfo(torch.float32).tiny
+# A learning rate that went through a float32 tensor (DeepSpeed's groups) differs from the config's by its rounding.
+_LR_ROUNDING = 1e-6
+
+
+def _run_learning_rate(group: dict[str, Any]) -> float | None:
+    """The live group's ``initial_lr`` (this run's ``training.learning_rate``, which the scheduler wrote there), or
+    None where no scheduler set one (only ``_MAX_LR`` bounds a saved rate then)."""
+    value = group.get("initial_lr")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None

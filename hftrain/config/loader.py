@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import stat
 import types
 import typing
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, Literal, Union
 
 from hftrain.config.schema import REMOVED_KEYS, RUN_INVARIANT_EXEMPT, ParallelismConfig, TrainConfig
 from hftrain.errors import ConfigError
+from hftrain.files import kind_of, read_input
 
 CONFIG_FILENAME = "hftrain_config.yaml"
 RUN_ID_KEY = "run_id"
@@ -336,12 +338,27 @@ def _override_value(key: str, values: list[str]) -> Any:
 def _read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
-    if path.is_dir():
-        raise ConfigError(f"--config '{path}' is a directory; pass the YAML file itself")
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file to --config")
     try:
-        raw = yaml.load(path.read_text(), Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
+        mode = path.stat().st_mode  # follows a link (/dev/fd/63 is one) without opening anything
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file to --config") from None
+    except OSError as error:  # a link loop, a permission on a folder of the path
+        raise ConfigError(
+            f"config file '{path}' cannot be read ({error.strerror}); fix the path or its permissions"
+        ) from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"--config '{path}' is a directory; pass the YAML file itself")
+    if not stat.S_ISREG(mode):
+        # --config <(...) or a FIFO: read once, yet a launched job's every process (and a resume) reads the config
+        kind = "a pipe" if stat.S_ISFIFO(mode) else kind_of(mode)
+        raise ConfigError(
+            f"--config '{path}' is {kind}, not a regular file (every process of a launched job reads the config, and "
+            "a pipe can be read only once); write the config to a file first (e.g. cat job.yaml > my_job.yaml) and "
+            "give that file"
+        )
+    try:
+        text = read_input(path, "--config").decode()
+        raw = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
     except UnicodeDecodeError:
         raise ConfigError(f"config file '{path}' is not UTF-8 text; pass a YAML file") from None
     except OSError as error:

@@ -10,7 +10,8 @@ process) with SIGUSR1 among the handled signals and a shutdown grace long enough
 (``SHUTDOWN_GRACE_S``, unless the command sets one), then maps the outcome:
 
 - every worker exited 0: 0;
-- the workers exited with one code (75 preempted, 2 bad input, 130 interrupted): that code, with one line;
+- the workers exited with one code (75 preempted, 2 bad input, 130 interrupted): that code, with one line (none
+  after 2, or after 130 when the main process printed its own "interrupted" line: Ctrl-C is one line);
 - a signal stopped the agent: each worker records its exit code in ``$HFTRAIN_LAUNCH_STATUS_DIR`` as it exits
   (torchrun's exception carries none), and the same rule applies; ranks that recorded nothing leave the signal's
   status, ``128 + signal``;
@@ -76,7 +77,8 @@ def die_with_parent(environ: Mapping[str, str]) -> bool:
 
 
 def record_exit(code: int, environ: Mapping[str, str]) -> None:
-    """A worker of ``hftrain launch``: record this rank's exit code for the launcher (nothing otherwise).
+    """A worker of ``hftrain launch``: record this rank's exit code for the launcher (nothing otherwise), and
+    whether it is the process that prints the command's one line (``cli.reports_errors``).
 
     Args:
         code: the exit code the process returns.
@@ -86,10 +88,12 @@ def record_exit(code: int, environ: Mapping[str, str]) -> None:
     rank = environ.get("RANK", "").strip()
     if not folder or not rank.isdigit():
         return
+    from hftrain.cli import reports_errors
+
     with contextlib.suppress(OSError):
         from hftrain.files import write_file
 
-        write_file(Path(folder) / f"rank_{int(rank)}", f"{code}\n")
+        write_file(Path(folder) / f"rank_{int(rank)}", f"{code} {int(reports_errors(environ))}\n")
 
 
 def launch_main(argv: list[str]) -> int:
@@ -126,9 +130,9 @@ def launch_main(argv: list[str]) -> int:
             run(args)
         except ChildFailedError as failed:
             codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
-            return _outcome(codes, None)
+            return _outcome(codes, _recorded(Path(status_dir))[1])
         except SignalException as stopped:
-            return _outcome(_recorded(Path(status_dir)), stopped.sigval)
+            return _outcome(*_recorded(Path(status_dir)), signalled=stopped.sigval)
         finally:
             os.environ.pop(STATUS_DIR_ENV, None)
     return 0
@@ -138,16 +142,28 @@ def _given(options: list[str], word: str) -> bool:
     return any(option.lstrip("-").replace("-", "_").startswith(f"{word}_to_handle") for option in options)
 
 
-def _recorded(folder: Path) -> dict[int, int]:
-    codes = {}
+def _recorded(folder: Path) -> tuple[dict[int, int], set[int]]:
+    """What the workers recorded (:func:`record_exit`): each rank's exit code, and the ranks that print the
+    command's line."""
+    codes, reporters = {}, set()
     for entry in folder.glob("rank_*"):
         with contextlib.suppress(ValueError, OSError):
-            codes[int(entry.name.removeprefix("rank_"))] = int(entry.read_text().strip())
-    return codes
+            rank = int(entry.name.removeprefix("rank_"))
+            code, *said = entry.read_text().split()
+            codes[rank] = int(code)
+            if said == ["1"]:
+                reporters.add(rank)
+    return codes, reporters
 
 
-def _outcome(codes: dict[int, int], signalled: signal.Signals | None) -> int:
-    """The exit code and line of a launch that did not end with every worker at 0."""
+def _outcome(codes: dict[int, int], reporters: set[int], signalled: signal.Signals | None = None) -> int:
+    """The exit code and line of a launch that did not end with every worker at 0.
+
+    Args:
+        codes: each worker's exit code (rank -> code); the ranks that recorded none are left out.
+        reporters: the ranks that print the command's line (the main process of this machine), as recorded.
+        signalled: the signal that stopped the agent, if one did.
+    """
     from hftrain.checkpoint.preemption import PREEMPTED_EXIT_CODE
 
     failed = {rank: code for rank, code in codes.items() if code != 0}
@@ -159,7 +175,8 @@ def _outcome(codes: dict[int, int], signalled: signal.Signals | None) -> int:
                 f"{what}preempted: the ranks saved a checkpoint and exited {code}; run the same command with "
                 "--resume_from_checkpoint auto to continue"
             )
-        elif code == INTERRUPTED_EXIT_CODE:
+        elif code == INTERRUPTED_EXIT_CODE and not reporters & failed.keys():
+            # no main process printed its "interrupted" line (Ctrl-C is one line: when it did, that line is it)
             _say(f"{what}interrupted: the ranks stopped (exit code {code})")
         # 2: the main rank printed the bad input's line already
         return code
