@@ -422,3 +422,45 @@ def test_export_command_from_a_zero_checkpoint(tiny_job, tmp_path):
     _assert_same_exports(tmp_path / "two", out / "model", atol=0)
     again = _run([sys.executable, "-m", "hftrain", "export", checkpoint, str(tmp_path / "two"), *own])
     assert again.returncode == 2 and "is not empty" in again.stderr
+
+
+def test_a_signal_during_the_export_finishes_the_run_and_says_so():
+    """SIGTERM once the end-of-run export has begun: too late to stop (the export is what a resume would redo), so
+    the run completes, exports, is not preempted (exit 0), and says in one line that the signal came and was not
+    acted on; before, it said nothing. The signal is sent from inside the export, so the case is deterministic."""
+    import os
+    import signal
+
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import strategy_from_options
+    from hftrain.trainers import SequenceClassificationTrainer
+    from tests.tiny import (
+        _fresh_output_dir,
+        fp32_args,
+        reset_accelerate_state,
+        tiny_model_init,
+        tiny_splits,
+        tiny_tokenizer,
+    )
+
+    reset_accelerate_state()
+    tokenizer = tiny_tokenizer("bert")
+    splits = tokenize_splits(tiny_splits(24, 6), tokenizer, max_seq_length=32)
+    trainer = SequenceClassificationTrainer(
+        fp32_args(_fresh_output_dir(), per_device_train_batch_size=4, max_steps=3),
+        strategy=strategy_from_options("ddp", None, launch=launch_info_from_environ()),
+        model_init=tiny_model_init("bert"),
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+    )
+    lines: list[str] = []
+    log = trainer._log
+    trainer._log = lambda line, *a, **k: (lines.append(line), log(line, *a, **k))
+    exported: list[bool] = []
+    result = trainer.fit(beside_last_save=lambda: (os.kill(os.getpid(), signal.SIGTERM), exported.append(True)))
+    assert exported and result.preempted is None and result.global_step == 3
+    said = [line for line in lines if "arrived during the export" in line]
+    assert said == ["SIGTERM arrived during the export; the export was finished and the run is complete (exit 0: "
+                    "nothing to resume)"], lines  # fmt: skip

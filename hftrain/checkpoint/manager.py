@@ -131,7 +131,7 @@ class CheckpointManager:
         marker = {"step": step, **meta}
         if not background:
             agreed.phase(write, snapshot.state, state_dir / DCP_DIR)
-            agreed.phase(self._finish if main else None, staging, final, marker)
+            agreed.phase(self._publish, staging, final, marker, main=main, group=None)
             return final
         # The next optimizer step changes the live tensors; the write reads a copy, in the memory of the previous
         # save's copy (no save is in flight now), so that training waits only for a copy into warm pages. After the
@@ -144,8 +144,7 @@ class CheckpointManager:
             _bind_device(device)  # this rank's GPU, not cuda:0 (a new thread starts on device 0)
             staged.wait_copied()  # the staging copies run non-blocking into pinned memory on a GPU
             write(staged.state, state_dir / DCP_DIR, process_group=group)
-            if main:  # DCP's save returns on the coordinator after every rank's shards are written
-                self._finish(staging, final, marker)
+            self._publish(staging, final, marker, main=main, group=group)
 
         self._pending = _Pending(agreed, final, _in_a_thread(write_in_background))
         return final
@@ -198,8 +197,26 @@ class CheckpointManager:
         self._clear_staging()
         make_folder(staging, "a checkpoint's staging folder")
 
-    def _finish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
-        files = {str(p.relative_to(staging)): file_checksum(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+    def _publish(self, staging: Path, final: Path, meta: dict[str, Any], *, main: bool, group: Any) -> None:
+        """Every rank hashes the shards it wrote and the main process, given those digests, publishes the checkpoint
+        (collective over ``group``'s host twin; None: the default group's).
+
+        Each rank reads back only its own ``__<rank>_<i>.distcp`` files (from its page cache, just written): the
+        main process hashes its own shards and the small files, never the other ranks' shards, so a save costs it
+        O(its own state), not O(checkpoint) over a shared file system. A rank that cannot read its files sends the
+        error instead, and every rank reaches the gather either way; the main process raises it.
+        """
+        digests = writers_digests(staging, group)
+        if main:
+            self._finish(staging, final, meta, digests)
+
+    def _finish(self, staging: Path, final: Path, meta: dict[str, Any], digests: dict[str, str] | None = None) -> None:
+        digests = digests or {}
+        files = {
+            name: digests.get(name) or file_checksum(p)
+            for p in sorted(staging.rglob("*"))
+            if p.is_file() and (name := str(p.relative_to(staging)))
+        }
         _write_json_durably(staging / MARKER, {"format_version": FORMAT_VERSION, **meta, "files": files})
         rotated = self._to_rotate(final)
         for old in [final, *rotated]:
@@ -796,6 +813,41 @@ def _verify_files(path: Path, files: dict[str, str]) -> dict[str, tuple[int, int
 
 CHECKSUM = "xxh3_128"
 """The checksum ``checkpoint.json`` records for each file, as ``xxh3_128:<hex>``."""
+
+
+def writers_digests(staging: Path, group: Any = None) -> dict[str, str]:
+    """The checksums of every rank's own DCP shards (``state/dcp/__<rank>_<i>.distcp``), each computed by the rank
+    that wrote it, by relative path (collective over ``group``'s host twin when a process group runs; else this
+    process's own). A rank's read error travels instead of its digests and is raised on every rank.
+
+    Args:
+        staging: the checkpoint's staging folder.
+        group: the process group the shards were written over (DCP's ranks are its ranks); None: the default group.
+    """
+    import torch.distributed as dist
+
+    from hftrain.checkpoint.sharded import DCP_DIR
+
+    running = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if running else 0
+    folder = staging / STATE_DIR / DCP_DIR
+    try:
+        own = sorted(folder.glob(f"__{rank}_*.distcp")) if folder.is_dir() else []
+        mine: tuple[dict[str, str], str | None] = ({str(p.relative_to(staging)): file_checksum(p) for p in own}, None)
+    except OSError as error:
+        mine = ({}, f"process {rank} could not read the shards it wrote: {error}")
+    if not running:
+        gathered = [mine]
+    else:
+        from hftrain.parallel.host import host_group
+
+        twin = host_group(group)
+        gathered = [None] * dist.get_world_size(twin)
+        dist.all_gather_object(gathered, mine, group=twin)
+    errors = [error for _, error in gathered if error]
+    if errors:
+        raise WriteError(errors[0])
+    return {name: digest for digests, _ in gathered for name, digest in digests.items()}
 
 
 def file_checksum(path: Path) -> str:

@@ -422,6 +422,11 @@ class Trainer:
                 )
             else:
                 self._beside_last_save(beside_last_save)
+                if self._any_rank(preemption.requested):  # too late to stop: the run is complete, nothing to resume
+                    self._log(
+                        f"{preemption.received or 'a signal on another rank'} arrived during the export; the export "
+                        "was finished and the run is complete (exit 0: nothing to resume)"
+                    )
         # Before the main process's own files: a failed background write is raised here, on every rank alike.
         self.wait_for_checkpoint()
         self._save_trainer_state()
