@@ -18,6 +18,7 @@ import typing
 
 from hftrain.errors import AxisError, ConfigError, HFTrainError, UsageError
 from hftrain.files import read_input
+from hftrain.launch.supervise import reports_errors
 from hftrain.parallel.dims import AXIS_SIZES
 from hftrain.plan.command import add_plan_arguments, run_plan
 
@@ -196,20 +197,6 @@ def entry(argv: list[str] | None = None) -> int:
         code = 128 + 13  # SIGPIPE's status, as a command killed by it reports
     record_exit(code, os.environ)  # for hftrain launch, whose torchrun keeps no exit code after a signal
     return code
-
-
-def reports_errors(environ: typing.Mapping[str, str]) -> bool:
-    """Whether this process prints a bad input's line: the main process of its machine, or no launcher at all.
-
-    The launcher's ``LOCAL_RANK`` (else ``RANK``) says which process that is; a value that is not a rank (unset,
-    malformed) prints, so an error is never lost. One line per machine, not one per job: an input that is bad on
-    one machine only (a file missing there) is still reported on that machine.
-
-    Args:
-        environ: the process environment.
-    """
-    rank = environ.get("LOCAL_RANK", environ.get("RANK", "0")).strip()
-    return not (rank.isascii() and rank.isdigit() and int(rank) > 0)
 
 
 def _close_progress_bars() -> None:

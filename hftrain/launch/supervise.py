@@ -78,7 +78,7 @@ def die_with_parent(environ: Mapping[str, str]) -> bool:
 
 def record_exit(code: int, environ: Mapping[str, str]) -> None:
     """A worker of ``hftrain launch``: record this rank's exit code for the launcher (nothing otherwise), and
-    whether it is the process that prints the command's one line (``cli.reports_errors``).
+    whether it is the process that prints the command's one line (:func:`reports_errors`).
 
     Args:
         code: the exit code the process returns.
@@ -88,12 +88,24 @@ def record_exit(code: int, environ: Mapping[str, str]) -> None:
     rank = environ.get("RANK", "").strip()
     if not folder or not rank.isdigit():
         return
-    from hftrain.cli import reports_errors
-
     with contextlib.suppress(OSError):
         from hftrain.files import write_file
 
         write_file(Path(folder) / f"rank_{int(rank)}", f"{code} {int(reports_errors(environ))}\n")
+
+
+def reports_errors(environ: Mapping[str, str]) -> bool:
+    """Whether this process prints a bad input's line: the main process of its machine, or no launcher at all.
+
+    The launcher's ``LOCAL_RANK`` (else ``RANK``) says which process that is; a value that is not a rank (unset,
+    malformed) prints, so an error is never lost. One line per machine, not one per job: an input that is bad on
+    one machine only (a file missing there) is still reported on that machine.
+
+    Args:
+        environ: the process environment.
+    """
+    rank = environ.get("LOCAL_RANK", environ.get("RANK", "0")).strip()
+    return not (rank.isascii() and rank.isdigit() and int(rank) > 0)
 
 
 def launch_main(argv: list[str]) -> int:

@@ -135,7 +135,7 @@ def once_per_machine(line: str | None, *, local_rank: int) -> bool:
     """Whether this rank prints ``line``, an error that the ranks met at one point (None where this rank did not
     fail): once per machine for each distinct line. The machine's first process (local rank 0) prints its own line;
     another prints only a line its machine's first process does not (a file only it reads), so ranks that failed
-    alike say it once, as the CLI says a bad input (``hftrain.cli.reports_errors``).
+    alike say it once, as the CLI says a bad input (``hftrain.launch.supervise.reports_errors``).
 
     Collective over all ranks: every rank calls it, failed or not. Ranks are numbered machine by machine, as the
     launchers number them: a machine's first process is ``rank - local_rank``.
