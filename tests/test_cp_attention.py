@@ -178,7 +178,7 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
 
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
-    errors, own_forward = {}, {}
+    errors, own_forward, gathered = {}, {}, {}
     for kind in kinds:
         for comm, recompute in cases:
             torch.manual_seed(0)
@@ -203,7 +203,18 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
                 and model.forward.__func__ is type(model).forward
                 and len(model.base_model._forward_pre_hooks) == 1
             )
-            got = model(**batch)
+            gathers, all_gather = [], dist.all_gather
+
+            def counted(*a, gathers=gathers, all_gather=all_gather, **k):
+                gathers.append(1)
+                return all_gather(*a, **k)
+
+            dist.all_gather = counted
+            try:
+                got = model(**batch)
+            finally:
+                dist.all_gather = all_gather
+            gathered[label] = (len(gathers), config.num_hidden_layers)
             got.loss.backward()
             worst = max(
                 (got.loss - expected.loss).abs().item() / expected.loss.abs().item(),
@@ -217,7 +228,7 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
                 # noise of 1e-9 there is no error, so the scale has a floor.
                 worst = max(worst, ((grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-4)).item())
             errors[label] = worst
-    return {"errors": errors, "own_forward": own_forward}
+    return {"errors": errors, "own_forward": own_forward, "gathered": gathered}
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +257,19 @@ def test_context_parallel_runs_the_models_own_forward(classifier_runs):
     transformers' (their equality with one process, recomputed or not, is the test above)."""
     for run in classifier_runs:
         assert len(run["own_forward"]) == 16 and all(run["own_forward"].values()), run["own_forward"]
+
+
+@pytest.mark.distributed
+def test_the_all_to_all_gathers_and_masks_once_per_forward(classifier_runs):
+    """The all-to-all's keep mask and positions are gathered by the forward's first attention call and its mask built
+    once per (causal, window), shared by every layer: two all-gathers per forward whatever the depth (before: two
+    per layer, and a ``[b, 1, S, S]`` mask per layer, each kept for the backward): two more than the ring's forward
+    (whose own gathers, the pooled token's, are the model's)."""
+    for run in classifier_runs:
+        seen = run["gathered"]
+        for kind in ("bert", "roberta", "gpt2", "llama"):
+            (ring, layers), (all_to_all, _) = seen[f"{kind} ring"], seen[f"{kind} all_to_all"]
+            assert layers >= 2 and all_to_all - ring == 2, (kind, seen)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

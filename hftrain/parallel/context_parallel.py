@@ -440,6 +440,9 @@ class Shard:
             keys of its own document. None: one sequence per row.
         window: a causal sliding window (Mistral's, a sliding layer's of Qwen2/3, Gemma-3, Phi-3): a query sees only
             the keys fewer than ``window`` positions before it. None: no window.
+        memo: what the attention computes once per forward and every layer shares (the all-to-all's gathered keep,
+            positions and documents, and its mask per (causal, window)); a dict the forward's first layer fills,
+            None: computed per call.
     """
 
     keep: torch.Tensor
@@ -450,6 +453,7 @@ class Shard:
     runs: tuple | None = None
     segments: torch.Tensor | None = None
     window: int | None = None
+    memo: dict | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and not self.causal:
@@ -515,35 +519,53 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
         raise ValueError(
             f"all-to-all context parallelism needs heads ({q.shape[1]}, {k.shape[1]}) divisible by cp={cp}"
         )
+    memo = shard.memo if shard.memo is not None else {}
+    if "whole" not in memo:  # the forward's first attention call: gathered once, shared by every layer
+        memo["whole"] = _gather_whole(keep, positions, shard.segments, group, cp)
+    whole_keep, whole_positions, whole_segments = memo["whole"]
+    mask_key = ("mask", shard.causal, shard.window)
+    if mask_key not in memo:  # one [b, 1, S, S] mask per (causal, window), not one per layer
+        memo[mask_key] = _visible_mask(whole_keep, whole_positions, shard.causal, whole_segments, shard.window)
+    qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
+    out = _local_attention(qh, kh, vh, shard.scale, *memo[mask_key])
+    return _AllToAll.apply(out, group, True)
+
+
+def _gather_whole(
+    keep: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None, group: Any, cp: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every cp rank's keep mask, positions and documents, concatenated in rank order (all-gathers over cp): the
+    whole sequence in the order the all-to-all hands it to the inner attention."""
     keeps = [torch.empty_like(keep, dtype=torch.uint8) for _ in range(cp)]
     dist.all_gather(keeps, keep.to(torch.uint8).contiguous(), group=group)
     all_positions = [torch.empty_like(positions) for _ in range(cp)]
     dist.all_gather(all_positions, positions.contiguous(), group=group)
-    whole_keep, whole_positions = torch.cat(keeps, 1), torch.cat(all_positions)
     whole_segments = None
-    if shard.segments is not None:
-        segments = [torch.empty_like(shard.segments) for _ in range(cp)]
-        dist.all_gather(segments, shard.segments.contiguous(), group=group)
-        whole_segments = torch.cat(segments, 1)
-    qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
-    out = _local_attention(
-        qh, kh, vh, whole_keep.bool(), whole_positions, shard.causal, shard.scale, whole_segments, shard.window
-    )
-    return _AllToAll.apply(out, group, True)
+    if segments is not None:
+        gathered = [torch.empty_like(segments) for _ in range(cp)]
+        dist.all_gather(gathered, segments.contiguous(), group=group)
+        whole_segments = torch.cat(gathered, 1)
+    return torch.cat(keeps, 1).bool(), torch.cat(all_positions), whole_segments
+
+
+def _visible_mask(keep, positions, causal, segments=None, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, any_visible)`` of the all-to-all's inner attention: SDPA's boolean mask ``[b, 1, S, S]`` (a padding
+    query, which sees no key, attends to every key and is zeroed after) and which queries see some key."""
+    docs = () if segments is None else (segments, segments)
+    visible = _mask(positions, positions, keep, causal, *docs, window=window)
+    any_visible = visible.any(-1, keepdim=True)
+    return visible | ~any_visible, any_visible
 
 
 ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # the cp communication -> the attention
 
 
-def _local_attention(q, k, v, keep, positions, causal, scale, segments=None, window=None) -> torch.Tensor:
+def _local_attention(q, k, v, scale, mask, any_visible) -> torch.Tensor:
     """Masked attention on one rank (the all-to-all's inner attention) by ``scaled_dot_product_attention`` (a fused
-    kernel: flash on a CPU, memory-efficient on CUDA; no ``S × S`` probabilities kept), in the training dtype;
-    padding queries, which see no key, → 0 (they attend to every key and are zeroed, never a NaN)."""
+    kernel: flash on a CPU, memory-efficient on CUDA; no ``S × S`` probabilities kept), in the training dtype, with
+    :func:`_visible_mask`'s mask; padding queries, which see no key, → 0 (they attend to every key and are zeroed,
+    never a NaN)."""
     n_rep = q.shape[1] // k.shape[1]
-    docs = () if segments is None else (segments, segments)
-    visible = _mask(positions, positions, keep, causal, *docs, window=window)
-    any_visible = visible.any(-1, keepdim=True)
-    mask = visible | ~any_visible
     out = torch.nn.functional.scaled_dot_product_attention(
         q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), attn_mask=mask, scale=scale
     )
@@ -564,6 +586,7 @@ class _Batch:
         self.positions: torch.Tensor | None = None
         self.runs: tuple | None = None  # every cp rank's runs of positions, on the host (zigzag_runs)
         self.segments: torch.Tensor | None = None  # packed sequences: the document of each local token
+        self.memo: dict = {}  # what every layer of this forward shares (Shard.memo), new at each forward
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -577,7 +600,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = bool(getattr(module, "is_causal", False))
     window = kwargs.get("sliding_window")  # the layer's (None: full attention), as transformers passes it
-    shard = Shard(batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments, window)
+    shard = Shard(
+        batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments, window, batch.memo
+    )
     out = ATTENTIONS[batch.comm](query, key, value, shard)
     return out.transpose(1, 2).contiguous(), None
 
@@ -670,6 +695,7 @@ class ContextSplit:
         positions = self.positions(seq, keep.device)
         self.batch.keep, self.batch.positions, self.batch.runs = keep.bool(), positions, zigzag_runs(seq, self.cp)
         self.batch.segments = segments
+        self.batch.memo = {}  # this forward's gathers and masks, shared by its layers
         return positions
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
