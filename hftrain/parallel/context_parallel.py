@@ -523,9 +523,11 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
     if "whole" not in memo:  # the forward's first attention call: gathered once, shared by every layer
         memo["whole"] = _gather_whole(keep, positions, shard.segments, group, cp)
     whole_keep, whole_positions, whole_segments = memo["whole"]
-    mask_key = ("mask", shard.causal, shard.window)
+    mask_key = ("mask", shard.causal, shard.window, q.dtype)
     if mask_key not in memo:  # one [b, 1, S, S] mask per (causal, window), not one per layer
-        memo[mask_key] = _visible_mask(whole_keep, whole_positions, shard.causal, whole_segments, shard.window)
+        memo[mask_key] = _visible_mask(
+            whole_keep, whole_positions, shard.causal, whole_segments, shard.window, dtype=q.dtype
+        )
     qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
     out = _local_attention(qh, kh, vh, shard.scale, *memo[mask_key])
     return _AllToAll.apply(out, group, True)
@@ -548,13 +550,20 @@ def _gather_whole(
     return torch.cat(keeps, 1).bool(), torch.cat(all_positions), whole_segments
 
 
-def _visible_mask(keep, positions, causal, segments=None, window=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mask, any_visible)`` of the all-to-all's inner attention: SDPA's boolean mask ``[b, 1, S, S]`` (a padding
-    query, which sees no key, attends to every key and is zeroed after) and which queries see some key."""
+def _visible_mask(
+    keep, positions, causal, segments=None, window=None, *, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bias, any_visible)`` of the all-to-all's inner attention: SDPA's additive mask ``[b, 1, S, S]`` in the
+    attention's ``dtype``, 0 where visible and −∞ elsewhere (a padding query, which sees no key, attends to every key
+    and is zeroed after), and which queries see some key. Additive in the query's dtype, because SDPA keeps such a
+    mask for its backward as it is: every layer then keeps this one tensor (a boolean mask is converted, and the
+    copy kept, in each call)."""
     docs = () if segments is None else (segments, segments)
     visible = _mask(positions, positions, keep, causal, *docs, window=window)
     any_visible = visible.any(-1, keepdim=True)
-    return visible | ~any_visible, any_visible
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    bias.masked_fill_(~(visible | ~any_visible), float("-inf"))
+    return bias, any_visible
 
 
 ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # the cp communication -> the attention
