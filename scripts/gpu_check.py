@@ -24,7 +24,8 @@ GPU checks (a tiny BERT classifier built locally, the embedded MiniLM job for sp
 
 ``ddp fp32 resume``, ``megatron tp1`` and ``main job bf16`` also set ``torch.cuda.max_memory_allocated`` over their
 training steps (reset when the steps start, read at the last step's end: not the load or the export) against
-``hftrain plan``'s per-GPU estimate for the same model, workload and layout on one GPU (``hftrain.plan.plan``):
+``hftrain plan``'s per-GPU estimate for the same model and workload on one GPU (``hftrain.plan.plan``; its ``ddp``
+row, which is also megatron's layout on one GPU: the plan lists no megatron tp1·pp1):
 the measured/planned ratio is informational, and one more than 15% from 1 is flagged on the line, never failed.
 A time budget (570 s) skips, with a SKIP line, the checks that start after it is spent.
 """
@@ -122,16 +123,15 @@ def step_probe(warmup: int = 0):
         base.Trainer.fit, base.Trainer._on_step_end = fit, on_step_end
 
 
-def against_plan(measured: float, model: str, work: dict, axes: dict | None = None, label: str = "ddp") -> str:
+def against_plan(measured: float, model: str, work: dict, label: str = "ddp") -> str:
     """``measured`` bytes against ``hftrain plan``'s per-GPU total for ``model`` (a folder or ``embedded:name``) on
-    this GPU: the row ``label``, or the one layout of ``axes``; informational, flagged beyond ``FLAG_APART``."""
+    this GPU, its row ``label``; informational, flagged beyond ``FLAG_APART``."""
     import torch
 
     from hftrain.plan import Hardware, Workload, model_from_config, plan
 
     hardware = Hardware(gpus_per_node=1, gpu_memory=torch.cuda.get_device_properties(0).total_memory, reserve=0)
-    result = plan(model_from_config(model), hardware, Workload(**work), **(axes or {}))
-    rows = [r for r in result.rows if (axes is not None and r.strategy["name"] == "megatron") or r.label == label]
+    rows = [r for r in plan(model_from_config(model), hardware, Workload(**work)).rows if r.label == label]
     if not rows:
         return "plan: no row for this layout"
     row = rows[0]
@@ -169,9 +169,9 @@ def megatron_tp1(where: Path) -> str:
         result = _train({"strategy": {"name": "megatron", "tp": 1}}, model_name_or_path=str(model), dataset_name=None,
                         train_file=str(data), max_steps=6, output_dir=str(where / "m"))  # fmt: skip
     work = dict(precision="bf16", micro_batch=32, seq=128, dropout=False)  # the defaults of a job on this GPU
-    axes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    # the plan has no megatron layout of one GPU (tp·pp·cp = 1 is its ddp row: whole states, Adam, autocast)
     return (f"{result.global_step} steps, eval_loss {result.metrics['eval_loss']:.4f}, export reloaded; "
-            + against_plan(seen["peak"], str(model), work, axes))  # fmt: skip
+            + against_plan(seen["peak"], str(model), work))  # fmt: skip
 
 
 def host_syncs_per_step(where: Path) -> str:
