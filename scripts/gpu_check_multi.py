@@ -354,10 +354,7 @@ def run_check(setup: Setup, item: Check) -> str:
     done = [f"trained {STEPS} steps, checkpointed, exported"]
     found = re.search(r"reloaded it: max logit difference (\S+)", text)
     if found:
-        difference = float(found.group(1).rstrip(";,)"))
-        bound = 1e-4 if setup.cpu else 2e-2
-        if difference > bound:
-            raise AssertionError(f"hftrain's reload of its export differs by {difference:.2e} (> {bound:g})")
+        difference = float(found.group(1).rstrip(";,)"))  # beyond its precision's tolerance hftrain exits 2
         done.append(f"hftrain reloaded its export (logits within {difference:.1e})")
     elif item.reload:
         raise AssertionError("hftrain did not report reloading its export ('reloaded it: max logit difference')")
