@@ -1,8 +1,10 @@
-"""What hftrain does on a GPU, checked in under ten minutes: one PASS/FAIL/SKIP line per check, exit 1 on a FAIL.
+"""What hftrain does on one GPU, checked in under ten minutes: one PASS/FAIL/SKIP line per check, exit 1 on a FAIL.
 
 Run by ``scripts/gpu_check.sh`` from a fresh checkout (after ``scripts/setup.sh``, or with a CUDA torch installed).
 On a machine without a GPU only the CPU net runs (the host-side collectives in a group without a CPU backend, and
-the static check that no collective takes a host tensor): it is then the gate, and every GPU line says SKIP.
+the static check that no collective takes a host tensor): it is then the gate, and every GPU line says SKIP. The
+checks of two or more GPUs (ddp, zero2/3, fsdp1/2, megatron tp2/pp2/cp2/ep2 under ``torchrun``) are
+``scripts/gpu_check_multi.py``.
 
 GPU checks (a tiny BERT classifier built locally, the embedded MiniLM job for speed):
 - ``ddp fp32 resume``: 1 process on CUDA, fp32, a background checkpoint at step 3, 6 steps; the run resumed from
@@ -16,16 +18,21 @@ GPU checks (a tiny BERT classifier built locally, the embedded MiniLM job for sp
   own are listed apart: transformers reads the padding mask on the host to drop an all-ones mask.
 - ``attention per shape``: ``scaled_dot_product_attention`` at the main job's shapes per backend, a new sequence
   length against a repeated one (informational: a backend that plans per shape shows here).
-- ``main job bf16``: the embedded MiniLM job for 60 steps: tokens/s, MFU and ``torch.cuda.max_memory_allocated``.
-- ``N processes``: DDP, ZeRO-2, ZeRO-3, FSDP2, megatron tp2 and pp2 under ``torchrun`` when the machine has at
-  least 2 GPUs. One GPU cannot host them: NCCL refuses two ranks on one device, and every launcher gives rank
-  ``r`` the device ``cuda:r``; they are SKIPPED there with that reason.
+- ``main job bf16``: the embedded MiniLM job for ``MAIN_STEPS`` steps; tokens/s and MFU of the steps after the first
+  ``MAIN_WARMUP`` (the window's two ends stamped at a step's end after ``torch.cuda.synchronize``), beside the whole
+  run's figures, which include the warm-up.
+
+``ddp fp32 resume``, ``megatron tp1`` and ``main job bf16`` also set ``torch.cuda.max_memory_allocated`` over their
+training steps (reset when the steps start, read at the last step's end: not the load or the export) against
+``hftrain plan``'s per-GPU estimate for the same model and workload on one GPU (``hftrain.plan.plan``; its ``ddp``
+row, which is also megatron's layout on one GPU: the plan lists no megatron tp1·pp1):
+the measured/planned ratio is informational, and one more than 15% from 1 is flagged on the line, never failed.
+A time budget (570 s) skips, with a SKIP line, each check that would not end within it (``EXPECTED_SECONDS``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import subprocess
 import sys
@@ -39,6 +46,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS: list[tuple[str, str, str]] = []
+BUDGET = 570.0  # seconds for every check together: a check that would start later is a SKIP line
+FLAG_APART = 0.15  # a measured/planned memory ratio further than this from 1 is flagged on the line
+MAIN_WARMUP, MAIN_STEPS = 20, 80  # the main job's steps, and those before its timed window
+EXPECTED_SECONDS = {"ddp fp32 resume": 60, "megatron tp1": 40, "cp fused kernels": 40, "host syncs per step": 60,
+                    "attention per shape": 20, "main job bf16": 90}  # fmt: skip  # generous: a check must end in BUDGET
 
 
 def check(name: str, work: Callable[[], str]) -> None:
@@ -76,13 +88,71 @@ def _train(sections: dict | None = None, **fields) -> object:
     return hftrain.train(sections, log_with="none", **fields)
 
 
+@contextlib.contextmanager
+def step_probe(warmup: int = 0):
+    """Within it, every ``hftrain.train`` records into the yielded dict: ``peak``, ``torch.cuda.max_memory_allocated``
+    over the training steps (reset as they start, read at the last step's end: not the load, the final evaluation or
+    the export), and, when ``warmup`` > 0, the stamps ``start`` (the end of step ``warmup``) and ``end`` (the last
+    step's), each ``(seconds, step, the run's token and FLOP totals)`` after ``torch.cuda.synchronize``. The totals
+    are exact at a step whose losses were read (``logging_steps`` must divide ``warmup`` and the last step)."""
+    import torch
+
+    import hftrain.trainers.base as base
+
+    seen: dict = {}
+    fit, on_step_end = base.Trainer.fit, base.Trainer._on_step_end
+
+    def fit_probe(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return fit(self, *args, **kwargs)
+
+    def end_probe(self, *args, **kwargs):
+        reason = on_step_end(self, *args, **kwargs)
+        step, last = self.state.global_step, self.state.global_step >= self.max_steps or reason is not None
+        if (warmup and step == warmup) or last:
+            torch.cuda.synchronize()
+            seen["end" if last else "start"] = (time.perf_counter(), step, dict(self.throughput.totals))
+        if last:
+            seen["peak"] = torch.cuda.max_memory_allocated()
+            seen["peak_flops"], seen["processes"] = self.throughput.peak[0], self.runtime.num_processes
+        return reason
+
+    base.Trainer.fit, base.Trainer._on_step_end = fit_probe, end_probe
+    try:
+        yield seen
+    finally:
+        base.Trainer.fit, base.Trainer._on_step_end = fit, on_step_end
+
+
+def against_plan(measured: float, model: str, work: dict, label: str = "ddp") -> str:
+    """``measured`` bytes against ``hftrain plan``'s per-GPU total for ``model`` (a folder or ``embedded:name``) on
+    this GPU, its row ``label``; informational, flagged beyond ``FLAG_APART``."""
+    import torch
+
+    from hftrain.plan import Hardware, Workload, model_from_config, plan
+
+    hardware = Hardware(gpus_per_node=1, gpu_memory=torch.cuda.get_device_properties(0).total_memory, reserve=0)
+    rows = [r for r in plan(model_from_config(model), hardware, Workload(**work)).rows if r.label == label]
+    if not rows:
+        return "plan: no row for this layout"
+    row = rows[0]
+    if not row.fits:
+        return f"plan: {row.label} does not fit"
+    ratio = measured / row.total
+    flag = f" FLAG: more than {FLAG_APART:.0%} apart" if abs(ratio - 1) > FLAG_APART else ""
+    return (f"steps' max_memory_allocated {measured / 2**20:.1f} MiB, plan {row.label} {row.total / 2**20:.1f} MiB, "
+            f"measured/planned {ratio:.2f}{flag}")  # fmt: skip
+
+
 def ddp_fp32_resume(where: Path) -> str:
     from safetensors.torch import load_file
 
     model, data = _tiny(where)
     common = dict(model_name_or_path=str(model), dataset_name=None, train_file=str(data), mixed_precision="no",
                   per_device_train_batch_size=8, max_steps=6, save_steps=3)  # fmt: skip
-    _train(output_dir=str(where / "a"), **common)
+    with step_probe() as seen:
+        _train(output_dir=str(where / "a"), **common)
     shutil.copytree(where / "a", where / "b")
     shutil.rmtree(where / "b" / "checkpoints" / "step_00000006")
     shutil.rmtree(where / "b" / "model")
@@ -91,14 +161,19 @@ def ddp_fp32_resume(where: Path) -> str:
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     if worst > 1e-6:
         raise AssertionError(f"resumed run differs from the straight one by {worst:.2e}")
-    return f"resumed = straight within {worst:.1e}"
+    work = dict(precision="fp32", micro_batch=8, seq=128, dropout=False)  # seq: data.max_seq_length, the longest
+    return f"resumed = straight within {worst:.1e}; " + against_plan(seen["peak"], str(model), work)
 
 
 def megatron_tp1(where: Path) -> str:
     model, data = _tiny(where)
-    result = _train({"strategy": {"name": "megatron", "tp": 1}}, model_name_or_path=str(model), dataset_name=None,
-                    train_file=str(data), max_steps=6, output_dir=str(where / "m"))  # fmt: skip
-    return f"{result.global_step} steps, eval_loss {result.metrics['eval_loss']:.4f}, export reloaded"
+    with step_probe() as seen:
+        result = _train({"strategy": {"name": "megatron", "tp": 1}}, model_name_or_path=str(model), dataset_name=None,
+                        train_file=str(data), max_steps=6, output_dir=str(where / "m"))  # fmt: skip
+    work = dict(precision="bf16", micro_batch=32, seq=128, dropout=False)  # the defaults of a job on this GPU
+    # the plan has no megatron layout of one GPU (tp·pp·cp = 1 is its ddp row: whole states, Adam, autocast)
+    return (f"{result.global_step} steps, eval_loss {result.metrics['eval_loss']:.4f}, export reloaded; "
+            + against_plan(seen["peak"], str(model), work))  # fmt: skip
 
 
 def host_syncs_per_step(where: Path) -> str:
@@ -226,68 +301,47 @@ def attention_shapes(where: Path) -> str:
 
 
 def main_job_bf16(where: Path) -> str:
-    import torch
-
-    torch.cuda.reset_peak_memory_stats()
-    result = _train(max_steps=60, output_dir=str(where / "job"), mixed_precision="bf16")
-    figures = result.throughput
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    return (f"{figures['train_tokens_per_second']:.0f} tokens/s, {figures['train_samples_per_second']:.0f} "
-            f"samples/s over {figures['train_steps_seconds']:.1f} s of steps, MFU {figures.get('train_mfu', 0):.4f}, "
-            f"max_memory_allocated {peak:.2f} GiB")  # fmt: skip
-
-
-def processes(where: Path, strategy: list[str], nproc: int = 2) -> Callable[[], str]:
-    def run() -> str:
-        import torch
-
-        if torch.cuda.device_count() < nproc:
-            return (f"skip: {torch.cuda.device_count()} GPU(s); NCCL refuses two ranks on one device and launchers "
-                    f"give rank r cuda:r")  # fmt: skip
-        model, data = _tiny(where)
-        out = where / "-".join(strategy)
-        args = ["train", "--model_name_or_path", str(model), "--dataset_name", "null", "--train_file", str(data),
-                "--log_with", "none", "--max_steps", "6", "--save_steps", "3", "--output_dir", str(out),
-                *strategy]  # fmt: skip
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "hftrain"]
-        for extra in ([], ["--max_steps", "8", "--resume_from_checkpoint", "auto"]):
-            done = subprocess.run([*launcher, *args, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(done.stderr[-4000:])
-        state = json.loads((out / "trainer_state.json").read_text())
-        return f"trained, checkpointed, resumed to step {state['global_step']}, exported"
-
-    return run
+    """The embedded MiniLM job, ``MAIN_STEPS`` steps: tokens/s and MFU of the steps after the first ``MAIN_WARMUP``
+    (past the warm-up: allocator growth, kernel choice, the first batches' new shapes), beside the whole run's."""
+    with step_probe(MAIN_WARMUP) as seen:
+        result = _train(max_steps=MAIN_STEPS, logging_steps=10, output_dir=str(where / "job"), mixed_precision="bf16")
+    (t0, step0, start), (t1, step1, end) = seen["start"], seen["end"]
+    seconds = t1 - t0
+    tokens = (end["tokens"] - start["tokens"]) / seconds
+    mfu = (end["model_flops"] - start["model_flops"]) / seconds / seen["processes"] / seen["peak_flops"]
+    whole = result.throughput
+    work = dict(precision="bf16", micro_batch=32, seq=128)  # the job's defaults; dropout as MiniLM's config
+    return (f"steps {step0 + 1}-{step1}: {tokens:.0f} tokens/s, MFU {mfu:.4f} over {seconds:.2f} s; whole run "
+            f"(with warm-up) {whole['train_tokens_per_second']:.0f} tokens/s, MFU {whole.get('train_mfu', 0):.4f}; "
+            + against_plan(seen["peak"], "embedded:minilm", work))  # fmt: skip
 
 
 def main() -> int:
+    started = time.perf_counter()
     check("cpu net (host collectives without a CPU backend)", cpu_net)
     import torch
 
+    names = ("ddp fp32 resume", "megatron tp1", "cp fused kernels", "host syncs per step", "attention per shape",
+             "main job bf16")  # fmt: skip
     if not torch.cuda.is_available():
-        for name in ("ddp fp32 resume", "megatron tp1", "cp fused kernels", "host syncs per step", "main job bf16",
-                     "attention per shape", "N processes"):  # fmt: skip
+        for name in names:
             RESULTS.append(("SKIP", name, "no CUDA device"))
             print(f"SKIP {name}: no CUDA device (the CPU net above is the gate)", flush=True)
     else:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
         with tempfile.TemporaryDirectory() as scratch:
             where = Path(scratch)
-            checks = (("ddp fp32 resume", ddp_fp32_resume), ("megatron tp1", megatron_tp1),
-                      ("cp fused kernels", cp_kernels), ("host syncs per step", host_syncs_per_step),
-                      ("attention per shape", attention_shapes),
-                      ("main job bf16", main_job_bf16))  # fmt: skip
-            for name, work in checks:
+            works = (ddp_fp32_resume, megatron_tp1, cp_kernels, host_syncs_per_step, attention_shapes, main_job_bf16)
+            for name, work in zip(names, works, strict=True):
+                spent = time.perf_counter() - started
+                if spent + EXPECTED_SECONDS[name] > BUDGET:
+                    RESULTS.append(("SKIP", name, "time budget spent"))
+                    print(f"SKIP {name}: the time budget is spent ({spent:.0f} s of {BUDGET:.0f} s, "
+                          f"~{EXPECTED_SECONDS[name]} s needed)", flush=True)  # fmt: skip
+                    continue
                 folder = where / name.replace(" ", "_")
                 folder.mkdir()
                 check(name, lambda work=work, folder=folder: work(folder))
-            for strategy in (["--strategy.name", "ddp"], ["--strategy.name", "zero2"], ["--strategy.name", "zero3"],
-                             ["--strategy.name", "fsdp", "--strategy.fsdp_version", "2"],
-                             ["--strategy.name", "megatron", "--parallelism.tp", "2"],
-                             ["--strategy.name", "megatron", "--parallelism.pp", "2"]):  # fmt: skip
-                folder = where / "-".join(strategy).strip("-")
-                folder.mkdir()
-                check(f"2 processes {' '.join(strategy[1::2])}", processes(folder, strategy))
     failed = [name for status, name, _ in RESULTS if status == "FAIL"]
     print(f"{'FAIL' if failed else 'PASS'} gpu_check: {len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed "
           f"or skipped{': failed ' + ', '.join(failed) if failed else ''}")  # fmt: skip
