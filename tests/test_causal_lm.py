@@ -511,3 +511,27 @@ def test_pipeline_and_context_parallelism_each_take_language_models(axis):
         platform=Platform("cpu", "gloo"),
     )
     strategy.check_model(tiny_config("llama"), use_lora=False, task="causal_lm")
+
+
+def test_context_parallel_job_exports_the_model_it_trained(tmp_path):
+    """``hftrain train --task causal_lm`` at cp=2: the export's reload check compares whole-sequence logits, so the
+    trained model's per-token logits of each rank's positions are gathered over cp first (the job stopped at that
+    check, its shapes apart by cp, before)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import torchrun
+
+    tokenizer = tiny_tokenizer("gpt2")
+    config = tiny_config("gpt2", max_positions=128)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    train = _jsonl(tmp_path / "train.jsonl", "train", 0)
+    out = tmp_path / "cp2"
+    done = torchrun(2, ["-m", "hftrain", "train", "--task", "causal_lm", "--model_name_or_path", str(tmp_path / "base"),
+                        "--dataset_name", "null", "--train_file", str(train), "--max_seq_length", str(BLOCK),
+                        "--max_steps", "2", "--per_device_train_batch_size", "8", "--mixed_precision", "no",
+                        "--log_with", "none", "--output_dir", str(out), "--strategy.name", "megatron",
+                        "--cp", "2"])  # fmt: skip
+    assert "reloaded it: max logit difference" in done.stdout + done.stderr
+    assert (out / "model" / "model.safetensors").is_file()

@@ -663,7 +663,8 @@ def _to(value: Any, device: Any) -> Any:
 # ----------------------------------------------------------------- all ranks
 @torch.no_grad()
 def _trained_logits(accelerator: Accelerator, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The prepared model's logits on ``inputs`` in eval mode (a collective forward under ZeRO-3/FSDP)."""
+    """The prepared model's logits on ``inputs`` in eval mode (a collective forward under ZeRO-3/FSDP); a language
+    model split over cp ranks returns its positions' logits, gathered here into the whole sequences (collective)."""
     from hftrain.parallel.layers import whole_logits
 
     was_training = model.training
@@ -673,9 +674,13 @@ def _trained_logits(accelerator: Accelerator, model: torch.nn.Module, inputs: di
         # vocabulary-parallel head gathers its logits (tensor parallelism)
         with accelerator.evaluation_context(), whole_logits(model):
             output = model(**{k: _to(v, accelerator.device) for k, v in inputs.items() if k != "labels"})
+        logits = output.logits
+        split = getattr(model, "context_split", None) or getattr(accelerator.unwrap_model(model), "context_split", None)
+        if split is not None and logits.dim() == 3 and logits.shape[1] != inputs["input_ids"].shape[1]:
+            logits = split.gather(logits)  # per-token logits of this rank's positions → the whole sequences
     finally:
         model.train(was_training)
-    return output.logits.float().cpu()
+    return logits.float().cpu()
 
 
 def _strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
