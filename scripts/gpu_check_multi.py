@@ -36,15 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS: list[tuple[str, str, str]] = []
-FLAG_APART = 0.15  # a measured/planned ratio further than this from 1 is flagged on the check's line
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_check import FLAG_APART, RESULTS, check  # noqa: E402 - one PASS/FAIL/SKIP line per check, as the 1-GPU script
+
 MEMORY_DIR = "GPU_CHECK_MEMORY_DIR"  # where each worker rank writes its peak memory
 
 
@@ -87,20 +86,6 @@ CHECKS = [
 CHECK_NAMES = [c.name for c in CHECKS]
 
 MICRO, SEQ, LM_SEQ, STEPS = 8, 32, 64, 6
-
-
-def check(name: str, work: Callable[[], str]) -> None:
-    """Run one check; its line is ``PASS name: figures``, ``FAIL name: why`` or ``SKIP name: why``."""
-    start = time.perf_counter()
-    try:
-        detail = work()
-        status = "SKIP" if detail.startswith("skip:") else "PASS"
-        detail = detail.removeprefix("skip:").strip()
-    except Exception as error:  # noqa: BLE001 - every failure is one FAIL line, and the script goes on
-        status, detail = "FAIL", " ".join(f"{type(error).__name__}: {error}".split())[:400]
-        print(f"--- {name}: what failed, in full\n{traceback.format_exc()}--- end of {name}", flush=True)
-    RESULTS.append((status, name, detail))
-    print(f"{status} {name}: {detail} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def skip(name: str, why: str) -> None:

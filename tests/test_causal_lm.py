@@ -353,12 +353,13 @@ def test_pipeline_equals_one_process(references, pipeline_runs, layout):
 
 
 # ----------------------------------------------------------------------------- hftrain train, end to end
-def _lm_folder(path: Path) -> Path:
-    """A tiny random Llama causal LM saved with its tokenizer, as a user's model folder."""
+def _lm_folder(path: Path, kind: str = "llama") -> Path:
+    """A tiny random causal LM of ``kind`` (Llama; GPT-2: tied embeddings) saved with its tokenizer, as a user's model
+    folder, its EOS the padding."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = tiny_tokenizer("gpt2")
-    config = tiny_config("llama", max_positions=128)
+    config = tiny_config(kind, max_positions=128)
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -445,11 +446,7 @@ def test_pipeline_job_checkpoints_resumes_and_exports_tied_embeddings(tmp_path):
 
     from tests.conftest import launch_env, torchrun
 
-    tokenizer = tiny_tokenizer("gpt2")
-    config = tiny_config("gpt2", max_positions=128)
-    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
+    _lm_folder(tmp_path / "base", "gpt2")
     train = _jsonl(tmp_path / "train.jsonl", "train", 0)
     args = ["train", "--task", "causal_lm", "--model_name_or_path", str(tmp_path / "base"), "--dataset_name", "null",
             "--train_file", str(train), "--max_seq_length", str(BLOCK), "--max_steps", "6", "--save_steps", "3",
@@ -517,15 +514,10 @@ def test_context_parallel_job_exports_the_model_it_trained(tmp_path):
     """``hftrain train --task causal_lm`` at cp=2: the export's reload check compares whole-sequence logits, so the
     trained model's per-token logits of each rank's positions are gathered over cp first (the job stopped at that
     check, its shapes apart by cp, before)."""
-    from transformers import AutoModelForCausalLM
 
     from tests.conftest import torchrun
 
-    tokenizer = tiny_tokenizer("gpt2")
-    config = tiny_config("gpt2", max_positions=128)
-    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
+    _lm_folder(tmp_path / "base", "gpt2")
     train = _jsonl(tmp_path / "train.jsonl", "train", 0)
     out = tmp_path / "cp2"
     done = torchrun(2, ["-m", "hftrain", "train", "--task", "causal_lm", "--model_name_or_path", str(tmp_path / "base"),

@@ -431,29 +431,10 @@ def test_a_signal_during_the_export_finishes_the_run_and_says_so():
     import os
     import signal
 
-    from hftrain.cli import launch_info_from_environ
-    from hftrain.data.batching import tokenize_splits
-    from hftrain.strategies import strategy_from_options
-    from hftrain.trainers import SequenceClassificationTrainer
-    from tests.tiny import (
-        _fresh_output_dir,
-        fp32_args,
-        reset_accelerate_state,
-        tiny_model_init,
-        tiny_splits,
-        tiny_tokenizer,
-    )
+    from tests.tiny import _fresh_output_dir, fp32_args, tiny_classifier_trainer
 
-    reset_accelerate_state()
-    tokenizer = tiny_tokenizer("bert")
-    splits = tokenize_splits(tiny_splits(24, 6), tokenizer, max_seq_length=32)
-    trainer = SequenceClassificationTrainer(
-        fp32_args(_fresh_output_dir(), per_device_train_batch_size=4, max_steps=3),
-        strategy=strategy_from_options("ddp", None, launch=launch_info_from_environ()),
-        model_init=tiny_model_init("bert"),
-        tokenizer=tokenizer,
-        train_dataset=splits["train"],
-        eval_dataset=splits["validation"],
+    trainer = tiny_classifier_trainer(
+        fp32_args(_fresh_output_dir(), per_device_train_batch_size=4, max_steps=3), n_train=24, n_eval=6
     )
     lines: list[str] = []
     log = trainer._log

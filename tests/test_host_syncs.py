@@ -129,24 +129,9 @@ def _fitted(trainer) -> dict:
 
 def _classifier_run(*, strategy: str = "ddp", logging_steps: int = LOGGING, kind: str = "bert", micro: int = 4) -> dict:
     """A tiny classifier trained ``STEPS`` steps in this process group, each step's host reads counted."""
-    from hftrain.cli import launch_info_from_environ
-    from hftrain.data.batching import tokenize_splits
-    from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
-    from tests.tiny import (
-        _fresh_output_dir,
-        fp32_args,
-        reset_accelerate_state,
-        tiny_model_init,
-        tiny_splits,
-        tiny_tokenizer,
-    )
+    from tests.tiny import _fresh_output_dir, fp32_args, tiny_classifier_trainer
 
-    reset_accelerate_state()
-    tokenizer = tiny_tokenizer(kind)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    splits = tokenize_splits(tiny_splits(96, 25), tokenizer, max_seq_length=32)
     args = fp32_args(
         _fresh_output_dir(),
         per_device_train_batch_size=micro,
@@ -158,13 +143,8 @@ def _classifier_run(*, strategy: str = "ddp", logging_steps: int = LOGGING, kind
         train_sampling_strategy="group_by_length",
         dataloader_num_workers=0,
     )
-    trainer = _counting(SequenceClassificationTrainer)(
-        args,
-        strategy=strategy_from_options(strategy, None, launch=launch_info_from_environ()),
-        model_init=tiny_model_init(kind),
-        tokenizer=tokenizer,
-        train_dataset=splits["train"],
-        eval_dataset=splits["validation"],
+    trainer = tiny_classifier_trainer(
+        args, strategy=strategy, kind=kind, trainer_class=_counting(SequenceClassificationTrainer)
     )
     return _fitted(trainer)
 

@@ -340,6 +340,31 @@ def fp32_args(output_dir: str, **changes):
     return TrainingConfig(output_dir=output_dir, mixed_precision="no", **{**fields, **changes})
 
 
+def tiny_classifier_trainer(
+    args, *, strategy: str = "ddp", kind: str = "bert", trainer_class: Any = None, n_train: int = 96, n_eval: int = 25
+):
+    """A ``SequenceClassificationTrainer`` (or ``trainer_class``) of a tiny ``kind`` model over tokenized tiny splits
+    (at most 32 tokens), under ``strategy`` in this process group, not yet fitted."""
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.strategies import strategy_from_options
+    from hftrain.trainers import SequenceClassificationTrainer
+
+    reset_accelerate_state()
+    tokenizer = tiny_tokenizer(kind)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    splits = tokenize_splits(tiny_splits(n_train, n_eval), tokenizer, max_seq_length=32)
+    return (trainer_class or SequenceClassificationTrainer)(
+        args,
+        strategy=strategy_from_options(strategy, None, launch=launch_info_from_environ()),
+        model_init=tiny_model_init(kind),
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+    )
+
+
 def fit_in_rank(trainer_class, args, strategy: str, options: dict | None, model_init, tokenizer, splits):
     """A ``trainer_class`` over ``splits`` under ``strategy`` (its ``options`` in the strategy section), fitted in
     this launched rank: ``(trainer, result)``."""
