@@ -364,7 +364,8 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
         )
     # Row-major (pp, dp, cp, tp) is exactly Megatron's rank rule, so the mesh's per-dimension groups are its groups.
     # Every group waits COLLECTIVE_TIMEOUT for its peers, as the default group does (torch gives a new group its own
-    # default: NCCL's 10 minutes), so one rank's long work before a collective does not time the others out.
+    # default: NCCL's 10 minutes), so one rank's long work before a collective does not time the others out
+    # (pitfall "a subgroup times out at NCCL's 10 minutes while one rank verifies or exports", docs/pitfalls.md).
     mesh = init_device_mesh(
         device_type,
         (dims.pp, dims.dp, dims.cp, dims.tp),

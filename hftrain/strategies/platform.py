@@ -117,7 +117,8 @@ class Platform:
         Compiled blocks take torch's dropout, which inductor generates into the block's kernels: ``bits`` seeds numpy
         from a host read of torch's generator at every mask, which dynamo cannot trace (a graph break per dropout,
         and the seed as a constant: a recompile per draw until the recompile limit stops the run). An explicit
-        ``bits`` with ``training.compile`` is refused in one line.
+        ``bits`` with ``training.compile`` is refused in one line (pitfall "`torch.compile` recompiles until the limit
+        stops the run", docs/pitfalls.md).
 
         Args:
             kernel: ``training.dropout_kernel``.
