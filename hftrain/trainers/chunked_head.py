@@ -12,8 +12,9 @@ replaced by one that takes the hidden states ``[b, s, h]`` and returns the per-p
 with ``torch.utils.checkpoint`` (non-reentrant) around each chunk: its forward keeps only the chunk's hidden states (a
 view) and its targets, and the backward recomputes the chunk's logits, so the step holds one chunk's logits and
 their gradient at a time (``C·V·4`` bytes each; pitfall "a language model's step holds its whole logits",
-docs/pitfalls.md). The head's own forward and ``token_losses`` run per chunk, so under tensor parallelism the vocabulary-parallel projection and its cross entropy (``hftrain.parallel.cross_entropy``)
-chunk the same way, every tp rank through the same chunks in the same order. The values are those of the whole
+docs/pitfalls.md). The head's own forward and ``token_losses`` run per chunk, so under tensor parallelism the
+vocabulary-parallel projection and its cross entropy (``hftrain.parallel.cross_entropy``) chunk the same way, every
+tp rank through the same chunks in the same order. The values are those of the whole
 logits' loss: the same rows through the same head and the same cross entropy (within fp32 rounding, a matmul's blocking
 depends on its row count). No collective of its own.
 
