@@ -2,10 +2,10 @@
 
 For a micro-batch of ``T`` positions (all rows together) and a vocabulary ``V``, the next-token loss of position ``t``
 is ``ℓ_t = logsumexp(W h_t) − (W h_t)_{y_t}``. Built whole, the logits ``[T, V]``, their fp32 copy, log-softmax and
-gradient are each ``T·V·4`` bytes: at ``T = 1,024`` and SmolLM2's ``V = 49,152``, 0.2 GB each, and a tiny Llama's
-step held about 17 of them (3.9 GB). Here, while the loss's forward runs, the output projection's ``forward`` is
-replaced by one that takes the hidden states ``[b, s, h]`` and returns the per-position losses ``[b, s]`` (fp32,
-0 where the target is ``-100``):
+gradient are each ``T·V·4`` bytes: at ``T = 1,024`` and SmolLM2's ``V = 49,152``, 0.2 GB each; a tiny Llama's
+run peaked at 1.47 GiB with them against 0.79 GiB in chunks (``benchmarks/lm_loss_memory.py``). Here, while the
+loss's forward runs, the output projection's ``forward`` is replaced by one that takes the hidden states ``[b, s, h]``
+and returns the per-position losses ``[b, s]`` (fp32, 0 where the target is ``-100``):
 
     for each chunk c of C positions:  ℓ_c = token_losses(head, head.forward(h_c), y_c)
 
@@ -14,9 +14,9 @@ view) and its targets, and the backward recomputes the chunk's logits, so the st
 their gradient at a time (``C·V·4`` bytes each; pitfall "a language model's step holds its whole logits",
 docs/pitfalls.md). The head's own forward and ``token_losses`` run per chunk, so under tensor parallelism the
 vocabulary-parallel projection and its cross entropy (``hftrain.parallel.cross_entropy``) chunk the same way, every
-tp rank through the same chunks in the same order. The values are those of the whole
-logits' loss: the same rows through the same head and the same cross entropy (within fp32 rounding, a matmul's blocking
-depends on its row count). No collective of its own.
+tp rank through the same chunks in the same order. The values are those of the whole logits' loss: the same rows
+through the same head and the same cross entropy (within fp32 rounding, a matmul's blocking depends on its row
+count). No collective of its own.
 
 Only the head's bound ``forward`` changes, and only inside :meth:`ChunkedHead.losses`: the module, its parameter
 names, the hooks that strategies put on it (FSDP's unshard, ZeRO-3's gather, DDP's reducer, which all wrap
