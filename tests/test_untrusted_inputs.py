@@ -183,7 +183,10 @@ def test_export_runs_no_code_a_checkpoint_ships(tiny_job, tmp_path, monkeypatch,
     names: exported from the model folder the run named, with no prompt ("y" waiting on stdin), the shipped code
     never run, and no code named in what is written (the folder a checkpoint names with an ``auto_map``:
     ``test_export_refuses_a_model_folder_its_checkpoint_names_that_names_code``)."""
+    from tests.tiny import reset_accelerate_state
+
     run = tmp_path / "run"
+    reset_accelerate_state()  # trained in this process: whatever an earlier test set up in it is cleared
     code, stderr = cli_in_process(["train", *job_args(tiny_job, run, steps=2), "--save_steps", "2"])
     assert code == 0, stderr[-3000:]
     step = run / "checkpoints" / "step_00000002"
@@ -192,6 +195,7 @@ def test_export_runs_no_code_a_checkpoint_ships(tiny_job, tmp_path, monkeypatch,
     _reseal(step)
     out = tmp_path / "exported"
     monkeypatch.setattr("sys.stdin", io.StringIO("y\ny\ny\n"))
+    reset_accelerate_state()
     code, stderr = cli_in_process(["export", str(run), str(out)])
     said = capsys.readouterr()
     assert PROMPT not in stderr + said.out + said.err
