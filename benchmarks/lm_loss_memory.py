@@ -76,7 +76,7 @@ def build_model(folder: Path) -> Path:
     from hftrain.models import cache_dir, resolve_model_path
 
     source = cache_dir() / "smollm2" if (cache_dir() / "smollm2").is_dir() else resolve_model_path("embedded:smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,

@@ -301,8 +301,10 @@ def _reload(folder: Path, kind: str) -> str:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     built = AutoModelForCausalLM if kind == "llama" else AutoModelForSequenceClassification
-    model = built.from_pretrained(folder).eval()
-    ids = AutoTokenizer.from_pretrained(folder)(["w1 w2 w3 w4", "w5 w6"], padding=True, return_tensors="pt")
+    model = built.from_pretrained(folder, trust_remote_code=False).eval()
+    ids = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)(
+        ["w1 w2 w3 w4", "w5 w6"], padding=True, return_tensors="pt"
+    )
     with torch.no_grad():
         logits = model(**ids).logits
     if not torch.isfinite(logits).all():

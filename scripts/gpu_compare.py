@@ -110,11 +110,11 @@ def build_models(args: argparse.Namespace, work: Path) -> dict[str, Path]:
         folders["default"] = resolve_model_path("embedded:minilm")
     else:
         torch.manual_seed(SEED)
-        config = AutoConfig.from_pretrained(assets / "minilm", num_labels=2)
+        config = AutoConfig.from_pretrained(assets / "minilm", num_labels=2, trust_remote_code=False)
         model = AutoModelForSequenceClassification.from_config(config)
         folders["default"] = work / "minilm"
         model.save_pretrained(folders["default"])
-        AutoTokenizer.from_pretrained(assets / "minilm").save_pretrained(folders["default"])
+        AutoTokenizer.from_pretrained(assets / "minilm", trust_remote_code=False).save_pretrained(folders["default"])
     tokenizer_dir = assets / "smollm2_tokenizer" if assets else None
     if tokenizer_dir is None:
         from hftrain.models import cache_dir, resolve_model_path
@@ -122,7 +122,7 @@ def build_models(args: argparse.Namespace, work: Path) -> dict[str, Path]:
         tokenizer_dir = cache_dir() / "smollm2"
         if not tokenizer_dir.is_dir():
             tokenizer_dir = resolve_model_path("embedded:smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
     shapes = LLAMA_TINY if args.quick else LLAMA_1B
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -231,7 +231,7 @@ def flop_model_and_peak(model_dir: Path, task: str):
 
     from hftrain.trainers.throughput import FlopModel, datasheet_peak
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     auto = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
     with torch.device("meta"):
         flops = FlopModel.of(auto.from_config(config))
@@ -329,7 +329,7 @@ def run_trainer(args, job: str, compiled: bool, spec: dict, window: Window) -> N
         set_seed,
     )
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"], trust_remote_code=False)
     set_seed(SEED)
     if job == "default":
         import datasets
@@ -350,7 +350,9 @@ def run_trainer(args, job: str, compiled: bool, spec: dict, window: Window) -> N
             window.count(batch["attention_mask"].sum(dim=1).tolist())
             return batch
 
-        model = AutoModelForSequenceClassification.from_pretrained(spec["model"], num_labels=2, dtype=torch.float32)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            spec["model"], num_labels=2, dtype=torch.float32, trust_remote_code=False
+        )
         fields = dict(
             per_device_train_batch_size=defaults.training.per_device_train_batch_size,
             learning_rate=defaults.training.learning_rate,
@@ -383,7 +385,7 @@ def run_trainer(args, job: str, compiled: bool, spec: dict, window: Window) -> N
             window.count([batch["input_ids"].shape[1]] * batch["input_ids"].shape[0])
             return batch
 
-        model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, trust_remote_code=False)
         model.config.use_cache = False  # a cache, even an empty one, turns transformers' packed-document mask off
         fields = dict(
             per_device_train_batch_size=args.lm_batch, learning_rate=1e-4, train_sampling_strategy="sequential"
