@@ -37,6 +37,9 @@ from typing import Any
 from hftrain.checkpoint.reading import active_checkpoint, check_regular_tree
 from hftrain.errors import CheckpointError
 
+GROUPS_FILE = "optimizer.json"
+"""The optimizer's param groups in a checkpoint's ``state/`` (written by ``checkpoint.sharded``)."""
+
 # Globals that the checkpoints of hftrain's strategies hold besides tensors and plain data, found by loading the
 # checkpoints of every strategy (tests/test_checkpoint_trust.py): NumPy's RNG state arrays (what Accelerate adds to
 # torch's own allow-list), DeepSpeed's ZeRO optimizer metadata, and torch.distributed.checkpoint's metadata classes.
@@ -459,7 +462,6 @@ def _saved_initial_rates(verified: Any, state_dir: Path) -> list[float] | None:
     """The ``initial_lr`` of each group of the checkpoint's ``optimizer.json`` (read through ``verified``, checked
     on the bytes read), or None where there is none to bound the scheduler's rates by (its own damage is refused
     where the groups are restored: ``sharded.read_snapshot``)."""
-    from hftrain.checkpoint.sharded import GROUPS_FILE
 
     if not (state_dir / GROUPS_FILE).is_file():
         return None

@@ -64,7 +64,8 @@ from hftrain.errors import CheckpointError
 FORMAT = "hftrain-dcp-v1"
 DCP_DIR = "dcp"
 INFO_FILE = "sharded.json"
-GROUPS_FILE = "optimizer.json"
+from hftrain.checkpoint.safety import GROUPS_FILE  # noqa: E402 - one name for both
+
 HF_DIR = "hf_model"
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
