@@ -7,7 +7,7 @@ import importlib.util
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError, reading
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from hftrain.config import LoraConfig, ModelConfig
     from hftrain.models.partial import LeaveOut
+    from hftrain.models.weights import BlockLoading
 
 # name -> (package, folder inside it, gguf file or None, one-line description)
 EMBEDDED_MODELS: dict[str, tuple[str, str, str | None, str]] = {
@@ -230,8 +231,11 @@ class PretrainedBuilder:
         )
         return "eager"
 
-    def build(self, leave_out: LeaveOut | None = None) -> PreTrainedModel | PeftModel:
-        """The model, with the submodules ``leave_out`` names (given the model on ``meta``) never materialized.
+    def build(
+        self, leave_out: LeaveOut | None = None, *, loading: BlockLoading | None = None
+    ) -> PreTrainedModel | PeftModel:
+        """The model, with the submodules ``leave_out`` names (given the model on ``meta``) never materialized, or
+        with its transformer blocks read by ``loading`` in the layout its strategy holds them in.
 
         The loaded parameters, the new head's initialisation and the random state afterwards are those of the
         whole model's ``from_pretrained`` (``hftrain.models.partial``); where that cannot hold (a left-out
@@ -239,7 +243,18 @@ class PretrainedBuilder:
 
         Args:
             leave_out: the dotted paths of submodules to leave on ``meta``, or None for the whole model.
+            loading: the strategy's way to hold the blocks (``hftrain.strategies.loading``): they are left out of
+                ``from_pretrained`` (``hftrain.models.weights.blocks_in``) and ``loading.materialize`` reads them
+                from the folder's safetensors, before any LoRA adapter is added; None: ``from_pretrained`` loads them.
         """
+        if loading is not None:
+            return self._build_blocks_apart(loading)
+        model, initialised, _ = self._load(leave_out, partial=self.lora is None)
+        return self._finish(model, initialised)
+
+    def _load(self, leave_out: LeaveOut | None, *, partial: bool) -> tuple[PreTrainedModel, list[str], bool]:
+        """``from_pretrained``, leaving out what ``leave_out`` names where ``partial`` allows it: the model, the
+        names it initialised (not in the folder) and whether anything was left out."""
         import torch
         from transformers import AutoConfig
 
@@ -258,7 +273,7 @@ class PretrainedBuilder:
             from hftrain.models.partial import quiet_load_report
 
             loaded = None
-            if leave_out is not None and self.lora is None and model_class is not None:
+            if leave_out is not None and partial and model_class is not None:
                 from hftrain.models.partial import from_pretrained_leaving_out
 
                 random_state = torch.get_rng_state()
@@ -269,18 +284,54 @@ class PretrainedBuilder:
                     from hftrain.log import get_logger
 
                     get_logger().warning(
-                        "model: '%s' lacks weights of layers this rank does not train (they would be initialised "
-                        "at random); building the whole model here and cutting it (peak memory: the whole model)",
+                        "model: '%s' lacks weights of layers this rank does not hold whole (they would be "
+                        "initialised at random); building the whole model here (peak memory: the whole model)",
                         self.path,
                     )
                     torch.set_rng_state(random_state)
-            if loaded is None:
-                with quiet_load_report():
-                    loaded = auto_model_class(self.task).from_pretrained(
-                        self.path, output_loading_info=True, trust_remote_code=self.trusted, **kwargs
-                    )
-                loaded = loaded[0], sorted(loaded[1]["missing_keys"])
-        model, initialised = loaded
+                else:
+                    return *loaded, True
+            with quiet_load_report():
+                model, info = auto_model_class(self.task).from_pretrained(
+                    self.path, output_loading_info=True, trust_remote_code=self.trusted, **kwargs
+                )
+        return model, sorted(info["missing_keys"]), False
+
+    def _build_blocks_apart(self, loading: BlockLoading) -> PreTrainedModel | PeftModel:
+        """:meth:`build` with ``loading``: the transformer blocks left out of ``from_pretrained`` and read by
+        ``loading`` (before any LoRA adapter is added); the whole model, said in one line, where the folder's weights
+        are not safetensors, no block is stored as the model holds it, or ``loading`` cannot take LoRA adapters."""
+        from transformers import AutoConfig
+
+        from hftrain.log import log_main
+        from hftrain.models.weights import Weights, blocks_in
+
+        model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path, trust_remote_code=self.trusted))
+        weights = Weights.of(self.path, getattr(model_class, "base_model_prefix", "")) if model_class else None
+        why = None
+        if weights is None:
+            why = "its weights are not safetensors files"
+        elif self.lora is not None and not loading.supports_lora:
+            why = f"LoRA adapters under {loading.name}"
+        blocks: list[str] = []
+
+        def leave_out(model: Any) -> list[str]:
+            blocks.extend(blocks_in(model, weights))
+            return blocks
+
+        model, initialised, left_out = (None, [], False) if why else self._load(leave_out, partial=True)
+        if left_out and blocks:
+            loading.materialize(model, blocks, weights)
+            log_main(f"model: {loading.describe(len(blocks))}")
+            return self._finish(model, initialised)
+        why = why or ("no transformer block is stored as the model holds it" if not blocks else "see above")
+        log_main(f"model: every rank loads the whole model ({why}; peak memory: the whole model per rank)")
+        if model is None:
+            model, initialised, _ = self._load(None, partial=False)
+        return self._finish(model, initialised)
+
+    def _finish(self, model: PreTrainedModel, initialised: list[str]) -> PreTrainedModel | PeftModel:
+        """Say what was initialised, give the model the pad id and add the LoRA adapters."""
         if initialised:
             from hftrain.log import log_main
 
@@ -289,11 +340,14 @@ class PretrainedBuilder:
             log_main(f"{what} initialised: {shown} (not in {self.path})")
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = self.pad_token_id
-        if self.lora is not None:
-            from hftrain.models.lora import apply_lora
+        return self._add_lora(model)
 
-            return apply_lora(model, self.lora, self.task)
-        return model
+    def _add_lora(self, model: PreTrainedModel) -> PreTrainedModel | PeftModel:
+        if self.lora is None:
+            return model
+        from hftrain.models.lora import apply_lora
+
+        return apply_lora(model, self.lora, self.task)
 
 
 def _weight_errors() -> tuple[type[BaseException], ...]:

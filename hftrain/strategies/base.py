@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.config import ParallelismConfig, StrategyConfig, TrainingConfig
+    from hftrain.models.weights import BlockLoading
     from hftrain.strategies.platform import HeapWarmer, Platform
     from hftrain.strategies.runtime import AccelerateRuntime
 
@@ -115,8 +116,19 @@ class Strategy(ABC):
         return AccelerateRuntime(accelerator, **self.runtime_hooks())
 
     def runtime_hooks(self) -> dict[str, Any]:
-        """What an Accelerate runtime needs from this strategy: its model-construction context."""
-        return {"plain_model_context": self.model_init_context}
+        """What an Accelerate runtime needs from this strategy: its model-construction context and its way to load
+        a pretrained model's blocks."""
+        return {"plain_model_context": self.model_init_context, "block_loading": self.block_loading}
+
+    def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
+        """How this rank holds a pretrained model's transformer blocks as it loads them
+        (``hftrain.strategies.loading``), so that no rank needs a whole copy it would only shard or overwrite; None
+        (the default): load the whole model.
+
+        Args:
+            accelerator: the run's accelerator (rank, process count, plugins).
+        """
+        return None
 
     shards_model_states: ClassVar[bool] = False
     """Whether the point of this strategy is to hold less than a whole model's states per rank (ZeRO, FSDP)."""

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hftrain.strategies.base import Strategy
+from hftrain.strategies.loading import replica_loading
 from hftrain.strategies.runtime import AccelerateRuntime
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.config import TrainingConfig
+    from hftrain.models.weights import BlockLoading
     from hftrain.strategies.platform import HeapWarmer
 
 
@@ -32,6 +34,10 @@ class DDPStrategy(Strategy):
 
     def build_runtime(self, accelerator: Accelerator) -> DDPRuntime:
         return DDPRuntime(accelerator, **self.runtime_hooks())
+
+    def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
+        # DDP's construction broadcasts rank 0's parameters to every other rank: they need the memory, not the reads
+        return replica_loading("DDP", accelerator)
 
     def warm_heap(self, nbytes: int) -> HeapWarmer | None:
         # every process creates all the gradients and optimizer moments in its own host memory (on a CPU)
@@ -61,7 +67,8 @@ class DDPRuntime(AccelerateRuntime):
         transformers loads safetensors weights as views of the file, mapped copy-on-write: the first optimizer step
         then writes every page of every trained parameter one page fault and one 4-KiB copy at a time (0.27 s of
         the default job's first step, 22.7M parameters, against 0.015 s for the next steps). One copy per parameter
-        here, at memory speed (0.024 s), makes the same private memory the first step would have made; frozen
+        here, at memory speed (0.024 s), makes the same private memory the first step would have made (blocks read
+        into the process's memory, ``hftrain.strategies.loading.ReadLoading``, are its own already); frozen
         parameters (LoRA's base model) stay mapped. Only where each process trains the whole model in host memory: a
         sharded strategy copies the parameters into its own buffers anyway, and a GPU run's ``prepare`` copies them
         to the device straight from the map (a host copy first would only cost host memory).
@@ -71,7 +78,8 @@ class DDPRuntime(AccelerateRuntime):
             return model
         with torch.no_grad():
             for param in model.parameters():
-                if param.requires_grad:
+                # a mapped file's storage is not resizable; memory of the process's own (read blocks) is
+                if param.requires_grad and not param.untyped_storage().resizable():
                     param.data = param.data.clone()
         return model
 

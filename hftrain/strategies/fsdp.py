@@ -21,12 +21,14 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
+from hftrain.strategies.loading import ShardedLoading
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
     from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.models.weights import BlockLoading
 
 # FSDP2 has one knob: reshard parameters after forward (FULL_SHARD) or keep them until backward (SHARD_GRAD_OP).
 # NO_SHARD maps to False as in Accelerate's ``to_fsdp2`` (used to compare with a launcher's setting); a job that
@@ -106,6 +108,11 @@ class FSDPStrategy(Strategy):
             sharding_strategy=sharding, use_orig_params=True, sync_module_states=False, **common
         )
 
+    def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
+        """FSDP2 shards each block as it is read (:class:`FSDP2Loading`); FSDP1 loads whole (its flat parameters are
+        made in ``prepare``, and Accelerate's rank-0 broadcast for it needs a GPU)."""
+        return FSDP2Loading(accelerator) if self.settings.fsdp_version == 2 else None
+
     def describe(self) -> dict[str, Any]:
         s = self.settings
         facts: dict[str, Any] = {
@@ -119,12 +126,54 @@ class FSDPStrategy(Strategy):
         return facts
 
 
+class FSDP2Loading(ShardedLoading):
+    """Each block ``fully_shard``-ed as soon as it is read, with the arguments Accelerate's FSDP2 preparation gives
+    every wrapped layer (``accelerate.utils.fsdp_utils.fsdp2_prepare_model``, 1.15: the plugin's
+    ``reshard_after_forward``, ``cpu_offload`` and mixed-precision policy, and the accelerator's mesh), after the
+    same fp32 upcast of trained parameters under mixed precision. ``prepare`` then skips the blocks (already
+    ``FSDPModule``) and shards the rest as before, and maps the optimizer's parameters to the sharded ones by their
+    local tensors, which the blocks already are.
+
+    LoRA adapters are not taken: added after this, they would belong to no block's unit.
+    """
+
+    name = "FSDP2"
+    supports_lora = False
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        plugin = accelerator.state.fsdp_plugin
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+        self._kwargs = {
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "offload_policy": plugin.cpu_offload,
+            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+            "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+        }
+        self._upcast = accelerator.mixed_precision != "no"
+
+    def shard(self, block: torch.nn.Module) -> None:
+        import torch
+        from torch.distributed.fsdp import fully_shard
+
+        if self._upcast:
+            for param in block.parameters():
+                if param.requires_grad and param.dtype != torch.float32:
+                    param.data = param.data.to(torch.float32)
+        fully_shard(block, **self._kwargs)
+
+
 class LayerWrapPlugin(FullyShardedDataParallelPlugin):
     """Accelerate's plugin, wrapping no layer class that contains the input embeddings under FSDP2.
 
     Accelerate's FSDP2 preparation (1.15) wraps the ``_no_split_modules`` classes, then shards the input
     embeddings as a unit of their own; when a wrapped class contains them (BERT's ``BertEmbeddings``) they are
     sharded twice and ``fully_shard`` fails. Such a class is left to the root unit instead.
+
+    A class whose every layer :class:`FSDP2Loading` sharded as it was read is named as ``fully_shard`` renamed it
+    (``FSDP`` + the name): Accelerate looks the wrapped classes up by name and refuses one it cannot find, and skips
+    the layers that are ``FSDPModule`` already.
     """
 
     def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
@@ -132,6 +181,12 @@ class LayerWrapPlugin(FullyShardedDataParallelPlugin):
             embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
             holders = {type(m).__name__ for m in model.modules() if m is not embeddings and embeddings in m.modules()}
             self.transformer_cls_names_to_wrap = sorted(set(getattr(model, "_no_split_modules", None) or ()) - holders)
+        if self.fsdp_version == 2 and self.transformer_cls_names_to_wrap:
+            present = {type(m).__name__ for m in model.modules()}
+            self.transformer_cls_names_to_wrap = [
+                f"FSDP{name}" if name not in present and f"FSDP{name}" in present else name
+                for name in self.transformer_cls_names_to_wrap
+            ]
         super().set_auto_wrap_policy(model)
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.checkpoint.sharded import Chunked, Snapshot
+    from hftrain.models.weights import BlockLoading
 
 Batch = dict[str, "torch.Tensor"]
 
@@ -46,6 +47,8 @@ class AccelerateRuntime:
         accelerator: the run's accelerator (also the trainer's trackers).
         plain_model_context: the context a plain, unsharded model is built in (the export's reload): the
             strategy's model-construction context (ZeRO-3 keeps transformers out of ``deepspeed.zero.Init``).
+        block_loading: the strategy's way to hold a pretrained model's blocks as it loads them, given the
+            accelerator (``Strategy.block_loading``); None, or None returned: every rank loads the whole model.
     """
 
     loss_is_example_mean = True
@@ -63,11 +66,13 @@ class AccelerateRuntime:
         accelerator: Accelerator,
         *,
         plain_model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        block_loading: Callable[[Accelerator], BlockLoading | None] | None = None,
     ) -> None:
         self.accelerator = accelerator
         self._prepared_model: Any = None
         self._prepared_optimizer: Any = None
         self._plain_model_context = plain_model_context or contextlib.nullcontext
+        self._block_loading = block_loading
 
     def plain_model_context(self) -> contextlib.AbstractContextManager:
         """The context in which a plain model is built and loaded while this run's strategy is live."""
@@ -80,10 +85,14 @@ class AccelerateRuntime:
         return contextlib.nullcontext()
 
     def build_model(self, model_init: Callable[[], Any]) -> Any:
-        """The run's model, built by ``model_init`` in the strategy's construction context (every rank whole;
-        a pipeline runtime leaves other stages' layers unbuilt)."""
+        """The run's model, built by ``model_init`` in the strategy's construction context: with its transformer
+        blocks held as the strategy holds them (``hftrain.strategies.loading``) where ``model_init`` is a pretrained
+        folder's builder and the strategy has a way; otherwise whole on every rank (a pipeline runtime leaves other
+        stages' layers unbuilt)."""
+        build = getattr(model_init, "build", None)
+        loading = self._block_loading(self.accelerator) if build is not None and self._block_loading else None
         with self.plain_model_context():
-            return model_init()
+            return build(loading=loading) if loading is not None else model_init()
 
     def apply_recomputation(self, model: Any, mode: str) -> str:
         """Recompute ``model``'s activations in the backward pass (``hftrain.parallel.recompute``), before

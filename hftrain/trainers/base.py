@@ -284,10 +284,12 @@ class Trainer:
     def create_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """AdamW with no weight decay on biases and norms, as the HF Trainer does; one fused kernel per step
         (``optim: adamw_torch_fused``) instead of torch's per-tensor loop."""
+        from hftrain.models.weights import logical_shape
+
         decay, no_decay = [], []
         for param in model.parameters():
             if param.requires_grad:
-                (no_decay if param.ndim < 2 else decay).append(param)
+                (no_decay if len(logical_shape(param)) < 2 else decay).append(param)
         groups = [
             {"params": decay, "weight_decay": self.args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},

@@ -31,6 +31,7 @@ positions``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -107,10 +108,10 @@ class FlopModel:
             if not isinstance(module, nn.Linear | Conv1D):
                 continue
             weight = module.weight
-            flops = (4 + 2 * weight.requires_grad) * weight.numel()
+            flops = (4 + 2 * weight.requires_grad) * _numel(weight)
             if id(weight) in in_layers:
                 per_token += flops
-                forward += 2 * weight.numel()
+                forward += 2 * _numel(weight)
             elif "pooler" in name or "classifier" in name:  # reads the pooled first token (BERT-style heads)
                 per_sequence += flops
             else:  # a score head computed at every position, then pooled (GPT-2, Llama)
@@ -121,7 +122,7 @@ class FlopModel:
             siblings = list(layer.get_submodule(parent).named_children())
             after = [m for _, m in siblings[[n for n, _ in siblings].index(child) + 1 :]]
             if not any(_keeps_its_input(m) for m in after):
-                forward -= 2 * last.weight.numel()
+                forward -= 2 * _numel(last.weight)
         return cls(config.num_hidden_layers, width, per_token, per_sequence, forward)
 
     def step(self, batch: int, length: int, *, recompute: str | None = None) -> tuple[float, float]:
@@ -307,3 +308,10 @@ def padding_words(summary: dict[str, Any]) -> str:
     """``"padding 7.9% of tokens"`` from a run summary, for the closing line ("" when nothing was counted)."""
     fraction = summary.get("train_padding_fraction")
     return "" if fraction is None else f"padding {100 * fraction:.1f}% of tokens"
+
+
+def _numel(weight: torch.Tensor) -> int:
+    """The weight's element count as the model defines it (a ZeRO-3 parameter built partitioned holds none)."""
+    from hftrain.models.weights import logical_shape
+
+    return math.prod(logical_shape(weight))

@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from hftrain.errors import ConfigError
 from hftrain.files import read_input
 from hftrain.strategies.base import Strategy
+from hftrain.strategies.loading import replica_loading
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.config import TrainingConfig
+    from hftrain.models.weights import BlockLoading
     from hftrain.strategies.deepspeed.runtime import ZeroRuntime
 
 
@@ -176,6 +178,16 @@ class ZeroStrategy(Strategy):
             size_from_model=lambda model: fill_model_sized(plugin.deepspeed_config, model.config),
             **self.runtime_hooks(),
         )
+
+    def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
+        """ZeRO-3 partitions each block as it is read; under ZeRO-1/2 the engine broadcasts rank 0's parameters,
+        so the other ranks need the memory, not the reads (``hftrain.strategies.loading``)."""
+        if self.stage < 3:
+            return replica_loading(f"ZeRO-{self.stage}", accelerator)
+        from hftrain.strategies.deepspeed.loading import Zero3Loading
+
+        zero = self._plugin.deepspeed_config.get("zero_optimization", {})
+        return Zero3Loading(zero, str(accelerator.mixed_precision))
 
     def describe(self) -> dict[str, Any]:
         zero = self._base_config().get("zero_optimization", {})
