@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -307,7 +308,12 @@ class PretrainedBuilder:
         from hftrain.models.weights import Weights, blocks_in
 
         model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path, trust_remote_code=self.trusted))
-        weights = Weights.of(self.path, getattr(model_class, "base_model_prefix", "")) if model_class else None
+        with reading(
+            f"model.model_name_or_path: the safetensors headers in '{self.path}' do not read",
+            "the files are damaged: save the model there again (save_pretrained) or point to a complete model folder",
+            catch=(OSError, ValueError, KeyError, TypeError, struct.error),
+        ):
+            weights = Weights.of(self.path, getattr(model_class, "base_model_prefix", "")) if model_class else None
         why = None
         if weights is None:
             why = "its weights are not safetensors files"
@@ -321,7 +327,13 @@ class PretrainedBuilder:
 
         model, initialised, left_out = (None, [], False) if why else self._load(leave_out, partial=True)
         if left_out and blocks:
-            loading.materialize(model, blocks, weights)
+            with reading(
+                f"model.model_name_or_path: the weights in '{self.path}' do not read",
+                "a safetensors file is shorter than its header says (an interrupted copy?): copy or save the model "
+                "there again",
+                catch=(OSError,),
+            ):
+                loading.materialize(model, blocks, weights)
             log_main(f"model: {loading.describe(len(blocks))}")
             return self._finish(model, initialised)
         why = why or ("no transformer block is stored as the model holds it" if not blocks else "see above")

@@ -128,7 +128,7 @@ class Weights:
         with entry.file.open("rb", buffering=0) as handle:
             fd = handle.fileno()
             if direct:
-                _pread_all(fd, out.reshape(-1).view(torch.uint8).numpy(), entry.offset, entry.file)
+                _pread_all(fd, _bytes_of(out), entry.offset, entry.file)
                 return
             flat, itemsize = out.reshape(-1), torch.empty((), dtype=entry.dtype).element_size()
             step = max(1, READ_PIECE // itemsize)
@@ -136,10 +136,19 @@ class Weights:
             for start in range(0, entry.numel, step):
                 count = min(step, entry.numel - start)
                 piece = stage[:count]
-                _pread_all(fd, piece.view(torch.uint8).numpy(), entry.offset + start * itemsize, entry.file)
+                _pread_all(fd, _bytes_of(piece), entry.offset + start * itemsize, entry.file)
                 flat[start : start + count].copy_(piece)
             if flat.data_ptr() != out.data_ptr():  # reshape copied (a non-contiguous destination)
                 out.copy_(flat.view(out.shape))
+
+
+def _bytes_of(tensor: torch.Tensor) -> object:
+    """A writable byte buffer over a contiguous host tensor's memory. Not ``Tensor.numpy()``: that marks the storage
+    as not resizable for numpy's sake, and a storage that is not resizable is how ``DDPRuntime`` tells a memory map
+    of the file from the process's own memory."""
+    import ctypes
+
+    return (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
 
 
 def _pread_all(fd: int, buffer: object, offset: int, path: Path) -> None:
