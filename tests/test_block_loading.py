@@ -130,6 +130,8 @@ EXPECTED = {  # the line rank 0 logs
 
 def _train(folder: str, strategy: str, options: dict | None, lora: dict, micro: int) -> dict:
     """``STEPS`` fp32 steps from ``folder`` under ``strategy``: losses, and the ``model:`` lines logged."""
+    from transformers import AutoTokenizer
+
     from hftrain.cli import launch_info_from_environ
     from hftrain.config import TrainingConfig
     from hftrain.data.batching import tokenize_splits
@@ -137,7 +139,6 @@ def _train(folder: str, strategy: str, options: dict | None, lora: dict, micro: 
     from hftrain.strategies import strategy_from_options
     from hftrain.trainers import SequenceClassificationTrainer
     from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits
-    from transformers import AutoTokenizer
 
     reset_accelerate_state()
     lines: list[str] = []
