@@ -129,6 +129,9 @@ def worker(argv: list[str]) -> int:
             with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear:
                 clear.write("5")  # VmHWM starts again from the resident memory
         figures["at_fit"] = torch.cuda.memory_allocated() if cuda else _resident("VmRSS")
+        # the default group bound to this rank's device (eager NCCL init, Platform.start_group_eagerly); None on gloo
+        bound = torch.distributed.distributed_c10d._get_default_group().bound_device_id
+        figures["bound_device"] = None if bound is None else str(bound)
         return fit(self, *args, **kwargs)
 
     def step_end_measured(self, *args, **kwargs):
@@ -283,6 +286,9 @@ def _memory(memory_dir: Path, cpu: bool) -> tuple[float, float]:
     if not firsts or any("peak" not in f for f in firsts):
         raise RuntimeError(f"no peak memory from {len(firsts)} rank(s) in {memory_dir}")
     less = (lambda f: f["baseline"]) if cpu else (lambda f: 0)
+    unbound = [i for i, f in enumerate(firsts) if not cpu and not f.get("bound_device")]
+    if unbound:  # NCCL would bootstrap every subgroup on its own, and find a broken rank only at the first collective
+        raise AssertionError(f"rank(s) {unbound}: the default process group is not bound to the rank's GPU")
     return max(f["peak"] - less(f) for f in firsts), max(f["process_peak"] - less(f) for f in firsts)
 
 

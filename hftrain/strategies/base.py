@@ -216,6 +216,7 @@ class Strategy(ABC):
         ``backend``/``timeout``; and the environment flags ``Accelerator.__init__`` sets for a DeepSpeed or FSDP
         plugin before it builds the state (``PartialState`` reads them: DeepSpeed's ``init_distributed``, FSDP's
         ``cpu:gloo`` beside nccl). The kwargs are :meth:`accelerator_kwargs`'s, so nothing differs for any strategy.
+        On a GPU the default group is started first, bound to the rank's device (``Platform.start_group_eagerly``).
         Idempotent: a started state is left as it is.
 
         Args:
@@ -234,6 +235,8 @@ class Strategy(ABC):
             if kwargs.get(plugin) is not None:
                 os.environ[flag] = "true"  # what Accelerator.__init__ sets before its state, to the same value
         cpu = bool(kwargs.get("cpu", False)) or parse_flag_from_env("ACCELERATE_USE_CPU")
+        if init and not cpu:  # on a GPU: the group bound to this rank's device now (Accelerate keeps it)
+            self.platform.start_group_eagerly(init[-1].backend, init[-1].timeout)
         PartialState(cpu, **(init[-1].to_kwargs() if init else {}))
 
     def build_accelerator(

@@ -334,6 +334,33 @@ class Platform:
         backend = f"{self.device}:{self.backend},cpu:gloo" if cpu_collectives and not self.is_cpu else self.backend
         return [InitProcessGroupKwargs(backend=backend, timeout=COLLECTIVE_TIMEOUT)]
 
+    def start_group_eagerly(self, backend: str, timeout: Any) -> bool:
+        """On a GPU, start the default process group bound to this rank's device, before Accelerate would; returns
+        whether it did (on a CPU, or in one process, or with a group already up: nothing to do).
+
+        Accelerate calls ``init_process_group`` without ``device_id`` and sets the device afterwards, so NCCL creates
+        the world communicator lazily at the first collective and every later group bootstraps its own from scratch.
+        Bound to its device (``device_id``), the default group connects at once (a rank whose GPU or network is
+        broken fails here, not minutes into the run), and ``new_group`` / ``init_device_mesh`` split their
+        communicators from it (``ncclCommSplit``) instead of a new bootstrap each. Accelerate (and DeepSpeed's
+        ``init_distributed``) find the group started and keep it.
+
+        Args:
+            backend: the backend Accelerate would start (``nccl``; ``cuda:nccl,cpu:gloo`` with FSDP offload).
+            timeout: how long every collective waits (``COLLECTIVE_TIMEOUT``).
+        """
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        if self.is_cpu or int(os.environ.get("WORLD_SIZE", "1")) < 2 or dist.is_initialized():
+            return False
+        device = torch.device(self.device, int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
+        return True
+
     def default_handlers(self) -> list:
         """The kwargs handlers a strategy that names none gets: on a GPU the backend with ``COLLECTIVE_TIMEOUT``
         (Accelerate's NCCL default is 10 minutes); on a CPU none (``cpu=True`` picks gloo, 30 minutes)."""
