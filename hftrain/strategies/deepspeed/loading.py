@@ -3,10 +3,12 @@
 
 ZeRO-3: each block, read whole into host memory, becomes ZeRO parameters at once through ``deepspeed.zero.Init(
 module=block)`` (DeepSpeed's documented way to partition an already-built module: rank r keeps elements
-``[r·P, (r+1)·P)`` of each flattened tensor, ``P = ceil(numel / N)``, in ``param.ds_tensor`` and frees the rest, no
-collective). ``deepspeed.initialize`` later converts the parameters that are still whole (embeddings, final norm,
-the new head) the same way (``DeepSpeedZeRoOffload._convert_to_zero_parameters``), so every parameter ends up
-partitioned exactly as when the engine partitions a whole model.
+``[r·P, (r+1)·P)`` of each flattened tensor, ``P = ceil(numel / N)``, in ``param.ds_tensor`` and frees the rest).
+``zero.Init`` first broadcasts each tensor from rank 0 of the data-parallel group (``_zero_init_param``: one
+broadcast per tensor, as ``prepare`` does for a whole model), so only rank 0 reads the files; the other ranks give
+the block memory and take rank 0's bytes. ``deepspeed.initialize`` later converts the parameters that are still
+whole (embeddings, final norm, the new head) the same way (``DeepSpeedZeRoOffload._convert_to_zero_parameters``),
+so every parameter ends up partitioned exactly as when the engine partitions a whole model.
 
 One thing the engine does differently for a model that has ZeRO parameters already: it no longer casts the
 parameters to bf16/fp16 under mixed precision (``_cast_module_mixed_precision``: "ZeRO-Init params are already at
@@ -46,6 +48,7 @@ class Zero3Loading(ShardedLoading):
 
     def __init__(self, zero: dict[str, Any], mixed_precision: str) -> None:
         import torch
+        import torch.distributed as dist
 
         offload = zero.get("offload_param") or {}
         self._config = {
@@ -53,6 +56,7 @@ class Zero3Loading(ShardedLoading):
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": 3, **({"offload_param": offload} if offload else {})},
         }
+        self._reads = not dist.is_initialized() or dist.get_rank() == 0
         self._dtype: torch.dtype | None = getattr(torch, PRECISION[mixed_precision], None) if (
             mixed_precision in PRECISION
         ) else None  # fmt: skip
@@ -67,7 +71,11 @@ class Zero3Loading(ShardedLoading):
     def place(self, path: str, block: nn.Module, weights: Weights) -> None:
         if self._dtype is not None:
             block.to(self._dtype)  # on meta: only the dtype the file's bytes are cast to
-        super().place(path, block, weights)
+        if self._reads:
+            super().place(path, block, weights)
+        else:  # zero.Init broadcasts rank 0's values into every rank's copy before it partitions: nothing to read
+            block.to_empty(device="cpu")
+            self.shard(block)
 
     def shard(self, block: nn.Module) -> None:
         import deepspeed
