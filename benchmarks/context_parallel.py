@@ -76,10 +76,10 @@ def _step(seq: int, comm: str) -> dict:
     exchange, pairs = cp_module._Block.exchange, cp_module._visible_pairs
     work = [0]
 
-    def counted_pairs(q_runs, k_runs, causal):
-        for qs, ks in pairs(q_runs, k_runs, causal):
+    def counted_pairs(q_runs, k_runs, causal, window=None, plain=False):
+        for qs, ks, pattern in pairs(q_runs, k_runs, causal, window, plain):
             work[0] += (qs.stop - qs.start) * (ks.stop - ks.start)  # query-key scores computed
-            yield qs, ks
+            yield qs, ks, pattern
 
     cp_module._visible_pairs = counted_pairs
 
