@@ -73,7 +73,7 @@ class CheckpointManager:
         run_id: the run these checkpoints belong to (``hftrain.checkpoint.run``): ``latest``/``auto`` refuse a
             checkpoint of another run found in ``root``. None (a run from before run ids) checks nothing.
         write_threads: each rank's DCP writer threads (one file each); None: by the state's size, up to
-            ``min(4, CPUs)`` (``checkpoint.sharded.write_threads``).
+            ``min(4, CPUs)`` beside GPUs, 1 on a CPU-only host (``checkpoint.sharded.write_threads``).
     """
 
     def __init__(

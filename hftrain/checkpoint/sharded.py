@@ -311,8 +311,13 @@ state is written by one thread into one file, as a file per thread buys nothing 
 
 
 def default_write_threads() -> int:
-    """The writer threads a rank uses at most by default: ``min(4, CPUs this process may run on)``."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """The writer threads a rank uses at most by default: ``min(4, CPUs this process may run on)`` beside GPUs; 1 on
+    a CPU-only host, where the training's own threads compute on those cores and more writers measured no faster
+    (``benchmarks/checkpoint_memory.py --writer``: 1.10-1.71 × one thread's time on the 2-core machine)."""
+    if not torch.cuda.is_available():
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 def write_threads(state: dict[str, Chunked], threads: int | None = None) -> int:
