@@ -16,6 +16,10 @@ rows of its own experts) and against the same with the routed counts (what the f
 router: its share of rows for the other rank's experts is ``(ep−1)/ep``). The tokens per expert (layer 0, step 1
 and last step) show the balance the load-balancing loss keeps.
 
+A third run, ep = 2 with ``moe_capacity_factor`` E/k (fixed slots no expert can overflow: dropless, exact, no host
+read), is set beside the dropless ep = 2 run (exact split sizes, one host read per layer): the MoE layers' host
+reads per step (``hftrain.metrics.syncs``), peak, step time and all-to-all bytes.
+
 Times are on 2 shared cores with one thread per process: they compare ep against ep = 1 in one run only.
 
 Usage (about 30 s idle, 4 GB at most):
