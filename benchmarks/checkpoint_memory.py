@@ -10,9 +10,10 @@ holds whole):
   and the peak's increase over VmRSS before the save is read, with the save's wall time;
 - ``background save``: the same, written in the background: ``blocked`` is the time until training could go on
   (the save call's return: extras, snapshot and the CPU staging copy), ``total`` until the write is published;
-  ``next save``: the blocked time of a second background save, whose staging copy goes into the first one's
-  memory (the steady state of a run), and the parts of the blocked time: the extras (scheduler, RNG, a
-  pipeline's timeline) and a staging copy into fresh memory;
+  ``next save``: the blocked time of a second background save (the steady state of a run: the first save's
+  staging block was released once written, ``checkpoint.sharded.Staging``, and the second one's comes from the
+  heap again), and the parts of the blocked time: the extras (scheduler, RNG, a pipeline's timeline) and a
+  staging copy;
 - ``export``: the full weights streamed one tensor at a time (``runtime.iter_full_state``), the peak's increase
   on each rank (the main process receives each whole tensor; the writer is measured by ``hftrain convert``'s
   benchmark).
@@ -20,8 +21,15 @@ holds whole):
 The issue's bound is ``peak ≤ 1.2 × own + 64 MiB`` per rank; the ratio ``blocked / sync`` should be ≤ 0.2.
 SmolLM2's 9 query heads split over tp = 3, not 2, so the tensor-parallel layout here is tp = 3.
 
+``--writer`` measures instead, in one process, the writer and the staging block alone (issue 55): SmolLM2-135M's
+fp32 weights and both Adam moments as boxes of random values (1.5 GB), staged once (``Snapshot.staged``: the
+block's bytes against the state's, and against what torch's pinned allocator would hold for one buffer per box,
+each rounded up to a power of two), then written by ``sharded.write`` with 1, 2 and 4 threads, each twice, in
+turn (median seconds, files per rank).
+
 Usage (about 5 minutes on 2 shared cores, ~6 GB of memory):
     python benchmarks/checkpoint_memory.py [--layouts tp3,pp2,zero3,fsdp2,ddp2]
+    python benchmarks/checkpoint_memory.py --writer [--threads 1,2,4]
 """
 
 from __future__ import annotations
@@ -114,13 +122,13 @@ def _measure(strategy_name: str, options: dict, folder: str) -> dict:
 
     background_peak, background_time = _measured(background)
     runtime.wait_for_everyone()
-    background()  # again: the steady state (the staging copy reuses the first one's memory)
+    background()  # again: the steady state (the first save's block went back to the heap once written)
     runtime.wait_for_everyone()
     start = time.perf_counter()
     runtime.save_extras(str(Path(args.output_dir) / "extras"))  # what the loop waits for besides the copy
     extras = time.perf_counter() - start
     start = time.perf_counter()
-    runtime.snapshot().staged({})  # into fresh memory
+    runtime.snapshot().staged().release()  # one staging block, from the heap, released
     staging = time.perf_counter() - start
     runtime.wait_for_everyone()
 
@@ -148,10 +156,65 @@ def _measure(strategy_name: str, options: dict, folder: str) -> dict:
     }
 
 
+def _writer(threads: list[int]) -> None:
+    """The ``--writer`` figures (module docstring)."""
+    import statistics
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from benchmarks.pipeline_memory import smollm2_config
+    from hftrain.checkpoint.sharded import Chunked, Snapshot, write
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(smollm2_config())
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    state = {
+        f"{prefix}{name}": Chunked.whole(torch.randn(shape))
+        for name, shape in shapes.items()
+        for prefix in ("model.", "optim.exp_avg.", "optim.exp_avg_sq.")
+    }
+    live = Snapshot(state=state, param_groups=[])
+    start = time.perf_counter()
+    staged = live.staged()
+    staging_s = time.perf_counter() - start
+    block = staged.staging.nbytes
+    rounded = sum(1 << (t.nbytes - 1).bit_length() for v in state.values() for _, t in v.boxes)
+    print(
+        f"state {live.nbytes / MIB:,.0f} MiB in {sum(len(v.boxes) for v in state.values())} boxes; staging block "
+        f"{block / MIB:,.1f} MiB ({block / live.nbytes:.4f} × the state), staged in {staging_s:.2f} s; a pinned "
+        f"buffer per box rounded to a power of two: {rounded / MIB:,.0f} MiB ({rounded / live.nbytes:.2f} ×)"
+    )
+    staged.release()
+    print(f"after release: the block holds {staged.staging.nbytes} bytes\n")
+    times: dict[int, list[float]] = {n: [] for n in threads}
+    files: dict[int, int] = {}
+    for _ in range(2):
+        for n in threads:
+            with tempfile.TemporaryDirectory(dir=os.environ.get("HFTRAIN_BENCH_DIR")) as folder:
+                start = time.perf_counter()
+                write(state, folder, threads=n)
+                times[n].append(time.perf_counter() - start)
+                files[n] = len(list(Path(folder).glob("*.distcp")))
+    print("| writer threads | files per rank | median write (s) | / 1 thread |")
+    print("|---|---|---|---|")
+    one = statistics.median(times[threads[0]])
+    for n in threads:
+        median = statistics.median(times[n])
+        print(f"| {n} | {files[n]} | {median:.2f} | {median / one:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated: " + ", ".join(LAYOUTS))
+    parser.add_argument("--writer", action="store_true", help="the writer's threads and the staging block alone")
+    parser.add_argument("--threads", default="1,2,4", help="--writer: comma-separated thread counts")
     args = parser.parse_args()
+    if args.writer:
+        _writer([int(n) for n in args.threads.split(",")])
+        return
     folder = saved_model("smollm2")
     print(
         "| layout | rank | own state (MiB) | sync save: peak (MiB) | bound 1.2·own+64 | time (s) |"

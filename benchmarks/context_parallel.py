@@ -18,9 +18,16 @@ Then the longest S (of 1k-32k) whose step fits a per-process budget (``--budget-
 from the measured peaks. Times are on 2 shared cores: cp = 4 runs 4 processes on 2 cores, so its step time is
 not what 4 devices would give; the memory and the balance are.
 
+``--ring-masks`` measures instead the ring's masks alone (issue 55): causal ring attention (9 query / 3 key-value
+heads of 64, batch 1, fp32) over cp = 2 processes on an unpadded sequence, run with the padding flag set (every
+block gets its dense additive bias, as before) and without it (a chunk against itself runs the kernel's
+``is_causal``, chunks below the diagonal run unmasked), alternately, 3 times each after a warm-up round: the
+biases built, the peak increase (the largest of the 3) and the median forward + backward time per rank.
+
 Usage (about 4 minutes, 8 GB at most):
     python benchmarks/context_parallel.py [--seqs 2048,4096,8192] [--budget-gib 1.5]
     python benchmarks/context_parallel.py --comm all_to_all --cps 1,3 --seqs 3072   # 3 key/value heads: cp=3
+    python benchmarks/context_parallel.py --ring-masks --seqs 8192
 """
 
 from __future__ import annotations
@@ -76,10 +83,10 @@ def _step(seq: int, comm: str) -> dict:
     exchange, pairs = cp_module._Block.exchange, cp_module._visible_pairs
     work = [0]
 
-    def counted_pairs(q_runs, k_runs, causal):
-        for qs, ks in pairs(q_runs, k_runs, causal):
+    def counted_pairs(q_runs, k_runs, causal, window=None, plain=False):
+        for qs, ks, pattern in pairs(q_runs, k_runs, causal, window, plain):
             work[0] += (qs.stop - qs.start) * (ks.stop - ks.start)  # query-key scores computed
-            yield qs, ks
+            yield qs, ks, pattern
 
     cp_module._visible_pairs = counted_pairs
 
@@ -123,13 +130,72 @@ def _step(seq: int, comm: str) -> dict:
     }
 
 
+def _ring_masks(seq: int) -> dict:
+    """One rank of ``--ring-masks`` (module docstring)."""
+    import gc
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    import hftrain.parallel.context_parallel as cp_module
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    pos = cp_module.zigzag_positions(seq, cp, rank)
+    q, k, v = (torch.randn(1, h, seq, 64, generator=g)[:, :, pos].contiguous() for h in (9, 3, 3))
+    keep = torch.ones(1, seq // cp, dtype=torch.bool)
+    runs = cp_module.zigzag_runs(seq, cp)
+    built, bias = [0], cp_module._bias
+
+    def counted(*args, **kwargs):
+        built[0] += 1
+        return bias(*args, **kwargs)
+
+    cp_module._bias = counted
+    result: dict = {}
+    for round_ in range(4):  # the first is a warm-up of both (the allocator's first pages), not recorded
+        for padded in (True, False):
+            shard = cp_module.Shard(keep, pos, True, 0.125, dist.group.WORLD, runs, padded=padded)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            gc.collect()
+            before, built[0] = _status("VmRSS"), 0
+            reset_peak()
+            start = time.perf_counter()
+            cp_module.ring_attention(*leaves, shard).sum().backward()
+            seconds = time.perf_counter() - start
+            if round_ == 0:
+                dist.barrier()
+                continue
+            entry = result.setdefault(padded, {"s": [], "peak": 0, "biases": 0})
+            entry["s"].append(seconds)
+            entry["peak"] = max(entry["peak"], _status("VmHWM") - before)
+            entry["biases"] = built[0]
+            dist.barrier()
+    dist.destroy_process_group()
+    return {padded: {**e, "s": statistics.median(e["s"])} for padded, e in result.items()} | {"rank": rank}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
     parser.add_argument("--cps", default="1,2,4", help="comma-separated cp sizes")
     parser.add_argument("--comm", default="ring", choices=("ring", "all_to_all"), help="parallelism.cp_comm")
     parser.add_argument("--budget-gib", type=float, default=1.5, help="per-process memory budget for the longest S")
+    parser.add_argument("--ring-masks", action="store_true", help="the ring's masks alone, dense bias against none")
     args = parser.parse_args()
+    if args.ring_masks:
+        mib = 1 << 20
+        print("| S | rank | masks | biases built | peak increase MiB | forward+backward s |")
+        print("|---|---|---|---|---|---|")
+        for seq in map(int, args.seqs.split(",")):
+            for r in run_distributed(_ring_masks, nprocs=2, timeout=1800, seq=seq):
+                for padded, label in ((True, "dense bias (before)"), (False, "is_causal / none")):
+                    e = r[padded]
+                    print(f"| {seq} | {r['rank']} | {label} | {e['biases']} | {e['peak'] / mib:.0f} | {e['s']:.2f} |")
+        return
     from hftrain.plan import Workload, model_from_config
     from hftrain.plan.model_parallel import _context_bytes
 

@@ -16,6 +16,10 @@ rows of its own experts) and against the same with the routed counts (what the f
 router: its share of rows for the other rank's experts is ``(ep−1)/ep``). The tokens per expert (layer 0, step 1
 and last step) show the balance the load-balancing loss keeps.
 
+A third run, ep = 2 with ``moe_capacity_factor`` E/k (fixed slots no expert can overflow: dropless, exact, no host
+read), is set beside the dropless ep = 2 run (exact split sizes, one host read per layer): the MoE layers' host
+reads per step (``hftrain.metrics.syncs``), peak, step time and all-to-all bytes.
+
 Times are on 2 shared cores with one thread per process: they compare ep against ep = 1 in one run only.
 
 Usage (about 30 s idle, 4 GB at most):
@@ -50,7 +54,7 @@ def _config():
     )  # fmt: skip
 
 
-def _train(ep: int, steps: int) -> dict:
+def _train(ep: int, steps: int, capacity_factor: float | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForSequenceClassification
@@ -64,7 +68,7 @@ def _train(ep: int, steps: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(_config())
-    plugin = MegatronPlugin(ParallelismConfig(ep=ep)).setup()
+    plugin = MegatronPlugin(ParallelismConfig(ep=ep, moe_capacity_factor=capacity_factor)).setup()
     model = plugin.prepare_model(model)
     monitor = RouterMonitor(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -84,6 +88,9 @@ def _train(ep: int, steps: int) -> dict:
         return all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
 
     dist.all_to_all_single = counted
+    from hftrain.metrics.syncs import count_host_syncs
+
+    reads: list[int] = []
     generator = torch.Generator().manual_seed(rank)
     times, loads, sent_per_step = [], [], []
     rss_after_first = 0
@@ -93,9 +100,11 @@ def _train(ep: int, steps: int) -> dict:
         mask = torch.ones_like(ids)
         sent[0] = 0
         start = time.perf_counter()
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss = loss + monitor.aux_loss(mask, group=dist.group.WORLD)
-        loss.backward()
+        with count_host_syncs(trace=True) as report:  # the MoE layers' reads (the CPU counter)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = loss + monitor.aux_loss(mask, group=dist.group.WORLD)
+            loss.backward()
+        reads.append(sum("expert_parallel.py" in where for where in report.where))
         plugin.finalize_grads(model)
         plugin.clip_grad_norm_(model, 1.0)
         optimizer.step()
@@ -115,6 +124,7 @@ def _train(ep: int, steps: int) -> dict:
         "step_s": statistics.median(times[1:]),
         "moe_params": moe_params,
         "sent_per_layer_step": statistics.mean(sent_per_step) / LAYERS,
+        "reads_per_step": statistics.mean(reads),
         "load_first": loads[0],
         "load_last": loads[-1],
     }
@@ -126,7 +136,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is not timed)")
     args = parser.parse_args()
+    padded = EXPERTS / TOP_K  # a capacity factor of E/k: fixed slots no expert overflows (dropless, no host read)
     runs = {ep: run_distributed(_train, nprocs=2, timeout=1800, ep=ep, steps=args.steps) for ep in (1, 2)}
+    slots = run_distributed(_train, nprocs=2, timeout=1800, ep=2, steps=args.steps, capacity_factor=padded)
     tokens = BATCH * SEQ
     formula = 4 * tokens * TOP_K * HIDDEN * 4 * (2 - 1) / 2
     print(
@@ -156,6 +168,21 @@ def main() -> None:
         f"\nall-to-all bytes per layer and step per rank: measured {measured / 2**20:.3f} MiB, formula "
         f"4·T·k·h·4 B·(ep−1)/ep = {formula / 2**20:.3f} MiB (balanced router): {measured / formula:.3f}×"
     )
+    print(f"\nep=2 dropless, exact split sizes against fixed slots (moe_capacity_factor {padded:g} = E/k, no drop):")
+    print("| exchange | rank | MoE-layer host reads per step | peak MiB | median step s | all-to-all MiB/layer/step |")
+    print("|---|---|---|---|---|---|")
+    for label, ranks in (("exact sizes", two), ("fixed slots", slots)):
+        for r in ranks:
+            print(
+                f"| {label} | {r['rank']} | {r['reads_per_step']:.0f} | {r['peak_mib']:.0f} | {r['step_s']:.3f} | "
+                f"{r['sent_per_layer_step'] / 2**20:.2f} |"
+            )
+    for rank in range(2):
+        print(
+            f"rank {rank}: fixed slots / exact sizes: step time {slots[rank]['step_s'] / two[rank]['step_s']:.2f}, "
+            f"bytes {slots[rank]['sent_per_layer_step'] / two[rank]['sent_per_layer_step']:.2f}, peak "
+            f"{slots[rank]['peak_mib'] / two[rank]['peak_mib']:.2f}"
+        )
     print(f"tokens per expert, layer 0, step 1:    {[int(x) for x in two[0]['load_first']]}")
     print(f"tokens per expert, layer 0, step {args.steps}:    {[int(x) for x in two[0]['load_last']]}  "
           f"(ideal {2 * tokens * TOP_K // EXPERTS} each)")  # fmt: skip

@@ -57,6 +57,48 @@ def test_a_load_reads_any_other_tiling_in_place(tmp_path):
         read({"model.w": Chunked.whole(torch.zeros(5, 7))}, tmp_path)
 
 
+def _several_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {f"model.w{i}": torch.randn(40 + 7 * i, 9, generator=gen) for i in range(7)}
+
+
+def test_several_writer_threads_write_a_file_each_that_any_tiling_loads(tmp_path):
+    """``threads=3``: a file per thread, the boxes dealt out over them; every tensor reads back, whole and as
+    another tiling. By default a small state gets one thread (one file per rank); a large one up to min(4, CPUs)."""
+    from hftrain.checkpoint.sharded import BYTES_PER_WRITER_THREAD, default_write_threads, write_threads
+
+    tensors = _several_tensors()
+    write({k: Chunked.whole(v) for k, v in tensors.items()}, tmp_path, threads=3)
+    assert sorted(p.name for p in tmp_path.glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    assert min(p.stat().st_size for p in tmp_path.glob("*.distcp")) > 0
+    for key, value in tensors.items():
+        whole = torch.zeros_like(value)
+        halves = torch.zeros_like(value)
+        read({key: Chunked.whole(whole)}, tmp_path)
+        read({key: Chunked(tuple(value.shape), [((0, 0), halves[:, :4]), ((0, 4), halves[:, 4:])])}, tmp_path)
+        assert torch.equal(whole, value) and torch.equal(halves, value), key
+    small = {k: Chunked.whole(v) for k, v in tensors.items()}
+    assert write_threads(small) == 1 and write_threads(small, 2) == 2
+    elements = 10 * BYTES_PER_WRITER_THREAD // 4  # 10 threads' worth of fp32 (an expanded view: no memory)
+    big = {"model.big": Chunked((elements,), [((0,), torch.empty(1).expand(elements))])}
+    assert 1 <= default_write_threads() <= 4 and write_threads(big) == default_write_threads()
+    half = {"model.half": Chunked((elements // 20,), [((0,), torch.empty(1).expand(elements // 20))])}
+    assert write_threads(half) == 1  # half a thread's worth
+
+
+def test_a_failing_writer_thread_is_one_error_not_a_lost_file(tmp_path, capfd):
+    """Every file but the first cannot be created (a folder in its place): whichever thread meets it, the write
+    fails with that one error, and no thread prints a traceback (DCP's own extra threads print theirs and lose
+    their files' records, so the checkpoint would have been published without them)."""
+    tensors = _several_tensors()
+    for i in (1, 2, 3):
+        (tmp_path / f"__0_{i}.distcp").mkdir()
+    with pytest.raises(OSError, match="Is a directory"):
+        write({k: Chunked.whole(v) for k, v in tensors.items()}, tmp_path, threads=4)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+
+
 def test_views_of_a_larger_storage_are_written_from_their_own_memory(tmp_path):
     """DCP's writer clones a view of a larger storage and keeps every clone until the file is written: a live ZeRO-3
     snapshot (views of DeepSpeed's flat partitions) cost the rank its whole state once more (issue 42). The planner
@@ -208,7 +250,7 @@ def test_the_last_background_save_writes_the_live_states_without_a_staged_copy()
 
     def inspect(trainer):
         model = trainer.runtime.unwrap_model(trainer.model)
-        return {"staged": len(trainer.checkpoints._staging), "last": str(trainer.last_checkpoint),
+        return {"staged": trainer.checkpoints.staged_saves, "last": str(trainer.last_checkpoint),
                 "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}  # fmt: skip
 
     run = run_tiny_training(steps=3, async_save=True, inspect=inspect)["inspected"]

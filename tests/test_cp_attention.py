@@ -73,19 +73,22 @@ def _with_cuda_contract(kernel):
     from hftrain.parallel.context_parallel import BlockKernel
 
     def check(q, k, bias):
+        assert q.stride(-1) == 1 and k.stride(-1) == 1
+        if bias is None:  # no mask (the kernel's is_causal, or none): nothing to shape
+            return
         expected = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         assert bias.dim() == 4 and tuple(bias.shape) == expected, f"bias {tuple(bias.shape)}, kernel wants {expected}"
         assert bias.dtype == q.dtype and bias.stride(3) == 1 and bias.stride(2) % 16 == 0, bias.stride()
-        assert q.stride(-1) == 1 and k.stride(-1) == 1
 
-    def forward(q, k, v, bias, scale):
+    def forward(q, k, v, bias, scale, causal=False):
         check(q, k, bias)
-        return kernel.forward(q, k, v, bias, scale)
+        assert not causal or (bias is None and q.shape[2] == k.shape[2])  # a square diagonal block, unmasked
+        return kernel.forward(q, k, v, bias, scale, causal)
 
-    def backward(dout, q, k, v, bias, out, lse, scale):
+    def backward(dout, q, k, v, bias, out, lse, scale, causal=False):
         check(q, k, bias)
         assert lse.shape == q.shape[:3], (lse.shape, q.shape)
-        return kernel.backward(dout, q, k, v, bias, out, lse, scale)
+        return kernel.backward(dout, q, k, v, bias, out, lse, scale, causal)
 
     return BlockKernel(forward, backward)
 
@@ -285,7 +288,7 @@ def test_causal_work_is_the_same_on_every_rank(cp):
         sum(
             (q.stop - q.start) * (k.stop - k.start)
             for b in shards
-            for q, k in _visible_pairs(_chunks(s), _chunks(b), True)
+            for q, k, _pattern in _visible_pairs(_chunks(s), _chunks(b), True)
         )
         for s in shards
     ]

@@ -72,15 +72,20 @@ class CheckpointManager:
         keep: how many complete checkpoints to keep (None keeps all).
         run_id: the run these checkpoints belong to (``hftrain.checkpoint.run``): ``latest``/``auto`` refuse a
             checkpoint of another run found in ``root``. None (a run from before run ids) checks nothing.
+        write_threads: each rank's DCP writer threads (one file each); None: by the state's size, up to
+            ``min(4, CPUs)`` beside GPUs, 1 on a CPU-only host (``checkpoint.sharded.write_threads``).
     """
 
-    def __init__(self, root: str | Path, *, keep: int | None = None, run_id: str | None = None) -> None:
+    def __init__(
+        self, root: str | Path, *, keep: int | None = None, run_id: str | None = None, write_threads: int | None = None
+    ) -> None:
         self.root = Path(root)
+        self.write_threads = write_threads
         self.keep = keep
         self.run_id = run_id
         self._pending: _Pending | None = None
         self._group: Any = None
-        self._staging: dict[Any, Any] = {}  # background saves' CPU copies, by (key, box offsets), reused
+        self.staged_saves = 0  # background saves that staged a copy (the last one of a run writes the live states)
 
     # ----------------------------------------------------------------- writing (collective)
     def save(
@@ -130,20 +135,24 @@ class CheckpointManager:
         agreed.phase(write_metadata if main else None, state_dir, snapshot)
         marker = {"step": step, **meta}
         if not background:
-            agreed.phase(write, snapshot.state, state_dir / DCP_DIR)
+            agreed.phase(write, snapshot.state, state_dir / DCP_DIR, threads=self.write_threads)
             agreed.phase(self._publish, staging, final, marker, main=main, group=None)
             return final
-        # The next optimizer step changes the live tensors; the write reads a copy, in the memory of the previous
-        # save's copy (no save is in flight now), so that training waits only for a copy into warm pages. After the
-        # last step nothing changes them: the write reads them as they are.
-        staged = snapshot if live else snapshot.staged(self._staging)
+        # The next optimizer step changes the live tensors; the write reads a copy (one block of exactly the rank's
+        # state, sharded.Staging), released as soon as it is written. After the last step nothing changes them: the
+        # write reads them as they are.
+        staged = snapshot if live else snapshot.staged()
+        self.staged_saves += staged.staging is not None
         group = self._background_group()
         device = _with_index(getattr(runtime, "device", None))
 
         def write_in_background() -> None:
             _bind_device(device)  # this rank's GPU, not cuda:0 (a new thread starts on device 0)
-            staged.wait_copied()  # the staging copies run non-blocking into pinned memory on a GPU
-            write(staged.state, state_dir / DCP_DIR, process_group=group)
+            try:
+                staged.wait_copied()  # the staging copies run non-blocking into page-locked memory on a GPU
+                write(staged.state, state_dir / DCP_DIR, process_group=group, threads=self.write_threads)
+            finally:
+                staged.release()  # the copy is on disk (or failed): its memory goes back now, not at the next save
             self._publish(staging, final, marker, main=main, group=group)
 
         self._pending = _Pending(agreed, final, _in_a_thread(write_in_background))

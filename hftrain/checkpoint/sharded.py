@@ -147,25 +147,17 @@ class Chunked:
                 return tensor
         raise KeyError(f"no box at {wanted}")
 
-    def staged(self, buffers: dict[Any, torch.Tensor], key: str) -> Chunked:
+    def staged(self, staging: Staging) -> Chunked:
         """A copy in CPU memory that the training step does not change (a background save writes it).
 
         Args:
-            buffers: copies kept from the previous save, by ``(key, offsets)``; reused when the shape and dtype
-                match (copying into memory already touched is several times faster than into fresh pages), and
-                updated.
-            key: this tensor's key.
+            staging: the save's staging block; each box is copied into its next slice.
         """
         boxes = []
         for offsets, tensor in self.boxes:
-            buffer = buffers.get((key, offsets))
-            # From a GPU: into pinned memory, without blocking the host (Snapshot.staged records the event the
+            # From a GPU: into page-locked memory, without blocking the host (Snapshot.staged records the event the
             # writer waits on); from the host: a plain copy.
-            on_gpu = tensor.is_cuda
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=on_gpu)
-                buffers[(key, offsets)] = buffer
-            boxes.append((offsets, buffer.copy_(tensor.detach(), non_blocking=on_gpu)))
+            boxes.append((offsets, staging.take(tensor).copy_(tensor.detach(), non_blocking=tensor.is_cuda)))
         return Chunked(self.size, boxes)
 
     @property
@@ -313,27 +305,100 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 # ----------------------------------------------------------------- writing and reading
-def write(state: dict[str, Chunked], directory: str | Path, *, process_group: Any = None) -> None:
+BYTES_PER_WRITER_THREAD = 64 * 2**20
+"""A rank's state gets one writer thread (and one ``.distcp`` file) per this many bytes, up to ``threads``: a small
+state is written by one thread into one file, as a file per thread buys nothing below a few tens of MiB."""
+
+
+def default_write_threads() -> int:
+    """The writer threads a rank uses at most by default: ``min(4, CPUs this process may run on)`` beside GPUs; 1 on
+    a CPU-only host, where the training's own threads compute on those cores and more writers measured no faster
+    (``benchmarks/checkpoint_memory.py --writer``: 1.10-1.71 × one thread's time on the 2-core machine)."""
+    if not torch.cuda.is_available():
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def write_threads(state: dict[str, Chunked], threads: int | None = None) -> int:
+    """The writer threads for ``state``: ``threads`` where given; by default :func:`default_write_threads`, at most
+    one per :data:`BYTES_PER_WRITER_THREAD` of this rank's boxes, at least one."""
+    if threads is not None:
+        return max(1, threads)
+    nbytes = sum(value.nbytes for value in state.values())
+    return max(1, min(default_write_threads(), -(-nbytes // BYTES_PER_WRITER_THREAD)))
+
+
+def write(
+    state: dict[str, Chunked], directory: str | Path, *, process_group: Any = None, threads: int | None = None
+) -> None:
     """Write ``state`` into the DCP folder ``directory`` (collective over ``process_group``; every rank passes its
     own boxes of the same keys).
+
+    Each rank writes with :func:`write_threads` threads, one file each (``__<rank>_<i>.distcp``, ``i`` < threads;
+    DCP deals the boxes out by size, largest first, to the least-filled file); a failure in any of them is this
+    rank's one error, as with one thread (:class:`_Writer`).
 
     Args:
         state: key -> this rank's boxes.
         directory: the ``state/dcp`` folder.
         process_group: the group whose ranks write together (None: the default group, or no group in one process).
+        threads: the writer threads (None: :func:`write_threads`' default, by the state's size).
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     single = _single_process(dist)
+    writer = _Writer(str(directory), thread_count=write_threads(state, threads), sync_files=True)
     with _first_failure(f"writing '{directory}'", writing=Path(directory)), _without_zip_checksums():
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(str(directory), thread_count=1, sync_files=True),
-            planner=_SavePlanner(),
-            process_group=process_group,
-            no_dist=single,
-        )
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), process_group=process_group, no_dist=single)
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, whose extra threads' failures are raised, not printed and lost.
+
+    ``FileSystemWriter._write_data`` runs ``thread_count − 1`` threads beside the calling one, each taking files from
+    a queue (``_write_files_from_queue``); an exception in one of those threads goes to ``threading.excepthook``
+    (a traceback on stderr) and its files' results are simply missing. Here every thread runs the same function
+    inside a catch; after all have joined, the first failure is raised in the calling thread, where DCP reports it
+    as this rank's (and :func:`_first_failure` turns it into one line).
+    """
+
+    def _write_data(self, planner: Any, file_queue: Any) -> Any:
+        import queue
+        import threading
+
+        from torch.distributed.checkpoint.filesystem import _write_files_from_queue
+        from torch.futures import Future
+
+        results: queue.Queue = queue.Queue()
+        failures: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                _write_files_from_queue(
+                    create_stream=self.fs.create_stream, file_queue=file_queue, result_queue=results,
+                    planner=planner, transforms=self.transforms, inflight_threshhold=self.per_thread_copy_ahead,
+                    use_fsync=self.sync_files, thread_count=self.thread_count,
+                    serialization_format=self.serialization_format,
+                )  # fmt: skip
+            except BaseException as error:  # noqa: BLE001 - re-raised below, in the calling thread
+                failures.append(error)
+
+        threads = [threading.Thread(target=work, name=f"hftrain-dcp-writer-{i}") for i in range(1, self.thread_count)]
+        for thread in threads:
+            thread.start()
+        work()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        written = []
+        while not results.empty():
+            written += results.get_nowait()
+        done: Future = Future()
+        done.set_result(written)
+        return done
 
 
 @contextlib.contextmanager
@@ -866,6 +931,62 @@ def check_info(state_dir: str | Path, topology: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------- a strategy's state at one step
+class Staging:
+    """The CPU memory of one background save's staged copies: one block of exactly the boxes' bytes (each box starts
+    :data:`ALIGN`-byte aligned), held from the snapshot until its write is done, then released (:meth:`release`).
+
+    Page-locked where a box is on a GPU (so the copies run without blocking the host), by registering this block
+    with CUDA (``cudaHostRegister``, as torch's own DCP stager does): torch's pinned allocator would round every
+    buffer up to a power of two (up to 2× the state) and keep it cached for the whole run after it is freed. On a
+    CPU nothing is page-locked; the block goes back to the heap after the write, where the next allocation (the next
+    save's block, or training's) reuses its warm pages.
+
+    Args:
+        state: the boxes to stage (their sizes and devices).
+    """
+
+    ALIGN = 64
+
+    def __init__(self, state: dict[str, Chunked]) -> None:
+        tensors = [t for value in state.values() for _, t in value.boxes]
+        self.block: torch.Tensor | None = torch.empty(sum(map(self._slot, tensors)), dtype=torch.uint8)
+        self.registered = False
+        if any(t.is_cuda for t in tensors) and self.block.numel():
+            code = int(torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), self.block.numel(), 0))
+            if code != 0:
+                raise CheckpointError(
+                    f"could not page-lock {self.block.numel()} bytes of host memory for a background save (CUDA "
+                    f"error {code}); raise the locked-memory limit (ulimit -l) or save in the foreground"
+                )
+            self.registered = True
+        self._used = 0
+
+    @classmethod
+    def _slot(cls, tensor: torch.Tensor) -> int:
+        return -(-tensor.numel() * tensor.element_size() // cls.ALIGN) * cls.ALIGN
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (0 once released)."""
+        return 0 if self.block is None else self.block.numel()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """The next slice of the block as an empty CPU tensor of ``like``'s shape and dtype."""
+        assert self.block is not None, "a released staging block"
+        nbytes = like.numel() * like.element_size()
+        piece = self.block[self._used : self._used + nbytes].view(like.dtype).view(like.shape)
+        self._used += self._slot(like)
+        return piece
+
+    def release(self) -> None:
+        """Unregister the block (CUDA) and drop it (idempotent); the boxes viewing it must be dropped too."""
+        if self.block is not None and self.registered:
+            code = int(torch.cuda.cudart().cudaHostUnregister(self.block.data_ptr()))
+            if code != 0:
+                raise CheckpointError(f"could not release a background save's page-locked memory (CUDA error {code})")
+        self.block, self.registered = None, False
+
+
 @dataclass
 class Snapshot:
     """What a strategy hands the checkpoint manager at a save: this rank's boxes and the facts beside them.
@@ -883,23 +1004,30 @@ class Snapshot:
     model: Any = None
     copied: Any = None
     """A CUDA event recorded after the staging copies from a GPU (None: nothing to wait for)."""
+    staging: Staging | None = None
+    """The memory of a staged copy's boxes (None: the boxes are the live states)."""
 
-    def staged(self, buffers: dict[Any, torch.Tensor]) -> Snapshot:
-        """The same snapshot with every box copied to CPU memory, for a write while training goes on.
+    def staged(self) -> Snapshot:
+        """The same snapshot with every box copied to CPU memory, for a write while training goes on: one
+        :class:`Staging` block of exactly its boxes' bytes, released by :meth:`release` once written.
 
-        Copies from a GPU are non-blocking into pinned memory, on the current stream, so they are ordered after
+        Copies from a GPU are non-blocking into page-locked memory, on the current stream, so they are ordered after
         the step that computed the states and before the next one's in-place updates; the writer thread waits for
         :attr:`copied` before it reads a byte (:meth:`wait_copied`).
-
-        Args:
-            buffers: the staging copies of the previous save, reused and updated (see :meth:`Chunked.staged`).
         """
-        state = {key: value.staged(buffers, key) for key, value in self.state.items()}
+        staging = Staging(self.state)
+        state = {key: value.staged(staging) for key, value in self.state.items()}
         copied = None
-        if any(t.is_cuda for value in self.state.values() for _, t in value.boxes):
+        if staging.registered:
             copied = torch.cuda.Event()
             copied.record()
-        return Snapshot(state, self.param_groups, self.info, self.model, copied)
+        return Snapshot(state, self.param_groups, self.info, self.model, copied, staging)
+
+    def release(self) -> None:
+        """Drop a staged copy's boxes and release their memory (nothing for live states; idempotent)."""
+        if self.staging is not None:
+            self.state = {}
+            self.staging.release()
 
     def wait_copied(self) -> None:
         """Block until the staging copies have landed (nothing to wait for on a CPU, or for live states)."""

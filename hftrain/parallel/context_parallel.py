@@ -20,9 +20,13 @@ the key is padding or (causal) its position is after the query's; the blocks are
     lse' = log(e^lse + e^lse_j);   O' = O·e^(lse − lse') + O_j·e^(lse_j − lse')
 
 (the online softmax: exact, not approximate). A (query chunk, key chunk) pair that is entirely in the causal
-future is skipped, so with the zigzag layout every rank does the same work. The backward pass goes around the ring
-again with the kernel's backward per block, given the whole attention's ``out`` and ``lse`` (FlashAttention's
-gradients)::
+future is skipped, so with the zigzag layout every rank does the same work. The mask is a dense ``[b, 1, sq, sk]``
+bias only where one is needed (:func:`_visible_pairs`): without padding keys and packed documents (a batch without
+an attention mask or position ids), a chunk against itself runs the kernel's own ``is_causal`` and a chunk wholly
+below the diagonal (and inside the window) runs unmasked, so the plain causal case builds no bias at all.
+
+The backward pass goes around the ring again with the kernel's backward per block, given the whole attention's
+``out`` and ``lse`` (FlashAttention's gradients)::
 
     P = e^(S − lse),  D = rowsum(dO ∘ out),  dV_j += Pᵀ dO,  dS = P ∘ (dO V_jᵀ − D),
     dQ += dS K_j · scale,  dK_j += dSᵀ Q · scale
@@ -243,16 +247,32 @@ class _Block:
         return dist.batch_isend_irecv(ops), received
 
 
-def _visible_pairs(q_runs, k_runs, causal: bool, window: int | None = None):
-    """(query slice, key slice) pairs that are not wholly in the causal future, nor (a sliding ``window``) wholly
-    ``window`` or more positions in the past."""
+MASKED, WHOLE, DIAGONAL = "masked", "whole", "diagonal"
+"""How a block is masked: by a dense additive bias (padding, documents, a window's edge, or positions not in one of
+the two patterns below); not at all (every key visible to every query); or causally on its diagonal (the query
+and key runs are the same positions: the kernel's own ``is_causal``, query ``i`` sees keys ``j ≤ i``)."""
+
+
+def _visible_pairs(q_runs, k_runs, causal: bool, window: int | None = None, plain: bool = False):
+    """(query slice, key slice, pattern) of the pairs that are not wholly in the causal future, nor (a sliding
+    ``window``) wholly ``window`` or more positions in the past. ``pattern`` (:data:`MASKED`, :data:`WHOLE`,
+    :data:`DIAGONAL`) is decided on the host from the runs' first and last positions: where ``plain`` (no padding
+    key, one document per row), a pair whose keys are all at or before its first query (``k_last ≤ q_first``) and
+    within the window of its last (``q_last − k_first < window``) needs no mask, and a run against itself is
+    causal on its diagonal; anything else (or not ``plain``) is :data:`MASKED`."""
     for q_slice, q_first, q_last in q_runs:
         for k_slice, k_first, k_last in k_runs:
             if causal and k_first > q_last:
                 continue
             if window is not None and q_first - k_last >= window:
                 continue
-            yield q_slice, k_slice
+            pattern = MASKED
+            if plain and (window is None or q_last - k_first < window):
+                if not causal or k_last <= q_first:
+                    pattern = WHOLE
+                elif (k_first, k_last) == (q_first, q_last):
+                    pattern = DIAGONAL
+            yield q_slice, k_slice, pattern
 
 
 # ----------------------------------------------------------------------------- fused attention of one block
@@ -260,10 +280,12 @@ def _visible_pairs(q_runs, k_runs, causal: bool, window: int | None = None):
 class BlockKernel:
     """Fused attention of one (query run, key run) block that also returns its log-sum-exp, and its backward.
 
-    ``forward(q, k, v, bias, scale) -> (out, lse)``: ``q, k, v`` ``[b, h, sq|sk, d]`` in the training dtype, ``bias``
-    ``[b, h, sq, sk]`` additive (0 or −∞) in that dtype; ``out`` in that dtype, ``lse`` ``[b, h, sq]`` fp32.
-    ``backward(dout, q, k, v, bias, out, lse, scale) -> (dq, dk, dv)`` with the *whole* attention's ``out`` and
-    ``lse`` of these queries (FlashAttention's backward of one block: ``P = e^(S − lse)``, ``D = rowsum(dO ∘ out)``).
+    ``forward(q, k, v, bias, scale, causal) -> (out, lse)``: ``q, k, v`` ``[b, h, sq|sk, d]`` in the training dtype,
+    ``bias`` ``[b, h, sq, sk]`` additive (0 or −∞) in that dtype or None (no mask), ``causal`` the kernel's own
+    ``is_causal`` (a square block on its diagonal, no bias); ``out`` in that dtype, ``lse`` ``[b, h, sq]`` fp32.
+    ``backward(dout, q, k, v, bias, out, lse, scale, causal) -> (dq, dk, dv)`` with the *whole* attention's ``out``
+    and ``lse`` of these queries (FlashAttention's backward of one block: ``P = e^(S − lse)``,
+    ``D = rowsum(dO ∘ out)``).
     A kernel computes the scores in tiles and never keeps the ``sq × sk`` probabilities.
     """
 
@@ -271,30 +293,30 @@ class BlockKernel:
     backward: Any
 
 
-def _cpu_forward(q, k, v, bias, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+def _cpu_forward(q, k, v, bias, scale, causal=False):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
 
 
-def _cpu_backward(dout, q, k, v, bias, out, lse, scale):
+def _cpu_backward(dout, q, k, v, bias, out, lse, scale, causal=False):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
 
 
-def _cuda_forward(q, k, v, bias, scale):
+def _cuda_forward(q, k, v, bias, scale, causal=False):
     # memory-efficient attention (flash takes no bias); its log-sum-exp is padded to a multiple of 32 queries
     out, lse, _seed, _offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, False, scale=scale
+        q, k, v, bias, True, 0.0, causal, scale=scale
     )
     return out, lse[..., : q.shape[2]]
 
 
-def _cuda_backward(dout, q, k, v, bias, out, lse, scale):
+def _cuda_backward(dout, q, k, v, bias, out, lse, scale, causal=False):
     padded = -(-q.shape[2] // 32) * 32
     lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1])).contiguous()
     no_dropout = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed and offset: unused at p = 0
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, bias, out, lse, no_dropout, no_dropout, 0.0, [True, True, True, False], False, scale=scale
+        dout, q, k, v, bias, out, lse, no_dropout, no_dropout, 0.0, [True, True, True, False], causal, scale=scale
     )
     return dq, dk, dv
 
@@ -341,7 +363,7 @@ def _segment_pair(segments: torch.Tensor | None, seg_b: torch.Tensor | None, qs:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, positions, segments, causal, scale, group, runs, window):
+    def forward(ctx, q, k, v, keep, positions, segments, causal, scale, group, runs, window, padded):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
@@ -352,22 +374,26 @@ class _RingAttention(torch.autograd.Function):
         keep_f = keep.to(torch.uint8)
         packed = [] if segments is None else [segments]  # the documents travel with their keys
         block = _Block([k, v, keep_f, positions, *packed])
+        plain = not padded and segments is None  # no key is padding, one document per row: the runs decide
         for step in range(cp):
             pending = block.exchange(group) if step < cp - 1 else None
             kb, vb, keep_b, pos_b, *seg_b = block.tensors
             kr, vr = _repeat_kv(kb, n_rep), _repeat_kv(vb, n_rep)
             k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)  # the block came from rank me − step
-            for qs, ks in _visible_pairs(q_runs, k_runs, causal, window):
-                docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
-                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
+            for qs, ks, pattern in _visible_pairs(q_runs, k_runs, causal, window, plain):
                 q_b = q[:, :, qs]
-                bias = _bias(visible, q.dtype, h, q_b.shape[2])
-                o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], bias, scale)
-                # a query row with no visible key in this block (padding, or another document) contributes nothing:
-                # a kernel reports lse 0 there, and its output row may be anything
-                blind = ~visible.any(-1)
-                lse_b = lse_b.masked_fill(blind, NEG_INF)
-                o_b = o_b.masked_fill(blind[..., None], 0.0)
+                if pattern != MASKED:  # every query row sees a key: no bias, no blind rows
+                    o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], None, scale, pattern == DIAGONAL)
+                else:
+                    docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
+                    visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
+                    bias = _bias(visible, q.dtype, h, q_b.shape[2])
+                    o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], bias, scale)
+                    # a query row with no visible key in this block (padding, or another document) contributes
+                    # nothing: a kernel reports lse 0 there, and its output row may be anything
+                    blind = ~visible.any(-1)
+                    lse_b = lse_b.masked_fill(blind, NEG_INF)
+                    o_b = o_b.masked_fill(blind[..., None], 0.0)
                 o[:, :, qs], lse[:, :, qs] = _merge(o[:, :, qs], lse[:, :, qs], o_b, lse_b)
             if pending is not None:
                 works, received = pending
@@ -379,6 +405,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
         ctx.save_for_backward(q, k, v, keep_f, positions, out, lse, *packed)
         ctx.causal, ctx.scale, ctx.group, ctx.runs, ctx.window = causal, scale, group, runs, window
+        ctx.plain = plain
         return out
 
     @staticmethod
@@ -400,14 +427,16 @@ class _RingAttention(torch.autograd.Function):
             dkr = torch.zeros_like(kr, dtype=torch.float32)
             dvr = torch.zeros_like(vr, dtype=torch.float32)
             k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)
-            for qs, ks in _visible_pairs(q_runs, k_runs, causal, window):
-                docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
-                visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
+            for qs, ks, pattern in _visible_pairs(q_runs, k_runs, causal, window, ctx.plain):
                 q_b = q[:, :, qs].contiguous()
+                bias = None
+                if pattern == MASKED:
+                    docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
+                    visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
+                    bias = _bias(visible, q.dtype, q.shape[1], q_b.shape[2])
                 dq_b, dk_b, dv_b = kernel.backward(
-                    do[:, :, qs].contiguous(), q_b, kr[:, :, ks].contiguous(), vr[:, :, ks].contiguous(),
-                    _bias(visible, q.dtype, q.shape[1], q_b.shape[2]), out[:, :, qs].contiguous(),
-                    lse[:, :, qs].contiguous(), scale,
+                    do[:, :, qs].contiguous(), q_b, kr[:, :, ks].contiguous(), vr[:, :, ks].contiguous(), bias,
+                    out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), scale, pattern == DIAGONAL,
                 )  # fmt: skip
                 dq[:, :, qs] += dq_b.float()
                 dkr[:, :, ks] += dk_b.float()
@@ -421,7 +450,7 @@ class _RingAttention(torch.autograd.Function):
                     work.wait()
                 block = _Block(received)
         dk, dv = block.tensors[-2:]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -440,6 +469,8 @@ class Shard:
             keys of its own document. None: one sequence per row.
         window: a causal sliding window (Mistral's, a sliding layer's of Qwen2/3, Gemma-3, Phi-3): a query sees only
             the keys fewer than ``window`` positions before it. None: no window.
+        padded: ``keep`` may hold a False (a padding key); False where the batch came without an attention mask (known
+            on the host), so the ring masks a block only where positions, documents or a window need it.
         memo: what the attention computes once per forward and every layer shares (the all-to-all's gathered keep,
             positions and documents, and its mask per (causal, window)); a dict the forward's first layer fills,
             None: computed per call.
@@ -454,6 +485,7 @@ class Shard:
     segments: torch.Tensor | None = None
     window: int | None = None
     memo: dict | None = None
+    padded: bool = True
 
     def __post_init__(self) -> None:
         if self.window is not None and not self.causal:
@@ -476,7 +508,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sha
     """
     return _RingAttention.apply(
         q, k, v, shard.keep, shard.positions, shard.segments, shard.causal, shard.scale, shard.group, shard.runs,
-        shard.window,
+        shard.window, shard.padded,
     )  # fmt: skip
 
 
@@ -595,6 +627,7 @@ class _Batch:
         self.positions: torch.Tensor | None = None
         self.runs: tuple | None = None  # every cp rank's runs of positions, on the host (zigzag_runs)
         self.segments: torch.Tensor | None = None  # packed sequences: the document of each local token
+        self.padded = True  # keep may hold padding (False: the batch came without an attention mask)
         self.memo: dict = {}  # what every layer of this forward shares (Shard.memo), new at each forward
 
 
@@ -610,8 +643,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     causal = bool(getattr(module, "is_causal", False))
     window = kwargs.get("sliding_window")  # the layer's (None: full attention), as transformers passes it
     shard = Shard(
-        batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments, window, batch.memo
-    )
+        batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments, window, batch.memo,
+        batch.padded,
+    )  # fmt: skip
     out = ATTENTIONS[batch.comm](query, key, value, shard)
     return out.transpose(1, 2).contiguous(), None
 
@@ -697,13 +731,14 @@ class ContextSplit:
             raise ValueError(f"sequence length {seq} must be a multiple of 2·cp = {2 * self.cp} (pad_to_multiple_of)")
         return zigzag_positions(seq, self.cp, self.rank, device=device)
 
-    def attend(self, keep: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, keep: torch.Tensor, segments: torch.Tensor | None = None, *, padded: bool = True) -> torch.Tensor:
         """Set the attention's padding mask to this rank's ``keep`` ``[b, s/cp]`` (and, for packed sequences, the
-        document of each of its tokens, ``segments`` ``[b, s/cp]``); returns its global positions."""
+        document of each of its tokens, ``segments`` ``[b, s/cp]``; ``padded``: False where the batch came without
+        an attention mask, so ``keep`` is all True); returns its global positions."""
         seq = keep.shape[1] * self.cp
         positions = self.positions(seq, keep.device)
         self.batch.keep, self.batch.positions, self.batch.runs = keep.bool(), positions, zigzag_runs(seq, self.cp)
-        self.batch.segments = segments
+        self.batch.segments, self.batch.padded = segments, padded
         self.batch.memo = {}  # this forward's gathers and masks, shared by its layers
         return positions
 
@@ -821,12 +856,15 @@ class _SplitInputs:
         b, seq, device = whole.shape[0], whole.shape[1], whole.device
         local = self.split.positions(seq, device)
         position_ids = kwargs.get("position_ids")
+        # documents only where positions were given (a causal LM's packed blocks restart them); numbered here they
+        # run 0..S−1 in every row: one document, so the ring need not mask by document
+        documents = self.packed and position_ids is not None
         if position_ids is None:
             position_ids = self._numbered(input_ids, b, seq, device)
         mask = kwargs.get("attention_mask")
         keep = torch.ones((b, seq), dtype=torch.bool, device=device) if mask is None else mask.bool()
-        segments = packed_segments(position_ids.expand(b, -1))[:, local] if self.packed else None
-        self.split.attend(keep[:, local], segments=segments)
+        segments = packed_segments(position_ids.expand(b, -1))[:, local] if documents else None
+        self.split.attend(keep[:, local], segments=segments, padded=mask is not None)
         kwargs["position_ids"] = position_ids[:, local]
         for key in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids"):
             if kwargs.get(key) is not None:

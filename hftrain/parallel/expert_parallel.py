@@ -21,12 +21,28 @@ backward: 4 exchanges). Dropless by default (every assignment reaches its expert
 one); with ``capacity_factor`` each rank sends at most ``⌈factor·T·k/E⌉`` rows to each expert (the first by token
 order), drops the rest (those assignments add nothing; the token keeps its residual) and counts them.
 
-Host reads: one per layer, forward and backward together. The all-to-all's split sizes and the per-expert matmuls'
-row counts must be host ints, so the rows sent and received per expert (with a capacity, the kept ones) are read in
-one ``tolist``; everything else stays on the device: ``repeat_interleave`` is given its output size, the capacity's
-cut is a stable sort on "dropped" cut at the kept sum that read brings, and the dropped count is a device sum read
-when the log asks for it (``dropped_assignments``). ``tests/test_ep_layers.py`` counts them (4 before, with a
-capacity).
+**Host reads.** A layer's routing depends on the previous layer's output, so the sizes of all layers cannot be
+read together once per step: a forward pass must know layer ``N``'s split sizes before layer ``N+1`` routes. Two
+exchanges, then:
+
+- *exact sizes* (dropless, the default): the all-to-all's split sizes and the per-expert matmuls' row counts are
+  host ints, read once per layer (forward and backward together) in one ``tolist`` of the rows sent and received
+  per expert; ``repeat_interleave`` is given its output size. Bytes and FLOPs are the routed rows' only. This is
+  what Megatron-core's dropless ``MoEAlltoAllTokenDispatcher`` does (its ``cuda_sync_point`` only moves the same
+  per-layer read earlier) and torchtitan's EP (``input_splits`` copied to the host and the stream synchronised in
+  its token dispatch), because torch's all-to-all and a CPU/generic grouped GEMM take host sizes;
+- *fixed slots* (with a capacity factor: Megatron's drop-and-pad, ``moe_pad_expert_input_to_capacity``; or
+  ``padded=True``): each expert takes ``S`` slots from each source rank, so every split size is known on the host
+  before the step and **nothing is read**: ``S = ⌈f·T_max·k/E⌉`` (at most ``T_max``), ``T_max`` the most tokens on a
+  rank of the ep group, agreed over its host twin (``parallel.host.all_max``: host ints, no device wait). Each
+  source still keeps the first ``c = ⌈f·T·k/E⌉`` assignments of an expert by token order, exactly as the exact
+  path keeps them, so the two give the same outputs and gradients (``tests/test_ep_layers.py``). The cost: the
+  exchange and the experts' batched matmuls run over all ``E·S`` slots (empty slots are zero rows), ``f·T·k`` rows
+  against the routed ``T·k``. A factor ``f ≥ E/k`` gives ``S = T``: no expert can overflow, so it is **dropless,
+  exact and without a host read** at ``E/k`` times the expert FLOPs and exchanged bytes
+  (``benchmarks/moe.py`` measures both; ``tests/test_ep_syncs.py`` counts ≤ 1 host read per training step, the
+  logging window's losses, for two MoE layers under ep = 2). The dropped count is a device sum read when the log
+  asks for it (``dropped_assignments``).
 
 The router is replicated (it sees only this rank's tokens) and so are a family's shared experts; the expert weights
 keep their HF names and 3-D layout (``experts.gate_up_proj`` ``[E/ep, 2I, h]``, ``experts.down_proj`` ``[E/ep, h,
@@ -60,6 +76,7 @@ from torch import nn
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.collectives import all_reduce_both_ways, all_to_all_rows
 from hftrain.parallel.families import expert_plan_for, moe_families
+from hftrain.parallel.host import all_max
 from hftrain.parallel.placement import Split, place
 from hftrain.parallel.plans import ExpertPlan
 
@@ -106,10 +123,19 @@ class ExpertParallelExperts(nn.Module):
         experts: the HF experts module (full weights; this rank's slice is copied, the rest freed with it).
         ep_group: the expert-parallel group (None: one rank holds every expert).
         capacity_factor: None for dropless routing, else the per-expert cap's factor.
+        padded: exchange in fixed slots, no host read (None: with a capacity factor; module docstring).
     """
 
-    def __init__(self, experts: nn.Module, *, ep_group: Any, capacity_factor: float | None = None) -> None:
+    def __init__(
+        self,
+        experts: nn.Module,
+        *,
+        ep_group: Any,
+        capacity_factor: float | None = None,
+        padded: bool | None = None,
+    ) -> None:
         super().__init__()
+        self.padded = capacity_factor is not None if padded is None else padded
         self.ep_group = ep_group
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         rank = dist.get_rank(ep_group) if ep_group is not None else 0
@@ -127,11 +153,70 @@ class ExpertParallelExperts(nn.Module):
 
     def extra_repr(self) -> str:
         cap = f", capacity_factor={self.capacity_factor}" if self.capacity_factor else ""
-        return f"experts {self.first}..{self.first + self.local_experts - 1} of {self.num_experts}, ep={self.ep}{cap}"
+        mode = ", padded" if self.padded else ", split sizes read"
+        held = f"experts {self.first}..{self.first + self.local_experts - 1} of {self.num_experts}"
+        return f"{held}, ep={self.ep}{cap}{mode}"
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.padded:
+            return self._forward_padded(hidden_states, top_k_index, top_k_weights)
+        return self._forward_read(hidden_states, top_k_index, top_k_weights)
+
+    def _forward_padded(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The exchange in fixed slots: no host read (module docstring, "Host reads").
+
+        Each expert has ``S`` slots from each source rank (``S = T_max``, dropless, or ``min(T_max, ⌈f·T_max·k/E⌉)``
+        with a capacity, ``T_max`` the most tokens on a rank of the ep group, agreed over its host twin). An
+        assignment at position ``i`` of its expert's run (sorted by expert, token order within one) goes to slot
+        ``expert·S + i``; with a capacity ``c = ⌈f·T·k/E⌉`` (this rank's ``T``, as the read path) the ones with
+        ``i ≥ c`` go to a discarded slot. The send buffer ``[E·S, h]`` is ``ep`` equal blocks (rank ``r``'s experts
+        are ``[r·E/ep, (r+1)·E/ep)``), so the all-to-all's splits are ``[E/ep·S] × ep``, known on the host; the
+        received ``[ep, E/ep, S, h]`` becomes ``[E/ep, ep·S, h]`` and each expert's FFN is one batched matmul over
+        its slots (empty slots are zero rows: ``FFN(0) = 0``, and they get no gradient). The outputs go back by the
+        inverse exchange into the same slots; each assignment takes its slot's row (a dropped one a zero row).
+        """
+        tokens, k = top_k_index.shape
+        experts, local, ep = self.num_experts, self.local_experts, self.ep
+        most = tokens if ep == 1 else int(all_max([tokens], self.ep_group)[0])  # host ints: no device read
+        slots = most
+        if self.capacity_factor is not None:
+            slots = min(most, math.ceil(self.capacity_factor * most * k / experts))
+        flat_expert = top_k_index.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)  # assignments by expert, token order within one
+        counts = torch.bincount(flat_expert, minlength=experts)
+        sorted_expert = flat_expert[order]
+        position = torch.arange(order.numel(), device=order.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
+        slot = sorted_expert * slots + position
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * tokens * k / experts)
+            slot = torch.where(position < capacity, slot, experts * slots)  # the discarded slot
+            self.dropped = self.dropped + (counts - counts.clamp(max=capacity)).sum()
+        token_of = torch.div(order, k, rounding_mode="floor")
+        hidden = hidden_states.shape[-1]
+        send = hidden_states.new_zeros(experts * slots + 1, hidden).index_copy(0, slot, hidden_states[token_of])
+        rows = send[: experts * slots]
+        if ep > 1:
+            block = [local * slots] * ep
+            rows = all_to_all_rows(rows, block, block, self.ep_group)  # [source rank, local expert, slot, h]
+        grouped = rows.reshape(ep, local, slots, hidden).transpose(0, 1).reshape(local, ep * slots, hidden)
+        gate, up = torch.bmm(grouped, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        outputs = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))
+        outputs = outputs.reshape(local, ep, slots, hidden).transpose(0, 1).reshape(ep * local * slots, hidden)
+        if ep > 1:
+            outputs = all_to_all_rows(outputs, block, block, self.ep_group)  # back to this rank's slots
+        outputs = torch.cat([outputs, outputs.new_zeros(1, hidden)])[slot]
+        weights = top_k_weights.reshape(-1)[order]
+        final = torch.zeros_like(hidden_states)
+        return final.index_add(0, token_of, (outputs * weights[:, None]).to(final.dtype))
+
+    def _forward_read(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The exchange in the exact split sizes, read on the host once per layer (module docstring)."""
         tokens, k = top_k_index.shape
         experts, local, ep = self.num_experts, self.local_experts, self.ep
         flat_expert = top_k_index.reshape(-1)
@@ -205,13 +290,17 @@ class ExpertParallelExperts(nn.Module):
         return order[torch.argsort(dropped.to(torch.int8), stable=True)], kept
 
 
-def apply_expert_parallel(model: nn.Module, *, ep_group: Any, capacity_factor: float | None = None) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, *, ep_group: Any, capacity_factor: float | None = None, padded: bool | None = None
+) -> nn.Module:
     """Replace every sparse MoE block's experts with :class:`ExpertParallelExperts` (in place).
 
     Args:
         model: an HF MoE ``*ForSequenceClassification`` model with the same full weights on every rank.
         ep_group: the expert-parallel group (None: ep = 1, for a capacity factor alone).
         capacity_factor: None for dropless routing.
+        padded: exchange in fixed slots, no host read (None: with a capacity factor; False: the exact split sizes,
+            one read per layer).
     """
     from hftrain.parallel.lora import hf_model_of
 
@@ -220,7 +309,7 @@ def apply_expert_parallel(model: nn.Module, *, ep_group: Any, capacity_factor: f
         raise AxisError("ep", f"{model.config.model_type} is not a mixture-of-experts family hftrain routes")
     for block in moe_blocks(hf_model_of(model), plan):
         setattr(block, plan.experts, ExpertParallelExperts(
-            getattr(block, plan.experts), ep_group=ep_group, capacity_factor=capacity_factor
+            getattr(block, plan.experts), ep_group=ep_group, capacity_factor=capacity_factor, padded=padded
         ))  # fmt: skip
     return model
 
