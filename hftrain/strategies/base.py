@@ -237,6 +237,8 @@ class Strategy(ABC):
         from accelerate import Accelerator
         from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
+        from hftrain.metrics.trackers import resolve_trackers
+
         check_launcher_precision(training, self.launch)
         self.platform.check_precision(training.mixed_precision)
         self.preflight(training)
@@ -244,7 +246,8 @@ class Strategy(ABC):
         accelerator = Accelerator(
             mixed_precision=training.mixed_precision,
             gradient_accumulation_steps=training.gradient_accumulation_steps,
-            log_with=None if training.log_with == "none" else training.log_with,
+            # the names checked at validation (``all`` resolved to the installed ones): Accelerate drops a missing one
+            log_with=resolve_trackers(training.log_with) or None,
             project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=logging_dir or project_dir),
             # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself
             # (pitfall "accumulation differs under DeepSpeed", docs/pitfalls.md).
