@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hftrain.errors import ConfigError
+from hftrain.errors import CheckpointError, ConfigError
 
 PROJECT = "hftrain"
 """The project (W&B, trackio, Comet, SwanLab) or experiment (MLflow) name every run is logged under."""
@@ -177,10 +177,15 @@ class TrackerHub:
             resumed: the run ids a checkpoint stored (:meth:`run_ids`); their runs are continued.
             resumed_step: the resumed checkpoint's global step: no key is logged at or below it again.
         """
-        resumed = dict(resumed or {})
         self._floor = resumed_step
-        if not self.names:
+        if not self.names or not self.accelerator.is_main_process:  # the other ranks hold no tracker and write nothing
             return
+        resumed = resumed or {}
+        if not isinstance(resumed, dict) or not all(isinstance(v, str) for v in resumed.values()):
+            raise CheckpointError(
+                f"the resumed checkpoint's trainer_state.tracker_runs is not a table of run ids ({resumed!r}); it is "
+                "damaged: resume from another checkpoint"
+            )
         tags = {k: str(v) for k, v in topology.items() if isinstance(v, (int, float, str, bool))}
         init: dict[str, dict[str, Any]] = {}
         if "wandb" in self.names:
