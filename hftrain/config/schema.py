@@ -262,9 +262,9 @@ class TrainingConfig:
     """Intra-op CPU threads per process; null divides the machine's cores among the local processes."""
 
     def validate(self) -> None:
-        from hftrain.metrics.trackers import resolve_trackers
+        from hftrain.metrics.trackers import requested
 
-        resolve_trackers(self.log_with)  # names known, packages installed
+        requested(self.log_with)  # known names; whether their packages are installed here is the strategy's check
         for name in (
             "per_device_train_batch_size",
             "per_device_eval_batch_size",

@@ -166,7 +166,16 @@ class Strategy(ABC):
             f"optim: {optim}" + " (auto)" * (training.optim == "auto"),
             f"dropout_kernel: {dropout_kernel} ({dropout_reason})",
         ]
-        resolved = dataclasses.replace(training, mixed_precision=precision, optim=optim, dropout_kernel=dropout_kernel)
+        # the trackers installed here: a named one that is not is refused with its install command (before any write:
+        # hftrain.validate runs this), and ``all`` becomes the installed ones
+        from hftrain.metrics.trackers import requested, resolve_trackers
+
+        log_with = resolve_trackers(training.log_with)
+        if requested(training.log_with) == ["all"]:
+            notes.append(f"log_with: {', '.join(log_with) or 'none'} (all: the trackers installed here)")
+        resolved = dataclasses.replace(
+            training, mixed_precision=precision, optim=optim, dropout_kernel=dropout_kernel, log_with=log_with or None
+        )
         return resolved, notes
 
     def resolve_optim(self, optim: str) -> str:
@@ -246,7 +255,7 @@ class Strategy(ABC):
         accelerator = Accelerator(
             mixed_precision=training.mixed_precision,
             gradient_accumulation_steps=training.gradient_accumulation_steps,
-            # the names checked at validation (``all`` resolved to the installed ones): Accelerate drops a missing one
+            # installed, checked (resolve_training): Accelerate itself would drop a missing one at debug level
             log_with=resolve_trackers(training.log_with) or None,
             project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=logging_dir or project_dir),
             # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself
