@@ -145,12 +145,13 @@ class TrackerHub:
 
     Args:
         accelerator: the run's ``Accelerator``, built with ``log_with`` = :func:`resolve_trackers`'s names.
-        output_dir: the run's folder: default local stores under ``output_dir/runs`` (see the module).
+        logging_dir: the run's tracker folder (``output_dir/runs``): the default local stores go under it (see the
+            module).
     """
 
-    def __init__(self, accelerator: Any, output_dir: str | Path) -> None:
+    def __init__(self, accelerator: Any, logging_dir: str | Path) -> None:
         self.accelerator = accelerator
-        self.logging_dir = Path(output_dir) / "runs"
+        self.logging_dir = Path(logging_dir)
         self.names = [str(name) for name in accelerator.log_with]
         self._floor = -1
         self._last: dict[str, int] = {}
@@ -243,8 +244,9 @@ class TrackerHub:
 
     def log_pictures(self, pictures: dict[str, Path], step: int) -> None:
         """Log the run's PNGs that exist (``{name: path}``) at ``step`` where the tracker takes pictures (see the
-        module); a picture not drawn (no pipeline, no experts) is left out."""
-        if not self.active:
+        module); a picture not drawn (no pipeline, no experts) is left out, and so is every picture of a resumed run
+        that trained no step (``step`` not above the checkpoint's: its pictures were logged at that step)."""
+        if not self.active or step <= self._floor:
             return
         present = {name: path for name, path in pictures.items() if path.is_file()}
         if not present:

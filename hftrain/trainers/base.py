@@ -147,7 +147,7 @@ class Trainer:
         self.accelerator = strategy.build_accelerator(
             args, project_dir=args.output_dir, logging_dir=str(Path(args.output_dir) / TRACKER_DIR)
         )
-        self.trackers = TrackerHub(self.accelerator, args.output_dir)
+        self.trackers = TrackerHub(self.accelerator, Path(args.output_dir) / TRACKER_DIR)
         """Every figure of the run goes to the trackers through it (main process only)."""
         self.runtime = strategy.build_runtime(self.accelerator)
         self.runtime.loss_is_example_mean = self.loss_is_example_mean
