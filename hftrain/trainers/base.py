@@ -731,6 +731,8 @@ class Trainer:
         """Keep the step's loss (this process's mean over its window) on the device, unread: the host reads it with
         the rest of its logging window (:meth:`_read_losses`), so it can queue the next steps meanwhile."""
         norm, self._grad_norm = self._grad_norm, None
+        if hasattr(norm, "full_tensor"):  # FSDP2's clip returns a DTensor: its value (every rank calls this alike)
+            norm = norm.full_tensor()
         norm = norm.detach().float().reshape(1).to(local_loss.device) if isinstance(norm, torch.Tensor) else None
         self._unread.append(
             (self.state.global_step, local_loss.float().reshape(1), self.lr_scheduler.get_last_lr()[0], norm)
