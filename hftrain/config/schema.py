@@ -251,13 +251,20 @@ class TrainingConfig:
     or a checkpoint folder."""
     trust_external_checkpoint: bool = False
     """Allow resuming from a checkpoint outside ``output_dir`` (its optimizer/RNG files are unpickled)."""
-    log_with: Literal["tensorboard", "none"] = "tensorboard"
-    """Accelerate tracker; tensorboard writes to ``output_dir/runs``."""
+    log_with: list[str] | str | None = "tensorboard"
+    """Accelerate's trackers the run logs to (``hftrain.metrics.trackers``): one name or a list of ``tensorboard``,
+    ``wandb``, ``mlflow``, ``trackio``, ``comet_ml``, ``aim``, ``clearml``, ``dvclive``, ``swanlab``; ``all`` (every
+    one installed here) or ``none``. Each gets the job config, every scalar at its global step, the pictures and the
+    topology (docs/tracking.md); a named tracker whose package is missing is refused with its install command
+    (``pip install 'hftrain[wandb]'``). TensorBoard writes to ``output_dir/runs``."""
     dataloader_num_workers: int = 0
     torch_num_threads: int | None = None
     """Intra-op CPU threads per process; null divides the machine's cores among the local processes."""
 
     def validate(self) -> None:
+        from hftrain.metrics.trackers import requested
+
+        requested(self.log_with)  # known names; whether their packages are installed here is the strategy's check
         for name in (
             "per_device_train_batch_size",
             "per_device_eval_batch_size",

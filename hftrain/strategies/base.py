@@ -178,7 +178,16 @@ class Strategy(ABC):
             f"optim: {optim}" + " (auto)" * (training.optim == "auto"),
             f"dropout_kernel: {dropout_kernel} ({dropout_reason})",
         ]
-        resolved = dataclasses.replace(training, mixed_precision=precision, optim=optim, dropout_kernel=dropout_kernel)
+        # the trackers installed here: a named one that is not is refused with its install command (before any write:
+        # hftrain.validate runs this), and ``all`` becomes the installed ones
+        from hftrain.metrics.trackers import requested, resolve_trackers
+
+        log_with = resolve_trackers(training.log_with)
+        if requested(training.log_with) == ["all"]:
+            notes.append(f"log_with: {', '.join(log_with) or 'none'} (all: the trackers installed here)")
+        resolved = dataclasses.replace(
+            training, mixed_precision=precision, optim=optim, dropout_kernel=dropout_kernel, log_with=log_with or None
+        )
         return resolved, notes
 
     def resolve_optim(self, optim: str) -> str:
@@ -252,6 +261,8 @@ class Strategy(ABC):
         from accelerate import Accelerator
         from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
+        from hftrain.metrics.trackers import resolve_trackers
+
         check_launcher_precision(training, self.launch)
         self.platform.check_precision(training.mixed_precision)
         self.preflight(training)
@@ -259,7 +270,8 @@ class Strategy(ABC):
         accelerator = Accelerator(
             mixed_precision=training.mixed_precision,
             gradient_accumulation_steps=training.gradient_accumulation_steps,
-            log_with=None if training.log_with == "none" else training.log_with,
+            # installed, checked (resolve_training): Accelerate itself would drop a missing one at debug level
+            log_with=resolve_trackers(training.log_with) or None,
             project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=logging_dir or project_dir),
             # hftrain's loop owns the optimizer-step boundary and steps the scheduler itself
             # (pitfall "accumulation differs under DeepSpeed", docs/pitfalls.md).

@@ -25,6 +25,7 @@ from hftrain.checkpoint.run import (
     CURVES_PNG,
     RUN_SUMMARY_FILENAME,
     STRATEGY_FILENAME,
+    TIMELINE_PNG,
     TRACKER_DIR,
     TRAINER_STATE_FILENAME,
 )
@@ -34,6 +35,7 @@ from hftrain.data.streaming import StreamingBlocks
 from hftrain.errors import ConfigError, DataError, HFTrainError
 from hftrain.files import check_own, write_json
 from hftrain.log import get_logger
+from hftrain.metrics.trackers import TrackerHub
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
 from hftrain.pictures import BackgroundPainter
@@ -66,6 +68,8 @@ class TrainerState:
     """Training examples consumed, over all processes."""
     last_eval_step: int = -1
     log_history: list[dict[str, float]] = field(default_factory=list)
+    tracker_runs: dict[str, str] = field(default_factory=dict)
+    """The tracker runs a resume continues (``TrackerHub.run_ids``: W&B's and MLflow's run ids, trackio's run name)."""
 
 
 @dataclass
@@ -143,11 +147,18 @@ class Trainer:
         self.accelerator = strategy.build_accelerator(
             args, project_dir=args.output_dir, logging_dir=str(Path(args.output_dir) / TRACKER_DIR)
         )
+        self.trackers = TrackerHub(self.accelerator, Path(args.output_dir) / TRACKER_DIR)
+        """Every figure of the run goes to the trackers through it (main process only)."""
         self.runtime = strategy.build_runtime(self.accelerator)
         self.runtime.loss_is_example_mean = self.loss_is_example_mean
         self.runtime.stage_head = self.stage_head
         # The loop's host reads (``_record_step``, ``_on_step_end``): none per step, one per logging window
-        self._unread: list[tuple[int, torch.Tensor, float]] = []  # (step, its loss on the device, its learning rate)
+        # (step, its loss on the device, its learning rate, its gradient norm on the device or None: not clipped)
+        self._unread: list[tuple[int, torch.Tensor, float, torch.Tensor | None]] = []
+        self._grad_norm: Any = None  # the last clip's norm, taken by _record_step
+        # Under DeepSpeed, Accelerate's clip returns the engine's cached norm, computed in the *previous* step(): it
+        # would be logged one step late, so it is not logged (train/grad_norm: docs/tracking.md)
+        self._reports_grad_norm = str(self.accelerator.distributed_type).split(".")[-1] != "DEEPSPEED"
         self._logged_step = 0  # the last step whose loss went to the trackers
         self._stop_vote = StopVote(self.runtime.num_processes)
         self._progress: Any = None  # fit's progress bar
@@ -371,7 +382,13 @@ class Trainer:
 
         acc = self.accelerator
         self._save_run_info()
-        acc.init_trackers("hftrain", config=_scalars(self.run_config))
+        self.trackers.start(
+            config=self.run_config,
+            topology=self.strategy_summary,
+            resumed=self.state.tracker_runs,
+            resumed_step=self.state.global_step if self.last_checkpoint is not None else -1,
+        )
+        self.state.tracker_runs = {**self.state.tracker_runs, **self.trackers.run_ids()}  # saved with each checkpoint
         progress = tqdm(
             total=self.max_steps, initial=self.state.global_step, disable=not acc.is_local_main_process, unit="step"
         )
@@ -394,7 +411,7 @@ class Trainer:
         beside_last_save: Callable[[], Any] | None,
     ) -> TrainResult:
         """:meth:`fit` from its first step on, with the preemption flag installed."""
-        acc, stopped = self.accelerator, None
+        stopped = None
         run = self._run_epoch if self.stream is None else self._run_stream
         try:
             while self.state.global_step < self.max_steps and stopped is None:
@@ -413,8 +430,6 @@ class Trainer:
             self.save_checkpoint()
         self._draw_curves()  # in a child process, beside the checkpoint's write and the export
         progress.close()
-        for tracker in acc.trackers:  # not end_training(): that destroys the process group export still needs
-            tracker.finish()
         if beside_last_save is not None and stopped is None:
             if self._any_rank(preemption.requested):  # signalled after the last step: the export waits for a resume
                 stopped = preemption.received or "signal on another rank"
@@ -702,7 +717,8 @@ class Trainer:
         with runtime.accumulate(self.model):
             loss = runtime.forward_backward(self.model, batch, self.compute_loss)
             if runtime.sync_gradients and self.args.max_grad_norm > 0:
-                runtime.clip_grad_norm_(self.model, self.args.max_grad_norm)
+                norm = runtime.clip_grad_norm_(self.model, self.args.max_grad_norm)
+                self._grad_norm = norm if self._reports_grad_norm else None
             self.optimizer.step()  # a no-op inside the window: the prepared optimizer skips it until sync_gradients
             # fp16's loss scaler skips the step of a window whose gradients overflowed: the schedule waits with it
             # (Accelerate's prepared scheduler does the same; this one is the Trainer's own).
@@ -716,7 +732,13 @@ class Trainer:
     def _record_step(self, local_loss: torch.Tensor, progress: Any) -> None:
         """Keep the step's loss (this process's mean over its window) on the device, unread: the host reads it with
         the rest of its logging window (:meth:`_read_losses`), so it can queue the next steps meanwhile."""
-        self._unread.append((self.state.global_step, local_loss.float().reshape(1), self.lr_scheduler.get_last_lr()[0]))
+        norm, self._grad_norm = self._grad_norm, None
+        if hasattr(norm, "full_tensor"):  # FSDP2's clip returns a DTensor: its value (every rank calls this alike)
+            norm = norm.full_tensor()
+        norm = norm.detach().float().reshape(1).to(local_loss.device) if isinstance(norm, torch.Tensor) else None
+        self._unread.append(
+            (self.state.global_step, local_loss.float().reshape(1), self.lr_scheduler.get_last_lr()[0], norm)
+        )
         progress.update(1)
 
     def _read_losses(self) -> None:
@@ -732,15 +754,23 @@ class Trainer:
         """
         if not self._unread:
             return
-        steps, losses = [s for s, _, _ in self._unread], [x for _, x, _ in self._unread]
-        learning_rates = [lr for _, _, lr in self._unread]
+        steps, losses = [s for s, _, _, _ in self._unread], [x for _, x, _, _ in self._unread]
+        learning_rates = [lr for _, _, lr, _ in self._unread]
+        # the clip's norm is the global one, the same on every rank: its mean over the ranks is itself
+        norms = [n for _, _, _, n in self._unread]
+        norms = norms if all(n is not None for n in norms) else []
         self._unread = []
         counts = self.throughput.local_window(losses[0].device)
-        means = self.runtime.reduce_mean(torch.cat([*losses, counts])).tolist()  # the window's one host read
-        rates = self.throughput.close_window(means[len(steps) :], self.runtime.dp_size, self.runtime.num_processes)
+        means = self.runtime.reduce_mean(torch.cat([*losses, *norms, counts])).tolist()  # the window's one host read
+        rates = self.throughput.close_window(
+            means[len(steps) + len(norms) :], self.runtime.dp_size, self.runtime.num_processes
+        )
+        norm_of = dict(zip(steps, means[len(steps) : len(steps) + len(norms)], strict=False))
         for step, loss, learning_rate in zip(steps, means, learning_rates, strict=False):
             check_finite_loss(loss, step=step, last_checkpoint=self.last_checkpoint, read_at=steps[-1])
             self.state.log_history.append({"step": step, "loss": loss, "learning_rate": learning_rate})
+            if step in norm_of:
+                self.state.log_history[-1]["grad_norm"] = norm_of[step]
         step = steps[-1]
         if step % self.args.logging_steps:
             return
@@ -752,7 +782,7 @@ class Trainer:
             entry.update(figures)
         if self._progress is not None:
             self._progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rates['tokens_per_second']:.0f}")
-        self.accelerator.log(
+        self.trackers.log(
             {
                 "train/loss": loss,
                 "train/learning_rate": entry["learning_rate"],
@@ -774,7 +804,6 @@ class Trainer:
         if self.eval_loader is None:
             self.state.last_eval_step = self.state.global_step
             return {}
-        acc = self.accelerator
         self.model.eval()
         losses, predictions, labels = [], [], []
         with self.runtime.evaluation_context():
@@ -793,7 +822,7 @@ class Trainer:
         }
         metrics.update({f"eval_{k}": v for k, v in self.compute_metrics(predictions_all, labels_all).items()})
         self.state.log_history.append({"step": self.state.global_step, **metrics})
-        acc.log({k.replace("eval_", "eval/"): v for k, v in metrics.items()}, step=self.state.global_step)
+        self.trackers.log({k.replace("eval_", "eval/"): v for k, v in metrics.items()}, step=self.state.global_step)
         self.state.last_eval_step = self.state.global_step
         self._log(f"step {self.state.global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         self.throughput.restart_clock()
@@ -868,6 +897,11 @@ class Trainer:
         for painter in (self._curves, self._expert_picture):
             if painter is not None:
                 painter.close()
+        # the pictures as they stand at the end (drawn, waited for), then the tracker runs closed (main process)
+        output = Path(self.args.output_dir)
+        pictures = {"training_curves": CURVES_PNG, "expert_load": EXPERT_LOAD_PNG, "pipeline_timeline": TIMELINE_PNG}
+        self.trackers.log_pictures({k: output / v for k, v in pictures.items()}, step=self.state.global_step)
+        self.trackers.finish()
         # Every rank leaves together: the main process waits for its pictures, and a launcher (torchrun) stops the
         # ranks still running when one exits with a preempted run's code, before the main process says so.
         self.runtime.wait_for_everyone()
@@ -895,11 +929,6 @@ def configure_threads(requested: int | None, local_world_size: int) -> int:
     threads = requested or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
-
-
-def _scalars(config: dict[str, Any]) -> dict[str, Any]:
-    # TensorBoard's hparams take only scalars.
-    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
 
 
 def _versions() -> dict[str, str]:
