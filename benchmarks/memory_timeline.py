@@ -8,7 +8,9 @@ are the job's process (1 process) or the torchrun agent's children (``RANK`` fro
 agent, the drawing helper and the ranks' own children are listed apart. The job's stdout and stderr are read line
 by line (split on ``\\r`` too: tqdm) and timestamped; the progress bar marks the phases:
 
-- ``load``: until the bar appears (``| 0/3 [``): imports, model load, strategy setup;
+- ``model``: until the model is built (the ``classifier head initialised:`` line): imports, data, model load;
+- ``load``: until the bar appears (``| 0/3 [``): the strategy's ``prepare`` (DeepSpeed's engine creates the
+  optimizer's states here, a 1-process run in its first step);
 - ``first step``: until ``1/3``; ``steps``: until ``3/3``;
 - ``save+export``: until the job exits (final evaluation, checkpoint, export).
 
@@ -60,7 +62,8 @@ STRATEGIES = {
     "zero3_offload": ["--strategy.name=zero3", "--strategy.offload_params=true", "--strategy.offload_optimizer=true"],
 }
 STEPS, INTERVAL, GB = 3, 0.3, 1e9
-PHASES = ("load", "first step", "steps", "save+export")
+PHASES = ("model", "load", "first step", "steps", "save+export")
+MODEL_BUILT = re.compile(r"(classifier head|weights) initialised: ")  # logged once the model is built (old and new)
 BAR = re.compile(r"\|\s*(\d+)/(\d+) \[[^\]]*step")  # tqdm's '| 1/3 [00:01<00:02, 1.1step/s]'
 FIELDS = re.compile(r"\b(strategy|zero_stage|fsdp_version|sharding_strategy|offload_\w+|sharded)=(\[[^\]]*\]|[^,\s]+)")
 
@@ -175,9 +178,10 @@ def run_job(cmd: list[str], cwd: str, env: dict, timeout: float, torchrun: bool)
     for thread in threads:
         thread.join(timeout=30)
     lines.sort(key=lambda line: line[0])
-    marks: list[float | None] = [0.0, None, None, None, wall]
+    marks: list[float | None] = [0.0, None, None, None, None, wall]
+    marks[1] = next((t for t, text in lines if MODEL_BUILT.search(text)), None)
     for t, match in ((t, m) for t, text in lines for m in BAR.finditer(text) if int(m[2]) == STEPS):
-        for i, needed in ((1, 0), (2, 1), (3, STEPS)):  # the first bar at or past 0, 1 and 3 steps
+        for i, needed in ((2, 0), (3, 1), (4, STEPS)):  # the first bar at or past 0, 1 and 3 steps
             if marks[i] is None and int(match[1]) >= needed:
                 marks[i] = t
     ranks = {proc.pid: 0}  # 1 process; under torchrun the agent's children (not a rank's own children)
@@ -280,7 +284,7 @@ def main() -> None:
             chosen = next((text for _, text in job["lines"] if "strategy: " in text), "")
             fields = ", ".join(m[0] for m in FIELDS.finditer(chosen))
             print(f"{layout} ({label}): exit {job['rc']}{' (timed out)' * job['timed_out']} after "
-                  f"{job['wall_s']:.1f} s; phases start at {_cells(job['marks'][:4], 1)} s; {fields}; "
+                  f"{job['wall_s']:.1f} s; phases start at {_cells(job['marks'][:5], 1)} s; {fields}; "
                   f"not ranks (peak VmRSS, GB): {_others(job)}", flush=True)  # fmt: skip
             if job["rc"] != 0 or job["timed_out"]:
                 print("  " + "\n  ".join([text for _, text in job["lines"][-20:]] or ["(no output)"]), flush=True)
@@ -324,7 +328,7 @@ def draw(jobs: list[dict], path: str) -> None:
             points = [(t, rss / GB) for t, p, rss, _ in job["samples"] if p == pid]
             if points:
                 ax.plot(*zip(*points, strict=True), label=f"rank {rank}")
-        for mark, phase in zip(job["marks"][1:4], PHASES[1:], strict=True):
+        for mark, phase in zip(job["marks"][1:5], PHASES[1:], strict=True):
             if mark is not None:
                 ax.axvline(mark, color="grey", linestyle="--", linewidth=0.8)
                 ax.text(mark, 0.98, f" {phase}", transform=ax.get_xaxis_transform(), va="top", fontsize=7)
