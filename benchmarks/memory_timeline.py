@@ -8,7 +8,7 @@ are the job's process (1 process) or the torchrun agent's children (``RANK`` fro
 agent, the drawing helper and the ranks' own children are listed apart. The job's stdout and stderr are read line
 by line (split on ``\\r`` too: tqdm) and timestamped; the progress bar marks the phases:
 
-- ``model``: until the model is built (the ``classifier head initialised:`` line): imports, data, model load;
+- ``model``: until the model is built (the ``length buckets:`` line): imports, data, model load;
 - ``load``: until the bar appears (``| 0/3 [``): the strategy's ``prepare`` (DeepSpeed's engine creates the
   optimizer's states here, a 1-process run in its first step);
 - ``first step``: until ``1/3``; ``steps``: until ``3/3``;
@@ -63,7 +63,7 @@ STRATEGIES = {
 }
 STEPS, INTERVAL, GB = 3, 0.3, 1e9
 PHASES = ("model", "load", "first step", "steps", "save+export")
-MODEL_BUILT = re.compile(r"(classifier head|weights) initialised: ")  # logged once the model is built (old and new)
+MODEL_BUILT = re.compile(r"length buckets: ")  # the first line logged once the model is built (old code and new)
 BAR = re.compile(r"\|\s*(\d+)/(\d+) \[[^\]]*step")  # tqdm's '| 1/3 [00:01<00:02, 1.1step/s]'
 FIELDS = re.compile(r"\b(strategy|zero_stage|fsdp_version|sharding_strategy|offload_\w+|sharded)=(\[[^\]]*\]|[^,\s]+)")
 

@@ -56,6 +56,10 @@ class AccelerateRuntime:
     ``loss_is_example_mean``): a pipeline weights each of its micro-batches' losses by its share of the examples then,
     and adds them as they are otherwise."""
 
+    clip_returns_this_steps_norm = True
+    """Whether :meth:`clip_grad_norm_` returns the norm of the gradients it clips (the Trainer logs it as
+    ``train/grad_norm``); not under DeepSpeed, where Accelerate returns the engine's norm of the previous step."""
+
     stage_head: Any = None
     """The task's pipeline head (``hftrain.parallel.stages.StageHead``: the columns the first stage reads, what the
     last one returns), set by the Trainer from its task's ``stage_head``; None: the one the model's class implies. Read

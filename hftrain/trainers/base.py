@@ -156,9 +156,6 @@ class Trainer:
         # (step, its loss on the device, its learning rate, its gradient norm on the device or None: not clipped)
         self._unread: list[tuple[int, torch.Tensor, float, torch.Tensor | None]] = []
         self._grad_norm: Any = None  # the last clip's norm, taken by _record_step
-        # Under DeepSpeed, Accelerate's clip returns the engine's cached norm, computed in the *previous* step(): it
-        # would be logged one step late, so it is not logged (train/grad_norm: docs/tracking.md)
-        self._reports_grad_norm = str(self.accelerator.distributed_type).split(".")[-1] != "DEEPSPEED"
         self._logged_step = 0  # the last step whose loss went to the trackers
         self._stop_vote = StopVote(self.runtime.num_processes)
         self._progress: Any = None  # fit's progress bar
@@ -718,7 +715,7 @@ class Trainer:
             loss = runtime.forward_backward(self.model, batch, self.compute_loss)
             if runtime.sync_gradients and self.args.max_grad_norm > 0:
                 norm = runtime.clip_grad_norm_(self.model, self.args.max_grad_norm)
-                self._grad_norm = norm if self._reports_grad_norm else None
+                self._grad_norm = norm if runtime.clip_returns_this_steps_norm else None
             self.optimizer.step()  # a no-op inside the window: the prepared optimizer skips it until sync_gradients
             # fp16's loss scaler skips the step of a window whose gradients overflowed: the schedule waits with it
             # (Accelerate's prepared scheduler does the same; this one is the Trainer's own).

@@ -62,6 +62,8 @@ class ZeroRuntime(AccelerateRuntime):
         plain_model_context: passed on (the export's reload outside ``zero.Init``).
     """
 
+    clip_returns_this_steps_norm = False  # Accelerate returns the engine's cached norm, computed in the previous step
+
     def __init__(
         self, accelerator: Accelerator, *, stage: int, size_from_model: Callable[[Any], Any], **hooks: Any
     ) -> None:
