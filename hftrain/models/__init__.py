@@ -309,8 +309,8 @@ class PretrainedBuilder:
 
         model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path, trust_remote_code=self.trusted))
         with reading(
-            f"model.model_name_or_path: the safetensors headers in '{self.path}' do not read",
-            "the files are damaged: save the model there again (save_pretrained) or point to a complete model folder",
+            f"model.model_name_or_path: the weights in '{self.path}' do not load (a safetensors header)",
+            "they are damaged: save the model there again (save_pretrained) or point to a complete model folder",
             catch=(OSError, ValueError, KeyError, TypeError, struct.error),
         ):
             weights = Weights.of(self.path, getattr(model_class, "base_model_prefix", "")) if model_class else None
@@ -328,7 +328,7 @@ class PretrainedBuilder:
         model, initialised, left_out = (None, [], False) if why else self._load(leave_out, partial=True)
         if left_out and blocks:
             with reading(
-                f"model.model_name_or_path: the weights in '{self.path}' do not read",
+                f"model.model_name_or_path: the weights in '{self.path}' do not load",
                 "a safetensors file is shorter than its header says (an interrupted copy?): copy or save the model "
                 "there again",
                 catch=(OSError,),
