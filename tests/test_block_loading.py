@@ -146,7 +146,7 @@ def _train(folder: str, strategy: str, options: dict | None, lora: dict, micro: 
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     logger = get_logger()  # its own stdout handler and level first
     logger.addHandler(handler)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     splits = tokenize_splits(tiny_splits(48, 10), tokenizer, max_seq_length=32)
     args = TrainingConfig(
         output_dir=_fresh_output_dir(), per_device_train_batch_size=micro, max_steps=STEPS, learning_rate=1e-3,
