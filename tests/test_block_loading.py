@@ -163,7 +163,22 @@ def _train(folder: str, strategy: str, options: dict | None, lora: dict, micro: 
     trainer.fit()
     logger.removeHandler(handler)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"losses": losses, "lines": [x for x in lines if x.startswith("model: ")]}
+    return {"losses": losses, "lines": [x for x in lines if x.startswith("model: ")], "built": _built(trainer, folder)}
+
+
+def _built(trainer, folder: str) -> dict[str, bool]:
+    """The model as this runtime builds it, before ``prepare``: whether every block is partitioned (ZeRO-3: DeepSpeed
+    then moves no whole model to the device, pitfall "whole model on every GPU before the split") or sharded (FSDP2)
+    already."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = trainer.runtime.build_model(_builder(folder))
+    classes = set(model._no_split_modules)
+    blocks = [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in classes]
+    return {
+        "partitioned": bool(blocks) and all(hasattr(p, "ds_id") for b in blocks for p in b.parameters()),
+        "sharded": bool(blocks) and all(isinstance(b, FSDPModule) for b in blocks),
+    }
 
 
 def _runs(folders: dict[str, str], cases: dict[str, tuple], micro: int) -> dict:
@@ -197,3 +212,5 @@ def test_two_ranks_loading_blockwise_train_as_one_process(reference, distributed
     assert rank0["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     assert rank1["losses"] == rank0["losses"]
     assert any(EXPECTED[label] in line for line in rank0["lines"]), rank0["lines"]
+    for rank in (rank0, rank1):
+        assert rank["built"] == {"partitioned": label.startswith("zero3"), "sharded": label == "fsdp2"}
