@@ -286,10 +286,17 @@ def _memory(memory_dir: Path, cpu: bool) -> tuple[float, float]:
     if not firsts or any("peak" not in f for f in firsts):
         raise RuntimeError(f"no peak memory from {len(firsts)} rank(s) in {memory_dir}")
     less = (lambda f: f["baseline"]) if cpu else (lambda f: 0)
-    unbound = [i for i, f in enumerate(firsts) if not cpu and not f.get("bound_device")]
-    if unbound:  # NCCL would bootstrap every subgroup on its own, and find a broken rank only at the first collective
-        raise AssertionError(f"rank(s) {unbound}: the default process group is not bound to the rank's GPU")
     return max(f["peak"] - less(f) for f in firsts), max(f["process_peak"] - less(f) for f in firsts)
+
+
+def _check_bound(memory_dir: Path) -> None:
+    """On GPUs: every rank's default process group was bound to its device (eager NCCL init,
+    ``Platform.start_group_eagerly``); else NCCL bootstraps every subgroup on its own and finds a broken rank only at
+    the first collective."""
+    firsts = [json.loads(p.read_text().splitlines()[0]) for p in sorted(memory_dir.glob("rank*.json"))]
+    unbound = [rank for rank, figures in enumerate(firsts) if not figures.get("bound_device")]
+    if unbound:
+        raise AssertionError(f"rank(s) {unbound}: the default process group is not bound to the rank's GPU")
 
 
 def _compare(measured: float, row) -> str:
@@ -360,6 +367,8 @@ def run_check(setup: Setup, item: Check) -> str:
             raise AssertionError(f"the resumed run ended at step {state['global_step']}, not 8")
         done.append("resumed from step 3 to 8")
     peak, process_peak = _memory(memory_dir, setup.cpu)
+    if not setup.cpu:
+        _check_bound(memory_dir)
     what = "VmHWM less imports" if setup.cpu else "max_memory_allocated"
     done.append(f"steps' peak {what} {peak / 2**20:.1f} MiB (whole process {process_peak / 2**20:.1f} MiB); "
                 + _compare(peak, row))  # fmt: skip

@@ -67,6 +67,12 @@ def test_memory_files_are_read_and_compared(multi, tmp_path):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(first) + "\n" + json.dumps({**first, "peak": 9e9}) + "\n")
     assert multi._memory(tmp_path, cpu=True) == (350, 360)  # the first launch's, less the imports, worst rank
     assert multi._memory(tmp_path, cpu=False) == (500, 510)
+    with pytest.raises(AssertionError, match=r"rank\(s\) \[0, 1\]: the default process group is not bound"):
+        multi._check_bound(tmp_path)
+    for rank in (0, 1):  # eager NCCL init: each rank's group bound to its GPU
+        figures = {"baseline": 1, "peak": 2, "process_peak": 3, "bound_device": f"cuda:{rank}"}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(figures) + "\n")
+    multi._check_bound(tmp_path)
 
     class Row:
         label, fits, total = "ddp", True, 400.0
