@@ -20,11 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _start(command: list[str], log: Path) -> subprocess.Popen:
-    """Start ``command`` in a process group of its own (signals then go to the group, as a scheduler's do)."""
+    """Start ``command`` in a process group of its own (signals then go to the group, as a scheduler's do), with
+    SIGINT's default disposition: a suite started in the background by a non-interactive shell (``.ci/run &``) runs
+    with SIGINT ignored, every child inherits that, and Python then installs no Ctrl-C handler at all."""
     with log.open("a") as out:
         return subprocess.Popen(
-            command, cwd=ROOT, env=launch_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            command, cwd=ROOT, env=launch_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_default_sigint,
+        )  # fmt: skip
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for_checkpoint(job: subprocess.Popen, out: Path, log: Path) -> None:
