@@ -47,13 +47,17 @@ class JobResult:
     """Tokens/s, samples/s, FLOPs and MFU of the training steps (``output_dir/run_summary.json``)."""
 
 
-def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) -> tuple[Any, Any, Any]:
+def prepare_job(
+    config: TrainConfig, launch: LaunchInfo, *, write: bool = True, opened: Any = None
+) -> tuple[Any, Any, Any]:
     """Validate everything, then build the trainer: ``(trainer, tokenizer, tokenized splits)``.
 
     Args:
         config: the validated job config.
         launch: what the launcher set up (world size, accelerate strategy).
         write: create ``output_dir`` and save the config (a training run); an export writes nothing there.
+        opened: the checkpoint ``training.resume_from_checkpoint`` names, opened already (an export's;
+            ``hftrain.checkpoint.manager.VerifiedCheckpoint``): its ``checkpoint.json`` is not read again.
     """
     from hftrain.models import build_tokenizer, model_init_fn
     from hftrain.models.checks import check_tokenizer, effective_max_length
@@ -64,7 +68,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
     note = log.info if is_main_process() else (lambda _: None)
     quiet_libraries()
     strategy = build_strategy(config.strategy, launch=launch, parallelism=config.parallelism)
-    model_facts, plan = validate_job(config, strategy, write=write)
+    model_facts, plan = validate_job(config, strategy, write=write, opened=opened)
     for line in plan.notes:
         note(line)
     # The process group before the data: the first process of each node prepares it while the others wait.
@@ -86,6 +90,7 @@ def prepare_job(config: TrainConfig, launch: LaunchInfo, *, write: bool = True) 
         eval_dataset=tokenized["validation"],
         run_config=config.flat(),
         pad_to_multiple_of=config.data.pad_to_multiple_of,
+        checkpoint=plan.checkpoint,
     )
     if write and launch.world_size > launch.local_world_size:
         from hftrain.launch.storage import check_shared_output_dir
@@ -531,7 +536,7 @@ def run_export(
         trust: allow a checkpoint outside the run folder the command names.
         output_dir: the run folder the checkpoint belongs to, as the user gives it.
     """
-    from hftrain.checkpoint.manager import CheckpointError, read_checkpoint
+    from hftrain.checkpoint.manager import CheckpointError, open_checkpoint
     from hftrain.checkpoint.run import CHECKPOINTS_DIR, latest_of_run
     from hftrain.files import FolderLock
     from hftrain.validate import check_export_dir
@@ -541,8 +546,11 @@ def run_export(
     check_export_dir(target, source=path, merged=merge_lora)
     if (path / CHECKPOINTS_DIR).is_dir():  # a run folder: its latest checkpoint, trusted as the user named the run
         output_dir = str(path)
-        path = latest_of_run(path, "export")
-    meta = read_checkpoint(path)
+        opened = latest_of_run(path, "export")
+        path = opened.path
+    else:
+        opened = open_checkpoint(path, verify_files=False)  # checksums: verified once, when the trainer loads it
+    meta = opened.meta
     saved = meta["topology"]
     if saved["world_size"] != launch.world_size:
         raise CheckpointError(
@@ -563,7 +571,7 @@ def run_export(
     # Only a folder the user named makes the checkpoint the user's own; without one, nothing is inside the run.
     config.training.output_dir = output_dir if output_dir is not None else str(target)
     with collections_paused_while_setting_up() as collector, contextlib.ExitStack() as ending:
-        trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False)
+        trainer, tokenizer, tokenized = prepare_job(config.validate(), launch, write=False, opened=opened)
         collector.set_up()
         # The export folder is this command's until it ends: a second export into it is refused naming this one,
         # and one that ran meanwhile and published is found under the lock (the folder is no longer empty).

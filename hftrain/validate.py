@@ -42,6 +42,7 @@ from hftrain.errors import ConfigError, reading
 from hftrain.files import read_input
 
 if TYPE_CHECKING:
+    from hftrain.checkpoint.manager import VerifiedCheckpoint
     from hftrain.config import TrainConfig, TrainingConfig
     from hftrain.models.checks import ModelFacts
     from hftrain.strategies import Strategy
@@ -56,6 +57,9 @@ class RunPlan:
     run ids, continued as it was)."""
     resume: str | None
     """The ``resume_from_checkpoint`` the trainer takes (``auto`` is dropped when a new run replaces an old one)."""
+    checkpoint: VerifiedCheckpoint | None = None
+    """The checkpoint ``resume`` names, its ``checkpoint.json`` read and checked once here (its files' checksums are
+    verified when it is loaded); None: none named, or ``latest``/``auto`` in an output_dir still without one."""
     replaces: bool = False
     """An earlier run's outputs are removed before the new run writes (``overwrite_output_dir``)."""
     notes: list[str] = field(default_factory=list)
@@ -64,7 +68,9 @@ class RunPlan:
     """``output_dir`` as the plan found it (``checkpoint.run.folder_state``), compared again under the folder's lock."""
 
 
-def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> tuple[ModelFacts, RunPlan]:
+def validate_job(
+    config: TrainConfig, strategy: Strategy, *, write: bool, opened: VerifiedCheckpoint | None = None
+) -> tuple[ModelFacts, RunPlan]:
     """Every check of a job's inputs that needs no data and no process group.
 
     Returns what the model takes and what the command does with ``output_dir``.
@@ -73,6 +79,7 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> tup
         config: the validated job config.
         strategy: the resolved strategy (its platform and preflight).
         write: the command will write into ``output_dir`` (a training run; an export writes elsewhere).
+        opened: the checkpoint an export reads, opened already (not read again).
     """
     from hftrain.models import model_config
     from hftrain.models.checks import check_model_folder
@@ -80,14 +87,14 @@ def validate_job(config: TrainConfig, strategy: Strategy, *, write: bool) -> tup
     training, _ = strategy.resolve_training(config.training)  # what the trainer will run: 'auto' made concrete
     strategy.platform.check_precision(training.mixed_precision)
     strategy.preflight(training)
-    plan = plan_run(config, write=write)
+    plan = plan_run(config, write=write, opened=opened)
     facts = check_model_folder(config.model)
     # Model-parallel strategies split the model's sizes: refused here, before any process group exists.
     strategy.check_model(model_config(config.model), use_lora=config.lora.use_lora, task=config.model.task)
     return facts, plan
 
 
-def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
+def plan_run(config: TrainConfig, *, write: bool, opened: VerifiedCheckpoint | None = None) -> RunPlan:
     """Check ``output_dir`` and the resume request together, and decide which run the command continues or starts.
 
     A training command is refused first if another command holds ``output_dir`` (a probe: the lock is taken when
@@ -96,9 +103,10 @@ def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
     Args:
         config: the validated job config.
         write: the command trains into ``output_dir`` (an export only reads a checkpoint).
+        opened: the checkpoint an export reads, opened already (not read again).
     """
     if not write:
-        return _decide(config, write=False)
+        return _decide(config, write=False, opened=opened)
     output_dir = Path(config.training.output_dir)
     run_folder_lock(output_dir).check_free()
     plan = _decide(config, write=True)
@@ -106,19 +114,20 @@ def plan_run(config: TrainConfig, *, write: bool) -> RunPlan:
     return dataclasses.replace(plan, folder_state=folder_state(output_dir))
 
 
-def _decide(config: TrainConfig, *, write: bool) -> RunPlan:
+def _decide(config: TrainConfig, *, write: bool, opened: VerifiedCheckpoint | None = None) -> RunPlan:
     from hftrain.checkpoint.run import new_run_id, saved_run_id
 
     training = config.training
     output_dir = Path(training.output_dir)
     spec = training.resume_from_checkpoint
     if not write:  # an export: trust comes from the run folder its command names
-        return RunPlan(run_id=_checkpoint_run_id(check_resume_request(training, run_id=None, export=True)), resume=spec)
+        explicit = check_resume_request(training, run_id=None, export=True, opened=opened)
+        return RunPlan(run_id=_checkpoint_run_id(explicit), resume=spec, checkpoint=explicit)
     check_output_dir(config)
     if not _holds_results(output_dir):
         # A new run; a resumed checkpoint (from elsewhere) brings its run's id.
         explicit = check_resume_request(training, run_id=None)
-        return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec)
+        return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec, checkpoint=explicit)
     run_id = saved_run_id(output_dir)
     saved = output_dir / CONFIG_FILENAME  # absent: checkpoints without a run config, replaced only by overwrite
     same_run = saved.is_file() and not _run_differences(config, _saved_config(saved))
@@ -130,13 +139,13 @@ def _decide(config: TrainConfig, *, write: bool) -> RunPlan:
             )
         explicit = check_resume_request(training, run_id=run_id)
         other = _checkpoint_run_id(explicit)
-        if explicit is not None and other != run_id and not _inside(explicit, output_dir):
+        if explicit is not None and other != run_id and not _inside(explicit.path, output_dir):
             raise ConfigError(
-                f"training.resume_from_checkpoint: '{explicit}' is of another run (run id {other}) than the one "
+                f"training.resume_from_checkpoint: '{explicit.path}' is of another run (run id {other}) than the one "
                 f"training.output_dir '{output_dir}' holds ({run_id}); resume it into a new output_dir, or set "
                 "overwrite_output_dir: true to replace this run"
             )
-        return RunPlan(run_id=run_id, resume=spec)
+        return RunPlan(run_id=run_id, resume=spec, checkpoint=explicit)
     # overwrite_output_dir: a new run replaces the one in output_dir.
     notes = [f"overwrite_output_dir: the earlier run in '{output_dir}' ({_results(output_dir)}) is removed"]
     if spec == "latest":
@@ -153,7 +162,8 @@ def _decide(config: TrainConfig, *, write: bool) -> RunPlan:
             "replaces; copy it elsewhere first, or drop overwrite_output_dir"
         )
     explicit = check_resume_request(training, run_id=None)
-    return RunPlan(run_id=_checkpoint_run_id(explicit) or new_run_id(), resume=spec, replaces=True, notes=notes)
+    run_id = _checkpoint_run_id(explicit) or new_run_id()
+    return RunPlan(run_id=run_id, resume=spec, checkpoint=explicit, replaces=True, notes=notes)
 
 
 def check_output_dir(config: TrainConfig) -> None:
@@ -186,7 +196,9 @@ def check_output_dir(config: TrainConfig) -> None:
         )
 
 
-def check_resume_request(training: TrainingConfig, *, run_id: str | None, export: bool = False) -> Path | None:
+def check_resume_request(
+    training: TrainingConfig, *, run_id: str | None, export: bool = False, opened: VerifiedCheckpoint | None = None
+) -> VerifiedCheckpoint | None:
     """Refuse a ``resume_from_checkpoint`` that names nothing usable, before any model is built.
 
     What needs the live strategy (topology, global batch) is checked when the trainer resumes, still before
@@ -196,17 +208,20 @@ def check_resume_request(training: TrainingConfig, *, run_id: str | None, export
         training: the ``training`` config section.
         run_id: the output_dir's run: ``latest``/``auto`` take only its checkpoints.
         export: the request comes from ``hftrain export`` (messages name its flags).
+        opened: the checkpoint the request names, opened already (its ``checkpoint.json`` is not read again).
 
-    Returns the checkpoint the request names (None: none, or ``auto`` with none yet).
+    Returns the checkpoint the request names, its ``checkpoint.json`` read once and checked (None: none, or ``auto``
+    with none yet); its files' checksums are verified when it is loaded.
     """
-    from hftrain.checkpoint.manager import CheckpointManager, read_checkpoint
+    from hftrain.checkpoint.manager import CheckpointManager
     from hftrain.checkpoint.resume import check_trusted
 
     spec = training.resume_from_checkpoint
     if spec is None:
         return None
     output_dir = Path(training.output_dir)
-    path = CheckpointManager(output_dir / "checkpoints", run_id=run_id).resolve(spec)
+    manager = CheckpointManager(output_dir / "checkpoints", run_id=run_id)
+    path = manager.resolve(spec)
     if path is None:
         return None
     if not path.exists():
@@ -214,9 +229,10 @@ def check_resume_request(training: TrainingConfig, *, run_id: str | None, export
             f"training.resume_from_checkpoint: '{path}' does not exist; give a step_<N> folder under "
             "output_dir/checkpoints, or latest / auto"
         )
-    read_checkpoint(path, verify_files=False)  # marker, format, keys; checksums are verified on load
+    # marker, format, keys (the marker's bytes resolve read, if it did); checksums are verified on load
+    checkpoint = opened if opened is not None and opened.path == path else manager.opened(path)
     check_trusted(path, output_dir, trusted=training.trust_external_checkpoint, export=export)
-    return path
+    return checkpoint
 
 
 def check_export_dir(directory: Path, source: Path, *, merged: bool = False, locked: bool = False) -> None:
@@ -259,12 +275,10 @@ def _results(output_dir: Path) -> str:
     return f"checkpoints up to {latest.name}" if latest is not None else "an exported model"
 
 
-def _checkpoint_run_id(path: Path | None) -> str | None:
-    from hftrain.checkpoint.manager import read_checkpoint
-
-    if path is None:
+def _checkpoint_run_id(checkpoint: VerifiedCheckpoint | None) -> str | None:
+    if checkpoint is None:
         return None
-    run_id = read_checkpoint(path, verify_files=False).get("run_id")
+    run_id = checkpoint.meta.get("run_id")
     return run_id if isinstance(run_id, str) else None
 
 

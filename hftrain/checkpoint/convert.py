@@ -204,13 +204,17 @@ def _open_source(path: Path, *, trust: bool, output_dir: Path, config: str | Non
         )
     if (path / CHECKPOINTS_DIR).is_dir():  # a run folder: its latest checkpoint, trusted as the user named the run
         output_dir = path
-        path = latest_of_run(path, "convert")
+        opened = latest_of_run(path, "convert")
+        opened.verify()
+        path = opened.path
+    else:
+        opened = None
     if (path / MARKER).is_file():
         if config is not None:
             raise ConfigError(
                 f"--config: checkpoint '{path}' carries its model config (state/{HF_MODEL_DIR}); drop --config"
             )
-        return _dcp_source(path, open_checkpoint(path), trust=trust, output_dir=output_dir)
+        return _dcp_source(path, opened or open_checkpoint(path), trust=trust, output_dir=output_dir)
     deepspeed_root = _deepspeed_root(path)
     if deepspeed_root is not None:
         return _zero_source(*deepspeed_root, trust=trust, output_dir=output_dir, config=config, scratch=scratch)

@@ -83,6 +83,7 @@ class CheckpointManager:
         self.write_threads = write_threads
         self.keep = keep
         self.run_id = run_id
+        self._markers: dict[Path, bytes] = {}  # markers :meth:`_check_run` read, parsed again by :meth:`open`
         self._pending: _Pending | None = None
         self._group: Any = None
         self.staged_saves = 0  # background saves that staged a copy (the last one of a run writes the live states)
@@ -323,15 +324,32 @@ class CheckpointManager:
             )
         return Path(spec)
 
+    def open(self, spec: str, *, verify_files: bool = False) -> VerifiedCheckpoint | None:
+        """The checkpoint ``spec`` names (:meth:`resolve`), opened and checked (:func:`open_checkpoint`), its marker
+        read once: the bytes :meth:`resolve` read to check the run are the ones parsed. None: ``auto`` with none yet.
+
+        Args:
+            spec: ``latest``, ``auto`` or a checkpoint folder.
+            verify_files: recompute every file's checksum now.
+        """
+        path = self.resolve(spec)
+        return None if path is None else self.opened(path, verify_files=verify_files)
+
+    def opened(self, path: Path, *, verify_files: bool = False) -> VerifiedCheckpoint:
+        """``path`` (which :meth:`resolve` returned) opened and checked, parsing the marker bytes it read if it did."""
+        return open_checkpoint(path, verify_files=verify_files, marker=self._markers.pop(path, None))
+
     def _check_run(self, found: list[Path]) -> None:
         """Refuse checkpoints of another run among ``found`` (an overwritten run's, or copied in)."""
         from hftrain.files import UnsafePathError
 
+        self._markers = {}
         if self.run_id is None:
             return
         for path in found:
             try:  # one descriptor that follows no link and never waits on a FIFO
-                meta = json.loads(read_small(path / MARKER, MARKER))
+                self._markers[path] = data = read_small(path / MARKER, MARKER)
+                meta = json.loads(data)
             except (ValueError, RecursionError, OSError, UnsafePathError, CheckpointError):
                 continue  # damaged: reported by read_checkpoint if it is the one taken
             if not isinstance(meta, dict):
@@ -452,7 +470,7 @@ def read_checkpoint(path: str | Path, *, verify_files: bool = True) -> dict[str,
     return open_checkpoint(path, verify_files=verify_files).meta
 
 
-def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedCheckpoint:
+def open_checkpoint(path: str | Path, *, verify_files: bool = True, marker: bytes | None = None) -> VerifiedCheckpoint:
     """A complete checkpoint, checked: its marker (read once, through one descriptor that follows no link and never
     waits on a FIFO), version and keys, every file under it listed (an unlisted one is refused) and, with
     ``verify_files``, every file's checksum computed on the bytes of one descriptor whose file is recorded (pitfall
@@ -464,23 +482,23 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
     Args:
         path: a ``step_<N>`` folder.
         verify_files: recompute every file's checksum now (the main process does; others check what they read).
+        marker: the bytes of its ``checkpoint.json`` when they were read already (:meth:`CheckpointManager.open`).
     """
     from hftrain.files import UnsafePathError
 
     path = Path(path)
-    marker = path / MARKER
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint '{path}' does not exist; give a step_<N> folder under output_dir/checkpoints"
         )
     check_regular_tree(path)  # before any byte of it is read
-    if not os.path.lexists(marker):
+    if not os.path.lexists(path / MARKER):
         raise CheckpointError(
             f"'{path}' is not a complete hftrain checkpoint (no {MARKER}); it may be a partial write: "
             "resume from 'latest' or another step_<N> folder"
         )
     try:
-        meta = json.loads(read_small(marker, f"checkpoint '{path}': {MARKER}"))
+        meta = json.loads(marker if marker is not None else read_small(path / MARKER, f"checkpoint '{path}': {MARKER}"))
     except UnsafePathError as error:
         raise CheckpointError(f"{error}; resume from another checkpoint") from None
     except (ValueError, RecursionError, OSError):  # RecursionError: JSON nested deeper than Python's stack
@@ -500,8 +518,7 @@ def open_checkpoint(path: str | Path, *, verify_files: bool = True) -> VerifiedC
     _check_listed(path, meta["files"])
     verified = VerifiedCheckpoint(path, meta)
     if verify_files:
-        verified.identities = _verify_files(path, meta["files"])
-        verified.machine = machine_id()
+        verified.verify()
     return verified
 
 
@@ -537,6 +554,12 @@ class VerifiedCheckpoint:
         self.machine: str | None = None
         """The machine the identities were recorded on (:func:`machine_id`)."""
         self._checked: set[tuple[int, int, int, int, int]] = set()  # files whose checksum this process computed
+
+    def verify(self) -> None:
+        """Compute every listed file's checksum against ``checkpoint.json`` and record each file's identity (the
+        main process does, once, before anything is loaded)."""
+        self.identities = _verify_files(self.path, self.meta["files"])
+        self.machine = machine_id()
 
     def adopt(self, identities: dict[str, tuple[int, int, int, int, int]], machine: str | None) -> None:
         """Take the main process's record of the files it verified, which :meth:`open` then compares.

@@ -22,10 +22,14 @@ import re
 import stat
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hftrain.config import CONFIG_FILENAME, RUN_ID_KEY
 from hftrain.errors import ConfigError
 from hftrain.files import LOCK_FILENAME, FolderLock, check_own, remove
+
+if TYPE_CHECKING:
+    from hftrain.checkpoint.manager import VerifiedCheckpoint
 
 STRATEGY_FILENAME = "hftrain_strategy.json"
 TRAINER_STATE_FILENAME = "trainer_state.json"
@@ -88,9 +92,10 @@ def saved_run_id(output_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def latest_of_run(run_dir: Path, command: str) -> Path:
+def latest_of_run(run_dir: Path, command: str) -> VerifiedCheckpoint:
     """The latest complete checkpoint of the run folder ``run_dir`` (one with ``checkpoints/``), for a command that
-    reads one: ``hftrain export`` or ``hftrain convert`` given a run folder.
+    reads one: ``hftrain export`` or ``hftrain convert`` given a run folder; opened, its ``checkpoint.json`` read
+    once and checked (:meth:`~hftrain.checkpoint.manager.CheckpointManager.open`; checksums not yet verified).
 
     Args:
         run_dir: the run's ``output_dir``.
@@ -98,7 +103,7 @@ def latest_of_run(run_dir: Path, command: str) -> Path:
     """
     from hftrain.checkpoint.manager import CheckpointError, CheckpointManager
 
-    latest = CheckpointManager(run_dir / CHECKPOINTS_DIR, run_id=saved_run_id(run_dir)).resolve("auto")
+    latest = CheckpointManager(run_dir / CHECKPOINTS_DIR, run_id=saved_run_id(run_dir)).open("auto")
     if latest is None:  # resolve("latest") would say so in training's words (resume_from_checkpoint, 'auto')
         raise CheckpointError(
             f"run folder '{run_dir}' holds no complete checkpoint in {CHECKPOINTS_DIR}/ (the run stopped before its "

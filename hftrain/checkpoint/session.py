@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, open_checkpoint
+from hftrain.checkpoint.manager import STATE_DIR, CheckpointError, CheckpointManager, VerifiedCheckpoint
 from hftrain.checkpoint.resume import (
     batches_to_skip,
     check_position,
@@ -138,7 +138,14 @@ class CheckpointSession:
 
     # ----------------------------------------------------------------- resume
     def resume(
-        self, spec: str, *, model: Any, optimizer: Any, micro_batches: int | None, max_steps: int
+        self,
+        spec: str,
+        *,
+        model: Any,
+        optimizer: Any,
+        micro_batches: int | None,
+        max_steps: int,
+        opened: VerifiedCheckpoint | None = None,
     ) -> Resumed | None:
         """Restore model, optimizer, scheduler and RNG from a checkpoint (after ``prepare``); return its trainer
         state and the data position, or None when ``spec`` is ``auto`` and there is no checkpoint yet.
@@ -158,16 +165,19 @@ class CheckpointSession:
                 checkpoint must be of a stream on as many data-parallel ranks, and each rank's position
                 (``rank_state``, :func:`~hftrain.checkpoint.manager.rank_state_file`) is read and returned.
             max_steps: this run's last step.
+            opened: the checkpoint ``spec`` names, as the command's checks opened it (``hftrain.validate.RunPlan``):
+                its ``checkpoint.json`` is not read again; None: opened here.
         """
-        path = self.manager.resolve(spec)
-        if path is None:
+        opened = opened if opened is not None else self.manager.open(spec)  # its checkpoint.json read once
+        if opened is None:
             self.log(f"resume_from_checkpoint: {spec}: no checkpoint yet, starting fresh")
             return None
+        path = opened.path
         check_trusted(path, Path(self.args.output_dir), trusted=self.args.trust_external_checkpoint)
         from hftrain.checkpoint.sharded import check_sharded  # torch.distributed.checkpoint: imported when used
 
         check_sharded(path / STATE_DIR)  # a checkpoint of the per-strategy formats before it: one line
-        meta = self._read_verified(path)
+        meta = self._read_verified(opened)
         notes = check_resumable(
             meta, path=path, run_config=self.run_config, topology=self.topology, strategies=self.strategies
         )
@@ -227,18 +237,18 @@ class CheckpointSession:
             raise error or CheckpointError(f"checkpoint '{path}': another process cannot read its stream position")
         return state
 
-    def _read_verified(self, path: Path) -> dict[str, Any]:
+    def _read_verified(self, opened: VerifiedCheckpoint) -> dict[str, Any]:
         # The main process checks every checksum and loads every pickled file once with a restricted unpickler
         # (nothing in a checkpoint runs code); the others wait for its verdict instead of re-reading.
         # Every rank then loads through its VerifiedCheckpoint (_load_state): each small file read once, its checksum
         # checked on those bytes, which are what is parsed (issue 52's check-then-load race).
         error = None
-        verified = None
+        path = opened.path
         if self.runtime.is_main_process:
             try:
-                verified = open_checkpoint(path, verify_files=True)
+                opened.verify()
                 check_no_code(path, path / STATE_DIR)
-                meta = verified.meta
+                meta = opened.meta
                 check_rng_states(path, path / STATE_DIR, meta["topology"]["world_size"], self.runtime.num_processes)
             except CheckpointError as raised:
                 error = raised
@@ -251,12 +261,11 @@ class CheckpointSession:
 
         # Every rank compares each file it opens with the main process's record of the file it verified (a file
         # renamed over it since is refused on every rank, not only on the main process).
-        record = broadcast_object((verified.identities, verified.machine) if verified is not None else None)
-        if verified is None:
-            verified = open_checkpoint(path, verify_files=False)
-            verified.adopt(*record)
-        self._verified = verified
-        return verified.meta
+        record = broadcast_object((opened.identities, opened.machine) if self.runtime.is_main_process else None)
+        if not self.runtime.is_main_process:
+            opened.adopt(*record)
+        self._verified = opened
+        return opened.meta
 
     def _load_state(self, path: Path, *, model: Any, optimizer: Any) -> None:
         """Load the verified state; a file that does not fit this run (a missing key, another shape) is one line.

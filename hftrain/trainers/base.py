@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hftrain.checkpoint.manager import CheckpointManager
+from hftrain.checkpoint.manager import CheckpointManager, VerifiedCheckpoint
 from hftrain.checkpoint.preemption import PreemptionFlag
 from hftrain.checkpoint.run import (
     CHECKPOINTS_DIR,
@@ -106,6 +106,9 @@ class Trainer:
             only this run's checkpoints.
         pad_to_multiple_of: ``data.pad_to_multiple_of``: the length buckets of training and evaluation batches
             (``auto``: chosen per device; None: none), combined with the strategy's own multiple.
+        checkpoint: the checkpoint ``args.resume_from_checkpoint`` names as the command's checks opened it
+            (``hftrain.validate.RunPlan.checkpoint``: its ``checkpoint.json`` is read once per run); None: opened
+            when resuming.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class Trainer:
         run_config: dict[str, Any] | None = None,
         run_id: str | None = None,
         pad_to_multiple_of: int | str | None = "auto",
+        checkpoint: VerifiedCheckpoint | None = None,
     ) -> None:
         from accelerate.utils import set_seed
 
@@ -244,7 +248,7 @@ class Trainer:
             log=self._log,
         )
         if args.resume_from_checkpoint:
-            self.resume(args.resume_from_checkpoint)
+            self.resume(args.resume_from_checkpoint, opened=checkpoint)
 
     # ----------------------------------------------------------------- task hooks (override per task)
     loss_is_example_mean = True
@@ -667,12 +671,13 @@ class Trainer:
     def _checkpointed_step(self) -> int | None:
         return self.checkpointing.checkpointed_step()
 
-    def resume(self, spec: str) -> None:
+    def resume(self, spec: str, *, opened: VerifiedCheckpoint | None = None) -> None:
         """Restore model, optimizer, scheduler, RNG, trainer state and data position from a checkpoint (after
         ``prepare``; :meth:`CheckpointSession.resume <hftrain.checkpoint.session.CheckpointSession.resume>`).
 
         Args:
             spec: ``latest``, ``auto`` or a checkpoint folder.
+            opened: that checkpoint as the command's checks opened it (its ``checkpoint.json`` is not read again).
         """
         self._release_heap()  # the loaded optimizer states take the pages faulted in for the first step
         resumed = self.checkpointing.resume(
@@ -681,6 +686,7 @@ class Trainer:
             optimizer=self.optimizer,
             micro_batches=len(self.train_loader) if self.stream is None else None,
             max_steps=self.max_steps,
+            opened=opened,
         )
         if resumed is not None:
             self.state, self._skip_batches = resumed.state, resumed.skip
