@@ -59,6 +59,7 @@ def check_model(
     cp_comm: str = "ring",
     moe_capacity_factor: float | None = None,
     virtual_stages: int = 1,
+    head: str = "sequence_classification",
 ) -> None:
     """Refuse a model the layout cannot split, from its config, before any process group: each axis's own check, in
     the order of their refusals (tp, ep, cp, pp); ``AxisError`` naming the axis.
@@ -70,6 +71,8 @@ def check_model(
         cp_comm: context parallelism's exchange, ``"ring"`` or ``"all_to_all"``.
         moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless).
         virtual_stages: model chunks per pipeline rank.
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``): pipeline and context parallelism check the
+            family with it (a MoE family's token classifier or causal LM under pp is refused).
     """
     from hftrain.parallel.context_parallel import check_context_parallel_model
     from hftrain.parallel.expert_parallel import check_expert_parallel
@@ -80,8 +83,9 @@ def check_model(
     check_expert_parallel(config, dims.ep, dims.dp, moe_capacity_factor)
     if dims.cp > 1:
         check_context_parallel_model(config, dims.cp, tp=dims.tp, comm=cp_comm)
+        check_family(config, head=head, axis="cp")
     if dims.pp > 1:
-        check_family(config)
+        check_family(config, head=head)
         # The same split the stages will use; balance "layers" needs no parameter sizes and applies the same checks.
         stage_layer_ranges(config.num_hidden_layers, pp=dims.pp, virtual_stages=virtual_stages)
 
