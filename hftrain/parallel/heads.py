@@ -70,7 +70,7 @@ def _pool(logits: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
 class StageHead:
     """A task's head on a family's trunk: what the pipeline's first chunk reads and the last one computes.
 
-    The engine (:class:`PipelineChunk`, ``hftrain.parallel.schedules``) never opens the batch nor the output: the
+    The engine (``stages.PipelineChunk``, ``hftrain.parallel.schedules``) never opens the batch nor the output: the
     head names the first chunk's input columns (:meth:`first_args`), turns them into the activation tuple
     ``(hidden [b, s, h], trunk_input [b, s], *carries)`` (:meth:`embed`; ``trunk_input`` is the 2-D attention mask,
     or a packed block's position ids where :attr:`packed`), and maps the trunk's last (normed) hidden states and the
