@@ -152,12 +152,58 @@ def _tp_token_classification(sequence_parallel: tuple[bool, ...]) -> dict:
             for name, param in ref.named_parameters():
                 assert_close(grads[name], param.grad, msg=lambda m, n=f"{kind} sp={sp} {name}": f"{n}: {m}")
             report[(kind, sp)] = tuple(out.logits.shape)
+    for kind in ("bert", "llama"):
+        report[(kind, "pp2")] = _pp_token_classification(kind, dist.get_rank())
     dist.destroy_process_group()
     return report
 
 
+def _pp_token_classification(kind: str, rank: int) -> str:
+    """pp=2 through the 1F1B schedule (real sends between the 2 processes, 2 micro-batches), head
+    ``"token_classification"``: the batch's per-token loss (each micro-batch's token sum over the batch's labelled
+    count, so the parts add up to transformers' mean), the accumulated gradients and the evaluation's per-token
+    logits ``[b, s, n]`` on the last stage equal the unsharded model's."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing import assert_close
+
+    from hftrain.parallel import build_schedule, build_stage_modules
+
+    ref, model = _model(kind), _model(kind)
+    inputs, labels = _batch()
+    expected = ref(**inputs, labels=labels)
+    expected.loss.backward()
+    chunks = build_stage_modules(model, pp_rank=rank, pp=2, head="token_classification")
+    count = int((labels != -100).sum())
+
+    def token_loss(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        flat = logits.reshape(-1, NUM_LABELS)
+        return torch.nn.functional.cross_entropy(flat, rows.reshape(-1), ignore_index=-100, reduction="sum") / count
+
+    pipe = build_schedule(
+        "1f1b", chunks, pp_group=dist.group.WORLD, pp_rank=rank, pp=2, num_microbatches=2, loss_fn=token_loss,
+        device="cpu",
+    )  # fmt: skip
+    loss = pipe.train_step(inputs if pipe.is_first else None, labels if pipe.is_last else None, per_example_mean=False)
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            hf_name = chunk.hf_name(name)
+            assert_close(param.grad, ref.get_parameter(hf_name).grad, msg=lambda m, n=f"{kind} {hf_name}": f"{n}: {m}")
+    logits = pipe.eval_step(inputs if pipe.is_first else None)
+    if pipe.is_last:
+        assert_close(loss, expected.loss.detach())
+        assert_close(logits, expected.logits.detach())
+        return f"last {tuple(logits.shape)}"
+    assert loss is None and logits is None
+    return "first"
+
+
 @pytest.mark.distributed
-def test_tp2_token_classification_matches_unsharded():
+def test_tp2_and_pp2_token_classification_match_unsharded():
     results = run_distributed(_tp_token_classification, nprocs=2, timeout=600, sequence_parallel=(False, True))
-    for report in results:  # the comparisons are asserted inside every rank
-        assert report == {(k, sp): (4, 8, NUM_LABELS) for k in ("bert", "llama") for sp in (False, True)}
+    for rank, report in enumerate(results):  # the comparisons are asserted inside every rank
+        assert {k: v for k, v in report.items() if k[1] != "pp2"} == {
+            (k, sp): (4, 8, NUM_LABELS) for k in ("bert", "llama") for sp in (False, True)
+        }
+        stage = f"last (4, 8, {NUM_LABELS})" if rank == 1 else "first"
+        assert report[("bert", "pp2")] == report[("llama", "pp2")] == stage
