@@ -256,3 +256,23 @@ def test_a_family_with_llamas_layout_is_found_without_an_entry():
     assert family_of(config) is None
     with pytest.raises(ConfigError, match="tensor parallelism has no entry for model type 'llama_descendant'"):
         plan_for(config)
+
+
+def test_the_registry_is_one_line_per_family_module():
+    """Every module of ``hftrain/parallel/families/`` (but the ``Family`` record's) exports its entries as ``FAMILIES``
+    and the registry is exactly their union, no model type in two modules: a new family is one new file and one
+    registry line (a module left out of the registry fails here)."""
+    import importlib
+    import pkgutil
+
+    import hftrain.parallel.families as registry
+
+    names = [m.name for m in pkgutil.iter_modules(registry.__path__) if m.name != "family"]
+    assert {"bert", "llama", "moe", "deberta_v2", "modernbert", "albert"} <= set(names)
+    gathered: dict = {}
+    for name in names:
+        entries = importlib.import_module(f"hftrain.parallel.families.{name}").FAMILIES
+        assert entries and not set(entries) & set(gathered), name
+        gathered |= entries
+    assert gathered.keys() == registry.FAMILIES.keys()
+    assert all(gathered[t] is registry.FAMILIES[t] for t in gathered)

@@ -182,7 +182,7 @@ def test_causal_lm_chunks_in_sequence_equal_model(kind):
 
     by_index = {}
     for rank in range(2):
-        for k, chunk in enumerate(build_stage_modules(model, pp_rank=rank, pp=2, virtual_stages=2)):
+        for k, chunk in enumerate(build_stage_modules(model, pp_rank=rank, pp=2, virtual_stages=2, head="causal_lm")):
             by_index[rank + k * 2] = chunk
     acts = (ids, positions)
     for index in range(4):
@@ -279,7 +279,7 @@ def test_the_stage_cut_records_the_weights_several_ranks_hold(style):
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(tiny_config("gpt2", num_layers=4))
     for rank in range(2):
-        build_stage_modules(lm, pp_rank=rank, pp=2, virtual_stages=2, style=style)
+        build_stage_modules(lm, pp_rank=rank, pp=2, virtual_stages=2, style=style, head="causal_lm")
         copies = {name: (r.copies, r.primary) for name, r in placements(lm).items() if r.copies is not None}
         expected = {"transformer.wte.weight": ("embedding", rank == 0), "lm_head.weight": ("embedding", rank == 0)}
         assert copies == ({} if style == "v" else expected), (style, rank)

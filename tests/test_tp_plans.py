@@ -409,15 +409,15 @@ def test_deberta_v2_refuses_what_its_plan_cannot_split_in_one_line():
     assert trainable_axes(config) == {"tp", "pp"}
     with pytest.raises(ConfigError, match=r"tp=4 does not divide num_attention_heads=2 of this deberta-v2 model"):
         check_tensor_parallel(config, 4)
-    check_family(config, class_name="DebertaV2ForSequenceClassification")  # pp takes it
+    check_family(config, head="sequence_classification")  # pp takes it
     with pytest.raises(AxisError, match=r"^context parallelism cannot split this DeBERTa-v2 model: its disentangled"):
-        check_family(config, class_name="DebertaV2ForSequenceClassification", axis="cp")
+        check_family(config, head="sequence_classification", axis="cp")
     conv = _config("deberta-v2", conv_kernel_size=3)
     with pytest.raises(AxisError, match=r"DeBERTa-v2 model: its convolution after the first layer \(conv_kernel_size"):
         check_tensor_parallel(conv, 2)
     check_tensor_parallel(conv, 1)  # nothing to split: it runs whole (dp)
     with pytest.raises(AxisError, match=r"^pipeline parallelism cannot split this DeBERTa-v2 model: its convolution"):
-        check_family(conv, class_name="DebertaV2ForSequenceClassification")
+        check_family(conv, head="sequence_classification")
     assert trainable_axes(conv) == set()
 
 

@@ -15,6 +15,8 @@ _EXPORTS = {
     "format_groups": "dims",
     "TensorParallelPlan": "plans",
     "FAMILIES": "families",
+    "HEADS": "heads",
+    "StageHead": "heads",
     "check_tensor_parallel": "families",
     "sequence_multiple": "plans",
     "ColumnParallelLinear": "layers",

@@ -59,6 +59,7 @@ def check_model(
     cp_comm: str = "ring",
     moe_capacity_factor: float | None = None,
     virtual_stages: int = 1,
+    head: str = "sequence_classification",
 ) -> None:
     """Refuse a model the layout cannot split, from its config, before any process group: each axis's own check, in
     the order of their refusals (tp, ep, cp, pp); ``AxisError`` naming the axis.
@@ -70,6 +71,8 @@ def check_model(
         cp_comm: context parallelism's exchange, ``"ring"`` or ``"all_to_all"``.
         moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless).
         virtual_stages: model chunks per pipeline rank.
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``): pipeline and context parallelism check the
+            family with it (a MoE family's token classifier or causal LM under pp is refused).
     """
     from hftrain.parallel.context_parallel import check_context_parallel_model
     from hftrain.parallel.expert_parallel import check_expert_parallel
@@ -80,8 +83,9 @@ def check_model(
     check_expert_parallel(config, dims.ep, dims.dp, moe_capacity_factor)
     if dims.cp > 1:
         check_context_parallel_model(config, dims.cp, tp=dims.tp, comm=cp_comm)
+        check_family(config, head=head, axis="cp")
     if dims.pp > 1:
-        check_family(config)
+        check_family(config, head=head)
         # The same split the stages will use; balance "layers" needs no parameter sizes and applies the same checks.
         stage_layer_ranges(config.num_hidden_layers, pp=dims.pp, virtual_stages=virtual_stages)
 
@@ -118,11 +122,12 @@ def parallelize_model(
     recompute: str | None = None,
     vocab_multiple: int = 1,
     moe_capacity_factor: float | None = None,
+    head: str = "sequence_classification",
 ) -> nn.Module:
     """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
 
     Args:
-        model: an unchanged HF ``*ForSequenceClassification`` model, the same full weights on every rank.
+        model: an unchanged HF model of the task's head kind, the same full weights on every rank.
         groups: this rank's process groups (``ParallelDims`` validated once, by the caller's owner).
         sequence_parallel: Megatron sequence parallelism in the tensor-parallel regions.
         cp_comm: how context parallelism exchanges keys and values, ``"ring"`` or ``"all_to_all"``.
@@ -131,6 +136,8 @@ def parallelize_model(
             last, on the split layers: a full-layer checkpoint replays the tracker's streams.
         vocab_multiple: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this.
         moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless), under any ep.
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``): context parallelism gathers the whole
+            sequences back after the family's trunk for a head that is not per token, and nothing for one that is.
     """
     from hftrain.parallel.families import check_tensor_parallel, has_tp_plan
     from hftrain.parallel.lora import hf_model_of
@@ -157,8 +164,12 @@ def parallelize_model(
         )
     if groups.cp_size > 1:
         from hftrain.parallel.context_parallel import apply_context_parallel
+        from hftrain.parallel.families import stages_for
+        from hftrain.parallel.heads import head_kind
 
-        model = apply_context_parallel(model, cp_group=groups.cp_group, comm=cp_comm)
+        trunk = stages_for(model.config, head=head, axis="cp")  # checked for cp with the head kind
+        per_token = head_kind(head).per_token
+        model = apply_context_parallel(model, trunk=trunk, per_token=per_token, cp_group=groups.cp_group, comm=cp_comm)
     if groups.ep_size > 1 or moe_capacity_factor is not None:
         from hftrain.parallel.expert_parallel import apply_expert_parallel
 

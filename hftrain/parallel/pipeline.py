@@ -1,19 +1,19 @@
-"""Pipeline stages: split an unchanged HF model (a ``*ForSequenceClassification``, a decoder's ``*ForCausalLM``, or a
-model whose task names its own head) into contiguous layer chunks.
+"""Pipeline stages: split an unchanged HF model (a sequence or token classifier, a decoder's causal LM, or a model
+whose task names its own head) into contiguous layer chunks.
 
 A chunk maps the pipeline's activation tuple to the next one without opening it
 (:class:`~hftrain.parallel.stages.PipelineChunk`). Its model's adapter (:class:`~hftrain.parallel.stages.ModelStages`)
 joins the family's *trunk* (embedding, layers, final norm: ``hftrain.parallel.families``) and the task's *head*
-(:class:`~hftrain.parallel.stages.StageHead`): the head names the batch columns the first chunk reads, what travels
-beside the hidden states, and what the last chunk returns. The tuple is ``(hidden [b, s, h] float, trunk_input
-[b, s], *carries)``:
+(:class:`~hftrain.parallel.heads.StageHead`, named by its kind: ``hftrain.parallel.heads.HEADS``): the head names
+the batch columns the first chunk reads, what travels beside the hidden states, and what the last chunk returns.
+The tuple is ``(hidden [b, s, h] float, trunk_input [b, s], *carries)``:
 
 * ``hidden`` is the only tensor that carries gradient;
 * ``trunk_input`` is the 2-D attention mask as given, from which every chunk rebuilds the 4-D mask with transformers'
   own ``create_causal_mask``/``create_bidirectional_mask``, exactly as the unsharded model does; or, for a causal
-  LM's packed blocks (:class:`~hftrain.parallel.stages.CausalLMHead`), the position ids the masks are built from;
+  LM's packed blocks (:class:`~hftrain.parallel.heads.CausalLMHead`), the position ids the masks are built from;
 * ``carries`` are the head's: a classifier's ``pool`` ``[b, s]``, the float one-hot of the token it classifies
-  (:class:`~hftrain.parallel.stages.SequenceClassificationHead`).
+  (:class:`~hftrain.parallel.heads.SequenceClassificationHead`); a token classifier carries none.
 
 Position ids are otherwise ``arange(s)`` (as in the families' ``forward`` without a cache), so each chunk recomputes
 them (and rotary embeddings) instead of sending them. Parameters keep their HF names through
@@ -159,7 +159,12 @@ def _numel(modules: dict[str, Any]) -> int:
 
 
 def stage_ranges(
-    model: torch.nn.Module, *, pp: int, virtual_stages: int = 1, balance: str = "layers", head: Any = None
+    model: torch.nn.Module,
+    *,
+    pp: int,
+    virtual_stages: int = 1,
+    balance: str = "layers",
+    head: Any = "sequence_classification",
 ) -> list[range]:
     """The layer range of every chunk of ``model`` (``balance="parameters"``: the embedding counts towards the
     first layer and the head towards the last, with the parameters' logical sizes, so a ``meta`` model works).
@@ -169,7 +174,8 @@ def stage_ranges(
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
         balance: ``"layers"`` or ``"parameters"``.
-        head: the task's :class:`~hftrain.parallel.stages.StageHead` (None: the model's class implies it).
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``) or its own
+            :class:`~hftrain.parallel.heads.StageHead`; None: ``"sequence_classification"``.
     """
     from hftrain.parallel.families import stages_of
 
@@ -189,7 +195,7 @@ def other_stages_modules(
     pp: int,
     virtual_stages: int = 1,
     style: str = "loop",
-    head: Any = None,
+    head: Any = "sequence_classification",
 ) -> list[str]:
     """Dotted paths of the layers and embedding modules no chunk of ``pp_rank`` holds: what its build can leave
     unmaterialized. The head is not among them: it is small, and the whole model initialises it from the random
@@ -202,7 +208,8 @@ def other_stages_modules(
         pp: pipeline-parallel size.
         virtual_stages: chunks per rank.
         style: ``"loop"`` or ``"v"`` (:func:`chunk_ids_of_rank`).
-        head: the task's :class:`~hftrain.parallel.stages.StageHead` (None: the model's class implies it).
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``) or its own
+            :class:`~hftrain.parallel.heads.StageHead`; None: ``"sequence_classification"``.
     """
     from hftrain.parallel.families import stages_of
 
@@ -249,7 +256,7 @@ def build_stage_modules(
     style: str = "loop",
     ranges: list[range] | None = None,
     example_group: Any = None,
-    head: Any = None,
+    head: Any = "sequence_classification",
 ) -> list[PipelineChunk]:
     """The chunks of ``model`` that pipeline rank ``pp_rank`` owns, in order; they share the model's modules.
 
@@ -268,8 +275,9 @@ def build_stage_modules(
             layers); None computes it from ``model``.
         example_group: the ranks a micro-batch's examples are split over (dp): a mixture of experts' router loss
             is taken over them (:class:`~hftrain.parallel.expert_parallel.StageRouting`).
-        head: the task's :class:`~hftrain.parallel.stages.StageHead` (the Trainer's ``stage_head``); None: the one the
-            model's class implies.
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``) or its own
+            :class:`~hftrain.parallel.heads.StageHead` (the Trainer's ``stage_head``); None:
+            ``"sequence_classification"``.
     """
     from hftrain.parallel.expert_parallel import StageRouting, moe_layer_indices
     from hftrain.parallel.families import expert_plan_for, stages_of

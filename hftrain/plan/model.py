@@ -325,7 +325,7 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
         source=None if name_or_path.endswith(".json") else name_or_path,
         head_parameters=_head_parameters(model, task),
         gated=is_gated_mlp(config),
-        axes=trainable_axes(config, type(model).__name__),  # the registry's answer (hftrain.parallel.families)
+        axes=trainable_axes(config, head=task),  # the registry's answer for the task's head kind (parallel.families)
         task=task,
         lm_head_parameters=_lm_head_parameters(model) if task == "causal_lm" else 0,
         sequence_parallel=takes_sequence_parallel(config),

@@ -57,6 +57,7 @@ class CausalLMTrainer(Trainer):
 
     loss_is_example_mean = False  # a token sum scaled by dp · accumulation / N: a pipeline's parts add up
     whole_global_batches = True  # N counts a global batch's blocks: Accelerate's repeats of a short one would not be
+    stage_head = "causal_lm"  # the pipeline's head kind (hftrain.parallel.heads.HEADS): the output projection
 
     def __init__(self, *args: Any, train_dataset: Any, **kwargs: Any) -> None:
         from hftrain.data.streaming import StreamingBlocks

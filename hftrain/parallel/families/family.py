@@ -1,0 +1,47 @@
+"""The record of one model family (:class:`Family`): what each family module exports and the registry gathers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan
+
+AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What hftrain knows of one model family.
+
+    Args:
+        name: how messages and the README name it (``"Qwen3"``).
+        tp: its tensor-parallel plan, or a function of the config giving it (derived from transformers' plan); None
+            where tp cannot split it (``refusals["tp"]`` says why).
+        stages: its trunk's pipeline adapter (embedding, layers, final norm; in its module); None: no
+            pp and no cp.
+        classifier: its ``*ForSequenceClassification``'s head (a ``StageHead``: the pipeline's last chunk's pooling
+            and classifier; the ``"sequence_classification"`` head kind, ``hftrain.parallel.heads.HEADS``).
+        token_classifier: its ``*ForTokenClassification``'s head where it is not the generic one (dropout and
+            ``classifier`` on every position: ``hftrain.parallel.heads.TokenClassificationHead``), or None.
+        experts: its expert plan (a mixture of experts), or None.
+        refusals: ``axis -> why`` for the axes it cannot take (one line each).
+        cp_refusal: a function of the config giving why context parallelism cannot be exact for it (Gemma-2's
+            soft-capped attention), or None when it can.
+        gated_mlp: its MLP is gated (three matrices: the planner's FLOPs and sizes).
+    """
+
+    name: str
+    tp: TensorParallelPlan | Callable[[Any], TensorParallelPlan] | None = None
+    stages: Any = None
+    classifier: Any = None
+    token_classifier: Any = None
+    experts: ExpertPlan | None = None
+    refusals: dict[str, str] = field(default_factory=dict)
+    cp_refusal: Callable[[Any], str | None] = lambda config: None
+    gated_mlp: bool = False
+
+    def tp_plan(self, config: Any) -> TensorParallelPlan | None:
+        """This family's tensor-parallel plan for ``config`` (None: refused)."""
+        return self.tp(config) if callable(self.tp) else self.tp

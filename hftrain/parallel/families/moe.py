@@ -1,0 +1,52 @@
+"""The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama's attention split over tp, the MoE blocks
+replicated over tp and their experts split over ep (the expert plan); context parallelism refused (the router loss
+needs every token)."""
+
+from __future__ import annotations
+
+from hftrain.parallel.families.family import Family
+from hftrain.parallel.families.llama import DECODER, LLAMA_ATTENTION, LLAMA_MODEL
+from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan
+
+
+def _moe_plan(*, head_norms: bool = False) -> TensorParallelPlan:
+    """A mixture-of-experts family with Llama's attention and module names (the MoE block has no entry: replicated
+    over tp; ``head_norms``: Qwen3-MoE's per-head q/k norms)."""
+    norms = (("self_attn.q_norm", "head_shared"), ("self_attn.k_norm", "head_shared")) if head_norms else ()
+    return TensorParallelPlan(
+        layers="model.layers",
+        layer=(*LLAMA_ATTENTION, *norms),
+        model=LLAMA_MODEL,
+        heads={},
+        # the experts' sizes are not split by tp (the block is replicated over tp)
+        sizes=lambda c: {"num_attention_heads": c.num_attention_heads},
+        grouped_query="self_attn",
+        replicated=("mlp",),
+    )
+
+
+_MOE_REFUSALS = {
+    "cp": "its router loss needs every token's routing of the whole sequence, which a sequence shard does not "
+    "see; use cp 1 (tp, pp, ep and dp split it)",
+}
+
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family(
+        "Mixtral",
+        tp=_moe_plan(),
+        experts=ExpertPlan(num_experts="num_local_experts"),
+        refusals=_MOE_REFUSALS,
+        **DECODER,
+    ),
+    # its shared expert stays replicated, as the router
+    "qwen2_moe": Family(
+        "Qwen2-MoE", tp=_moe_plan(), experts=ExpertPlan(num_experts="num_experts"), refusals=_MOE_REFUSALS, **DECODER
+    ),
+    "qwen3_moe": Family(
+        "Qwen3-MoE",
+        tp=_moe_plan(head_norms=True),
+        experts=ExpertPlan(num_experts="num_experts"),
+        refusals=_MOE_REFUSALS,
+        **DECODER,
+    ),
+}
