@@ -14,21 +14,109 @@ group is ``ep`` consecutive dp ranks (same pp, cp and tp coordinates), which hol
 layer and exchange tokens by all-to-all; the expert-data-parallel (``edp``) group is the ``dp / ep`` dp ranks that
 hold the same experts (dp ranks with the same ``dp_rank mod ep``), over which expert gradients are reduced. Dense
 parameters are still averaged over all of dp.
+
+The axes are declared once, in :data:`AXIS_SPECS` (torchtitan's ``ParallelDims.build_mesh`` is the model): each
+axis's name, its size's meaning, its place in the rank order, what it is carved out of, whether it cuts parameters,
+splits sequences or holds pipeline stages, and the group it is flattened into with another axis (``dp × cp``).
+Coordinates, rank order, group iteration, ``hftrain groups``' lines, :class:`ParallelGroups` and the checks are
+derived from that list. A carved axis splits its parent into ``(parent / size, size)`` sub-dimensions, outermost
+first (``dp`` into ``(edp, ep)``), so that every group is one set of sub-dimensions varied in row-major order with
+the others held fixed.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hftrain.errors import AxisError, ConfigError
 
-AXES = ("pp", "dp", "cp", "tp")  # outermost first: the mesh's dimension order
 # The largest world whose groups ``hftrain groups`` prints: each rank is on 4 lines (its tp, pp and dp group and
 # the rank table), ~1 s of output here; larger layouts follow the same rule, stated in the module docstring.
 MAX_PRINTED_WORLD = 65536
+
+
+@dataclass(frozen=True)
+class AxisSpec:
+    """One parallel axis, declared once.
+
+    Args:
+        name: the axis's name (a :class:`ParallelDims` field when it has a size of its own, a group name).
+        label: what ``hftrain groups`` calls its groups (``"tensor parallel"``).
+        meaning: what its size means (a field of :class:`ParallelDims` and a flag of ``hftrain groups``); None
+            for the axis whose size is what remains of the world (dp).
+        stride: its place in the rank order, 0 for the axis whose ranks are adjacent (None: carved out of another).
+        carved_from: the axis it splits into consecutive runs of its ranks (ep out of dp), None for a mesh axis.
+        complement: ``(name, label)`` of a carved axis's other part: the parent's ranks with the same index in
+            this axis (edp: the dp ranks holding the same experts).
+        carves: ``(plural, singular)`` of what a carved axis splits (``("experts", "expert")``).
+        flattened_with: the axis this one is flattened with into one group named ``<that>_<this>`` (dp × cp: the
+            ranks gradients are averaged over), with ``flat_label``.
+        flat_label: the flattened group's label.
+        cuts_parameters: its ranks hold different slices of the same parameters (their norms and full tensors
+            visit its group; the RNG's tensor stream differs along it).
+        splits_sequence: its ranks hold different parts of every sequence.
+        pipelined: its ranks hold consecutive pipeline stages (the first and last form the embedding group).
+        always_listed: ``hftrain groups`` lists its groups at size 1 too.
+    """
+
+    name: str
+    label: str
+    meaning: str | None
+    stride: int | None = None
+    carved_from: str | None = None
+    complement: tuple[str, str] | None = None
+    carves: tuple[str, str] = ("", "")
+    flattened_with: str | None = None
+    flat_label: str = ""
+    cuts_parameters: bool = False
+    splits_sequence: bool = False
+    pipelined: bool = False
+    always_listed: bool = False
+
+
+AXIS_SPECS: tuple[AxisSpec, ...] = (  # the order ``hftrain groups`` lists them and the flags come in
+    AxisSpec("tp", "tensor parallel", "tensor-parallel size", stride=0, cuts_parameters=True, always_listed=True),
+    AxisSpec("pp", "pipeline parallel", "pipeline-parallel size", stride=3, pipelined=True, always_listed=True),
+    AxisSpec("dp", "data parallel", None, stride=2, always_listed=True),
+    AxisSpec(
+        "cp",
+        "context parallel",
+        "context-parallel size (ranks that split each sequence)",
+        stride=1,
+        splits_sequence=True,
+        flattened_with="dp",
+        flat_label="gradient (dp × cp)",
+    ),
+    AxisSpec(
+        "ep",
+        "expert parallel",
+        "expert-parallel size (data-parallel ranks that split the experts)",
+        carved_from="dp",
+        complement=("edp", "expert data parallel"),
+        carves=("experts", "expert"),
+        cuts_parameters=True,
+    ),
+)
+SPEC = {spec.name: spec for spec in AXIS_SPECS}
+MESH_SPECS = tuple(sorted((s for s in AXIS_SPECS if s.stride is not None), key=lambda s: -(s.stride or 0)))
+AXES = tuple(spec.name for spec in MESH_SPECS)  # outermost first: the mesh's dimension order (pp, dp, cp, tp)
+AXIS_SIZES = {spec.name: spec.meaning for spec in AXIS_SPECS if spec.meaning}
+"""The axes a layout is given by, besides the world size (dp is what remains), with what each size means: the fields of
+:class:`ParallelDims`, and ``hftrain groups``' flags."""
+# The groups that are not a mesh axis: the flattened pairs (dp_cp) and the carved axes' complements (edp).
+FLATTENED = {f"{s.flattened_with}_{s.name}": s for s in AXIS_SPECS if s.flattened_with}
+COMPLEMENTS = {s.complement[0]: s for s in AXIS_SPECS if s.complement}
+CUT_AXES = tuple(s.name for s in AXIS_SPECS if s.cuts_parameters)  # the axes that cut parameters into slices
+SEQUENCE_AXES = tuple(s.name for s in AXIS_SPECS if s.splits_sequence)
+STAGE_AXIS = next(s.name for s in AXIS_SPECS if s.pipelined)
+# The group over which a parameter no axis cuts is replicated: every mesh axis that neither cuts parameters nor
+# holds stages, flattened (dp × cp).
+REPLICA_GROUP = next(name for name, s in FLATTENED.items() if not (s.cuts_parameters or s.pipelined))
 
 
 def _divisors(n: int) -> list[int]:
@@ -44,19 +132,24 @@ def _divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-AXIS_SIZES = {
-    "tp": "tensor-parallel size",
-    "pp": "pipeline-parallel size",
-    "cp": "context-parallel size (ranks that split each sequence)",
-    "ep": "expert-parallel size (data-parallel ranks that split the experts)",
-}
-"""The axes a layout is given by, besides the world size (dp is what remains), with what each size means: the fields of
-:class:`ParallelDims`, and ``hftrain groups``' flags."""
+def group_names(*specs: AxisSpec) -> Iterator[str]:
+    """The group names of these axes (all by default), each followed by its flattened pair and its complement:
+    ``tp, pp, dp, cp, dp_cp, ep, edp``."""
+    for spec in specs or AXIS_SPECS:
+        yield spec.name
+        yield from [f"{spec.flattened_with}_{spec.name}"] if spec.flattened_with else []
+        yield from [spec.complement[0]] if spec.complement else []
+
+
+def _inner_first(specs: Any) -> list[AxisSpec]:
+    return sorted(specs, key=lambda s: s.stride)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the tensor-, context-, pipeline- and data-parallel dimensions of one job.
+    """Sizes of the tensor-, context-, pipeline- and data-parallel dimensions of one job (:data:`AXIS_SIZES`).
+
+    The size of every other group (``dp``, ``dp_cp``, ``edp``) is an attribute too (:meth:`size`).
 
     Args:
         world_size: number of processes in the job.
@@ -72,68 +165,87 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
 
-    @property
-    def edp(self) -> int:
-        """Expert-data-parallel size: the dp ranks holding the same experts (``dp / ep``)."""
-        return self.dp // self.ep
+    def __getattr__(self, name: str) -> int:
+        if name in SPEC or name in FLATTENED or name in COMPLEMENTS:
+            return self.size(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    @property
-    def dp(self) -> int:
-        """Data-parallel size: the world divided by ``tp · cp · pp``."""
-        return self.world_size // (self.tp * self.cp * self.pp)
+    def size(self, axis: str) -> int:
+        """The size of an axis's or group's ranks: a given size, ``world / (tp · cp · pp)`` for dp, the product
+        of a flattened pair (``dp_cp``), the parent's size divided by the carved axis's for a complement (``edp``).
+
+        Args:
+            axis: a name of :data:`AXIS_SPECS`, :data:`FLATTENED` or :data:`COMPLEMENTS`.
+        """
+        if axis in FLATTENED:
+            return self.size(FLATTENED[axis].flattened_with or "") * self.size(FLATTENED[axis].name)
+        if axis in COMPLEMENTS:
+            return self.size(COMPLEMENTS[axis].carved_from or "") // self.size(COMPLEMENTS[axis].name)
+        spec = SPEC[axis]
+        if spec.meaning is not None:
+            return self.__dict__[axis]
+        return self.world_size // math.prod(self.__dict__[s.name] for s in MESH_SPECS if s.meaning)
 
     def validate(self) -> ParallelDims:
-        """Return ``self`` if ``tp · cp · pp`` divides the world size, else raise a ConfigError naming the valid
-        values."""
-        for axis, value in (
-            ("world_size", self.world_size),
-            ("tp", self.tp),
-            ("pp", self.pp),
-            ("cp", self.cp),
-            ("ep", self.ep),
-        ):
+        """Return ``self`` if the given mesh sizes divide the world size and each carved axis divides its parent,
+        else raise an ``AxisError`` naming the axis and its valid values.
+
+        The axes that hold parameters (tp, pp) are checked first, outermost first; the ones that split sequences
+        then divide what they leave. The message names the product that failed."""
+        for axis, value in (("world_size", self.world_size), *((a, self.__dict__[a]) for a in AXIS_SIZES)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise AxisError(axis, f"{axis} must be a positive integer, got {value!r}")
-        if self.world_size % (self.tp * self.pp) == 0 and self.world_size % (self.tp * self.cp * self.pp):
-            valid_cp = _divisors(self.world_size // (self.tp * self.pp))
+        given = sorted((s for s in MESH_SPECS if s.meaning), key=lambda s: (s.splits_sequence, -(s.stride or 0)))
+        for count, spec in enumerate(given, 1):
+            checked = given[:count]
+            if self.world_size % math.prod(self.size(s.name) for s in checked) == 0:
+                continue
+            others = _inner_first(checked[:-1])
+            rest = math.prod(self.size(s.name) for s in others)
+            valid = _divisors(self.world_size // rest) if self.world_size % rest == 0 else []
+            shown = " × ".join(f"{s.name}={self.size(s.name)}" for s in _inner_first(checked))
+            given_with = ", ".join(f"{s.name}={self.size(s.name)}" for s in others)
             raise AxisError(
-                "cp",
-                f"tp={self.tp} × cp={self.cp} × pp={self.pp} does not divide the world size {self.world_size}; "
-                f"valid cp values with tp={self.tp}, pp={self.pp}: {', '.join(map(str, valid_cp)) or 'none'}",
+                spec.name,
+                f"{shown} does not divide the world size {self.world_size}; valid {spec.name} values"
+                + (f" with {given_with}" if others else "")
+                + f": {', '.join(map(str, valid)) or 'none'} (or change the number of processes)",
             )
-        if self.world_size % (self.tp * self.pp):
-            valid_tp = [d for d in _divisors(self.world_size) if (self.world_size // d) % self.pp == 0]
-            raise AxisError(
-                "tp",
-                f"tp={self.tp} × pp={self.pp} does not divide the world size {self.world_size}; "
-                f"valid tp values with pp={self.pp}: {', '.join(map(str, valid_tp)) or 'none'} "
-                f"(or change the number of processes)",
-            )
-        if self.dp % self.ep:
-            valid_ep = _divisors(self.dp)
-            raise AxisError(
-                "ep",
-                f"ep={self.ep} does not divide the data-parallel size {self.dp} (world {self.world_size} / "
-                f"(tp {self.tp} × cp {self.cp} × pp {self.pp})): experts are split over data-parallel ranks; "
-                f"valid ep values here: {', '.join(map(str, valid_ep))} (or launch more processes)",
-            )
+        for spec in (s for s in AXIS_SPECS if s.carved_from):
+            parent, size = SPEC[spec.carved_from or ""], self.size(spec.name)
+            if self.size(parent.name) % size:
+                mesh = " × ".join(f"{s.name} {self.size(s.name)}" for s in _inner_first(MESH_SPECS) if s.meaning)
+                raise AxisError(
+                    spec.name,
+                    f"{spec.name}={size} does not divide the {parent.label.replace(' ', '-')} size "
+                    f"{self.size(parent.name)} (world {self.world_size} / ({mesh})): {spec.carves[0]} are split "
+                    f"over {parent.label.replace(' ', '-')} ranks; valid {spec.name} values here: "
+                    f"{', '.join(map(str, _divisors(self.size(parent.name))))} (or launch more processes)",
+                )
         return self
 
     def validate_trainable(self) -> ParallelDims:
         """Return ``self`` if it is a layout (:meth:`validate`) that hftrain's megatron runtimes train, else raise an
-        ``AxisError`` naming the axis: expert parallelism composes with tp and dp only (``expert_parallel.py`` routes
-        the tokens of whole sequences within one stage; pipeline stages and context-parallel parts of a sequence are
-        not handled yet), although Megatron-LM's rank order defines those layouts too. The megatron strategy and
-        ``hftrain groups`` both check this, so a layout that ``groups`` prints is one that training takes.
+        ``AxisError`` naming the axis: a carved axis (expert parallelism) composes only with its parent and the axes
+        that cut parameters (tp and dp): ``expert_parallel.py`` routes the tokens of whole sequences within one
+        stage; pipeline stages and context-parallel parts of a sequence are not handled yet, although Megatron-LM's
+        rank order defines those layouts too. The megatron strategy and ``hftrain groups`` both check this, so a
+        layout that ``groups`` prints is one that training takes.
         """
         self.validate()
-        for axis in ("pp", "cp"):
-            size = getattr(self, axis)
-            if self.ep > 1 and size > 1:
+        for carved in (s for s in AXIS_SPECS if s.carved_from and self.size(s.name) > 1):
+            allowed = [
+                s for s in AXIS_SPECS if s.name == carved.carved_from or (s.cuts_parameters and s.stride is not None)
+            ]
+            for spec in AXIS_SPECS:
+                size = self.size(spec.name)
+                if spec.stride is None or spec.meaning is None or spec in allowed or size == 1:
+                    continue
                 raise AxisError(
-                    axis,
-                    f"{axis}={size} with ep={self.ep} is not supported yet (expert parallelism composes with tp and "
-                    f"dp); use {axis} 1 or ep 1",
+                    spec.name,
+                    f"{spec.name}={size} with {carved.name}={self.size(carved.name)} is not supported yet "
+                    f"({carved.label}ism composes with {' and '.join(s.name for s in allowed)}); use {spec.name} 1 "
+                    f"or {carved.name} 1",
                 )
         return self
 
@@ -141,42 +253,84 @@ class ParallelDims:
     def axes(self) -> tuple[str, ...]:
         """The axes whose groups are listed: tp, pp, dp, cp (with dp_cp) when it splits sequences, ep and edp when
         it splits experts."""
-        return ("tp", "pp", "dp") + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "edp") if self.ep > 1 else ())
+        shown = [s for s in AXIS_SPECS if s.always_listed or self.size(s.name) > 1]
+        return tuple(name for spec in shown for name in group_names(spec))
 
     @property
     def group_sizes(self) -> dict[str, int]:
         """The size of each listed group (:attr:`axes`): ``{"tp", "pp", "dp"}``, and cp's and ep's groups when
         they split something."""
-        every = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "dp_cp": self.dp * self.cp}
-        every |= {"ep": self.ep, "edp": self.edp}
-        return {axis: every[axis] for axis in self.axes}
+        return {axis: self.size(axis) for axis in self.axes}
 
     @property
     def sizes(self) -> dict[str, int]:
-        """The mesh's axis sizes, ``{"tp", "cp", "pp", "dp"}`` (ep lies inside dp), as checkpoints record a layout."""
-        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
+        """The mesh's axis sizes, ``{"tp", "cp", "pp", "dp"}`` (given ones innermost first, then dp; ep lies inside
+        dp), as checkpoints record a layout."""
+        order = sorted(MESH_SPECS, key=lambda s: (s.meaning is None, s.stride))
+        return {s.name: self.size(s.name) for s in order}
 
-    def coords(self, rank: int) -> tuple[int, int, int, int]:
-        """``(pp_rank, dp_rank, cp_rank, tp_rank)`` of a global rank (the mesh's order).
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """``(pp_rank, dp_rank, cp_rank, tp_rank)`` of a global rank (the mesh's order, :data:`AXES`).
 
         Args:
             rank: a global rank in ``[0, world_size)``.
         """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of size {self.world_size}")
-        tp_cp = self.tp * self.cp
-        return rank // (self.dp * tp_cp), rank // tp_cp % self.dp, rank // self.tp % self.cp, rank % self.tp
+        coords = []
+        for spec in reversed(MESH_SPECS):
+            rank, coord = divmod(rank, self.size(spec.name))
+            coords.append(coord)
+        return tuple(coords[::-1])
 
-    def rank(self, pp_rank: int, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
-        """The global rank at these coordinates (inverse of :meth:`coords`).
+    def rank(self, *coords: int) -> int:
+        """The global rank at these coordinates, in the mesh's order (inverse of :meth:`coords`): ``((pp_rank · dp +
+        dp_rank) · cp + cp_rank) · tp + tp_rank``.
 
         Args:
-            pp_rank: pipeline stage.
-            dp_rank: data-parallel replica.
-            cp_rank: context-parallel rank (which part of each sequence).
-            tp_rank: tensor-parallel rank.
+            coords: ``pp_rank, dp_rank, cp_rank, tp_rank``.
         """
-        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+        rank = 0
+        for spec, coord in zip(MESH_SPECS, coords, strict=True):
+            rank = rank * self.size(spec.name) + coord
+        return rank
+
+    def _subdims(self) -> list[tuple[str, int]]:
+        """The mesh's dimensions, outermost first, with each carved axis splitting its parent into ``(complement,
+        carved)``: ``[pp, edp, ep, cp, tp]``. The global rank is their row-major index."""
+        carved = {s.carved_from: s for s in AXIS_SPECS if s.carved_from}
+        subdims: list[tuple[str, int]] = []
+        for spec in MESH_SPECS:
+            if spec.name in carved:
+                part = carved[spec.name]
+                complement = part.complement[0] if part.complement else ""
+                subdims += [(complement, self.size(complement)), (part.name, self.size(part.name))]
+            else:
+                subdims.append((spec.name, self.size(spec.name)))
+        return subdims
+
+    def _members(self, axis: str) -> set[str]:
+        """The sub-dimensions (:meth:`_subdims`) a group of ``axis`` varies."""
+        if axis in FLATTENED:
+            return self._members(FLATTENED[axis].flattened_with or "") | self._members(FLATTENED[axis].name)
+        parts = {s.carved_from: s for s in AXIS_SPECS if s.carved_from}
+        if axis in parts:
+            part = parts[axis]
+            return {part.name, part.complement[0] if part.complement else ""}
+        if axis in SPEC or axis in COMPLEMENTS:
+            return {axis}
+        raise ValueError(f"axis {axis!r} is not one of {', '.join([*group_names(), 'embedding'])}")
+
+    def group_rank(self, axis: str, rank: int) -> int:
+        """The position of a global rank in its group of ``axis`` (the group's row-major index)."""
+        index, position = rank, {}
+        for name, size in reversed(self._subdims()):
+            index, position[name] = divmod(index, size)
+        members, result = self._members(axis), 0
+        for name, size in self._subdims():
+            if name in members:
+                result = result * size + position[name]
+        return result
 
     def rank_groups(self) -> dict[str, list[list[int]]]:
         """Every group of :attr:`axes` as lists of global ranks (pure: starts no process).
@@ -187,7 +341,8 @@ class ParallelDims:
         return {axis: list(self.iter_groups(axis)) for axis in self.axes}
 
     def iter_groups(self, axis: str) -> Iterator[list[int]]:
-        """The groups of one axis, one at a time, in :meth:`rank_groups`' order (nothing else is held).
+        """The groups of one axis, one at a time, in :meth:`rank_groups`' order (nothing else is held): the ranks
+        varying the axis's sub-dimensions (:meth:`_subdims`), for each setting of the others in row-major order.
 
         Args:
             axis: ``"tp"``, ``"pp"``, ``"dp"``, ``"cp"``, ``"dp_cp"`` (the ranks gradients are averaged over),
@@ -196,64 +351,59 @@ class ParallelDims:
                 two copies of tied input/output embeddings; none when ``pp = 1``).
         """
         self.validate()
-        pp_range, dp_range, cp_range, tp_range = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
-        rank = self.rank
-        if axis == "tp":
-            return ([rank(p, d, c, t) for t in tp_range] for p in pp_range for d in dp_range for c in cp_range)
-        if axis == "pp":
-            return ([rank(p, d, c, t) for p in pp_range] for d in dp_range for c in cp_range for t in tp_range)
-        if axis == "dp":
-            return ([rank(p, d, c, t) for d in dp_range] for p in pp_range for c in cp_range for t in tp_range)
-        if axis == "cp":
-            return ([rank(p, d, c, t) for c in cp_range] for p in pp_range for d in dp_range for t in tp_range)
-        if axis == "dp_cp":
-            return ([rank(p, d, c, t) for d in dp_range for c in cp_range] for p in pp_range for t in tp_range)
-        ep, edp = range(self.ep), range(self.edp)
-        if axis == "ep":
-            return (
-                [rank(p, g * self.ep + e, c, t) for e in ep]
-                for p in pp_range
-                for g in edp
-                for c in cp_range
-                for t in tp_range
-            )
-        if axis == "edp":
-            return (
-                [rank(p, g * self.ep + e, c, t) for g in edp]
-                for p in pp_range
-                for e in ep
-                for c in cp_range
-                for t in tp_range
-            )
+        subdims = self._subdims()
+        strides = {name: math.prod(size for _, size in subdims[i + 1 :]) for i, (name, _) in enumerate(subdims)}
         if axis == "embedding":
-            last = self.pp - 1
-            return iter(
-                [[rank(0, d, c, t), rank(last, d, c, t)] for d in dp_range for c in cp_range for t in tp_range]
-                if self.pp > 1
-                else []
+            stages = self.size(STAGE_AXIS)
+            members = {STAGE_AXIS}
+            offsets = [0, (stages - 1) * strides[STAGE_AXIS]] if stages > 1 else []
+            if not offsets:
+                return iter([])
+        else:
+            members = self._members(axis)
+            inner = [(n, s) for n, s in subdims if n in members]
+            offsets = [
+                sum(c * strides[n] for (n, _), c in zip(inner, at, strict=True))
+                for at in itertools.product(*(range(s) for _, s in inner))
+            ]
+        outer = [(n, s) for n, s in subdims if n not in members]
+        return (
+            [base + offset for offset in offsets]
+            for base in (
+                sum(c * strides[n] for (n, _), c in zip(outer, at, strict=True))
+                for at in itertools.product(*(range(s) for _, s in outer))
             )
-        raise ValueError(f"axis {axis!r} is not one of tp, pp, dp, cp, dp_cp, ep, edp, embedding")
+        )
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """One axis's process group as seen from one rank.
+
+    Args:
+        group: the process group (None where this rank has none: a carved axis at size 1).
+        rank: this rank's position in it.
+        size: its number of ranks.
+    """
+
+    group: Any
+    rank: int
+    size: int
 
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's process groups and coordinates in a :class:`ParallelDims` layout.
+    """This rank's process groups and coordinates in a :class:`ParallelDims` layout: ``{axis: AxisGroup}`` for
+    every group name (:func:`group_names`).
+
+    ``groups.<axis>_group``, ``<axis>_rank`` and ``<axis>_size`` read ``groups.axes[<axis>]`` (``tp_group``,
+    ``dp_cp_group``, ``edp_group`` ...). The dp × cp group is the dp group when ``cp = 1``; a carved axis's groups
+    (ep, edp) are None when its size is 1.
 
     Args:
         dims: the validated layout.
         mesh: the ``DeviceMesh`` shaped ``(pp, dp, cp, tp)`` with those dimension names (usable by DTensor).
-        tp_group: ranks that split this rank's layers.
-        dp_group: ranks holding the same shards of the same stage and sequence part (the data is sharded over it).
-        pp_group: ranks holding the other stages of the same replica and shard.
-        tp_rank: position in ``tp_group``.
-        dp_rank: position in ``dp_group`` (shard the data by this, not by the global rank).
-        pp_rank: pipeline stage.
-        cp_group: ranks holding the other parts of the same sequences.
-        cp_rank: position in ``cp_group``.
-        dp_cp_group: ``dp × cp``: the ranks gradients are averaged over (``dp_group`` when ``cp = 1``).
-        ep_group: the ``ep`` dp ranks splitting the experts (tokens are exchanged over it); None when ``ep = 1``.
-        ep_rank: position in ``ep_group`` (which experts this rank holds).
-        edp_group: the dp ranks holding the same experts (expert gradients are reduced over it); None if ``ep = 1``.
+        axes: every group name -> this rank's :class:`AxisGroup`.
         embedding_group: this pipeline's first and last stage rank, when this rank is one of them (Megatron's embedding
             group: the copies of a weight both hold, tied input/output embeddings, sum their gradients over it); None
             elsewhere and when ``pp = 1``.
@@ -261,88 +411,85 @@ class ParallelGroups:
 
     dims: ParallelDims
     mesh: Any
-    tp_group: Any
-    dp_group: Any
-    pp_group: Any
-    tp_rank: int
-    dp_rank: int
-    pp_rank: int
-    cp_group: Any = None
-    cp_rank: int = 0
-    dp_cp_group: Any = None
-    ep_group: Any = None
-    ep_rank: int = 0
-    edp_group: Any = None
+    axes: dict[str, AxisGroup]
     embedding_group: Any = None
 
-    @property
-    def ep_size(self) -> int:
-        return self.dims.ep
-
-    @property
-    def cp_size(self) -> int:
-        return self.dims.cp
-
-    @property
-    def tp_size(self) -> int:
-        return self.dims.tp
-
-    @property
-    def dp_size(self) -> int:
-        return self.dims.dp
-
-    @property
-    def pp_size(self) -> int:
-        return self.dims.pp
+    def __getattr__(self, name: str) -> Any:
+        axis, _, part = name.rpartition("_")
+        axes = self.__dict__.get("axes") or {}
+        if part in ("group", "rank", "size") and axis in axes:
+            return getattr(axes[axis], part)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def coordinates(self) -> dict[str, int]:
-        """This rank's position on each mesh axis, ``{"pp", "tp", "cp", "dp"}`` (the order RNG checkpoints key by)."""
-        return {"pp": self.pp_rank, "tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank}
+        """This rank's position on each mesh axis, ``{"pp", "tp", "cp", "dp"}`` (the order RNG checkpoints key by:
+        the stage axis, the axes cutting parameters, those splitting sequences, then the rest)."""
+        order = sorted(MESH_SPECS, key=lambda s: (not s.pipelined, not s.cuts_parameters, not s.splits_sequence))
+        return {s.name: self.axes[s.name].rank for s in order}
+
+    @property
+    def cut_coordinate(self) -> int:
+        """This rank's index among the mesh ranks holding different slices of the same parameters (its tp rank): what
+        the RNG's tensor stream is seeded by."""
+        index = 0
+        for spec in (s for s in MESH_SPECS if s.cuts_parameters):
+            index = index * self.axes[spec.name].size + self.axes[spec.name].rank
+        return index
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.axes[STAGE_AXIS].rank
 
     def axis_group(self, axis: str) -> Any:
-        """The process group of mesh axis ``axis`` (``tp``, ``cp``, ``dp``, ``pp``, ``ep``), or of the pipeline's
+        """The process group of axis ``axis`` (``tp``, ``cp``, ``dp``, ``pp``, ``ep``), or of the pipeline's
         ``embedding`` group; None where this rank has none."""
-        return {"tp": self.tp_group, "cp": self.cp_group, "dp": self.dp_group, "pp": self.pp_group,
-                "ep": self.ep_group, "embedding": self.embedding_group}[axis]  # fmt: skip
+        return self.embedding_group if axis == "embedding" else self.axes[axis].group
 
     @property
     def cut_groups(self) -> dict[str, Any]:
         """The axes that cut parameters into slices in this layout -> their groups (tp always; ep when > 1), in the
         order the gradient norm and the full tensors visit them (``hftrain.parallel.placement``)."""
-        return {axis: self.axis_group(axis) for axis in (("tp", "ep") if self.ep_size > 1 else ("tp",))}
+        return {axis: self.axis_group(axis) for axis in CUT_AXES if axis in self.dims.axes}
 
     def data_replicas(self, axis: str | None) -> tuple[Any, int, int]:
         """The data-parallel replicas of a parameter cut along ``axis`` (None: whole): the group whose ranks hold the
         same slice and average its gradient, this rank's index in it, and their count.
 
-        A dense parameter's are the dp × cp ranks; one cut along ep (carved out of dp) has the edp ranks holding the
-        same experts.
+        A dense parameter's are the dp × cp ranks (:data:`REPLICA_GROUP`); one cut along a carved axis (ep, out of
+        dp) has its complement's (edp: the ranks holding the same experts).
 
         Args:
             axis: the axis cutting the parameter (``Placement.axis``), or None.
         """
-        if axis == "ep":
-            return self.edp_group, self.dp_rank // self.ep_size, self.dims.edp
-        index = self.dp_rank * self.cp_size + self.cp_rank
-        return self.dp_cp_group or self.dp_group, index, self.dp_size * self.cp_size
+        spec = SPEC.get(axis or "")
+        replicas = self.axes[spec.complement[0] if spec is not None and spec.complement else REPLICA_GROUP]
+        return replicas.group, replicas.rank, replicas.size
 
     def holders(self, axis: str | None) -> tuple[int, int]:
         """``(this rank's index, count)`` among the ranks of its pipeline stage holding the same box of a parameter cut
-        along ``axis``: its data replicas, times the tp ranks unless tp cuts it (a checkpoint deals the box's writes out
-        among them).
+        along ``axis``: its data replicas, times the ranks of every mesh axis cutting parameters but not this one
+        (tp unless tp cuts it; a checkpoint deals the box's writes out among them).
 
         Args:
             axis: the axis cutting the parameter, or None.
         """
         _, index, count = self.data_replicas(axis)
-        if axis == "tp":
-            return index, count
-        return index * self.tp_size + self.tp_rank, count * self.tp_size
+        for spec in (s for s in MESH_SPECS if s.cuts_parameters and s.name != axis):
+            index, count = (
+                index * self.axes[spec.name].size + self.axes[spec.name].rank,
+                count * self.axes[spec.name].size,
+            )
+        return index, count
 
 
 def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> ParallelGroups:
-    """Create the tp/dp/pp groups (collective: every rank of the default group calls it in the same order).
+    """Create every group of the layout (collective: every rank of the default group calls it in the same order).
+
+    The mesh axes' groups are the ``DeviceMesh``'s; a flattened pair's (dp × cp) and a carved axis's and its
+    complement's (ep, edp) are made with ``new_group`` when they differ from a mesh group, and the embedding group
+    when ``pp > 2``.
 
     Args:
         dims: the layout; validated here, before any group is created.
@@ -368,49 +515,31 @@ def build_groups(dims: ParallelDims, rank: int, *, device_type: str = "cpu") -> 
     # (pitfall "a subgroup times out at NCCL's 10 minutes while one rank verifies or exports", docs/pitfalls.md).
     mesh = init_device_mesh(
         device_type,
-        (dims.pp, dims.dp, dims.cp, dims.tp),
+        tuple(dims.size(axis) for axis in AXES),
         mesh_dim_names=AXES,
         backend_override=mesh_group_options(AXES),
     )
-    pp_rank, dp_rank, cp_rank, tp_rank = dims.coords(rank)
-    dp_cp_group = mesh.get_group("dp")
-    if dims.cp > 1:  # every rank creates every dp × cp group, in the same order (new_group is collective)
-        for ranks in dims.iter_groups("dp_cp"):
+
+    def made(axis: str) -> Any:  # every rank creates every group of the axis, in the same order (collective)
+        mine = None
+        for ranks in dims.iter_groups(axis):
             group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
-            if rank in ranks:
-                dp_cp_group = group
-    ep_group = edp_group = None
-    if dims.ep > 1:  # every rank creates every ep and edp group, in the same order
-        for axis in ("ep", "edp"):
-            for ranks in dims.iter_groups(axis):
-                group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
-                if rank in ranks:
-                    ep_group, edp_group = (group, edp_group) if axis == "ep" else (ep_group, group)
-    embedding_group = None
-    if dims.pp == 2:  # the first and last stage are the whole pipeline
-        embedding_group = mesh.get_group("pp")
-    else:  # every rank creates every embedding group, in the same order
-        for ranks in dims.iter_groups("embedding"):
-            group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
-            if rank in ranks:
-                embedding_group = group
-    return ParallelGroups(
-        dims=dims,
-        mesh=mesh,
-        tp_group=mesh.get_group("tp"),
-        dp_group=mesh.get_group("dp"),
-        pp_group=mesh.get_group("pp"),
-        tp_rank=tp_rank,
-        dp_rank=dp_rank,
-        pp_rank=pp_rank,
-        cp_group=mesh.get_group("cp"),
-        cp_rank=cp_rank,
-        dp_cp_group=dp_cp_group,
-        ep_group=ep_group,
-        ep_rank=dp_rank % dims.ep,
-        edp_group=edp_group,
-        embedding_group=embedding_group,
-    )
+            mine = group if rank in ranks else mine
+        return mine
+
+    axes = {}
+    for spec in AXIS_SPECS:
+        for name in group_names(spec):
+            if name in SPEC and spec.carved_from is None:
+                group = mesh.get_group(name)
+            elif name in FLATTENED:  # a flattened pair is its partner's mesh group while this axis is 1
+                group = made(name) if dims.size(spec.name) > 1 else mesh.get_group(spec.flattened_with)
+            else:  # a carved axis and its complement exist while the carved axis splits something
+                group = made(name) if dims.size(spec.name) > 1 else None
+            axes[name] = AxisGroup(group, dims.group_rank(name, rank), dims.size(name))
+    stages = dims.size(STAGE_AXIS)
+    embedding_group = mesh.get_group(STAGE_AXIS) if stages == 2 else made("embedding") if stages > 2 else None
+    return ParallelGroups(dims=dims, mesh=mesh, axes=axes, embedding_group=embedding_group)
 
 
 def format_groups(dims: ParallelDims) -> str:
@@ -429,53 +558,35 @@ def group_lines(dims: ParallelDims) -> Iterator[str]:
         dims: the layout.
     """
     dims.validate()
-    names = {
-        "tp": "tensor parallel",
-        "pp": "pipeline parallel",
-        "dp": "data parallel",
-        "cp": "context parallel",
-        "dp_cp": "gradient (dp × cp)",
-        "ep": "expert parallel",
-        "edp": "expert data parallel",
-    }
-    sizes = {
-        "tp": dims.tp,
-        "pp": dims.pp,
-        "dp": dims.dp,
-        "cp": dims.cp,
-        "dp_cp": dims.dp * dims.cp,
-        "ep": dims.ep,
-        "edp": dims.edp,
-    }
-    if dims.cp > 1:
+    labels = {name: label for s in AXIS_SPECS for name, label in ((s.name, s.label), s.complement or ("", ""))}
+    labels |= {name: s.flat_label for name, s in FLATTENED.items()}
+    mesh = [s for s in MESH_SPECS if s.name in dims.axes]  # outermost first
+    inner = mesh[::-1]
+    order = (
+        [f"{inner[0].name} ranks adjacent"] + [f"then {s.name}" for s in inner[1:-1]] + [f"{inner[-1].name} outermost"]
+    )
+    yield (
+        f"world size {dims.world_size} = {' × '.join(f'{s.name} {dims.size(s.name)}' for s in inner)} "
+        f"(Megatron-LM order: {', '.join(order)})"
+    )
+    for spec in (s for s in AXIS_SPECS if s.carved_from and s.name in dims.axes and s.complement):
+        name, parent, complement = spec.name, spec.carved_from or "", spec.complement[0]
         yield (
-            f"world size {dims.world_size} = tp {dims.tp} × cp {dims.cp} × dp {dims.dp} × pp {dims.pp} "
-            "(Megatron-LM order: tp ranks adjacent, then cp, then dp, pp outermost)"
-        )
-    else:
-        yield (
-            f"world size {dims.world_size} = tp {dims.tp} × dp {dims.dp} × pp {dims.pp} "
-            "(Megatron-LM order: tp ranks adjacent, then dp, pp outermost)"
-        )
-    if dims.ep > 1:
-        yield (
-            f"experts: ep {dims.ep} × edp {dims.edp} = dp {dims.dp} (ep consecutive dp ranks split the experts; "
-            "expert gradients are reduced over edp, the others over dp)"
+            f"{spec.carves[0]}: {name} {dims.size(name)} × {complement} {dims.size(complement)} = {parent} "
+            f"{dims.size(parent)} ({name} consecutive {parent} ranks split the {spec.carves[0]}; {spec.carves[1]} "
+            f"gradients are reduced over {complement}, the others over {parent})"
         )
     for axis in dims.axes:
-        size = sizes[axis]
-        yield f"{names[axis]} groups ({dims.world_size // size} groups of {size} ranks):"
+        size = dims.size(axis)
+        yield f"{labels[axis]} groups ({dims.world_size // size} groups of {size} ranks):"
         yield from (f"  {axis}{i}: {group}" for i, group in enumerate(dims.iter_groups(axis)))
-    if dims.cp > 1:
-        yield "rank  pp_rank  dp_rank  cp_rank  tp_rank"
-        yield from (
-            f"{r:>4}  {p:>7}  {d:>7}  {c:>7}  {t:>7}" for r in range(dims.world_size) for p, d, c, t in [dims.coords(r)]
-        )
-    else:
-        yield "rank  pp_rank  dp_rank  tp_rank"
-        yield from (
-            f"{r:>4}  {p:>7}  {d:>7}  {t:>7}" for r in range(dims.world_size) for p, d, _, t in [dims.coords(r)]
-        )
+    shown = [i for i, s in enumerate(MESH_SPECS) if s in mesh]
+    yield "rank" + "".join(f"  {s.name}_rank" for s in mesh)
+    yield from (
+        f"{r:>4}" + "".join(f"  {coords[i]:>7}" for i in shown)
+        for r in range(dims.world_size)
+        for coords in [dims.coords(r)]
+    )
 
 
 def groups_json_chunks(dims: ParallelDims) -> Iterator[str]:
