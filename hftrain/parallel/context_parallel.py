@@ -69,6 +69,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hftrain.parallel.chunk import ChunkExtra
+
 NEG_INF = float("-inf")
 
 
@@ -713,13 +715,16 @@ class _GatherContext(torch.autograd.Function):
         return grad.index_select(1, ctx.positions), None, None, None
 
 
-class ContextSplit:
+class ContextSplit(ChunkExtra):
     """This rank's part of every sequence: what the model's hooks (:func:`apply_context_parallel`), pipeline chunks
     and a language model's loss use to split, gather and sum over the cp ranks.
 
     Args:
         batch: the per-forward state the model's attention modules read.
     """
+
+    name = "context_split"
+    splits_sequence = True  # a pipeline chunk's task head embeds and reduces through it
 
     def __init__(self, batch: _Batch) -> None:
         self.batch = batch

@@ -74,6 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hftrain.errors import AxisError, ConfigError
+from hftrain.parallel.chunk import ChunkExtra
 from hftrain.parallel.collectives import all_reduce_both_ways, all_to_all_rows
 from hftrain.parallel.families import expert_plan_for, moe_families
 from hftrain.parallel.host import all_max
@@ -385,6 +386,21 @@ class RouterMonitor:
             self.logits.append(logits)
             self.selected.append(indices.detach())
 
+    @contextlib.contextmanager
+    def microbatch(self) -> Iterator[None]:
+        """A real training micro-batch counts its tokens per expert (:attr:`counts`)."""
+        self.counting = torch.is_grad_enabled()
+        try:
+            yield
+        finally:
+            self.counting = False
+
+    def layers(self):  # the chunk's hooks (hftrain.parallel.chunk.ChunkExtra)
+        return self.recording()
+
+    def carry(self, received: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None, device) -> tuple:
+        return self.add(received, attention_mask, device)
+
     def take_counts(self) -> torch.Tensor:
         """Tokens routed to each expert (layers × experts) on this rank since the last call, on the routers' device;
         resets them."""
@@ -521,7 +537,7 @@ def load_balancing_loss(
     return balancing_loss(sums, num_experts=num_experts, group=group)
 
 
-class StageRouting:
+class StageRouting(ChunkExtra):
     """A pipeline chunk's share of the load-balancing loss, which spans every MoE layer (so every stage).
 
     ``L = E · Σ_i (C_i / R) · (P_i / R)`` is bilinear in sums over layers (:class:`RoutingSums`): each chunk adds its
@@ -540,6 +556,7 @@ class StageRouting:
         group: the examples' data-parallel group (None: this rank's micro-batch is all of it).
     """
 
+    name = "routing"
     width = 3
     """Tensors it adds to the activation tuple."""
 
