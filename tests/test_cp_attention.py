@@ -97,7 +97,7 @@ def _compare(h: int, h_kv: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hftrain.parallel import context_parallel
+    from hftrain.parallel import context_parallel, cp_attention
     from hftrain.parallel.context_parallel import (
         Shard,
         all_to_all_attention,
@@ -126,13 +126,13 @@ def _compare(h: int, h_kv: int) -> dict:
         for name, attention in (("ring", ring_attention), ("all_to_all", all_to_all_attention), ("ring, runs", None)):
             mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
             if attention is None:  # the runs known on the host: the ring reads no positions from the tensors
-                chunks, context_parallel._chunks = context_parallel._chunks, None
+                chunks, cp_attention._chunks = cp_attention._chunks, None  # where the ring looks it up
                 try:
                     shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, runs, mine_segments, window)
                     out = ring_attention(*mine, shard)
                     (out * weights[:, :, pos]).sum().backward()
                 finally:
-                    context_parallel._chunks = chunks
+                    cp_attention._chunks = chunks
             else:
                 shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, None, mine_segments, window)
                 out = attention(*mine, shard)

@@ -386,21 +386,6 @@ class RouterMonitor:
             self.logits.append(logits)
             self.selected.append(indices.detach())
 
-    @contextlib.contextmanager
-    def microbatch(self) -> Iterator[None]:
-        """A real training micro-batch counts its tokens per expert (:attr:`counts`)."""
-        self.counting = torch.is_grad_enabled()
-        try:
-            yield
-        finally:
-            self.counting = False
-
-    def layers(self):  # the chunk's hooks (hftrain.parallel.chunk.ChunkExtra)
-        return self.recording()
-
-    def carry(self, received: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None, device) -> tuple:
-        return self.add(received, attention_mask, device)
-
     def take_counts(self) -> torch.Tensor:
         """Tokens routed to each expert (layers × experts) on this rank since the last call, on the routers' device;
         resets them."""
@@ -606,6 +591,21 @@ class StageRouting(ChunkExtra):
                 self.counts = count_routed(self.counts, routed, attention_mask, self.top_k)
         self.logits, self._recorded = [], []
         return sums.as_tuple()
+
+    @contextlib.contextmanager
+    def microbatch(self) -> Iterator[None]:
+        """A real training micro-batch counts its tokens per expert (:attr:`counts`)."""
+        self.counting = torch.is_grad_enabled()
+        try:
+            yield
+        finally:
+            self.counting = False
+
+    def layers(self):  # the chunk's hooks (hftrain.parallel.chunk.ChunkExtra)
+        return self.recording()
+
+    def carry(self, received: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None, device) -> tuple:
+        return self.add(received, attention_mask, device)
 
     def take_counts(self) -> torch.Tensor:
         """Tokens routed to each expert (MoE layers × experts, this chunk's rows) since the last call; resets them."""
