@@ -176,6 +176,7 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
     from transformers import AutoModelForSequenceClassification
 
     from hftrain.parallel.context_parallel import apply_context_parallel
+    from hftrain.parallel.families import stages_for
     from hftrain.parallel.recompute import apply_activation_checkpointing
     from tests.tiny import tiny_config
 
@@ -197,7 +198,8 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
             batch = {"input_ids": ids * mask, "attention_mask": mask, "labels": torch.tensor([0, 2, 1])}
             expected = reference(**batch)
             expected.loss.backward()
-            apply_context_parallel(model, cp_group=dist.group.WORLD, comm=comm)
+            trunk = stages_for(model.config, class_name=type(model).__name__, axis="cp")  # what parallelize passes
+            apply_context_parallel(model, trunk=trunk, per_token=False, cp_group=dist.group.WORLD, comm=comm)
             if recompute is not None:
                 apply_activation_checkpointing(model, recompute)
             label = f"{kind} {comm}" + (f" recompute={recompute}" if recompute else "")

@@ -279,7 +279,14 @@ class ContextSplit(ChunkExtra):
         return _SumOverContext.apply(x, self.batch.group)
 
 
-def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str = "ring") -> torch.nn.Module:
+def apply_context_parallel(
+    model: torch.nn.Module,
+    *,
+    trunk: Any = None,
+    per_token: bool | None = None,
+    cp_group: Any,
+    comm: str = "ring",
+) -> torch.nn.Module:
     """Make an HF model of a family context parallelism takes (``hftrain.parallel.families``: BERT, GPT-2, GPT-NeoX
     and the rotary decoders, sliding windows included) run split over the sequence, in place. Context parallelism
     touches the inputs, the positions and the attention only; the model's own ``forward``, head, pooling and loss run
@@ -310,22 +317,28 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
     (:class:`ContextSplit`) also serves code that runs its modules itself: pipeline chunks take it
     (``hftrain.parallel.stages.PipelineChunk``), and there the hooks stay idle (the base model is never called).
 
+    It reads neither the family registry nor the model's class: the caller passes the family's trunk adapter and the
+    task head's per-token trait.
+
     Args:
         model: the model (possibly tensor-parallel already: attention sees this rank's heads).
+        trunk: the family's trunk adapter (``embed_modules``, ``layers``, ``position_ids``): what the hooks attach to.
+        per_token: the task head's output is per token (a causal LM's logits: nothing is gathered, the loss sums over
+            cp) rather than per sequence (a classifier's: the hidden states are gathered after the last layer).
         cp_group: the context-parallel process group.
         comm: ``"ring"`` or ``"all_to_all"``.
-    """
-    from hftrain.parallel.families import is_causal_lm_class, stages_for
 
-    name = type(model).__name__
-    trunk = stages_for(model.config, class_name=name, axis="cp")
+    ``trunk`` and ``per_token`` None: looked up from the model's class (:func:`_trunk_and_trait`, the old
+    signature's path, until ``parallelize_model`` passes them).
+    """
+    if trunk is None or per_token is None:
+        trunk, per_token = _trunk_and_trait(model, trunk, per_token)
     _register()
     batch = _Batch(cp_group, comm)
     for module in model.modules():
         module.context_parallel_batch = batch
     model.set_attn_implementation(ATTENTION_NAME)
     split = model.context_split = ContextSplit(batch)
-    per_token = is_causal_lm_class(name)
     base = model.base_model
     inputs = _SplitInputs(split, trunk, trunk.embed_modules(model), base, packed=per_token)
     base.register_forward_pre_hook(inputs, with_kwargs=True)
@@ -333,6 +346,16 @@ def apply_context_parallel(model: torch.nn.Module, *, cp_group: Any, comm: str =
         trunk.layers(model)[-1].register_forward_hook(inputs.gather)
         base.register_forward_hook(inputs.whole, always_call=True)
     return model
+
+
+def _trunk_and_trait(model: torch.nn.Module, trunk: Any, per_token: bool | None) -> tuple[Any, bool]:
+    """The old signature's path: the family's trunk adapter and the per-token trait looked up from the model's class
+    in the family registry (``hftrain.parallel.families``); what is given is kept."""
+    from hftrain.parallel.families import is_causal_lm_class, stages_for
+
+    name = type(model).__name__
+    trunk = stages_for(model.config, class_name=name, axis="cp") if trunk is None else trunk
+    return trunk, is_causal_lm_class(name) if per_token is None else per_token
 
 
 def _first(output: Any, function: Any) -> Any:
