@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OWN = {  # each axis's own modules (its kernels and wiring), relative to hftrain/
     "cp": ("parallel/context_parallel.py", "parallel/cp_kernels.py", "parallel/cp_attention.py"),
-    "ep": ("parallel/expert_parallel.py",),
-    "tp": ("parallel/tensor_parallel.py",),
+    "ep": ("parallel/expert_parallel.py", "parallel/ep_routing.py"),
+    "tp": ("parallel/tensor_parallel.py", "parallel/tp_replicas.py"),
     "pp": ("parallel/pipeline.py",),
 }
 
@@ -39,6 +39,17 @@ def names_axis(token: tokenize.TokenInfo, axis: str) -> bool:
     return False
 
 
+def is_docstring(tokens: list[tokenize.TokenInfo], i: int) -> bool:
+    """Whether token ``i`` is a string statement of its own (a docstring): the first significant token of a logical
+    line. A string that starts a continuation line inside brackets (an argument) is code."""
+    if tokens[i].type != tokenize.STRING:
+        return False
+    j = i - 1
+    while j >= 0 and tokens[j].type in (tokenize.NL, tokenize.COMMENT):
+        j -= 1
+    return j < 0 or tokens[j].type in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT, tokenize.ENCODING)
+
+
 def reach(axis: str, root: Path = ROOT) -> dict[str, list[int]]:
     """File (relative to ``hftrain/``) -> lines naming ``axis`` in code, outside the allowed files."""
     found: dict[str, list[int]] = {}
@@ -49,10 +60,9 @@ def reach(axis: str, root: Path = ROOT) -> dict[str, list[int]]:
         tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
         lines = []
         for i, token in enumerate(tokens):
-            docstring = token.type == tokenize.STRING and (i == 0 or tokens[i - 1].type in (tokenize.INDENT,
-                        tokenize.NEWLINE, tokenize.NL, tokenize.DEDENT))  # fmt: skip
-            if not docstring and names_axis(token, axis):
-                lines.append(token.start[0])
+            if not names_axis(token, axis) or is_docstring(tokens, i):
+                continue
+            lines.append(token.start[0])
         if lines:
             found[rel] = sorted(set(lines))
     return found
