@@ -55,6 +55,7 @@ def _step(seq: int, comm: str) -> dict:
     from transformers import AutoModelForSequenceClassification, LlamaConfig
 
     import hftrain.parallel.context_parallel as cp_module
+    import hftrain.parallel.cp_attention as cp_algorithms  # the ring and all-to-all look their helpers up here
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -80,7 +81,7 @@ def _step(seq: int, comm: str) -> dict:
 
         return staticmethod(run)
 
-    exchange, pairs = cp_module._Block.exchange, cp_module._visible_pairs
+    exchange, pairs = cp_module._Block.exchange, cp_algorithms._visible_pairs
     work = [0]
 
     def counted_pairs(q_runs, k_runs, causal, window=None, plain=False):
@@ -88,14 +89,14 @@ def _step(seq: int, comm: str) -> dict:
             work[0] += (qs.stop - qs.start) * (ks.stop - ks.start)  # query-key scores computed
             yield qs, ks, pattern
 
-    cp_module._visible_pairs = counted_pairs
+    cp_algorithms._visible_pairs = counted_pairs
 
     def counted(self, group):
         sent[0] += sum(t.numel() * t.element_size() for t in self.tensors)
         return exchange(self, group)
 
     ring.forward, ring.backward, cp_module._Block.exchange = timed(forward), timed(backward), counted
-    exchange_all = cp_module._exchange
+    exchange_all = cp_algorithms._exchange
 
     def counted_all(x, group, inverse):  # an all-to-all sends (cp - 1)/cp of its tensor
         size = dist.get_world_size(group)
@@ -108,7 +109,7 @@ def _step(seq: int, comm: str) -> dict:
         spent[0] += time.perf_counter() - start
         return out
 
-    cp_module._exchange = counted_all
+    cp_algorithms._exchange = counted_all
     cp_module.ATTENTIONS["all_to_all"] = timed_attention
     a2a.backward = timed(a2a_backward)
     del a2a_forward  # the forward all-to-alls are inside the timed attention
@@ -139,6 +140,7 @@ def _ring_masks(seq: int) -> dict:
     import torch.distributed as dist
 
     import hftrain.parallel.context_parallel as cp_module
+    import hftrain.parallel.cp_attention as cp_algorithms  # the ring and all-to-all look their helpers up here
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -148,13 +150,13 @@ def _ring_masks(seq: int) -> dict:
     q, k, v = (torch.randn(1, h, seq, 64, generator=g)[:, :, pos].contiguous() for h in (9, 3, 3))
     keep = torch.ones(1, seq // cp, dtype=torch.bool)
     runs = cp_module.zigzag_runs(seq, cp)
-    built, bias = [0], cp_module._bias
+    built, bias = [0], cp_algorithms._bias
 
     def counted(*args, **kwargs):
         built[0] += 1
         return bias(*args, **kwargs)
 
-    cp_module._bias = counted
+    cp_algorithms._bias = counted
     result: dict = {}
     for round_ in range(4):  # the first is a warm-up of both (the allocator's first pages), not recorded
         for padded in (True, False):

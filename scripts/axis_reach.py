@@ -3,8 +3,9 @@
 Issue 38's measure of how far one axis reaches: a file counts for an axis when one of its code tokens names it: an
 identifier ``cp``, ``cp_size``, ``dp_cp_group``, ``.cp`` (any identifier with ``cp`` as one of its ``_``-separated
 words), or a string literal that is the axis's name (``"cp"``) or a config key of it (``"parallelism.cp"``,
-``"cp_comm"``). Comments and docstrings do not count. Allowed: the axis's own module, ``parallel/dims.py``,
-``parallel/parallelize.py``, the family registry ``parallel/families.py`` and the config schema.
+``"cp_comm"``). Comments and docstrings do not count. Allowed: the axis's own modules only (:data:`OWN`); the
+axis declarations (``parallel/axes.py``, ``parallel/dims.py``), ``parallel/parallelize.py``, the family registry and
+the config schema count like any other file (issue 56: the cost of an axis lives there too).
 
     python scripts/axis_reach.py            # cp and ep
     python scripts/axis_reach.py tp pp -v   # any axes, with the lines
@@ -20,9 +21,12 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OWN = {"cp": "parallel/context_parallel.py", "ep": "parallel/expert_parallel.py", "tp": "parallel/tensor_parallel.py",
-       "pp": "parallel/pipeline.py"}  # fmt: skip
-ALLOWED = ("parallel/dims.py", "parallel/parallelize.py", "parallel/families.py", "config/schema.py")
+OWN = {  # each axis's own modules (its kernels and wiring), relative to hftrain/
+    "cp": ("parallel/context_parallel.py", "parallel/cp_kernels.py", "parallel/cp_attention.py"),
+    "ep": ("parallel/expert_parallel.py", "parallel/ep_routing.py"),
+    "tp": ("parallel/tensor_parallel.py", "parallel/tp_replicas.py"),
+    "pp": ("parallel/pipeline.py",),
+}
 
 
 def names_axis(token: tokenize.TokenInfo, axis: str) -> bool:
@@ -35,20 +39,30 @@ def names_axis(token: tokenize.TokenInfo, axis: str) -> bool:
     return False
 
 
+def is_docstring(tokens: list[tokenize.TokenInfo], i: int) -> bool:
+    """Whether token ``i`` is a string statement of its own (a docstring): the first significant token of a logical
+    line. A string that starts a continuation line inside brackets (an argument) is code."""
+    if tokens[i].type != tokenize.STRING:
+        return False
+    j = i - 1
+    while j >= 0 and tokens[j].type in (tokenize.NL, tokenize.COMMENT):
+        j -= 1
+    return j < 0 or tokens[j].type in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT, tokenize.ENCODING)
+
+
 def reach(axis: str, root: Path = ROOT) -> dict[str, list[int]]:
     """File (relative to ``hftrain/``) -> lines naming ``axis`` in code, outside the allowed files."""
     found: dict[str, list[int]] = {}
     for path in sorted((root / "hftrain").rglob("*.py")):
         rel = path.relative_to(root / "hftrain").as_posix()
-        if rel == OWN.get(axis) or rel in ALLOWED:
+        if rel in OWN.get(axis, ()):
             continue
         tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
         lines = []
         for i, token in enumerate(tokens):
-            docstring = token.type == tokenize.STRING and (i == 0 or tokens[i - 1].type in (tokenize.INDENT,
-                        tokenize.NEWLINE, tokenize.NL, tokenize.DEDENT))  # fmt: skip
-            if not docstring and names_axis(token, axis):
-                lines.append(token.start[0])
+            if not names_axis(token, axis) or is_docstring(tokens, i):
+                continue
+            lines.append(token.start[0])
         if lines:
             found[rel] = sorted(set(lines))
     return found

@@ -97,7 +97,7 @@ def _compare(h: int, h_kv: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hftrain.parallel import context_parallel
+    from hftrain.parallel import context_parallel, cp_attention
     from hftrain.parallel.context_parallel import (
         Shard,
         all_to_all_attention,
@@ -126,13 +126,13 @@ def _compare(h: int, h_kv: int) -> dict:
         for name, attention in (("ring", ring_attention), ("all_to_all", all_to_all_attention), ("ring, runs", None)):
             mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
             if attention is None:  # the runs known on the host: the ring reads no positions from the tensors
-                chunks, context_parallel._chunks = context_parallel._chunks, None
+                chunks, cp_attention._chunks = cp_attention._chunks, None  # where the ring looks it up
                 try:
                     shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, runs, mine_segments, window)
                     out = ring_attention(*mine, shard)
                     (out * weights[:, :, pos]).sum().backward()
                 finally:
-                    context_parallel._chunks = chunks
+                    cp_attention._chunks = chunks
             else:
                 shard = Shard(keep[:, pos], pos, causal, d**-0.5, dist.group.WORLD, None, mine_segments, window)
                 out = attention(*mine, shard)
@@ -176,6 +176,7 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
     from transformers import AutoModelForSequenceClassification
 
     from hftrain.parallel.context_parallel import apply_context_parallel
+    from hftrain.parallel.families import stages_for
     from hftrain.parallel.recompute import apply_activation_checkpointing
     from tests.tiny import tiny_config
 
@@ -197,7 +198,8 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
             batch = {"input_ids": ids * mask, "attention_mask": mask, "labels": torch.tensor([0, 2, 1])}
             expected = reference(**batch)
             expected.loss.backward()
-            apply_context_parallel(model, cp_group=dist.group.WORLD, comm=comm)
+            trunk = stages_for(model.config, class_name=type(model).__name__, axis="cp")  # what parallelize passes
+            apply_context_parallel(model, trunk=trunk, per_token=False, cp_group=dist.group.WORLD, comm=comm)
             if recompute is not None:
                 apply_activation_checkpointing(model, recompute)
             label = f"{kind} {comm}" + (f" recompute={recompute}" if recompute else "")

@@ -41,6 +41,7 @@ def _ring_cases() -> dict:
 
     from hftrain.parallel import context_parallel
     from hftrain.parallel.context_parallel import Shard, apply_context_parallel, ring_attention, zigzag_positions
+    from hftrain.parallel.families import stages_for
     from tests.test_cp_attention import _inputs, _reference
     from tests.tiny import tiny_config
 
@@ -77,7 +78,8 @@ def _ring_cases() -> dict:
     reference = copy.deepcopy(model)
     ids = torch.randint(1, 128, (2, seq), generator=torch.Generator().manual_seed(3))
     expected = reference(input_ids=ids, use_cache=False).logits[:, pos]
-    apply_context_parallel(model, cp_group=dist.group.WORLD, comm="ring")
+    trunk = stages_for(model.config, class_name=type(model).__name__, axis="cp")
+    apply_context_parallel(model, trunk=trunk, per_token=True, cp_group=dist.group.WORLD, comm="ring")
     calls.clear()
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits

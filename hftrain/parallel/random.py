@@ -72,19 +72,32 @@ class RNGTracker:
 
     Args:
         seed: the run's seed (what every rank passed to ``set_seed``).
-        tp_rank: this rank's tensor-parallel rank.
-        pp_rank: this rank's pipeline stage.
+        tp_rank: this rank's index among the ranks holding different slices of the same parameters (its
+            tensor-parallel rank: ``ParallelGroups.cut_coordinate``).
+        pp_rank: this rank's pipeline stage (``ParallelGroups.stage``).
         device: the device whose default generator dropout draws from (activations' device).
     """
 
     def __init__(self, *, seed: int, tp_rank: int, pp_rank: int, device: torch.device | str = "cpu") -> None:
         self.seed = seed
-        self.tp_rank = tp_rank
-        self.pp_rank = pp_rank
+        self.cut_rank = tp_rank
+        self.stage = pp_rank
         self.device = torch.device(device)
         self._stored: dict[str, torch.Tensor] = {}  # states of the streams not in the default generator now
         self._active = "default"
         self._stack: list[str] = []
+
+    @classmethod
+    def for_groups(cls, groups: Any, *, seed: int, device: torch.device | str = "cpu") -> RNGTracker:
+        """The tracker of this rank of a layout: its coordinates read from the axis traits (the stage axis, the axes
+        cutting parameters), not from axis names.
+
+        Args:
+            groups: the run's ``ParallelGroups``.
+            seed: the run's seed.
+            device: as for the constructor.
+        """
+        return cls(seed=seed, tp_rank=groups.cut_coordinate, pp_rank=groups.stage, device=device)
 
     # ----------------------------------------------------------------- seeding
     def seed_streams(self) -> RNGTracker:
@@ -92,10 +105,10 @@ class RNGTracker:
         keeps the generator as the model's initialisation left it, identical on every tp rank), ``tensor`` with
         ``seed + 100·pp + 2718 + tp``."""
         self._require_default()
-        stage_seed = self.seed + PIPELINE_SEED_OFFSET * self.pp_rank
-        if self.pp_rank > 0:
+        stage_seed = self.seed + PIPELINE_SEED_OFFSET * self.stage
+        if self.stage > 0:
             _set_state(self.device, _seeded_state(self.device, stage_seed))
-        self._stored["tensor"] = _seeded_state(self.device, stage_seed + TENSOR_SEED_OFFSET + self.tp_rank)
+        self._stored["tensor"] = _seeded_state(self.device, stage_seed + TENSOR_SEED_OFFSET + self.cut_rank)
         return self
 
     def rebuild(self, source: bytes) -> None:
@@ -113,8 +126,8 @@ class RNGTracker:
             digest = hashlib.sha256(source + json.dumps(parts).encode()).digest()
             return int.from_bytes(digest[:8], "little") % 2**63
 
-        _set_state(self.device, _seeded_state(self.device, seed_of("default", self.pp_rank)))
-        self._stored["tensor"] = _seeded_state(self.device, seed_of("tensor", self.pp_rank, self.tp_rank))
+        _set_state(self.device, _seeded_state(self.device, seed_of("default", self.stage)))
+        self._stored["tensor"] = _seeded_state(self.device, seed_of("tensor", self.stage, self.cut_rank))
 
     # ----------------------------------------------------------------- switching
     def _switch(self, name: str) -> None:

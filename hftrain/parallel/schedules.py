@@ -37,15 +37,12 @@ Adding a schedule (e.g. zero-bubble ZBV) is one class naming its torch schedule 
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -55,124 +52,12 @@ from torch.distributed.pipelining import (
 )
 
 from hftrain.errors import AxisError, ConfigError
-from hftrain.parallel.host import broadcast_ints, recv_object, send_object
+from hftrain.parallel.host import recv_object, send_object
 from hftrain.parallel.pipeline import chunk_ids_of_rank
+from hftrain.parallel.stage_timing import TimedStage, _largest_divisor_at_most, agree_on_spec, microbatch_passes
 from hftrain.parallel.timeline import TimelineRecorder
 
 _CACHED_SHAPES = 8  # torch schedules kept per kind (training, evaluation), least recently used dropped
-_SPEC_INTS = 32  # integers broadcast for the first stage's tensors' shapes (a few tensors of a few dimensions)
-_DTYPES = (torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.float64,
-           torch.int16, torch.int8, torch.uint8)  # fmt: skip
-
-
-def _encode_spec(args: tuple[torch.Tensor, ...]) -> list[int]:
-    """``[batch, count, (dtype code, ndim, *dims[1:]) per tensor]`` padded with zeros to :data:`_SPEC_INTS`: what the
-    later stages need of the first stage's inputs (every tensor is split along its first dimension, the batch's)."""
-    batch = args[0].shape[0]
-    ints = [batch, len(args)]
-    for arg in args:
-        if arg.dim() == 0 or arg.shape[0] != batch or arg.dtype not in _DTYPES:
-            raise ValueError(
-                f"the first pipeline stage's inputs must be tensors of one batch size ({batch}) and a plain dtype, got "
-                f"{tuple(arg.shape)} {arg.dtype}"
-            )
-        ints += [_DTYPES.index(arg.dtype), arg.dim(), *arg.shape[1:]]
-    if len(ints) > _SPEC_INTS:
-        raise ValueError(f"the first pipeline stage's inputs take {len(ints)} shape integers, over {_SPEC_INTS}")
-    return ints + [0] * (_SPEC_INTS - len(ints))
-
-
-def _decode_spec(ints: list[int]) -> tuple[int, ...]:
-    """``(batch, *spec)`` of :func:`_encode_spec`'s integers, the padding dropped."""
-    batch, count = ints[0], ints[1]
-    spec, at = [count], 2
-    for _ in range(count):
-        ndim = ints[at + 1]
-        spec += ints[at : at + 1 + ndim]  # the dtype code, ndim, then ndim - 1 dimensions
-        at += 1 + ndim
-    return (batch, *spec)
-
-
-class TimedStage(PipelineStage):
-    """A ``PipelineStage`` that records the wall-clock span of each micro-batch's forward and backward.
-
-    Args:
-        submodule: the chunk this stage runs.
-        stage_index: global index of the chunk (``pp_rank + k · pp``).
-        num_stages: ``pp · virtual_stages``.
-        device: where the chunk lives.
-        group: the pipeline process group.
-        recorder: where events go; ``None`` records nothing.
-    """
-
-    def __init__(
-        self,
-        submodule: torch.nn.Module,
-        stage_index: int,
-        num_stages: int,
-        device: torch.device,
-        *,
-        group: Any,
-        recorder: TimelineRecorder | None,
-    ) -> None:
-        super().__init__(submodule, stage_index, num_stages, device, group=group)
-        self.recorder = recorder
-        self.first_microbatch = 0  # the step's index of this pass's first micro-batch (a step may run two passes)
-
-    def _timed(self, kind: str, microbatch: int, run: Callable[[], Any]) -> Any:
-        if self.recorder is not None and self.device.type == "cuda":  # the kernels' span, not their launch
-            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start_event.record()
-            result = run()
-            end_event.record()
-            where = (self.stage_index, self.first_microbatch + microbatch, kind)
-            self.recorder.record_device(*where, start_event, end_event)
-            return result
-        start = time.time()
-        result = run()
-        if self.recorder is not None:
-            self.recorder.record(self.stage_index, self.first_microbatch + microbatch, kind, start, time.time())
-        return result
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """Torch's forward of one micro-batch, timed as an ``F`` event. A chunk that keeps statistics of what it
-        runs (``microbatch()``) counts it: torch's own forwards on placeholder tensors, when it infers the stage
-        shapes, are not micro-batches."""
-        run = lambda: super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # noqa: E731
-        with getattr(self.submod, "microbatch", contextlib.nullcontext)():
-            return self._timed("F", fwd_chunk_id, run)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """Torch's backward of one micro-batch, timed as a ``B`` event."""
-        return self._timed(
-            "B", bwd_chunk_id, lambda: super(TimedStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        )
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """Torch's weight-gradient pass (zero-bubble schedules), timed as a ``W`` event."""
-        run = lambda: super(TimedStage, self).backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)  # noqa: E731
-        return self._timed("W", bwd_chunk_id, run)
-
-
-def _largest_divisor_at_most(n: int, bound: int) -> int:
-    return max(d for d in range(1, min(n, bound) + 1) if n % d == 0)
-
-
-def microbatch_passes(batch: int, num_microbatches: int) -> list[tuple[int, int]]:
-    """How a batch of ``batch`` examples runs: ``[(rows per micro-batch, micro-batches), ...]``, one entry per pass.
-
-    ``m' = min(num_microbatches, batch)`` micro-batches whose sizes differ by at most one, in
-    ``torch.tensor_split``'s order (the ``batch mod m'`` longer ones first); each size is one pass of a torch
-    schedule, which holds receive buffers of one micro-batch shape.
-
-    Args:
-        batch: examples in the step's batch (at least 1).
-        num_microbatches: the configured micro-batches per step.
-    """
-    count = min(num_microbatches, batch)
-    rows, longer = divmod(batch, count)
-    passes = [(rows + 1, longer), (rows, count - longer)]
-    return [(size, n) for size, n in passes if n > 0]
 
 
 class PipelineSchedule:
@@ -344,12 +229,11 @@ class PipelineSchedule:
 
         The first chunk names the columns it reads (its ``first_args(inputs)``: the task head's); a plain module
         takes the batch's tensors in order. The first pipeline rank broadcasts their number, dtypes and shapes over
-        the pp group's host side (:func:`~hftrain.parallel.host.broadcast_ints`: one collective of
-        :data:`_SPEC_INTS` integers), since later stages see no inputs: ``spec`` is ``(dtype code, ndim, *dims
-        after the batch)`` per tensor, the key of the torch schedules built for it.
+        the pp group's host side (:func:`~hftrain.parallel.stage_timing.agree_on_spec`: one collective), since later
+        stages see no inputs: ``spec`` is ``(dtype code, ndim, *dims after the batch)`` per tensor, the key of the
+        torch schedules built for it.
         """
         args: tuple = ()
-        ints: list[int] | None = None
         if self.is_first:
             chunk = self.stages[0]
             first_args = getattr(chunk, "first_args", None)
@@ -360,11 +244,7 @@ class PipelineSchedule:
             if not args:
                 raise ValueError("the first pipeline stage needs its inputs (the batch)")
             args = tuple(arg.to(self.device) for arg in args)
-            ints = _encode_spec(args)
-        if self.pp > 1:  # later stages see no inputs: they learn the shapes from the first, over the host group
-            ints = broadcast_ints(ints, _SPEC_INTS, group=self.pp_group, group_src=0)
-        assert ints is not None
-        return args, _decode_spec(ints)
+        return args, agree_on_spec(args if self.is_first else None, group=self.pp_group if self.pp > 1 else None)
 
     def _last_stage_kwargs(self, target: torch.Tensor | None, rows: slice, losses: list) -> dict:
         if not self.is_last:

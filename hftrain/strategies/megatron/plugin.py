@@ -129,8 +129,8 @@ class MegatronPlugin:
         from hftrain.parallel.random import RNGTracker
 
         groups = self.groups
-        self.rng_tracker = RNGTracker(
-            seed=torch.initial_seed(), tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=device or "cpu"
+        self.rng_tracker = RNGTracker.for_groups(
+            groups, seed=torch.initial_seed(), device=device or "cpu"
         ).seed_streams()
         options = self.parallelism.taken_by(parallelize_model)  # the axes' options, as parallelize_model names them
         model = parallelize_model(model, groups, rng_tracker=self.rng_tracker, recompute=self.recompute, **options)
