@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.config import TrainConfig, config_from_flat, save_config
+from hftrain.config import ModelConfig, TrainConfig, config_from_flat, save_config
 from hftrain.errors import ConfigError, HFTrainError, ProcessError, writing
 from hftrain.log import get_logger, is_main_process
 from hftrain.tasks import Inputs, task_of
 
 if TYPE_CHECKING:
-    from hftrain.config import ModelConfig
     from hftrain.files import FolderLock
     from hftrain.models.checks import ModelFacts
     from hftrain.strategies import LaunchInfo
@@ -184,6 +183,7 @@ def prepare_data(
     from hftrain.data.cache import DataCache, cache_root, prepared_per_node
 
     task = task_of(config.model.task)
+    default = ModelConfig()
 
     def build(work_dir: Path, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
         splits = load_splits(config, facts, log, work_dir=work_dir)
@@ -193,7 +193,7 @@ def prepare_data(
             max_position=facts.max_length,
             work_dir=work_dir,
             num_proc=tokenizing_processes(config),
-            num_labels=config.model.num_labels,
+            num_labels=config.model.num_labels if config.model.num_labels != default.num_labels else None,
         )
         tokenized, head = task.inputs(splits, tokenizer, inputs, log)
         return tokenized, {"head": head}

@@ -101,7 +101,8 @@ class Inputs:
         max_position: the model's position bound (causal LM: continued positions restart below it).
         work_dir: where the Arrow files of the tokens go (a cache build's scratch folder); None: in memory.
         num_proc: processes that tokenize.
-        num_labels: ``model.num_labels`` (a task whose labels come from the data checks it against them).
+        num_labels: ``model.num_labels`` when it is not its default, else None (a task whose labels come from the
+            data checks a given count against them).
     """
 
     max_length: int
