@@ -8,10 +8,12 @@ builder, LoRA, the strategies' refusals, the planner, the job).
 from __future__ import annotations
 
 from hftrain.errors import ConfigError
-from hftrain.tasks import causal_lm, sequence_classification
+from hftrain.tasks import causal_lm, sequence_classification, token_classification
 from hftrain.tasks.record import PIPELINE_HEADS, Inputs, Task, resolve
 
-TASKS: dict[str, Task] = {task.name: task for task in (sequence_classification.TASK, causal_lm.TASK)}
+TASKS: dict[str, Task] = {
+    task.name: task for task in (sequence_classification.TASK, causal_lm.TASK, token_classification.TASK)
+}
 """``model.task`` -> its record."""
 
 DEFAULT_TASK = sequence_classification.TASK.name
