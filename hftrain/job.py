@@ -196,7 +196,8 @@ def prepare_data(
             num_labels=config.model.num_labels if config.model.num_labels != default.num_labels else None,
         )
         tokenized, head = task.inputs(splits, tokenizer, inputs, log)
-        return tokenized, {"head": head}
+        # the problem type under its own key too: what hftrain read from an entry before the task records
+        return tokenized, {"head": head, "problem_type": head.get("problem_type")}
 
     cache = DataCache(cache_root(config.data.cache_dir), overwrite=config.data.overwrite_cache)
     entry = prepared_per_node(
