@@ -18,6 +18,19 @@ METRICS_LINE = (
 """What the token classifier's evaluation reports, said once at startup."""
 
 
+def check_seqeval() -> None:
+    """Refuse a run whose evaluation could not compute its metrics (seqeval missing), before training, in one line."""
+    import importlib.util
+
+    if importlib.util.find_spec("seqeval") is None:
+        from hftrain.errors import ConfigError
+
+        raise ConfigError(
+            "model.task token_classification reports seqeval's entity F1, and seqeval is not installed; "
+            "pip install seqeval==1.2.2 (constraints.txt)"
+        )
+
+
 def compute_token_metrics(
     predictions: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], id2label: Mapping[int, str]
 ) -> dict[str, float]:

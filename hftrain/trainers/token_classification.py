@@ -43,8 +43,9 @@ class TokenClassificationTrainer(Trainer):
     whole_global_batches = True  # N counts a global batch's examples: Accelerate's repeats of a short one would not be
 
     def __init__(self, *args: Any, train_dataset: Any, eval_dataset: Any = None, **kwargs: Any) -> None:
-        from hftrain.metrics.token_classification import METRICS_LINE
+        from hftrain.metrics.token_classification import METRICS_LINE, check_seqeval
 
+        check_seqeval()
         self._targets = [int(n) for n in train_dataset["num_tokens"][:]]
         self._window_targets: dict[int, list[float]] = {}  # epoch -> labelled words of each global batch
         self._longest_eval = max(eval_dataset["length"][:], default=1) if eval_dataset is not None else 1

@@ -97,7 +97,7 @@ class MegatronStrategy(Strategy):
                 raise ConfigError(
                     f"parallelism.{axis}={getattr(self.dims, axis)} with model.task: {task} is not built yet (the "
                     f"{record.human}'s head runs on {', '.join(record.megatron_axes_not_built)} later); use {axis}: 1, "
-                    "or the ddp, fsdp or deepspeed strategies"
+                    "or strategy.name ddp, fsdp or zero1/2/3"
                 )
         for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if record.vocabulary_head else ():
             if all(getattr(self.dims, axis) > 1 for axis in axes):
