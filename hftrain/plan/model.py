@@ -9,10 +9,10 @@ MoE layer's routed experts hold ``E · 3·h·I`` parameters (``gate_up_proj [E, 
 they are counted from the model built on the meta device (exactly, as Ψ). Which parallel axes a family takes
 (``axes``) comes from the same registry, so a row the trainer would refuse is marked formula-only.
 
-A language model (``task="causal_lm"``, ``model.task: causal_lm``) is counted as the ``AutoModelForCausalLM`` model
-that training builds: its output projection (``lm_head``) counted once when tied to the input embedding, ``V·h`` more
-when untied (``lm_head_parameters``). The megatron axes that do not run a language model yet
-(``hftrain.parallel.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
+A language model (``model.task: causal_lm``, its record's ``vocabulary_head``) is counted as the
+``AutoModelForCausalLM`` model that training builds: its output projection (``lm_head``) counted once when tied to the
+input embedding, ``V·h`` more when untied (``lm_head_parameters``). The megatron axes that do not run a language model
+yet (``hftrain.parallel.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
 """
 
 from __future__ import annotations
