@@ -42,8 +42,8 @@ BOXES = [
      "context_parallel.py (ring / all-to-all attention)   random.py (RNG tracker)   recompute.py   "
      "lora.py (LoRA under TP)", "#f4dcdc"),
     (0.3, 0.05, 15.4, 0.65,
-     "beside every layer: checkpoint/ (session, manager, resume, run, safety, preemption, export) · models/ (loading, "
-     "LoRA, dropout, partial) · data/ · metrics/", "", "#eeeeee"),
+     "beside every layer: tasks/ (Task records) · checkpoint/ (session, manager, resume, safety, "
+     "export) · models/ (loading, LoRA, partial) · data/ · metrics/", "", "#eeeeee"),
 ]  # fmt: skip
 ARROWS = [
     ((4.0, 8.6), (4.0, 8.3)),

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hftrain.config import TrainConfig, config_from_flat, save_config
+from hftrain.config import ModelConfig, TrainConfig, config_from_flat, save_config
 from hftrain.errors import ConfigError, HFTrainError, ProcessError, writing
 from hftrain.log import get_logger, is_main_process
+from hftrain.tasks import Inputs, task_of
 
 if TYPE_CHECKING:
-    from hftrain.config import ModelConfig
     from hftrain.files import FolderLock
     from hftrain.models.checks import ModelFacts
     from hftrain.strategies import LaunchInfo
@@ -76,15 +76,15 @@ def prepare_job(
     tokenizer = build_tokenizer(config.model)
     check_tokenizer(tokenizer, model_facts)
     if config.data.streaming:
-        tokenized, problem_type = streaming_inputs(config, model_facts, tokenizer, note), None
+        tokenized, head = streaming_inputs(config, model_facts, tokenizer, note), {}
     else:
         max_length = effective_max_length(config.data.max_seq_length, model_facts, tokenizer, note)
-        tokenized, problem_type = prepare_data(config, model_facts, tokenizer, max_length, note)
-    trainer = TASKS[config.model.task].trainer()(
+        tokenized, head = prepare_data(config, model_facts, tokenizer, max_length, note)
+    trainer = task_of(config.model.task).trainer_class()(
         dataclasses.replace(config.training, resume_from_checkpoint=plan.resume),
         run_id=plan.run_id,
         strategy=strategy,
-        model_init=model_init_fn(config.model, tokenizer, config.lora, problem_type),
+        model_init=model_init_fn(config.model, tokenizer, config.lora, head),
         tokenizer=tokenizer,
         train_dataset=tokenized["train"],
         eval_dataset=tokenized["validation"],
@@ -167,9 +167,10 @@ def hold_folder(lock: FolderLock, runtime: Any, work: Callable[[], Any]) -> Fold
 
 def prepare_data(
     config: TrainConfig, facts: ModelFacts, tokenizer: Any, max_length: int, log: Callable[[str], None]
-) -> tuple[Any, str | None]:
-    """The run's model inputs (``train`` and ``validation``, tokenized or packed, memory-mapped) and the task they say,
-    through the data cache (``hftrain.data.cache``; collective when a process group is up).
+) -> tuple[Any, dict[str, Any]]:
+    """The run's model inputs (``train`` and ``validation``, tokenized or packed, memory-mapped) and the model-config
+    fields the data decides (``Task.prepare``'s ``head``: the problem type, label names), through the data cache
+    (``hftrain.data.cache``; collective when a process group is up).
 
     The first process of each node reads, tokenizes and packs the data once (in ``data.preprocessing_num_workers``
     processes) into a cache entry keyed by the data files' content, the tokenizer and every rule below, or opens the
@@ -186,7 +187,8 @@ def prepare_data(
 
     from hftrain.data.cache import DataCache, cache_root, prepared_per_node
 
-    task = TASKS[config.model.task]
+    task = task_of(config.model.task)
+    default = ModelConfig()
 
     def build(work_dir: Path, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
         splits = load_splits(config, facts, log, work_dir=work_dir)
@@ -196,9 +198,11 @@ def prepare_data(
             max_position=facts.max_length,
             work_dir=work_dir,
             num_proc=tokenizing_processes(config),
+            num_labels=config.model.num_labels if config.model.num_labels != default.num_labels else None,
         )
-        tokenized, problem_type = task.prepare(splits, tokenizer, inputs, log)
-        return tokenized, {"problem_type": problem_type}
+        tokenized, head = task.inputs(splits, tokenizer, inputs, log)
+        # the problem type under its own key too: what hftrain read from an entry before the task records
+        return tokenized, {"head": head, "problem_type": head.get("problem_type")}
 
     cache = DataCache(cache_root(config.data.cache_dir), overwrite=config.data.overwrite_cache)
     entry = prepared_per_node(
@@ -208,7 +212,10 @@ def prepare_data(
         log=log,
         local_rank=PartialState().local_process_index if PartialState._shared_state else 0,
     )
-    return entry.splits, entry.facts["problem_type"]
+    facts = entry.facts
+    if "head" not in facts:  # an entry built before the task records: it kept the problem type alone
+        return entry.splits, {"problem_type": facts["problem_type"]} if facts.get("problem_type") else {}
+    return entry.splits, facts["head"]
 
 
 def cache_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, max_length: int) -> dict[str, Any]:
@@ -236,7 +243,7 @@ def cache_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, max_len
     if data.dataset_name is not None:
         sources.append({"dataset_name": data.dataset_name, "version": embedded_version(data.dataset_name)})
     unkeyed = {"cache_dir", "overwrite_cache", "preprocessing_num_workers"}
-    classification = config.model.task == "sequence_classification"
+    task = task_of(config.model.task)
     return {
         "task": config.model.task,
         "sources": sources,
@@ -246,8 +253,8 @@ def cache_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, max_len
         "seed": config.training.seed,
         "max_length": max_length,
         "max_position": facts.max_length,
-        "num_labels": config.model.num_labels if classification else None,
-        "problem_type": requested_problem_type(config.model, facts) if classification else None,
+        "num_labels": config.model.num_labels if task.takes_labels else None,
+        "problem_type": requested_problem_type(config.model, facts) if task.takes_problem_type else None,
     }
 
 
@@ -297,7 +304,7 @@ def load_splits(
         "log": log,
         "work_dir": work_dir,
     }
-    return TASKS[config.model.task].load(config, facts, sources)
+    return task_of(config.model.task).read(config, facts, sources)
 
 
 def streaming_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, log: Callable[[str], None]) -> dict:
@@ -319,37 +326,7 @@ def streaming_inputs(config: TrainConfig, facts: ModelFacts, tokenizer: Any, log
     return stream_train_split(config.data, tokenizer, rules, log=log)
 
 
-@dataclass(frozen=True)
-class Inputs:
-    """How a task's splits become model inputs, besides the splits and the tokenizer (``Task.prepare``).
-
-    Args:
-        max_length: ``data.max_seq_length`` as far as the model takes it (truncation, or the block length).
-        long_documents: ``data.long_documents`` (causal LM).
-        max_position: the model's position bound (causal LM: continued positions restart below it).
-        work_dir: where the Arrow files of the tokens go (a cache build's scratch folder); None: in memory.
-        num_proc: processes that tokenize.
-    """
-
-    max_length: int
-    long_documents: str = "continue"
-    max_position: int | None = None
-    work_dir: Path | None = None
-    num_proc: int = 1
-
-
-@dataclass(frozen=True)
-class Task:
-    """What a ``model.task`` brings to a job: how its data is read (``load(config, facts, sources)``: the data
-    section's common fields as ``sources``), how its splits become model inputs (``prepare(splits, tokenizer,
-    inputs, log)``: the inputs and the task they say, for the model's config), and its trainer class."""
-
-    load: Callable[[TrainConfig, Any, dict[str, Any]], Any]
-    prepare: Callable[[Any, Any, Inputs, Callable[[str], None]], tuple[Any, str | None]]
-    trainer: Callable[[], type]
-
-
-def _classification_splits(config: TrainConfig, facts: ModelFacts, sources: dict[str, Any]) -> Any:
+def classification_splits(config: TrainConfig, facts: ModelFacts, sources: dict[str, Any]) -> Any:
     from hftrain.data.loading import load_classification_splits
 
     return load_classification_splits(
@@ -360,22 +337,23 @@ def _classification_splits(config: TrainConfig, facts: ModelFacts, sources: dict
     )
 
 
-def _language_splits(config: TrainConfig, facts: ModelFacts, sources: dict[str, Any]) -> Any:
+def language_splits(config: TrainConfig, facts: ModelFacts, sources: dict[str, Any]) -> Any:
     from hftrain.data.language import load_text_splits
 
     data = config.data
     return load_text_splits(**sources, prompt_column=data.prompt_column, response_column=data.response_column)
 
 
-def _classification_inputs(splits: Any, tokenizer: Any, inputs: Inputs, log: Callable[[str], None]) -> tuple:
+def classification_inputs(splits: Any, tokenizer: Any, inputs: Inputs, log: Callable[[str], None]) -> tuple:
     from hftrain.data.batching import tokenize_splits
     from hftrain.data.labels import problem_type_of
 
     tokenized = tokenize_splits(splits, tokenizer, max_seq_length=inputs.max_length)
-    return tokenized, problem_type_of(splits["train"].features)
+    problem_type = problem_type_of(splits["train"].features)
+    return tokenized, {} if problem_type is None else {"problem_type": problem_type}
 
 
-def _language_inputs(splits: Any, tokenizer: Any, inputs: Inputs, log: Callable[[str], None]) -> tuple:
+def language_inputs(splits: Any, tokenizer: Any, inputs: Inputs, log: Callable[[str], None]) -> tuple:
     from hftrain.data.language import pack_splits
 
     packed = pack_splits(
@@ -388,26 +366,7 @@ def _language_inputs(splits: Any, tokenizer: Any, inputs: Inputs, log: Callable[
         work_dir=inputs.work_dir,
         num_proc=inputs.num_proc,
     )
-    return packed, None
-
-
-def _classification_trainer() -> type:
-    from hftrain.trainers import SequenceClassificationTrainer
-
-    return SequenceClassificationTrainer
-
-
-def _language_trainer() -> type:
-    from hftrain.trainers.language import CausalLMTrainer
-
-    return CausalLMTrainer
-
-
-TASKS: dict[str, Task] = {
-    "sequence_classification": Task(_classification_splits, _classification_inputs, _classification_trainer),
-    "causal_lm": Task(_language_splits, _language_inputs, _language_trainer),
-}
-"""``model.task`` -> its data, inputs and trainer."""
+    return packed, {}
 
 
 def requested_problem_type(model: ModelConfig, facts: ModelFacts) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "hftrain"
 LAYERS = (  # bottom to top; a package may import those of its own rank and below
-    ("hftrain",), ("hftrain.errors",), ("hftrain.files",), ("hftrain.log",), ("hftrain.parallel",),
+    ("hftrain",), ("hftrain.errors",), ("hftrain.files",), ("hftrain.log",), ("hftrain.parallel",), ("hftrain.tasks",),
     ("hftrain.data", "hftrain.metrics"),
     ("hftrain.config",), ("hftrain.models",), ("hftrain.checkpoint",), ("hftrain.strategies",), ("hftrain.env",),
     ("hftrain.pictures",), ("hftrain.trainers",), ("hftrain.validate",), ("hftrain.plan", "hftrain.launch"),

@@ -246,7 +246,7 @@ def test_classification_splits_are_cached_too(tmp_path):
         runs.append((splits, problem_type, calls.texts, lines))
     (first, kind, texts_1, _), (second, kind_2, texts_2, lines) = runs
     assert texts_1 >= 60 and texts_2 == 0 and not _built(lines)
-    assert kind == kind_2 == "single_label_classification"
+    assert kind == kind_2 == {"problem_type": "single_label_classification"}  # the model-config fields the data decides
     assert first["train"].to_list() == second["train"].to_list()
     assert set(second["train"].column_names) >= {"input_ids", "labels", "length"}
 

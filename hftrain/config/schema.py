@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hftrain.errors import ConfigError
+from hftrain.tasks import DEFAULT_TASK, task_of
 
 
 @dataclass
@@ -20,10 +21,11 @@ class ModelConfig:
 
     model_name_or_path: str = "embedded:minilm"
     """A local model folder, or an embedded model (``embedded:minilm``, ``embedded:smollm2``)."""
-    task: Literal["sequence_classification", "causal_lm"] = "sequence_classification"
-    """What is fine-tuned: a ``*ForSequenceClassification`` head on labelled texts (``problem_type`` says which
-    kind), or a ``*ForCausalLM`` language model on text packed into blocks of ``data.max_seq_length`` tokens (next-token
-    cross entropy; prompt/response data trains on the responses only)."""
+    task: str = DEFAULT_TASK
+    """What is fine-tuned, one of ``hftrain.tasks.TASKS``: ``sequence_classification``, a
+    ``*ForSequenceClassification`` head on labelled texts (``problem_type`` says which kind), or ``causal_lm``, a
+    ``*ForCausalLM`` language model on text packed into blocks of ``data.max_seq_length`` tokens (next-token cross
+    entropy; prompt/response data trains on the responses only)."""
     num_labels: int = 2
     """Outputs of the sequence-classification head: the number of classes (``1`` for regression)."""
     problem_type: Literal["auto", "single_label_classification", "multi_label_classification", "regression"] = "auto"
@@ -41,6 +43,7 @@ class ModelConfig:
     job (length-grouped batches: 0.210 vs 0.201 s/step; random order: 2-4% faster), so sdpa stays the default."""
 
     def validate(self) -> None:
+        task = task_of(self.task)
         _require(self.num_labels >= 1, "model.num_labels", "must be at least 1 (1: regression)")
         _require(
             self.num_labels <= MAX_NUM_LABELS,
@@ -49,7 +52,7 @@ class ModelConfig:
             "weights, allocated before any label is read (model.num_labels is the number of classes)",
         )
         _require(
-            self.task == "sequence_classification" or self.problem_type == "auto",
+            task.takes_problem_type or self.problem_type == "auto",
             "model.problem_type",
             f"is a classification setting and model.task is {self.task}; remove model.problem_type",
         )
@@ -486,9 +489,9 @@ class TrainConfig:
                 f"batch would be padded past the longest text to {buckets:,} tokens; give at most {longest:,} (e.g. "
                 "64), auto or null"
             )
-        language = self.model.task == "causal_lm"
+        packed = task_of(self.model.task).packed_text
         for name in ("long_documents", "streaming"):
-            if getattr(self.data, name) != getattr(DataConfig, name) and not language:
+            if getattr(self.data, name) != getattr(DataConfig, name) and not packed:
                 raise ConfigError(
                     f"data.{name} is a language-model setting and model.task is {self.model.task}; remove it"
                 )

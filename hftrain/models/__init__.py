@@ -1,5 +1,5 @@
-"""Model and tokenizer construction for the job's task (sequence classification, causal language modelling),
-including the embedded models."""
+"""Model and tokenizer construction for the job's task (``model.task``, its record in ``hftrain.tasks``), including
+the embedded models."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError, reading
+from hftrain.tasks import task_of
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -38,25 +39,18 @@ EMBEDDED_MODELS: dict[str, tuple[str, str, str | None, str]] = {
 }
 
 
-# model.task -> (transformers' auto class, its model-type -> class mapping), both in transformers.
-TASK_MODELS: dict[str, tuple[str, str]] = {
-    "sequence_classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING"),
-    "causal_lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING"),
-}
-
-
 def auto_model_class(task: str) -> type:
-    """transformers' ``AutoModelFor...`` class of ``model.task``."""
+    """transformers' ``AutoModelFor...`` class of ``model.task`` (its record's ``auto_class``)."""
     import transformers
 
-    return getattr(transformers, TASK_MODELS[task][0])
+    return getattr(transformers, task_of(task).auto_class)
 
 
 def task_model_class(task: str, model_config: PretrainedConfig) -> type | None:
     """The class ``auto_model_class(task)`` builds for ``model_config`` (None: transformers has none)."""
     from transformers.models.auto import modeling_auto
 
-    return getattr(modeling_auto, TASK_MODELS[task][1]).get(type(model_config), None)
+    return getattr(modeling_auto, task_of(task).auto_mapping).get(type(model_config), None)
 
 
 def cache_dir() -> Path:
@@ -167,7 +161,7 @@ def model_init_fn(
     config: ModelConfig,
     tokenizer: PreTrainedTokenizerBase,
     lora: LoraConfig | None = None,
-    problem_type: str | None = None,
+    head: dict[str, Any] | None = None,
 ) -> PretrainedBuilder:
     """A callable that builds the task's model (called by the trainer's runtime, in the strategy's context).
 
@@ -175,14 +169,15 @@ def model_init_fn(
         config: the ``model`` config section.
         tokenizer: supplies the pad id GPT-style heads pool on.
         lora: the ``lora`` section; with ``use_lora`` the model is wrapped in LoRA adapters (``hftrain.models.lora``).
-        problem_type: the run's task (``hftrain.data.labels``), written into the model's config (and so into the
-            exported ``config.json``); None leaves the folder's.
+        head: the model-config fields the data decides (``Task.prepare``: the problem type, ``hftrain.data.labels``;
+            the label names), written into the model's config (and so into the exported ``config.json``); None or
+            empty leaves the folder's.
     """
-    return PretrainedBuilder(config, tokenizer.pad_token_id, lora, problem_type)
+    return PretrainedBuilder(config, tokenizer.pad_token_id, lora, head)
 
 
 class PretrainedBuilder:
-    """Builds the task's model (``AutoModelForSequenceClassification``, ``AutoModelForCausalLM``: ``model.task``) from
+    """Builds the task's model (its record's auto class, ``hftrain.tasks``: ``model.task``) from
     the configured folder: whole (``builder()``), or with submodules a process does not need left on ``meta``
     (``builder.build(leave_out=...)``: pipeline stages).
 
@@ -190,7 +185,8 @@ class PretrainedBuilder:
         config: the ``model`` config section.
         pad_token_id: the tokenizer's pad id (GPT-style heads pool the last non-pad token).
         lora: the ``lora`` section, or None.
-        problem_type: the run's task, set on the model's config; None leaves the folder's.
+        head: the model-config fields the data decides (problem type, label names), set on the model's config; None
+            leaves the folder's.
     """
 
     def __init__(
@@ -198,13 +194,13 @@ class PretrainedBuilder:
         config: ModelConfig,
         pad_token_id: int | None,
         lora: LoraConfig | None = None,
-        problem_type: str | None = None,
+        head: dict[str, Any] | None = None,
     ) -> None:
         self.path, self.trusted = model_folder(config)
         self.config = config
         self.pad_token_id = pad_token_id
         self.lora = lora if lora is not None and lora.use_lora else None
-        self.problem_type = problem_type
+        self.head = _head_fields(head or {})
         self.task = config.task
 
     def __call__(self) -> PreTrainedModel | PeftModel:
@@ -261,10 +257,9 @@ class PretrainedBuilder:
 
         model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path, trust_remote_code=self.trusted))
         kwargs: dict[str, object] = {"attn_implementation": self.attention(model_class)}
-        if self.task == "sequence_classification":
+        if task_of(self.task).takes_labels:
             kwargs["num_labels"] = self.config.num_labels
-        if self.problem_type is not None:
-            kwargs["problem_type"] = self.problem_type
+        kwargs.update(self.head)  # what the data decides: the problem type, the label names and their count
         with reading(
             f"model.model_name_or_path: the weights in '{self.path}' do not load",
             "they are damaged or do not match its config.json (sizes): save the model there again "
@@ -348,7 +343,7 @@ class PretrainedBuilder:
             from hftrain.log import log_main
 
             shown = ", ".join(initialised[:6]) + (f" and {len(initialised) - 6} more" if len(initialised) > 6 else "")
-            what = "classifier head" if self.task == "sequence_classification" else "weights"
+            what = "classifier head" if task_of(self.task).takes_labels else "weights"
             log_main(f"{what} initialised: {shown} (not in {self.path})")
         # GPT-style heads pool the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = self.pad_token_id
@@ -360,6 +355,14 @@ class PretrainedBuilder:
         from hftrain.models.lora import apply_lora
 
         return apply_lora(model, self.lora, self.task)
+
+
+def _head_fields(head: dict[str, Any]) -> dict[str, Any]:
+    """``head`` as ``from_pretrained`` keywords: ``id2label``'s keys as ints again (JSON, in the data cache's facts,
+    keeps them as strings)."""
+    if "id2label" in head:
+        return {**head, "id2label": {int(k): v for k, v in head["id2label"].items()}}
+    return dict(head)
 
 
 def _weight_errors() -> tuple[type[BaseException], ...]:

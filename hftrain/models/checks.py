@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError, reading
 from hftrain.models.remote_code import check_remote_code
+from hftrain.tasks import task_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -96,7 +97,7 @@ def check_model_folder(config: ModelConfig) -> ModelFacts:
             "would turn every text into unknown tokens: save the model's tokenizer there (tokenizer.save_pretrained)"
         )
     model_config = _auto_config(path, trusted)
-    if config.task == "sequence_classification":
+    if task_of(config.task).takes_problem_type:  # model.num_labels sizes the head: a trained head must match it
         _check_head(path, model_config, config.num_labels)
     _build_on_meta(path, model_config, config.num_labels, config.task, trusted)
     return ModelFacts(

@@ -1,8 +1,9 @@
 """LoRA with PEFT: low-rank adapters on chosen linear layers, the classification head trained in full.
 
 A LoRA layer computes ``y = W x + (alpha / r) · B A x`` with ``W`` frozen, ``A`` (r × in) random and ``B``
-(out × r) zero at start, so the adapted model starts equal to the base model. PEFT's ``SEQ_CLS`` task type
-adds the head (``classifier`` for BERT-style, ``score`` for GPT-style models) to ``modules_to_save``: a full
+(out × r) zero at start, so the adapted model starts equal to the base model. Each task's record
+(``hftrain.tasks``) names its PEFT task type and head modules. PEFT's ``SEQ_CLS`` and ``TOKEN_CLS`` task types
+add the head (``classifier`` for BERT-style, ``score`` for GPT-style models) to ``modules_to_save``: a full
 trainable copy that is written into the adapter, or the freshly initialised head would be lost on reload
 (pitfall "classification head lost with LoRA", docs/pitfalls.md). A causal language model (``CAUSAL_LM``) trains
 only its adapters: its head is the (often tied) vocabulary projection the base model already has. The trainer's
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hftrain.errors import ConfigError, reading
+from hftrain.tasks import DEFAULT_TASK, task_of
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -21,18 +23,16 @@ if TYPE_CHECKING:
 
     from hftrain.config import LoraConfig
 
-# PEFT's SEQ_CLS task type marks these head names as modules_to_save.
-HEAD_MODULES = ("classifier", "score")
 
-
-def apply_lora(model: PreTrainedModel, config: LoraConfig, task: str = "sequence_classification") -> PeftModel:
+def apply_lora(model: PreTrainedModel, config: LoraConfig, task: str = DEFAULT_TASK) -> PeftModel:
     """Wrap a model in LoRA adapters; only the adapters (and a classifier's head) stay trainable.
 
     Args:
         model: the base model (full weights, not yet prepared).
         config: the ``lora`` config section; null ``lora_target_modules`` takes PEFT's default for the
             architecture (BERT ``query``/``value``, GPT-2 ``c_attn``, Llama ``q_proj``/``v_proj``).
-        task: ``model.task``: PEFT's ``SEQ_CLS`` (the head saved in full) or ``CAUSAL_LM``.
+        task: ``model.task``: its record's PEFT task type (``SEQ_CLS``, ``TOKEN_CLS``: the head modules trained
+            and saved in full, ``modules_to_save``; ``CAUSAL_LM``).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
@@ -44,8 +44,9 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig, task: str = "sequence
             "list the linear layers to adapt (e.g. [q_proj, v_proj])"
         )
     _check_rank(model, config.lora_r, targets)
+    record = task_of(task)
     peft_config = PeftLoraConfig(
-        task_type=TaskType.SEQ_CLS if task == "sequence_classification" else TaskType.CAUSAL_LM,
+        task_type=TaskType[record.peft_task_type],
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
@@ -59,13 +60,13 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig, task: str = "sequence
         catch=(ValueError,),  # PEFT: "Target modules ... not found in the base model"
     ):
         peft_model = get_peft_model(model, peft_config)
-    if task != "sequence_classification":
+    if not record.head_modules:
         return peft_model
-    head = [n for n in HEAD_MODULES if hasattr(model, n)]
+    head = [n for n in record.head_modules if hasattr(model, n)]
     if not head or not any(p.requires_grad for p in getattr(model, head[0]).parameters()):
         raise ConfigError(
-            f"lora: {type(model).__name__} has no trainable '{'/'.join(HEAD_MODULES)}' head under PEFT's SEQ_CLS task; "
-            "use a *ForSequenceClassification model"
+            f"lora: {type(model).__name__} has no trainable '{'/'.join(record.head_modules)}' head under PEFT's "
+            f"{record.peft_task_type} task; use a {record.auto_class.replace('AutoModel', '*')} model"
         )
     return peft_model
 

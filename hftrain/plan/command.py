@@ -7,6 +7,7 @@ import math
 
 from hftrain.errors import ConfigError
 from hftrain.parallel.dims import AXIS_SIZES
+from hftrain.tasks import DEFAULT_TASK, TASKS
 
 SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 MAX_PARAMETERS = 10**15  # a thousand trillion: beyond any model, and every byte count stays a finite float
@@ -47,8 +48,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="a local model folder, its config.json, or embedded:minilm / embedded:smollm2")
     model.add_argument(
         "--task",
-        choices=("sequence_classification", "causal_lm"),
-        default="sequence_classification",
+        choices=tuple(TASKS),
+        default=DEFAULT_TASK,
         help="model.task: the sequence classifier (default) or a language model (causal_lm: the *ForCausalLM model "
         "counted, its logits in the activations, model.task written by --write-configs)",
     )
@@ -128,7 +129,7 @@ def plan_from_args(args: argparse.Namespace):  # -> Plan
             raise ConfigError(f"{flag} {getattr(args, name):g}: larger than any memory; give GB (e.g. {flag} 80)")
     if args.row and not args.write_configs:
         raise ConfigError("--row chooses what --write-configs writes; add --write-configs DIR")
-    task = getattr(args, "task", "sequence_classification")
+    task = getattr(args, "task", DEFAULT_TASK)
     model = model_from_config(args.model, task=task) if args.model else model_from_sizes(**sizes, task=task)
     hardware = Hardware(
         gpus_per_node=args.gpus_per_node,

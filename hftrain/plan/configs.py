@@ -21,6 +21,7 @@ from hftrain.files import check_own, remove_quietly, write_file
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Row, Workload
+from hftrain.tasks import DEFAULT_TASK
 
 PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
@@ -46,7 +47,7 @@ def job_config(row: Row, model: ModelSpec, work: Workload, ds_config: Path | Non
     if ds_config is not None:
         strategy["deepspeed_config"] = str(ds_config)
     job: dict[str, dict[str, Any]] = {
-        "model": {"model_name_or_path": model.source, **({"task": model.task} if model.causal_lm else {})},
+        "model": {"model_name_or_path": model.source, **({"task": model.task} if model.task != DEFAULT_TASK else {})},
         "data": {"max_seq_length": work.seq},
         "training": {
             "output_dir": f"outputs/{Path(str(model.source)).name.replace(':', '-')}-{row.label.split(' ')[0]}",

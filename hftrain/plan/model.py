@@ -9,10 +9,10 @@ MoE layer's routed experts hold ``E · 3·h·I`` parameters (``gate_up_proj [E, 
 they are counted from the model built on the meta device (exactly, as Ψ). Which parallel axes a family takes
 (``axes``) comes from the same registry, so a row the trainer would refuse is marked formula-only.
 
-A language model (``task="causal_lm"``, ``model.task: causal_lm``) is counted as the ``AutoModelForCausalLM`` model
-that training builds: its output projection (``lm_head``) counted once when tied to the input embedding, ``V·h`` more
-when untied (``lm_head_parameters``). The megatron axes that do not run a language model yet
-(``hftrain.parallel.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
+A language model (``model.task: causal_lm``, its record's ``vocabulary_head``) is counted as the
+``AutoModelForCausalLM`` model that training builds: its output projection (``lm_head``) counted once when tied to the
+input embedding, ``V·h`` more when untied (``lm_head_parameters``). The megatron axes that do not run a language model
+yet (``hftrain.parallel.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ from hftrain.errors import ConfigError, reading
 from hftrain.models.checks import FIELD, _auto_config, config_errors, read_config_file
 from hftrain.models.remote_code import check_remote_code
 from hftrain.parallel.dims import AXIS_SIZES
+from hftrain.tasks import DEFAULT_TASK, task_of
+from hftrain.tasks import TASKS as TASK_RECORDS
 
 # The largest size (layers, hidden, heads, vocabulary, MLP width) a model given by hand may have: far beyond any
 # real model, and small enough that every formula's product stays a finite float.
 MAX_SIZE = 10**8
 
-TASKS = ("sequence_classification", "causal_lm")
-"""What ``model.task`` trains (``hftrain.config.schema``): a classifier, or a language model (next-token loss)."""
+TASKS = tuple(TASK_RECORDS)
+"""What ``model.task`` trains (``hftrain.tasks``): each task's model is counted from its record."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,8 @@ class ModelSpec:
         gated: a gated MLP (SwiGLU: three matrices), from the family's registry entry (False when unknown).
         axes: the model-parallel axes hftrain's trainer takes for this model (``tp``, ``pp``, ``cp``, ``ep``), from
             the family's registry entry; every axis for sizes given by hand (formula-only).
-        task: ``"sequence_classification"`` or ``"causal_lm"`` (``model.task``): which model is counted, and whether
-            the activations include the logits (``formulas.logits_activation_bytes``).
+        task: ``model.task`` (``hftrain.tasks``): which model is counted, and whether the activations include the
+            logits over the vocabulary (its record's ``vocabulary_head``; ``formulas.logits_activation_bytes``).
         lm_head_parameters: a language model's untied output projection (split over the vocabulary under tp, like
             the embedding); 0 when tied to the input embedding, and for a classifier.
         sequence_parallel: whether tp may also cut the sequence (the registry's answer: not for a mixture of experts
@@ -103,7 +105,7 @@ class ModelSpec:
     shared_intermediate: int = 0
     gated: bool = False
     axes: frozenset[str] = frozenset(AXIS_SIZES)
-    task: str = "sequence_classification"
+    task: str = DEFAULT_TASK
     lm_head_parameters: int = 0
     sequence_parallel: bool = True
     layer_modules: int = 0
@@ -115,18 +117,22 @@ class ModelSpec:
 
     @property
     def causal_lm(self) -> bool:
-        """Whether a language model is trained (its logits are activations, its lm_head split over the vocabulary)."""
-        return self.task == "causal_lm"
+        """Whether a language model is trained (its logits are activations, its lm_head split over the vocabulary):
+        the task record's ``vocabulary_head``."""
+        return task_of(self.task).vocabulary_head
 
     @property
     def refused_layouts(self) -> tuple[tuple[str, ...], ...]:
-        """Megatron axes the trainer refuses together for this model's task whatever the family: for ``causal_lm``
-        those not built yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp), none for a classifier."""
-        if not self.causal_lm:
-            return ()
+        """Megatron axes the trainer refuses together for this model's task whatever the family: each axis its record
+        does not run yet (``megatron_axes_not_built``), and for a language model the pairs not built yet
+        (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp); none for a sequence classifier."""
+        record = task_of(self.task)
+        alone = tuple((axis,) for axis in record.megatron_axes_not_built)
+        if not record.vocabulary_head:
+            return alone
         from hftrain.parallel.parallelize import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
 
-        return LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
+        return alone + LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
 
     @property
     def gated_mlp(self) -> bool:
@@ -223,7 +229,7 @@ def model_from_sizes(
     vocab: int,
     intermediate: int | None = None,
     kv_heads: int | None = None,
-    task: str = "sequence_classification",
+    task: str = DEFAULT_TASK,
 ) -> ModelSpec:
     """A model given by its sizes; Ψ defaults to the GPT formula 12·L·h² + V·h (weights of a 4h-MLP layer; for a
     language model, its output projection tied to the embedding).
@@ -280,12 +286,12 @@ def model_from_sizes(
     )
 
 
-def model_from_config(name_or_path: str, task: str = "sequence_classification") -> ModelSpec:
+def model_from_config(name_or_path: str, task: str = DEFAULT_TASK) -> ModelSpec:
     """A model from a local folder, a ``config.json`` file or ``embedded:<name>``; Ψ counted on the meta device.
 
     Args:
         name_or_path: what ``hftrain.models.resolve_model_path`` accepts, or a config file.
-        task: ``model.task``: the ``*ForSequenceClassification`` or the ``*ForCausalLM`` model is counted.
+        task: ``model.task``: the model its record's auto class builds is counted.
     """
     from hftrain.parallel.families import is_gated_mlp, takes_sequence_parallel, trainable_axes
 
@@ -327,7 +333,7 @@ def model_from_config(name_or_path: str, task: str = "sequence_classification") 
         gated=is_gated_mlp(config),
         axes=trainable_axes(config, head=task),  # the registry's answer for the task's head kind (parallel.families)
         task=task,
-        lm_head_parameters=_lm_head_parameters(model) if task == "causal_lm" else 0,
+        lm_head_parameters=_lm_head_parameters(model) if task_of(task).vocabulary_head else 0,
         sequence_parallel=takes_sequence_parallel(config),
         layer_modules=len(layers_module) if runs else 0,
         **_moe_sizes(config, model),
@@ -348,7 +354,7 @@ def _layer_runs(config: Any, model: Any) -> list[Any] | None:
 
 def _check_task(task: str) -> None:
     if task not in TASKS:
-        raise ConfigError(f"--task {task!r}: choose {' or '.join(TASKS)}")
+        raise ConfigError(f"--task {task!r}: choose {', '.join(TASKS)}")
 
 
 def _lm_head_parameters(model: Any) -> int:
@@ -386,13 +392,13 @@ def _moe_sizes(config: Any, model: Any) -> dict[str, int]:
     }
 
 
-def _head_parameters(model: Any, task: str = "sequence_classification") -> int:
+def _head_parameters(model: Any, task: str = DEFAULT_TASK) -> int:
     """Parameters of the modules hftrain's pipeline puts on the last stage (0 for a family it cannot split). A language
     model's: its untied output projection (its pipeline is not built: pp rows are formula-only; the final norm, a few
     h, is left on stage 0)."""
     from hftrain.parallel.families import stages_of
 
-    if task == "causal_lm":
+    if task_of(task).vocabulary_head:
         return _lm_head_parameters(model)
     try:
         family = stages_of(model)
@@ -448,9 +454,9 @@ def _load_config(name_or_path: str) -> tuple[Any, Path]:
         return _auto_config(folder), folder / "config.json"
 
 
-def _meta_model(config: Any, where: Path, task: str = "sequence_classification") -> Any:
-    """The model hftrain trains for ``task``, built without memory (parameters on ``meta``): the 2-label
-    sequence classifier, or the ``AutoModelForCausalLM`` language model (tied weights stay one parameter).
+def _meta_model(config: Any, where: Path, task: str = DEFAULT_TASK) -> Any:
+    """The model hftrain trains for ``task``, built without memory (parameters on ``meta``) by its record's auto class:
+    a 2-label classifier, or the ``AutoModelForCausalLM`` language model (tied weights stay one parameter).
 
     Args:
         config: the transformers config.
@@ -458,10 +464,10 @@ def _meta_model(config: Any, where: Path, task: str = "sequence_classification")
         task: ``model.task``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    import transformers
 
-    what = "language model" if task == "causal_lm" else "sequence classifier"
-    builder = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    record = task_of(task)
+    what, builder = record.human, getattr(transformers, record.auto_class)
     config.num_labels = 2
     with reading(
         f"--model: {where} does not describe a buildable {what}",

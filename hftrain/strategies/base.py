@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hftrain.errors import ConfigError, HFTrainError
+from hftrain.tasks import DEFAULT_TASK
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -96,7 +97,7 @@ class Strategy(ABC):
         """The context the model must be constructed in (default: none)."""
         return contextlib.nullcontext()
 
-    def check_model(self, model_config: Any, *, use_lora: bool, task: str = "sequence_classification") -> None:
+    def check_model(self, model_config: Any, *, use_lora: bool, task: str = DEFAULT_TASK) -> None:
         """Refuse a model this strategy cannot distribute, before any process group exists (default: any).
 
         Args:

@@ -24,6 +24,7 @@ from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
 from hftrain.strategies.megatron.checks import check_pipeline_training, num_microbatches
 from hftrain.strategies.megatron.fields import named_by_config
+from hftrain.tasks import DEFAULT_TASK, task_of
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -87,14 +88,22 @@ class MegatronStrategy(Strategy):
             check_pipeline_training(self.parallelism, training)  # also at pp=1: an interleaved schedule is refused
             check_layout(self.dims, **self.parallelism.taken_by(check_layout))
 
-    def check_model(self, model_config: Any, *, use_lora: bool, task: str = "sequence_classification") -> None:
+    def check_model(self, model_config: Any, *, use_lora: bool, task: str = DEFAULT_TASK) -> None:
         from hftrain.parallel import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT, LORA_AXES_NOT_BUILT, check_model
 
-        for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if task == "causal_lm" else ():
+        record = task_of(task)
+        for axis in record.megatron_axes_not_built:
+            if getattr(self.dims, axis) > 1:
+                raise ConfigError(
+                    f"parallelism.{axis}={getattr(self.dims, axis)} with model.task: {task} is not built yet (the "
+                    f"{record.human}'s head runs on {', '.join(record.megatron_axes_not_built)} later); use {axis}: 1, "
+                    "or strategy.name ddp, fsdp or zero1/2/3"
+                )
+        for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if record.vocabulary_head else ():
             if all(getattr(self.dims, axis) > 1 for axis in axes):
                 given = " with ".join(f"parallelism.{axis}={getattr(self.dims, axis)}" for axis in axes)
                 raise ConfigError(
-                    f"{given} with model.task: causal_lm is not built yet (a language model takes each of them "
+                    f"{given} with model.task: {task} is not built yet (a language model takes each of them "
                     f"alone, with tp, sequence_parallel, ep and dp); use {axes[-1]}: 1 or {axes[0]}: 1"
                 )
         for axis, what in LORA_AXES_NOT_BUILT.items():

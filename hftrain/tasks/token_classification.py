@@ -1,0 +1,22 @@
+"""``model.task: token_classification``: a ``*ForTokenClassification`` head labelling each word (named entities,
+parts of speech) from JSON Lines of ``tokens``/``tags`` (``hftrain.data.word_labels``); the loss is the mean over
+the global batch's labelled words (``hftrain.trainers.token_classification``)."""
+
+from hftrain.tasks.record import Task
+
+TASK = Task(
+    name="token_classification",
+    human="token classifier",
+    auto_class="AutoModelForTokenClassification",
+    auto_mapping="MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING",
+    peft_task_type="TOKEN_CLS",
+    head_modules=("classifier", "score"),
+    labels="data",
+    load="hftrain.data.word_labels:load_word_label_splits",
+    prepare="hftrain.data.word_labels:prepare_word_label_inputs",
+    trainer="hftrain.trainers.token_classification:TokenClassificationTrainer",
+    pipeline_head="token_classification",
+    per_token_loss=True,
+    # the pipeline's token head, its tp plan and its cp split come with the parallel layer's head kinds
+    megatron_axes_not_built=("tp", "pp", "cp", "ep"),
+)
