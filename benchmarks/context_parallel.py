@@ -66,7 +66,10 @@ def _step(seq: int, comm: str) -> dict:
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config)
-    cp_module.apply_context_parallel(model, cp_group=dist.group.WORLD, comm=comm)
+    from hftrain.parallel.families import stages_for
+
+    trunk = stages_for(config, axis="cp")
+    cp_module.apply_context_parallel(model, trunk=trunk, per_token=False, cp_group=dist.group.WORLD, comm=comm)
     spent, sent = [0.0], [0]
     ring, a2a = cp_module._RingAttention, cp_module._AllToAll
     forward, backward = ring.forward, ring.backward

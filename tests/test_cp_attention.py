@@ -198,7 +198,7 @@ def _model_parity(kinds: list[str], cases: list[tuple[str, str | None]], seq: in
             batch = {"input_ids": ids * mask, "attention_mask": mask, "labels": torch.tensor([0, 2, 1])}
             expected = reference(**batch)
             expected.loss.backward()
-            trunk = stages_for(model.config, class_name=type(model).__name__, axis="cp")  # what parallelize passes
+            trunk = stages_for(model.config, axis="cp")  # what parallelize passes (a classifier head)
             apply_context_parallel(model, trunk=trunk, per_token=False, cp_group=dist.group.WORLD, comm=comm)
             if recompute is not None:
                 apply_activation_checkpointing(model, recompute)

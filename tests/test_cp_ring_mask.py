@@ -78,7 +78,7 @@ def _ring_cases() -> dict:
     reference = copy.deepcopy(model)
     ids = torch.randint(1, 128, (2, seq), generator=torch.Generator().manual_seed(3))
     expected = reference(input_ids=ids, use_cache=False).logits[:, pos]
-    trunk = stages_for(model.config, class_name=type(model).__name__, axis="cp")
+    trunk = stages_for(model.config, head="causal_lm", axis="cp")
     apply_context_parallel(model, trunk=trunk, per_token=True, cp_group=dist.group.WORLD, comm="ring")
     calls.clear()
     with torch.no_grad():

@@ -282,8 +282,8 @@ class ContextSplit(ChunkExtra):
 def apply_context_parallel(
     model: torch.nn.Module,
     *,
-    trunk: Any = None,
-    per_token: bool | None = None,
+    trunk: Any,
+    per_token: bool,
     cp_group: Any,
     comm: str = "ring",
 ) -> torch.nn.Module:
@@ -327,12 +327,7 @@ def apply_context_parallel(
             cp) rather than per sequence (a classifier's: the hidden states are gathered after the last layer).
         cp_group: the context-parallel process group.
         comm: ``"ring"`` or ``"all_to_all"``.
-
-    ``trunk`` and ``per_token`` None: looked up from the model's class (:func:`_trunk_and_trait`, the old
-    signature's path, until ``parallelize_model`` passes them).
     """
-    if trunk is None or per_token is None:
-        trunk, per_token = _trunk_and_trait(model, trunk, per_token)
     _register()
     batch = _Batch(cp_group, comm)
     for module in model.modules():
@@ -346,16 +341,6 @@ def apply_context_parallel(
         trunk.layers(model)[-1].register_forward_hook(inputs.gather)
         base.register_forward_hook(inputs.whole, always_call=True)
     return model
-
-
-def _trunk_and_trait(model: torch.nn.Module, trunk: Any, per_token: bool | None) -> tuple[Any, bool]:
-    """The old signature's path: the family's trunk adapter and the per-token trait looked up from the model's class
-    in the family registry (``hftrain.parallel.families``); what is given is kept."""
-    from hftrain.parallel.families import is_causal_lm_class, stages_for
-
-    name = type(model).__name__
-    trunk = stages_for(model.config, class_name=name, axis="cp") if trunk is None else trunk
-    return trunk, is_causal_lm_class(name) if per_token is None else per_token
 
 
 def _first(output: Any, function: Any) -> Any:

@@ -396,6 +396,16 @@ HEADS: dict[str, HeadKind] = {
 }  # fmt: skip
 
 
+def per_token_head(head: str | StageHead) -> bool:
+    """Whether a head's output has a row per position: its kind's ``per_token`` trait, or a task's own head's
+    :attr:`StageHead.per_position`.
+
+    Args:
+        head: a head kind (:data:`HEADS`) or a task's own :class:`StageHead`.
+    """
+    return head_kind(head).per_token if isinstance(head, str) else bool(head.per_position)
+
+
 def head_kind(head: str) -> HeadKind:
     """The :data:`HEADS` entry of ``head``; ``ConfigError`` naming the kinds for another name.
 

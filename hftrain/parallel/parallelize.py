@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from hftrain.parallel.dims import ParallelDims, ParallelGroups
+    from hftrain.parallel.heads import StageHead
     from hftrain.parallel.random import RNGTracker
 
 LANGUAGE_MODEL_LAYOUTS_NOT_BUILT = (("pp", "cp"),)
@@ -122,7 +123,7 @@ def parallelize_model(
     recompute: str | None = None,
     vocab_multiple: int = 1,
     moe_capacity_factor: float | None = None,
-    head: str = "sequence_classification",
+    head: str | StageHead = "sequence_classification",
 ) -> nn.Module:
     """Apply every layer-changing axis of ``groups`` to ``model`` (in place; collective over each axis' group).
 
@@ -136,8 +137,9 @@ def parallelize_model(
             last, on the split layers: a full-layer checkpoint replays the tracker's streams.
         vocab_multiple: the vocabulary-parallel embedding pads the vocabulary to a multiple of ``tp ×`` this.
         moe_capacity_factor: a mixture-of-experts model's per-expert cap (None: dropless), under any ep.
-        head: the task's head kind (``hftrain.parallel.heads.HEADS``): context parallelism gathers the whole
-            sequences back after the family's trunk for a head that is not per token, and nothing for one that is.
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``) or its own ``StageHead``: context parallelism
+            gathers the whole sequences back after the family's trunk for a head that is not per token, and nothing
+            for one that is.
     """
     from hftrain.parallel.families import check_tensor_parallel, has_tp_plan
     from hftrain.parallel.lora import hf_model_of
@@ -165,10 +167,11 @@ def parallelize_model(
     if groups.cp_size > 1:
         from hftrain.parallel.context_parallel import apply_context_parallel
         from hftrain.parallel.families import stages_for
-        from hftrain.parallel.heads import head_kind
+        from hftrain.parallel.heads import per_token_head
 
-        trunk = stages_for(model.config, head=head, axis="cp")  # checked for cp with the head kind
-        per_token = head_kind(head).per_token
+        # checked for cp with the head kind (a task's own head object: the family alone)
+        trunk = stages_for(model.config, head=head if isinstance(head, str) else None, axis="cp")
+        per_token = per_token_head(head)
         model = apply_context_parallel(model, trunk=trunk, per_token=per_token, cp_group=groups.cp_group, comm=cp_comm)
     if groups.ep_size > 1 or moe_capacity_factor is not None:
         from hftrain.parallel.expert_parallel import apply_expert_parallel

@@ -60,10 +60,10 @@ class AccelerateRuntime:
     """Whether :meth:`clip_grad_norm_` returns the norm of the gradients it clips (the Trainer logs it as
     ``train/grad_norm``); not under DeepSpeed, where Accelerate returns the engine's norm of the previous step."""
 
-    stage_head: Any = None
-    """The task's pipeline head (``hftrain.parallel.stages.StageHead``: the columns the first stage reads, what the
-    last one returns), set by the Trainer from its task's ``stage_head``; None: the one the model's class implies. Read
-    by a strategy that cuts the model into pipeline stages."""
+    stage_head: Any = "sequence_classification"
+    """The task's head (the Trainer's ``stage_head``: a kind of ``hftrain.parallel.heads.HEADS`` or a task's own
+    ``StageHead``), set by the Trainer. Read by a strategy that cuts the model into pipeline stages or splits the
+    sequence."""
 
     def __init__(
         self,

@@ -257,10 +257,10 @@ class Trainer:
     loss is already scaled to the global batch (a causal LM's token sum over the global target count), and the parts'
     losses add up as they are."""
 
-    stage_head: Any = None
-    """The task's head on a pipeline's stages (a ``hftrain.parallel.stages.StageHead``: the batch columns the first
-    stage reads and what the last one returns, on which ``compute_loss`` runs), for a task whose model class does not
-    imply one; None: a ``*ForSequenceClassification``'s family classifier, a ``*ForCausalLM``'s language-model head."""
+    stage_head: Any = "sequence_classification"
+    """The task's head on a pipeline's stages and under context parallelism: its kind (``Task.pipeline_head``, one of
+    ``hftrain.parallel.heads.HEADS``, which the family builds), or a task's own ``hftrain.parallel.heads.StageHead``
+    (the batch columns the first stage reads and what the last one returns, on which ``compute_loss`` runs)."""
 
     whole_global_batches = False
     """Train on whole global batches only (``EpochSampler``'s ``whole_groups``): a task whose loss is one mean over

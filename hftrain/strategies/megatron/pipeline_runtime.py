@@ -253,7 +253,7 @@ class PipelineRuntime(MegatronRuntime):
         plan = OptimizerPlan.take(optimizer, model)  # the optimizer lets go of the full model's parameters
         # Split every layer over tp on the host (the plugin's one preparation), keep this rank's stages and move
         # only those to the device; the rest is freed below, never having reached it.
-        model = self.plugin.parallelize(model, device=device, move=False)
+        model = self.plugin.parallelize(model, device=device, move=False, head=self.stage_head)
         stages = build_stage_modules(
             model,
             example_group=self.example_group,  # a mixture of experts' router loss is over them

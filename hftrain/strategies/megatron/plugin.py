@@ -104,7 +104,9 @@ class MegatronPlugin:
         return padding_multiple(self.groups.dims, **self.parallelism.taken_by(padding_multiple))
 
     # ----------------------------------------------------------------- wrapping
-    def parallelize(self, model: torch.nn.Module, *, device: Any = None, move: bool = True) -> torch.nn.Module:
+    def parallelize(
+        self, model: torch.nn.Module, *, device: Any = None, move: bool = True, head: Any = "sequence_classification"
+    ) -> torch.nn.Module:
         """Split the model over this rank's groups (``hftrain.parallel.parallelize_model``) where it was built (the
         host), then move only this rank's shards to ``device``; in place.
 
@@ -122,6 +124,9 @@ class MegatronPlugin:
             device: where the shards live and the RNG streams draw (None: stay where they are).
             move: move the split model to ``device`` (False: the caller moves the parts this rank keeps, as the
                 pipeline moves only its stages).
+            head: the task's head (the runtime's ``stage_head``: a kind of ``hftrain.parallel.heads.HEADS`` or a
+                task's own ``StageHead``): context parallelism gathers the sequences back for a head that is not per
+                token.
         """
         import torch
 
@@ -133,10 +138,14 @@ class MegatronPlugin:
             groups, seed=torch.initial_seed(), device=device or "cpu"
         ).seed_streams()
         options = self.parallelism.taken_by(parallelize_model)  # the axes' options, as parallelize_model names them
-        model = parallelize_model(model, groups, rng_tracker=self.rng_tracker, recompute=self.recompute, **options)
+        model = parallelize_model(
+            model, groups, rng_tracker=self.rng_tracker, recompute=self.recompute, head=head, **options
+        )
         return to_device(model, device) if device is not None and move else model
 
-    def prepare_model(self, model: torch.nn.Module, *, device: Any = None) -> torch.nn.Module:
+    def prepare_model(
+        self, model: torch.nn.Module, *, device: Any = None, head: Any = "sequence_classification"
+    ) -> torch.nn.Module:
         """``parallelize`` the model, then wrap it in DDP over the dp group (no pipeline stages).
 
         Args:
@@ -146,7 +155,7 @@ class MegatronPlugin:
         from torch.nn.parallel import DistributedDataParallel
 
         groups = self.groups
-        model = self.parallelize(model, device=device)
+        model = self.parallelize(model, device=device, head=head)
         data_group, _, replicas = groups.data_replicas(None)  # dp × cp: the ranks holding the same shards
         if replicas == 1:
             return model

@@ -68,7 +68,7 @@ class MegatronRuntime(AccelerateRuntime):
         eval_loader: torch.utils.data.DataLoader | None,
     ) -> tuple[torch.nn.Module, Any, Any, Any]:
         plan = OptimizerPlan.take(optimizer, model)
-        model = self.plugin.prepare_model(model, device=self.accelerator.device)
+        model = self.plugin.prepare_model(model, device=self.accelerator.device, head=self.stage_head)
         if self.mixed_precision != "no":
             autocast_forward(model, self.accelerator)
         self._model = self.plugin_unwrap(model)

@@ -114,7 +114,7 @@ class MegatronStrategy(Strategy):
                     f"tp and dp, not {what}); use {axis}: 1, or train the full model"
                 )
         with named_by_config():
-            check_model(model_config, self.dims, **self.parallelism.taken_by(check_model))
+            check_model(model_config, self.dims, head=record.pipeline_head, **self.parallelism.taken_by(check_model))
 
     def tune_host_allocator(self) -> str:
         """Under pipeline parallelism tune the host allocator for a lean resident set: memory is what stages are for.
