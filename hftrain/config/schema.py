@@ -415,13 +415,20 @@ class ParallelismConfig:
         """The options of the given axes (each field names its axis in its metadata), by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("axis") in axes}
 
-    def taken_by(self, function: Any) -> dict[str, Any]:
-        """The fields ``function`` takes as keyword arguments, by name: how the section reaches ``hftrain.parallel``
-        (which knows no config) whole, without naming each axis's options on the way."""
-        import inspect
+    def named(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The named fields as keyword arguments: how the section reaches ``hftrain.parallel`` (which knows no
+        config). The caller names them explicitly (``hftrain.strategies.megatron.plugin.OPTIONS_TAKEN``), so a
+        keyword the function renamed fails the call instead of dropping its option; a name that is not a field
+        fails here.
 
-        names = inspect.signature(function).parameters
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
+        Args:
+            names: fields of this section.
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = [name for name in names if name not in fields]
+        if unknown:
+            raise AttributeError(f"ParallelismConfig has no option {', '.join(unknown)}")
+        return {name: getattr(self, name) for name in names}
 
     def changed(self) -> list[str]:
         """The fields set to something other than their default (what a strategy that splits no model refuses)."""

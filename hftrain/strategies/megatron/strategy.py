@@ -4,7 +4,7 @@
 sequence_parallel: false}``: the ``parallelism`` section is consumed whole. Its sizes make one ``ParallelDims``
 (Megatron-LM's rank order: tp ranks adjacent, then cp, then dp, then pp; ep carved out of dp), built and validated
 here once and passed down to the plugin's groups; its options reach ``hftrain.parallel`` as the keyword arguments
-each check and apply call takes (``ParallelismConfig.taken_by``), and each axis's refusals are its own module's.
+each check and apply call takes (``plugin.OPTIONS_TAKEN``, by name), and each axis's refusals are its own module's.
 The Trainer runs through :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
 :class:`~hftrain.strategies.megatron.pipeline_runtime.PipelineRuntime` (stages and a schedule).
 
@@ -24,6 +24,7 @@ from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
 from hftrain.strategies.megatron.checks import check_pipeline_training, num_microbatches
 from hftrain.strategies.megatron.fields import named_by_config
+from hftrain.strategies.megatron.plugin import options_for
 from hftrain.tasks import DEFAULT_TASK, task_of
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class MegatronStrategy(Strategy):
             )
         with named_by_config():
             check_pipeline_training(self.parallelism, training)  # also at pp=1: an interleaved schedule is refused
-            check_layout(self.dims, **self.parallelism.taken_by(check_layout))
+            check_layout(self.dims, **options_for(self.parallelism, check_layout))
 
     def check_model(self, model_config: Any, *, use_lora: bool, task: str = DEFAULT_TASK) -> None:
         from hftrain.parallel import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT, LORA_AXES_NOT_BUILT, check_model
@@ -114,7 +115,9 @@ class MegatronStrategy(Strategy):
                     f"tp and dp, not {what}); use {axis}: 1, or train the full model"
                 )
         with named_by_config():
-            check_model(model_config, self.dims, head=record.pipeline_head, **self.parallelism.taken_by(check_model))
+            check_model(
+                model_config, self.dims, head=record.pipeline_head, **options_for(self.parallelism, check_model)
+            )
 
     def tune_host_allocator(self) -> str:
         """Under pipeline parallelism tune the host allocator for a lean resident set: memory is what stages are for.
