@@ -34,12 +34,12 @@ BOXES = [
      "MegatronStrategy, checks, plugin (the Accelerate adapter)\nruntime.py: TP × CP × DP runtime\n"
      "pipeline_runtime.py: PP runtime (schedules, timeline)\nstate.py: logical checkpoints that reshard", "#e2f0d9"),
     (0.3, 0.8, 15.4, 2.7, "parallel/  (knows neither the Trainer, the config keys nor Accelerate)",
-     "dims.py: ParallelDims, groups (tp-cp-dp-pp)      parallelize.py: one apply_* call per axis\n"
+     "axes.py: the axes declared once → dims.py: groups (tp-cp-dp-pp)      parallelize.py: one apply_* call per axis\n"
      "placement.py: one record per parameter (axis, Split, partial) → grads, DDP ignore, clip, boxes, export\n"
-     "families.py: one registry entry per model family (tp plan, trunk, task heads, expert plan, cp, planner facts)\n"
+     "families/: one module per model family (tp plan, trunk, own heads, refusals) · heads.py: task heads by kind\n"
      "tensor_parallel.py · plans.py · layers.py · collectives.py · expert_parallel.py · cross_entropy.py\n"
-     "pipeline.py · stages.py · schedules.py (task-blind: StageHead) · timeline.py\n"
-     "context_parallel.py (ring / all-to-all attention)   random.py (RNG tracker)   recompute.py   "
+     "pipeline.py · stages.py · chunk.py (extras) · schedules.py (task-blind: StageHead) · timeline.py\n"
+     "context_parallel.py + cp_attention.py (ring / all-to-all)   random.py (RNG tracker)   recompute.py   "
      "lora.py (LoRA under TP)", "#f4dcdc"),
     (0.3, 0.05, 15.4, 0.65,
      "beside every layer: tasks/ (Task records) · checkpoint/ (session, manager, resume, safety, "
