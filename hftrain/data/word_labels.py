@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hftrain.data.batching import BucketCollator
 from hftrain.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
@@ -219,28 +220,17 @@ def align_labels(word_ids: Sequence[int | None], tags: Sequence[int]) -> list[in
     return labels
 
 
-@dataclass
-class WordLabelCollator:
-    """Pads a batch like :class:`hftrain.data.batching.BucketCollator` and its ``labels`` to the same length with
-    ``-100`` (on the tokenizer's padding side); drops ``num_tokens`` (the trainer reads it from the dataset).
-
-    Args:
-        tokenizer: supplies the pad token and side.
-        pad_to_multiple_of: the bucket multiple (None: pad to the longest example).
-        ceiling: the longest padded length (None: no bound).
-    """
-
-    tokenizer: Any
-    pad_to_multiple_of: int | None = None
-    ceiling: int | None = None
+@dataclass(frozen=True)
+class WordLabelCollator(BucketCollator):
+    """Pads a batch as :class:`hftrain.data.batching.BucketCollator` does (its fields) and its ``labels`` to the same
+    length with ``-100`` (on the tokenizer's padding side); drops ``num_tokens`` (the trainer reads it from the
+    dataset)."""
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         import torch
 
-        from hftrain.data.batching import BucketCollator
-
         rows = [{k: v for k, v in f.items() if k not in ("labels", "num_tokens")} for f in features]
-        batch = BucketCollator(self.tokenizer, self.pad_to_multiple_of, self.ceiling)(rows)
+        batch = super().__call__(rows)
         width = batch["input_ids"].shape[1]
         left = self.tokenizer.padding_side == "left"
         padded = [

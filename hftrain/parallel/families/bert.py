@@ -85,6 +85,20 @@ class EncoderStages:
         return layer(hidden, context["mask"])
 
 
+ENCODER_LAYER_OUTPUTS: tuple[tuple[str, str], ...] = (
+    ("attention.output.dense", "row"),
+    ("attention.output.dropout", "sequence_dropout"),
+    ("attention.output.LayerNorm", "sequence"),
+    ("intermediate", "region"),
+    ("intermediate.dense", "column"),
+    ("output.dense", "row"),
+    ("output.dropout", "sequence_dropout"),
+    ("output.LayerNorm", "sequence"),
+)
+"""A BERT-style encoder layer after its attention's projections: the attention output (row), the MLP (column, row)
+and the post-norms, split over the sequence under sequence parallelism (DeBERTa-v2's layers share them)."""
+
+
 def _encoder_plan(base: str) -> TensorParallelPlan:
     """BERT's layers under another base model (RoBERTa, XLM-R, ELECTRA)."""
     return TensorParallelPlan(
@@ -94,14 +108,7 @@ def _encoder_plan(base: str) -> TensorParallelPlan:
             ("attention.self.query", "column"),
             ("attention.self.key", "column"),
             ("attention.self.value", "column"),
-            ("attention.output.dense", "row"),
-            ("attention.output.dropout", "sequence_dropout"),
-            ("attention.output.LayerNorm", "sequence"),
-            ("intermediate", "region"),
-            ("intermediate.dense", "column"),
-            ("output.dense", "row"),
-            ("output.dropout", "sequence_dropout"),
-            ("output.LayerNorm", "sequence"),
+            *ENCODER_LAYER_OUTPUTS,
         ),
         model=(
             (f"{base}.embeddings.word_embeddings", "vocab"),

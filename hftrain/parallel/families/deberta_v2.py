@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from hftrain.errors import AxisError
-from hftrain.parallel.families.bert import EncoderStages
+from hftrain.parallel.families.bert import ENCODER_LAYER_OUTPUTS, EncoderStages
 from hftrain.parallel.families.family import Family
 from hftrain.parallel.heads import SequenceClassificationHead
 from hftrain.parallel.plans import TensorParallelPlan
@@ -140,14 +140,7 @@ def _deberta_v2_plan(config: Any) -> TensorParallelPlan:
             ("attention.self.key_proj", "column"),
             ("attention.self.value_proj", "column"),
             *position,
-            ("attention.output.dense", "row"),
-            ("attention.output.dropout", "sequence_dropout"),
-            ("attention.output.LayerNorm", "sequence"),
-            ("intermediate", "region"),
-            ("intermediate.dense", "column"),
-            ("output.dense", "row"),
-            ("output.dropout", "sequence_dropout"),
-            ("output.LayerNorm", "sequence"),
+            *ENCODER_LAYER_OUTPUTS,
         ),
         model=(
             ("deberta.embeddings.word_embeddings", "vocab"),
