@@ -8,6 +8,7 @@ This wraps ``hftrain.job.export_model`` from test code; the product has no test 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,10 @@ def _full_parameters(trainer) -> dict:
 
         with deepspeed.zero.GatheredParameters(list(params.values())):
             return {k: v.detach().clone() for k, v in params.items()}
-    return {k: v.detach().clone() for k, v in params.items()}
+    from torch.distributed.tensor import DTensor
+
+    # FSDP2: each parameter's whole tensor (a collective over its mesh, every rank in the same order)
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in params.items()}
 
 
 def export_and_record(trainer, *args, **kwargs):
@@ -37,6 +41,9 @@ def export_and_record(trainer, *args, **kwargs):
         digest.update(tensor.float().contiguous().numpy().tobytes())
     out = Path(os.environ["HFTRAIN_TEST_DIGESTS"])
     out.mkdir(parents=True, exist_ok=True)
+    meshes = {tuple(p.device_mesh.shape) for p in trainer.model.parameters() if hasattr(p, "device_mesh")}
+    if meshes:  # FSDP2: the mesh its parameters are sharded over (a 2-D one under hybrid sharding)
+        (out / f"mesh{os.environ.get('RANK', '0')}.txt").write_text(json.dumps(sorted(meshes)))
     (out / f"rank{os.environ.get('RANK', '0')}.txt").write_text(digest.hexdigest())
     return result
 

@@ -231,7 +231,7 @@ def test_agreeing_or_default_config_takes_the_launchers_settings(launcher_env):
 REFUSED = {
     "one process": ({"world": (1, 1)}, "1 was launched"),
     "offload on CPU": ({"offload_params": True}, "needs a GPU"),
-    "FSDP2 hybrid across nodes": ({"world": (4, 2), "sharding_strategy": "HYBRID_SHARD"}, "fsdp_version 1"),
+    "hybrid over uneven nodes": ({"world": (6, 4), "sharding_strategy": "HYBRID_SHARD"}, "as many processes"),
     "FSDP2 NO_SHARD": ({"sharding_strategy": "NO_SHARD"}, "no FSDP2 form"),
 }
 
@@ -249,6 +249,8 @@ def test_sharding_names_map_as_accelerate_does():
     assert _strategy(sharding_strategy="HYBRID_SHARD").build_plugin().reshard_after_forward is True  # one node
     assert "FULL_SHARD" in _strategy(sharding_strategy="HYBRID_SHARD").describe()["note"]
     assert _strategy(sharding_strategy="SHARD_GRAD_OP").build_plugin().reshard_after_forward is False
+    assert _strategy(world=(4, 2), sharding_strategy="HYBRID_SHARD").hybrid_mesh == (2, 2)  # FSDP2: nodes × local
+    assert _strategy(sharding_strategy="HYBRID_SHARD").hybrid_mesh is None  # one node: full sharding
     hybrid_v1 = _strategy(world=(4, 2), fsdp_version=1, sharding_strategy="HYBRID_SHARD").build_plugin()
     assert hybrid_v1.sharding_strategy.name == "HYBRID_SHARD"
 

@@ -74,9 +74,11 @@ def _launcher(kind: str, strategy: str, *, node_rank: int, per_node: int, master
     """The launcher's command line for one machine, as its docs (and hftrain's README) give it."""
     python = [sys.executable, "-m"]
     if kind == "torchrun":
+        name, _, sharding = strategy.partition(":")  # fsdp:HYBRID_SHARD
+        options = ["--strategy.sharding_strategy", sharding] if sharding else []
         return [*python, "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
                 "--nproc_per_node", str(per_node), "--master_addr", master, "--master_port", str(port), WORKER,
-                "--strategy.name", strategy]  # fmt: skip
+                "--strategy.name", name, *options]  # fmt: skip
     if kind == "accelerate":
         config = f"accelerate_configs/multinode_{strategy}.yaml"
         return [*python, "accelerate.commands.launch", "--config_file", config, "--machine_rank", str(node_rank),
@@ -135,6 +137,26 @@ def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_pa
     assert losses == pytest.approx(reference_losses, rel=1e-5)
     assert len(losses) == 4 and reference_losses[-1] != pytest.approx(reference_losses[0], rel=1e-4)
     assert_same_exports(out, reference, atol=1e-5)
+
+
+def test_fsdp2_hybrid_shards_inside_a_node_and_replicates_across(nodes, tiny_job, references, tmp_path):
+    """FSDP2 ``HYBRID_SHARD`` on 2 machines × 2 processes: a 2-D mesh, each parameter sharded over the 2 processes
+    of its machine and replicated across the machines (gradients reduce-scattered inside a node, all-reduced across),
+    equal to one process on the same global batch: every step's loss and the exported weights."""
+    codes, logs = _launch(nodes, tiny_job, tmp_path, "torchrun", "fsdp:HYBRID_SHARD", 2)
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    summary = json.loads((tmp_path / "out" / "hftrain_strategy.json").read_text())
+    assert summary["strategy"] == "fsdp" and summary["world_size"] == 4, summary
+    assert summary["sharding_strategy"] == "HYBRID_SHARD", summary
+    assert summary["mesh"] == "2 replicas (nodes) × 2 shards (processes per node)", summary
+    written = {p.name: p.read_text() for p in (tmp_path / "digests").iterdir()}
+    assert {written[f"mesh{r}.txt"] for r in range(4)} == {"[[2, 2]]"}, written  # every parameter on the 2-D mesh
+    assert len({written[f"rank{r}.txt"] for r in range(4)}) == 1, written  # the same full parameters everywhere
+    reference = references(4)
+    losses, reference_losses = logged_losses(tmp_path / "out"), logged_losses(reference)
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    assert len(losses) == 4 and reference_losses[-1] != pytest.approx(reference_losses[0], rel=1e-4)
+    assert_same_exports(tmp_path / "out", reference, atol=1e-5)
 
 
 def test_node_local_output_dir_is_refused_at_start(nodes, tiny_job, tmp_path):

@@ -69,8 +69,12 @@ class FSDPStrategy(Strategy):
         s = self.settings
         if launch.world_size < 2:
             raise ConfigError("strategy 'fsdp' shards across processes but 1 was launched; launch 2 or more or use ddp")
-        if s.sharding_strategy == "HYBRID_SHARD" and s.fsdp_version == 2 and not self.single_node:
-            raise ConfigError("strategy.sharding_strategy HYBRID_SHARD across nodes needs fsdp_version 1 in hftrain")
+        if self.hybrid_mesh is not None and launch.world_size % launch.local_world_size:
+            raise ConfigError(
+                f"strategy.sharding_strategy HYBRID_SHARD shards inside a node and replicates across nodes: every node "
+                f"must run as many processes ({launch.local_world_size} here, {launch.world_size} in all); launch the "
+                "same number per node, or use FULL_SHARD"
+            )
         if s.sharding_strategy == "NO_SHARD" and s.fsdp_version == 2:  # FSDP2 would still shard: no silent swap
             raise ConfigError("strategy.sharding_strategy NO_SHARD has no FSDP2 form; use ddp, or fsdp_version 1")
         if platform.is_cpu and s.offload_params:  # torch pins the offloaded memory, which needs an accelerator
@@ -85,8 +89,29 @@ class FSDPStrategy(Strategy):
         handlers = self.platform.process_group_handlers(cpu_collectives=self.settings.offload_params)
         return {"fsdp_plugin": self.plugin, "kwargs_handlers": handlers}
 
+    @property
+    def hybrid_mesh(self) -> tuple[int, int] | None:
+        """FSDP2's hybrid sharding across nodes as ``(replicas, shards)``: a 2-D mesh of the nodes (replicated,
+        gradients all-reduced across them) by each node's processes (sharded, reduce-scattered inside a node); None
+        where the sharding is not hybrid, is FSDP1's (its own process groups) or runs on one node (full sharding)."""
+        s = self.settings
+        if s.sharding_strategy != "HYBRID_SHARD" or s.fsdp_version != 2 or self.single_node:
+            return None
+        local = self.launch.local_world_size
+        return self.launch.world_size // local, local
+
     def configure_accelerator(self, accelerator: Accelerator) -> None:
         self.platform.force_fsdp(accelerator, self.plugin)
+        if self.hybrid_mesh is not None:
+            # Accelerate's HSDP: fully_shard over mesh["dp_replicate", "dp_shard_cp"] (fsdp2_prepare_model, and
+            # FSDP2Loading for the blocks). Set on the state after construction: on CPU the state becomes FSDP only
+            # here (force_fsdp), and Accelerate's constructor refuses a parallelism config for a non-FSDP state.
+            from accelerate.parallelism_config import ParallelismConfig
+
+            replicas, shards = self.hybrid_mesh
+            config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards)
+            accelerator.state.parallelism_config = config
+            accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
 
     def build_plugin(self) -> FullyShardedDataParallelPlugin:
         """Accelerate's plugin for these settings (fields not set here come from the launcher's ``FSDP_*``)."""
@@ -123,6 +148,9 @@ class FSDPStrategy(Strategy):
         }
         if s.sharding_strategy == "HYBRID_SHARD" and self.single_node:
             facts["note"] = "HYBRID_SHARD on one node is FULL_SHARD"
+        if self.hybrid_mesh is not None:
+            replicas, shards = self.hybrid_mesh
+            facts["mesh"] = f"{replicas} replicas (nodes) × {shards} shards (processes per node)"
         return facts
 
 
