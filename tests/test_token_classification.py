@@ -136,10 +136,40 @@ def _two_processes(job: dict[str, str]) -> dict:
     return runs
 
 
+MEGATRON = {  # 4 processes, each the reference's global batch of 8: name -> (micro-batch, parallelism)
+    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}),  # dp 2
+    "pp2": (2, {"pp": 2, "num_microbatches": 2}),  # dp 2
+    "cp2": (2, {"cp": 2}),  # dp 2
+    "tp2_pp2": (4, {"tp": 2, "pp": 2, "num_microbatches": 2}),  # dp 1
+}
+
+
+def _four_processes(job: dict[str, str]) -> dict:
+    """Megatron's layouts of the token classifier, and the pipeline's run stopped after step 2 and resumed."""
+    runs = {}
+    for name, (micro, options) in MEGATRON.items():
+        runs[name] = _train(_config(job, name, micro=micro, name="megatron", **options))
+    micro, options = MEGATRON["pp2"]
+    _train(_config(job, "pp2_resumed", micro=micro, name="megatron", **options), stop_at_step=2)
+    resumed = _config(job, "pp2_resumed", micro=micro, name="megatron", resume_from_checkpoint="latest", **options)
+    runs["pp2_resumed"] = _train(resumed)
+    return runs
+
+
 @pytest.fixture(scope="module")
-def runs(job) -> dict:
-    (one,) = run_distributed(_one_process, nprocs=1, timeout=600, job=job)
+def one(job) -> dict:
+    (only,) = run_distributed(_one_process, nprocs=1, timeout=600, job=job)
+    return only
+
+
+@pytest.fixture(scope="module")
+def runs(job, one) -> dict:
     return {"one": one, "two": run_distributed(_two_processes, nprocs=2, timeout=900, job=job)}
+
+
+@pytest.fixture(scope="module")
+def megatron(job) -> list[dict]:
+    return run_distributed(_four_processes, nprocs=4, timeout=1500, job=job)
 
 
 def _assert_equal(run: dict, ref: dict) -> None:
@@ -161,6 +191,23 @@ def test_two_processes_equal_one(runs, strategy):
     assert ref["losses"][-1] < ref["losses"][0] - 0.05  # the loss moved
     assert {"eval_loss", "eval_f1", "eval_precision", "eval_recall", "eval_accuracy"} <= set(ref["metrics"])
     _assert_equal(runs["two"][0][strategy], ref)
+
+
+@pytest.mark.distributed
+def test_megatron_layouts_equal_one_process(one, megatron):
+    """tp2 with sequence parallelism, pp2, cp2 and tp2 × pp2 (4 gloo processes each), and pp2 resumed after step 2:
+    every step's loss on every rank, the final evaluation and the exported weights equal one process's within 1e-5;
+    each export reloads into ``AutoModelForTokenClassification``."""
+    from transformers import AutoModelForTokenClassification
+
+    ref = one["reference"]
+    for name in [*MEGATRON, "pp2_resumed"]:
+        for rank in megatron:  # every rank logs the step's loss and evaluates
+            assert rank[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5), name
+            assert rank[name]["metrics"] == pytest.approx(ref["metrics"], rel=1e-5, abs=1e-6), name
+        _assert_equal(megatron[0][name], ref)
+        model = AutoModelForTokenClassification.from_pretrained(megatron[0][name]["model_dir"])
+        assert type(model).__name__ == "BertForTokenClassification", name
 
 
 @pytest.mark.distributed
@@ -220,21 +267,19 @@ def test_a_bad_line_is_one_line_naming_the_file_and_line(job, tmp_path, capsys, 
     assert not (tmp_path / "out" / "model").exists()
 
 
-@pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
-def test_megatron_refuses_the_axes_whose_token_head_is_not_built(axis):
+def test_megatron_refuses_expert_parallelism_for_a_token_classifier():
     """The task record's ``megatron_axes_not_built``: one line naming the axis and the task, before any process group;
-    a sequence classifier takes the same layout."""
+    a sequence classifier of the same mixture of experts takes the same layout."""
     from hftrain.errors import ConfigError
     from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
-    options = {axis: 2, **({"num_microbatches": 2} if axis == "pp" else {})}
     strategy = strategy_from_options(
-        "megatron", options, launch=LaunchInfo(world_size=2, local_world_size=2), platform=Platform("cpu", "gloo")
+        "megatron", {"ep": 2}, launch=LaunchInfo(world_size=2, local_world_size=2), platform=Platform("cpu", "gloo")
     )
-    strategy.check_model(tiny_config("llama"), use_lora=False)
-    with pytest.raises(ConfigError, match=f"parallelism.{axis}=2 with model.task: token_classification is not built"):
-        strategy.check_model(tiny_config("llama"), use_lora=False, task="token_classification")
+    strategy.check_model(tiny_config("mixtral"), use_lora=False)
+    with pytest.raises(ConfigError, match="parallelism.ep=2 with model.task: token_classification is not built"):
+        strategy.check_model(tiny_config("mixtral"), use_lora=False, task="token_classification")
 
 
 def test_num_labels_other_than_the_data_is_refused(job):
