@@ -288,6 +288,8 @@ class Trainer:
         (override it to run the model otherwise; a pipeline calls :meth:`loss` on its last stage's output)."""
         return self.loss(self.forward(model, batch), batch)
 
+    compute_loss.is_loss_of_forward = True  # type: ignore[attr-defined]  # a pipeline may call loss() instead
+
     def predictions(
         self, output: Any, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

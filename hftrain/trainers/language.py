@@ -6,14 +6,10 @@ document), and label ``-100`` on prompts, padding and every document's first tok
 
 **One mean over the global batch, as one process computes it.** The loss of an optimizer step is the mean over every
 target token of its global batch, ``L = (1/N) Σ_tokens ℓ``, however the batch is split into micro-batches and
-processes. A per-micro-batch mean would weight a micro-batch with few targets (a short response) as much as a full
-one, and differ from one process. Each rank therefore computes its micro-batch's *sum* ``S`` and scales it by
-``dp · accumulation / N``, where ``N`` is the global batch's target count: the runtime's backward divides by the
-accumulation steps and the data-parallel reduction averages over ``dp``, leaving ``Σ S / N`` on every rank. ``N`` needs
-no collective: every process builds the same example order (``hftrain.data.batching.EpochSampler``), and a global
-batch is always the ``G = micro × accumulation × dp`` consecutive examples of that order, so each rank sums the
-``num_tokens`` column of the ones of its window. The logged loss, the mean of the scaled micro-batch losses over the
-window and the replicas, is then ``Σ S / N`` too.
+processes: each rank sums its micro-batch's token losses and scales the sum by ``dp · accumulation / N``
+(``hftrain.trainers.token_mean.TokenMeanLoss``, shared with token classification; the targets here are the next
+tokens). The logged loss, the mean of the scaled micro-batch losses over the window and the replicas, is then
+``Σ S / N`` too.
 
 **A stream** (``data.streaming``, ``hftrain.data.streaming``): each rank packs its own share of the corpus, so no rank
 knows the other ranks' blocks. Before a window's first backward, each rank reads the window's micro-batches, counts
@@ -22,6 +18,10 @@ sum over the processes divided by the processes of one replica); the scaling is 
 
 Evaluation sums each block's token losses and counts its targets; the evaluation loss is ``Σ sums / Σ counts`` over the
 whole set (each block counted once, gathered over the replicas), and the perplexity ``exp`` of it.
+
+The loss is ``loss(output, batch)`` of the model's output (``forward``), so a pipeline's last stage hands its head's
+output straight to it; with ``training.loss_chunk_tokens`` the data-parallel ``compute_loss`` runs the output
+projection chunk by chunk instead (``hftrain.trainers.chunked_head``: the whole logits never built).
 
 Under tensor parallelism the output projection may be split over the vocabulary (``hftrain.parallel``): the model then
 returns each rank's shard of the logits, and the head module supplies the vocabulary-parallel cross entropy
@@ -103,6 +103,8 @@ class CausalLMTrainer(TokenMeanLoss, Trainer):
         if per_position is None:  # no chunking, or a model the chunked head cannot run
             return self.loss(model(**inputs), batch)
         return self._with_aux(self.scaled(self._sums(per_position).sum()), batch)
+
+    compute_loss.is_loss_of_forward = True  # type: ignore[attr-defined]  # the chunks' sum is loss(forward(...))
 
     def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This micro-batch's target losses summed, scaled by ``dp · accumulation / N`` (``TokenMeanLoss``); a mixture

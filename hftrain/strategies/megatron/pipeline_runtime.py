@@ -62,7 +62,8 @@ class PipelineModel(nn.Module):
     """This rank's pipeline stages as the one model the Trainer holds.
 
     Calling it runs a forward-only pass through the whole pipeline (collective over the pp group) and returns
-    the logits on every stage, so the task's ``prediction_step`` and the export's logit check work unchanged.
+    the head's output on every stage, so the task's ``prediction_step`` (a classifier's) and the export's logit check
+    work unchanged.
 
     Args:
         hf_model: the tensor-parallel HF model (not registered: its layers outside the stages are not this rank's).
@@ -279,8 +280,17 @@ class PipelineRuntime(MegatronRuntime):
         Args:
             model: the pipeline model.
             batch: this replica's batch (every stage receives it; the first reads the inputs, the last the rest).
-            task: the Trainer: its ``loss(output, batch) -> scalar``.
+            task: the Trainer: its ``loss(output, batch) -> scalar``. A Trainer whose ``compute_loss`` is not
+                ``loss(forward(model, batch), batch)`` (an override not marked ``is_loss_of_forward``) is refused in
+                one line: its loss would silently not be the one trained.
         """
+        if not getattr(type(task).compute_loss, "is_loss_of_forward", False):
+            from hftrain.errors import ConfigError
+
+            raise ConfigError(
+                f"{type(task).__name__} overrides compute_loss(model, batch), which a pipeline (parallelism.pp > 1) "
+                "cannot call: its last stage holds the output, not the model; override loss(output, batch) instead"
+            )
         schedule, examples = model.schedule, _batch_size(batch)
         inputs = {k: v for k, v in batch.items() if k != LABELS}
         rows = torch.arange(examples, device=self.accelerator.device)
