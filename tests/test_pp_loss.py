@@ -11,7 +11,7 @@ at once), fp32 (``mixed_precision: no``), compared within 1e-5 relative loss at 
   and one batch seen after 12 steps, 25 evaluated);
 - **the task's loss** at pp=2: regression (``num_labels: 1``, float labels, MSE), multi-label
   (``problem_type: multi_label_classification``, BCE with logits over 3 float labels) and a Trainer subclass whose
-  ``compute_loss`` adds a logit penalty to HF's loss each equal their reference, and the subclass's loss differs
+  ``loss(output, batch)`` adds a logit penalty to HF's loss each equal their reference, and the subclass's loss differs
   from HF's (so it is the one that ran);
 - **length buckets** at pp=2: ``data.pad_to_multiple_of: 8`` builds at most 3 training schedules in an epoch
   (lengths 3 to 20 fall into 3 buckets) against one per length seen without, and the loss still equals the
@@ -113,11 +113,11 @@ def run_task(
             return losses, logits, labels
 
     class PenaltyTrainer(TaskTrainer):
-        """A task that overrides ``compute_loss``: HF's loss plus a penalty on the logits (a mean per example)."""
+        """A task that overrides ``loss(output, batch)``: HF's loss plus a penalty on the logits (a mean per example);
+        the pipeline hands its last stage's output to it."""
 
-        def compute_loss(self, model, batch):
-            outputs = model(**batch)
-            return outputs.loss + 0.5 * outputs.logits.float().pow(2).mean()
+        def loss(self, output, batch):
+            return output.loss + 0.5 * output.logits.float().pow(2).mean()
 
     def model_init():
         config = tiny_config(kind, num_labels=TASKS[task], num_layers=LAYERS)
@@ -226,7 +226,7 @@ def test_the_tasks_loss_runs_on_the_last_stage(runs, label):
 
 
 @pytest.mark.distributed
-def test_a_compute_loss_override_is_the_loss_trained(runs):
+def test_a_loss_override_is_the_loss_trained(runs):
     custom, default = _reference(runs, PP2["custom"]), _reference(runs, DEFAULT_LOSS)
     for run in (rank["custom"] for rank in runs["pp2"]):
         # HF's loss alone would start near ln 2; the override adds the logit penalty from the first step

@@ -7,6 +7,8 @@ for an optimizer that cannot take a scale. The 2-process DDP parity and resume t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -36,7 +38,7 @@ def _runtime_step(max_norm: float, *, fused: bool) -> tuple[torch.nn.Module, tor
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
     loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
     model, optimizer, _, _ = runtime.prepare(model, optimizer, loader, None)
-    runtime.forward_backward(model, {}, lambda m, _: _loss(m))
+    runtime.forward_backward(model, {}, SimpleNamespace(compute_loss=lambda m, _: _loss(m)))
     norm = runtime.clip_grad_norm_(model, max_norm)
     optimizer.step()
     return model, norm, optimizer.optimizer

@@ -1,12 +1,15 @@
 """Token classification (``model.task: token_classification``): words labelled one by one, through the whole job.
 
-Two launches of the real job (``hftrain.job``: the task record, the JSON Lines reader, the data cache, the trainer,
-the verified export). One process: the reference (micro-batch 4 × accumulation 2), and a LoRA run. Two processes:
-DDP, ZeRO-3 and FSDP2 (micro-batch 2 × accumulation 2 × 2 replicas, the same global batch of 8), and a DDP run stopped
-after step 2 and resumed. Each equals the reference within 1e-5 (fp32): the loss of every step (one mean over the
-global batch's labelled words, whatever the split), the final evaluation (loss, entity F1, accuracy) and the exported
-weights. The tokenizer splits some words into two sub-tokens, so the label alignment (first sub-token labelled, the
-rest and the special tokens -100) is what the losses count.
+Three launches of the real job (``hftrain.job``: the task record, the JSON Lines reader, the data cache, the trainer,
+the verified export). One process: the reference (micro-batch 4 × accumulation 2), a LoRA run and a tiny Llama's
+reference. Two processes: DDP, ZeRO-3 and FSDP2 (micro-batch 2 × accumulation 2 × 2 replicas, the same global batch of
+8), and a DDP run stopped after step 2 and resumed. Four processes: megatron's tp2 with sequence parallelism, pp2, cp2
+and tp2 × pp2 (the same global batch), a pp2 run stopped after step 2 and resumed, and the Llama
+(``LlamaForTokenClassification``) at tp2 with sequence parallelism, cp2 and tp2 × pp2. Each equals its reference
+within 1e-5 (fp32): the loss of every step (one mean over the global batch's labelled words, whatever the split), the
+final evaluation (loss, entity F1, accuracy) and the exported weights. The tokenizer splits some words into two
+sub-tokens, so the label alignment (first sub-token labelled, the rest and the special tokens -100) is what the losses
+count.
 """
 
 from __future__ import annotations
@@ -66,26 +69,32 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict[str, str]:
-    """A base BERT model folder (no head: the token head is initialised, as from a pretrained encoder) and the data."""
-    from transformers import BertModel
+    """Base BERT and Llama model folders (no head: the token head is initialised, as from a pretrained trunk) and the
+    data."""
+    from transformers import BertModel, LlamaModel
 
     root = tmp_path_factory.mktemp("token")
-    model = root / "model"
+    model, llama = root / "model", root / "llama"
     BertModel(tiny_config("bert", vocab_size=64)).save_pretrained(model)
-    _tokenizer().save_pretrained(model)
+    llama_config = tiny_config("llama", vocab_size=64)
+    llama_config.classifier_dropout = 0.0  # LlamaForTokenClassification (`score`) would default to 0.1
+    LlamaModel(llama_config).save_pretrained(llama)
+    for folder in (model, llama):
+        _tokenizer().save_pretrained(folder)
     return {
         "model": str(model),
+        "llama": str(llama),
         "train": str(_write_jsonl(root / "train.jsonl", _sentences(64, seed=1))),
         "validation": str(_write_jsonl(root / "validation.jsonl", _sentences(13, seed=2))),
         "root": str(root),
     }
 
 
-def _config(job: dict[str, str], run: str, *, micro: int, **fields):
+def _config(job: dict[str, str], run: str, *, micro: int, model: str = "model", **fields):
     from hftrain.api import make_config
 
     return make_config(
-        model_name_or_path=job["model"], task="token_classification", dataset_name=None, train_file=job["train"],
+        model_name_or_path=job[model], task="token_classification", dataset_name=None, train_file=job["train"],
         validation_file=job["validation"], max_seq_length=32, cache_dir=str(Path(job["root"]) / "cache"),
         output_dir=str(Path(job["root"]) / run), max_steps=STEPS, per_device_train_batch_size=micro,
         gradient_accumulation_steps=2, per_device_eval_batch_size=3, learning_rate=3e-3, warmup_steps=1,
@@ -126,6 +135,7 @@ def _one_process(job: dict[str, str]) -> dict:
     return {
         "reference": _train(_config(job, "reference", micro=4)),
         "lora": _train(_config(job, "lora", micro=4, use_lora=True, lora_r=4)),
+        "llama": _train(_config(job, "llama_reference", micro=4, model="llama")),
     }
 
 
@@ -136,10 +146,48 @@ def _two_processes(job: dict[str, str]) -> dict:
     return runs
 
 
+MEGATRON = {  # 4 processes, each the reference's global batch of 8: name -> (micro-batch, parallelism)
+    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}),  # dp 2
+    "pp2": (2, {"pp": 2, "num_microbatches": 2}),  # dp 2
+    "cp2": (2, {"cp": 2}),  # dp 2
+    "tp2_pp2": (4, {"tp": 2, "pp": 2, "num_microbatches": 2}),  # dp 1
+}
+
+
+LLAMA = ("tp2_sp", "cp2", "tp2_pp2")  # the layouts a tiny LlamaForTokenClassification also takes
+
+
+def _four_processes(job: dict[str, str]) -> dict:
+    """Megatron's layouts of the token classifier, and the pipeline's run stopped after step 2 and resumed."""
+    runs = {}
+    for name, (micro, options) in MEGATRON.items():
+        runs[name] = _train(_config(job, name, micro=micro, name="megatron", **options))
+    micro, options = MEGATRON["pp2"]
+    _train(_config(job, "pp2_resumed", micro=micro, name="megatron", **options), stop_at_step=2)
+    resumed = _config(job, "pp2_resumed", micro=micro, name="megatron", resume_from_checkpoint="latest", **options)
+    runs["pp2_resumed"] = _train(resumed)
+    for name in LLAMA:
+        micro, options = MEGATRON[name]
+        runs[f"llama_{name}"] = _train(
+            _config(job, f"llama_{name}", micro=micro, model="llama", name="megatron", **options)
+        )
+    return runs
+
+
 @pytest.fixture(scope="module")
-def runs(job) -> dict:
-    (one,) = run_distributed(_one_process, nprocs=1, timeout=600, job=job)
+def one(job) -> dict:
+    (only,) = run_distributed(_one_process, nprocs=1, timeout=600, job=job)
+    return only
+
+
+@pytest.fixture(scope="module")
+def runs(job, one) -> dict:
     return {"one": one, "two": run_distributed(_two_processes, nprocs=2, timeout=900, job=job)}
+
+
+@pytest.fixture(scope="module")
+def megatron(job) -> list[dict]:
+    return run_distributed(_four_processes, nprocs=4, timeout=1500, job=job)
 
 
 def _assert_equal(run: dict, ref: dict) -> None:
@@ -161,6 +209,25 @@ def test_two_processes_equal_one(runs, strategy):
     assert ref["losses"][-1] < ref["losses"][0] - 0.05  # the loss moved
     assert {"eval_loss", "eval_f1", "eval_precision", "eval_recall", "eval_accuracy"} <= set(ref["metrics"])
     _assert_equal(runs["two"][0][strategy], ref)
+
+
+@pytest.mark.distributed
+def test_megatron_layouts_equal_one_process(one, megatron):
+    """BERT at tp2 with sequence parallelism, pp2, cp2 and tp2 × pp2 (4 gloo processes each), pp2 resumed after step 2,
+    and Llama at tp2 with sequence parallelism, cp2 and tp2 × pp2: every step's loss on every rank, the final
+    evaluation and the exported weights equal one process's within 1e-5; each export reloads into
+    ``AutoModelForTokenClassification``."""
+    from transformers import AutoModelForTokenClassification
+
+    bert = [(name, one["reference"], "BertForTokenClassification") for name in [*MEGATRON, "pp2_resumed"]]
+    llama = [(f"llama_{name}", one["llama"], "LlamaForTokenClassification") for name in LLAMA]
+    for name, ref, model_class in bert + llama:
+        for rank in megatron:  # every rank logs the step's loss and evaluates
+            assert rank[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5), name
+            assert rank[name]["metrics"] == pytest.approx(ref["metrics"], rel=1e-5, abs=1e-6), name
+        _assert_equal(megatron[0][name], ref)
+        model = AutoModelForTokenClassification.from_pretrained(megatron[0][name]["model_dir"])
+        assert type(model).__name__ == model_class, name
 
 
 @pytest.mark.distributed
@@ -220,21 +287,19 @@ def test_a_bad_line_is_one_line_naming_the_file_and_line(job, tmp_path, capsys, 
     assert not (tmp_path / "out" / "model").exists()
 
 
-@pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
-def test_megatron_refuses_the_axes_whose_token_head_is_not_built(axis):
+def test_megatron_refuses_expert_parallelism_for_a_token_classifier():
     """The task record's ``megatron_axes_not_built``: one line naming the axis and the task, before any process group;
-    a sequence classifier takes the same layout."""
+    a sequence classifier of the same mixture of experts takes the same layout."""
     from hftrain.errors import ConfigError
     from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
-    options = {axis: 2, **({"num_microbatches": 2} if axis == "pp" else {})}
     strategy = strategy_from_options(
-        "megatron", options, launch=LaunchInfo(world_size=2, local_world_size=2), platform=Platform("cpu", "gloo")
+        "megatron", {"ep": 2}, launch=LaunchInfo(world_size=2, local_world_size=2), platform=Platform("cpu", "gloo")
     )
-    strategy.check_model(tiny_config("llama"), use_lora=False)
-    with pytest.raises(ConfigError, match=f"parallelism.{axis}=2 with model.task: token_classification is not built"):
-        strategy.check_model(tiny_config("llama"), use_lora=False, task="token_classification")
+    strategy.check_model(tiny_config("mixtral"), use_lora=False)
+    with pytest.raises(ConfigError, match="parallelism.ep=2 with model.task: token_classification is not built"):
+        strategy.check_model(tiny_config("mixtral"), use_lora=False, task="token_classification")
 
 
 def test_num_labels_other_than_the_data_is_refused(job):

@@ -3,8 +3,9 @@
 The task is a tiny Llama trunk with its own head (``TokenRegressor``: one number per token from the final-normed
 hidden state) and its own Trainer (``TokenRegressionTrainer``), which defines the task once: its pipeline head
 (``stage_head = TokenHead()``, a ``hftrain.parallel.stages.StageHead``: the columns the first stage reads, the head's
-modules and its output ``[b, s]``) and its loss (per example the mean squared error over its real tokens against a
-target of the token ids, then the mean over the examples). It
+modules and its output ``[b, s]``), how the model runs (``forward``) and its loss of an output against the batch
+(``loss(output, batch)``: per example the mean squared error over its real tokens against a target of the token ids,
+then the mean over the examples; the pipeline hands its last stage's output there, no model faked). It
 trains through hftrain's real megatron runtime at tp=2 × pp=2 (4 gloo processes, 1F1B over 4 micro-batches) and
 equals its 1-process run within 1e-5 (fp32, ``mixed_precision: no``): the loss of every step and every trained weight.
 """
@@ -67,16 +68,19 @@ class TokenRegressionTrainer(Trainer):
 
     stage_head = TokenHead()  # the task hands its own head to the pipeline; the model names none
 
-    def _per_example(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    def _per_example(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch["attention_mask"].float()
-        y = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        y = output.logits.float()
         return (((y - _targets(batch["input_ids"])) ** 2) * mask).sum(1) / mask.sum(1)
 
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._per_example(model, batch).mean()
+    def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._per_example(output, batch).mean()
 
-    def prediction_step(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple:
-        losses = self._per_example(model, batch)
+    def predictions(self, output: Any, batch: dict[str, torch.Tensor]) -> tuple:
+        losses = self._per_example(output, batch)
         return losses, losses, losses
 
 

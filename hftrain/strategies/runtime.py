@@ -219,17 +219,17 @@ class AccelerateRuntime:
         """The context of one micro-batch: decides ``sync_gradients`` and skips the gradient sync inside a window."""
         return self.accelerator.accumulate(model)
 
-    def forward_backward(
-        self, model: torch.nn.Module, batch: Batch, loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor]
-    ) -> torch.Tensor:
-        """Forward and backward one micro-batch; returns its mean loss, detached.
+    def forward_backward(self, model: torch.nn.Module, batch: Batch, task: Any) -> torch.Tensor:
+        """Forward and backward one micro-batch; returns its loss, detached.
 
         Args:
             model: the prepared model.
             batch: one micro-batch of this process.
-            loss_fn: the task's loss, ``loss_fn(model, batch) -> scalar``.
+            task: the Trainer: a data-parallel runtime runs ``task.compute_loss(model, batch) -> scalar`` (by default
+                ``task.loss(task.forward(model, batch), batch)``); a pipeline hands its last stage's output to
+                ``task.loss(output, batch)``.
         """
-        loss = loss_fn(model, batch)
+        loss = task.compute_loss(model, batch)
         # backward() divides the loss by gradient_accumulation_steps.
         self.accelerator.backward(loss)
         return loss.detach()
@@ -242,22 +242,18 @@ class AccelerateRuntime:
         """The context of a whole evaluation (every batch's forward runs inside it); nothing by default."""
         return contextlib.nullcontext()
 
-    def evaluation_step(
-        self,
-        model: torch.nn.Module,
-        batch: Batch,
-        predict: Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, ...]],
-    ) -> tuple[torch.Tensor, ...]:
+    def evaluation_step(self, model: torch.nn.Module, batch: Batch, task: Any) -> tuple[torch.Tensor, ...]:
         """Per-example outputs of one evaluation batch, gathered over the data-parallel ranks.
 
         Args:
             model: the prepared model (in eval mode).
             batch: this process's evaluation batch.
-            predict: the task's ``prediction_step(model, batch)``.
+            task: the Trainer: ``task.prediction_step(model, batch)`` here (``task.predictions(output, batch)`` of the
+                last stage's output in a pipeline).
         """
         # gather_for_metrics drops the duplicates Accelerate adds to even out the last batch
         # (pitfall "eval skewed by padding duplicates", docs/pitfalls.md).
-        return self.accelerator.gather_for_metrics(predict(model, batch))
+        return self.accelerator.gather_for_metrics(task.prediction_step(model, batch))
 
     def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """The mean of ``tensor`` over the data-parallel replicas (the logged loss)."""

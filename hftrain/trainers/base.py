@@ -252,7 +252,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- task hooks (override per task)
     loss_is_example_mean = True
-    """``compute_loss`` is the mean over its micro-batch's examples (a classifier's): where the strategy cuts a
+    """:meth:`loss` is the mean over its micro-batch's examples (a classifier's): where the strategy cuts a
     micro-batch further (a pipeline's micro-batches), each part's loss counts by its share of the examples. False: the
     loss is already scaled to the global batch (a causal LM's token sum over the global target count), and the parts'
     losses add up as they are."""
@@ -260,25 +260,48 @@ class Trainer:
     stage_head: Any = "sequence_classification"
     """The task's head on a pipeline's stages and under context parallelism: its kind (``Task.pipeline_head``, one of
     ``hftrain.parallel.heads.HEADS``, which the family builds), or a task's own ``hftrain.parallel.heads.StageHead``
-    (the batch columns the first stage reads and what the last one returns, on which ``compute_loss`` runs)."""
+    (the batch columns the first stage reads and what the last one returns, whose ``output`` :meth:`loss` takes)."""
 
     whole_global_batches = False
     """Train on whole global batches only (``EpochSampler``'s ``whole_groups``): a task whose loss is one mean over
     the global batch's tokens cannot count Accelerate's repeated examples."""
 
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean loss of one micro-batch; a mixture of experts adds its routers' load-balancing loss over the global
-        batch (``router_aux_loss_coef ×``, as transformers' causal-LM heads do; ``hftrain.trainers.experts``)."""
-        loss = model(**batch).loss
+    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        """Run the model on one batch; returns its output (an object with ``.logits``, and ``.loss`` where the model
+        computes one). By default the whole batch, labels included, so a transformers head computes its own loss.
+        A pipeline never calls this: its last stage hands the task head's ``output(...)`` to :meth:`loss` and
+        :meth:`predictions` instead (``hftrain.parallel.heads.StageHead.output``, the same kind of object)."""
+        return model(**batch)
+
+    def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of ``output`` (the model's, or a pipeline's last stage's) against ``batch``'s targets: by default
+        the model's own ``output.loss``, a mean over the micro-batch's examples; a mixture of experts adds its routers'
+        load-balancing loss over the global batch (``router_aux_loss_coef ×``, as transformers' causal-LM heads do;
+        ``hftrain.trainers.experts``)."""
+        loss = output.loss
         if self.expert_load is not None:
             loss = loss + self.expert_load.aux_loss(batch)
         return loss
 
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of one micro-batch, ``loss(forward(model, batch), batch)``: what a data-parallel runtime calls
+        (override it to run the model otherwise; a pipeline calls :meth:`loss` on its last stage's output)."""
+        return self.loss(self.forward(model, batch), batch)
+
+    compute_loss.is_loss_of_forward = True  # type: ignore[attr-defined]  # a pipeline may call loss() instead
+
+    def predictions(
+        self, output: Any, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(per-example loss, predictions, labels) of ``output`` against ``batch``'s targets."""
+        raise NotImplementedError
+
     def prediction_step(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(per-example loss, predictions, labels) of one evaluation batch."""
-        raise NotImplementedError
+        """(per-example loss, predictions, labels) of one evaluation batch: ``predictions(forward(model, batch),
+        batch)``."""
+        return self.predictions(self.forward(model, batch), batch)
 
     def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """Metrics over the whole evaluation set (each example counted once)."""
@@ -718,7 +741,7 @@ class Trainer:
         # accumulate() decides whether this micro-batch closes the window (sync_gradients) and skips the
         # data-parallel all-reduce otherwise; the backward divides the loss by gradient_accumulation_steps.
         with runtime.accumulate(self.model):
-            loss = runtime.forward_backward(self.model, batch, self.compute_loss)
+            loss = runtime.forward_backward(self.model, batch, self)
             if runtime.sync_gradients and self.args.max_grad_norm > 0:
                 norm = runtime.clip_grad_norm_(self.model, self.args.max_grad_norm)
                 self._grad_norm = norm if runtime.clip_returns_this_steps_norm else None
@@ -813,7 +836,7 @@ class Trainer:
             for batch in self.eval_loader:
                 # Gathered over the data-parallel ranks, each example once
                 # (pitfall "eval skewed by padding duplicates", docs/pitfalls.md).
-                loss, preds, refs = self.runtime.evaluation_step(self.model, batch, self.prediction_step)
+                loss, preds, refs = self.runtime.evaluation_step(self.model, batch, self)
                 losses.append(loss)
                 predictions.append(preds)
                 labels.append(refs)

@@ -8,6 +8,8 @@ the validation set is the loss one process would report, however the examples we
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hftrain.data.labels import MULTI_LABEL, REGRESSION, SINGLE_LABEL
@@ -22,11 +24,12 @@ class SequenceClassificationTrainer(Trainer):
     (``hftrain.models`` sets it from the tokenizer).
     """
 
-    def prediction_step(
-        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    def predictions(
+        self, output: Any, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per example: (its loss by the config's ``problem_type``, its prediction, its label)."""
         labels = batch["labels"]
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()  # (batch, num_labels)
+        logits = output.logits.float()  # (batch, num_labels)
         task = problem_type(self.runtime.unwrap_model(self.model).config, labels)
         functional = torch.nn.functional
         if task == REGRESSION:

@@ -6,14 +6,10 @@ document), and label ``-100`` on prompts, padding and every document's first tok
 
 **One mean over the global batch, as one process computes it.** The loss of an optimizer step is the mean over every
 target token of its global batch, ``L = (1/N) Σ_tokens ℓ``, however the batch is split into micro-batches and
-processes. A per-micro-batch mean would weight a micro-batch with few targets (a short response) as much as a full
-one, and differ from one process. Each rank therefore computes its micro-batch's *sum* ``S`` and scales it by
-``dp · accumulation / N``, where ``N`` is the global batch's target count: the runtime's backward divides by the
-accumulation steps and the data-parallel reduction averages over ``dp``, leaving ``Σ S / N`` on every rank. ``N`` needs
-no collective: every process builds the same example order (``hftrain.data.batching.EpochSampler``), and a global
-batch is always the ``G = micro × accumulation × dp`` consecutive examples of that order, so each rank sums the
-``num_tokens`` column of the ones of its window. The logged loss, the mean of the scaled micro-batch losses over the
-window and the replicas, is then ``Σ S / N`` too.
+processes: each rank sums its micro-batch's token losses and scales the sum by ``dp · accumulation / N``
+(``hftrain.trainers.token_mean.TokenMeanLoss``, shared with token classification; the targets here are the next
+tokens). The logged loss, the mean of the scaled micro-batch losses over the window and the replicas, is then
+``Σ S / N`` too.
 
 **A stream** (``data.streaming``, ``hftrain.data.streaming``): each rank packs its own share of the corpus, so no rank
 knows the other ranks' blocks. Before a window's first backward, each rank reads the window's micro-batches, counts
@@ -22,6 +18,10 @@ sum over the processes divided by the processes of one replica); the scaling is 
 
 Evaluation sums each block's token losses and counts its targets; the evaluation loss is ``Σ sums / Σ counts`` over the
 whole set (each block counted once, gathered over the replicas), and the perplexity ``exp`` of it.
+
+The loss is ``loss(output, batch)`` of the model's output (``forward``), so a pipeline's last stage hands its head's
+output straight to it; with ``training.loss_chunk_tokens`` the data-parallel ``compute_loss`` runs the output
+projection chunk by chunk instead (``hftrain.trainers.chunked_head``: the whole logits never built).
 
 Under tensor parallelism the output projection may be split over the vocabulary (``hftrain.parallel``): the model then
 returns each rank's shard of the logits, and the head module supplies the vocabulary-parallel cross entropy
@@ -41,12 +41,10 @@ import torch
 from hftrain.trainers.base import Trainer
 from hftrain.trainers.chunked_head import ChunkedHead
 from hftrain.trainers.inputs import packed_causal_mask, takes_boolean_masks
-
-IGNORE_INDEX = -100
-"""transformers' label for positions without a target (prompts, padding, a document's first token)."""
+from hftrain.trainers.token_mean import IGNORE_INDEX, TokenMeanLoss
 
 
-class CausalLMTrainer(Trainer):
+class CausalLMTrainer(TokenMeanLoss, Trainer):
     """Fine-tuning of a ``*ForCausalLM`` model on packed text, evaluated by loss and perplexity.
 
     Args:
@@ -55,19 +53,14 @@ class CausalLMTrainer(Trainer):
         kwargs: as :class:`hftrain.trainers.base.Trainer`.
     """
 
-    loss_is_example_mean = False  # a token sum scaled by dp · accumulation / N: a pipeline's parts add up
-    whole_global_batches = True  # N counts a global batch's blocks: Accelerate's repeats of a short one would not be
     stage_head = "causal_lm"  # the pipeline's head kind (hftrain.parallel.heads.HEADS): the output projection
 
     def __init__(self, *args: Any, train_dataset: Any, **kwargs: Any) -> None:
-        from hftrain.data.streaming import StreamingBlocks
         from hftrain.errors import DataError
 
-        streamed = isinstance(train_dataset, StreamingBlocks)
-        self._targets = [] if streamed else [int(n) for n in train_dataset["num_tokens"][:]]
-        self._window_targets: dict[int, list[float]] = {}  # epoch -> target count of each global batch
+        self.count_targets(train_dataset)
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
-        if streamed:
+        if self.stream is not None:
             return
         blocks, size = len(self._targets), self.strategy_summary["global_batch"]
         if blocks < size:
@@ -88,33 +81,54 @@ class CausalLMTrainer(Trainer):
         return lm_collator
 
     # ----------------------------------------------------------------- training
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """This micro-batch's target losses summed, scaled by ``dp · accumulation / N`` (module docstring); a mixture
-        of experts adds its routers' load-balancing loss."""
-        summed = self._block_losses(model, batch).sum()
-        scale = self.runtime.dp_size * self.args.gradient_accumulation_steps / self._global_targets()
-        loss = summed * scale
-        if self.expert_load is not None:
-            loss = loss + self.expert_load.aux_loss(batch)
-        return loss
+    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        """The model's output (its logits, this rank's positions under cp) for :meth:`_model_inputs`."""
+        return model(**self._model_inputs(batch))
 
-    def _block_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Each block's next-token losses summed ``[b]`` (0 where it has no target). Under context parallelism the
-        model returns the logits of this rank's positions: the loss takes the same positions of the targets, and the
-        blocks' sums are added over the cp ranks (a sum whose backward is the same sum)."""
-        targets = next_token_targets(batch["labels"])
-        split = getattr(self.runtime.unwrap_model(self.model), "context_split", None)
-        if split is not None:
-            targets = split.local(targets)
+    def _model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The batch without its labels and cache (:func:`_inputs`); packed documents' mask built here, on the device,
+        where the attention takes it (:attr:`_packed_masks`)."""
         inputs = _inputs(batch)
         if self._packed_masks and inputs.get("attention_mask") is None and "position_ids" in inputs:
             # the documents' mask built here, on the device: transformers would read the positions on the host
             inputs["attention_mask"] = packed_causal_mask(inputs["position_ids"])
+        return inputs
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The data-parallel path: with ``training.loss_chunk_tokens`` the head's losses chunk by chunk (the whole
+        logits never built, :class:`ChunkedHead`), else ``loss(forward(model, batch), batch)``."""
         chunked = self._chunked_head
-        per_position = chunked.losses(model, inputs, targets) if chunked is not None else None
-        if per_position is None:
-            per_position = token_losses(self._head(), model(**inputs).logits, targets)
-        sums = per_position.sum(dim=-1)
+        inputs = self._model_inputs(batch)
+        per_position = None if chunked is None else chunked.losses(model, inputs, self._local_targets(batch))
+        if per_position is None:  # no chunking, or a model the chunked head cannot run
+            return self.loss(model(**inputs), batch)
+        return self._with_aux(self.scaled(self._sums(per_position).sum()), batch)
+
+    compute_loss.is_loss_of_forward = True  # type: ignore[attr-defined]  # the chunks' sum is loss(forward(...))
+
+    def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This micro-batch's target losses summed, scaled by ``dp · accumulation / N`` (``TokenMeanLoss``); a mixture
+        of experts adds its routers' load-balancing loss."""
+        return self._with_aux(self.scaled(self._block_losses(output, batch).sum()), batch)
+
+    def _with_aux(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss if self.expert_load is None else loss + self.expert_load.aux_loss(batch)
+
+    def _block_losses(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each block's next-token losses summed ``[b]`` (0 where it has no target). Under context parallelism the
+        output holds the logits of this rank's positions: the loss takes the same positions of the targets, and the
+        blocks' sums are added over the cp ranks (a sum whose backward is the same sum)."""
+        return self._sums(token_losses(self._head(), output.logits, self._local_targets(batch)))
+
+    def _local_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The next-token targets of the positions the model's output holds (this rank's under cp)."""
+        targets = next_token_targets(batch["labels"])
+        split = self.context_split()
+        return targets if split is None else split.local(targets)
+
+    def _sums(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Each block's sum of ``per_position`` ``[b, s(/cp)]``, over the cp ranks where the sequence is split."""
+        split, sums = self.context_split(), per_position.sum(dim=-1)
         return sums if split is None else split.sum(sums)
 
     @functools.cached_property
@@ -139,35 +153,16 @@ class CausalLMTrainer(Trainer):
         unwrapped = self.runtime.unwrap_model(self.model)
         return unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
 
-    def count_examples(self, batch: dict[str, torch.Tensor]) -> float:
-        """A micro-batch's target tokens (a stream's window sums them into ``N``)."""
-        return float((next_token_targets(batch["labels"]) != IGNORE_INDEX).sum())
-
-    def _global_targets(self) -> float:
-        """``N``: the target tokens of the global batch the current micro-batch belongs to (at least 1); a stream's
-        window agreed it before its first backward (``Trainer._next_window``)."""
-        if self.stream is not None:
-            return max(1.0, self.window_count)
-        epoch = self.state.epoch
-        if epoch not in self._window_targets:
-            self.train_sampler.set_epoch(epoch)
-            order = list(self.train_sampler)
-            size = self.strategy_summary["global_batch"]
-            self._window_targets = {
-                epoch: [
-                    float(max(1, sum(self._targets[i] for i in order[start : start + size])))
-                    for start in range(0, len(order), size)
-                ]
-            }
-        window = self.state.micro_step // self.args.gradient_accumulation_steps
-        return self._window_targets[epoch][window]
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """Each position's next-token target (:func:`next_token_targets`): what ``N`` and a stream's window count."""
+        return next_token_targets(labels)
 
     # ----------------------------------------------------------------- evaluation
-    def prediction_step(
-        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    def predictions(
+        self, output: Any, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per block: (the sum of its target losses, the same sum, its target count)."""
-        sums = self._block_losses(model, batch)
+        sums = self._block_losses(output, batch)
         return sums, sums, (next_token_targets(batch["labels"]) != IGNORE_INDEX).sum(dim=-1)
 
     def evaluation_loss(self, losses: torch.Tensor, labels: torch.Tensor) -> float:

@@ -10,10 +10,10 @@ what a plain ``model_init`` callable builds whole is released as soon as the sta
 :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime`, which provides everything else (clipping summed
 over tp then pp, checkpoint state and export merged over the stages, the evaluation gather):
 
-- the task decides the loss: on the last stage the Trainer's ``compute_loss(model, micro_batch)`` runs with a
-  :class:`LogitsModel` standing in for the model (it returns what the task head's ``output`` makes of the stages'
-  output: a classifier's logits and HF's sequence-classification loss, regression, single- or multi-label by the
-  config's ``problem_type``), and the schedule alone scales it: micro-batch ``i`` of ``n_i`` examples counts
+- the task decides the loss: on the last stage the task head's ``output`` of the stages' output (what the model
+  would return: a classifier's logits and HF's sequence-classification loss, regression, single- or multi-label by
+  the config's ``problem_type``; a per-token head's logits) goes to the Trainer's ``loss(output, micro_batch)``, and
+  the schedule alone scales it: micro-batch ``i`` of ``n_i`` examples counts
   ``n_i / b`` and the accumulation steps divide it, so the step's loss ``Σ_i (n_i / b) · ℓ_i`` is the batch mean one
   process computes;
 - gradients are averaged over the dp group by hand at the window's end (no DDP around stages);
@@ -58,36 +58,12 @@ class PipelineOptions:
 LABELS = "labels"
 
 
-class LogitsModel(nn.Module):
-    """The model as the task's ``compute_loss`` sees it on the last pipeline stage.
-
-    The stages have already computed this micro-batch's output; called with the micro-batch (any keys), it returns
-    what the model would: the task head's ``output(output, labels, config)`` (``hftrain.parallel.stages.StageHead``:
-    a classifier's ``SequenceClassifierOutput`` with HF's loss when the micro-batch has ``labels``, a causal LM's
-    logits). A Trainer's ``compute_loss`` override that reads ``model(**batch).logits`` or ``.loss`` therefore runs
-    unchanged under pipeline parallelism.
-
-    Args:
-        logits: the micro-batch's output from the last stage (a classifier's ``(examples, num_labels)`` logits).
-        config: the model's config.
-        head: the task head (``PipelineModel.task_head``).
-    """
-
-    def __init__(self, logits: torch.Tensor, config: Any, head: Any) -> None:
-        super().__init__()
-        self.logits = logits
-        self.config = config
-        object.__setattr__(self, "head", head)
-
-    def forward(self, **batch: Any) -> Any:
-        return self.head.output(self.logits, batch.get(LABELS), self.config)
-
-
 class PipelineModel(nn.Module):
     """This rank's pipeline stages as the one model the Trainer holds.
 
     Calling it runs a forward-only pass through the whole pipeline (collective over the pp group) and returns
-    the logits on every stage, so the task's ``prediction_step`` and the export's logit check work unchanged.
+    the head's output on every stage, so the task's ``prediction_step`` (a classifier's) and the export's logit check
+    work unchanged.
 
     Args:
         hf_model: the tensor-parallel HF model (not registered: its layers outside the stages are not this rank's).
@@ -292,28 +268,36 @@ class PipelineRuntime(MegatronRuntime):
         return pipeline, *prepared
 
     # ----------------------------------------------------------------- one step
-    def forward_backward(
-        self, model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
-    ) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, batch: Batch, task: Any) -> torch.Tensor:
         """Run the schedule over this batch's micro-batches; returns the batch's loss on every rank.
 
-        The batch goes to the schedule unopened (the first chunk picks its columns); the last stage calls
-        ``loss_fn(LogitsModel(output, config, head), micro_batch)`` for each micro-batch (the schedule's target is the
-        micro-batch's row indices into ``batch``). The schedule alone scales it: divided by the accumulation steps as
-        ``backward()`` divides, weighted by the micro-batch's share of the batch's examples (``train_step``).
+        The batch goes to the schedule unopened (the first chunk picks its columns); for each micro-batch the last
+        stage hands the task head's ``output(stage_output, labels, config)`` to ``task.loss(output, micro_batch)``
+        (the schedule's target is the micro-batch's row indices into ``batch``). The schedule alone scales it:
+        divided by the accumulation steps as ``backward()`` divides, weighted by the micro-batch's share of the
+        batch's examples when the task's loss is an example mean (``train_step``).
 
         Args:
             model: the pipeline model.
             batch: this replica's batch (every stage receives it; the first reads the inputs, the last the rest).
-            loss_fn: the task's ``compute_loss(model, batch) -> mean loss``.
+            task: the Trainer: its ``loss(output, batch) -> scalar``. A Trainer whose ``compute_loss`` is not
+                ``loss(forward(model, batch), batch)`` (an override not marked ``is_loss_of_forward``) is refused in
+                one line: its loss would silently not be the one trained.
         """
+        if not getattr(type(task).compute_loss, "is_loss_of_forward", False):
+            from hftrain.errors import ConfigError
+
+            raise ConfigError(
+                f"{type(task).__name__} overrides compute_loss(model, batch), which a pipeline (parallelism.pp > 1) "
+                "cannot call: its last stage holds the output, not the model; override loss(output, batch) instead"
+            )
         schedule, examples = model.schedule, _batch_size(batch)
         inputs = {k: v for k, v in batch.items() if k != LABELS}
         rows = torch.arange(examples, device=self.accelerator.device)
         loss = schedule.train_step(
             inputs,
             rows,
-            loss_fn=self._micro_batch_loss(batch, loss_fn, model),
+            loss_fn=self._micro_batch_loss(batch, task.loss, model),
             per_example_mean=self.loss_is_example_mean,  # the task's: a causal LM's loss is already scaled
             loss_divisor=self.accelerator.gradient_accumulation_steps,
         )
@@ -323,21 +307,21 @@ class PipelineRuntime(MegatronRuntime):
         return loss
 
     def _micro_batch_loss(
-        self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], model: PipelineModel
+        self, batch: Batch, loss_of: Callable[[Any, Batch], torch.Tensor], model: PipelineModel
     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The schedule's ``loss(output, rows)``: the task's loss of ``batch``'s rows ``rows`` (unscaled: the
-        schedule scales it).
+        """The schedule's ``loss(output, rows)``: the task's loss of the head's output against ``batch``'s rows
+        ``rows`` (unscaled: the schedule scales it).
 
         Args:
             batch: the step's batch.
-            loss_fn: the task's ``compute_loss(model, batch)``.
-            model: the pipeline model (its config and task head, for :class:`LogitsModel`).
+            loss_of: the task's ``loss(output, batch)``.
+            model: the pipeline model (its config and task head).
         """
         config, head = model.config, model.task_head
 
         def loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             micro_batch = {k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in batch.items()}
-            return loss_fn(LogitsModel(output, config, head), micro_batch)
+            return loss_of(head.output(output, micro_batch.get(LABELS), config), micro_batch)
 
         return loss
 
@@ -350,21 +334,23 @@ class PipelineRuntime(MegatronRuntime):
 
         complete_grads(self._model, self.plugin.groups, data_mean=True)
 
-    def evaluation_step(
-        self, model: nn.Module, batch: Batch, predict: Callable[[nn.Module, Batch], tuple]
-    ) -> tuple[torch.Tensor, ...]:
-        """One evaluation batch. A last stage with a row per position (a causal LM's logits) runs the task's
-        ``prediction_step`` there, on a :class:`LogitsModel` (vocabulary-parallel under tp), and broadcasts its
-        per-example outputs over the pp group: no full-vocabulary logits travel. Otherwise the pipeline model's
-        logits reach every stage and the task predicts from them on each (MegatronRuntime's)."""
+    def evaluation_step(self, model: nn.Module, batch: Batch, task: Any) -> tuple[torch.Tensor, ...]:
+        """One evaluation batch. A last stage with a row per position (a causal LM's logits, vocabulary-parallel under
+        tp; a token classifier's) hands the head's ``output`` to the task's ``predictions(output, batch)`` there and
+        broadcasts its per-example outputs over the pp group: no per-position logits travel. Otherwise the pipeline
+        model's logits reach every stage and the task predicts from them on each (MegatronRuntime's)."""
         if not model.per_position:
-            return super().evaluation_step(model, batch, predict)
+            return super().evaluation_step(model, batch, task)
         from hftrain.parallel.host import broadcast_object
 
         inputs = {k: v for k, v in batch.items() if k != LABELS}
         with torch.no_grad():
             logits = model.schedule.eval_step(inputs, None)
-            outputs = None if logits is None else predict(LogitsModel(logits, model.config, model.task_head), batch)
+            outputs = (
+                None
+                if logits is None
+                else task.predictions(model.task_head.output(logits, batch.get(LABELS), model.config), batch)
+            )
         if self.plugin.groups.pp_size > 1:  # a few numbers per example, as host objects
             outputs = broadcast_object(
                 None if outputs is None else tuple(t.detach().cpu() for t in outputs),

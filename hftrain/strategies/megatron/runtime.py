@@ -15,7 +15,7 @@ clipping (``hftrain.parallel.clip_grad_norm_``, summed over pp too when there ar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -125,10 +125,8 @@ class MegatronRuntime(AccelerateRuntime):
 
         return unwrap(model)
 
-    def forward_backward(
-        self, model: torch.nn.Module, batch: Batch, loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor]
-    ) -> torch.Tensor:
-        loss = super().forward_backward(model, batch, loss_fn)
+    def forward_backward(self, model: torch.nn.Module, batch: Batch, task: Any) -> torch.Tensor:
+        loss = super().forward_backward(model, batch, task)
         if self.sync_gradients:  # the window's gradients are complete (DDP reduced them over dp in this backward)
             self.plugin.finalize_grads(model)
         return loss
@@ -145,10 +143,8 @@ class MegatronRuntime(AccelerateRuntime):
             pp_group=groups.pp_group,
         )
 
-    def evaluation_step(
-        self, model: torch.nn.Module, batch: Batch, predict: Callable[[torch.nn.Module, Batch], tuple]
-    ) -> tuple[torch.Tensor, ...]:
-        return self.plugin.gather_for_metrics(predict(model, batch))
+    def evaluation_step(self, model: torch.nn.Module, batch: Batch, task: Any) -> tuple[torch.Tensor, ...]:
+        return self.plugin.gather_for_metrics(task.prediction_step(model, batch))
 
     # reduce_mean and any_rank stay Accelerate's world-wide reductions: tp (and pp) ranks of a replica hold the
     # same loss, so the world mean is the mean over dp.
