@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from hftrain.parallel.random import RNGTracker
 
 LANGUAGE_MODEL_LAYOUTS_NOT_BUILT = (("pp", "cp"),)
-"""Axes that do not run a causal language model *together* yet: the pipeline's chunks do not take a
-context-parallel split of a language model's positions."""
+"""Axes that do not run a per-token head (a causal language model's, a token classifier's) *together* yet: the
+pipeline's chunks do not take a context-parallel split of the positions a per-token loss reads."""
 
 LORA_AXES_NOT_BUILT = {"pp": "pipeline stages", "cp": "context parallelism", "ep": "expert parallelism"}
 """Axes whose layers do not take LoRA adapters yet (LoRA's adapters are split with their layers under tp,

@@ -124,11 +124,12 @@ class ModelSpec:
     @property
     def refused_layouts(self) -> tuple[tuple[str, ...], ...]:
         """Megatron axes the trainer refuses together for this model's task whatever the family: each axis its record
-        does not run yet (``megatron_axes_not_built``), and for a language model the pairs not built yet
-        (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp); none for a sequence classifier."""
+        does not run yet (``megatron_axes_not_built``), and for a per-token loss (a language model's, a token
+        classifier's) the pairs not built yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp); none for a
+        sequence classifier."""
         record = task_of(self.task)
         alone = tuple((axis,) for axis in record.megatron_axes_not_built)
-        if not record.vocabulary_head:
+        if not record.per_token_loss:
             return alone
         from hftrain.parallel.parallelize import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT
 

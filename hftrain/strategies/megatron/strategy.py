@@ -100,12 +100,12 @@ class MegatronStrategy(Strategy):
                     f"{record.human}'s head runs on {', '.join(record.megatron_axes_not_built)} later); use {axis}: 1, "
                     "or strategy.name ddp, fsdp or zero1/2/3"
                 )
-        for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if record.vocabulary_head else ():
+        for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if record.per_token_loss else ():
             if all(getattr(self.dims, axis) > 1 for axis in axes):
                 given = " with ".join(f"parallelism.{axis}={getattr(self.dims, axis)}" for axis in axes)
                 raise ConfigError(
-                    f"{given} with model.task: {task} is not built yet (a language model takes each of them "
-                    f"alone, with tp, sequence_parallel, ep and dp); use {axes[-1]}: 1 or {axes[0]}: 1"
+                    f"{given} with model.task: {task} is not built yet (a {record.human} takes each of them "
+                    f"alone, with tp, sequence_parallel and dp); use {axes[-1]}: 1 or {axes[0]}: 1"
                 )
         for axis, what in LORA_AXES_NOT_BUILT.items():
             size = getattr(self.dims, axis)
