@@ -14,6 +14,7 @@ import torch
 
 from hftrain.config import TrainingConfig
 from hftrain.strategies import LaunchInfo, strategy_from_options
+from hftrain.strategies.runtime import RuntimeTask
 from tests.tiny import reset_accelerate_state
 
 
@@ -33,7 +34,7 @@ def _runtime_step(max_norm: float, *, fused: bool) -> tuple[torch.nn.Module, tor
     reset_accelerate_state()
     strategy = strategy_from_options("ddp", launch=LaunchInfo())
     accelerator = strategy.build_accelerator(TrainingConfig(mixed_precision="no", log_with="none"))
-    runtime = strategy.build_runtime(accelerator)
+    runtime = strategy.build_runtime(accelerator, RuntimeTask())
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
     loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)

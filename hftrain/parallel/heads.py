@@ -74,9 +74,9 @@ class StageHead:
     head names the first chunk's input columns (:meth:`first_args`), turns them into the activation tuple
     ``(hidden [b, s, h], trunk_input [b, s], *carries)`` (:meth:`embed`; ``trunk_input`` is the 2-D attention mask,
     or a packed block's position ids where :attr:`packed`), and maps the trunk's last (normed) hidden states and the
-    carried tensors to the last chunk's output (:meth:`forward`). The task's loss is computed from that output by the
-    Trainer's ``compute_loss``, on the model :meth:`output` presents. A task defines a subclass; the classification
-    heads are named by kind (:data:`HEADS`), the families' own registered beside them (``hftrain.parallel.families``).
+    carried tensors to the last chunk's output (:meth:`forward`). The task's loss is computed from what :meth:`output`
+    makes of that output, by the Trainer's ``loss(output, batch)`` (and its ``predictions`` in evaluation). A task
+    defines a subclass; the classification heads are named by kind (:data:`HEADS`), the families' own registered beside them (``hftrain.parallel.families``).
 
     Attributes:
         first_inputs: the batch columns the first chunk reads, in order (the optional ones too).
@@ -156,7 +156,7 @@ class StageHead:
 
     def output(self, output: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
         """What the model returns for ``output`` (the last chunk's, on the last stage), as the task's
-        ``compute_loss``/``prediction_step`` read it: an object with ``.logits`` and ``.loss`` (None here).
+        ``loss``/``predictions`` read it: an object with ``.logits`` and ``.loss`` (None here).
 
         Args:
             output: the last chunk's output for these rows.

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hftrain.config import ParallelismConfig, StrategyConfig, TrainingConfig
     from hftrain.models.weights import BlockLoading
     from hftrain.strategies.platform import HeapWarmer, Platform
-    from hftrain.strategies.runtime import AccelerateRuntime
+    from hftrain.strategies.runtime import AccelerateRuntime, RuntimeTask
 
 
 @dataclass(frozen=True)
@@ -106,20 +106,24 @@ class Strategy(ABC):
             task: ``model.task``.
         """
 
-    def build_runtime(self, accelerator: Accelerator) -> AccelerateRuntime:
+    def build_runtime(self, accelerator: Accelerator, task: RuntimeTask) -> AccelerateRuntime:
         """The object the Trainer runs every distributed operation through (see ``hftrain.strategies.runtime``).
 
         The default delegates to Accelerate; a strategy that owns wrapping, data sharding or the backward pass
         (tensor/pipeline parallelism) returns its own subclass.
+
+        Args:
+            accelerator: the run's accelerator.
+            task: what the runtime knows of the task (its head, how its loss adds up).
         """
         from hftrain.strategies.runtime import AccelerateRuntime
 
-        return AccelerateRuntime(accelerator, **self.runtime_hooks())
+        return AccelerateRuntime(accelerator, **self.runtime_hooks(task))
 
-    def runtime_hooks(self) -> dict[str, Any]:
-        """What an Accelerate runtime needs from this strategy: its model-construction context and its way to load
-        a pretrained model's blocks."""
-        return {"plain_model_context": self.model_init_context, "block_loading": self.block_loading}
+    def runtime_hooks(self, task: RuntimeTask) -> dict[str, Any]:
+        """What an Accelerate runtime needs from this strategy and the task: the task's traits, the strategy's
+        model-construction context and its way to load a pretrained model's blocks."""
+        return {"task": task, "plain_model_context": self.model_init_context, "block_loading": self.block_loading}
 
     def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
         """How this rank holds a pretrained model's transformer blocks as it loads them

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from hftrain.config import TrainingConfig
     from hftrain.models.weights import BlockLoading
     from hftrain.strategies.platform import HeapWarmer
+    from hftrain.strategies.runtime import RuntimeTask
 
 
 class DDPStrategy(Strategy):
@@ -32,8 +33,8 @@ class DDPStrategy(Strategy):
         # On CPU, cpu=True is what makes Accelerate pick MULTI_CPU (gloo) instead of silently running NO.
         return {"cpu": self.platform.is_cpu}
 
-    def build_runtime(self, accelerator: Accelerator) -> DDPRuntime:
-        return DDPRuntime(accelerator, **self.runtime_hooks())
+    def build_runtime(self, accelerator: Accelerator, task: RuntimeTask) -> DDPRuntime:
+        return DDPRuntime(accelerator, **self.runtime_hooks(task))
 
     def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
         # DDP's construction broadcasts rank 0's parameters to every other rank: they need the memory, not the reads

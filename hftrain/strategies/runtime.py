@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,6 +37,23 @@ if TYPE_CHECKING:
 Batch = dict[str, "torch.Tensor"]
 
 
+@dataclass(frozen=True)
+class RuntimeTask:
+    """What a runtime knows of the task from its construction on (``Strategy.build_runtime``), before any model.
+
+    Args:
+        head: the task's head (the Trainer's ``stage_head``: a kind of ``hftrain.parallel.heads.HEADS``, which the
+            family builds, or a task's own ``StageHead``): read by a strategy that cuts the model into pipeline
+            stages or splits the sequence.
+        loss_is_example_mean: the task's loss is its micro-batch's mean over examples (a classifier's): a pipeline
+            weights each of its micro-batches' losses by its share of the examples then, and adds them as they are
+            otherwise (a per-token loss already scaled to the global batch).
+    """
+
+    head: Any = "sequence_classification"
+    loss_is_example_mean: bool = True
+
+
 class AccelerateRuntime:
     """The Trainer's distributed operations done by Accelerate (DDP, FSDP1/2, DeepSpeed ZeRO).
 
@@ -45,34 +63,29 @@ class AccelerateRuntime:
 
     Args:
         accelerator: the run's accelerator (also the trainer's trackers).
+        task: what the runtime knows of the task (its head, how its loss adds up); the default: a sequence
+            classifier's.
         plain_model_context: the context a plain, unsharded model is built in (the export's reload): the
             strategy's model-construction context (ZeRO-3 keeps transformers out of ``deepspeed.zero.Init``).
         block_loading: the strategy's way to hold a pretrained model's blocks as it loads them, given the
             accelerator (``Strategy.block_loading``); None, or None returned: every rank loads the whole model.
     """
 
-    loss_is_example_mean = True
-    """Whether the task's ``compute_loss`` is its micro-batch's mean over examples (the Trainer sets it from its task's
-    ``loss_is_example_mean``): a pipeline weights each of its micro-batches' losses by its share of the examples then,
-    and adds them as they are otherwise."""
-
     clip_returns_this_steps_norm = True
     """Whether :meth:`clip_grad_norm_` returns the norm of the gradients it clips (the Trainer logs it as
     ``train/grad_norm``); not under DeepSpeed, where Accelerate returns the engine's norm of the previous step."""
-
-    stage_head: Any = "sequence_classification"
-    """The task's head (the Trainer's ``stage_head``: a kind of ``hftrain.parallel.heads.HEADS`` or a task's own
-    ``StageHead``), set by the Trainer. Read by a strategy that cuts the model into pipeline stages or splits the
-    sequence."""
 
     def __init__(
         self,
         accelerator: Accelerator,
         *,
+        task: RuntimeTask = RuntimeTask(),
         plain_model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         block_loading: Callable[[Accelerator], BlockLoading | None] | None = None,
     ) -> None:
         self.accelerator = accelerator
+        self.stage_head = task.head
+        self.loss_is_example_mean = task.loss_is_example_mean
         self._prepared_model: Any = None
         self._prepared_optimizer: Any = None
         self._plain_model_context = plain_model_context or contextlib.nullcontext

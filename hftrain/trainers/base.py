@@ -39,6 +39,7 @@ from hftrain.metrics.trackers import TrackerHub
 from hftrain.models.dropout import use_bits_dropout
 from hftrain.parallel.recompute import recompute_mode
 from hftrain.pictures import BackgroundPainter
+from hftrain.strategies.runtime import RuntimeTask
 from hftrain.trainers.experts import EXPERT_LOAD_PNG, ExpertLoad
 from hftrain.trainers.guards import StopVote, check_finite_loss
 from hftrain.trainers.inputs import apply_unchecked_masks
@@ -153,9 +154,9 @@ class Trainer:
         )
         self.trackers = TrackerHub(self.accelerator, Path(args.output_dir) / TRACKER_DIR)
         """Every figure of the run goes to the trackers through it (main process only)."""
-        self.runtime = strategy.build_runtime(self.accelerator)
-        self.runtime.loss_is_example_mean = self.loss_is_example_mean
-        self.runtime.stage_head = self.stage_head
+        self.runtime = strategy.build_runtime(
+            self.accelerator, RuntimeTask(head=self.stage_head, loss_is_example_mean=self.loss_is_example_mean)
+        )
         # The loop's host reads (``_record_step``, ``_on_step_end``): none per step, one per logging window
         # (step, its loss on the device, its learning rate, its gradient norm on the device or None: not clipped)
         self._unread: list[tuple[int, torch.Tensor, float, torch.Tensor | None]] = []

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from hftrain.config import TrainingConfig
     from hftrain.models.weights import BlockLoading
     from hftrain.strategies.deepspeed.runtime import ZeroRuntime
+    from hftrain.strategies.runtime import RuntimeTask
 
 
 MODEL_SIZED: dict[str, tuple[int, Any]] = {
@@ -167,7 +168,7 @@ class ZeroStrategy(Strategy):
     def dp_size(self) -> int:
         return self.launch.world_size
 
-    def build_runtime(self, accelerator: Accelerator) -> ZeroRuntime:
+    def build_runtime(self, accelerator: Accelerator, task: RuntimeTask) -> ZeroRuntime:
         """A runtime that checkpoints ZeRO's partitions in the sharded format (``runtime.py`` beside this file)."""
         from hftrain.strategies.deepspeed.runtime import ZeroRuntime
 
@@ -176,7 +177,7 @@ class ZeroStrategy(Strategy):
             accelerator,
             stage=self.stage,
             size_from_model=lambda model: fill_model_sized(plugin.deepspeed_config, model.config),
-            **self.runtime_hooks(),
+            **self.runtime_hooks(task),
         )
 
     def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:

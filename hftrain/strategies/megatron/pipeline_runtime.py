@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from hftrain.parallel.dims import ParallelGroups
     from hftrain.strategies.megatron.plugin import MegatronPlugin
-    from hftrain.strategies.runtime import Batch
+    from hftrain.strategies.runtime import Batch, RuntimeTask
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,10 @@ class PipelineRuntime(MegatronRuntime):
         plugin: MegatronPlugin,
         options: PipelineOptions,
         *,
+        task: RuntimeTask,
         release_freed_memory: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(accelerator, plugin)
+        super().__init__(accelerator, plugin, task=task)
         self.release_freed_memory = release_freed_memory
         self.pipeline = options
         self.num_microbatches = options.num_microbatches

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from hftrain.checkpoint.sharded import Snapshot
     from hftrain.strategies.megatron.plugin import MegatronPlugin
+    from hftrain.strategies.runtime import RuntimeTask
 
 
 class MegatronRuntime(AccelerateRuntime):
@@ -37,8 +38,8 @@ class MegatronRuntime(AccelerateRuntime):
         plugin: the set-up plugin.
     """
 
-    def __init__(self, accelerator: Accelerator, plugin: MegatronPlugin) -> None:
-        super().__init__(accelerator)
+    def __init__(self, accelerator: Accelerator, plugin: MegatronPlugin, *, task: RuntimeTask) -> None:
+        super().__init__(accelerator, task=task)
         self.plugin = plugin
         self._model: torch.nn.Module | None = None  # the tensor-parallel HF model, unwrapped
         self._params: dict[str, torch.nn.Parameter] = {}  # HF name -> the parameters this rank owns

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from hftrain.config import StrategyConfig, TrainingConfig
     from hftrain.strategies.megatron.runtime import MegatronRuntime
+    from hftrain.strategies.runtime import RuntimeTask
 
 # Options of other strategies, with the values that mean "not used".
 _FOREIGN_OPTIONS = {
@@ -151,7 +152,7 @@ class MegatronStrategy(Strategy):
         micro, gas = training.per_device_train_batch_size, training.gradient_accumulation_steps
         return {**summary, "dp_size": self.dims.dp, "global_batch": micro * gas * self.dims.dp}
 
-    def build_runtime(self, accelerator: Accelerator) -> MegatronRuntime:
+    def build_runtime(self, accelerator: Accelerator, task: RuntimeTask) -> MegatronRuntime:
         from hftrain.strategies.megatron.plugin import MegatronPlugin
 
         plugin = MegatronPlugin(self.parallelism, shard_optimizer=self.config.shard_optimizer).setup(
@@ -167,8 +168,8 @@ class MegatronStrategy(Strategy):
                 balance=self.parallelism.balance,
             )
             return PipelineRuntime(
-                accelerator, plugin, options, release_freed_memory=self.platform.release_freed_memory
+                accelerator, plugin, options, task=task, release_freed_memory=self.platform.release_freed_memory
             )
         from hftrain.strategies.megatron.runtime import MegatronRuntime
 
-        return MegatronRuntime(accelerator, plugin)
+        return MegatronRuntime(accelerator, plugin, task=task)
