@@ -70,13 +70,14 @@ def _pool(logits: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
 class StageHead:
     """A task's head on a family's trunk: what the pipeline's first chunk reads and the last one computes.
 
-    The engine (``stages.PipelineChunk``, ``hftrain.parallel.schedules``) never opens the batch nor the output: the
+    The engine (``chunk.PipelineChunk``, ``hftrain.parallel.schedules``) never opens the batch nor the output: the
     head names the first chunk's input columns (:meth:`first_args`), turns them into the activation tuple
     ``(hidden [b, s, h], trunk_input [b, s], *carries)`` (:meth:`embed`; ``trunk_input`` is the 2-D attention mask,
     or a packed block's position ids where :attr:`packed`), and maps the trunk's last (normed) hidden states and the
     carried tensors to the last chunk's output (:meth:`forward`). The task's loss is computed from what :meth:`output`
     makes of that output, by the Trainer's ``loss(output, batch)`` (and its ``predictions`` in evaluation). A task
-    defines a subclass; the classification heads are named by kind (:data:`HEADS`), the families' own registered beside them (``hftrain.parallel.families``).
+    defines a subclass; the classification heads are named by kind (:data:`HEADS`), the families' own registered
+    beside them (``hftrain.parallel.families``).
 
     Attributes:
         first_inputs: the batch columns the first chunk reads, in order (the optional ones too).
