@@ -252,3 +252,20 @@ def test_no_import_circle_and_no_import_from_a_lower_layer_to_a_higher_one(tmp_p
         [sys.executable, str(tmp_path / "scripts" / "check_layers.py")], capture_output=True, text=True, check=False
     )
     assert planted.returncode == 1 and "hftrain.parallel.planted imports hftrain.trainers" in planted.stdout
+
+
+def test_the_runtime_interface_is_what_architecture_md_lists():
+    """``docs/architecture.md``'s runtime table names every public member of ``AccelerateRuntime`` (its methods and
+    properties, and the attributes its constructor sets) and nothing else (issue 56: 35 members against 10 listed)."""
+    import inspect
+
+    from hftrain.strategies.runtime import AccelerateRuntime
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The runtime interface a strategy implements", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+    source = inspect.getsource(AccelerateRuntime.__init__)
+    members = {name for name in dir(AccelerateRuntime) if not name.startswith("_")}
+    members |= {name for name in re.findall(r"self\.(\w+) =", source) if not name.startswith("_")}
+    assert listed == members, f"not in the table: {sorted(members - listed)}; not members: {sorted(listed - members)}"

@@ -18,6 +18,9 @@ Megatron-style tensor and pipeline parallelism) subclasses it and overrides what
 ``load_state``                a checkpoint's state back, from any strategy and process count
 ``get_state_dict``            the full, unsharded state dict for ``save_pretrained`` (collective)
 ============================  ====================================================================================
+
+The whole public interface, each member with what it does, is ``docs/architecture.md``'s runtime table (a test
+checks the two agree).
 """
 
 from __future__ import annotations
@@ -271,15 +274,6 @@ class AccelerateRuntime:
     def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """The mean of ``tensor`` over the data-parallel replicas (the logged loss)."""
         return self.accelerator.reduce(tensor, reduction="mean")
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        """Accelerate's world-wide reduction (the checkpoint manager's ``any_rank`` agreement calls it).
-
-        Args:
-            tensor: this rank's tensor.
-            reduction: ``"sum"`` or ``"mean"``.
-        """
-        return self.accelerator.reduce(tensor, reduction=reduction)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (one all-reduce over the host group, ``parallel.host``:
