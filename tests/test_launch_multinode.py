@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,7 +90,7 @@ def _launcher(kind: str, strategy: str, *, node_rank: int, per_node: int, master
             str(node_rank), "--master_addr", master, "--master_port", str(port), WORKER, *ds]  # fmt: skip
 
 
-def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=None):
+def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=None, extra=(), tag=""):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{n.address} slots={per_node}\n" for n in nodes))
     port = random.randrange(20000, 30000)
@@ -100,8 +101,8 @@ def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=
         launcher = _launcher(
             kind, strategy, node_rank=i, per_node=per_node, master=nodes[0].address, port=port, hostfile=hostfile
         )
-        commands.append(node.command([*launcher, *_job_args(tiny_job, outs[i]), *micro]))
-    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+        commands.append(node.command([*launcher, *_job_args(tiny_job, outs[i]), *micro, *extra]))
+    logs = [tmp_path / f"node{i}{tag}.log" for i in range(2)]
     codes = run_on_nodes(commands, logs, env=_env(HFTRAIN_TEST_DIGESTS=str(tmp_path / "digests")), timeout=500)
     return codes, [log.read_text() for log in logs]
 
@@ -139,12 +140,20 @@ def test_two_machines_train_like_one_process(nodes, tiny_job, references, tmp_pa
     assert_same_exports(out, reference, atol=1e-5)
 
 
-def test_fsdp2_hybrid_shards_inside_a_node_and_replicates_across(nodes, tiny_job, references, tmp_path):
+def test_fsdp2_hybrid_shards_inside_a_node_and_replicates_across(nodes, tiny_job, tmp_path):
     """FSDP2 ``HYBRID_SHARD`` on 2 machines × 2 processes: a 2-D mesh, each parameter sharded over the 2 processes
     of its machine and replicated across the machines (gradients reduce-scattered inside a node, all-reduced across),
-    equal to one process on the same global batch: every step's loss and the exported weights."""
-    codes, logs = _launch(nodes, tiny_job, tmp_path, "torchrun", "fsdp:HYBRID_SHARD", 2)
+    stopped after step 2 and resumed to step 4, equal to one process on the same global batch: every step's loss and
+    the exported weights. Its step-2 checkpoint also resumes in one process (another layout) to the same end. (A
+    constant learning rate: the stopped run's ``max_steps`` is 2, and a decaying schedule would differ by it.)"""
+    resume = ["--save_steps", "2", "--resume_from_checkpoint", "auto", "--lr_scheduler_type", "constant"]
+    strategy = "fsdp:HYBRID_SHARD"
+    codes, logs = _launch(nodes, tiny_job, tmp_path, "torchrun", strategy, 2, extra=[*resume, "--max_steps", "2"])
     assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    shutil.copytree(tmp_path / "out", tmp_path / "one")  # the step-2 run, for the one-process resume below
+    codes, logs = _launch(nodes, tiny_job, tmp_path, "torchrun", strategy, 2, extra=resume, tag="-resumed")
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert "resumed from" in logs[0], logs[0][-3000:]
     summary = json.loads((tmp_path / "out" / "hftrain_strategy.json").read_text())
     assert summary["strategy"] == "fsdp" and summary["world_size"] == 4, summary
     assert summary["sharding_strategy"] == "HYBRID_SHARD", summary
@@ -152,11 +161,22 @@ def test_fsdp2_hybrid_shards_inside_a_node_and_replicates_across(nodes, tiny_job
     written = {p.name: p.read_text() for p in (tmp_path / "digests").iterdir()}
     assert {written[f"mesh{r}.txt"] for r in range(4)} == {"[[2, 2]]"}, written  # every parameter on the 2-D mesh
     assert len({written[f"rank{r}.txt"] for r in range(4)}) == 1, written  # the same full parameters everywhere
-    reference = references(4)
+
+    def one_process(out: Path) -> None:  # micro-batch = the 2 × 2 processes' global batch
+        command = [sys.executable, "-m", "hftrain", "train", *_job_args(tiny_job, out), *resume]
+        command += ["--per_device_train_batch_size", str(MICRO[4] * 4)]
+        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    reference = tmp_path / "reference"
+    one_process(reference)
     losses, reference_losses = logged_losses(tmp_path / "out"), logged_losses(reference)
     assert losses == pytest.approx(reference_losses, rel=1e-5)
     assert len(losses) == 4 and reference_losses[-1] != pytest.approx(reference_losses[0], rel=1e-4)
     assert_same_exports(tmp_path / "out", reference, atol=1e-5)
+    one_process(tmp_path / "one")  # the hybrid checkpoint of step 2, resumed by one process: the same end
+    assert logged_losses(tmp_path / "one") == pytest.approx(reference_losses, rel=1e-5)
+    assert_same_exports(tmp_path / "one", reference, atol=1e-5)
 
 
 def test_node_local_output_dir_is_refused_at_start(nodes, tiny_job, tmp_path):
