@@ -10,8 +10,9 @@ Evaluation sums each example's losses and keeps its predictions and labels padde
 evaluation example's bucket), so the gather over the replicas concatenates them; the loss is ``Σ sums / Σ words`` over
 the whole set, the metrics are ``hftrain.metrics.token_classification``'s.
 
-Under megatron: tensor parallelism (and sequence parallelism) keeps the classifier whole, so the logits are every
-label's; a pipeline's last stage runs the token head (``hftrain.parallel.heads.TokenClassificationHead``) and hands its
+The trainer asks no strategy; what the model's split changes comes to it through the model and the runtime. A
+tensor-parallel model keeps its classifier whole, so the logits are every label's; a pipeline's last stage runs the
+token head (``hftrain.parallel.heads.TokenClassificationHead``) and hands its
 ``output`` to :meth:`TokenClassificationTrainer.loss`; under context parallelism the model returns the logits of this
 rank's positions: the loss takes the same positions of the labels (``split.local``) and adds the examples' sums over
 the cp ranks (``split.sum``), and evaluation gathers the logits of the whole sequence over the cp group
