@@ -1,35 +1,46 @@
-"""The ``parallelism`` options reach ``hftrain.parallel`` by an explicit table (issue 56: ``taken_by`` matched them by
-parameter name, so a renamed keyword silently dropped its option).
+"""The ``parallelism`` options reach ``hftrain.parallel`` by name, each axis's module naming the fields it reads
+(``AxisOps.options``, with their defaults) (issue 56: ``taken_by`` matched them by parameter name, so a renamed
+keyword silently dropped its option).
 
-For every entry point in ``hftrain.strategies.megatron.plugin.OPTIONS_TAKEN``, the options named are exactly the
-section's fields the function takes as keywords: a keyword renamed on the function (the option would be dropped) or a
-new option the function takes but the table forgets both fail here; and a name that is not a field fails the call.
+Every option an axis reads is a field of the section with the same default; every field an axis's metadata assigns
+reaches an axis, or the pipeline runtime's options; a name no axis reads fails a hand-written call, a name that is no
+field fails the section.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 
-import hftrain.parallel as parallel
 from hftrain.config import ParallelismConfig
-from hftrain.strategies.megatron.plugin import OPTIONS_TAKEN, options_for
+from hftrain.parallel.axis_ops import declared, option_defaults, with_defaults
+from hftrain.strategies.megatron.pipeline_runtime import PipelineOptions
+from hftrain.strategies.megatron.plugin import axis_options
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS_TAKEN))
-def test_each_entry_point_takes_exactly_the_options_its_table_names(name):
-    function = getattr(parallel, name)
-    fields = {f.name for f in dataclasses.fields(ParallelismConfig)}
-    keywords = set(inspect.signature(function).parameters)
-    assert set(OPTIONS_TAKEN[name]) <= keywords, f"{name} no longer takes {set(OPTIONS_TAKEN[name]) - keywords}"
-    assert keywords & fields == set(OPTIONS_TAKEN[name]), f"{name} takes {keywords & fields - set(OPTIONS_TAKEN[name])}"
-    options = options_for(ParallelismConfig(sequence_parallel=True, cp_comm="all_to_all"), function)
-    assert set(options) == set(OPTIONS_TAKEN[name])
-    assert options.get("sequence_parallel", True) is True and options.get("cp_comm", "all_to_all") == "all_to_all"
+def test_each_axis_reads_fields_of_the_section_with_their_defaults():
+    fields = {f.name: f for f in dataclasses.fields(ParallelismConfig)}
+    default = ParallelismConfig()
+    for spec, ops in declared():
+        for name, value in ops.options.items():
+            assert name in fields, f"{spec.name} reads {name}, which is no parallelism field"
+            assert getattr(default, name) == value, f"{spec.name}'s default for {name} is not the schema's"
+    read = set(option_defaults()) | {f.name for f in dataclasses.fields(PipelineOptions)}
+    assigned = {name for name, f in fields.items() if f.metadata.get("axis")}
+    assert assigned <= read, f"fields no axis reads: {sorted(assigned - read)}"
+
+
+def test_the_section_passes_every_option_by_name():
+    section = ParallelismConfig(sequence_parallel=True, cp_comm="all_to_all", vocab_multiple=8)
+    options = axis_options(section)
+    assert set(options) == set(option_defaults())
+    assert options["sequence_parallel"] is True and options["cp_comm"] == "all_to_all"
+    assert options["vocab_multiple"] == 8
 
 
 def test_a_name_that_is_no_option_fails():
     with pytest.raises(AttributeError, match="no option comm"):
         ParallelismConfig().named(("comm",))
+    with pytest.raises(TypeError, match="no parallel axis takes the option"):
+        with_defaults({"comm": "ring"})

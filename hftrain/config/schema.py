@@ -388,7 +388,9 @@ class ParallelismConfig:
     the rest (they keep their residual) and logs how many were dropped."""
 
     def validate(self) -> None:
-        for axis in ("tp", "pp", "cp", "ep", "virtual_stages"):
+        from hftrain.parallel.axes import AXIS_SIZES
+
+        for axis in (*AXIS_SIZES, "virtual_stages"):
             _require(getattr(self, axis) >= 1, f"parallelism.{axis}", "must be at least 1")
         micro = self.num_microbatches
         _require(micro is None or micro >= 1, "parallelism.num_microbatches", "must be at least 1 or null")
@@ -417,9 +419,9 @@ class ParallelismConfig:
 
     def named(self, names: tuple[str, ...]) -> dict[str, Any]:
         """The named fields as keyword arguments: how the section reaches ``hftrain.parallel`` (which knows no
-        config). The caller names them explicitly (``hftrain.strategies.megatron.plugin.OPTIONS_TAKEN``), so a
-        keyword the function renamed fails the call instead of dropping its option; a name that is not a field
-        fails here.
+        config). Each axis's module names the fields it reads (``hftrain.parallel.axis_ops``,
+        ``hftrain.strategies.megatron.plugin.axis_options``): a name that is not a field (a field renamed here)
+        fails here, instead of an option silently dropped.
 
         Args:
             names: fields of this section.

@@ -37,8 +37,6 @@ _EXPORTS = {
             "check_model",
             "padding_multiple",
             "LANGUAGE_MODEL_LAYOUTS_NOT_BUILT",
-            "LORA_AXES_NOT_BUILT",
-            "ZERO1_AXES_NOT_BUILT",
         ),
         "parallelize",
     ),

@@ -46,6 +46,8 @@ class AxisSpec:
         splits_sequence: its ranks hold different parts of every sequence.
         pipelined: its ranks hold consecutive pipeline stages (the first and last form the embedding group).
         always_listed: ``hftrain groups`` lists its groups at size 1 too.
+        module: its own module, whose ``AXIS`` (``hftrain.parallel.axis_ops.AxisOps``) holds its checks, split and
+            refusals (None: the caller wraps the model, data parallelism).
     """
 
     name: str
@@ -61,11 +63,28 @@ class AxisSpec:
     splits_sequence: bool = False
     pipelined: bool = False
     always_listed: bool = False
+    module: str | None = None
 
 
 AXIS_SPECS: tuple[AxisSpec, ...] = (  # the order ``hftrain groups`` lists them and the flags come in
-    AxisSpec("tp", "tensor parallel", "tensor-parallel size", stride=0, cuts_parameters=True, always_listed=True),
-    AxisSpec("pp", "pipeline parallel", "pipeline-parallel size", stride=3, pipelined=True, always_listed=True),
+    AxisSpec(
+        "tp",
+        "tensor parallel",
+        "tensor-parallel size",
+        stride=0,
+        cuts_parameters=True,
+        always_listed=True,
+        module="hftrain.parallel.tensor_parallel",
+    ),
+    AxisSpec(
+        "pp",
+        "pipeline parallel",
+        "pipeline-parallel size",
+        stride=3,
+        pipelined=True,
+        always_listed=True,
+        module="hftrain.parallel.pipeline",
+    ),
     AxisSpec("dp", "data parallel", None, stride=2, always_listed=True),
     AxisSpec(
         "cp",
@@ -75,6 +94,7 @@ AXIS_SPECS: tuple[AxisSpec, ...] = (  # the order ``hftrain groups`` lists them 
         splits_sequence=True,
         flattened_with="dp",
         flat_label="gradient (dp × cp)",
+        module="hftrain.parallel.context_parallel",
     ),
     AxisSpec(
         "ep",
@@ -84,6 +104,7 @@ AXIS_SPECS: tuple[AxisSpec, ...] = (  # the order ``hftrain groups`` lists them 
         complement=("edp", "expert data parallel"),
         carves=("experts", "expert"),
         cuts_parameters=True,
+        module="hftrain.parallel.expert_parallel",
     ),
 )
 SPEC = {spec.name: spec for spec in AXIS_SPECS}

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hftrain.parallel.axis_ops import AxisOps
 from hftrain.parallel.chunk import ChunkExtra
 from hftrain.parallel.cp_attention import (  # noqa: F401  (re-exported: the public path of cp's attention)
     ATTENTIONS,
@@ -425,3 +426,55 @@ class _SplitInputs:
         if shape is None or output is None:
             return output
         return _first(output, lambda hidden: hidden.reshape(*shape, *hidden.shape[2:]))
+
+
+# ----------------------------------------------------------------- the axis's interface (hftrain.parallel.axis_ops)
+def _check_layout(dims: Any, options: Any, pad_to_multiple_of: int | None) -> None:
+    sp = options["sequence_parallel"]
+    check_context_parallel(dims.cp, sequence_parallel=sp, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def _check_model(config: Any, dims: Any, options: Any, head: str) -> None:
+    from hftrain.parallel.families import check_family
+
+    if dims.cp > 1:
+        check_context_parallel_model(config, dims.cp, tp=dims.tp, comm=options["cp_comm"])
+        check_family(config, head=head, axis="cp")
+
+
+def _check_family(config: Any, head: str | None) -> None:
+    from hftrain.parallel.families import check_family
+
+    check_family(config, head=head, axis="cp")
+
+
+def _apply(model: torch.nn.Module, groups: Any, options: Any, *, head: Any, rng_tracker: Any) -> torch.nn.Module:
+    """Split every sequence over the cp group: the family's trunk, checked for cp with the head kind (a task's own
+    head object: the family alone), gathering the whole sequences back for a head that is not per token."""
+    from hftrain.parallel.families import stages_for
+    from hftrain.parallel.heads import per_token_head
+
+    if groups.cp_size == 1:
+        return model
+    trunk = stages_for(model.config, head=head if isinstance(head, str) else None, axis="cp")
+    return apply_context_parallel(
+        model, trunk=trunk, per_token=per_token_head(head), cp_group=groups.cp_group, comm=options["cp_comm"]
+    )
+
+
+AXIS = AxisOps(
+    options={"cp_comm": "ring"},
+    check_layout=_check_layout,
+    check_model=_check_model,
+    check_family=_check_family,
+    padding_multiple=lambda dims, options: 2 * dims.cp if dims.cp > 1 else 1,  # 2·cp equal zigzag chunks
+    apply=_apply,
+    not_built={
+        "lora": "context parallelism",
+        "compile": "context parallelism's ring attention exchanges key/value blocks by point-to-point sends inside "
+        "each block's attention, which dynamo cannot trace",
+    },
+    # the pipeline's chunks do not take a context-parallel split of the positions a per-token loss reads
+    per_token_not_with=("pp",),
+)
+"""Context parallelism behind the axes' one interface."""

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hftrain.errors import AxisError
+from hftrain.parallel.axis_ops import AxisOps
 from hftrain.parallel.collectives import all_to_all_rows
 from hftrain.parallel.ep_routing import (  # noqa: F401  (re-exported: their public path)
     RouterMonitor,
@@ -323,3 +324,34 @@ def dropped_assignments(model: nn.Module) -> int:
         if isinstance(module, ExpertParallelExperts):
             total, module.dropped = total + module.dropped, 0
     return int(total)  # a device sum: read here, once per logging window
+
+
+# ----------------------------------------------------------------- the axis's interface (hftrain.parallel.axis_ops)
+def _check_family(config: Any, head: str | None) -> None:
+    if expert_plan_for(config) is None:
+        raise AxisError("ep", f"{getattr(config, 'model_type', '?')} is a dense model (no experts to split)")
+
+
+def _apply(model: nn.Module, groups: Any, options: Any, *, head: Any, rng_tracker: Any) -> nn.Module:
+    """Split the experts over the ep group; at ep 1 too under a capacity factor (the cap applies on one rank)."""
+    capacity_factor = options["moe_capacity_factor"]
+    if groups.ep_size == 1 and capacity_factor is None:
+        return model
+    return apply_expert_parallel(model, ep_group=groups.ep_group, capacity_factor=capacity_factor)
+
+
+AXIS = AxisOps(
+    options={"moe_capacity_factor": None},
+    check_model=lambda config, dims, options, head: check_expert_parallel(
+        config, dims.ep, dims.dp, options["moe_capacity_factor"]
+    ),
+    check_family=_check_family,
+    apply=_apply,
+    not_built={
+        "lora": "expert parallelism",
+        "zero1": "ZeRO-1 over dp would mix different ranks' experts",
+        "compile": "expert parallelism's all-to-all moves a data-dependent number of tokens (a new graph for every "
+        "routing)",
+    },
+)
+"""Expert parallelism behind the axes' one interface."""

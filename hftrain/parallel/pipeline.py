@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import AxisError, ConfigError
+from hftrain.parallel.axis_ops import AxisOps
 
 if TYPE_CHECKING:
     import torch
@@ -408,3 +409,34 @@ def release_other_stages(model: torch.nn.Module, stages: list[torch.nn.Module]) 
                 torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
             )
     return released
+
+
+# ----------------------------------------------------------------- the axis's interface (hftrain.parallel.axis_ops)
+def _check_model(config: Any, dims: Any, options: Any, head: str) -> None:
+    """The family's trunk and head kind, and the same split the stages will use (balance "layers" needs no parameter
+    sizes and applies the same checks)."""
+    from hftrain.parallel.families import check_family
+
+    if dims.pp > 1:
+        check_family(config, head=head)
+        stage_layer_ranges(config.num_hidden_layers, pp=dims.pp, virtual_stages=options["virtual_stages"])
+
+
+def _check_family(config: Any, head: str | None) -> None:
+    from hftrain.parallel.families import check_family
+
+    check_family(config, head=head)
+
+
+AXIS = AxisOps(  # the stages wrap the model (the runtime cuts them): no apply here
+    options={"virtual_stages": 1},
+    check_model=_check_model,
+    check_family=_check_family,
+    not_built={
+        "lora": "pipeline stages",
+        "zero1": "the stages' optimizers are not sharded",
+        "compile": "pipeline stages run their blocks through torch.distributed.pipelining's schedules, which compile "
+        "per block does not reach yet",
+    },
+)
+"""Pipeline parallelism behind the axes' one interface."""

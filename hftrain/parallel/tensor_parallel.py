@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hftrain.errors import HFTrainError
+from hftrain.parallel.axis_ops import AxisOps
 from hftrain.parallel.collectives import (
     copy_to_tp,
     gather_from_sequence,
@@ -399,3 +400,50 @@ def apply_tensor_parallel(
             VocabParallelHead(head, tp_group=tp_group, vocab_multiple=vocab_multiple, tied=embedding)
         )
     return model
+
+
+# ----------------------------------------------------------------- the axis's interface (hftrain.parallel.axis_ops)
+def _apply(model: nn.Module, groups: Any, options: Any, *, head: Any, rng_tracker: RNGTracker | None) -> nn.Module:
+    """Split the model over the tp group (at tp 1 too where its family has a plan: the same layers, whole)."""
+    from hftrain.parallel.families import has_tp_plan
+
+    check_tensor_parallel(model.config, groups.tp_size, sequence_parallel=options["sequence_parallel"])
+    if groups.tp_size == 1 and not has_tp_plan(model.config):  # a family without a plan stays whole
+        return model
+    return apply_tensor_parallel(
+        model,
+        tp_group=groups.tp_group,
+        sequence_parallel=options["sequence_parallel"],
+        rng_tracker=rng_tracker,
+        vocab_multiple=options["vocab_multiple"],
+    )
+
+
+def _padding(dims: Any, options: Any) -> int:
+    from hftrain.parallel.plans import sequence_multiple
+
+    return sequence_multiple(dims.tp, sequence_parallel=options["sequence_parallel"])  # tp parts under sp
+
+
+def _check_layout(dims: Any, options: Any, pad_to_multiple_of: int | None) -> None:
+    sp = options["sequence_parallel"]
+    check_sequence_parallel(dims.tp, sequence_parallel=sp, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def _check_model(config: Any, dims: Any, options: Any, head: str) -> None:
+    check_tensor_parallel(config, dims.tp, sequence_parallel=options["sequence_parallel"])
+
+
+def _check_family(config: Any, head: str | None) -> None:
+    plan_for(config)
+
+
+AXIS = AxisOps(
+    options={"sequence_parallel": False, "vocab_multiple": 1},
+    check_layout=_check_layout,
+    check_model=_check_model,
+    check_family=_check_family,
+    padding_multiple=_padding,
+    apply=_apply,
+)
+"""Tensor parallelism behind the axes' one interface."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import Any
 
 from hftrain.errors import AxisError, ConfigError
+from hftrain.parallel.axis_ops import label
 from hftrain.parallel.families import (
     albert,
     bert,
@@ -59,13 +60,12 @@ from hftrain.parallel.families import (
     olmo2,
     phi3,
 )
-from hftrain.parallel.families.family import AXIS_NAMES, Family
+from hftrain.parallel.families.family import Family
 from hftrain.parallel.heads import StageHead, head_kind
 from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan, kv_heads_split
 from hftrain.parallel.stages import ModelStages
 
 __all__ = [
-    "AXIS_NAMES",
     "FAMILIES",
     "Family",
     "check_family",
@@ -123,9 +123,9 @@ def _supported(axis: str) -> str:
 def _refusal(config: Any, axis: str, family: Family | None) -> str:
     model_type = getattr(config, "model_type", None)
     if family is not None and axis in family.refusals:
-        return f"{AXIS_NAMES[axis]} cannot split this {family.name} model: {family.refusals[axis]}"
+        return f"{label(axis)} cannot split this {family.name} model: {family.refusals[axis]}"
     return (
-        f"{AXIS_NAMES[axis]} has no entry for model type {model_type!r} (supported: {_supported(axis)}); "
+        f"{label(axis)} has no entry for model type {model_type!r} (supported: {_supported(axis)}); "
         f"use {axis} 1 (strategy ddp/fsdp/zero* for this model)"
     )
 
@@ -207,21 +207,20 @@ def check_family(config: Any, *, head: str | None = "sequence_classification", a
     if kind is not None and axis == "pp" and family.experts is not None and not kind.router_loss:
         raise AxisError(
             axis,
-            f"{AXIS_NAMES[axis]} splits {family.name} classifiers, not its {head} head (its router loss is not built "
+            f"{label(axis)} splits {family.name} classifiers, not its {head} head (its router loss is not built "
             "into that head's pipeline loss yet); use pp 1 (tp, ep and dp split it)",
         )
     if kind is not None and axis == "pp" and kind.causal_trunk and not getattr(family.stages, "causal", False):
         raise AxisError(  # cp runs the model's own forward
-            axis, f"{AXIS_NAMES[axis]} splits decoder causal LMs, not a {family.name} {head} model; use {axis} 1"
+            axis, f"{label(axis)} splits decoder causal LMs, not a {family.name} {head} model; use {axis} 1"
         )
     refusal = getattr(family.stages, "refusal", None)  # what a config of the family cannot cut into chunks
     reason = None if refusal is None else refusal(config)
     if reason is not None:
-        raise AxisError(axis, f"{AXIS_NAMES[axis]} cannot split this {family.name} model: {reason}")
-    if axis == "cp":
-        reason = family.cp_refusal(config)
-        if reason is not None:
-            raise AxisError("cp", f"context parallelism cannot split this {family.name} model exactly: {reason}")
+        raise AxisError(axis, f"{label(axis)} cannot split this {family.name} model: {reason}")
+    reason = family.config_refusals[axis](config) if axis in family.config_refusals else None
+    if reason is not None:
+        raise AxisError(axis, f"{label(axis)} cannot split this {family.name} model exactly: {reason}")
 
 
 def expert_plan_for(config: Any) -> ExpertPlan | None:
@@ -317,18 +316,15 @@ def trainable_axes(config: Any, head: str | None = "sequence_classification") ->
         config: the model's ``transformers`` config.
         head: the task's head kind (``hftrain.parallel.heads.HEADS``), whose own limits count too.
     """
-    checks = (
-        ("tp", plan_for),
-        ("pp", lambda c: check_family(c, head=head)),
-        ("cp", lambda c: check_family(c, head=head, axis="cp")),
-    )
+    from hftrain.parallel.axis_ops import declared
+
     axes = set()
-    for axis, check in checks:
+    for spec, ops in declared():  # each axis's own family check (AxisOps.check_family; None: not model-parallel)
+        if ops.check_family is None:
+            continue
         try:
-            check(config)
+            ops.check_family(config, head)
         except ConfigError:
             continue
-        axes.add(axis)
-    if expert_plan_for(config) is not None:
-        axes.add("ep")
+        axes.add(spec.name)
     return frozenset(axes)

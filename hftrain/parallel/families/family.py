@@ -8,8 +8,6 @@ from typing import Any
 
 from hftrain.parallel.plans import ExpertPlan, TensorParallelPlan
 
-AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism"}
-
 
 @dataclass(frozen=True)
 class Family:
@@ -27,8 +25,8 @@ class Family:
             ``classifier`` on every position: ``hftrain.parallel.heads.TokenClassificationHead``), or None.
         experts: its expert plan (a mixture of experts), or None.
         refusals: ``axis -> why`` for the axes it cannot take (one line each).
-        cp_refusal: a function of the config giving why context parallelism cannot be exact for it (Gemma-2's
-            soft-capped attention), or None when it can.
+        config_refusals: ``axis -> function of the config`` giving why the axis cannot split a model of this config
+            exactly (Gemma-2's soft-capped attention under cp), or None when it can.
         gated_mlp: its MLP is gated (three matrices: the planner's FLOPs and sizes).
     """
 
@@ -39,7 +37,7 @@ class Family:
     token_classifier: Any = None
     experts: ExpertPlan | None = None
     refusals: dict[str, str] = field(default_factory=dict)
-    cp_refusal: Callable[[Any], str | None] = lambda config: None
+    config_refusals: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
     gated_mlp: bool = False
 
     def tp_plan(self, config: Any) -> TensorParallelPlan | None:

@@ -24,7 +24,7 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(
         "Gemma-2",
         tp=lambda c: derived_plan(c, norms=GEMMA2_NORMS),
-        cp_refusal=_gemma2_attention,
+        config_refusals={"cp": _gemma2_attention},
         **DECODER,
     ),
     "gemma3_text": Family("Gemma-3 (text)", tp=lambda c: derived_plan(c, norms=GEMMA2_NORMS), **DECODER),

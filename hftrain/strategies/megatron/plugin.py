@@ -48,20 +48,12 @@ if TYPE_CHECKING:
     from hftrain.parallel.random import RNGTracker
 
 
-OPTIONS_TAKEN: dict[str, tuple[str, ...]] = {
-    "check_layout": ("sequence_parallel",),
-    "check_model": ("sequence_parallel", "cp_comm", "moe_capacity_factor", "virtual_stages"),
-    "padding_multiple": ("sequence_parallel",),
-    "parallelize_model": ("sequence_parallel", "cp_comm", "vocab_multiple", "moe_capacity_factor"),
-}
-"""The ``parallelism`` options each ``hftrain.parallel`` entry point takes, by its keyword (= the field's name): passed
-by name, so a keyword the function renames fails the call (``tests/test_parallel_options.py`` also checks that a
-function takes exactly these of the section's fields, so a new one is not silently left out)."""
+def axis_options(parallelism: ParallelismConfig) -> dict[str, Any]:
+    """The ``parallelism`` options the axes read (each axis's module names its own, ``hftrain.parallel.axis_ops``),
+    by field name: a field renamed in the schema fails here, one an axis reads under another name fails its read."""
+    from hftrain.parallel.axis_ops import option_defaults
 
-
-def options_for(parallelism: ParallelismConfig, function: Any) -> dict[str, Any]:
-    """The ``parallelism`` options ``function`` (a ``hftrain.parallel`` entry point) takes (:data:`OPTIONS_TAKEN`)."""
-    return parallelism.named(OPTIONS_TAKEN[function.__name__])
+    return parallelism.named(tuple(option_defaults()))
 
 
 @dataclass
@@ -117,7 +109,7 @@ class MegatronPlugin:
         (``data.pad_to_multiple_of``) combine with it."""
         from hftrain.parallel import padding_multiple
 
-        return padding_multiple(self.groups.dims, **options_for(self.parallelism, padding_multiple))
+        return padding_multiple(self.groups.dims, **axis_options(self.parallelism))
 
     # ----------------------------------------------------------------- wrapping
     def parallelize(
@@ -153,7 +145,7 @@ class MegatronPlugin:
         self.rng_tracker = RNGTracker.for_groups(
             groups, seed=torch.initial_seed(), device=device or "cpu"
         ).seed_streams()
-        options = options_for(self.parallelism, parallelize_model)  # the axes' options (OPTIONS_TAKEN)
+        options = axis_options(self.parallelism)
         model = parallelize_model(
             model, groups, rng_tracker=self.rng_tracker, recompute=self.recompute, head=head, **options
         )

@@ -100,21 +100,12 @@ class MegatronRuntime(AccelerateRuntime):
         # Before the split, as elsewhere: the compile is lazy, and the split replaces the linears and norms inside
         # each block (the block objects stay), so the first forward compiles the tensor-parallel block, its f/g
         # collectives (autograd functions around all-reduces over the tp group) inside the graph.
-        groups = self.plugin.groups
-        not_built = {
-            "pp": "pipeline stages run their blocks through torch.distributed.pipelining's schedules, which compile "
-            "per block does not reach yet",
-            "cp": "context parallelism's ring attention exchanges key/value blocks by point-to-point sends inside "
-            "each block's attention, which dynamo cannot trace",
-            "ep": "expert parallelism's all-to-all moves a data-dependent number of tokens (a new graph for every "
-            "routing)",
-        }
-        sizes = {"pp": groups.pp_size, "cp": groups.cp_size, "ep": groups.ep_size}
-        for axis, reason in not_built.items():
-            if sizes[axis] > 1:
-                from hftrain.strategies.runtime import refuse_compile
+        from hftrain.parallel.axis_ops import not_built
 
-                refuse_compile(f"parallelism.{axis}={sizes[axis]}: {reason}; use {axis}: 1")
+        for axis, size, reason in not_built(self.plugin.groups.dims, "compile"):  # each axis's own refusal
+            from hftrain.strategies.runtime import refuse_compile
+
+            refuse_compile(f"parallelism.{axis}={size}: {reason}; use {axis}: 1")
         if self.plugin.recompute == "full":  # applied after the split, so the blocks do not say it yet
             from hftrain.strategies.runtime import refuse_full_recomputation
 

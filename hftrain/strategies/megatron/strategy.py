@@ -3,8 +3,8 @@
 ``strategy: {name: megatron, shard_optimizer: false}`` with ``parallelism: {tp: 2, cp: 1, pp: 1, ep: 1,
 sequence_parallel: false}``: the ``parallelism`` section is consumed whole. Its sizes make one ``ParallelDims``
 (Megatron-LM's rank order: tp ranks adjacent, then cp, then dp, then pp; ep carved out of dp), built and validated
-here once and passed down to the plugin's groups; its options reach ``hftrain.parallel`` as the keyword arguments
-each check and apply call takes (``plugin.OPTIONS_TAKEN``, by name), and each axis's refusals are its own module's.
+here once and passed down to the plugin's groups; its options reach ``hftrain.parallel`` by name (the fields each
+axis's module reads, ``plugin.axis_options``), and each axis's refusals are its own module's (``AxisOps.not_built``).
 The Trainer runs through :class:`~hftrain.strategies.megatron.runtime.MegatronRuntime` (``pp = 1``) or
 :class:`~hftrain.strategies.megatron.pipeline_runtime.PipelineRuntime` (stages and a schedule).
 
@@ -21,10 +21,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import ConfigError
+from hftrain.parallel.axis_ops import not_built
 from hftrain.strategies.base import Strategy
 from hftrain.strategies.megatron.checks import check_pipeline_training, num_microbatches
 from hftrain.strategies.megatron.fields import named_by_config
-from hftrain.strategies.megatron.plugin import options_for
+from hftrain.strategies.megatron.plugin import axis_options
 from hftrain.tasks import DEFAULT_TASK, task_of
 
 if TYPE_CHECKING:
@@ -59,7 +60,6 @@ class MegatronStrategy(Strategy):
 
     def __init__(self, config: StrategyConfig, **context: Any) -> None:
         from hftrain.parallel.dims import AXIS_SIZES, ParallelDims
-        from hftrain.parallel.parallelize import ZERO1_AXES_NOT_BUILT
 
         super().__init__(config, **context)  # platform, launch, parallelism: see Strategy
         for key, unused in _FOREIGN_OPTIONS.items():
@@ -71,12 +71,11 @@ class MegatronStrategy(Strategy):
         with named_by_config():  # the layout, and ep with pp or cp, checked as hftrain groups checks them
             sizes = {axis: getattr(self.parallelism, axis) for axis in AXIS_SIZES}
             self.dims = ParallelDims(self.launch.world_size, **sizes).validate_trainable()
-        for axis, why in ZERO1_AXES_NOT_BUILT.items():
-            if config.shard_optimizer and getattr(self.dims, axis) > 1:
-                raise ConfigError(
-                    f"strategy.shard_optimizer with parallelism.{axis}={getattr(self.dims, axis)} is not supported "
-                    f"yet ({why}); use shard_optimizer: false or {axis}: 1"
-                )
+        for axis, size, why in not_built(self.dims, "zero1") if config.shard_optimizer else ():
+            raise ConfigError(
+                f"strategy.shard_optimizer with parallelism.{axis}={size} is not supported yet ({why}); use "
+                f"shard_optimizer: false or {axis}: 1"
+            )
 
     def preflight(self, training: TrainingConfig) -> None:
         from hftrain.parallel import check_layout
@@ -88,10 +87,11 @@ class MegatronStrategy(Strategy):
             )
         with named_by_config():
             check_pipeline_training(self.parallelism, training)  # also at pp=1: an interleaved schedule is refused
-            check_layout(self.dims, **options_for(self.parallelism, check_layout))
+            check_layout(self.dims, **axis_options(self.parallelism))
 
     def check_model(self, model_config: Any, *, use_lora: bool, task: str = DEFAULT_TASK) -> None:
-        from hftrain.parallel import LANGUAGE_MODEL_LAYOUTS_NOT_BUILT, LORA_AXES_NOT_BUILT, check_model
+        from hftrain.parallel import check_model
+        from hftrain.parallel.axis_ops import per_token_layouts_not_built
 
         record = task_of(task)
         for axis in record.megatron_axes_not_built:
@@ -101,24 +101,20 @@ class MegatronStrategy(Strategy):
                     f"{record.human}'s head runs on {', '.join(record.megatron_axes_not_built)} later); use {axis}: 1, "
                     "or strategy.name ddp, fsdp or zero1/2/3"
                 )
-        for axes in LANGUAGE_MODEL_LAYOUTS_NOT_BUILT if record.per_token_loss else ():
+        for axes in per_token_layouts_not_built() if record.per_token_loss else ():
             if all(getattr(self.dims, axis) > 1 for axis in axes):
                 given = " with ".join(f"parallelism.{axis}={getattr(self.dims, axis)}" for axis in axes)
                 raise ConfigError(
                     f"{given} with model.task: {task} is not built yet (a {record.human} takes each of them "
                     f"alone, with tp, sequence_parallel and dp); use {axes[-1]}: 1 or {axes[0]}: 1"
                 )
-        for axis, what in LORA_AXES_NOT_BUILT.items():
-            size = getattr(self.dims, axis)
-            if use_lora and size > 1:
-                raise ConfigError(
-                    f"lora.use_lora with parallelism.{axis}={size} is not supported yet (LoRA runs under megatron's "
-                    f"tp and dp, not {what}); use {axis}: 1, or train the full model"
-                )
-        with named_by_config():
-            check_model(
-                model_config, self.dims, head=record.pipeline_head, **options_for(self.parallelism, check_model)
+        for axis, size, what in not_built(self.dims, "lora") if use_lora else ():
+            raise ConfigError(
+                f"lora.use_lora with parallelism.{axis}={size} is not supported yet (LoRA runs under megatron's tp "
+                f"and dp, not {what}); use {axis}: 1, or train the full model"
             )
+        with named_by_config():
+            check_model(model_config, self.dims, head=record.pipeline_head, **axis_options(self.parallelism))
 
     def tune_host_allocator(self) -> str:
         """Under pipeline parallelism tune the host allocator for a lean resident set: memory is what stages are for.
