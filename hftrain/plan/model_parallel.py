@@ -56,8 +56,6 @@ from hftrain.plan.model import ModelSpec, divisors
 from hftrain.plan.rows import Row, Workload
 from hftrain.plan.terms import BY_AXIS, IN_AXIS_ORDER, TERMS
 
-__all__ = ["estimate", "fixed_layouts", "layer_parameters_per_gpu", "layouts", "stage_layers", "stage_parameters"]
-
 
 def layouts(
     model: ModelSpec,
