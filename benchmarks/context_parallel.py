@@ -12,7 +12,7 @@ heads do, at 2 and 4 the 3 key/value heads do not). Each rank reports:
   the causal load balance of the zigzag split (pairs of chunks wholly in the future are skipped);
 - ``attention s``: the time spent in its attention calls (forward and backward, waiting on the ring included);
 - ``sent MiB``: the bytes its attention sent to other ranks, against the plan's formula
-  (``hftrain.plan.model_parallel._context_bytes``).
+  (``hftrain.plan.context_parallel._context_bytes``).
 
 Then the longest S (of 1k-32k) whose step fits a per-process budget (``--budget-gib``, default 1.5) at each cp,
 from the measured peaks. Times are on 2 shared cores: cp = 4 runs 4 processes on 2 cores, so its step time is
@@ -202,7 +202,7 @@ def main() -> None:
                     print(f"| {seq} | {r['rank']} | {label} | {e['biases']} | {e['peak'] / mib:.0f} | {e['s']:.2f} |")
         return
     from hftrain.plan import Workload, model_from_config
-    from hftrain.plan.model_parallel import _context_bytes
+    from hftrain.plan.context_parallel import _context_bytes
 
     mib = 1 << 20
     spec = dataclasses.replace(model_from_config("embedded:smollm2"), layers=2)

@@ -22,8 +22,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN = {  # each axis's own modules (its kernels and wiring), relative to hftrain/
-    "cp": ("parallel/context_parallel.py", "parallel/cp_kernels.py", "parallel/cp_attention.py"),
-    "ep": ("parallel/expert_parallel.py", "parallel/ep_routing.py"),
+    "cp": (
+        "parallel/context_parallel.py",
+        "parallel/cp_kernels.py",
+        "parallel/cp_attention.py",
+        "plan/context_parallel.py",
+    ),
+    "ep": ("parallel/expert_parallel.py", "parallel/ep_routing.py", "plan/expert_parallel.py"),
     "tp": ("parallel/tensor_parallel.py", "parallel/tp_replicas.py"),
     "pp": ("parallel/pipeline.py",),
 }

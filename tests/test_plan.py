@@ -627,11 +627,14 @@ def test_the_plan_offers_only_expert_layouts_that_training_takes(tmp_path):
 
     model = _mixtral_8x7b(tmp_path)
     hardware = Hardware(gpus_per_node=8, nodes=4)
-    triples = model_parallel.expert_layouts(model, hardware)
-    assert any(e > 1 for _, _, e in triples) and any(p > 1 for _, p, _ in triples)
-    assert all(p == 1 for _, p, e in triples if e > 1), triples
-    with pytest.raises(ConfigError, match="composes expert parallelism with tp and dp only"):
-        model_parallel.expert_layouts(model, hardware, pp=2, ep=2)
+    found = model_parallel.fixed_layouts(model, hardware)
+    assert all(set(layout) == {"tp", "pp", "cp", "ep"} and layout["cp"] == 1 for layout in found)
+    assert any(layout["ep"] > 1 for layout in found) and any(layout["pp"] > 1 for layout in found)
+    assert all(layout["pp"] == 1 for layout in found if layout["ep"] > 1), found
+    with pytest.raises(ConfigError, match="composes expert parallelism with tp and dp only; drop --pp/--cp or --ep"):
+        model_parallel.fixed_layouts(model, hardware, pp=2, ep=2)
+    with pytest.raises(ConfigError, match="--ep 2 with --pp 1 / --cp 2: training composes expert parallelism"):
+        model_parallel.fixed_layouts(model, hardware, cp=2, ep=2)
 
 
 def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_path):
@@ -644,9 +647,9 @@ def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_pat
     staged = [model_parallel.estimate(2, 2, model, work, hardware, ep=ep) for ep in (1, 2)]
     assert staged[1].label == "megatron tp2·pp2·dp8·ep2" and staged[1].strategy["ep"] == 2
     for row, ep in zip(staged, (1, 2), strict=True):
-        assert row.experts == pytest.approx(x * 16 / 32 / ep * (4 + 4 + 8))
-    assert staged[1].experts == pytest.approx(staged[0].experts / 2)
-    assert staged[0].model_states - staged[1].model_states == pytest.approx(staged[0].experts / 2)
+        assert row.figures["experts"] == pytest.approx(x * 16 / 32 / ep * (4 + 4 + 8))
+    assert staged[1].figures["experts"] == pytest.approx(staged[0].figures["experts"] / 2)
+    assert staged[0].model_states - staged[1].model_states == pytest.approx(staged[0].figures["experts"] / 2)
     # pp splits a mixture of experts (its stages pass the router loss on), not yet together with ep
     assert staged[0].runnable and not staged[1].runnable
     assert "formula only: hftrain's trainer takes no ep with pp" in staged[1].notes[0]
@@ -656,20 +659,25 @@ def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_pat
     assert two.label == "megatron tp2·pp1·dp16·ep2" and "ep" not in one.strategy and two.runnable
     assert not one.strategy["sequence_parallel"] and not two.strategy["sequence_parallel"]  # refused with experts
     assert one.strategy["shard_optimizer"] and not two.strategy["shard_optimizer"]
-    assert one.experts == pytest.approx(x * (4 + 4) + x / 16 * 8) and two.experts == pytest.approx(x / 2 * 16)
+    assert one.figures["experts"] == pytest.approx(x * (4 + 4) + x / 16 * 8)
+    assert two.figures["experts"] == pytest.approx(x / 2 * 16)
     assert one.params - two.params == pytest.approx(x / 2 * 4) and one.grads - two.grads == pytest.approx(x / 2 * 4)
+    from hftrain.plan.expert_parallel import all_to_all_bytes
+
     # all-to-all per MoE layer and micro-batch: dispatch + combine, forward + backward, the (ep−1)/ep leaving
     tokens, k, h, e = 2 * 4096, 2, 4096, 2
-    assert one.all_to_all == 0
+    assert one.figures["all_to_all"] == 0
     assert (
-        two.all_to_all
+        two.figures["all_to_all"]
         == 4 * tokens * k * h * e * (2 - 1) / 2
-        == formulas.all_to_all_bytes(tokens=tokens, top_k=k, hidden=h, element=e, ep=2)
+        == all_to_all_bytes(tokens=tokens, top_k=k, hidden=h, element=e, ep=2)
     )
     # per step: m = 4 micro-batches × 32 MoE layers on the intra-node link (tp·ep = 4 consecutive GPUs), beside
     # tp's 4 all-reduces of s·b·h per layer (the gradient all-reduces, over dp 16 and dp/ep 8, cross nodes)
     sbh = 4096 * 2 * h * e
-    assert two.comm["intra"] == pytest.approx(4 * 32 * two.all_to_all + 4 * 32 * 4 * formulas.all_reduce_bytes(sbh, 2))
+    assert two.comm["intra"] == pytest.approx(
+        4 * 32 * two.figures["all_to_all"] + 4 * 32 * 4 * formulas.all_reduce_bytes(sbh, 2)
+    )
     assert one.comm["intra"] == pytest.approx(4 * 32 * 4 * formulas.all_reduce_bytes(sbh, 2))
     assert "all-to-all" in two.formulas["experts"]
 
@@ -680,9 +688,9 @@ def test_plan_with_ep_lists_only_expert_parallel_layouts(capsys, tmp_path):
     model = _mixtral_8x7b(tmp_path)
     hardware = Hardware(gpus_per_node=8, nodes=2)
     rows = plan(model, hardware, Workload(), ep=4).rows
-    assert rows and all(r.ep == 4 and r.label.endswith("·ep4") and r.dp % 4 == 0 for r in rows)
+    assert rows and all(r.size("ep") == 4 and r.label.endswith("·ep4") and r.dp % 4 == 0 for r in rows)
     default = plan(model, hardware, Workload()).rows  # every ep dividing dp and the 8 experts, ep = 1 included
-    assert {r.ep for r in default if r.strategy["name"] == "megatron"} == {1, 2, 4, 8}
+    assert {r.size("ep") for r in default if r.strategy["name"] == "megatron"} == {1, 2, 4, 8}
     assert "megatron tp1·pp1·dp16·ep8" in [r.label for r in default]
     tiny_config("mixtral").save_pretrained(tmp_path / "tiny")  # 4 experts
     for args, message in (
@@ -816,7 +824,7 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
     last = activation_bytes(lm, work, Hardware(), layers=1)
     assert staged.activations == max(first, last) and logits_bytes(lm, work) == 2 * 64 * 64 * 6
     result = plan(lm, Hardware(gpus_per_node=2), work)
-    assert result.choice.runnable and all(r.runnable == (r.cp == 1) for r in result.rows)
+    assert result.choice.runnable and all(r.runnable == (r.size("cp") == 1) for r in result.rows)
 
 
 def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
@@ -902,3 +910,34 @@ def test_a_layer_every_layer_runs_is_held_once_per_stage_and_run_every_layer(tmp
             held.append(sum({id(p): p.numel() for chunk in chunks for p in chunk.parameters()}.values()))
         assert stage_parameters(spec, 1, pp) == max(held), (pp, held)
     assert spec.active_parameters == spec.parameters + 3 * spec.layer_parameters
+
+
+def test_the_planner_names_each_axis_beyond_tp_and_pp_in_its_own_term_module_only():
+    """Issue 56: every axis beyond tp, pp and dp is one term (``hftrain.plan.terms.TERMS``) in its own module, and the
+    generic planner names none (``scripts/axis_reach.py``: no other file of ``hftrain/plan`` names cp or ep); an
+    unknown axis given to the estimator is refused; ``--json`` rows keep each term's size and figures as keys."""
+    import importlib.util
+
+    from hftrain.parallel.dims import AXIS_SIZES
+    from hftrain.plan.report import plan_dict
+    from hftrain.plan.terms import TERMS
+
+    root = Path(__file__).resolve().parent.parent
+    assert {term.axis for term in TERMS} == set(AXIS_SIZES) - {"tp", "pp"}
+    assert {type(term).__module__ for term in TERMS} == {
+        "hftrain.plan.context_parallel",
+        "hftrain.plan.expert_parallel",
+    }
+    spec = importlib.util.spec_from_file_location("axis_reach", root / "scripts" / "axis_reach.py")
+    reach = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reach)
+    for axis in ("cp", "ep"):
+        assert not [path for path in reach.reach(axis) if path.startswith("plan/")], axis
+    model = model_from_config("embedded:smollm2")
+    with pytest.raises(TypeError, match="'xp' is not a term's axis"):
+        model_parallel.estimate(1, 1, model, Workload(), Hardware(gpus_per_node=2), xp=2)
+    row = plan_dict(plan(model, Hardware(gpus_per_node=4), Workload(seq=4096), cp=2))["rows"][0]
+    keys = list(row)
+    assert keys[keys.index("working") + 1 : keys.index("working") + 5] == ["cp", "ep", "experts", "all_to_all"]
+    assert (row["cp"], row["ep"], row["experts"], row["all_to_all"]) == (2, 1, 0.0, 0.0)
+    assert "sizes" not in row and "figures" not in row

@@ -7,7 +7,9 @@ From Python::
     result.choice.label, result.choice.total, [(r.label, r.fits) for r in result.rows]
 
 The modules: ``formulas`` (the arithmetic, each formula stated), ``model`` and ``hardware`` (the inputs),
-``data_parallel`` and ``model_parallel`` (one estimator each, strategies as data), ``recommend`` (the choice),
+``data_parallel`` and ``model_parallel`` (one estimator each, strategies as data; ``model_parallel`` composes the
+terms of the axes beyond tp and pp: ``axis_term`` (the interface), ``terms`` (the registry), ``context_parallel``,
+``expert_parallel``), ``recommend`` (the choice),
 ``report`` (table / JSON), ``configs`` (``--write-configs``), ``measure`` (the measured counterparts).
 """
 

@@ -130,3 +130,9 @@ def finish(row: Row, model: ModelSpec, work: Workload, hw: Hardware) -> Row:
 
 
 BANDWIDTH_PCIE = 12e9  # host <-> GPU copies of offload
+
+
+def stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
+    """Layers of the first and of the last pipeline stage: the extra layers of an uneven split go to the last
+    stages (the first embeds), as ``hftrain.parallel.stage_layer_ranges`` cuts them."""
+    return model.layers // pp, -(-model.layers // pp)

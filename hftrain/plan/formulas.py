@@ -208,33 +208,6 @@ def all_gather_bytes(nbytes: float, n: int) -> float:
     return (n - 1) / n * nbytes if n > 1 else 0.0
 
 
-ALL_TO_ALL_FORMULA = (
-    "dispatch + combine each T·k·h·e·(ep−1)/ep per GPU forward, the same again backward: 4·T·k·h·e·(ep−1)/ep "
-    "(T tokens of the GPU's micro-batch, k experts per token, e bytes per element)"
-)
-
-
-def all_to_all_bytes(*, tokens: int, top_k: int, hidden: int, element: int, ep: int) -> float:
-    """Bytes one GPU sends by all-to-all in one MoE layer for one micro-batch, forward and backward, under expert
-    parallelism ``ep``.
-
-    Each of the GPU's ``T`` tokens goes to ``k`` experts, as a hidden vector of ``h`` elements of ``e`` bytes:
-    dispatch sends ``T·k·h·e`` bytes of which the share ``(ep−1)/ep`` leaves the GPU (uniform routing: the
-    experts of the other ``ep − 1`` ranks), and combine sends the experts' outputs back, as many. Backward runs
-    both again on the gradients (combine's gradient dispatched, dispatch's combined)::
-
-        bytes = 2 (forward + backward) · 2 (dispatch + combine) · T·k·h·e·(ep−1)/ep
-
-    Args:
-        tokens: T, the tokens of one micro-batch on the GPU (b·s, or b·s/c under context parallelism).
-        top_k: k, the experts each token is routed to.
-        hidden: h, the hidden size.
-        element: e, bytes per activation element.
-        ep: expert-parallel size (1: nothing leaves the GPU).
-    """
-    return 4 * tokens * top_k * hidden * element * (ep - 1) / ep
-
-
 BUBBLE_FORMULA = "1F1B: (p−1)/(m+p−1); interleaved with v chunks per stage: (p−1)/(v·m+p−1)"
 
 

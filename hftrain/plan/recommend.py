@@ -8,7 +8,7 @@ import math
 import hftrain.plan.data_parallel as data_parallel
 import hftrain.plan.model_parallel as model_parallel
 from hftrain.errors import ConfigError
-from hftrain.parallel.dims import AXIS_SIZES
+from hftrain.parallel.dims import AXIS_SIZES, SPEC
 from hftrain.plan.hardware import Hardware
 from hftrain.plan.model import ModelSpec
 from hftrain.plan.rows import Plan, Row, Workload
@@ -19,7 +19,8 @@ MAX_NODES_TRIED = 4096  # "what it would need": the node count at which somethin
 def _no_layout(hw: Hardware, fixed: dict[str, int]) -> str:
     """Why no layout has the sizes ``fixed`` (their product, times any searched axis, must divide the GPUs)."""
     given = " ".join(f"--{axis} {size}" for axis, size in fixed.items() if size > 1) or "the sizes given"
-    product = math.prod(size for axis, size in fixed.items() if axis != "ep")  # ep splits dp: not in tp·pp·cp
+    # an axis carved out of dp (ep) splits dp: not a factor of the layout's tp·pp·cp
+    product = math.prod(size for axis, size in fixed.items() if SPEC[axis].carved_from is None)
     return (
         f"{given}: no layout of {hw.world} GPUs ({hw.nodes} node(s) × {hw.gpus_per_node}) has these sizes "
         f"(tp·pp·cp = {product} must divide the GPU count, and the model's sizes); give sizes that divide "
@@ -36,7 +37,7 @@ def estimate_rows(model: ModelSpec, hw: Hardware, work: Workload, **fixed: int |
         hw: the hardware.
         work: the workload.
         **fixed: an axis of ``hftrain.parallel.dims.AXIS_SIZES`` -> its only size (None: any, as
-            :func:`~hftrain.plan.model_parallel.expert_layouts` searches it).
+            :func:`~hftrain.plan.model_parallel.fixed_layouts` searches it).
     """
     unknown = sorted(set(fixed) - set(AXIS_SIZES))
     if unknown:

@@ -7,18 +7,30 @@ import json
 from typing import Any
 
 import hftrain.plan.formulas as formulas
-from hftrain.plan.rows import Plan
+from hftrain.plan.rows import Plan, Row
+from hftrain.plan.terms import IN_AXIS_ORDER, TERMS
 
 GB = 1e9
 
 
+def _row_dict(row: Row) -> dict[str, Any]:
+    """One row as plain data: its fields, with each term's axis size and figures (0 when it set none) as keys of
+    their own after the memory figures, then ``model_states`` and ``total``."""
+    data = dataclasses.asdict(row)
+    data.pop("sizes"), data.pop("figures")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat[key] = value
+        if key == "working":
+            flat.update({term.axis: row.size(term.axis) for term in IN_AXIS_ORDER})
+            flat.update({name: row.figures.get(name, 0.0) for term in IN_AXIS_ORDER for name in term.figures})
+    flat.update(model_states=row.model_states, total=row.total)
+    return flat
+
+
 def plan_dict(plan: Plan) -> dict[str, Any]:
     """The plan as plain data (bytes, seconds), with every formula."""
-    rows = []
-    for row in plan.rows:
-        data = dataclasses.asdict(row)
-        data.update(model_states=row.model_states, total=row.total)
-        rows.append(data)
+    rows = [_row_dict(row) for row in plan.rows]
     return {
         "model": {**dataclasses.asdict(plan.model), "axes": sorted(plan.model.axes)},
         "hardware": dataclasses.asdict(plan.hardware),
@@ -31,7 +43,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "activations": formulas.ACTIVATION_FORMULA,
             "communication": formulas.RING_FORMULA,
             "bubble": formulas.BUBBLE_FORMULA,
-            "all_to_all": formulas.ALL_TO_ALL_FORMULA,
+            **{name: text for term in IN_AXIS_ORDER for name, text in term.formulas.items()},
             **({"logits": formulas.LOGITS_FORMULA} if plan.model.causal_lm else {}),
         },
     }
@@ -117,8 +129,5 @@ def plan_table(plan: Plan) -> str:
         f"  communication: {formulas.RING_FORMULA}",
         f"  bubble: {formulas.BUBBLE_FORMULA}",
     ]
-    if m.moe:
-        lines.append(
-            f"  experts (per GPU /ep; all-to-all per MoE layer and micro-batch): {formulas.ALL_TO_ALL_FORMULA}"
-        )
+    lines += [f"  {line}" for term in TERMS for line in term.table_formulas(m)]
     return "\n".join(lines)

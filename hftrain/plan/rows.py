@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from hftrain.errors import ConfigError
+from hftrain.parallel.axes import SPEC
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ class Row:
         optimizer: optimizer-state bytes per GPU (fp32 master weights included).
         activations: bytes saved for backward per GPU.
         working: transient buffers (ZeRO-3/FSDP gathered layers, DeepSpeed's reduce bucket).
+        sizes: the sizes of the other axes (``hftrain.plan.terms``: context parallelism's c, expert parallelism's
+            e), by name; an axis absent is 1 (:meth:`size`).
+        figures: the terms' own per-GPU figures, by name (``AxisTerm.figures``: a MoE model's ``experts``, the
+            bytes of its routed experts' params, grads and Adam state on this GPU, and ``all_to_all``, the bytes
+            this GPU sends by all-to-all per MoE layer and micro-batch, forward + backward).
         cpu_per_node: bytes of CPU memory per node that offload needs.
         comm: bytes each GPU sends per optimizer step, per link class (``intra``, ``inter``, ``pcie``).
         comm_seconds: the step's communication time at the hardware's bandwidths (not overlapped).
@@ -95,10 +102,8 @@ class Row:
     optimizer: float
     activations: float
     working: float = 0.0
-    cp: int = 1  # context-parallel size: each GPU computes s/cp positions of every sequence
-    ep: int = 1  # expert-parallel size: a MoE model's routed experts split over ep dp ranks
-    experts: float = 0.0  # of the model states, the bytes of the routed experts (params, grads, Adam) on this GPU
-    all_to_all: float = 0.0  # bytes this GPU sends by all-to-all per MoE layer and micro-batch (forward + backward)
+    sizes: dict[str, int] = field(default_factory=dict)
+    figures: dict[str, float] = field(default_factory=dict)
     cpu_per_node: float = 0.0
     comm: dict[str, float] = field(default_factory=dict)
     comm_seconds: float = 0.0
@@ -120,10 +125,20 @@ class Row:
         """Per-GPU bytes: model states + activations + working buffers."""
         return self.model_states + self.activations + self.working
 
+    def size(self, axis: str) -> int:
+        """The size of one of the other axes (:attr:`sizes`; 1 when absent).
+
+        Args:
+            axis: an axis name of ``hftrain.parallel.axes.SPEC``.
+        """
+        return self.sizes.get(axis, 1)
+
     @property
     def model_split(self) -> int:
-        """GPUs that split one model replica's compute: ``tp · pp · cp`` (experts are split over dp ranks)."""
-        return self.tp * self.pp * self.cp
+        """GPUs that split one model replica's compute: ``tp · pp`` times the other axes not carved out of dp
+        (``tp · pp · cp``: experts are split over dp ranks)."""
+        carved = {axis for axis in self.sizes if SPEC[axis].carved_from}
+        return self.tp * self.pp * math.prod(size for axis, size in self.sizes.items() if axis not in carved)
 
 
 @dataclass
