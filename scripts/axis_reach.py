@@ -7,6 +7,12 @@ words), or a string literal that is the axis's name (``"cp"``) or a config key o
 axis declarations (``parallel/axes.py``, ``parallel/dims.py``), ``parallel/parallelize.py``, the family registry and
 the config schema count like any other file (issue 56: the cost of an axis lives there too).
 
+A family's own module (``parallel/families/<family>.py``) or a task's (``tasks/<task>.py``) that names the axis is
+listed apart, as a *declaration*: that family or task saying it cannot take the axis (``refusals={"cp": why}``,
+``megatron_axes_not_built``), as issue 56 asks a family module to hold its refusals. A new axis edits none of them;
+a family that cannot take it says so in its own file. The *shared* files are the cost of an axis (issue 56's goal:
+at most 4, ``tests/test_axis_reach.py``).
+
     python scripts/axis_reach.py            # cp and ep
     python scripts/axis_reach.py tp pp -v   # any axes, with the lines
     python scripts/axis_reach.py --rev 367dc3c  # as at another revision
@@ -55,6 +61,20 @@ def is_docstring(tokens: list[tokenize.TokenInfo], i: int) -> bool:
     return j < 0 or tokens[j].type in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT, tokenize.ENCODING)
 
 
+def is_declaration(rel: str) -> bool:
+    """Whether ``rel`` (relative to ``hftrain/``) is one family's or one task's own module (not a registry or a
+    record)."""
+    parts = rel.split("/")
+    if parts[:2] == ["parallel", "families"] and len(parts) == 3:
+        return parts[2] not in ("__init__.py", "family.py")
+    return parts[0] == "tasks" and len(parts) == 2 and parts[1] not in ("__init__.py", "record.py")
+
+
+def shared(found: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The files of :func:`reach` that are not a family's or a task's own declarations: the cost of the axis."""
+    return {rel: lines for rel, lines in found.items() if not is_declaration(rel)}
+
+
 def reach(axis: str, root: Path = ROOT) -> dict[str, list[int]]:
     """File (relative to ``hftrain/``) -> lines naming ``axis`` in code, outside the allowed files."""
     found: dict[str, list[int]] = {}
@@ -90,9 +110,12 @@ def main() -> None:
         subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
     for axis in args.axes:
         found = reach(axis, root)
-        print(f"{axis}: {len(found)} files")
+        cost = shared(found)
+        declared = {rel: lines for rel, lines in found.items() if rel not in cost}
+        print(f"{axis}: {len(cost)} shared files, {len(declared)} family/task modules declaring a refusal")
         for rel, lines in found.items():
-            print(f"  hftrain/{rel}" + (f": {', '.join(map(str, lines))}" if args.verbose else ""))
+            mark = "  (declares)" if rel in declared else ""
+            print(f"  hftrain/{rel}{mark}" + (f": {', '.join(map(str, lines))}" if args.verbose else ""))
     if args.rev:
         import shutil
 
