@@ -941,3 +941,16 @@ def test_the_planner_names_each_axis_beyond_tp_and_pp_in_its_own_term_module_onl
     assert keys[keys.index("working") + 1 : keys.index("working") + 5] == ["cp", "ep", "experts", "all_to_all"]
     assert (row["cp"], row["ep"], row["experts"], row["all_to_all"]) == (2, 1, 0.0, 0.0)
     assert "sizes" not in row and "figures" not in row
+
+
+def test_expert_parallel_rows_of_a_task_that_refuses_ep_are_formula_only(tmp_path):
+    """A task whose record does not run ep yet (token classification: ``megatron_axes_not_built``) gets ep > 1 rows
+    marked formula-only, as the trainer refuses them; its ep = 1 rows stay runnable."""
+    from transformers import MixtralConfig
+
+    MixtralConfig(**MIXTRAL_8X7B, num_labels=2).save_pretrained(tmp_path / "mixtral-8x7b")
+    model = model_from_config(str(tmp_path / "mixtral-8x7b"), task="token_classification")
+    hardware, work = Hardware(gpus_per_node=8, nodes=4), Workload(micro_batch=2, seq=4096, accumulation=4)
+    one, two = (model_parallel.estimate(2, 1, model, work, hardware, ep=ep) for ep in (1, 2))
+    assert one.runnable and not two.runnable
+    assert "formula only: hftrain's trainer takes no ep for model.task token_classification yet" in two.notes[0]

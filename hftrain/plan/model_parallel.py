@@ -211,7 +211,7 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         activations=_activations(model, local, hw, tp=tp, pp=pp, in_flight=in_flight, sp=sequence_parallel),
         sizes=sizes,
     )
-    given = {"tp": tp, "pp": pp, **{term.axis: sizes[term.axis] for term in mesh}}
+    given = {"tp": tp, "pp": pp, **sizes}  # every axis, carved ones too (a task's record may refuse ep)
     refused = [axis for axis, size in given.items() if size > 1 and axis not in model.axes]
     if refused:  # the family's registry entry (hftrain.parallel.families): what the trainer would refuse
         row.runnable = False
