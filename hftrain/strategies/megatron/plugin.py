@@ -64,7 +64,8 @@ class MegatronPlugin:
         parallelism: the axes' sizes and options (the job config's ``parallelism`` section,
             ``hftrain.config.ParallelismConfig``), passed to ``hftrain.parallel`` whole.
         shard_optimizer: ZeRO-1-style optimizer-state sharding over the dp group
-            (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+            (``torch.distributed.optim.ZeroRedundancyOptimizer``); with pipeline stages, each stage's optimizer over
+            that stage's dp group.
         recompute: activation recomputation, ``"full"``, ``"selective"`` or None.
     """
 
@@ -181,7 +182,8 @@ class MegatronPlugin:
         """The optimizer, sharded over dp when ``shard_optimizer``, wrapped so that it steps only at window ends.
 
         Args:
-            optimizer: built over the prepared model's (sharded) parameters.
+            optimizer: built over the prepared model's (sharded) parameters; under pipeline parallelism over this
+                rank's stages' only, so the dp group (the ranks holding the same stages and tp shard) shards them.
         """
         from accelerate.optimizer import AcceleratedOptimizer
 
