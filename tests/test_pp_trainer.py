@@ -249,7 +249,6 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], str, str
         "pp-with-sequence-parallel": (
             ["--tp", "2", "--pp", "2", "--sequence_parallel", "true"], "4", "parallelism.sequence_parallel with"
         ),
-        "pp-with-shard-optimizer": (["--pp", "2", "--shard_optimizer", "true"], "2", "strategy.shard_optimizer with"),
     }  # fmt: skip
 
 

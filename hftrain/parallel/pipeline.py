@@ -434,7 +434,6 @@ AXIS = AxisOps(  # the stages wrap the model (the runtime cuts them): no apply h
     check_family=_check_family,
     not_built={
         "lora": "pipeline stages",
-        "zero1": "the stages' optimizers are not sharded",
         "compile": "pipeline stages run their blocks through torch.distributed.pipelining's schedules, which compile "
         "per block does not reach yet",
     },

@@ -9,7 +9,7 @@ most loaded pipeline stage (model states: the first or the last; activations: st
   rest of the embeddings (replicated)
   on the first stage, (L/p)·Ψ_layer/t + the head (pooler, final norm, classifier) on the last, the larger of
   the two (p = 1: all of it); gradients the same; Adam state the same, or /dp with ``shard_optimizer``
-  (ZeRO-1, which hftrain runs at p = 1 only);
+  (ZeRO-1: each stage's optimizer sharded over its own dp group, at any p);
 - working memory: with m > 1 micro-batches per step, one micro-batch's gradient of the largest tensor is live
   beside the accumulated one while autograd adds it in (``grad += g``): V·h/t on a stage holding the embedding
   (measured: a 108 MiB embedding peaks at 222 MiB of gradient over 4 micro-batches; the layers' matrices are
@@ -167,8 +167,9 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
     local = work
     for term in TERMS:  # the positions one GPU holds
         local = term.local_work(local, sizes[term.axis])
-    # hftrain's pipeline stages do not split the sequence (nor run ZeRO-1): both at p = 1 only; a MoE model's tp plan
-    # (and ALBERT's: model.sequence_parallel, from the registry) refuses sequence parallelism
+    # hftrain's pipeline stages do not split the sequence: sequence parallelism at p = 1 only; a MoE model's tp plan
+    # (and ALBERT's: model.sequence_parallel, from the registry) refuses it. ZeRO-1 shards each stage's optimizer over
+    # that stage's dp group, at any p.
     sequence_parallel = (
         tp > 1
         and pp == 1
@@ -176,7 +177,7 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         and not model.moe
         and model.sequence_parallel
     )
-    shard_optimizer = dp > 1 and pp == 1 and all(term.keeps_shard_optimizer(sizes[term.axis]) for term in TERMS)
+    shard_optimizer = dp > 1 and all(term.keeps_shard_optimizer(sizes[term.axis]) for term in TERMS)
     in_flight = min(pp, work.accumulation)
     frame = Frame(model, work, local, hw, tp, pp, dp, sizes, sb, shard_optimizer)
     parts = [f"tp{tp}", *(t.label(sizes[t.axis]) for t in mesh), f"pp{pp}", f"dp{dp}"]

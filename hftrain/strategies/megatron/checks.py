@@ -47,7 +47,7 @@ def check_pipeline_training(parallelism: ParallelismConfig, training: TrainingCo
         parallelism.schedule, pp=parallelism.pp, virtual_stages=parallelism.virtual_stages, num_microbatches=micro
     )
     # What the pipeline stages do not implement yet: the stages rebuild full-length attention masks around
-    # sequence-sharded hidden states (ZeRO-1 with stages is the strategy's refusal).
+    # sequence-sharded hidden states.
     if parallelism.sequence_parallel and parallelism.pp > 1:
         raise ConfigError(
             "parallelism.sequence_parallel with parallelism.pp > 1 is not supported yet; use sequence_parallel: false"

@@ -64,7 +64,8 @@ class MegatronPlugin:
         parallelism: the axes' sizes and options (the job config's ``parallelism`` section,
             ``hftrain.config.ParallelismConfig``), passed to ``hftrain.parallel`` whole.
         shard_optimizer: ZeRO-1-style optimizer-state sharding over the dp group
-            (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+            (``torch.distributed.optim.ZeroRedundancyOptimizer``); with pipeline stages, each stage's optimizer over
+            that stage's dp group.
         recompute: activation recomputation, ``"full"``, ``"selective"`` or None.
     """
 
@@ -181,7 +182,8 @@ class MegatronPlugin:
         """The optimizer, sharded over dp when ``shard_optimizer``, wrapped so that it steps only at window ends.
 
         Args:
-            optimizer: built over the prepared model's (sharded) parameters.
+            optimizer: built over the prepared model's (sharded) parameters; under pipeline parallelism over this
+                rank's stages' only, so the dp group (the ranks holding the same stages and tp shard) shards them.
         """
         from accelerate.optimizer import AcceleratedOptimizer
 
@@ -284,19 +286,28 @@ def to_device(model: torch.nn.Module, device: Any) -> torch.nn.Module:
 
 
 def _zero_from(optimizer: torch.optim.Optimizer, dp_group: Any) -> Any:
-    """A ``ZeroRedundancyOptimizer`` of the same class, hyper-parameters and parameter groups."""
+    """A ``ZeroRedundancyOptimizer`` over ``dp_group`` of the same class, hyper-parameters and parameter groups.
+
+    Every group is passed to the constructor, an empty one too: a pipeline stage may hold no parameter of a group
+    (``OptimizerPlan.build`` keeps it so that the groups line up across stages in the checkpoint), and ZeRO's
+    constructor refuses an empty parameter list, not an empty group. Within each group the parameters are dealt to
+    the dp ranks largest first, each to the rank holding the fewest elements so far (ZeRO's greedy partition): each
+    rank's local optimizer keeps Adam's moments of ~1/dp of the elements, and after its step each owner broadcasts
+    its updated parameters over ``dp_group`` (one broadcast per parameter, ``ZeroRedundancyOptimizer.step``).
+
+    Args:
+        optimizer: built over the prepared model's (sharded) parameters, no state yet.
+        dp_group: the ranks holding the same parameters (this stage's and tp shard's data replicas).
+    """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    first, *others = optimizer.param_groups
-    zero = ZeroRedundancyOptimizer(
-        first["params"],
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(
+        groups,
         optimizer_class=type(optimizer),
         process_group=dp_group,
-        **_group_options(first, type(optimizer)),
+        **_group_options(groups[0], type(optimizer)),
     )
-    for group in others:
-        zero.add_param_group(dict(group))
-    return zero
 
 
 def _group_options(group: dict[str, Any], optimizer_class: type) -> dict[str, Any]:

@@ -6,9 +6,12 @@ padding left out; experts' ranges along ep), a whole one the whole tensor; Adam'
 parameter. The ranks holding the same box (``ParallelGroups.holders``: its data replicas, and the tp ranks unless tp
 cuts it) deal the writes out among themselves (``split_replicated``), and a weight several pipeline stages hold a
 copy of is written by its primary copy's stage (``Placement.primary``), so each piece is written once, from live
-memory, with no gather: a rank's save costs its own state. Under ``shard_optimizer`` (ZeRO-1 over dp) each dp rank
-writes the moments of the parameters it owns. Load (:func:`load_snapshot`): the same boxes, filled in place from a
-checkpoint of any strategy and layout (``hftrain.checkpoint.sharded``). :func:`iter_full_state` streams the full
+memory, with no gather: a rank's save costs its own state. Under ``shard_optimizer`` (ZeRO-1 over dp; with pipeline
+stages, each stage's optimizer over that stage's dp group) each dp rank writes the moments of the parameters it owns,
+whole: the boxes are the parameters' own, so the checkpoint does not record who owned them. Load
+(:func:`load_snapshot`): the same boxes, filled in place from a checkpoint of any strategy and layout
+(``hftrain.checkpoint.sharded``): under ZeRO-1 a rank fills the moments it owns, without it every moment of its
+parameters, whether the writer sharded them or not. :func:`iter_full_state` streams the full
 weights to rank 0 one tensor at a time for the export; :func:`merged_weights` gathers them all (LoRA's adapter
 export).
 

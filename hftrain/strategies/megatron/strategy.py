@@ -12,7 +12,7 @@ Refused up front, before any process group: a ``tp`` that does not divide the wo
 an unsupported model family, LoRA with pipeline, context or expert parallelism (LoRA's adapters are split with
 their layers under tp, ``hftrain.parallel.lora``; stages, context and expert parallelism do not handle them yet),
 ``ep`` on a dense model or one that does not divide the experts and dp, ``ep`` with pipeline or context
-parallelism or ZeRO-1 (``shard_optimizer`` would mix experts of different ranks), ZeRO-1 with stages, and another
+parallelism or ZeRO-1 (``shard_optimizer`` would mix experts of different ranks), and another
 strategy's options (FSDP/DeepSpeed settings).
 """
 
