@@ -329,17 +329,24 @@ def apply_context_parallel(
         cp_group: the context-parallel process group.
         comm: ``"ring"`` or ``"all_to_all"``.
     """
+    from hftrain.parallel.lora import hf_model_of
+
     _register()
     batch = _Batch(cp_group, comm)
     for module in model.modules():
         module.context_parallel_batch = batch
-    model.set_attn_implementation(ATTENTION_NAME)
+    # inside a PeftModel (LoRA), the transformers model: its ``base_model`` is the trunk (the PeftModel's is PEFT's
+    # LoraModel), and the trunk adapter's paths name its modules; LoRA's layers stay inside the split attention
+    hf_model = hf_model_of(model)
+    hf_model.set_attn_implementation(ATTENTION_NAME)
     split = model.context_split = ContextSplit(batch)
-    base = model.base_model
-    inputs = _SplitInputs(split, trunk, trunk.embed_modules(model), base, packed=per_token)
+    if hf_model is not model:  # also on the transformers model: whichever of the two the caller unwraps to
+        hf_model.context_split = split
+    base = hf_model.base_model
+    inputs = _SplitInputs(split, trunk, trunk.embed_modules(hf_model), base, packed=per_token)
     base.register_forward_pre_hook(inputs, with_kwargs=True)
     if not per_token:  # a classifier: the whole sequences again after the last layer
-        trunk.layers(model)[-1].register_forward_hook(inputs.gather)
+        trunk.layers(hf_model)[-1].register_forward_hook(inputs.gather)
         base.register_forward_hook(inputs.whole, always_call=True)
     return model
 
@@ -470,7 +477,6 @@ AXIS = AxisOps(
     padding_multiple=lambda dims, options: 2 * dims.cp if dims.cp > 1 else 1,  # 2·cp equal zigzag chunks
     apply=_apply,
     not_built={
-        "lora": "context parallelism",
         "compile": "context parallelism's ring attention exchanges key/value blocks by point-to-point sends inside "
         "each block's attention, which dynamo cannot trace",
     },
