@@ -10,7 +10,8 @@ attention (and the head in ``modules_to_save``), the global batch 8 everywhere:
 Each run is stopped at step 8 and resumed to 10 (``save_steps`` 4): every step's loss, the learning rates, the
 evaluation and the adapter weights equal the 1-process LoRA run within 1e-5, only adapters and the head moved, and
 the run's export is a standard PEFT adapter (no expert weights) that ``PeftModel.from_pretrained`` loads onto the
-base model, with the same weights and logits as the reference's export.
+base model, with the same weights and logits as the reference's export. In one process: the megatron strategy takes
+``use_lora`` at cp=2 and at ep=2, and ``hftrain plan``'s LoRA rows of those layouts are runnable, not formula-only.
 """
 
 from __future__ import annotations

@@ -322,7 +322,8 @@ def apply_context_parallel(
     task head's per-token trait.
 
     Args:
-        model: the model (possibly tensor-parallel already: attention sees this rank's heads).
+        model: the model (possibly tensor-parallel already: attention sees this rank's heads), or a ``PeftModel``
+            wrapping one (LoRA: the hooks go on the transformers model inside; the adapters are replicated over cp).
         trunk: the family's trunk adapter (``embed_modules``, ``layers``, ``position_ids``): what the hooks attach to.
         per_token: the task head's output is per token (a causal LM's logits: nothing is gathered, the loss sums over
             cp) rather than per sequence (a classifier's: the hidden states are gathered after the last layer).
