@@ -273,3 +273,32 @@ def _initial_weights() -> dict[str, torch.Tensor]:
     set_seed(42)
     model = tiny_model_init("llama", lora_options=LLAMA_LORA, num_layers=LAYERS, max_positions=64)()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------- the planner offers what trains
+def test_lora_plan_rows_are_runnable_exactly_when_the_trainer_takes_them(tmp_path):
+    """A LoRA row (``--lora-rank``) is runnable exactly when the megatron strategy's model check with
+    ``use_lora=True`` accepts its layout: pp and tp rows are, cp rows are formula only (LoRA with cp is not built)."""
+    from hftrain.errors import ConfigError
+    from hftrain.plan import Hardware, Workload, model_from_config, model_parallel
+    from hftrain.strategies import LaunchInfo, strategy_from_options
+    from hftrain.strategies.platform import Platform
+
+    config = tiny_config("llama", num_layers=LAYERS)
+    config.save_pretrained(tmp_path / "llama")
+    model = model_from_config(str(tmp_path / "llama"))
+    for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 2, 2)):
+        row = model_parallel.estimate(tp, pp, model, Workload(lora_rank=4, dropout=False), Hardware(), cp=cp)
+        options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
+        launch = LaunchInfo(world_size=tp * pp * cp, local_world_size=tp * pp * cp)
+        strategy = strategy_from_options("megatron", options, launch=launch, platform=Platform("cpu", "gloo"))
+        try:
+            strategy.check_model(config, use_lora=True)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        assert row.runnable == accepted == (cp == 1), (tp, pp, cp, row.notes)
+        if not accepted:
+            assert any("no LoRA with cp" in note for note in row.notes), row.notes
+        full = model_parallel.estimate(tp, pp, model, Workload(dropout=False), Hardware(), cp=cp)
+        assert full.runnable  # the same layout without LoRA trains
