@@ -119,7 +119,7 @@ def parallelize_model(
 
             raise AxisError(
                 axis,
-                f"LoRA adapters with {what} ({axis}={size}) are not supported yet (LoRA runs under tp and dp); use "
+                f"LoRA adapters with {what} ({axis}={size}) are not supported yet (LoRA runs under tp, pp and dp); use "
                 f"{axis} = 1, or train the full model",
             )
     for _, ops in declared():

@@ -22,6 +22,14 @@ them (and rotary embeddings) instead of sending them. Parameters keep their HF n
 Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` style: Megatron's
 interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` style); see
 :func:`chunk_ids_of_rank`.
+
+A PEFT model (LoRA) is cut the same way: the family's paths are its HF model's (``hftrain.parallel.lora.hf_model_of``),
+whose layers hold PEFT's ``lora.Linear`` modules (``y = x Wᵀ + s · B A x``, split with their base under tp) and whose
+head is PEFT's ``modules_to_save`` wrapper (the classifier's trainable copy); so each chunk keeps its own layers'
+adapters and the last one the head's copy, and every parameter keeps its PEFT name (``base_model.model.…``) for the
+checkpoint and the adapter export. Nothing crosses the stages that the full model's pipeline does not send: the
+activations ``hidden`` and their gradients. Frozen base weights take no gradient, so they need no optimizer state and
+no gradient completion (``hftrain.parallel.placement.complete_grads`` skips them).
 """
 
 from __future__ import annotations
