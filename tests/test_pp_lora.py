@@ -6,7 +6,8 @@ One 4-process launch and one 1-process launch for the references:
   the evaluation and the gathered weights equal one process within 1e-5; only the adapters and the head's
   ``modules_to_save`` copy move; the optimizer holds state for those alone and no frozen weight takes a gradient; a
   run stopped at step 8 and resumed equals the uninterrupted one; its export is a PEFT adapter folder that
-  ``PeftModel.from_pretrained`` loads, equal to the 1-process run's export (keys, tensors, config, logits);
+  ``PeftModel.from_pretrained`` loads, equal to the 1-process run's export (keys, tensors, config, logits); its
+  checkpoint of step 8 resumes on one process equal to continuing at tp=2 × pp=2;
 - pp=2 × dp=2, a BERT sequence classifier (PEFT's default query/value adapters, gpipe) and a Llama causal LM with
   adapters (the pipeline's LM head on a PEFT model, no head to save): losses and evaluation equal one process.
 
@@ -149,7 +150,13 @@ def _one(root: str) -> dict:
     export = lambda t: _export(t, f"{root}/one/model", megatron=False)  # noqa: E731
     llama = run_tiny_training(output_dir=f"{root}/one", inspect=export, return_weights=True, **CLASSIFIER)
     bert = run_tiny_training(kind="bert", micro=8, steps=10, num_layers=LAYERS, lora_options=BERT_LORA)
-    return {"llama": llama, "bert": bert, "lm": _run_lm(micro=8)}
+    lm = _run_lm(micro=8)
+    # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
+    at_one = run_tiny_training(
+        output_dir=f"{root}/at_one", strategy="megatron", strategy_options={"tp": 1}, return_weights=True,
+        resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", trust_external_checkpoint=True, **CLASSIFIER,
+    )  # fmt: skip
+    return {"llama": llama, "bert": bert, "lm": lm, "at_one": at_one}
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +207,16 @@ def test_only_adapters_and_the_head_have_optimizer_state_and_gradients(runs):
 @pytest.mark.distributed
 def test_lora_at_tp2_pp2_resumed_equals_uninterrupted(runs):
     assert_resumed_equals_uninterrupted(runs["four"])
+
+
+@pytest.mark.distributed
+def test_lora_tp2_pp2_checkpoint_resumes_on_one_process(runs):
+    """The tp=2 × pp=2 checkpoint of step 8 (adapters under PEFT's names, merged from the shards and stages) resumes on
+    one process (tp = pp = 1) equal to continuing at tp=2 × pp=2."""
+    full, at_one = runs["four"][0]["full"], runs["one"]["at_one"]
+    assert at_one["global_step"] == 12
+    assert at_one["losses"] == pytest.approx(full["losses"], rel=1e-5)
+    assert_same_weights(at_one["weights"], full["weights"], atol=1e-5)
 
 
 @pytest.mark.distributed
