@@ -9,7 +9,8 @@ One 4-process launch and one 1-process launch for the references:
   ``PeftModel.from_pretrained`` loads, equal to the 1-process run's export (keys, tensors, config, logits); its
   checkpoint of step 8 resumes on one process equal to continuing at tp=2 × pp=2;
 - pp=2 × dp=2, a BERT sequence classifier (PEFT's default query/value adapters, gpipe) and a Llama causal LM with
-  adapters (the pipeline's LM head on a PEFT model, no head to save): losses and evaluation equal one process.
+  adapters (the pipeline's LM head on a PEFT model, no head to save), and a GPT-2 causal LM (tied embeddings, frozen,
+  on the first and last stage) at tp=2 × pp=2: losses and evaluation equal one process.
 
 The refusal that LoRA under pp replaced is pinned in ``tests/test_megatron.py`` by another one (LoRA with cp).
 """
@@ -93,8 +94,9 @@ def _lm_splits():
     return DatasetDict(train=Dataset.from_dict({"text": docs[:64]}), validation=Dataset.from_dict({"text": docs[64:]}))
 
 
-def _run_lm(*, micro: int, strategy: str = "ddp", options: dict | None = None) -> dict:
-    """A tiny Llama causal LM with adapters on q/v (PEFT's CAUSAL_LM: no head saved), 5 steps."""
+def _run_lm(*, kind: str = "llama", micro: int, strategy: str = "ddp", options: dict | None = None) -> dict:
+    """A tiny causal LM with PEFT's default adapters (Llama: q/v; GPT-2: ``c_attn``, its embeddings tied) under
+    PEFT's CAUSAL_LM task (no head saved), 5 steps."""
     from hftrain.cli import launch_info_from_environ
     from hftrain.config import LoraConfig, TrainingConfig
     from hftrain.data.language import pack_splits
@@ -106,7 +108,7 @@ def _run_lm(*, micro: int, strategy: str = "ddp", options: dict | None = None) -
     def model_init():
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(tiny_config("llama", num_layers=LAYERS, max_positions=2 * BLOCK))
+        model = AutoModelForCausalLM.from_config(tiny_config(kind, num_layers=LAYERS, max_positions=2 * BLOCK))
         return apply_lora(model, LoraConfig(use_lora=True, lora_r=4), task="causal_lm")
 
     reset_accelerate_state()
@@ -143,20 +145,22 @@ def _four(root: str) -> dict:
     bert = run_tiny_training(kind="bert", micro=4, steps=10, num_layers=LAYERS, lora_options=BERT_LORA,
                              strategy="megatron", strategy_options=PP2_DP2, inspect=_trained_parameters)  # fmt: skip
     lm = _run_lm(micro=4, strategy="megatron", options=PP2_DP2)
-    return {"full": full, "part": part, "resumed": resumed, "bert": bert, "lm": lm}
+    # tied input/output embeddings, frozen: the first and last stage's copies take no gradient to sum
+    tied = _run_lm(kind="gpt2", micro=8, strategy="megatron", options=TP2_PP2)
+    return {"full": full, "part": part, "resumed": resumed, "bert": bert, "lm": lm, "lm_tied": tied}
 
 
 def _one(root: str) -> dict:
     export = lambda t: _export(t, f"{root}/one/model", megatron=False)  # noqa: E731
     llama = run_tiny_training(output_dir=f"{root}/one", inspect=export, return_weights=True, **CLASSIFIER)
     bert = run_tiny_training(kind="bert", micro=8, steps=10, num_layers=LAYERS, lora_options=BERT_LORA)
-    lm = _run_lm(micro=8)
+    lm, tied = _run_lm(micro=8), _run_lm(kind="gpt2", micro=8)
     # Last: the one-process megatron run starts a process group, which the DDP references above must not see.
     at_one = run_tiny_training(
         output_dir=f"{root}/at_one", strategy="megatron", strategy_options={"tp": 1}, return_weights=True,
         resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", trust_external_checkpoint=True, **CLASSIFIER,
     )  # fmt: skip
-    return {"llama": llama, "bert": bert, "lm": lm, "at_one": at_one}
+    return {"llama": llama, "bert": bert, "lm": lm, "lm_tied": tied, "at_one": at_one}
 
 
 @pytest.fixture(scope="module")
@@ -255,10 +259,12 @@ def test_lora_bert_at_pp2_dp2_matches_lora_on_one_process(runs):
 
 
 @pytest.mark.distributed
-def test_lora_causal_lm_at_pp2_dp2_matches_lora_on_one_process(runs):
+@pytest.mark.parametrize("case", ["lm", "lm_tied"], ids=["llama-pp2-dp2", "gpt2-tied-tp2-pp2"])
+def test_lora_causal_lm_under_pp_matches_lora_on_one_process(runs, case):
     for rank in runs["four"]:
-        _assert_equal_runs(rank["lm"], runs["one"]["lm"], 5)
-        assert all(".lora_" in n for n in rank["lm"]["trainable"])  # CAUSAL_LM: no head trained
+        _assert_equal_runs(rank[case], runs["one"][case], 5)
+        assert all(".lora_" in n for n in rank[case]["trainable"])  # CAUSAL_LM: no head trained
+        assert rank[case]["optimized"] == rank[case]["trainable"] and rank[case]["frozen_with_grad"] == []
 
 
 # ----------------------------------------------------------------- helpers
