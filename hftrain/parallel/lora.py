@@ -38,6 +38,9 @@ adapters PEFT created on the full model, identical on every rank.
 Not supported under tensor parallelism, refused by :func:`check_lora_layers`: LoRA variants (DoRA...), LoRA biases,
 and LoRA on anything but a linear layer (e.g. the vocabulary-parallel embedding).
 
+Under pipeline parallelism nothing here changes: the stages are cut from the PEFT model's HF model
+(:func:`hf_model_of`, ``hftrain.parallel.pipeline``), each keeping its layers' (split) adapters.
+
 Dropout (``lora_dropout``) draws from the RNG tracker's streams (``hftrain.parallel.random``) as Megatron would:
 under a column-parallel base it drops the replicated input every tp rank holds whole (the shared ``default``
 stream, also inside a region), under a row-parallel base it drops this rank's own input features (its ``tensor``

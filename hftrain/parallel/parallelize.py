@@ -119,8 +119,8 @@ def parallelize_model(
 
             raise AxisError(
                 axis,
-                f"LoRA adapters with {what} ({axis}={size}) are not supported yet (LoRA runs under tp and dp); use "
-                f"{axis} = 1, or train the full model",
+                f"LoRA adapters with {what} ({axis}={size}) are not supported yet (that axis does not take "
+                f"adapters yet); use {axis} = 1, or train the full model",
             )
     for _, ops in declared():
         model = ops.apply(model, groups, given, head=head, rng_tracker=rng_tracker)

@@ -22,6 +22,14 @@ them (and rotary embeddings) instead of sending them. Parameters keep their HF n
 Chunk ``c`` of ``pp · virtual_stages`` lives on pipeline rank ``c % pp`` (the ``"loop"`` style: Megatron's
 interleaved assignment) or, for ZBV, down the ranks and back up (the ``"v"`` style); see
 :func:`chunk_ids_of_rank`.
+
+A PEFT model (LoRA) is cut the same way: the family's paths are its HF model's (``hftrain.parallel.lora.hf_model_of``),
+whose layers hold PEFT's ``lora.Linear`` modules (``y = x Wᵀ + s · B A x``, split with their base under tp) and whose
+head is PEFT's ``modules_to_save`` wrapper (the classifier's trainable copy); so each chunk keeps its own layers'
+adapters and the last one the head's copy, and every parameter keeps its PEFT name (``base_model.model.…``) for the
+checkpoint and the adapter export. Nothing crosses the stages that the full model's pipeline does not send: the
+activations ``hidden`` and their gradients. Frozen base weights take no gradient, so they need no optimizer state and
+no gradient completion (``hftrain.parallel.placement.complete_grads`` skips them).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from hftrain.errors import AxisError, ConfigError
 from hftrain.parallel.axis_ops import AxisOps
+from hftrain.parallel.lora import hf_model_of
 
 if TYPE_CHECKING:
     import torch
@@ -180,6 +189,7 @@ def stage_ranges(
     """
     from hftrain.parallel.families import stages_of
 
+    model = hf_model_of(model)
     family = stages_of(model, head)
     layers = family.layers(model)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
@@ -214,6 +224,7 @@ def other_stages_modules(
     """
     from hftrain.parallel.families import stages_of
 
+    outer, model = model, hf_model_of(model)  # a PEFT model's paths carry its prefix
     family = stages_of(model, head)
     owned = chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, style=style)
     kept = {i for c in owned for i in ranges[c]}
@@ -225,7 +236,8 @@ def other_stages_modules(
         # an embedding whose weight the head shares (tied input/output embeddings) is built where the head is
         tied = _tied_to_head(model, family, paths) if len(ranges) - 1 in owned else set()
         others += [m for m in family.embed_modules(model).values() if id(m) not in tied]
-    return [paths[id(module)] for module in others if any(True for _ in module.parameters())]
+    outer_paths = {id(module): name for name, module in outer.named_modules()}
+    return [outer_paths[id(module)] for module in others if any(True for _ in module.parameters())]
 
 
 def _tied_to_head(model: torch.nn.Module, family: Any, paths: dict[int, str]) -> set[int]:
@@ -284,6 +296,8 @@ def build_stage_modules(
     from hftrain.parallel.families import expert_plan_for, stages_of
     from hftrain.parallel.stages import PipelineChunk
 
+    hf_names = {id(p): name for name, p in model.named_parameters()}  # a PEFT model's names (its prefix)
+    model = hf_model_of(model)  # the family's paths are the HF model's
     family = stages_of(model, head)
     layers = family.layers(model)
     experts = expert_plan_for(model.config)  # a mixture of experts: its router loss spans the stages
@@ -291,7 +305,6 @@ def build_stage_modules(
     embed, head_modules = family.embed_modules(model), family.head_modules(model)
     if ranges is None:
         ranges = stage_ranges(model, pp=pp, virtual_stages=virtual_stages, balance=balance, head=head)
-    hf_names = {id(p): name for name, p in model.named_parameters()}
     chunks = []
     for c in chunk_ids_of_rank(pp_rank, pp=pp, virtual_stages=virtual_stages, style=style):
         first, last = c == 0, c == len(ranges) - 1
@@ -377,6 +390,7 @@ def place_stage_copies(
 
 def tied_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
     """The weight a model's input embedding and output projection share (GPT-2's, SmolLM2's), else None."""
+    model = hf_model_of(model)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if embed is None or head is None or getattr(head, "weight", None) is not getattr(embed, "weight", 0):
@@ -433,7 +447,6 @@ AXIS = AxisOps(  # the stages wrap the model (the runtime cuts them): no apply h
     check_model=_check_model,
     check_family=_check_family,
     not_built={
-        "lora": "pipeline stages",
         "compile": "pipeline stages run their blocks through torch.distributed.pipelining's schedules, which compile "
         "per block does not reach yet",
     },

@@ -226,6 +226,10 @@ def estimate(tp: int, pp: int, model: ModelSpec, work: Workload, hw: Hardware, *
         row.runnable = False
         axes = " with ".join(unbuilt[0])
         row.notes.append(f"formula only: hftrain's trainer takes no {axes} for model.task {model.task} yet")
+    lora_unbuilt = _lora_not_built({"tp": tp, "pp": pp, **sizes}) if work.lora_rank else []
+    if lora_unbuilt and row.runnable:  # each axis's AxisOps.not_built (none refuses LoRA today)
+        row.runnable = False
+        row.notes.append(f"formula only: hftrain's trainer takes no LoRA with {'/'.join(lora_unbuilt)} yet")
     row.working = _accumulation_transient(model, tp, pp, work, trained < stage) * sb.grads
     row.bubble = formulas.pipeline_bubble(pp, work.accumulation)
     row.comm = _communication(model, tp, pp, frame.replicas, dense * sb.grads, local, hw)
@@ -258,6 +262,14 @@ def _activations(
         return activation_bytes(model, work, hw, layers=first_layers, in_flight=in_flight, **common)
     first = activation_bytes(model, work, hw, layers=first_layers, in_flight=in_flight, logits=False, **common)
     return max(first, activation_bytes(model, work, hw, layers=last_layers, in_flight=1, **common))
+
+
+def _lora_not_built(sizes: Mapping[str, int]) -> list[str]:
+    """The axes in use (size > 1) that LoRA adapters do not compose with yet (each axis's ``AxisOps.not_built``, what
+    the megatron strategy refuses ``lora.use_lora`` with)."""
+    from hftrain.parallel.axis_ops import declared
+
+    return [spec.name for spec, ops in declared() if sizes.get(spec.name, 1) > 1 and "lora" in ops.not_built]
 
 
 def _accumulation_transient(model: ModelSpec, tp: int, pp: int, work: Workload, lora: bool) -> float:

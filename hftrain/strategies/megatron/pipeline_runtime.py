@@ -21,6 +21,14 @@ over tp then pp, checkpoint state and export merged over the stages, the evaluat
 - evaluation is a forward-only pass through the pipeline whose logits are broadcast over the pp group, then
   gathered over dp as under tensor parallelism (each example once);
 - each checkpoint also renders the last optimizer step's timeline (``pipeline_timeline.png``/``.json``).
+
+A LoRA model (a ``peft.PeftModel``) runs unchanged: its stages are cut from the HF model inside it, each with its
+layers' adapters (``hftrain.parallel.pipeline``); the optimizer is rebuilt over this rank's trainable parameters only
+(the adapters, and the head's ``modules_to_save`` copy on the last stage: what the Trainer's optimizer held), so the
+frozen base weights carry no Adam state and no gradient all-reduce; the checkpoint boxes and the export gather keep
+PEFT's names, so the export is a standard adapter folder. The model is built whole on every rank before the cut under
+LoRA (``hftrain.models.PretrainedBuilder``: the adapters' random initialisation must be the whole model's), then the
+other stages are released.
 """
 
 from __future__ import annotations

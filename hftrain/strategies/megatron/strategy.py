@@ -9,8 +9,9 @@ The Trainer runs through :class:`~hftrain.strategies.megatron.runtime.MegatronRu
 :class:`~hftrain.strategies.megatron.pipeline_runtime.PipelineRuntime` (stages and a schedule).
 
 Refused up front, before any process group: a ``tp`` that does not divide the world size or the model's sizes,
-an unsupported model family, LoRA with pipeline, context or expert parallelism (LoRA's adapters are split with
-their layers under tp, ``hftrain.parallel.lora``; stages, context and expert parallelism do not handle them yet),
+an unsupported model family, LoRA with an axis whose module does not take adapters yet (none today: they are split
+with their layers under tp, ``hftrain.parallel.lora``, each pipeline stage keeps its layers' adapters, cp and ep
+replicate them),
 ``ep`` on a dense model or one that does not divide the experts and dp, ``ep`` with pipeline or context
 parallelism or ZeRO-1 (``shard_optimizer`` would mix experts of different ranks), and another
 strategy's options (FSDP/DeepSpeed settings).
@@ -110,8 +111,8 @@ class MegatronStrategy(Strategy):
                 )
         for axis, size, what in not_built(self.dims, "lora") if use_lora else ():
             raise ConfigError(
-                f"lora.use_lora with parallelism.{axis}={size} is not supported yet (LoRA runs under megatron's tp "
-                f"and dp, not {what}); use {axis}: 1, or train the full model"
+                f"lora.use_lora with parallelism.{axis}={size} is not supported yet (LoRA's adapters are not built "
+                f"into {what} yet); use {axis}: 1, or train the full model"
             )
         with named_by_config():
             check_model(model_config, self.dims, head=record.pipeline_head, **axis_options(self.parallelism))
