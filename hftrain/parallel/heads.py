@@ -306,9 +306,14 @@ class CausalLMHead(StageHead):
         return {"lm_head": model.get_output_embeddings()}
 
     def embed(self, trunk: Any, mods: Any, config: Any, *args: torch.Tensor, split: Any = None) -> tuple:
-        """Token ids and their positions to ``(hidden, position_ids)``."""
+        """Token ids and their positions to ``(hidden, position_ids)``; under context parallelism (``split``) this
+        rank's positions embedded, and the whole sequences' position ids passed on (every chunk finds the documents
+        from them, ``ContextSplit.attend_packed``)."""
         input_ids, position_ids = args
-        return trunk.embed(mods, config, input_ids, None, positions=position_ids), position_ids
+        if split is None:
+            return trunk.embed(mods, config, input_ids, None, positions=position_ids), position_ids
+        local = split.positions(input_ids.shape[1], input_ids.device)
+        return trunk.embed(mods, config, input_ids[:, local], None, positions=position_ids[:, local]), position_ids
 
     def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, *carried: Any, reduce=None):
         """The output projection on every position: logits ``[b, s, vocabulary (slice)]``."""
@@ -356,11 +361,14 @@ class TokenClassificationHead(StageHead):
         return mods["classifier"](mods["dropout"](hidden))
 
     def output(self, output: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
-        """``TokenClassifierOutput(loss, logits)`` with transformers' ``ForTokenClassification`` loss."""
+        """``TokenClassifierOutput(loss, logits)`` with transformers' ``ForTokenClassification`` loss; ``loss`` None
+        where ``output`` holds a context-parallel rank's positions ``[b, S/cp, n]`` of the labels' ``[b, S]``: a mean
+        over one rank's part is not the model's loss (the task's loss takes this rank's labels and sums over cp)."""
         from transformers.loss.loss_utils import ForTokenClassification
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        loss = None if labels is None else ForTokenClassification(output, labels, config)
+        whole = labels is not None and labels.shape[1] == output.shape[1]
+        loss = ForTokenClassification(output, labels, config) if whole else None
         return TokenClassifierOutput(loss=loss, logits=output)
 
 
