@@ -286,9 +286,12 @@ class CausalLMHead(StageHead):
     The activation tuple is ``(hidden [b, s, h], position_ids [b, s])``: packed blocks hold whole documents whose
     positions restart at each one and carry no attention mask, so every chunk builds its masks from the positions
     (transformers' ``create_causal_mask(..., attention_mask=None, position_ids=...)``: block-diagonal causal, as the
-    unsharded model masks them) and the rotary embeddings from the same positions. The last chunk returns this rank's
-    logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's slice of it; Gemma-2/3's
-    final soft-capping ``c · tanh(z / c)`` applied, as their ``*ForCausalLM``); the task computes the loss from them.
+    unsharded model masks them) and the rotary embeddings from the same positions. Under context parallelism the
+    hidden states are this cp rank's positions ``[b, S/cp, h]`` and the position ids stay the whole sequences'
+    ``[b, S]``, from which each chunk finds every local token's document (``ContextSplit.attend_packed``). The last
+    chunk returns this rank's logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's
+    slice of it; Gemma-2/3's final soft-capping ``c · tanh(z / c)`` applied, as their ``*ForCausalLM``); the task
+    computes the loss from them.
 
     Args:
         config: the model's config (``final_logit_softcapping``).
