@@ -164,11 +164,13 @@ def test_pp2_cp2_stopped_resumed_and_exported_equals_one_process(runs, task):
         assert resumed["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
         assert resumed["metrics"] == pytest.approx(ref["metrics"], rel=1e-5, abs=1e-6)
         worst = max(worst, *(abs(a - b) for a, b in zip(resumed["losses"], ref["losses"], strict=True)))
-    print(f"\n{task} pp2 × cp2, stopped at {STOP} and resumed to {STEPS}: largest loss difference {worst:.1e}")
     weights = runs["four"][0][task]["resumed"]["weights"]
     assert weights is not None and weights.keys() == ref["weights"].keys()
     for name, tensor in ref["weights"].items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    moved = max((weights[n] - t).abs().max().item() for n, t in ref["weights"].items())
+    print(f"\n{task} pp2 × cp2, stopped at {STOP} and resumed to {STEPS}: largest loss difference {worst:.1e}, "
+          f"largest exported weight difference {moved:.1e}")  # fmt: skip
 
 
 @pytest.mark.parametrize("task", list(TASKS))
