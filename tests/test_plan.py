@@ -9,8 +9,8 @@
   saves for backward (``saved_tensors_hooks``) within 25 % of the activation estimate.
 - ``--write-configs``: the written files start a real 2-process run (zero2, megatron tp2 and pp2).
 - Bad input: one line, exit code 2, nothing written; "nothing fits" is an answer.
-- Language models (``--task causal_lm``): the logits term s·b·V'·(e + 4)/t, the lm_head counted (tied once), pp/cp rows
-  formula-only, ``model.task`` written, the activations against a tiny Llama LM's saved tensors.
+- Language models (``--task causal_lm``): the logits term s·b·V'·(e + 4)/t, the lm_head counted (tied once), pp·cp rows
+  runnable, ``model.task`` written, the activations against a tiny Llama LM's saved tensors.
 """
 
 from __future__ import annotations
@@ -791,17 +791,16 @@ def test_language_model_parameters_count_the_lm_head_once_when_tied(tmp_path):
 
 
 def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tmp_path):
-    """megatron pp with cp does not train a language model yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``): those rows are
-    formula-only under ``causal_lm``, and a row is runnable exactly when the megatron strategy's model check with
-    ``task="causal_lm"`` accepts its layout; the same layouts of the classifier stay runnable."""
-    from hftrain.errors import ConfigError
+    """A language model's row is runnable exactly when the megatron strategy's model check with ``task="causal_lm"``
+    accepts its layout: every layout here, pp with cp included (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT`` is empty since
+    pp × cp trains a per-token loss, issue 57); the same layouts of the classifier are runnable too."""
     from hftrain.plan.common import activation_bytes, logits_bytes
     from hftrain.strategies import LaunchInfo, strategy_from_options
     from hftrain.strategies.platform import Platform
 
     folder, config = _tiny_lm(tmp_path)
     lm, classifier = model_from_config(folder, task="causal_lm"), model_from_config(folder)
-    assert lm.refused_layouts == (("pp", "cp"),) and not classifier.refused_layouts
+    assert lm.refused_layouts == () and not classifier.refused_layouts
     for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)):
         row = model_parallel.estimate(tp, pp, lm, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
         options = {"tp": tp, "pp": pp, "cp": cp, **({"num_microbatches": 2} if pp > 1 else {})}
@@ -811,14 +810,8 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
             launch=LaunchInfo(world_size=tp * pp * cp, local_world_size=tp * pp * cp),
             platform=Platform("cpu", "gloo"),
         )
-        try:
-            strategy.check_model(config, use_lora=False, task="causal_lm")
-            accepted = True
-        except ConfigError:
-            accepted = False
-        assert row.runnable == accepted == (pp == 1 or cp == 1), (tp, pp, cp)
-        if not accepted:
-            assert any("model.task causal_lm" in note for note in row.notes), row.notes
+        strategy.check_model(config, use_lora=False, task="causal_lm")  # accepted (a ConfigError otherwise)
+        assert row.runnable and not any("formula only" in note for note in row.notes), (tp, pp, cp, row.notes)
         same = model_parallel.estimate(tp, pp, classifier, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
         assert same.runnable
     # under a pipeline the logits are the last stage's: its layers, one micro-batch in flight, and the logits
@@ -833,8 +826,8 @@ def test_language_model_rows_are_runnable_exactly_when_the_trainer_takes_them(tm
 
 def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
     """``--task causal_lm --write-configs`` writes ``model.task: causal_lm`` (validated as a job config); without
-    ``--task`` no task is written (the default classifier); a cp row of a language model is written, a pp·cp row is
-    refused."""
+    ``--task`` no task is written (the default classifier); a cp row of a language model is written, and so is a
+    pp·cp row (runnable since pp × cp trains a per-token loss, issue 57)."""
     folder, _ = _tiny_lm(tmp_path)
     common = ["--model", folder, "--gpus-per-node", "2", "--seq", "64", "--micro-batch", "2"]
     for task, row in (("causal_lm", "megatron tp2·pp1·dp1"), ("causal_lm", "zero2"), (None, "zero2")):
@@ -852,7 +845,9 @@ def test_write_configs_writes_the_language_model_task(capsys, tmp_path):
     assert job["model"]["task"] == "causal_lm" and job["parallelism"]["cp"] == 2
     staged = ["--gpus-per-node", "4", "--cp", "2", "--pp", "2", "--write-configs", str(tmp_path / "pp-cp")]
     code, out, err = _cli(capsys, *common, "--task", "causal_lm", *staged, "--row", "megatron tp1·cp2·pp2·dp1")
-    assert code == 2 and "formula-only" in err and not (tmp_path / "pp-cp").exists()
+    assert code == 0, err
+    job = yaml.safe_load((tmp_path / "pp-cp" / "job.yaml").read_text())
+    assert job["model"]["task"] == "causal_lm" and (job["parallelism"]["pp"], job["parallelism"]["cp"]) == (2, 2)
     code, out, _ = _cli(capsys, *common, "--task", "causal_lm", "--json")
     data = json.loads(out)
     assert data["model"]["task"] == "causal_lm" and "s·b·V'·(e + 4)/t" in data["formulas"]["logits"]

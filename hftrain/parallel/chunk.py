@@ -197,8 +197,9 @@ class PipelineChunk(torch.nn.Module):
             acts = task.embed(trunk, self.embed, self.config, *acts, split=split)
         hidden, carried = acts[0], acts[1:]  # carried[0]: the attention mask, or a packed block's position ids
         if len(self.layers):
-            if task.packed:
-                context = trunk.layer_context(self.aux, self.config, hidden, None, carried[0])
+            if task.packed:  # carried[0]: the position ids (whole sequences' under a split: the documents)
+                positions = carried[0] if split is None else split.attend_packed(carried[0])
+                context = trunk.layer_context(self.aux, self.config, hidden, None, positions)
             else:
                 positions = None if split is None else split.attend(carried[0])
                 context = trunk.layer_context(self.aux, self.config, hidden, carried[0], positions)

@@ -26,6 +26,13 @@ layer, by one all-gather and the inverse zigzag permutation ``π⁻¹`` (an inde
 so the final norm or pooler, the head and transformers' loss see the whole sequences, as on one process. A causal
 LM gathers nothing: its logits are this rank's positions', and its task sums the loss over cp.
 
+**A pipeline's chunks** (pp × cp) take the same split: :class:`ContextSplit` is their registered extra
+(``hftrain.parallel.chunk``). The first chunk embeds this rank's positions; every chunk sets the attention's padding
+(:meth:`ContextSplit.attend`) or, for a causal LM's packed blocks, whose whole position ids travel beside the hidden
+states, each local token's document (:meth:`ContextSplit.attend_packed`); the last chunk returns this rank's rows: a
+classifier's pooled token summed over cp, a per-token head's logits of its positions, whose loss on the last stage
+reads the same positions of the labels and sums over cp, as at cp alone.
+
 Why hand-written: torch's ``torch.distributed.tensor.experimental.context_parallel`` runs ring attention only
 inside SDPA on CUDA DTensors, without key-padding masks (its load balancer assumes causal LM batches); BERT-style
 padded, non-causal classification on gloo is outside it, as it is outside Megatron's and Accelerate's CP.
@@ -263,6 +270,18 @@ class ContextSplit(ChunkExtra):
         self.batch.memo = {}  # this forward's gathers and masks, shared by its layers
         return positions
 
+    def attend_packed(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Set the attention for packed blocks (a causal LM's pipeline chunk): no padding, and each of this rank's
+        tokens' document, numbered on the whole sequences ``position_ids`` ``[b, S]`` (:func:`packed_segments`: a new
+        document wherever a position does not follow the one before, so a document split between ranks keeps one
+        number); returns this rank's position ids ``[b, S/cp]`` (the rotary embedding's), as
+        :func:`apply_context_parallel`'s hook hands the base model at cp alone."""
+        b, seq = position_ids.shape
+        local = self.positions(seq, position_ids.device)
+        keep = torch.ones((b, seq // self.cp), dtype=torch.bool, device=position_ids.device)
+        self.attend(keep, segments=packed_segments(position_ids)[:, local], padded=False)
+        return position_ids[:, local]
+
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's positions of a per-token tensor of the whole sequences ``[b, s, ...]`` (e.g. the targets)."""
         return x[:, self.positions(x.shape[1], x.device)]
@@ -481,7 +500,5 @@ AXIS = AxisOps(
         "compile": "context parallelism's ring attention exchanges key/value blocks by point-to-point sends inside "
         "each block's attention, which dynamo cannot trace",
     },
-    # the pipeline's chunks do not take a context-parallel split of the positions a per-token loss reads
-    per_token_not_with=("pp",),
 )
 """Context parallelism behind the axes' one interface."""

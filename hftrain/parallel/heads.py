@@ -286,9 +286,12 @@ class CausalLMHead(StageHead):
     The activation tuple is ``(hidden [b, s, h], position_ids [b, s])``: packed blocks hold whole documents whose
     positions restart at each one and carry no attention mask, so every chunk builds its masks from the positions
     (transformers' ``create_causal_mask(..., attention_mask=None, position_ids=...)``: block-diagonal causal, as the
-    unsharded model masks them) and the rotary embeddings from the same positions. The last chunk returns this rank's
-    logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's slice of it; Gemma-2/3's
-    final soft-capping ``c · tanh(z / c)`` applied, as their ``*ForCausalLM``); the task computes the loss from them.
+    unsharded model masks them) and the rotary embeddings from the same positions. Under context parallelism the
+    hidden states are this cp rank's positions ``[b, S/cp, h]`` and the position ids stay the whole sequences'
+    ``[b, S]``, from which each chunk finds every local token's document (``ContextSplit.attend_packed``). The last
+    chunk returns this rank's logits ``[b, s, vocabulary]`` (under tensor parallelism the vocabulary-parallel head's
+    slice of it; Gemma-2/3's final soft-capping ``c · tanh(z / c)`` applied, as their ``*ForCausalLM``); the task
+    computes the loss from them.
 
     Args:
         config: the model's config (``final_logit_softcapping``).
@@ -306,9 +309,14 @@ class CausalLMHead(StageHead):
         return {"lm_head": model.get_output_embeddings()}
 
     def embed(self, trunk: Any, mods: Any, config: Any, *args: torch.Tensor, split: Any = None) -> tuple:
-        """Token ids and their positions to ``(hidden, position_ids)``."""
+        """Token ids and their positions to ``(hidden, position_ids)``; under context parallelism (``split``) this
+        rank's positions embedded, and the whole sequences' position ids passed on (every chunk finds the documents
+        from them, ``ContextSplit.attend_packed``)."""
         input_ids, position_ids = args
-        return trunk.embed(mods, config, input_ids, None, positions=position_ids), position_ids
+        if split is None:
+            return trunk.embed(mods, config, input_ids, None, positions=position_ids), position_ids
+        local = split.positions(input_ids.shape[1], input_ids.device)
+        return trunk.embed(mods, config, input_ids[:, local], None, positions=position_ids[:, local]), position_ids
 
     def forward(self, mods: Any, hidden: torch.Tensor, trunk_input: torch.Tensor, *carried: Any, reduce=None):
         """The output projection on every position: logits ``[b, s, vocabulary (slice)]``."""
@@ -356,11 +364,14 @@ class TokenClassificationHead(StageHead):
         return mods["classifier"](mods["dropout"](hidden))
 
     def output(self, output: torch.Tensor, labels: torch.Tensor | None, config: Any) -> Any:
-        """``TokenClassifierOutput(loss, logits)`` with transformers' ``ForTokenClassification`` loss."""
+        """``TokenClassifierOutput(loss, logits)`` with transformers' ``ForTokenClassification`` loss; ``loss`` None
+        where ``output`` holds a context-parallel rank's positions ``[b, S/cp, n]`` of the labels' ``[b, S]``: a mean
+        over one rank's part is not the model's loss (the task's loss takes this rank's labels and sums over cp)."""
         from transformers.loss.loss_utils import ForTokenClassification
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        loss = None if labels is None else ForTokenClassification(output, labels, config)
+        whole = labels is not None and labels.shape[1] == output.shape[1]
+        loss = ForTokenClassification(output, labels, config) if whole else None
         return TokenClassifierOutput(loss=loss, logits=output)
 
 

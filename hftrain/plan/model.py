@@ -12,7 +12,8 @@ they are counted from the model built on the meta device (exactly, as Ψ). Which
 A language model (``model.task: causal_lm``, its record's ``vocabulary_head``) is counted as the
 ``AutoModelForCausalLM`` model that training builds: its output projection (``lm_head``) counted once when tied to the
 input embedding, ``V·h`` more when untied (``lm_head_parameters``). The megatron axes that do not run a language model
-yet (``hftrain.parallel.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp) are ``refused_layouts``.
+together yet (``hftrain.parallel.LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: none since pp × cp trains one) are
+``refused_layouts``.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class ModelSpec:
     def refused_layouts(self) -> tuple[tuple[str, ...], ...]:
         """Megatron axes the trainer refuses together for this model's task whatever the family: each axis its record
         does not run yet (``megatron_axes_not_built``), and for a per-token loss (a language model's, a token
-        classifier's) the pairs not built yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``: pp with cp); none for a
+        classifier's) the pairs not built yet (``LANGUAGE_MODEL_LAYOUTS_NOT_BUILT``, empty now); none for a
         sequence classifier."""
         record = task_of(self.task)
         alone = tuple((axis,) for axis in record.megatron_axes_not_built)

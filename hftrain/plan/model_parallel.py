@@ -18,9 +18,8 @@ most loaded pipeline stage (model states: the first or the last; activations: st
   layers keep their all-gathered input, 2e·s·b·h, whole), × L/p layers × the
   micro-batches 1F1B keeps in flight on stage 0 (min(p, m)); a language model (``model.task: causal_lm``) adds its
   logits and loss buffer s·b·V'·(e + 4)/t (:func:`hftrain.plan.formulas.logits_activation_bytes`: the output
-  projection split over the vocabulary, the vocabulary-parallel loss), on the last stage under a pipeline (pp with
-  cp is formula-only for a language model: ``ModelSpec.refused_layouts``), at the positions one GPU holds (each
-  term's ``local_work``); its untied lm_head is split over t like the embedding (V'·h/t);
+  projection split over the vocabulary, the vocabulary-parallel loss), on the last stage under a pipeline, at the
+  positions one GPU holds (each term's ``local_work``); its untied lm_head is split over t like the embedding (V'·h/t);
 - communication per step: TP 2 all-reduces forward + 2 backward of s·b·h per layer and micro-batch (the same
   volume as all-gather + reduce-scatter under sequence parallelism); DP one all-reduce of the GPU's gradients
   (over dp times the axes flattened with it, ``Frame.replicas``); PP one s·b·h send forward and one backward per

@@ -17,7 +17,9 @@ order every rank knows: there the Trainer's window agrees ``N`` by one host all-
 
 Under context parallelism the model returns the per-token output of this rank's positions of the sequence (its
 ``context_split``, ``hftrain.parallel.context_parallel``): :meth:`TokenMeanLoss.context_split` gives the split, whose
-``local`` takes the same positions of the targets and whose ``sum`` adds the examples' sums over the cp ranks.
+``local`` takes the same positions of the targets and whose ``sum`` adds the examples' sums over the cp ranks. Under
+pipeline × context parallelism the same holds on the last stage: its chunk returns the output of this cp rank's
+positions (``hftrain.parallel.chunk``), and ``loss(output, batch)`` reads the same split from the model.
 """
 
 from __future__ import annotations
