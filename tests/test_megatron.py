@@ -295,13 +295,6 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
             {**_LAUNCHED_3, "WORLD_SIZE": "3"},
             "parallelism.tp: tp=3 does not divide",
         ),
-        # LoRA runs under tp and pp (tests/test_tp_lora.py, tests/test_pp_lora.py); context parallelism does not
-        # take adapters yet
-        "lora-cp": (
-            ["--use_lora", "true", "--cp", "2"],
-            {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
-            "lora.use_lora with parallelism.cp=2 is not supported yet",
-        ),
         "foreign-option": (["--offload_optimizer", "true"], {"WORLD_SIZE": "1"}, "not a megatron option"),
         # refused by the strategy that does not split the model, once the launcher is known to have started it
         "tp-with-ddp": (
@@ -336,7 +329,7 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
     }
 
 
-BAD_INPUT = ["tp-not-dividing-world", "tp-not-dividing-heads", "lora-cp", "foreign-option", "tp-with-ddp", "fp16",
+BAD_INPUT = ["tp-not-dividing-world", "tp-not-dividing-heads", "foreign-option", "tp-with-ddp", "fp16",
              "unsupported-family", "cp-not-dividing-world", "cp-with-sequence-parallel",
              "cp-all-to-all-heads", "cp-attention-dropout"]  # fmt: skip
 

@@ -10,9 +10,10 @@ One 4-process launch and one 1-process launch for the references:
   checkpoint of step 8 resumes on one process equal to continuing at tp=2 × pp=2;
 - pp=2 × dp=2, a BERT sequence classifier (PEFT's default query/value adapters, gpipe) and a Llama causal LM with
   adapters (the pipeline's LM head on a PEFT model, no head to save), and a GPT-2 causal LM (tied embeddings, frozen,
-  on the first and last stage) at tp=2 × pp=2: losses and evaluation equal one process.
+  on the first and last stage) at tp=2 × pp=2, and the Llama causal LM at pp=2 × cp=2 (each chunk over its cp rank's
+  positions): losses and evaluation equal one process.
 
-The refusal that LoRA under pp replaced is pinned in ``tests/test_megatron.py`` by another one (LoRA with cp).
+No megatron axis refuses LoRA now (``tests/test_lora_cp_ep.py`` for cp and ep alone).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ LLAMA_LORA = {"lora_r": 4, "lora_target_modules": ["q_proj", "v_proj", "o_proj",
 BERT_LORA = {"lora_r": 4}  # PEFT's default targets: query, value
 TP2_PP2 = {"tp": 2, "pp": 2, "num_microbatches": 4, "schedule": "1f1b"}
 PP2_DP2 = {"pp": 2, "num_microbatches": 2, "schedule": "gpipe"}
+PP2_CP2 = {"pp": 2, "cp": 2, "num_microbatches": 2}
 # 96 examples, batch 8: 12 steps per epoch; the run stopped at step 8 resumes from its checkpoint of step 8
 CLASSIFIER = {
     "kind": "llama",
@@ -147,7 +149,9 @@ def _four(root: str) -> dict:
     lm = _run_lm(micro=4, strategy="megatron", options=PP2_DP2)
     # tied input/output embeddings, frozen: the first and last stage's copies take no gradient to sum
     tied = _run_lm(kind="gpt2", micro=8, strategy="megatron", options=TP2_PP2)
-    return {"full": full, "part": part, "resumed": resumed, "bert": bert, "lm": lm, "lm_tied": tied}
+    # pp × cp: each chunk attends over its cp rank's positions of the packed blocks, the adapters in every stage
+    lm_cp = _run_lm(micro=8, strategy="megatron", options=PP2_CP2)
+    return {"full": full, "part": part, "resumed": resumed, "bert": bert, "lm": lm, "lm_tied": tied, "lm_cp": lm_cp}
 
 
 def _one(root: str) -> dict:
@@ -160,7 +164,7 @@ def _one(root: str) -> dict:
         output_dir=f"{root}/at_one", strategy="megatron", strategy_options={"tp": 1}, return_weights=True,
         resume_from_checkpoint=f"{root}/part/checkpoints/step_00000008", trust_external_checkpoint=True, **CLASSIFIER,
     )  # fmt: skip
-    return {"llama": llama, "bert": bert, "lm": lm, "lm_tied": tied, "at_one": at_one}
+    return {"llama": llama, "bert": bert, "lm": lm, "lm_tied": tied, "lm_cp": lm, "at_one": at_one}
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +263,9 @@ def test_lora_bert_at_pp2_dp2_matches_lora_on_one_process(runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["lm", "lm_tied"], ids=["llama-pp2-dp2", "gpt2-tied-tp2-pp2"])
+@pytest.mark.parametrize(
+    "case", ["lm", "lm_tied", "lm_cp"], ids=["llama-pp2-dp2", "gpt2-tied-tp2-pp2", "llama-pp2-cp2"]
+)
 def test_lora_causal_lm_under_pp_matches_lora_on_one_process(runs, case):
     for rank in runs["four"]:
         _assert_equal_runs(rank[case], runs["one"][case], 5)
@@ -301,7 +307,7 @@ def _initial_weights() -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------- the planner offers what trains
 def test_lora_plan_rows_are_runnable_exactly_when_the_trainer_takes_them(tmp_path):
     """A LoRA row (``--lora-rank``) is runnable exactly when the megatron strategy's model check with
-    ``use_lora=True`` accepts its layout: pp and tp rows are, cp rows are formula only (LoRA with cp is not built)."""
+    ``use_lora=True`` accepts its layout: every axis takes LoRA now (cp and pp × cp too), so every row is."""
     from hftrain.errors import ConfigError
     from hftrain.plan import Hardware, Workload, model_from_config, model_parallel
     from hftrain.strategies import LaunchInfo, strategy_from_options
@@ -320,8 +326,6 @@ def test_lora_plan_rows_are_runnable_exactly_when_the_trainer_takes_them(tmp_pat
             accepted = True
         except ConfigError:
             accepted = False
-        assert row.runnable == accepted == (cp == 1), (tp, pp, cp, row.notes)
-        if not accepted:
-            assert any("no LoRA with cp" in note for note in row.notes), row.notes
+        assert row.runnable == accepted is True, (tp, pp, cp, row.notes)
         full = model_parallel.estimate(tp, pp, model, Workload(dropout=False), Hardware(), cp=cp)
         assert full.runnable  # the same layout without LoRA trains
