@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tiny import POSITIVE, WORDS, reset_accelerate_state, tiny_config, tiny_tokenizer
+from tests.tiny import POSITIVE, WORDS, tiny_config, tiny_tokenizer
 
 STEPS, STOP = 6, 4
 LAYOUT = {"pp": 2, "cp": 2, "num_microbatches": 2}
@@ -97,34 +97,12 @@ def _config(job: dict[str, str], task: str, run: str, **fields):
 
 
 def _train(config, *, stop_at_step: int | None = None) -> dict:
-    """The job in this process group as ``hftrain.job.run_training`` runs it (validation, data cache, trainer, the
-    verified export beside the last checkpoint): its losses, final metrics and exported weights. The trainer is not
-    closed: closing ends the process group, which the launch's next job still needs."""
-    from safetensors.torch import load_file
+    """The job trained as ``hftrain.job.run_training`` runs it (``tests.tiny.train_job``): its losses, final metrics
+    and exported weights, and whether the model was split over cp."""
+    from tests.tiny import train_job
 
-    from hftrain.cli import launch_info_from_environ
-    from hftrain.job import export_model, prepare_job
-
-    reset_accelerate_state()
-    trainer, tokenizer, tokenized = prepare_job(config, launch_info_from_environ())
-    folder = Path(config.training.output_dir) / "model"
-    result = trainer.fit(
-        stop_at_step=stop_at_step,
-        beside_last_save=lambda: export_model(
-            trainer, tokenizer, tokenized, folder, config, before_publish=trainer.wait_for_checkpoint
-        ),
-    )
-    trainer.wait_for_checkpoint()
-    trainer.release_folder()
-    weights = folder / "model.safetensors"
-    model = trainer.runtime.unwrap_model(trainer.model)
-    return {
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "global_step": trainer.state.global_step,
-        "metrics": result.metrics,
-        "split": getattr(model, "context_split", None) is not None,
-        "weights": load_file(weights) if weights.is_file() and stop_at_step is None else None,
-    }
+    trainer, run = train_job(config, stop_at_step=stop_at_step)
+    return {**run, "split": getattr(trainer.runtime.unwrap_model(trainer.model), "context_split", None) is not None}
 
 
 def _one_process(job: dict[str, str]) -> dict:

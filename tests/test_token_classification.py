@@ -103,32 +103,11 @@ def _config(job: dict[str, str], run: str, *, micro: int, model: str = "model", 
 
 
 def _train(config, *, stop_at_step: int | None = None) -> dict:
-    """The job in this process group as ``hftrain.job.run_training`` runs it (validation, data cache, trainer, the
-    verified export beside the last checkpoint): its losses, final metrics and exported weights (main process). The
-    trainer is not closed: closing ends the process group, which the launch's next job still needs."""
-    from safetensors.torch import load_file
+    """The job trained as ``hftrain.job.run_training`` runs it (``tests.tiny.train_job``): its losses, final metrics
+    and exported weights (main process)."""
+    from tests.tiny import train_job
 
-    from hftrain.cli import launch_info_from_environ
-    from hftrain.job import export_model, prepare_job
-
-    reset_accelerate_state()
-    trainer, tokenizer, tokenized = prepare_job(config, launch_info_from_environ())
-    folder = Path(config.training.output_dir) / "model"
-    result = trainer.fit(
-        stop_at_step=stop_at_step,
-        beside_last_save=lambda: export_model(
-            trainer, tokenizer, tokenized, folder, config, before_publish=trainer.wait_for_checkpoint
-        ),
-    )
-    trainer.wait_for_checkpoint()
-    trainer.release_folder()
-    weights = folder / "model.safetensors"
-    return {
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "metrics": result.metrics,
-        "model_dir": str(folder),
-        "weights": load_file(weights) if weights.is_file() and stop_at_step is None else None,
-    }
+    return train_job(config, stop_at_step=stop_at_step)[1]
 
 
 def _one_process(job: dict[str, str]) -> dict:

@@ -382,6 +382,38 @@ def fit_in_rank(trainer_class, args, strategy: str, options: dict | None, model_
     return trainer, trainer.fit()
 
 
+def train_job(config, *, stop_at_step: int | None = None) -> tuple[Any, dict]:
+    """A job config trained in this process group as ``hftrain.job.run_training`` runs it (validation, data cache,
+    trainer, the verified export beside the last checkpoint into ``<output_dir>/model``): the trainer, and the run's
+    losses, final metrics, global step, export folder and exported weights (None for a stopped run or where this
+    process wrote none). The trainer is not closed: closing ends the process group, which a launch's next job still
+    needs."""
+    from safetensors.torch import load_file
+
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.job import export_model, prepare_job
+
+    reset_accelerate_state()
+    trainer, tokenizer, tokenized = prepare_job(config, launch_info_from_environ())
+    folder = Path(config.training.output_dir) / "model"
+    result = trainer.fit(
+        stop_at_step=stop_at_step,
+        beside_last_save=lambda: export_model(
+            trainer, tokenizer, tokenized, folder, config, before_publish=trainer.wait_for_checkpoint
+        ),
+    )
+    trainer.wait_for_checkpoint()
+    trainer.release_folder()
+    weights = folder / "model.safetensors"
+    return trainer, {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "metrics": result.metrics,
+        "global_step": trainer.state.global_step,
+        "model_dir": str(folder),
+        "weights": load_file(weights) if weights.is_file() and stop_at_step is None else None,
+    }
+
+
 def run_tiny_training(
     *,
     kind: str = "bert",
