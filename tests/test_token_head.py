@@ -94,14 +94,16 @@ def test_head_kinds_and_their_refusals():
     assert [HEADS[k].per_token for k in HEADS] == [False, True, True]
     assert trainable_axes(tiny_config("bert"), head="token_classification") == {"tp", "pp", "cp"}
     assert trainable_axes(tiny_config("llama"), head="token_classification") == {"tp", "pp", "cp"}
-    # pp refuses a MoE family's token classifier and causal LM (the router loss is in neither pipeline loss yet)
+    # pp takes a MoE family's sequence classifier and causal LM (their pipeline losses add the router loss), not its
+    # token classifier (its router loss is not in that pipeline loss yet)
+    assert [HEADS[k].router_loss for k in HEADS] == [True, False, True]
     moe = tiny_config("mixtral")
-    assert trainable_axes(moe) == {"tp", "pp", "ep"}
-    for head in ("token_classification", "causal_lm"):
-        assert trainable_axes(moe, head=head) == {"tp", "ep"}
-        with pytest.raises(ConfigError, match=f"not its {head} head") as info:
-            check_family(moe, head=head)
-        assert "\n" not in str(info.value)
+    assert trainable_axes(moe) == trainable_axes(moe, head="causal_lm") == {"tp", "pp", "ep"}
+    check_family(moe, head="causal_lm")
+    assert trainable_axes(moe, head="token_classification") == {"tp", "ep"}
+    with pytest.raises(ConfigError, match="not its token_classification head") as info:
+        check_family(moe, head="token_classification")
+    assert "\n" not in str(info.value)
     # a causal LM head needs a causal trunk under pp
     with pytest.raises(ConfigError, match="splits decoder causal LMs, not a BERT causal_lm model"):
         check_family(tiny_config("bert"), head="causal_lm")

@@ -403,8 +403,9 @@ HEADS: dict[str, HeadKind] = {
     "token_classification": HeadKind(
         lambda config, family: family.token_classifier or TokenClassificationHead(), per_token=True, router_loss=False
     ),
-    "causal_lm": HeadKind(lambda config, family: CausalLMHead(config), per_token=True, causal_trunk=True,
-                          router_loss=False),
+    # the output projection; a MoE family's router loss per pipeline micro-batch, weighted by its share of the rows
+    # (hftrain.trainers.language: the LM's token-mean scaling, as one process accumulating the micro-batches)
+    "causal_lm": HeadKind(lambda config, family: CausalLMHead(config), per_token=True, causal_trunk=True),
 }  # fmt: skip
 
 

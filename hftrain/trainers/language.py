@@ -19,6 +19,14 @@ sum over the processes divided by the processes of one replica); the scaling is 
 Evaluation sums each block's token losses and counts its targets; the evaluation loss is ``Σ sums / Σ counts`` over the
 whole set (each block counted once, gathered over the replicas), and the perplexity ``exp`` of it.
 
+A mixture of experts adds ``router_aux_loss_coef ×`` its routers' load-balancing loss ``A`` of each forward (over the
+examples' ranks, as transformers' ``*ForCausalLM`` heads add it), one per micro-batch as gradient accumulation takes
+it: ``(1/a) Σ_j A_j`` over the ``a`` micro-batches of a step. Under pipeline parallelism each pipeline micro-batch
+``j`` of ``n_j`` of the micro-batch's ``b`` rows has its own ``A_j``, the stages' routing sums carried to the last one
+(``hftrain.parallel.ep_routing.StageRouting``); it is weighted by ``n_j / b`` beside the token sums (which the
+pipeline adds up unweighted), so a pp run with ``m`` pipeline micro-batches equals one process accumulating ``m · a``
+micro-batches of ``b / m`` rows: the token mean the same, each router loss weighted ``1 / (m · a)``.
+
 The loss is ``loss(output, batch)`` of the model's output (``forward``), so a pipeline's last stage hands its head's
 output straight to it; with ``training.loss_chunk_tokens`` the data-parallel ``compute_loss`` runs the output
 projection chunk by chunk instead (``hftrain.trainers.chunked_head``: the whole logits never built).
@@ -112,7 +120,11 @@ class CausalLMTrainer(TokenMeanLoss, Trainer):
         return self._with_aux(self.scaled(self._block_losses(output, batch).sum()), batch)
 
     def _with_aux(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return loss if self.expert_load is None else loss + self.expert_load.aux_loss(batch)
+        """``loss`` plus a mixture of experts' router loss of the forward that just ran, as its share of the step
+        (:meth:`TokenMeanLoss.router_loss_share`)."""
+        if self.expert_load is None:
+            return loss
+        return loss + self.expert_load.aux_loss(batch) * self.router_loss_share(batch, self.expert_load.pipeline)
 
     def _block_losses(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each block's next-token losses summed ``[b]`` (0 where it has no target). Under context parallelism the

@@ -59,6 +59,22 @@ class TokenMeanLoss:
         """``S · dp · accumulation / N``: this micro-batch's summed token losses as its share of the step's mean."""
         return summed * (self.runtime.dp_size * self.args.gradient_accumulation_steps / self._global_targets())
 
+    def router_loss_share(self, batch: dict[str, torch.Tensor], pipelined: bool) -> float:
+        """The weight of a mixture of experts' router loss computed over ``batch`` alone: 1 for a micro-batch (the
+        runtime's backward divides it by the accumulation steps, as one process accumulating them), ``n_j / b`` for
+        a pipeline micro-batch of ``n_j`` of the micro-batch's ``b`` rows (the pipeline adds its micro-batches' losses
+        unweighted, the token sums being already scaled): the router loss of ``m`` pipeline micro-batches then
+        weighs as that of ``m`` accumulated micro-batches of ``b / m`` rows. ``b`` is the per-device batch: every
+        micro-batch is whole (:attr:`whole_global_batches`).
+
+        Args:
+            batch: the rows the router loss was computed over.
+            pipelined: whether they are a pipeline micro-batch (the model is a pipeline's).
+        """
+        if not pipelined:
+            return 1.0
+        return batch["input_ids"].shape[0] / self.args.per_device_train_batch_size
+
     def context_split(self) -> Any:
         """The model's context-parallel split (``ContextSplit``), or None where the sequence is whole on each rank."""
         return getattr(self.runtime.unwrap_model(self.model), "context_split", None)

@@ -207,7 +207,8 @@ def check_family(config: Any, *, head: str | None = "sequence_classification", a
     if kind is not None and axis == "pp" and family.experts is not None and not kind.router_loss:
         raise AxisError(
             axis,
-            f"{label(axis)} splits {family.name} classifiers, not its {head} head (its router loss is not built "
+            f"{label(axis)} splits {family.name} sequence classifiers and causal LMs, not its {head} head (its "
+            "router loss is not built "
             "into that head's pipeline loss yet); use pp 1 (tp, ep and dp split it)",
         )
     if kind is not None and axis == "pp" and kind.causal_trunk and not getattr(family.stages, "causal", False):
