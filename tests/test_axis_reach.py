@@ -65,3 +65,14 @@ def test_a_new_axis_costs_at_most_four_shared_files():
     for axis in ("cp", "ep"):
         cost = reach.shared(reach.reach(axis))
         assert len(cost) <= 4, f"{axis} is named in {len(cost)} shared files: {sorted(cost)}"
+
+
+def test_no_file_under_parallel_is_over_500_lines():
+    """Issue 56's goal, held: a file under ``hftrain/parallel/`` that grows past 500 lines is split (kernels from
+    wiring, a family per module) rather than left to pile up."""
+    long = {
+        path.relative_to(ROOT).as_posix(): n
+        for path in sorted((ROOT / "hftrain" / "parallel").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, long

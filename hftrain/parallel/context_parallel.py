@@ -102,21 +102,26 @@ def check_context_parallel(cp: int, *, sequence_parallel: bool = False, pad_to_m
         )
 
 
-def check_context_parallel_model(config: Any, cp: int, *, tp: int = 1, comm: str = "ring") -> None:
+def check_context_parallel_model(
+    config: Any, cp: int, *, tp: int = 1, comm: str = "ring", head: str | None = "sequence_classification"
+) -> None:
     """Refuse a model ``cp`` cannot split (no processes needed): another family, attention dropout (the attention
     probabilities never exist whole), heads the all-to-all cannot divide; ``AxisError`` naming ``cp``.
 
     Args:
         config: the model's ``PretrainedConfig``.
-        cp: context-parallel size (> 1).
+        cp: context-parallel size (nothing is checked at 1).
         tp: tensor-parallel size (the all-to-all splits each tp rank's heads).
         comm: ``"ring"`` or ``"all_to_all"``.
+        head: the task's head kind (``hftrain.parallel.heads.HEADS``), checked with the family.
     """
     from hftrain.errors import AxisError
     from hftrain.parallel.families import check_family
     from hftrain.parallel.plans import grouped_query_split
 
-    check_family(config, axis="cp")
+    if cp == 1:
+        return
+    check_family(config, head=head, axis="cp")
     for name in ATTENTION_DROPOUT_FIELDS:
         if getattr(config, name, 0) or 0:
             raise AxisError(
@@ -456,19 +461,6 @@ class _SplitInputs:
 
 
 # ----------------------------------------------------------------- the axis's interface (hftrain.parallel.axis_ops)
-def _check_layout(dims: Any, options: Any, pad_to_multiple_of: int | None) -> None:
-    sp = options["sequence_parallel"]
-    check_context_parallel(dims.cp, sequence_parallel=sp, pad_to_multiple_of=pad_to_multiple_of)
-
-
-def _check_model(config: Any, dims: Any, options: Any, head: str) -> None:
-    from hftrain.parallel.families import check_family
-
-    if dims.cp > 1:
-        check_context_parallel_model(config, dims.cp, tp=dims.tp, comm=options["cp_comm"])
-        check_family(config, head=head, axis="cp")
-
-
 def _check_family(config: Any, head: str | None) -> None:
     from hftrain.parallel.families import check_family
 
@@ -491,8 +483,12 @@ def _apply(model: torch.nn.Module, groups: Any, options: Any, *, head: Any, rng_
 
 AXIS = AxisOps(
     options={"cp_comm": "ring"},
-    check_layout=_check_layout,
-    check_model=_check_model,
+    check_layout=lambda dims, options, buckets: check_context_parallel(
+        dims.cp, sequence_parallel=options["sequence_parallel"], pad_to_multiple_of=buckets
+    ),
+    check_model=lambda config, dims, options, head: check_context_parallel_model(
+        config, dims.cp, tp=dims.tp, comm=options["cp_comm"], head=head
+    ),
     check_family=_check_family,
     padding_multiple=lambda dims, options: 2 * dims.cp if dims.cp > 1 else 1,  # 2·cp equal zigzag chunks
     apply=_apply,
