@@ -65,7 +65,8 @@ class MegatronPlugin:
             ``hftrain.config.ParallelismConfig``), passed to ``hftrain.parallel`` whole.
         shard_optimizer: ZeRO-1-style optimizer-state sharding over the dp group
             (``torch.distributed.optim.ZeroRedundancyOptimizer``); with pipeline stages, each stage's optimizer over
-            that stage's dp group.
+            that stage's dp group; under expert parallelism the routed experts' state over their own data replicas
+            (the edp group, :class:`ReplicaShardedOptimizer`).
         recompute: activation recomputation, ``"full"``, ``"selective"`` or None.
     """
 
@@ -73,6 +74,7 @@ class MegatronPlugin:
     shard_optimizer: bool = False
     recompute: str | None = None
     _groups: ParallelGroups | None = field(default=None, init=False, repr=False)
+    _split: torch.nn.Module | None = field(default=None, init=False, repr=False)  # set by parallelize()
     rng_tracker: RNGTracker | None = field(default=None, init=False, repr=False)  # set by parallelize()
 
     # ----------------------------------------------------------------- groups
@@ -150,6 +152,7 @@ class MegatronPlugin:
         model = parallelize_model(
             model, groups, rng_tracker=self.rng_tracker, recompute=self.recompute, head=head, **options
         )
+        self._split = model  # its placement records tell prepare_optimizer each parameter's data replicas
         return to_device(model, device) if device is not None and move else model
 
     def prepare_model(
@@ -179,7 +182,12 @@ class MegatronPlugin:
         return DistributedDataParallel(model, process_group=data_group)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        """The optimizer, sharded over dp when ``shard_optimizer``, wrapped so that it steps only at window ends.
+        """The optimizer, sharded over each parameter's data replicas when ``shard_optimizer``, wrapped so that it
+        steps only at window ends.
+
+        Under ``shard_optimizer`` a dense parameter's state is sharded over the dp group; one whose data replicas
+        are another group (ep's routed experts: the edp group, ``ParallelGroups.data_replicas`` over the placement
+        records of the model :meth:`parallelize` split) over that group (:func:`_zero_from`).
 
         Args:
             optimizer: built over the prepared model's (sharded) parameters; under pipeline parallelism over this
@@ -188,9 +196,27 @@ class MegatronPlugin:
         from accelerate.optimizer import AcceleratedOptimizer
 
         if self.shard_optimizer and self.groups.dp_size > 1:
-            optimizer = _zero_from(optimizer, self.groups.dp_group)
+            optimizer = _zero_from(optimizer, self.groups.dp_group, carved=self._carved_replicas())
         # device_placement=False: a ZeroRedundancyOptimizer has no state_dict() before consolidation.
         return AcceleratedOptimizer(optimizer, device_placement=False)
+
+    def _carved_replicas(self) -> dict[int, tuple[Any, int]]:
+        """``id(parameter) -> (group, size)`` of its data replicas, for the parameters whose replicas are not the
+        dense ones (the experts under ep: the edp group); empty without such parameters."""
+        if self._split is None:
+            return {}
+        from hftrain.parallel import placements
+
+        groups = self.groups
+        dense = groups.data_replicas(None)[0]
+        records = placements(self._split)
+        carved = {}
+        for name, param in self._split.named_parameters():
+            record = records.get(name)
+            replicas, _, size = groups.data_replicas(record.axis if record is not None else None)
+            if record is not None and replicas is not dense:
+                carved[id(param)] = (replicas, size)
+        return carved
 
     def prepare_data_loader(self, loader: DataLoader, *, device: Any = None) -> DataLoader:
         """Shard ``loader`` by dp rank (tp ranks of one replica get the same batches), Accelerate's way.
@@ -285,8 +311,11 @@ def to_device(model: torch.nn.Module, device: Any) -> torch.nn.Module:
     return model._apply(lambda t: t if t.device.type == "meta" else t.to(device))
 
 
-def _zero_from(optimizer: torch.optim.Optimizer, dp_group: Any) -> Any:
-    """A ``ZeroRedundancyOptimizer`` over ``dp_group`` of the same class, hyper-parameters and parameter groups.
+def _zero_from(
+    optimizer: torch.optim.Optimizer, dp_group: Any, *, carved: dict[int, tuple[Any, int]] | None = None
+) -> Any:
+    """A ``ZeroRedundancyOptimizer`` over ``dp_group`` of the same class, hyper-parameters and parameter groups; with
+    ``carved`` parameters (other data replicas than dp's), a :class:`ReplicaShardedOptimizer` of one per group.
 
     Every group is passed to the constructor, an empty one too: a pipeline stage may hold no parameter of a group
     (``OptimizerPlan.build`` keeps it so that the groups line up across stages in the checkpoint), and ZeRO's
@@ -298,16 +327,88 @@ def _zero_from(optimizer: torch.optim.Optimizer, dp_group: Any) -> Any:
     Args:
         optimizer: built over the prepared model's (sharded) parameters, no state yet.
         dp_group: the ranks holding the same parameters (this stage's and tp shard's data replicas).
+        carved: ``id(parameter) -> (group, size)`` for the parameters whose data replicas are another group (the
+            experts' edp group under ep).
     """
+    groups = [dict(group) for group in optimizer.param_groups]
+    if not carved:
+        return _zero_over(groups, type(optimizer), dp_group)
+    replicas = {id(dp_group): (dp_group, None)}  # the dense parameters' first, then each carved group once
+    replicas.update({id(group): (group, size) for group, size in carved.values()})
+    parts = []
+    for key, (group, size) in replicas.items():
+        mine = [
+            {**entry, "params": [p for p in entry["params"] if id(carved.get(id(p), (dp_group,))[0]) == key]}
+            for entry in groups
+        ]
+        if not any(entry["params"] for entry in mine):
+            continue
+        # a carved group of one (ep = dp: each rank holds its experts alone) has nothing to shard them over
+        parts.append(type(optimizer)(mine) if size == 1 else _zero_over(mine, type(optimizer), group))
+    return ReplicaShardedOptimizer(optimizer.param_groups, optimizer.defaults, parts)
+
+
+def _zero_over(groups: list[dict[str, Any]], optimizer_class: type, group: Any) -> Any:
+    """A ``ZeroRedundancyOptimizer`` of ``optimizer_class`` over ``groups``' parameters, sharded over ``group``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    groups = [dict(group) for group in optimizer.param_groups]
     return ZeroRedundancyOptimizer(
-        groups,
-        optimizer_class=type(optimizer),
-        process_group=dp_group,
-        **_group_options(groups[0], type(optimizer)),
+        groups, optimizer_class=optimizer_class, process_group=group, **_group_options(groups[0], optimizer_class)
     )
+
+
+class ReplicaShardedOptimizer:
+    """ZeRO-1 over parameters with different data replicas: one ``ZeroRedundancyOptimizer`` per replica group, stepped
+    together behind the original parameter groups.
+
+    Under expert parallelism the dp ranks hold different routed experts: the ranks of one expert's replicas are its
+    edp group (``dp/ep`` ranks), the dense parameters' the dp group. One ZeRO over dp would deal an expert to a rank
+    that does not hold it and broadcast one rank's experts over the others'; so the dense parameters' state is
+    sharded over dp (``1/dp`` per rank) and the experts' over edp (``1/(dp/ep)``), each part broadcasting its owners'
+    updates over its own group. Why one per replica group rather than one ZeRO with a custom partition: ZeRO's
+    partition, step and broadcast are per process group, and its local optimizers stay plain ``torch.optim`` ones
+    (the checkpoint reads their state as it reads one ZeRO's, :mod:`hftrain.strategies.megatron.state`).
+
+    ``param_groups`` are the original ones (every parameter; the scheduler and the checkpoint see as many groups as
+    without sharding): each step copies their hyper-parameters (the scheduler's ``lr``) into every part's groups,
+    which ZeRO copies into its local optimizer.
+
+    Args:
+        param_groups: the original optimizer's parameter groups.
+        defaults: its defaults.
+        parts: one ``ZeroRedundancyOptimizer`` per replica group (a plain optimizer for a group of one), each over
+            the same groups holding only that group's parameters.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], defaults: dict[str, Any], parts: list[Any]) -> None:
+        self.param_groups = param_groups
+        self.defaults = defaults
+        self.parts = parts
+
+    @property
+    def local_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers holding this rank's state: each part's local one."""
+        return [getattr(part, "optim", part) for part in self.parts]
+
+    @property
+    def state(self) -> dict[Any, dict[str, Any]]:
+        """This rank's state (its parts' local optimizers' merged; read-only)."""
+        return {param: values for local in self.local_optimizers for param, values in local.state.items()}
+
+    def step(self, closure: Any = None) -> None:
+        """Every part's step (each broadcasts its owners' updated parameters over its group), with this step's
+        hyper-parameters."""
+        if closure is not None:
+            raise ValueError("ReplicaShardedOptimizer.step takes no closure")
+        for part in self.parts:
+            for mine, group in zip(part.param_groups, self.param_groups, strict=True):
+                mine.update({key: value for key, value in group.items() if key != "params"})
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every part's ``zero_grad``."""
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
 
 
 def _group_options(group: dict[str, Any], optimizer_class: type) -> dict[str, Any]:

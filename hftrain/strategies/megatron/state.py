@@ -7,8 +7,9 @@ parameter. The ranks holding the same box (``ParallelGroups.holders``: its data 
 cuts it) deal the writes out among themselves (``split_replicated``), and a weight several pipeline stages hold a
 copy of is written by its primary copy's stage (``Placement.primary``), so each piece is written once, from live
 memory, with no gather: a rank's save costs its own state. Under ``shard_optimizer`` (ZeRO-1 over dp; with pipeline
-stages, each stage's optimizer over that stage's dp group) each dp rank writes the moments of the parameters it owns,
-whole: the boxes are the parameters' own, so the checkpoint does not record who owned them. Load
+stages, each stage's optimizer over that stage's dp group; under ep the experts' over their edp group,
+``ReplicaShardedOptimizer``) each rank writes the moments of the parameters it owns, whole (an expert's: its ep slice's
+box): the boxes are the parameters' own, so the checkpoint does not record who owned them. Load
 (:func:`load_snapshot`): the same boxes, filled in place from a checkpoint of any strategy and layout
 (``hftrain.checkpoint.sharded``): under ZeRO-1 a rank fills the moments it owns, without it every moment of its
 parameters, whether the writer sharded them or not. :func:`iter_full_state` streams the full
@@ -66,8 +67,8 @@ def snapshot(
             state[MODEL_PREFIX + name] = _boxes(name, tensor, records)
             owner[MODEL_PREFIX + name] = name
     names = {id(p): n for n, p in params.items()}
-    zero1 = hasattr(optimizer, "optim")  # ZeroRedundancyOptimizer: each dp rank holds its parameters' state only
-    for param, values in getattr(optimizer, "optim", optimizer).state.items():
+    locals_, zero1 = local_optimizers(optimizer)  # under ZeRO-1 each replica holds its parameters' state only
+    for param, values in ((p, v) for local in locals_ for p, v in local.state.items()):
         name = names[id(param)]
         for key, value in values.items():
             if torch.is_tensor(value):
@@ -114,9 +115,25 @@ def load_snapshot(
 
     from hftrain.checkpoint.sharded import read_snapshot
 
-    _init_optim_state(getattr(optimizer, "optim", optimizer))  # the moments' tensors, to load into
+    for local in local_optimizers(optimizer)[0]:
+        _init_optim_state(local)  # the moments' tensors, to load into
     boxes = snapshot(model, params, optimizer, groups=groups, info={}, share=False)
     read_snapshot(directory, boxes.state, optimizer.param_groups)
+
+
+def local_optimizers(optimizer: Any) -> tuple[list[Any], bool]:
+    """The optimizers holding this rank's state, and whether ZeRO-1 shards it: a ``ZeroRedundancyOptimizer``'s local
+    one, a ``ReplicaShardedOptimizer``'s parts' (one per replica group: dp's, and edp's for the experts), else the
+    optimizer itself.
+
+    Args:
+        optimizer: the inner optimizer (inside Accelerate's wrapper).
+    """
+    if hasattr(optimizer, "local_optimizers"):
+        return optimizer.local_optimizers, True
+    if hasattr(optimizer, "optim"):
+        return [optimizer.optim], True
+    return [optimizer], False
 
 
 def _boxes(name: str, tensor: torch.Tensor, records: dict[str, Any]) -> Chunked:
