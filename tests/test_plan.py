@@ -644,27 +644,27 @@ def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_pat
     hardware = Hardware(gpus_per_node=8, nodes=4)
     work = Workload(micro_batch=2, seq=4096, accumulation=4)
     x = model.expert_parameters
-    # tp2 × pp2: the stage's 16 of 32 layers, params 4 + grads 4 + Adam 8 bytes per parameter; ZeRO-1 (each stage's
-    # Adam state over its dp 8) at ep = 1 only, as the megatron strategy refuses it with ep
+    # tp2 × pp2: the stage's 16 of 32 layers, params 4 + grads 4 + Adam 8 bytes per parameter; ZeRO-1 shards each
+    # stage's Adam state over its dp 8, the experts' at ep = 2 over their dp/ep = 4 replicas (edp)
     staged = [model_parallel.estimate(2, 2, model, work, hardware, ep=ep) for ep in (1, 2)]
     assert staged[1].label == "megatron tp2·pp2·dp8·ep2" and staged[1].strategy["ep"] == 2
-    assert staged[0].strategy["shard_optimizer"] and not staged[1].strategy["shard_optimizer"]
+    assert staged[0].strategy["shard_optimizer"] and staged[1].strategy["shard_optimizer"]
     stage = x * 16 / 32
     assert staged[0].figures["experts"] == pytest.approx(stage * (4 + 4) + stage / 8 * 8)
-    assert staged[1].figures["experts"] == pytest.approx(stage / 2 * (4 + 4 + 8))
+    assert staged[1].figures["experts"] == pytest.approx(stage / 2 * (4 + 4) + stage / 2 / 4 * 8)
     assert staged[0].params - staged[1].params == pytest.approx(stage / 2 * 4)
     assert staged[0].grads - staged[1].grads == pytest.approx(stage / 2 * 4)
     # pp splits a mixture of experts (its stages pass the router loss on), not yet together with ep
     assert staged[0].runnable and not staged[1].runnable
     assert "formula only: hftrain's trainer takes no ep with pp" in staged[1].notes[0]
-    # tp2 at pp1 (dp 16): the experts' params and grads halve; ZeRO-1 (its Adam state /dp) at ep = 1 only, as the
-    # megatron strategy composes ep with tp and dp alone
+    # tp2 at pp1 (dp 16): the experts' params and grads halve; ZeRO-1's Adam state /dp, the experts' at ep = 2 over
+    # their dp/ep = 8 replicas
     one, two = (model_parallel.estimate(2, 1, model, work, hardware, ep=ep) for ep in (1, 2))
     assert two.label == "megatron tp2·pp1·dp16·ep2" and "ep" not in one.strategy and two.runnable
     assert not one.strategy["sequence_parallel"] and not two.strategy["sequence_parallel"]  # refused with experts
-    assert one.strategy["shard_optimizer"] and not two.strategy["shard_optimizer"]
+    assert one.strategy["shard_optimizer"] and two.strategy["shard_optimizer"]
     assert one.figures["experts"] == pytest.approx(x * (4 + 4) + x / 16 * 8)
-    assert two.figures["experts"] == pytest.approx(x / 2 * 16)
+    assert two.figures["experts"] == pytest.approx(x / 2 * (4 + 4) + x / 2 / 8 * 8)
     assert one.params - two.params == pytest.approx(x / 2 * 4) and one.grads - two.grads == pytest.approx(x / 2 * 4)
     from hftrain.plan.expert_parallel import all_to_all_bytes
 

@@ -132,11 +132,10 @@ def test_zero1_halves_each_ranks_optimizer_state(runs):
         print(f"\npp2×dp2 stage {stage}: optimizer state per rank {sharded} bytes with ZeRO-1, {whole} without")
 
 
-def test_the_megatron_strategy_takes_zero1_with_stages_not_with_experts():
-    from hftrain.errors import ConfigError
+def test_the_megatron_strategy_takes_zero1_with_stages_and_with_experts():
     from hftrain.strategies import LaunchInfo, strategy_from_options
 
     staged = strategy_from_options("megatron", ZERO1, launch=LaunchInfo(world_size=4))
     assert (staged.dims.pp, staged.dims.dp, staged.config.shard_optimizer) == (2, 2, True)
-    with pytest.raises(ConfigError, match=r"^strategy.shard_optimizer with parallelism.ep=2 is not supported yet"):
-        strategy_from_options("megatron", {"ep": 2, "shard_optimizer": True}, launch=LaunchInfo(world_size=2))
+    experts = strategy_from_options("megatron", {"ep": 2, "shard_optimizer": True}, launch=LaunchInfo(world_size=4))
+    assert (experts.dims.ep, experts.dims.dp, experts.config.shard_optimizer) == (2, 4, True)  # tests/test_ep_zero1.py

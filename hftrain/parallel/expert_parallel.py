@@ -348,7 +348,6 @@ AXIS = AxisOps(
     check_family=_check_family,
     apply=_apply,
     not_built={
-        "zero1": "ZeRO-1 over dp would mix different ranks' experts",
         "compile": "expert parallelism's all-to-all moves a data-dependent number of tokens (a new graph for every "
         "routing)",
     },

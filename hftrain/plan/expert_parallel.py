@@ -145,10 +145,6 @@ class ExpertTerm(AxisTerm):
             f"ranks split the experts); give an --ep dividing {hw.world} // (tp·pp·cp), or more GPUs"
         )
 
-    def keeps_shard_optimizer(self, size: int) -> bool:
-        """No ZeRO-1 with e > 1 (hftrain's megatron strategy refuses it)."""
-        return size == 1
-
     def layer_parameters(self, model: ModelSpec, size: int) -> tuple[float, float]:
         """A layer's routed experts ``X = Ψ_experts/L`` (the mean over the layers), ``X/e`` per GPU."""
         experts = model.expert_parameters / model.layers

@@ -13,8 +13,8 @@ an unsupported model family, LoRA with an axis whose module does not take adapte
 with their layers under tp, ``hftrain.parallel.lora``, each pipeline stage keeps its layers' adapters, cp and ep
 replicate them),
 ``ep`` on a dense model or one that does not divide the experts and dp, ``ep`` with pipeline or context
-parallelism or ZeRO-1 (``shard_optimizer`` would mix experts of different ranks), and another
-strategy's options (FSDP/DeepSpeed settings).
+parallelism (``ParallelDims.validate_trainable``), and another strategy's options (FSDP/DeepSpeed settings).
+ZeRO-1 (``shard_optimizer``) shards each stage's dense optimizer state over dp and the experts' over edp.
 """
 
 from __future__ import annotations
