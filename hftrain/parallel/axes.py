@@ -234,8 +234,9 @@ class ParallelDims:
         ``AxisError`` naming the axis: a carved axis (expert parallelism) composes only with its parent, the axes
         that cut parameters (tp) and the pipeline's stages (pp: ep is carved out of dp within each stage, and
         ``expert_parallel.py`` routes the tokens of whole sequences among the ranks of one stage); context-parallel
-        parts of a sequence are not handled yet, although Megatron-LM's rank order defines that layout too. The megatron strategy and ``hftrain groups`` both check this, so a
-        layout that ``groups`` prints is one that training takes.
+        parts of a sequence are not handled yet, although Megatron-LM's rank order defines that layout too. The
+        megatron strategy and ``hftrain groups`` both check this, so a layout that ``groups`` prints is one that
+        training takes.
         """
         self.validate()
         for carved in (s for s in AXIS_SPECS if s.carved_from and self.size(s.name) > 1):
