@@ -146,6 +146,11 @@ def group_names(*specs: AxisSpec) -> Iterator[str]:
         yield from [spec.complement[0]] if spec.complement else []
 
 
+def _listed(names: list[str]) -> str:
+    """``"tp, pp and dp"``: names joined for a message."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
 def _inner_first(specs: Any) -> list[AxisSpec]:
     return sorted(specs, key=lambda s: s.stride)
 
@@ -252,7 +257,7 @@ class ParallelDims:
                 raise AxisError(
                     spec.name,
                     f"{spec.name}={size} with {carved.name}={self.size(carved.name)} is not supported yet "
-                    f"({carved.label}ism composes with {' and '.join(s.name for s in allowed)}); use {spec.name} 1 "
+                    f"({carved.label}ism composes with {_listed([s.name for s in allowed])}); use {spec.name} 1 "
                     f"or {carved.name} 1",
                 )
         return self
