@@ -168,11 +168,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     # Layouts that training refuses (the megatron strategy's own check): they printed before.
     "groups: ep with cp": (
         lambda c: ["groups", "--world-size", "8", "--ep", "2", "--cp", "2"],
-        "--cp: cp=2 with ep=2 is not supported yet (expert parallelism composes with tp and dp); use cp 1 or ep 1",
-    ),
-    "groups: ep with pp": (
-        lambda c: ["groups", "--world-size", "8", "--pp", "2", "--ep", "2"],
-        "--pp: pp=2 with ep=2 is not supported yet",
+        "--cp: cp=2 with ep=2 is not supported yet (expert parallelism composes with tp, pp and dp); use cp 1 or ep 1",
     ),
     # ------------------------------------------------------------------ doctor
     "doctor: timeout nan": (lambda c: ["doctor", "--timeout", "nan"], "--timeout nan: must be a finite number"),

@@ -206,8 +206,7 @@ BAD_INPUT = {  # label -> (model, extra arguments, launcher environment, what th
     "capacity-not-positive": (
         "mixtral", ["--parallelism.moe_capacity_factor", "0"], _launched(1), "moe_capacity_factor must be a number > 0"
     ),
-    "ep-with-pp": ("mixtral", ["--parallelism.ep", "2", "--pp", "2"], _launched(4),
-                   "parallelism.pp: pp=2 with ep=2 is not supported yet"),  # as hftrain groups says it
+    # as hftrain groups says it (ep with pp trains: tests/test_ep_pp.py)
     "ep-with-cp": ("mixtral", ["--parallelism.ep", "2", "--cp", "2"], _launched(4), "parallelism.cp: cp=2 with ep=2"),
 }  # fmt: skip
 

@@ -622,19 +622,19 @@ def test_mixtral_8x7b_counted_on_the_meta_device(tmp_path):
 
 
 def test_the_plan_offers_only_expert_layouts_that_training_takes(tmp_path):
-    """Expert parallelism composes with tp and dp only in training (ParallelDims.validate_trainable): the plan's
-    layouts keep ep > 1 to pp = cp = 1, and asking for --ep with --pp is one line."""
+    """Expert parallelism composes with tp, pp and dp in training, not with cp (ParallelDims.validate_trainable): the
+    plan's layouts keep ep > 1 to cp = 1, offer it with pp, and asking for --ep with --cp is one line."""
     from hftrain.errors import ConfigError
 
     model = _mixtral_8x7b(tmp_path)
     hardware = Hardware(gpus_per_node=8, nodes=4)
     found = model_parallel.fixed_layouts(model, hardware)
     assert all(set(layout) == {"tp", "pp", "cp", "ep"} and layout["cp"] == 1 for layout in found)
-    assert any(layout["ep"] > 1 for layout in found) and any(layout["pp"] > 1 for layout in found)
-    assert all(layout["pp"] == 1 for layout in found if layout["ep"] > 1), found
-    with pytest.raises(ConfigError, match="composes expert parallelism with tp and dp only; drop --pp/--cp or --ep"):
-        model_parallel.fixed_layouts(model, hardware, pp=2, ep=2)
-    with pytest.raises(ConfigError, match="--ep 2 with --pp 1 / --cp 2: training composes expert parallelism"):
+    assert any(layout["ep"] > 1 and layout["pp"] > 1 for layout in found), found
+    assert model_parallel.fixed_layouts(model, hardware, pp=2, ep=2)
+    with pytest.raises(ConfigError, match="composes expert parallelism with tp, pp and dp only; drop --cp or --ep"):
+        model_parallel.fixed_layouts(model, hardware, pp=2, cp=2, ep=2)
+    with pytest.raises(ConfigError, match="--ep 2 with --cp 2: training composes expert parallelism"):
         model_parallel.fixed_layouts(model, hardware, cp=2, ep=2)
 
 
@@ -654,9 +654,8 @@ def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_pat
     assert staged[1].figures["experts"] == pytest.approx(stage / 2 * (4 + 4) + stage / 2 / 4 * 8)
     assert staged[0].params - staged[1].params == pytest.approx(stage / 2 * 4)
     assert staged[0].grads - staged[1].grads == pytest.approx(stage / 2 * 4)
-    # pp splits a mixture of experts (its stages pass the router loss on), not yet together with ep
-    assert staged[0].runnable and not staged[1].runnable
-    assert "formula only: hftrain's trainer takes no ep with pp" in staged[1].notes[0]
+    # pp splits a mixture of experts (its stages pass the router loss on), with ep too (carved out of each stage's dp)
+    assert staged[0].runnable and staged[1].runnable
     # tp2 at pp1 (dp 16): the experts' params and grads halve; ZeRO-1's Adam state /dp, the experts' at ep = 2 over
     # their dp/ep = 8 replicas
     one, two = (model_parallel.estimate(2, 1, model, work, hardware, ep=ep) for ep in (1, 2))

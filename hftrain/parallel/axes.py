@@ -146,6 +146,11 @@ def group_names(*specs: AxisSpec) -> Iterator[str]:
         yield from [spec.complement[0]] if spec.complement else []
 
 
+def _listed(names: list[str]) -> str:
+    """``"tp, pp and dp"``: names joined for a message."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
 def _inner_first(specs: Any) -> list[AxisSpec]:
     return sorted(specs, key=lambda s: s.stride)
 
@@ -231,16 +236,19 @@ class ParallelDims:
 
     def validate_trainable(self) -> ParallelDims:
         """Return ``self`` if it is a layout (:meth:`validate`) that hftrain's megatron runtimes train, else raise an
-        ``AxisError`` naming the axis: a carved axis (expert parallelism) composes only with its parent and the axes
-        that cut parameters (tp and dp): ``expert_parallel.py`` routes the tokens of whole sequences within one
-        stage; pipeline stages and context-parallel parts of a sequence are not handled yet, although Megatron-LM's
-        rank order defines those layouts too. The megatron strategy and ``hftrain groups`` both check this, so a
-        layout that ``groups`` prints is one that training takes.
+        ``AxisError`` naming the axis: a carved axis (expert parallelism) composes only with its parent, the axes
+        that cut parameters (tp) and the pipeline's stages (pp: ep is carved out of dp within each stage, and
+        ``expert_parallel.py`` routes the tokens of whole sequences among the ranks of one stage); context-parallel
+        parts of a sequence are not handled yet, although Megatron-LM's rank order defines that layout too. The
+        megatron strategy and ``hftrain groups`` both check this, so a layout that ``groups`` prints is one that
+        training takes.
         """
         self.validate()
         for carved in (s for s in AXIS_SPECS if s.carved_from and self.size(s.name) > 1):
             allowed = [
-                s for s in AXIS_SPECS if s.name == carved.carved_from or (s.cuts_parameters and s.stride is not None)
+                s
+                for s in AXIS_SPECS
+                if s.name == carved.carved_from or (s.stride is not None and (s.cuts_parameters or s.pipelined))
             ]
             for spec in AXIS_SPECS:
                 size = self.size(spec.name)
@@ -249,7 +257,7 @@ class ParallelDims:
                 raise AxisError(
                     spec.name,
                     f"{spec.name}={size} with {carved.name}={self.size(carved.name)} is not supported yet "
-                    f"({carved.label}ism composes with {' and '.join(s.name for s in allowed)}); use {spec.name} 1 "
+                    f"({carved.label}ism composes with {_listed([s.name for s in allowed])}); use {spec.name} 1 "
                     f"or {carved.name} 1",
                 )
         return self

@@ -263,6 +263,13 @@ class StageRouting(ChunkExtra):
         self._open = False
         self.aux_loss: torch.Tensor | None = None  # the last chunk's, of the micro-batch that just ran
         self.counting = False  # a training micro-batch runs (not torch's shape inference): count its tokens
+        self.real = False  # a real micro-batch runs (training or evaluation), not torch's shape inference
+        # The chunk's expert-parallel experts (``ExpertParallelExperts.exchanging``): they exchange tokens only in a
+        # real micro-batch, so that every rank of an ep group runs the same all-to-alls (docs/expert-parallelism.md,
+        # "Expert parallelism with pipeline parallelism").
+        self.experts = [m for layer in layers.values() for m in layer.modules() if hasattr(m, "exchanging")]
+        for experts in self.experts:
+            experts.exchanging = False
         # real tokens routed to each expert, per MoE layer of the whole model (this chunk's rows), since last taken
         self.counts = torch.zeros(len(moe_layers), self.num_experts, dtype=torch.float64)
         for index, layer in layers.items():
@@ -300,12 +307,18 @@ class StageRouting(ChunkExtra):
 
     @contextlib.contextmanager
     def microbatch(self) -> Iterator[None]:
-        """A real training micro-batch counts its tokens per expert (:attr:`counts`)."""
-        self.counting = torch.is_grad_enabled()
+        """A real micro-batch: its experts exchange tokens over ep, its router loss is reduced over the examples' dp
+        group, and in training it counts its tokens per expert (:attr:`counts`). Outside (torch's shape inference,
+        which each rank runs when its own batch's shape is new) nothing runs a collective."""
+        self.counting, self.real = torch.is_grad_enabled(), True
+        for experts in self.experts:
+            experts.exchanging = True
         try:
             yield
         finally:
-            self.counting = False
+            self.counting = self.real = False
+            for experts in self.experts:
+                experts.exchanging = False
 
     def layers(self):  # the chunk's hooks (hftrain.parallel.chunk.ChunkExtra)
         return self.recording()
@@ -320,7 +333,8 @@ class StageRouting(ChunkExtra):
 
     def finish(self, totals: tuple[torch.Tensor, ...]) -> None:
         """The last chunk: ``router_aux_loss_coef × L`` of the micro-batch, kept for its loss (:meth:`take_loss`)."""
-        loss = balancing_loss(RoutingSums(*totals), num_experts=self.num_experts, group=self.group)
+        group = self.group if self.real else None  # shape inference: this rank alone (see microbatch)
+        loss = balancing_loss(RoutingSums(*totals), num_experts=self.num_experts, group=group)
         self.aux_loss = self.coefficient * loss
 
     def take_loss(self) -> torch.Tensor | None:

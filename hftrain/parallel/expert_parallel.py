@@ -148,6 +148,9 @@ class ExpertParallelExperts(nn.Module):
         self.act_fn = experts.act_fn
         self.capacity_factor = capacity_factor
         self.dropped = 0  # assignments dropped by the capacity since the counter was last read
+        # False while a pipeline stage runs torch's shape inference (``ep_routing.StageRouting`` holds it so outside
+        # a real micro-batch): the forward then gives a placeholder of the output's shape and runs no exchange.
+        self.exchanging = True
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
             local = full.detach()[self.first : self.first + self.local_experts].clone()
@@ -163,6 +166,11 @@ class ExpertParallelExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if not self.exchanging:
+            # torch's pipeline infers a stage's shapes by a forward (and backward) of its own, which each dp rank of
+            # a stage runs when *its* batch's shape is new: the ep ranks, which see different batches, would call
+            # the all-to-alls a different number of times. Only the output's shape and dtype are read then.
+            return torch.zeros_like(hidden_states)
         if self.padded:
             return self._forward_padded(hidden_states, top_k_index, top_k_weights)
         return self._forward_read(hidden_states, top_k_index, top_k_weights)

@@ -14,9 +14,9 @@ over the divisors of both (:func:`expert_sizes`) unless ``--ep`` fixes it (:func
   GPU forward and the same again backward (T = b·s/c tokens of the GPU, k = top-k, e_b bytes per element), over
   the intra-node link when the e group's t·c·e consecutive ranks fit in a node;
 - no sequence parallelism for a MoE model (the MoE block needs the whole sequence, ``hftrain.parallel.plans``: the
-  model's own trait, ``ModelSpec.moe``); no ZeRO-1 with e > 1; training composes e > 1 with tp and dp only
-  (``ParallelDims.validate_trainable``): layouts with p > 1 or c > 1 are not listed, and refused in one line when
-  fixed; p > 1 at e = 1 runs (each stage adds its layers' router-loss sums).
+  model's own trait, ``ModelSpec.moe``); no ZeRO-1 with e > 1; training composes e > 1 with tp, dp and pp (e carved
+  out of dp within each stage; each stage adds its layers' router-loss sums), not with cp
+  (``ParallelDims.validate_trainable``): layouts with c > 1 are not listed, and refused in one line when fixed.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def stage_expert_parameters(model: ModelSpec, pp: int, ep: int = 1) -> float:
 
 def _not_composed(axis: str) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: the mesh axes a carved axis is not trained with, and those it is
-    (``ParallelDims.validate_trainable``'s rule: its parent and the axes that cut parameters)."""
+    (``ParallelDims.validate_trainable``'s rule: its parent, the axes that cut parameters and the pipeline's stages)."""
     parent = SPEC[axis].carved_from
     mesh = [s for s in AXIS_SPECS if s.stride is not None]
-    allowed = [s.name for s in mesh if s.name == parent or s.cuts_parameters]
+    allowed = [s.name for s in mesh if s.name == parent or s.cuts_parameters or s.pipelined]
     return [s.name for s in mesh if s.meaning and s.name not in allowed], allowed
 
 
@@ -118,7 +118,7 @@ class ExpertTerm(AxisTerm):
 
     def check(self, model: ModelSpec, fixed: Mapping[str, int | None]) -> None:
         """Refuse an ``--ep`` the model cannot split (:func:`check_experts`), or given with axes training does not
-        compose it with (``--pp``/``--cp`` above 1)."""
+        compose it with (``--cp`` above 1)."""
         ep = fixed.get(self.axis)
         if ep is None:
             return
@@ -128,7 +128,8 @@ class ExpertTerm(AxisTerm):
             given = " / ".join(f"--{axis} {fixed.get(axis) or 1}" for axis in refused)
             raise ConfigError(
                 f"--{self.axis} {ep} with {given}: training composes {SPEC[self.axis].label}ism with "
-                f"{' and '.join(allowed)} only; drop {'/'.join('--' + axis for axis in refused)} or --{self.axis}"
+                f"{', '.join(allowed[:-1])} and {allowed[-1]} only; "
+                f"drop {'/'.join('--' + axis for axis in refused)} or --{self.axis}"
             )
 
     def searched(self, model: ModelSpec, dp: int) -> list[int]:

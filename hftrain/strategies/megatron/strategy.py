@@ -12,8 +12,8 @@ Refused up front, before any process group: a ``tp`` that does not divide the wo
 an unsupported model family, LoRA with an axis whose module does not take adapters yet (none today: they are split
 with their layers under tp, ``hftrain.parallel.lora``, each pipeline stage keeps its layers' adapters, cp and ep
 replicate them),
-``ep`` on a dense model or one that does not divide the experts and dp, ``ep`` with pipeline or context
-parallelism (``ParallelDims.validate_trainable``), and another strategy's options (FSDP/DeepSpeed settings).
+``ep`` on a dense model or one that does not divide the experts and dp, ``ep`` with context parallelism
+(``ParallelDims.validate_trainable``), and another strategy's options (FSDP/DeepSpeed settings).
 ZeRO-1 (``shard_optimizer``) shards each stage's dense optimizer state over dp and the experts' over edp.
 """
 
@@ -69,7 +69,7 @@ class MegatronStrategy(Strategy):
                     f"strategy.{key} is not a megatron option (megatron composes tp with plain data parallelism; "
                     "shard_optimizer gives ZeRO-1); drop it or choose its strategy"
                 )
-        with named_by_config():  # the layout, and ep with pp or cp, checked as hftrain groups checks them
+        with named_by_config():  # the layout, and ep with cp, checked as hftrain groups checks them
             sizes = {axis: getattr(self.parallelism, axis) for axis in AXIS_SIZES}
             self.dims = ParallelDims(self.launch.world_size, **sizes).validate_trainable()
         for axis, size, why in not_built(self.dims, "zero1") if config.shard_optimizer else ():
