@@ -240,7 +240,10 @@ def _plan_row(setup: Setup, item: Check):
     if item.axes is None:
         rows = [r for r in plan(spec, hardware, work).rows if r.label == item.label]
     else:
-        rows = [r for r in plan(spec, hardware, work, **item.axes).rows if not r.strategy.get("shard_optimizer")]
+        # the row without ZeRO-1 where the plan has one (an ep row at dp > 1 shards its optimizer, as training does)
+        rows = sorted(
+            plan(spec, hardware, work, **item.axes).rows, key=lambda r: bool(r.strategy.get("shard_optimizer"))
+        )
     return rows[0] if rows else None
 
 
