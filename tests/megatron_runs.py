@@ -39,6 +39,44 @@ def assert_resumed_equals_uninterrupted(ranks: list[dict]) -> None:
     assert_same_weights(main["resumed"]["weights"], main["full"]["weights"], atol=1e-6)
 
 
+def assert_equals_reference(run: dict, ref: dict, *, steps: int = 12) -> None:
+    """A run of ``steps`` steps (a resumed one's log holds the stopped run's losses too) equal to the 1-process
+    reference: every loss, learning rate, the samples seen and the evaluation (each of the 25 examples once)."""
+    assert run["global_step"] == ref["global_step"] == steps
+    assert len(run["losses"]) == steps
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert run["lrs"] == pytest.approx(ref["lrs"], rel=1e-9)
+    assert run["samples_seen"] == ref["samples_seen"]
+    assert run["metrics"]["eval_samples"] == 25
+    assert run["metrics"] == pytest.approx(ref["metrics"], rel=1e-5)
+    assert ref["losses"][-1] != pytest.approx(ref["losses"][0], rel=1e-3)  # the loss moved
+
+
+def assert_stopped_resumed_and_exported(runs: dict, label: str, *, stop: int = 8) -> None:
+    """Each rank's run stopped at ``stop`` equals the reference's first losses, its resumed run equals the reference,
+    and the main rank's gathered and exported weights equal the reference's (``runs``: ``"four"``, one entry per rank
+    with ``"part"`` and ``"resumed"``, and ``"reference"``); prints the largest relative loss difference."""
+    ref = runs["reference"]
+    for rank in runs["four"]:
+        assert rank["part"]["preempted"] == "stop_at_step" and rank["part"]["global_step"] == stop
+        assert rank["part"]["losses"] == pytest.approx(ref["losses"][:stop], rel=1e-5)
+        assert_equals_reference(rank["resumed"], ref)
+    main = runs["four"][0]["resumed"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(main["losses"], ref["losses"], strict=True))
+    print(f"\n{label}, stopped at {stop} and resumed: largest relative loss difference {worst:.1e}")
+    assert_same_weights(main["weights"], ref["weights"], atol=1e-5)  # gathered over the split axes
+    assert_same_weights(main["inspected"]["weights"], ref["weights"], atol=1e-5)  # the exported folder
+
+
+def assert_resumed_without_zero1(runs: dict) -> None:
+    """The ZeRO-1 checkpoint resumed without ``shard_optimizer`` (each rank's ``"plain"`` run) equals the reference."""
+    ref = runs["reference"]
+    for rank in runs["four"]:
+        assert_equals_reference(rank["plain"], ref)
+        assert not rank["plain"]["inspected"]["zero1"]
+    assert_same_weights(runs["four"][0]["plain"]["weights"], ref["weights"], atol=1e-5)
+
+
 def launch_on_two_four_one(root: str, two, four, one, *, timeout: float = 900) -> dict:
     """Run ``two``, ``four`` and ``one`` (module-level functions of ``root``) on 2, 4 and 1 gloo processes, in this
     order (the 1-process run last: it may start a process group the others must not see); every rank's results.

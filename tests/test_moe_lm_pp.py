@@ -16,33 +16,14 @@ at pp2, and ``hftrain plan``'s pp rows of it are runnable.
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tiny import WORDS, reset_accelerate_state, tiny_config, tiny_tokenizer
+from tests.tiny import counting_documents, tiny_config, tiny_tokenizer, train_job, write_jsonl
 
 STEPS, STOP = 6, 4
 LAYOUT = {"pp": 2, "num_microbatches": 2}
-
-
-def _lm_rows(n: int, seed: int) -> list[dict]:
-    """Documents counting up through ``WORDS`` from a random start, 2 to 14 words: uneven targets per block."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        start, length = rng.randrange(len(WORDS)), rng.randint(2, 14)
-        rows.append({"text": " ".join(WORDS[(start + i) % len(WORDS)] for i in range(length))})
-    return rows
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +40,8 @@ def job(tmp_path_factory) -> dict[str, str]:
     tokenizer.save_pretrained(root / "lm")
     return {
         "root": str(root),
-        "train": _write_jsonl(root / "train.jsonl", _lm_rows(120, seed=0)),
-        "validation": _write_jsonl(root / "validation.jsonl", _lm_rows(20, seed=1)),
+        "train": write_jsonl(root / "train.jsonl", counting_documents(120, seed=0)),
+        "validation": write_jsonl(root / "validation.jsonl", counting_documents(20, seed=1)),
     }
 
 
@@ -77,34 +58,11 @@ def _config(job: dict[str, str], run: str, *, micro: int, accumulation: int, **f
 
 
 def _train(config, *, stop_at_step: int | None = None) -> dict:
-    """The job in this process group as ``hftrain.job.run_training`` runs it (validation, data cache, trainer, the
-    verified export beside the last checkpoint): its losses, final metrics, load figures and exported weights. The
-    trainer is not closed: closing ends the process group, which the launch's next job still needs."""
-    from safetensors.torch import load_file
-
-    from hftrain.cli import launch_info_from_environ
-    from hftrain.job import export_model, prepare_job
-
-    reset_accelerate_state()
-    trainer, tokenizer, tokenized = prepare_job(config, launch_info_from_environ())
-    folder = Path(config.training.output_dir) / "model"
-    result = trainer.fit(
-        stop_at_step=stop_at_step,
-        beside_last_save=lambda: export_model(
-            trainer, tokenizer, tokenized, folder, config, before_publish=trainer.wait_for_checkpoint
-        ),
-    )
-    trainer.wait_for_checkpoint()
-    trainer.release_folder()
-    weights = folder / "model.safetensors"
-    return {
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "loads": [h["expert_load_max"] for h in trainer.state.log_history if "expert_load_max" in h],
-        "global_step": trainer.state.global_step,
-        "metrics": result.metrics,
-        "pipeline": hasattr(trainer.model, "take_router_loss"),
-        "weights": load_file(weights) if weights.is_file() and stop_at_step is None else None,
-    }
+    """The job trained as ``hftrain.job.run_training`` runs it (``tests.tiny.train_job``): its losses, final metrics,
+    load figures and exported weights."""
+    trainer, run = train_job(config, stop_at_step=stop_at_step)
+    loads = [h["expert_load_max"] for h in trainer.state.log_history if "expert_load_max" in h]
+    return {**run, "loads": loads, "pipeline": hasattr(trainer.model, "take_router_loss")}
 
 
 def _one_process(job: dict[str, str]) -> dict:

@@ -16,29 +16,17 @@ runnable.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tiny import POSITIVE, WORDS, tiny_config, tiny_tokenizer
+from tests.tiny import POSITIVE, WORDS, counting_documents, tiny_config, tiny_tokenizer, write_jsonl
 
 STEPS, STOP = 6, 4
 LAYOUT = {"pp": 2, "cp": 2, "num_microbatches": 2}
 TASKS = {"causal_lm": "lm", "token_classification": "tokens"}  # task -> the job folder's model and data
-
-
-def _lm_rows(n: int, seed: int) -> list[dict]:
-    """Documents counting up through ``WORDS`` from a random start, 2 to 14 words: uneven targets per block."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        start, length = rng.randrange(len(WORDS)), rng.randint(2, 14)
-        rows.append({"text": " ".join(WORDS[(start + i) % len(WORDS)] for i in range(length))})
-    return rows
 
 
 def _tagged_rows(n: int, seed: int) -> list[dict]:
@@ -51,11 +39,6 @@ def _tagged_rows(n: int, seed: int) -> list[dict]:
                 for i, w in enumerate(words)]  # fmt: skip
         rows.append({"tokens": words, "tags": tags})
     return rows
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +59,10 @@ def job(tmp_path_factory) -> dict[str, str]:
     tiny_tokenizer("bert").save_pretrained(root / "tokens")
     return {
         "root": str(root),
-        "lm_train": _write_jsonl(root / "lm_train.jsonl", _lm_rows(120, seed=0)),
-        "lm_validation": _write_jsonl(root / "lm_validation.jsonl", _lm_rows(20, seed=1)),
-        "tokens_train": _write_jsonl(root / "tokens_train.jsonl", _tagged_rows(64, seed=1)),
-        "tokens_validation": _write_jsonl(root / "tokens_validation.jsonl", _tagged_rows(13, seed=2)),
+        "lm_train": write_jsonl(root / "lm_train.jsonl", counting_documents(120, seed=0)),
+        "lm_validation": write_jsonl(root / "lm_validation.jsonl", counting_documents(20, seed=1)),
+        "tokens_train": write_jsonl(root / "tokens_train.jsonl", _tagged_rows(64, seed=1)),
+        "tokens_validation": write_jsonl(root / "tokens_validation.jsonl", _tagged_rows(13, seed=2)),
     }
 
 

@@ -382,6 +382,25 @@ def fit_in_rank(trainer_class, args, strategy: str, options: dict | None, model_
     return trainer, trainer.fit()
 
 
+def counting_documents(n: int, seed: int) -> list[dict]:
+    """Language-model rows: documents counting up through ``WORDS`` from a random start, 2 to 14 words (uneven targets
+    per packed block)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        start, length = rng.randrange(len(WORDS)), rng.randint(2, 14)
+        rows.append({"text": " ".join(WORDS[(start + i) % len(WORDS)] for i in range(length))})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """``rows`` as JSON Lines at ``path``; the path as a string."""
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
 def train_job(config, *, stop_at_step: int | None = None) -> tuple[Any, dict]:
     """A job config trained in this process group as ``hftrain.job.run_training`` runs it (validation, data cache,
     trainer, the verified export beside the last checkpoint into ``<output_dir>/model``): the trainer, and the run's
