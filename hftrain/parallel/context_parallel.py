@@ -116,12 +116,14 @@ def check_context_parallel_model(
         head: the task's head kind (``hftrain.parallel.heads.HEADS``), checked with the family.
     """
     from hftrain.errors import AxisError
-    from hftrain.parallel.families import check_family
+    from hftrain.parallel.families import stages_for
     from hftrain.parallel.plans import grouped_query_split
 
     if cp == 1:
         return
-    check_family(config, head=head, axis="cp")
+    only = getattr(stages_for(config, head=head, axis="cp"), "cp_comm_only", None)  # checked for cp
+    if only is not None and comm != only[0]:  # (comm, why): a family whose attention one cp comm alone splits
+        raise AxisError("cp", f"cp_comm {comm} cannot split this model's attention: {only[1]}; use cp_comm: {only[0]}")
     for name in ATTENTION_DROPOUT_FIELDS:
         if getattr(config, name, 0) or 0:
             raise AxisError(
@@ -342,7 +344,8 @@ def apply_context_parallel(
     (:class:`ContextSplit`) also serves code that runs its modules itself: pipeline chunks take it
     (``hftrain.parallel.stages.PipelineChunk``), and there the hooks stay idle (the base model is never called).
 
-    It reads neither the family registry nor the model's class: the caller passes the family's trunk adapter and the
+    It reads neither the family registry nor the model's class: the caller passes the family's trunk adapter (whose
+    ``context_parallel_attention(model, batch)``, where it has one, splits an attention of the family's own) and the
     task head's per-token trait.
 
     Args:
@@ -364,6 +367,8 @@ def apply_context_parallel(
     # LoraModel), and the trunk adapter's paths name its modules; LoRA's layers stay inside the split attention
     hf_model = hf_model_of(model)
     hf_model.set_attn_implementation(ATTENTION_NAME)
+    if hasattr(trunk, "context_parallel_attention"):  # a family's own attention module, outside the interface
+        trunk.context_parallel_attention(hf_model, batch)
     split = model.context_split = ContextSplit(batch)
     if hf_model is not model:  # also on the transformers model: whichever of the two the caller unwraps to
         hf_model.context_split = split
