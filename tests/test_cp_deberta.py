@@ -22,7 +22,10 @@ from tests.tiny import run_tiny_training
 SEQ = 32
 TRAIN = {
     "kind": "deberta-v2", "micro": 8, "steps": 4, "n_train": 32, "n_eval": 10, "words": (10, 40),
-    "max_seq_length": SEQ, "return_weights": True, "config_overrides": {"share_att_key": False},
+    "max_seq_length": SEQ, "return_weights": True,
+    # own position projections, 4 heads (2 per rank at tp2 × cp2), weights drawn wide enough that the attention is
+    # far from uniform (at the default 0.02 every head attends almost evenly, whatever its scores)
+    "config_overrides": {"share_att_key": False, "num_attention_heads": 4, "initializer_range": 0.2},
 }  # fmt: skip
 LAYER_CASES = ((True, ("p2c", "c2p")), (False, ("p2c", "c2p")), (False, ("c2p",)))  # (share_att_key, pos_att_type)
 

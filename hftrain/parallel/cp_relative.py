@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from hftrain.parallel.cp_attention import _AllToAll, _gather_whole
 
+PAIRWISE = ("disentangled", "pairwise")  # the forward memo's key of the whole sequence's pairwise padding mask
+
 
 def apply_relative_context_parallel(attentions: list[torch.nn.Module], batch: Any) -> None:
     """Make each ``DisentangledSelfAttention`` of ``attentions`` run split over the cp ranks (in place): its
@@ -123,8 +125,8 @@ def disentangled_attention(
     if "whole" not in memo:  # shared with the family-agnostic all-to-all's key (the same gathers)
         memo["whole"] = _gather_whole(batch.keep, batch.positions, batch.segments, group, cp)
     keep, positions, _ = memo["whole"]
-    if "pairwise" not in memo:  # transformers' m_i · m_j: a padding query sees no key (then all keys, evenly)
-        memo["pairwise"] = (keep[:, None, :, None] & keep[:, None, None, :]).logical_not()
+    if PAIRWISE not in memo:  # transformers' m_i · m_j: a padding query sees no key (then all keys, evenly)
+        memo[PAIRWISE] = (keep[:, None, :, None] & keep[:, None, None, :]).logical_not()
     scale_factor = 1 + ("c2p" in module.pos_att_type) + ("p2c" in module.pos_att_type)
     scale = scaled_size_sqrt(q, scale_factor).to(q.dtype)
     scores = q @ (k.transpose(-1, -2) / scale)  # [b, h/cp, S, S]
@@ -140,7 +142,7 @@ def disentangled_attention(
         if pos_query is not None:  # p2c(i, j) = k_j · Q_r[δ'(j, i)]: gathered per key row, then transposed
             p2c = torch.gather(k @ pos_query.transpose(-1, -2), -1, p2c_index.expand(shape)).transpose(-1, -2)
             scores = scores + p2c / scale.to(p2c.dtype)
-    scores = scores.masked_fill(memo["pairwise"], torch.finfo(q.dtype).min)
+    scores = scores.masked_fill(memo[PAIRWISE], torch.finfo(q.dtype).min)
     out = torch.softmax(scores, dim=-1) @ v  # [b, h/cp, S, d]
     out = _AllToAll.apply(out, group, True)  # [b, h, S/cp, d]
     b, _, s, _ = out.shape
