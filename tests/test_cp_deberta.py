@@ -1,15 +1,15 @@
 """Context parallelism for DeBERTa-v2/v3's disentangled relative attention (``hftrain.parallel.cp_relative``).
 
-One 2-process launch (cp = 2, all-to-all), one 4-process launch (tp = 2 × cp = 2) and one 1-process launch (the
-Trainer's reference):
+One 2-process launch (cp = 2, all-to-all), one 4-process launch (tp = 2 × cp = 2, pp = 2 × cp = 2) and one
+1-process launch (the Trainer's reference):
 - the attention layer split over cp equals transformers' unsplit ``DisentangledSelfAttention`` (output, the input's
   gradient, the relative embeddings' and every parameter's, summed over cp) within 1e-5 of each tensor's largest
   entry (fp32), on padded sequences of 32 tokens (relative positions up to 31 in 8 log buckets): shared and own
   position projections, c2p with p2c and c2p alone;
 - the whole classifier split over cp (``apply_context_parallel``, the family's trunk) equals the unsplit model: loss,
   logits and every gradient averaged over cp, recomputed or not;
-- Trainer runs at cp = 2 and at tp = 2 × cp = 2 (a 4-process launch; ``cp_comm: all_to_all``, own position
-  projections, 4 heads) equal one process: losses every step, the evaluation, the trained weights.
+- Trainer runs at cp = 2, tp = 2 × cp = 2 and pp = 2 × cp = 2 (``cp_comm: all_to_all``, own position projections,
+  4 heads) equal one process: losses every step, the evaluation, the trained weights.
 The ring (the default ``cp_comm``) is refused in one line, exit 2, naming ``cp_comm: all_to_all``.
 """
 
@@ -139,8 +139,14 @@ def _split_runs() -> dict:
     return {"trainer": run, "layer": _layer_parity(group), "model": _model_parity(group)}
 
 
-def _tp_cp_run() -> dict:
-    return run_tiny_training(strategy="megatron", strategy_options={"tp": 2, "cp": 2, "cp_comm": "all_to_all"}, **TRAIN)
+FOUR = {  # the 4-process layouts
+    "tp2cp2": {"tp": 2, "cp": 2, "cp_comm": "all_to_all"},
+    "pp2cp2": {"pp": 2, "cp": 2, "cp_comm": "all_to_all", "num_microbatches": 2},
+}
+
+
+def _four_runs() -> dict:
+    return {label: run_tiny_training(strategy="megatron", strategy_options=o, **TRAIN) for label, o in FOUR.items()}
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +155,7 @@ def runs() -> dict:
     return {
         "reference": reference,
         "ranks": run_distributed(_split_runs, nprocs=2, timeout=900),
-        "tp2cp2": run_distributed(_tp_cp_run, nprocs=4, timeout=900),
+        "four": run_distributed(_four_runs, nprocs=4, timeout=900),
     }
 
 
@@ -166,13 +172,14 @@ def test_the_split_classifier_equals_the_unsplit_model(runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["cp2", "tp2cp2"])
+@pytest.mark.parametrize("layout", ["cp2", *FOUR])
 def test_a_training_run_split_over_cp_equals_one_process(runs, layout):
-    """cp = 2, and tp = 2 × cp = 2 (each tp rank's 2 heads split again over cp: one per rank), against one process."""
+    """cp = 2, tp = 2 × cp = 2 (each tp rank's 2 heads split again over cp: one per rank) and pp = 2 × cp = 2 (each
+    pipeline chunk's layers split over cp, 2 micro-batches), against one process."""
     import torch
 
     ref = runs["reference"]
-    ranks = [rank["trainer"] for rank in runs["ranks"]] if layout == "cp2" else runs["tp2cp2"]
+    ranks = [rank["trainer"] for rank in runs["ranks"]] if layout == "cp2" else [r[layout] for r in runs["four"]]
     run = ranks[0]
     assert len(run["losses"]) == len(ref["losses"]) == TRAIN["steps"]
     assert ref["losses"][-1] != pytest.approx(ref["losses"][0], rel=1e-2)  # it trained
