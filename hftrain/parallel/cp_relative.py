@@ -25,11 +25,14 @@ So each cp rank, holding positions ``p_r`` of every sequence (``hftrain.parallel
    and key: transformers' pairwise mask, so a padding query attends evenly to every key, as on one process);
 4. turns the output back into sequence shards ``[b, h, S/cp, d]`` (the reverse all-to-all).
 
-Collectives per layer: forward 2 all-to-alls over cp (q, k, v in, the output back), backward their reverses; the
-keep mask and positions are all-gathered once per forward (shared with every layer through the forward's memo).
+Collectives per layer, over the cp group: forward 2 all-to-all exchanges (in: one ``all_to_all_single`` for each of
+q, k, v; back: one for the output), backward their reverses; the keep mask and positions are all-gathered once per
+forward (shared with every layer through the forward's memo). The scores ``[b, h/cp, S, S]`` exist whole, as in
+transformers' own (eager) attention on one process.
 Each cp rank's gradient of the shared relative embeddings and position projections is its heads' share, complete
 after the gradients' sum over dp × cp (as every parameter's under cp). Attention dropout must be 0 under cp
-(``check_context_parallel_model``); ``pos_dropout`` on ``E`` runs as transformers runs it.
+(``check_context_parallel_model``); ``pos_dropout`` on ``E`` runs as transformers runs it, from the stream in force
+(under tp the plan's shared default stream).
 """
 
 from __future__ import annotations
