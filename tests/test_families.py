@@ -48,6 +48,16 @@ def _layouts(world: int) -> dict[str, dict]:
 ONLY = {"pp2cp2": {"roberta"}}
 
 
+def _options(kind: str, options: dict) -> dict:
+    """The layout's strategy options for ``kind``: at cp > 1, the one cp exchange its family's trunk names where it
+    has one (``cp_comm_only``: DeBERTa's all-to-all), as a user would set ``cp_comm``."""
+    from hftrain.parallel.families import family_of
+    from tests.tiny import tiny_config
+
+    only = getattr(family_of(tiny_config(kind)).stages, "cp_comm_only", None)
+    return {**options, "cp_comm": only[0]} if options.get("cp", 1) > 1 and only is not None else options
+
+
 def _needs(options: dict) -> set[str]:
     return {axis for axis in ("tp", "pp", "cp", "ep") if options.get(axis, 1) > 1}
 
@@ -68,7 +78,11 @@ def _runs(world: int) -> dict:
                 continue
             dp = world // (options.get("tp", 1) * options.get("pp", 1) * options.get("cp", 1))
             run = run_tiny_training(
-                kind=kind, micro=GLOBAL_MICRO // dp, strategy="megatron", strategy_options=options, **COMMON
+                kind=kind,
+                micro=GLOBAL_MICRO // dp,
+                strategy="megatron",
+                strategy_options=_options(kind, options),
+                **COMMON,
             )
             results[(kind, label)] = run if dist.get_rank() == 0 else {"losses": run["losses"]}
     return results
@@ -107,13 +121,14 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 def test_the_registry_gives_each_family_its_axes():
     """What the table below runs: every new family takes pp and tp (Phi-3's fused qkv too); cp
-    those without soft-capped or relative attention, sliding windows included (RoBERTa's pad-numbered positions are
-    numbered on the whole sequence, then split); ep the mixtures of experts."""
+    those without soft-capped attention, sliding windows included (RoBERTa's pad-numbered positions are
+    numbered on the whole sequence, then split; DeBERTa's relative attention with cp_comm all_to_all: its cp2 column
+    runs it, tests/test_cp_deberta.py has the layer); ep the mixtures of experts."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp cp", "qwen2": "tp pp cp", "qwen3": "tp pp cp", "gemma": "tp pp cp",
         "gemma2": "tp pp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
-        "modernbert": "tp pp", "deberta-v2": "tp pp", "albert": "tp pp",
+        "modernbert": "tp pp", "deberta-v2": "tp pp cp", "albert": "tp pp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
@@ -171,8 +186,6 @@ REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
                       "Qwen3-MoE model: its router loss"),
     "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
                    "soft-capped attention logits"),
-    "deberta-v2-cp2": ("deberta-v2", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this "
-                       "DeBERTa-v2 model: its disentangled relative attention"),
 }  # fmt: skip
 
 
@@ -222,7 +235,9 @@ def test_a_plan_row_is_runnable_exactly_when_the_trainer_takes_its_layout(tmp_pa
     folder = _model_folder(tmp_path, kind)
     model, config = model_from_config(folder), AutoConfig.from_pretrained(folder)
     assert model.moe == (kind == "qwen3_moe")  # a mixture of experts is counted as one
-    for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+    # cp=4 at 2 heads: the ring for a family that takes it, a formula-only row for one whose attention only the
+    # all-to-all splits (DeBERTa's: 2 heads do not divide by 4), as the trainer's check refuses that cp_comm
+    for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 1, 4)):
         row = estimate(tp, pp, model, Workload(dropout=False), Hardware(gpus_per_node=8), cp=cp)
         options = {key: value for key, value in row.strategy.items() if key != "name"}  # what --write-configs writes
         strategy = strategy_from_options(

@@ -399,25 +399,27 @@ def test_check_tensor_parallel_refuses_unknown_family():
 
 def test_deberta_v2_refuses_what_its_plan_cannot_split_in_one_line():
     """DeBERTa-v2 takes tp (v3's config and v2's default share_att_key off alike) and pp; its convolution layer
-    (conv_kernel_size > 0: v2-xlarge) is refused for both, and cp for every config, each naming why."""
+    (conv_kernel_size > 0: v2-xlarge) is refused for both and for cp (which takes the other configs), each naming
+    why."""
     from hftrain.errors import AxisError
     from hftrain.parallel import check_tensor_parallel
     from hftrain.parallel.families import check_family, trainable_axes
 
     config = _config("deberta-v2")
     check_tensor_parallel(config, 2, sequence_parallel=True)
-    assert trainable_axes(config) == {"tp", "pp"}
+    assert trainable_axes(config) == {"tp", "pp", "cp"}
     with pytest.raises(ConfigError, match=r"tp=4 does not divide num_attention_heads=2 of this deberta-v2 model"):
         check_tensor_parallel(config, 4)
     check_family(config, head="sequence_classification")  # pp takes it
-    with pytest.raises(AxisError, match=r"^context parallelism cannot split this DeBERTa-v2 model: its disentangled"):
-        check_family(config, head="sequence_classification", axis="cp")
+    check_family(config, head="sequence_classification", axis="cp")  # and cp (all-to-all: tests/test_cp_deberta.py)
     conv = _config("deberta-v2", conv_kernel_size=3)
     with pytest.raises(AxisError, match=r"DeBERTa-v2 model: its convolution after the first layer \(conv_kernel_size"):
         check_tensor_parallel(conv, 2)
     check_tensor_parallel(conv, 1)  # nothing to split: it runs whole (dp)
     with pytest.raises(AxisError, match=r"^pipeline parallelism cannot split this DeBERTa-v2 model: its convolution"):
         check_family(conv, head="sequence_classification")
+    with pytest.raises(AxisError, match=r"^context parallelism cannot split this DeBERTa-v2 model: its convolution"):
+        check_family(conv, head="sequence_classification", axis="cp")
     assert trainable_axes(conv) == set()
 
 

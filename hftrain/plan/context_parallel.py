@@ -9,7 +9,10 @@ t·c·p·dp, not searched: 1 unless ``--cp`` fixes it):
   or all-to-all, :func:`_context_comm`), and a classifier's head gathers the whole sequences' hidden states once
   (:func:`_context_gather_bytes`); a causal LM gathers nothing (its logits stay per rank);
 - gradients are averaged over dp × c (``dp_cp``): the generic data-parallel all-reduce over ``Frame.replicas``;
-- no sequence parallelism at c > 1 (tp's sequence split and cp's would cut the same positions).
+- no sequence parallelism at c > 1 (tp's sequence split and cp's would cut the same positions);
+- the exchange (``cp_comm``): all-to-all where each GPU's heads divide by c, else the ring, but a family whose
+  attention one exchange alone splits (its trunk's ``cp_comm_only``: DeBERTa's, all-to-all) gets that one, and a
+  row where it cannot divide the heads is formula only, as the trainer refuses it.
 """
 
 from __future__ import annotations
@@ -27,9 +30,27 @@ def _kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
     return max(model.kv_heads // tp, 1)
 
 
+def _only_comm(model: ModelSpec) -> tuple[str, str] | None:
+    """``(cp_comm, why)`` where the model's family splits its attention by one exchange only (its trunk adapter's
+    ``cp_comm_only``, read by the trainer's check too), else None."""
+    from hftrain.parallel.families import FAMILIES
+
+    family = FAMILIES.get(model.model_type) if model.model_type else None
+    return getattr(family.stages, "cp_comm_only", None) if family is not None else None
+
+
+def _heads_divide(model: ModelSpec, tp: int, cp: int) -> bool:
+    """Each tensor-parallel GPU's heads and key/value heads divide by c (what the all-to-all splits)."""
+    return (model.heads // tp) % cp == 0 and _kv_heads_per_gpu(model, tp) % cp == 0
+
+
 def _context_comm(model: ModelSpec, tp: int, cp: int) -> str:
-    """All-to-all where each GPU's heads and key/value heads divide by c (cheaper), else the ring."""
-    return "all_to_all" if (model.heads // tp) % cp == 0 and _kv_heads_per_gpu(model, tp) % cp == 0 else "ring"
+    """The family's only exchange where it has one, else all-to-all where each GPU's heads and key/value heads
+    divide by c (cheaper), else the ring."""
+    only = _only_comm(model)
+    if only is not None:
+        return only[0]
+    return "all_to_all" if _heads_divide(model, tp, cp) else "ring"
 
 
 def _context_bytes(model: ModelSpec, tp: int, cp: int, work: Workload, *, comm: str | None = None) -> float:
@@ -80,6 +101,13 @@ class ContextTerm(AxisTerm):
     def add_terms(self, row: Row, frame: Frame) -> None:
         """The key/value exchange of every layer and a classifier's gather, on the intra-node link."""
         cp = frame.size(self.axis)
+        only = _only_comm(frame.model) if cp > 1 and row.runnable else None
+        if only is not None and not _heads_divide(frame.model, frame.tp, cp):
+            row.runnable = False  # the trainer's check_context_parallel_model refuses it the same way
+            row.notes.append(
+                f"formula only: cp_comm {only[0]} (the only one that splits this "
+                f"family's attention) needs each tp rank's {frame.model.heads // frame.tp} heads divisible by cp={cp}"
+            )
         if cp > 1:
             model, work = frame.model, frame.work
             gather = 0.0 if model.causal_lm else _context_gather_bytes(model, cp, work)

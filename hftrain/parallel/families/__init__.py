@@ -36,7 +36,7 @@ model's modules when it is split (``llama.llama_architecture``).
 | Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | yes | |
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | no: local attention layers | |
-| DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp) | yes (... over pp) | no | |
+| DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp) | yes (... over pp) | yes (all_to_all) | |
 | ALBERT | yes (the shared layer group split once) | yes (the shared group: a copy per rank) | no: one layer run L× | |
 """
 

@@ -1,4 +1,8 @@
-"""DeBERTa-v2/v3: disentangled relative attention, its relative embeddings read by every layer; its context pooler."""
+"""DeBERTa-v2/v3: disentangled relative attention, its relative embeddings read by every layer; its context pooler.
+
+Context parallelism splits the attention by heads over the whole sequence, with ``cp_comm: all_to_all`` only
+(``hftrain.parallel.cp_relative``: the c2p and p2c scores need each query's and key's contents beside their relative
+position, which the ring's fused block kernel cannot take)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 import torch
 
 from hftrain.errors import AxisError
+from hftrain.parallel.cp_relative import apply_relative_context_parallel
 from hftrain.parallel.families.bert import ENCODER_LAYER_OUTPUTS, EncoderStages
 from hftrain.parallel.families.family import Family
 from hftrain.parallel.heads import SequenceClassificationHead
@@ -45,20 +50,38 @@ class DebertaStages(EncoderStages):
     parameters on every pipeline rank, their gradient summed over the pipeline group, the first stage's copy the one
     checkpointed and exported) and computes them, the relative positions and the pairwise mask once per chunk, as
     the encoder does once per forward. The convolution after the first layer (``conv_kernel_size > 0``) is refused.
-    BERT's layout otherwise (:class:`EncoderStages`: layers, embedding modules).
+    BERT's layout otherwise (:class:`EncoderStages`: layers, embedding modules). Under cp every layer's attention
+    runs split by heads (:meth:`context_parallel_attention`; ``cp_comm_only``: the all-to-all).
     """
+
+    cp_comm_only = (
+        "all_to_all",
+        "its disentangled attention adds c2p and p2c scores (each query's and key's contents against their relative "
+        "position's embedding), which the ring's fused block kernel cannot take",
+    )
+    """Context parallelism splits its attention by heads only (``hftrain.parallel.cp_relative``)."""
 
     def __init__(self) -> None:
         super().__init__("deberta")
 
     def refusal(self, config: Any) -> str | None:
-        """Why a config cannot be cut into stages (its convolution layer), else None."""
+        """Why a config cannot be cut into stages or sequence shards (its convolution layer), else None."""
         if getattr(config, "conv_kernel_size", 0) > 0:
             return (
                 f"its convolution after the first layer (conv_kernel_size {config.conv_kernel_size}) is not in "
-                "hftrain's stages; use pp 1"
+                "hftrain's stages nor in its sequence split; use pp 1 and cp 1"
             )
         return None
+
+    def context_parallel_attention(self, model: torch.nn.Module, batch: Any) -> None:
+        """Split every layer's ``DisentangledSelfAttention`` over the cp ranks by heads, exactly
+        (``hftrain.parallel.cp_relative``: two all-to-alls per layer forward).
+
+        Args:
+            model: the transformers model (``*ForSequenceClassification``, possibly tensor-parallel already).
+            batch: its per-forward cp state (``hftrain.parallel.context_parallel._Batch``).
+        """
+        apply_relative_context_parallel([layer.attention.self for layer in self.layers(model)], batch)
 
     def aux_modules(self, model: torch.nn.Module) -> Modules:
         """The encoder's relative-position state (see the class doc)."""
@@ -159,10 +182,5 @@ FAMILIES: dict[str, Family] = {
         tp=_deberta_v2_plan,
         stages=DebertaStages(),
         classifier=DebertaHead(),
-        refusals={
-            "cp": "its disentangled relative attention reads every key's relative position to every query (c2p and "
-            "p2c scores gathered over the whole sequence), which a sequence shard cannot split exactly; use cp 1 "
-            "(tp splits it)",
-        },
     ),
 }

@@ -18,7 +18,9 @@ class Family:
         tp: its tensor-parallel plan, or a function of the config giving it (derived from transformers' plan); None
             where tp cannot split it (``refusals["tp"]`` says why).
         stages: its trunk's pipeline adapter (embedding, layers, final norm; in its module); None: no
-            pp and no cp.
+            pp and no cp. Context parallelism also reads two optional members of it: ``context_parallel_attention(
+            model, batch)``, which splits an attention module of the family's own (outside transformers' attention
+            interface: DeBERTa's), and ``cp_comm_only``, ``(cp_comm, why)`` where one exchange alone splits it.
         classifier: its ``*ForSequenceClassification``'s head (a ``StageHead``: the pipeline's last chunk's pooling
             and classifier; the ``"sequence_classification"`` head kind, ``hftrain.parallel.heads.HEADS``).
         token_classifier: its ``*ForTokenClassification``'s head where it is not the generic one (dropout and
