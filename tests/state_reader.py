@@ -194,7 +194,7 @@ def build_trainer(
     *,
     micro: int = 4,
     mixed_precision: str = "no",
-    output_dir: str = "/tmp/hftrain-sharding",
+    output_dir: str | None = None,
 ) -> Any:
     """An hftrain ``SequenceClassificationTrainer`` for ``strategy`` on tiny synthetic data, gradient accumulation 2."""
     from accelerate.state import AcceleratorState
@@ -213,6 +213,8 @@ def build_trainer(
     # transformers' ZeRO-3 flag (set by a ZeRO-3 run, it makes the next model build inside deepspeed.zero.Init).
     reset_accelerate_state()
     AcceleratorState._reset_state(reset_partial_state=True)
+    # one folder per launch (its ranks share the port), apart from a launch running beside it (the suite's workers)
+    output_dir = output_dir or f"/tmp/hftrain-sharding-{os.environ.get('MASTER_PORT', os.getpid())}"
     unset_hf_deepspeed_config()
     tokenizer = tiny_tokenizer()
     world = int(os.environ.get("WORLD_SIZE", "1"))
