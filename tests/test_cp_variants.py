@@ -10,7 +10,8 @@ windows) and ALBERT (one layer module run every layer), against one process.
 - The bidirectional window's bound is transformers' own (``sliding_window_bidirectional_overlay``).
 - Through the Trainer (2 processes, cp = 2, 10 steps): Gemma-2 with soft-capping and a sliding window of 4 tokens
   (ring and all-to-all), ModernBERT with local windows of 4 tokens (ring and all-to-all) and ALBERT (ring), texts of
-  20-40 words: each equals its one-process run (losses, learning rates, evaluation) within 1e-5.
+  20-40 words; and the three at pp = 2 × cp = 2 (4 processes): each equals its one-process run (losses, learning
+  rates, evaluation) within 1e-5.
 """
 
 from __future__ import annotations
@@ -186,15 +187,19 @@ TRAINER = {
     "modernbert-all_to_all": ("modernbert", {"cp": 2, "cp_comm": "all_to_all"}),
     "albert-ring": ("albert", {"cp": 2}),
 }
-TEXTS = {"words": (20, 40), "max_seq_length": 64, "micro": 8}
+# 4 processes, pp = 2 × cp = 2: the pipeline chunks run the layers themselves (ALBERT's shared group on both stages)
+PIPELINED = {
+    f"{kind}-pp2cp2": (kind, {"cp": 2, "pp": 2, "num_microbatches": 2}) for kind in ("gemma2", "modernbert", "albert")
+}
+TEXTS = {"words": (20, 40), "max_seq_length": 64, "micro": 8}  # one replica: the global batch is 8 in every layout
 
 
-def _trainer_runs() -> dict:
+def _trainer_runs(cases: dict) -> dict:
     from tests.tiny import run_tiny_training
 
     return {
         label: run_tiny_training(kind=kind, strategy="megatron", strategy_options=options, **TEXTS)
-        for label, (kind, options) in TRAINER.items()
+        for label, (kind, options) in cases.items()
     }
 
 
@@ -206,18 +211,20 @@ def _trainer_references() -> dict:
 
 @pytest.fixture(scope="module")
 def trainer_runs() -> dict:
-    two = run_distributed(_trainer_runs, nprocs=2, timeout=900)
+    two = run_distributed(_trainer_runs, nprocs=2, timeout=900, cases=TRAINER)
+    four = run_distributed(_trainer_runs, nprocs=4, timeout=900, cases=PIPELINED)
     (one,) = run_distributed(_trainer_references, nprocs=1, timeout=900)
-    return {"two": two, "one": one}
+    return {"two": two, "four": four, "one": one}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("label", list(TRAINER))
-def test_each_variant_at_cp2_trains_as_one_process(trainer_runs, label):
+@pytest.mark.parametrize("layout, label", [*(("two", k) for k in TRAINER), *(("four", k) for k in PIPELINED)])
+def test_each_variant_at_cp2_trains_as_one_process(trainer_runs, layout, label):
     from tests.megatron_runs import assert_parity
 
-    reference = trainer_runs["one"][TRAINER[label][0]]
-    for rank in trainer_runs["two"]:
+    reference = trainer_runs["one"][(TRAINER | PIPELINED)[label][0]]
+    ranks = trainer_runs[layout]
+    for rank in ranks:
         assert_parity(rank[label], reference)
-        assert rank[label]["losses"] == trainer_runs["two"][0][label]["losses"]
-    assert trainer_runs["two"][0][label]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
+        assert rank[label]["losses"] == ranks[0][label]["losses"]  # every rank logs the same loss
+    assert ranks[0][label]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
