@@ -26,12 +26,21 @@ where ``dK_j``/``dV_j`` travel with their block and a last send brings them home
 of a block each way per layer (forward cp − 1, backward cp). Grouped-query heads travel unrepeated and are
 repeated (and their gradients summed back) locally. A query row with no visible key (a padding query) gets 0.
 
+**Score modifications** (``Shard.score_mod``: Gemma-2's soft-capping ``S' = c · tanh(S / c)``). A fused kernel takes
+none, so every block of such an attention runs ``hftrain.parallel.cp_scored``'s kernel instead (the block's math on
+a CPU, ``flex_attention`` on CUDA) with the block's boolean visibility, returning ``(O_j, lse_j)`` for the same
+merge; its backward recomputes the block under autograd with the cotangents ``w_j · dO`` and
+``w_j · (rowsum(dO ∘ O_j) − D)``, ``w_j = e^(lse_j − lse)`` (``cp_scored.scored_block_backward``). The same messages
+go around the ring. Masks: a key's padding, causality, packed documents and a sliding window, causal
+(``0 ≤ p_q − p_k < w``) or bidirectional (ModernBERT's local layers: ``|p_q − p_k| < w``; pairs wholly outside it on
+either side are skipped).
+
 **All-to-all** (:func:`all_to_all_attention`; DeepSpeed-Ulysses, Jacobs et al. 2023). One ``all_to_all`` turns
 the sequence shards of ``Q``, ``K``, ``V`` into head shards over the whole sequence (``[b, h/cp, S, d]``; heads,
 and key/value heads, must divide by ``cp``), attention runs on whole sequences with the gathered masks and
-positions, and one ``all_to_all`` turns the output back; each all-to-all's backward is the reverse all-to-all. It
-moves 4 · (cp − 1)/cp of the activations per layer forward (3 in, 1 out) instead of the ring's 2 · (cp − 1)
-blocks, while the heads divide by ``cp``.
+positions (and score modification: the score-modified kernel under autograd), and one ``all_to_all`` turns the
+output back; each all-to-all's backward is the reverse all-to-all. It moves 4 · (cp − 1)/cp of the activations per
+layer forward (3 in, 1 out) instead of the ring's 2 · (cp − 1) blocks, while the heads divide by ``cp``.
 
 The blocks' kernels, masks and merge are ``hftrain.parallel.cp_kernels``'s.
 """

@@ -5,14 +5,16 @@ Rank ``r`` of ``cp`` holds chunks ``r`` and ``2·cp − 1 − r`` of ``2·cp`` o
 masking compares global positions, never indices; a packed block's tokens carry their document
 (:func:`packed_segments`). Each (query chunk, key chunk) pair runs one fused attention kernel in the training dtype
 (:data:`BLOCK_KERNELS`: torch's flash kernel on a CPU, its memory-efficient kernel on CUDA, each taking the block's
-additive mask and returning ``O_j`` and ``lse_j``), masked to −∞ where the key is padding, (causal) after the query
+additive mask and returning ``O_j`` and ``lse_j``), masked to −∞ where the key is padding, (causal) after the query,
+outside a sliding window (causal ``p_q − p_k < w``, or bidirectional ``|p_q − p_k| < w``: ModernBERT's local layers)
 or in another document (:func:`_visible_pairs` says which pairs need a mask at all); the blocks are merged in fp32
 (:func:`_merge`)::
 
     lse' = log(e^lse + e^lse_j);   O' = O·e^(lse − lse') + O_j·e^(lse_j − lse')
 
-The algorithms that move the blocks between ranks are ``hftrain.parallel.cp_attention``'s; the model's wiring is
-``hftrain.parallel.context_parallel``'s.
+A block whose scores pass through a modification first (Gemma-2's soft-capping) runs
+``hftrain.parallel.cp_scored``'s kernels instead, merged the same way. The algorithms that move the blocks between
+ranks are ``hftrain.parallel.cp_attention``'s; the model's wiring is ``hftrain.parallel.context_parallel``'s.
 """
 
 from __future__ import annotations
