@@ -228,3 +228,35 @@ def test_each_variant_at_cp2_trains_as_one_process(trainer_runs, layout, label):
         assert_parity(rank[label], reference)
         assert rank[label]["losses"] == ranks[0][label]["losses"]  # every rank logs the same loss
     assert ranks[0][label]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
+
+
+def test_the_cuda_kernels_forward_equals_the_cpu_math(monkeypatch):
+    """The CUDA score-modified kernel's forward (torch's ``flex_attention``: the score modification by index, the
+    block mask from the visibility, the natural-log ``lse``) run on a CPU without gradients (flex attention's CPU
+    path is inference only; uncompiled here) equals the CPU math kernel's, blind rows included; its backward, which
+    needs a GPU, is the shared ``scored_block_backward`` the distributed tests above check."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from hftrain.parallel import cp_scored
+    from hftrain.parallel.cp_kernels import _mask
+
+    monkeypatch.setattr(cp_scored, "_compiled_flex", lambda: flex_attention)
+    g = torch.Generator().manual_seed(0)
+    b, h, sq, sk, d = 2, 4, 24, 40, 8
+    q, k, v = (
+        torch.randn(b, h, sq, d, generator=g) * 3,
+        torch.randn(b, h, sk, d, generator=g),
+        torch.randn(b, h, sk, d, generator=g),
+    )
+    q_pos, k_pos = torch.arange(10, 10 + sq), torch.arange(sk)
+    keep = torch.ones(b, sk, dtype=torch.bool)
+    keep[1, 12:] = False  # row 1's queries past position 15 see no key in a window of 4: blind rows
+    for causal, window in ((True, None), (False, 5), (True, 4)):
+        visible = _mask(q_pos, k_pos, keep, causal, window=window)
+        with torch.no_grad():
+            expected = cp_scored._math_forward(q, k, v, visible, 0.3, cp_scored.SoftCap(2.0), q_pos, k_pos)
+            got = cp_scored._flex_forward(q, k, v, visible, 0.3, cp_scored.SoftCap(2.0), q_pos, k_pos)
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-5)  # −∞ where blind, in both
+    assert torch.isneginf(expected[1]).any()
