@@ -3,9 +3,10 @@ windows) and ALBERT (one layer module run every layer), against one process.
 
 - Kernel level (real gloo processes, cp = 2 and 4, fp32): ring and all-to-all attention with soft-capping (causal,
   padded, grouped-query; and in a causal sliding window), with a bidirectional window (padded, and without padding,
-  where the ring runs unmasked blocks), and both at once, equal to the unsplit attention (outputs and the gradients
-  of q, k, v) within 1e-5 of each tensor's largest entry. Every block kernel call is counted: soft-capped attention
-  never reaches the fused kernels, the plain cases never reach the score-modified one; block pairs wholly outside a
+  where the ring runs unmasked blocks), both at once, and with a modification that reads the global positions,
+  equal to the unsplit attention (outputs and the gradients of q, k, v) within 1e-5 of each tensor's largest entry.
+  Every block kernel call is counted: score-modified attention never reaches the fused kernels, the plain cases
+  never reach the score-modified one; block pairs wholly outside a
   bidirectional window are skipped.
 - The bidirectional window's bound is transformers' own (``sliding_window_bidirectional_overlay``).
 - Through the Trainer (2 processes, cp = 2, 10 steps): Gemma-2 with soft-capping and a sliding window of 4 tokens
@@ -21,16 +22,22 @@ import pytest
 from tests.distributed import run_distributed
 
 
-def _reference(q, k, v, weights, visible, scale, cap):
-    """Eager attention on the whole sequence (transformers' order: scale, soft-cap, mask, softmax); a query that sees
-    no key gives 0."""
+def _distance_bias(scores, q_pos, k_pos):
+    """A score modification that reads the positions (an ALiBi-like slope): the ring must hand it global ones."""
+    return scores - 0.1 * (q_pos - k_pos).abs()
+
+
+def _reference(q, k, v, weights, visible, scale, mod):
+    """Eager attention on the whole sequence (transformers' order: scale, the modification, mask, softmax); a query
+    that sees no key gives 0."""
     import torch
 
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     n_rep = q.shape[1] // k.shape[1]
     scores = q @ k.repeat_interleave(n_rep, 1).transpose(-1, -2) * scale
-    if cap is not None:
-        scores = torch.tanh(scores / cap) * cap
+    if mod is not None:
+        index = torch.arange(q.shape[2])
+        scores = mod(scores, index[:, None], index[None, :])
     seen = visible.any(-1, keepdim=True)
     scores = torch.where(seen, scores.masked_fill(~visible, float("-inf")), torch.zeros_like(scores))
     out = (scores.softmax(-1) * seen) @ v.repeat_interleave(n_rep, 1)
@@ -69,13 +76,14 @@ def _counting(kernels: dict, name: str, counts: dict):
     kernels["cpu"] = type(kernel)(**wrapped)
 
 
-# label -> (causal, window, softcap, padded)
+# label -> (causal, window, softcap (or "distance": _distance_bias), padded)
 CASES = {
     "softcap causal": (True, None, 2.0, True),
     "softcap causal window": (True, 5, 2.0, False),
     "bidirectional window": (False, 5, None, True),
     "bidirectional window unpadded": (False, 5, None, False),
     "softcap bidirectional window": (False, 5, 2.0, True),
+    "distance-scored causal": (True, None, "distance", True),
 }
 
 
@@ -111,8 +119,8 @@ def _kernels() -> dict:
     result: dict = {"errors": {}, "counts": {}}
     for label, (causal, window, cap, padded) in CASES.items():
         keep = torch.arange(seq)[None, :] < lengths[:, None] if padded else torch.ones(b, seq, dtype=torch.bool)
-        expected = _reference(q, k, v, weights, _visible(seq, keep, causal, window), scale, cap)
-        mod = None if cap is None else SoftCap(cap)
+        mod = _distance_bias if cap == "distance" else None if cap is None else SoftCap(cap)
+        expected = _reference(q, k, v, weights, _visible(seq, keep, causal, window), scale, mod)
         for comm, attention in (("ring", ring_attention), ("all_to_all", all_to_all_attention)):
             counts.update(fused=0, scored=0)
             mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
@@ -142,7 +150,9 @@ def test_soft_capped_and_bidirectional_window_attention_equal_unsplit_attention(
     for got in run_distributed(_kernels, nprocs=cp, timeout=300):
         assert max(got["errors"].values()) < 1e-5, got["errors"]
         for label, counts in got["counts"].items():
-            if "softcap" in label:  # every block through the score-modified kernel, none through the fused one
+            if (
+                "scored" in label or "softcap" in label
+            ):  # every block through the score-modified kernel, none through the fused one
                 assert counts["scored"] > 0 and counts["fused"] == 0, (label, counts)
             else:  # the plain cases keep the fused kernels (the all-to-all's own SDPA call counts as neither)
                 assert counts["scored"] == 0, (label, counts)
@@ -233,7 +243,8 @@ def test_each_variant_at_cp2_trains_as_one_process(trainer_runs, layout, label):
 def test_the_cuda_kernels_forward_equals_the_cpu_math(monkeypatch):
     """The CUDA score-modified kernel's forward (torch's ``flex_attention``: the score modification by index, the
     block mask from the visibility, the natural-log ``lse``) run on a CPU without gradients (flex attention's CPU
-    path is inference only; uncompiled here) equals the CPU math kernel's, blind rows included; its backward, which
+    path is inference only; uncompiled here) equals the CPU math kernel's, blind rows included, for soft-capping and
+    for a modification that reads the positions; its backward, which
     needs a GPU, is the shared ``scored_block_backward`` the distributed tests above check."""
     import torch
     from torch.nn.attention.flex_attention import flex_attention
@@ -252,11 +263,17 @@ def test_the_cuda_kernels_forward_equals_the_cpu_math(monkeypatch):
     q_pos, k_pos = torch.arange(10, 10 + sq), torch.arange(sk)
     keep = torch.ones(b, sk, dtype=torch.bool)
     keep[1, 12:] = False  # row 1's queries past position 15 see no key in a window of 4: blind rows
-    for causal, window in ((True, None), (False, 5), (True, 4)):
+
+    def distance_bias(scores, q_at, k_at):  # a modification that reads the positions (an ALiBi-like slope)
+        return scores - 0.1 * (q_at - k_at).abs()
+
+    cases = [(causal, window, mod) for causal, window in ((True, None), (False, 5), (True, 4))
+             for mod in (distance_bias, cp_scored.SoftCap(2.0))]  # fmt: skip
+    for causal, window, mod in cases:
         visible = _mask(q_pos, k_pos, keep, causal, window=window)
         with torch.no_grad():
-            expected = cp_scored._math_forward(q, k, v, visible, 0.3, cp_scored.SoftCap(2.0), q_pos, k_pos)
-            got = cp_scored._flex_forward(q, k, v, visible, 0.3, cp_scored.SoftCap(2.0), q_pos, k_pos)
+            expected = cp_scored._math_forward(q, k, v, visible, 0.3, mod, q_pos, k_pos)
+            got = cp_scored._flex_forward(q, k, v, visible, 0.3, mod, q_pos, k_pos)
         torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-5)  # −∞ where blind, in both
     assert torch.isneginf(expected[1]).any()

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,6 +52,7 @@ class SoftCap:
     """
 
     cap: float
+    positional: ClassVar[bool] = False  # the same for every (query, key) pair: no positions needed
 
     def __call__(self, scores: torch.Tensor, q_pos: Any = None, k_pos: Any = None) -> torch.Tensor:
         """The capped scores (positions unused: the cap is the same for every pair)."""
@@ -96,6 +97,18 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=True)
 
 
+@functools.lru_cache(maxsize=16)
+def _position_free(score_mod: Any) -> Any:
+    """flex's ``score_mod`` of a modification that reads no positions (``positional`` False: soft-capping): one
+    function per (equal) modification, not a new closure per block, so the compiled kernel need not be traced again
+    for each block (not checked on a GPU: see the module doc)."""
+
+    def flex_mod(score, batch, head, q_idx, kv_idx):
+        return score_mod(score)
+
+    return flex_mod
+
+
 def _flex_forward(q, k, v, visible, scale, score_mod, q_pos, k_pos):
     """torch's ``flex_attention`` on CUDA: the score modification as its ``score_mod(score, b, h, q_idx, kv_idx)``
     (positions looked up by index), the visibility as its ``block_mask`` (blocks wholly invisible are skipped), the
@@ -112,6 +125,8 @@ def _flex_forward(q, k, v, visible, scale, score_mod, q_pos, k_pos):
     def flex_mod(score, batch, head, q_idx, kv_idx):
         return score_mod(score, q_pos[q_idx], k_pos[kv_idx])
 
+    if not getattr(score_mod, "positional", True):
+        flex_mod = _position_free(score_mod)
     block_mask = create_block_mask(mask_mod, b, None, sq, sk, device=q.device)
     out, aux = _compiled_flex()(
         q, k, v, score_mod=flex_mod, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
