@@ -9,9 +9,13 @@ nothing else. Packed sequences (a language model's blocks, whose position ids re
 each token's document (:func:`packed_segments`), and a key is visible only in its query's document, as transformers'
 packed mask has it on one process.
 
-The math is in two modules (picotron's algorithm/communications split): ``hftrain.parallel.cp_kernels`` (the zigzag
-layout, the masks, the fused attention of one block and the online-softmax merge) and
-``hftrain.parallel.cp_attention`` (the ring and all-to-all algorithms: their forward, backward and messages). This
+The math is in three modules (picotron's algorithm/communications split): ``hftrain.parallel.cp_kernels`` (the zigzag
+layout, the masks, the fused attention of one block and the online-softmax merge), ``hftrain.parallel.cp_scored``
+(the kernels of a block whose scores pass through a modification before the softmax: Gemma-2's soft-capping
+``S' = c · tanh(S / c)``, by the block's math on a CPU and torch's ``flex_attention`` on CUDA) and
+``hftrain.parallel.cp_attention`` (the ring and all-to-all algorithms: their forward, backward and messages). The
+masks are a key's padding, causality, packed documents and sliding windows: causal (``0 ≤ p_q − p_k < w``) or
+bidirectional (ModernBERT's local layers, ``|p_q − p_k| < w``, ``w`` as transformers passes ``sliding_window``). This
 module holds what cp can split (the checks), the HF attention registration, :class:`ContextSplit` and
 :func:`apply_context_parallel`; it re-exports the others' public names.
 
@@ -53,7 +57,9 @@ from hftrain.parallel.cp_attention import (  # noqa: F401  (re-exported: the pub
     ATTENTIONS,
     Shard,
     _AllToAll,
+    _GatherContext,
     _RingAttention,
+    _SumOverContext,
     all_to_all_attention,
     ring_attention,
 )
@@ -70,6 +76,7 @@ from hftrain.parallel.cp_kernels import (  # noqa: F401  (re-exported: the publi
     zigzag_positions,
     zigzag_runs,
 )
+from hftrain.parallel.cp_scored import SCORED_KERNELS, ScoredKernel, SoftCap, scored_kernel  # noqa: F401
 
 # ----------------------------------------------------------------- what cp can split
 ATTENTION_DROPOUT_FIELDS = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
@@ -169,14 +176,13 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     batch: _Batch = module.context_parallel_batch
     if dropout:
         raise ValueError("context parallelism needs attention dropout 0 (the attention probabilities are never whole)")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("context parallelism has no soft-capped attention (the family's check refuses it)")
+    softcap = kwargs.get("softcap")  # Gemma-2's: its blocks go through the score-modified kernels
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = bool(getattr(module, "is_causal", False))
     window = kwargs.get("sliding_window")  # the layer's (None: full attention), as transformers passes it
     shard = Shard(
         batch.keep, batch.positions, causal, scale, batch.group, batch.runs, batch.segments, window, batch.memo,
-        batch.padded,
+        batch.padded, None if softcap is None else SoftCap(softcap),
     )  # fmt: skip
     out = ATTENTIONS[batch.comm](query, key, value, shard)
     return out.transpose(1, 2).contiguous(), None
@@ -193,56 +199,6 @@ def _register() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, _attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, _no_mask)
-
-
-class _SumOverContext(torch.autograd.Function):
-    """``y = Σ_c x_c`` over the cp group (all-reduce), whose backward is the same sum (all-reduce): every cp rank
-    computes the whole loss from ``y``, so each receives ``cp · ∂L/∂y`` and averaging gradients over cp (with dp) is
-    exact. A pipeline's last chunk pools the classified token with it, a language model's loss sums its blocks."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        y = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _GatherContext(torch.autograd.Function):
-    """The whole sequences ``H [b, S, ...]`` from every cp rank's positions ``H_r [b, S/cp, ...]``, in token order.
-
-    Forward: one all-gather over the cp group, then the inverse of the zigzag permutation (an index, exact)::
-
-        H = [H_0; H_1; …; H_{cp−1}][:, π⁻¹],   π = [p_0; p_1; …; p_{cp−1}]  (p_r: rank r's positions)
-
-    Backward: every cp rank computes the whole loss ``L`` from ``H``, so rank ``r``'s input gradient is the sum of
-    every rank's, at its positions: one all-reduce, then a slice::
-
-        ∂L/∂H_r = (Σ_c ∂L_c/∂H)[:, p_r] = cp · ∂L/∂H[:, p_r]
-
-    A rank's parameter gradients below the gather are then ``cp`` × its share, those above it (the head) the whole
-    gradient on every rank, and the mean over the ``dp × cp`` group is the gradient in both (as
-    :class:`_SumOverContext`).
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, positions, order):
-        ctx.group, ctx.positions = group, positions
-        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, 1).index_select(1, order)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.index_select(1, ctx.positions), None, None, None
 
 
 class ContextSplit(ChunkExtra):
@@ -314,10 +270,11 @@ def apply_context_parallel(
     cp_group: Any,
     comm: str = "ring",
 ) -> torch.nn.Module:
-    """Make an HF model of a family context parallelism takes (``hftrain.parallel.families``: BERT, GPT-2, GPT-NeoX
-    and the rotary decoders, sliding windows included) run split over the sequence, in place. Context parallelism
-    touches the inputs, the positions and the attention only; the model's own ``forward``, head, pooling and loss run
-    unchanged on every cp rank, which takes the *same* whole batch (padded to a multiple of ``2·cp``):
+    """Make an HF model of a family context parallelism takes (``hftrain.parallel.families``: BERT, GPT-2, GPT-NeoX,
+    the rotary decoders with sliding windows and Gemma-2's soft-capping, ModernBERT, ALBERT) run split over the
+    sequence, in place. Context parallelism touches the inputs, the positions and the attention only; the model's own
+    ``forward``, head, pooling and loss run unchanged on every cp rank, which takes the *same* whole batch (padded to
+    a multiple of ``2·cp``):
 
     - the attention becomes context-parallel (:func:`_attention`: ring or all-to-all);
     - a forward pre-hook on the base model (``model.base_model``: BertModel, GPT2Model, LlamaModel, …;
@@ -326,7 +283,8 @@ def apply_context_parallel(
       LM, packed documents), and hands the base model this rank's zigzag positions of ``input_ids``,
       ``attention_mask``, ``token_type_ids``, ``position_ids`` (and ``inputs_embeds``);
     - a ``*ForSequenceClassification``: a forward hook on the trunk's last layer (the family's trunk adapter's
-      ``layers``) gathers every rank's hidden states back into the whole sequences in token order
+      ``layers``; or the module its ``output_module(model)`` names, where the layers are one module run several times:
+      ALBERT's encoder) gathers every rank's hidden states back into the whole sequences in token order
       (:class:`_GatherContext`: all-gather forward, all-reduce and this rank's slice backward), so the base model's
       final norm or pooler (BERT's sits inside the base model, after the layers), the model's head, its pooling of
       the classified token (BERT's first, GPT-2's and Llama's last non-pad one, found on the whole ``input_ids``) and
@@ -376,7 +334,11 @@ def apply_context_parallel(
     inputs = _SplitInputs(split, trunk, trunk.embed_modules(hf_model), base, packed=per_token)
     base.register_forward_pre_hook(inputs, with_kwargs=True)
     if not per_token:  # a classifier: the whole sequences again after the last layer
-        trunk.layers(hf_model)[-1].register_forward_hook(inputs.gather)
+        # a trunk whose layers are one module run L times (ALBERT's) names the module whose output is the trunk's,
+        # run once per forward: a hook on the shared layer would gather after its first run
+        output_module = getattr(trunk, "output_module", None)
+        last = output_module(hf_model) if output_module is not None else trunk.layers(hf_model)[-1]
+        last.register_forward_hook(inputs.gather)
         base.register_forward_hook(inputs.whole, always_call=True)
     return model
 

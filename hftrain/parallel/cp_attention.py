@@ -26,12 +26,21 @@ where ``dK_j``/``dV_j`` travel with their block and a last send brings them home
 of a block each way per layer (forward cp − 1, backward cp). Grouped-query heads travel unrepeated and are
 repeated (and their gradients summed back) locally. A query row with no visible key (a padding query) gets 0.
 
+**Score modifications** (``Shard.score_mod``: Gemma-2's soft-capping ``S' = c · tanh(S / c)``). A fused kernel takes
+none, so every block of such an attention runs ``hftrain.parallel.cp_scored``'s kernel instead (the block's math on
+a CPU, ``flex_attention`` on CUDA) with the block's boolean visibility, returning ``(O_j, lse_j)`` for the same
+merge; its backward recomputes the block under autograd with the cotangents ``w_j · dO`` and
+``w_j · (rowsum(dO ∘ O_j) − D)``, ``w_j = e^(lse_j − lse)`` (``cp_scored.scored_block_backward``). The same messages
+go around the ring. Masks: a key's padding, causality, packed documents and a sliding window, causal
+(``0 ≤ p_q − p_k < w``) or bidirectional (ModernBERT's local layers: ``|p_q − p_k| < w``; pairs wholly outside it on
+either side are skipped).
+
 **All-to-all** (:func:`all_to_all_attention`; DeepSpeed-Ulysses, Jacobs et al. 2023). One ``all_to_all`` turns
 the sequence shards of ``Q``, ``K``, ``V`` into head shards over the whole sequence (``[b, h/cp, S, d]``; heads,
 and key/value heads, must divide by ``cp``), attention runs on whole sequences with the gathered masks and
-positions, and one ``all_to_all`` turns the output back; each all-to-all's backward is the reverse all-to-all. It
-moves 4 · (cp − 1)/cp of the activations per layer forward (3 in, 1 out) instead of the ring's 2 · (cp − 1)
-blocks, while the heads divide by ``cp``.
+positions (and score modification: the score-modified kernel under autograd), and one ``all_to_all`` turns the
+output back; each all-to-all's backward is the reverse all-to-all. It moves 4 · (cp − 1)/cp of the activations per
+layer forward (3 in, 1 out) instead of the ring's 2 · (cp − 1) blocks, while the heads divide by ``cp``.
 
 The blocks' kernels, masks and merge are ``hftrain.parallel.cp_kernels``'s.
 """
@@ -59,14 +68,23 @@ from hftrain.parallel.cp_kernels import (
     _visible_pairs,
     block_kernel,
 )
+from hftrain.parallel.cp_scored import scored_block_backward, scored_kernel
+
+
+def _pair_mask(positions, pos_b, keep_b, segments, seg_b, qs: slice, ks: slice, causal: bool, window) -> torch.Tensor:
+    """Which keys of the block's run ``ks`` each query of the run ``qs`` sees (``_mask``: padding, causality, the
+    window, the documents that travel with the block as ``seg_b``)."""
+    docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
+    return _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, positions, segments, causal, scale, group, runs, window, padded):
+    def forward(ctx, q, k, v, keep, positions, segments, causal, scale, group, runs, window, padded, score_mod):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
+        scored = None if score_mod is None else scored_kernel(q.device)  # every block through it, masked
         b, h, sq, d = q.shape
         lse = torch.full((b, h, sq), NEG_INF, device=q.device)
         o = torch.zeros((b, h, sq, d), device=q.device)  # merged in fp32; each block computed in q's dtype
@@ -82,11 +100,15 @@ class _RingAttention(torch.autograd.Function):
             k_runs = runs[(me - step) % cp] if runs else _chunks(pos_b)  # the block came from rank me − step
             for qs, ks, pattern in _visible_pairs(q_runs, k_runs, causal, window, plain):
                 q_b = q[:, :, qs]
-                if pattern != MASKED:  # every query row sees a key: no bias, no blind rows
+                if scored is not None:  # a score modification: the block's own mask, its blind rows 0 and −∞
+                    visible = _pair_mask(positions, pos_b, keep_b, segments, seg_b, qs, ks, causal, window)
+                    o_b, lse_b = scored.forward(
+                        q_b, kr[:, :, ks], vr[:, :, ks], visible, scale, score_mod, positions[qs], pos_b[ks]
+                    )
+                elif pattern != MASKED:  # every query row sees a key: no bias, no blind rows
                     o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], None, scale, pattern == DIAGONAL)
                 else:
-                    docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
-                    visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
+                    visible = _pair_mask(positions, pos_b, keep_b, segments, seg_b, qs, ks, causal, window)
                     bias = _bias(visible, q.dtype, h, q_b.shape[2])
                     o_b, lse_b = kernel.forward(q_b, kr[:, :, ks], vr[:, :, ks], bias, scale)
                     # a query row with no visible key in this block (padding, or another document) contributes
@@ -105,7 +127,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
         ctx.save_for_backward(q, k, v, keep_f, positions, out, lse, *packed)
         ctx.causal, ctx.scale, ctx.group, ctx.runs, ctx.window = causal, scale, group, runs, window
-        ctx.plain = plain
+        ctx.plain, ctx.score_mod = plain, score_mod
         return out
 
     @staticmethod
@@ -116,6 +138,8 @@ class _RingAttention(torch.autograd.Function):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         kernel = block_kernel(q.device)
+        score_mod = ctx.score_mod
+        scored = None if score_mod is None else scored_kernel(q.device)
         do = grad_out.to(q.dtype).contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         q_runs = runs[me] if runs else _chunks(positions)
@@ -130,9 +154,18 @@ class _RingAttention(torch.autograd.Function):
             for qs, ks, pattern in _visible_pairs(q_runs, k_runs, causal, window, ctx.plain):
                 q_b = q[:, :, qs].contiguous()
                 bias = None
+                if scored is not None:
+                    visible = _pair_mask(positions, pos_b, keep_b, segments, seg_b, qs, ks, causal, window)
+                    dq_b, dk_b, dv_b = scored_block_backward(
+                        scored, do[:, :, qs], q_b, kr[:, :, ks], vr[:, :, ks], visible, out[:, :, qs],
+                        lse[:, :, qs], scale, score_mod, positions[qs], pos_b[ks],
+                    )  # fmt: skip
+                    dq[:, :, qs] += dq_b
+                    dkr[:, :, ks] += dk_b
+                    dvr[:, :, ks] += dv_b
+                    continue
                 if pattern == MASKED:
-                    docs = _segment_pair(segments, seg_b[0] if seg_b else None, qs, ks)
-                    visible = _mask(positions[qs], pos_b[ks], keep_b[:, ks].bool(), causal, *docs, window=window)
+                    visible = _pair_mask(positions, pos_b, keep_b, segments, seg_b, qs, ks, causal, window)
                     bias = _bias(visible, q.dtype, q.shape[1], q_b.shape[2])
                 dq_b, dk_b, dv_b = kernel.backward(
                     do[:, :, qs].contiguous(), q_b, kr[:, :, ks].contiguous(), vr[:, :, ks].contiguous(), bias,
@@ -150,7 +183,7 @@ class _RingAttention(torch.autograd.Function):
                     work.wait()
                 block = _Block(received)
         dk, dv = block.tensors[-2:]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 10
 
 
 @dataclass(frozen=True)
@@ -167,13 +200,16 @@ class Shard:
             ``positions`` (a device read per ring step).
         segments: ``[b, s]`` the packed document of each local token (:func:`packed_segments`): a query sees only
             keys of its own document. None: one sequence per row.
-        window: a causal sliding window (Mistral's, a sliding layer's of Qwen2/3, Gemma-3, Phi-3): a query sees only
-            the keys fewer than ``window`` positions before it. None: no window.
+        window: a sliding window: causal (Mistral's, a sliding layer's of Qwen2/3, Gemma-2/3, Phi-3), a query sees
+            only the keys fewer than ``window`` positions before it; not causal (ModernBERT's local layers), the keys
+            fewer than ``window`` positions away, ``|p_q − p_k| < window``. None: no window.
         padded: ``keep`` may hold a False (a padding key); False where the batch came without an attention mask (known
             on the host), so the ring masks a block only where positions, documents or a window need it.
         memo: what the attention computes once per forward and every layer shares (the all-to-all's gathered keep,
             positions and documents, and its mask per (causal, window)); a dict the forward's first layer fills,
             None: computed per call.
+        score_mod: a modification of the scores before the softmax, ``score_mod(S, p_q, p_k)`` (``cp_scored.SoftCap``:
+            Gemma-2's soft-capping), run by ``cp_scored``'s kernels; None: the fused kernels.
     """
 
     keep: torch.Tensor
@@ -186,10 +222,7 @@ class Shard:
     window: int | None = None
     memo: dict | None = None
     padded: bool = True
-
-    def __post_init__(self) -> None:
-        if self.window is not None and not self.causal:
-            raise ValueError("context parallelism builds causal sliding windows only")
+    score_mod: Any = None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -208,7 +241,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sha
     """
     return _RingAttention.apply(
         q, k, v, shard.keep, shard.positions, shard.segments, shard.causal, shard.scale, shard.group, shard.runs,
-        shard.window, shard.padded,
+        shard.window, shard.padded, shard.score_mod,
     )  # fmt: skip
 
 
@@ -255,13 +288,23 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
     if "whole" not in memo:  # the forward's first attention call: gathered once, shared by every layer
         memo["whole"] = _gather_whole(keep, positions, shard.segments, group, cp)
     whole_keep, whole_positions, whole_segments = memo["whole"]
-    mask_key = ("mask", shard.causal, shard.window, q.dtype)
+    scored = shard.score_mod is not None  # the score-modified kernel takes the visibility itself, not a bias
+    mask_key = ("mask", shard.causal, shard.window, None if scored else q.dtype)
     if mask_key not in memo:  # one [b, 1, S, S] mask per (causal, window), not one per layer
         memo[mask_key] = _visible_mask(
-            whole_keep, whole_positions, shard.causal, whole_segments, shard.window, dtype=q.dtype
+            whole_keep, whole_positions, shard.causal, whole_segments, shard.window, dtype=None if scored else q.dtype
         )
     qh, kh, vh = (_AllToAll.apply(t, group, False) for t in (q, k, v))
-    out = _local_attention(qh, kh, vh, shard.scale, *memo[mask_key])
+    if scored:  # whole sequences of this rank's heads, through the kernel's autograd
+        n_rep = qh.shape[1] // kh.shape[1]
+        visible, any_visible = memo[mask_key]
+        out, _ = scored_kernel(q.device).forward(
+            qh, _repeat_kv(kh, n_rep), _repeat_kv(vh, n_rep), visible, shard.scale, shard.score_mod,
+            whole_positions, whole_positions,
+        )  # fmt: skip
+        out = out * any_visible.to(out.dtype)
+    else:
+        out = _local_attention(qh, kh, vh, shard.scale, *memo[mask_key])
     return _AllToAll.apply(out, group, True)
 
 
@@ -283,19 +326,71 @@ def _gather_whole(
 
 
 def _visible_mask(
-    keep, positions, causal, segments=None, window=None, *, dtype: torch.dtype
+    keep, positions, causal, segments=None, window=None, *, dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bias, any_visible)`` of the all-to-all's inner attention: SDPA's additive mask ``[b, 1, S, S]`` in the
     attention's ``dtype``, 0 where visible and −∞ elsewhere (a padding query, which sees no key, attends to every key
     and is zeroed after), and which queries see some key. Additive in the query's dtype, because SDPA keeps such a
     mask for its backward as it is: every layer then keeps this one tensor (a boolean mask is converted, and the
-    copy kept, in each call)."""
+    copy kept, in each call). ``dtype`` None: the boolean visibility itself (the score-modified kernel's)."""
     docs = () if segments is None else (segments, segments)
     visible = _mask(positions, positions, keep, causal, *docs, window=window)
     any_visible = visible.any(-1, keepdim=True)
+    if dtype is None:
+        return visible, any_visible
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     bias.masked_fill_(~(visible | ~any_visible), float("-inf"))
     return bias, any_visible
+
+
+class _SumOverContext(torch.autograd.Function):
+    """``y = Σ_c x_c`` over the cp group (all-reduce), whose backward is the same sum (all-reduce): every cp rank
+    computes the whole loss from ``y``, so each receives ``cp · ∂L/∂y`` and averaging gradients over cp (with dp) is
+    exact. A pipeline's last chunk pools the classified token with it, a language model's loss sums its blocks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatherContext(torch.autograd.Function):
+    """The whole sequences ``H [b, S, ...]`` from every cp rank's positions ``H_r [b, S/cp, ...]``, in token order.
+
+    Forward: one all-gather over the cp group, then the inverse of the zigzag permutation (an index, exact)::
+
+        H = [H_0; H_1; …; H_{cp−1}][:, π⁻¹],   π = [p_0; p_1; …; p_{cp−1}]  (p_r: rank r's positions)
+
+    Backward: every cp rank computes the whole loss ``L`` from ``H``, so rank ``r``'s input gradient is the sum of
+    every rank's, at its positions: one all-reduce, then a slice::
+
+        ∂L/∂H_r = (Σ_c ∂L_c/∂H)[:, p_r] = cp · ∂L/∂H[:, p_r]
+
+    A rank's parameter gradients below the gather are then ``cp`` × its share, those above it (the head) the whole
+    gradient on every rank, and the mean over the ``dp × cp`` group is the gradient in both (as
+    :class:`_SumOverContext`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, positions, order):
+        ctx.group, ctx.positions = group, positions
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, 1).index_select(1, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.index_select(1, ctx.positions), None, None, None
 
 
 ATTENTIONS = {"ring": ring_attention, "all_to_all": all_to_all_attention}  # the cp communication -> the attention

@@ -5,14 +5,16 @@ Rank ``r`` of ``cp`` holds chunks ``r`` and ``2·cp − 1 − r`` of ``2·cp`` o
 masking compares global positions, never indices; a packed block's tokens carry their document
 (:func:`packed_segments`). Each (query chunk, key chunk) pair runs one fused attention kernel in the training dtype
 (:data:`BLOCK_KERNELS`: torch's flash kernel on a CPU, its memory-efficient kernel on CUDA, each taking the block's
-additive mask and returning ``O_j`` and ``lse_j``), masked to −∞ where the key is padding, (causal) after the query
+additive mask and returning ``O_j`` and ``lse_j``), masked to −∞ where the key is padding, (causal) after the query,
+outside a sliding window (causal ``p_q − p_k < w``, or bidirectional ``|p_q − p_k| < w``: ModernBERT's local layers)
 or in another document (:func:`_visible_pairs` says which pairs need a mask at all); the blocks are merged in fp32
 (:func:`_merge`)::
 
     lse' = log(e^lse + e^lse_j);   O' = O·e^(lse − lse') + O_j·e^(lse_j − lse')
 
-The algorithms that move the blocks between ranks are ``hftrain.parallel.cp_attention``'s; the model's wiring is
-``hftrain.parallel.context_parallel``'s.
+A block whose scores pass through a modification first (Gemma-2's soft-capping) runs
+``hftrain.parallel.cp_scored``'s kernels instead, merged the same way. The algorithms that move the blocks between
+ranks are ``hftrain.parallel.cp_attention``'s; the model's wiring is ``hftrain.parallel.context_parallel``'s.
 """
 
 from __future__ import annotations
@@ -98,14 +100,17 @@ def _mask(
     k_seg: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Visible ``[b, 1, sq, sk]``: the key is not padding, (causal) not after the query, (``window``: a causal
-    sliding window) fewer than ``window`` positions before it (transformers' ``kv_idx > q_idx − sliding_window``), and
-    (``q_seg``/``k_seg`` ``[b, sq]``/``[b, sk]``: packed documents) in the query's document."""
+    """Visible ``[b, 1, sq, sk]``: the key is not padding, (causal) not after the query, within the sliding
+    ``window`` (causal: fewer than ``window`` positions before the query, transformers' ``kv_idx > q_idx −
+    sliding_window``; not causal, ModernBERT's bidirectional window: ``|p_q − p_k| < window``, transformers'
+    ``|q_idx − kv_idx| ≤ config.sliding_window`` with ``window = config.sliding_window + 1`` as its attention passes
+    it), and (``q_seg``/``k_seg`` ``[b, sq]``/``[b, sk]``: packed documents) in the query's document."""
     visible = k_keep[:, None, None, :]
     if causal:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])[None, None]
     if window is not None:
-        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)[None, None]
+        distance = q_pos[:, None] - k_pos[None, :]
+        visible = visible & ((distance if causal else distance.abs()) < window)[None, None]
     if q_seg is not None:
         visible = visible & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
     return visible
@@ -143,19 +148,21 @@ and key runs are the same positions: the kernel's own ``is_causal``, query ``i``
 
 def _visible_pairs(q_runs, k_runs, causal: bool, window: int | None = None, plain: bool = False):
     """(query slice, key slice, pattern) of the pairs that are not wholly in the causal future, nor (a sliding
-    ``window``) wholly ``window`` or more positions in the past. ``pattern`` (:data:`MASKED`, :data:`WHOLE`,
-    :data:`DIAGONAL`) is decided on the host from the runs' first and last positions: where ``plain`` (no padding
-    key, one document per row), a pair whose keys are all at or before its first query (``k_last ≤ q_first``) and
-    within the window of its last (``q_last − k_first < window``) needs no mask, and a run against itself is
+    ``window``) wholly ``window`` or more positions in the past (or, a bidirectional window, in the future).
+    ``pattern`` (:data:`MASKED`, :data:`WHOLE`, :data:`DIAGONAL`) is decided on the host from the runs' first and
+    last positions: where ``plain`` (no padding key, one document per row), a pair whose keys are all at or before its
+    first query (``k_last ≤ q_first``; any key, not causal) and within the window of every query (``q_last − k_first <
+    window``, and ``k_last − q_first < window`` for a bidirectional one) needs no mask, and a run against itself is
     causal on its diagonal; anything else (or not ``plain``) is :data:`MASKED`."""
     for q_slice, q_first, q_last in q_runs:
         for k_slice, k_first, k_last in k_runs:
             if causal and k_first > q_last:
                 continue
-            if window is not None and q_first - k_last >= window:
+            if window is not None and (q_first - k_last >= window or (not causal and k_first - q_last >= window)):
                 continue
             pattern = MASKED
-            if plain and (window is None or q_last - k_first < window):
+            inside = window is None or (q_last - k_first < window and (causal or k_last - q_first < window))
+            if plain and inside:
                 if not causal or k_last <= q_first:
                     pattern = WHOLE
                 elif (k_first, k_last) == (q_first, q_last):

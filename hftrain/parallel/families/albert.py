@@ -23,7 +23,8 @@ class AlbertStages(EncoderStages):
     each rank, from the same initial values, its gradient summed over the pipeline group and the first stage's copy
     the one checkpointed and exported (``hftrain.parallel.pipeline.place_stage_copies`` records it, as it records
     DeBERTa's relative embeddings). Several groups (G > 1) are refused: a group would be held by some pipeline ranks
-    only. Its classification head is ``FirstTokenHead``'s ``albert_pooler``.
+    only. Its classification head is ``FirstTokenHead``'s ``albert_pooler``. Context parallelism gathers a
+    classifier's hidden states after the encoder (:meth:`output_module`), once per forward.
     """
 
     def __init__(self) -> None:
@@ -43,6 +44,11 @@ class AlbertStages(EncoderStages):
         config, groups = model.config, model.albert.encoder.albert_layer_groups
         count, group_count = config.num_hidden_layers, config.num_hidden_groups
         return torch.nn.ModuleList([groups[int(i / (count / group_count))] for i in range(count)])
+
+    def output_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module whose output is the trunk's (``AlbertTransformer``, run once per forward): context parallelism
+        gathers a classifier's hidden states after it, not after the shared layer group, which runs every layer."""
+        return model.albert.encoder
 
     def embed_modules(self, model: torch.nn.Module) -> Modules:
         """The embeddings and the projection to the hidden size."""
@@ -88,10 +94,5 @@ FAMILIES: dict[str, Family] = {
         tp=_albert_plan,
         stages=AlbertStages(),
         classifier=FirstTokenHead("albert", "albert_pooler"),
-        refusals={
-            "cp": "its layers are one module run num_hidden_layers times, and context parallelism gathers a "
-            "classifier's hidden states after the trunk's last layer, which that module's every run would be; use "
-            "cp 1 (tp and pp split it)",
-        },
     ),
 }

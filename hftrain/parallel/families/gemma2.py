@@ -1,5 +1,6 @@
 """Gemma-2 and Gemma-3 (text): Llama's trunk with norms before and after the feed-forward; Gemma-2's soft-capped
-attention logits are refused by context parallelism."""
+attention logits (``c · tanh(S / c)``) run under context parallelism through its score-modified kernels
+(``hftrain.parallel.cp_scored``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ GEMMA2_NORMS = (*LLAMA_NORMS, "pre_feedforward_layernorm", "post_feedforward_lay
 
 
 def _gemma2_attention(config: Any) -> str | None:
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    """Why cp cannot split this Gemma-2 config exactly, else None: soft-capping and its causal sliding windows go
+    through cp's score-modified kernels (``hftrain.parallel.cp_scored``); its bidirectional variant
+    (``use_bidirectional_attention``: transformers then builds its sliding layers' masks another way) is not checked."""
+    if getattr(config, "use_bidirectional_attention", None):
         return (
-            f"its soft-capped attention logits (attn_logit_softcapping {config.attn_logit_softcapping}) are not in "
-            "hftrain's context-parallel attention; use cp 1"
+            "its bidirectional attention (use_bidirectional_attention) is not among the masks hftrain's "
+            "context-parallel attention is checked against; use cp 1"
         )
     return None
 

@@ -21,6 +21,10 @@ class ModernBertStages:
     """ModernBERT's trunk: embeddings (token embedding → norm → dropout) → ``layers[i]`` with the mask and rotary
     embedding of its layer type (global: full bidirectional attention; local: a bidirectional sliding window, its own
     rotary base) → the final norm. Its classification head is :class:`ModernBertHead`.
+
+    Under context parallelism the local layers' window is the attention's ``sliding_window`` (transformers passes
+    ``config.sliding_window + 1``, ``sliding_window = local_attention // 2``): a key is seen where
+    ``|p_q − p_k| < sliding_window`` (``hftrain.parallel.cp_kernels._mask``), as its bidirectional sliding mask.
     """
 
     def position_ids(self, mods: Any, input_ids: torch.Tensor) -> None:
@@ -142,10 +146,6 @@ FAMILIES: dict[str, Family] = {
         stages=ModernBertStages(),
         classifier=ModernBertHead(),
         token_classifier=ModernBertTokenHead(),
-        refusals={
-            "cp": "its local attention layers (a bidirectional sliding window of local_attention tokens) are not "
-            "among the masks hftrain's context-parallel attention builds; use cp 1 (tp and pp split it)"
-        },
         gated_mlp=True,
     ),
 }
