@@ -80,20 +80,17 @@ def assert_refused(stderr: str, code: int, fragment: str) -> None:
 def tiny_job(tmp_path_factory) -> dict[str, str]:
     """Tiny model folders and small labelled CSVs for tests that run real jobs (one per test module).
 
-    Keys: ``model`` and ``bert`` (a tiny BERT), ``gpt2``, ``albert`` (a family context parallelism refuses),
+    Keys: ``model`` and ``bert`` (a tiny BERT), ``gpt2``, ``deberta`` (a family the default ring cp refuses),
     ``bert_dropout`` (dropout 0.1); ``data`` (80 rows, seed 1) and ``data_400`` (400 rows, seed 2) as CSV files
     with columns ``text,label``; ``root``, the folder holding them.
     """
-    from transformers import AlbertConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     from tests.tiny import synthetic_texts, tiny_config, tiny_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_job")
     configs = {kind: tiny_config(kind) for kind in ("gpt2", "bert")}
-    configs["albert"] = AlbertConfig(
-        vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, pad_token_id=0,
-    )  # fmt: skip
+    configs["deberta"] = tiny_config("deberta-v2")
     configs["bert_dropout"] = tiny_config("bert", dropout=0.1)
     for kind, config in configs.items():
         AutoModelForSequenceClassification.from_config(config).save_pretrained(root / kind)

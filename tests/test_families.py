@@ -120,15 +120,17 @@ def _expected_cases() -> list[tuple[str, str, int]]:
 
 
 def test_the_registry_gives_each_family_its_axes():
-    """What the table below runs: every new family takes pp and tp (Phi-3's fused qkv too); cp
-    those without soft-capped attention, sliding windows included (RoBERTa's pad-numbered positions are
-    numbered on the whole sequence, then split; DeBERTa's relative attention with cp_comm all_to_all: its cp2 column
-    runs it, tests/test_cp_deberta.py has the layer); ep the mixtures of experts."""
+    """What the table below runs: every new family takes pp and tp (Phi-3's fused qkv too); cp every dense one,
+    sliding windows included (RoBERTa's pad-numbered positions are numbered on the whole sequence, then split;
+    Gemma-2's soft-capping and ModernBERT's bidirectional windows through the score-modified block kernel,
+    tests/test_cp_variants.py; ALBERT's shared layer gathered once after the encoder; DeBERTa's relative attention
+    with cp_comm all_to_all: its cp2 column runs it, tests/test_cp_deberta.py has the layer); ep the mixtures of
+    experts."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp cp", "qwen2": "tp pp cp", "qwen3": "tp pp cp", "gemma": "tp pp cp",
-        "gemma2": "tp pp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
-        "modernbert": "tp pp", "deberta-v2": "tp pp cp", "albert": "tp pp",
+        "gemma2": "tp pp cp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
+        "modernbert": "tp pp cp", "deberta-v2": "tp pp cp", "albert": "tp pp cp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
@@ -180,12 +182,8 @@ def _model_folder(root, kind: str, **config_changes) -> str:
 
 
 REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
-    "albert-cp2": ("albert", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this ALBERT model: "
-                   "its layers are one module run num_hidden_layers times"),
     "qwen3_moe-cp2": ("qwen3_moe", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this "
                       "Qwen3-MoE model: its router loss"),
-    "gemma2-cp2": ("gemma2", ["--cp", "2"], "2", "context parallelism cannot split this Gemma-2 model exactly: its "
-                   "soft-capped attention logits"),
 }  # fmt: skip
 
 

@@ -305,9 +305,9 @@ def _bad_input_cases(job: dict[str, str]) -> dict[str, tuple[list[str], dict[str
         # the platform refuses fp16 on CPU first; on CUDA the megatron strategy refuses it (no gradient scaler)
         "fp16": (["--mixed_precision", "fp16"], {"WORLD_SIZE": "1"}, "fp16"),
         "unsupported-family": (
-            ["--model_name_or_path", job["albert"], "--cp", "2"],
+            ["--model_name_or_path", job["deberta"], "--cp", "2"],
             {**_LAUNCHED_3, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
-            "parallelism.cp: context parallelism cannot split this ALBERT model: its layers are one module",
+            "parallelism.cp: cp_comm ring cannot split this model's attention",
         ),
         # context parallelism: before any process group, one line naming parallelism.cp or the field to change
         "cp-not-dividing-world": (["--cp", "2"], {"WORLD_SIZE": "1"}, "parallelism.cp: tp=1 × cp=2 × pp=1 does not"),
