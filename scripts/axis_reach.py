@@ -32,6 +32,8 @@ OWN = {  # each axis's own modules (its kernels and wiring), relative to hftrain
         "parallel/context_parallel.py",
         "parallel/cp_kernels.py",
         "parallel/cp_attention.py",
+        "parallel/cp_scored.py",
+        "parallel/cp_relative.py",
         "plan/context_parallel.py",
     ),
     "ep": ("parallel/expert_parallel.py", "parallel/ep_routing.py", "plan/expert_parallel.py"),
