@@ -115,6 +115,7 @@ CASES = {
     "ddp": ("ddp", None, {}),
     "zero2": ("zero2", None, {}),
     "zero3": ("zero3", None, {}),
+    "fsdp1": ("fsdp", {"fsdp_version": 1}, {}),
     "fsdp2": ("fsdp", {"fsdp_version": 2}, {}),
     "zero3+lora": ("zero3", None, {"lora_r": 4}),
 }
@@ -123,6 +124,7 @@ EXPECTED = {  # the line rank 0 logs
     "ddp": "read from the safetensors files into this process's memory (DDP)",
     "zero2": "read from the safetensors files into this process's memory (ZeRO-2)",
     "zero3": "one at a time and sharded (ZeRO-3)",
+    "fsdp1": "one at a time and sharded (FSDP1: left on meta, each read as prepare wraps it)",
     "fsdp2": "one at a time and sharded (FSDP2)",
     "zero3+lora": "one at a time and sharded (ZeRO-3)",
 }
