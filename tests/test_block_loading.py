@@ -6,8 +6,11 @@ checkpoints saved as task models, as base models (without the base-model prefix)
 are not safetensors is loaded whole, said in one line; a damaged header is one line naming the folder.
 
 Two gloo processes, one launch: DDP and ZeRO-2 (rank 1's blocks left to the broadcast), ZeRO-3 (partitioned by
-``zero.Init(module=block)`` as read), FSDP2 (``fully_shard`` per block as read) and ZeRO-3 with LoRA train from a
-Llama and a GPT-2 folder with losses equal to one process's (fp32), and say how the blocks were loaded.
+``zero.Init(module=block)`` as read), FSDP1 (left on ``meta``, read by its ``param_init_fn`` as ``prepare`` wraps
+each block), FSDP2 (``fully_shard`` per block as read) and ZeRO-3 with LoRA train from a Llama and a GPT-2 folder
+with losses equal to one process's (fp32), and say how the blocks were loaded. FSDP1 is stopped at step 2, resumed
+from its checkpoint and exported (the export reopened and its logits compared by ``export_pretrained``); the
+resumed losses and the exported weights are one process's.
 """
 
 from __future__ import annotations
