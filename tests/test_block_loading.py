@@ -82,6 +82,35 @@ def test_read_blocks_equal_the_whole_load(tmp_path, capsys, kind, saved_as):
     assert layer.untyped_storage().resizable()
 
 
+def test_fsdp1_blocks_wait_on_meta_and_are_read_in_place_by_its_init_function(tmp_path, capsys):
+    """FSDP1's loading without FSDP: the blocks stay on ``meta``; ``param_init_fn``, called per module as FSDP1's
+    constructor calls it, reads them into the same parameter objects (an optimizer built before ``prepare`` holds
+    them) and gives the whole load's tensors; LoRA loads whole, said in one line."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hftrain.strategies.fsdp import FSDP1Loading
+
+    folder = _save(tmp_path, "llama")
+    torch.manual_seed(7)
+    whole = _builder(folder)()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, sync_module_states=False)
+    torch.manual_seed(7)
+    model = _builder(folder).build(loading=FSDP1Loading(plugin))
+    classes = set(model._no_split_modules)
+    blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    assert len(blocks) == 3 and all(p.is_meta for b in blocks for p in b.parameters())
+    held = list(model.parameters())
+    for module in model.modules():  # FSDP1 asks for each module of a unit on meta; loaded ones are left alone
+        assert plugin.param_init_fn(module) is module
+    assert all(a is b for a, b in zip(model.parameters(), held, strict=True))
+    mine = dict(model.state_dict())
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(mine[name], tensor), name
+    capsys.readouterr()
+    _builder(folder, lora_r=4).build(loading=FSDP1Loading(plugin))
+    assert any("every rank loads the whole model (LoRA adapters under FSDP1" in x for x in _lines(capsys))
+
+
 def test_weights_that_are_not_safetensors_load_whole_and_say_so(tmp_path, capsys):
     from transformers import AutoModelForSequenceClassification
 
