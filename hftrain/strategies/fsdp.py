@@ -21,14 +21,14 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 
 from hftrain.errors import ConfigError
 from hftrain.strategies.base import Strategy
-from hftrain.strategies.loading import ShardedLoading
+from hftrain.strategies.loading import BlockLoading, ShardedLoading
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
     from hftrain.config import StrategyConfig, TrainingConfig
-    from hftrain.models.weights import BlockLoading
+    from hftrain.models.weights import Weights
 
 # FSDP2 has one knob: reshard parameters after forward (FULL_SHARD) or keep them until backward (SHARD_GRAD_OP).
 # NO_SHARD maps to False as in Accelerate's ``to_fsdp2`` (used to compare with a launcher's setting); a job that
@@ -134,9 +134,11 @@ class FSDPStrategy(Strategy):
         )
 
     def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
-        """FSDP2 shards each block as it is read (:class:`FSDP2Loading`); FSDP1 loads whole (its flat parameters are
-        made in ``prepare``, and Accelerate's rank-0 broadcast for it needs a GPU)."""
-        return FSDP2Loading(accelerator) if self.settings.fsdp_version == 2 else None
+        """FSDP2 shards each block as it is read (:class:`FSDP2Loading`); FSDP1 leaves the blocks on ``meta`` and
+        reads each as ``prepare`` wraps it (:class:`FSDP1Loading`: its flat parameters are made there)."""
+        if self.settings.fsdp_version == 2:
+            return FSDP2Loading(accelerator)
+        return FSDP1Loading(accelerator.state.fsdp_plugin)
 
     def describe(self) -> dict[str, Any]:
         s = self.settings
@@ -190,6 +192,82 @@ class FSDP2Loading(ShardedLoading):
                 if param.requires_grad and param.dtype != torch.float32:
                     param.data = param.data.to(torch.float32)
         fully_shard(block, **self._kwargs)
+
+
+class FSDP1Loading(BlockLoading):
+    """The blocks left on ``meta`` until FSDP1 wraps them; each is read when its unit is built, then sharded.
+
+    FSDP1 makes a unit's flat parameter in its constructor (``prepare``), one unit at a time: the auto-wrap policy
+    wraps the ``_no_split_modules`` layers in post-order (``torch.distributed.fsdp._wrap_utils._auto_wrap``), the
+    root last. A unit whose parameters are on ``meta`` is first materialised by ``param_init_fn(module)``, called
+    for every module of the unit that no inner unit took (``_init_utils._materialize_with_param_init_fn``,
+    breadth-first); then FSDP moves it to ``device_id``, flattens it into one ``FlatParameter`` and keeps this
+    rank's ``1/N`` of it (``use_orig_params=True``: the parameters become views of the shard). So the plugin's
+    ``param_init_fn`` is :meth:`init_module`, which gives each module of a block host memory and reads its own
+    parameters (``recurse=False``) with ``pread``: a rank holds its shards plus one block (plus its flat copy while
+    FSDP flattens it), never the whole model. The root unit (embeddings, final norm, the new head) was loaded by
+    ``from_pretrained`` and is not materialised again. No collective: every rank reads its blocks from the folder.
+
+    The optimizer is built before ``prepare`` over the ``meta`` parameters, and Accelerate's FSDP1 preparation does
+    not remap its parameters (``use_orig_params=True`` keeps the original ``Parameter`` objects as views of the
+    flat shard). So a parameter is materialised in place (``torch.utils.swap_tensors``: the same object, now host
+    memory), never replaced as ``Module.to_empty`` replaces a ``meta`` parameter.
+
+    A wrap policy that puts a block in a larger unit (an ``accelerate launch`` that names other classes to wrap)
+    still loads exactly: that unit reads all its blocks when it is wrapped. LoRA adapters are not taken: PEFT moves
+    each new adapter to its base layer's device (``meta``), dropping the values it drew from the random stream.
+
+    Args:
+        plugin: the run's FSDP1 plugin; its ``param_init_fn`` is set when the blocks are left on ``meta``. One it
+            had already (Accelerate's ``to_empty`` under ``cpu_ram_efficient_loading``) is kept for the modules
+            that are not in a block.
+    """
+
+    name = "FSDP1"
+    supports_lora = False
+
+    def __init__(self, plugin: FullyShardedDataParallelPlugin) -> None:
+        self._plugin = plugin
+        self._paths: dict[torch.nn.Module, str] = {}  # every module of a block still on meta -> its dotted path
+        self._weights: Weights | None = None
+        self._previous: Any = None
+
+    def materialize(self, model: torch.nn.Module, blocks: list[str], weights: Weights) -> None:
+        for path in blocks:
+            for name, module in model.get_submodule(path).named_modules():
+                self._paths[module] = f"{path}.{name}" if name else path
+        self._weights = weights
+        self._previous, self._plugin.param_init_fn = self._plugin.param_init_fn, self.init_module
+
+    def init_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """FSDP1's ``param_init_fn``: give ``module``'s own ``meta`` parameters host memory and the file's values;
+        returns ``module`` (Accelerate's ``ensure_weights_retied`` wrapper reads it)."""
+        import torch
+
+        path = self._paths.pop(module, None)
+        if path is None:  # outside every block: loaded by from_pretrained, or the previous init function's
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if not any(t.is_meta for t in own):
+                return module
+            assert self._previous is not None, f"{type(module).__name__} on meta is in no block FSDP1Loading read"
+            return self._previous(module) or module
+        assert self._weights is not None
+        for name, param in module.named_parameters(recurse=False):
+            if not param.is_meta:  # tied to a parameter read already
+                continue
+            entry = self._weights.find(f"{path}.{name}", tuple(param.shape))
+            assert entry is not None, f"{path}.{name}: blocks_in chose a block whose tensor is not stored"
+            host = torch.nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+            self._weights.read_into(entry, host.data)
+            host.__dict__.update(param.__dict__)  # swap_tensors swaps the attributes too: keep the parameter's own
+            torch.utils.swap_tensors(param, host)
+        return module
+
+    def describe(self, count: int) -> str:
+        return (
+            f"{count} transformer blocks read from the safetensors files one at a time and sharded ({self.name}: "
+            "left on meta, each read as prepare wraps it)"
+        )
 
 
 class LayerWrapPlugin(FullyShardedDataParallelPlugin):

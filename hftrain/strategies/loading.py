@@ -1,6 +1,6 @@
 """A pretrained model loaded without a whole copy per rank: the transformer blocks held as the strategy holds them.
 
-``from_pretrained`` gives every process the whole model: 8 copies on an 8-GPU node, and a ZeRO-3 or FSDP2 rank
+``from_pretrained`` gives every process the whole model: 8 copies on an 8-GPU node, and a ZeRO-3 or FSDP rank
 peaks at the whole model before it shards it. Here each rank leaves its model's transformer blocks (nearly all the
 weights) out of ``from_pretrained`` (``hftrain.models.partial``: they stay on ``meta``; the embeddings, norms and
 a new head are loaded and initialised by transformers exactly as before, from the same random stream), and the
@@ -19,6 +19,11 @@ strategy's :class:`BlockLoading` gives them their weights:
                        with ``pread`` (``hftrain.models.weights``: no memory map) and sharded at once, so the whole
                        block is freed before the next is read: a rank peaks at its shards plus one block. No
                        collective: every rank reads the bytes it keeps (and the rest of its block) from the folder.
+``FSDP1Loading``       FSDP1 (``hftrain.strategies.fsdp``): the blocks stay on ``meta`` until ``prepare``. FSDP1's
+                       constructor wraps one unit at a time (post-order) and first materialises a unit on ``meta``
+                       with the plugin's ``param_init_fn``, here: give the block host memory and read it with
+                       ``pread``; FSDP then flattens and shards it before the next unit: a rank peaks at its shards
+                       plus one block (and its flat copy). No collective.
 =====================  ===========================================================================================
 
 Exactness: the blocks hold the file's bytes, cast as ``from_pretrained`` casts them (``Tensor.copy_``); a block is
@@ -28,7 +33,8 @@ model as before: what is sharded is sharded exactly as the strategy's ``prepare`
 
 Why hand-written: transformers' own paths keep a whole copy on some rank (ZeRO-3 under ``zero.Init`` has rank 0
 read every tensor from a memory map and broadcast it, Accelerate's ``cpu_ram_efficient_loading`` has rank 0 hold
-the whole state dict, and needs a GPU for FSDP1), and neither reads a shard without its whole file mapped.
+the whole state dict, and needs a GPU for FSDP1's broadcast), and neither reads a shard without its whole file
+mapped.
 """
 
 from __future__ import annotations
