@@ -24,14 +24,16 @@ class _StdoutHandler(logging.StreamHandler):
 def get_logger() -> logging.Logger:
     """hftrain's logger; lines are prefixed with the rank when more than one process runs."""
     logger = logging.getLogger(_LOGGER_NAME)
-    if not logger.handlers:
+    # checked at every call, not only the first: a library's or a notebook's logging configuration (dictConfig,
+    # handlers added to or taken from "hftrain") must not make hftrain's lines vanish or print twice
+    if not any(isinstance(handler, _StdoutHandler) for handler in logger.handlers):
         handler = _StdoutHandler()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
         handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-        logger.propagate = False
+    logger.propagate = False
     return logger
 
 

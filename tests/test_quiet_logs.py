@@ -66,3 +66,26 @@ def test_a_library_warning_that_matters_still_reaches_the_user(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=launch_env(), capture_output=True, text=True)
     assert done.returncode == 0 and "this argument is deprecated: use that one" in done.stderr, done.stderr
+
+
+def test_a_logging_configuration_that_takes_hftrains_handler_loses_no_line_and_doubles_none(capsys):
+    """Another library's or a notebook's logging setup (its own handler on "hftrain", propagation back on, as
+    ``logging.config.dictConfig`` leaves a logger it resets) does not make hftrain's lines vanish or print twice."""
+    import logging
+
+    from hftrain.log import get_logger, log_main
+
+    logger = get_logger()
+    saved = (list(logger.handlers), logger.propagate)
+    try:
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = True
+        capsys.readouterr()
+        log_main("model: one line")
+        log_main("model: one line")
+        assert capsys.readouterr().out.splitlines() == ["model: one line", "model: one line"]
+    finally:
+        logger.handlers[:] = saved[0]
+        logger.propagate = saved[1]
