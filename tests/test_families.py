@@ -129,8 +129,8 @@ def test_the_registry_gives_each_family_its_axes():
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp cp", "qwen2": "tp pp cp", "qwen3": "tp pp cp", "gemma": "tp pp cp",
-        "gemma2": "tp pp cp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp", "qwen3_moe": "tp pp ep",
-        "modernbert": "tp pp cp", "deberta-v2": "tp pp cp", "albert": "tp pp cp",
+        "gemma2": "tp pp cp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp",
+        "qwen3_moe": "tp pp ep", "modernbert": "tp pp cp", "deberta-v2": "tp pp cp", "albert": "tp pp cp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
