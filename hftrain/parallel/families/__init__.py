@@ -37,7 +37,7 @@ model's modules when it is split (``llama.llama_architecture``).
 | Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | yes (bidirectional local windows) | |
 | DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp) | yes (... over pp) | yes (all_to_all) | |
-| ALBERT | yes (the shared layer group split once) | yes (the shared group: a copy per rank) | yes (gathered after it) | |
+| ALBERT | yes (the shared layer group split once) | yes (the shared group: a copy per rank) | yes (gathered once) | |
 """
 
 from __future__ import annotations
