@@ -83,8 +83,13 @@ def test_varlen_equals_the_dense_packed_mask_in_logits_and_every_gradient(kind):
     whole = torch.arange(16).expand(2, 16)
     mixed = varlen(input_ids=ids, position_ids=POSITIONS, use_cache=False, packed_documents=PackedDocuments.of(whole))
     assert (mixed.logits - expected).abs().max() > 1e-3
+    # a call without the documents (the export's logit check) gets them from its positions, once per forward
+    plain = varlen(input_ids=ids, position_ids=POSITIONS, use_cache=False).logits
+    torch.testing.assert_close(plain, got, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="an attention mask was given"):
+        varlen(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     with pytest.raises(RuntimeError, match="without packed_documents"):
-        varlen(input_ids=ids, position_ids=POSITIONS, use_cache=False)
+        varlen.base_model(input_ids=ids, position_ids=POSITIONS, use_cache=False)
 
 
 # ----------------------------------------------------------------------------------------------- the trainer

@@ -15,8 +15,10 @@ sequence of ``T = b · s`` tokens, a row's start always a new document)::
 ``T + 1`` entries: each document's start, then ``T`` repeated: the unused tail is documents of length 0, so the size
 never depends on the data and nothing is read back) on the device, once per batch; every layer reads the same
 object, handed to the model as the keyword ``packed_documents`` (transformers passes a forward's keywords down to
-each attention call). The longest document is bounded by the block's length ``s`` (a shape: a host int), which flash
-takes as ``max_q``/``max_k`` (its grid is sized for ``s``; the blocks past a document's end do nothing).
+each attention call; a call without them, such as the export's logit check, gets them from its ``position_ids``
+by a forward pre-hook on the model, again once per forward). The longest document is bounded by the block's length
+``s`` (a shape: a host int), which flash takes as ``max_q``/``max_k`` (its grid is sized for ``s``; the blocks past a
+document's end do nothing).
 
 **Kernels, one per device type** (:data:`KERNELS`):
 
@@ -215,8 +217,29 @@ def varlen_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def _documents_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Forward pre-hook: a call that brings no ``packed_documents`` (the export's logit check, a user's own forward)
+    gets them from its ``position_ids`` (each row one document without them), once per forward, as transformers'
+    own packed masking reads the positions; a 2-D attention mask is refused (the varlen attention applies none)."""
+    if kwargs.get("packed_documents") is not None:
+        return args, kwargs
+    if kwargs.get("attention_mask") is not None:
+        raise RuntimeError(
+            f"{ATTENTION_NAME}: an attention mask was given, which the varlen attention does not apply; call the "
+            "model without one (packed blocks), or set training.packed_attention: mask"
+        )
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        b, s = tokens.shape[:2]
+        positions = torch.arange(s, device=tokens.device).expand(b, s)
+    return args, {**kwargs, "packed_documents": PackedDocuments.of(positions)}
+
+
 def apply_packed_attention(model: nn.Module) -> None:
-    """Register :func:`packed_attention` (once) and switch every config in ``model`` to it (module docstring).
+    """Register :func:`packed_attention` (once) and switch every config in ``model`` to it (module docstring); a
+    forward pre-hook on ``model`` supplies the documents to a call that brings none (:func:`_documents_hook`).
 
     Args:
         model: the built (unwrapped) model; :func:`varlen_refusal` must have found nothing.
@@ -226,3 +249,4 @@ def apply_packed_attention(model: nn.Module) -> None:
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
     for config in {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}.values():
         config._attn_implementation = ATTENTION_NAME
+    model.register_forward_pre_hook(_documents_hook, with_kwargs=True)

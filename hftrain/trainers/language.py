@@ -96,8 +96,9 @@ class CausalLMTrainer(TokenMeanLoss, Trainer):
         return model(**self._model_inputs(batch))
 
     def _model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """The batch without its labels and cache (:func:`_inputs`); packed documents' mask built here, on the device,
-        where the attention takes it (:attr:`_packed_masks`)."""
+        """The batch without its labels and cache (:func:`_inputs`); packed documents' bounds (``varlen``,
+        ``hftrain.models.packed_attention``) or mask (:attr:`_packed_masks`) built here, on the device, once per
+        forward."""
         inputs = _inputs(batch)
         if self._packed_attention == "varlen" and "position_ids" in inputs:
             # the documents' bounds, once per forward, on the device; every layer's attention reads them
