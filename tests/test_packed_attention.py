@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from hftrain.metrics.syncs import count_host_syncs
-from hftrain.models.packed_attention import ATTENTION_NAME, PackedDocuments, apply_packed_attention, varlen_refusal
+from hftrain.models.packed_attention import (
+    ATTENTION_NAME,
+    PackedDocuments,
+    apply_packed_attention,
+    kernel_refusal,
+    varlen_refusal,
+)
 from tests.tiny import WORDS, reset_accelerate_state, tiny_tokenizer
 
 POSITIONS = torch.tensor(
@@ -212,3 +218,7 @@ def test_auto_is_varlen_on_cuda_and_mask_on_a_cpu():
     assert cpu.resolve_packed_attention("auto")[0] == "mask"
     assert cpu.resolve_packed_attention("varlen") == ("varlen", "set in the config")
     assert Platform(device="cuda", backend="nccl").resolve_packed_attention("auto")[0] == "varlen"
+    # flash is 16-bit only: an fp32 CUDA run keeps the mask; the CPU reference takes any precision
+    assert "bf16 or fp16 only" in kernel_refusal("cuda", "no")
+    assert kernel_refusal("cuda", "bf16") is None and kernel_refusal("cpu", "no") is None
+    assert "no varlen kernel for 'mps'" in kernel_refusal("mps", "bf16")

@@ -216,8 +216,8 @@ class TrainingConfig:
     """``model.task: causal_lm``: how attention keeps packed documents apart. ``varlen``: each document alone
     (``hftrain.models.packed_attention``: torch's flash ``varlen_attn`` on CUDA, an exact reference on CPU);
     ``mask``: SDPA over the whole block with a block-diagonal causal mask. ``auto``: ``varlen`` on CUDA, ``mask`` on a
-    CPU. A model varlen cannot take (attention dropout, soft-capping, non-SDPA or non-causal attention) keeps the
-    mask, said in one startup line with the reason."""
+    CPU. A model varlen cannot take (attention dropout, soft-capping, non-SDPA or non-causal attention; fp32 on CUDA,
+    flash being 16-bit only) keeps the mask, said in one startup line with the reason."""
     gradient_checkpointing: bool | Literal["full", "selective"] = False
     """Activation recomputation (``hftrain.parallel.recompute``): ``true``/``full`` keeps only each transformer layer's
     input and recomputes the layer in the backward pass; ``selective`` recomputes only the attention core (scores,

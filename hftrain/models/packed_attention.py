@@ -108,6 +108,10 @@ def _varlen_cuda(
 
     cu, longest = documents.cu_seqlens, documents.max_length
     window_size = (-1, 0) if window is None else (window - 1, 0)
+    # flash takes 16-bit inputs only: under autocast a projection may still hand over an fp32 tensor (a rotary
+    # embedding's upcast); fp32 runs never get here (KERNEL_PRECISIONS)
+    dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.get_autocast_dtype("cuda")
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=window_size, enable_gqa=grouped)
 
 
@@ -136,6 +140,26 @@ def _reference_cpu(
 
 KERNELS: dict[str, Kernel] = {"cuda": _varlen_cuda, "cpu": _reference_cpu}
 """The kernel of each device type (a new device is one line here)."""
+
+KERNEL_PRECISIONS: dict[str, tuple[str, ...]] = {"cuda": ("bf16", "fp16")}
+"""The ``training.mixed_precision`` values each device's kernel runs under (absent: any): flash is 16-bit only."""
+
+
+def kernel_refusal(device: str, mixed_precision: str) -> str | None:
+    """Why ``device``'s kernel cannot run this job (None: it can): no kernel for the device, or a precision its
+    kernel does not compute.
+
+    Args:
+        device: the platform's device type (``"cpu"``, ``"cuda"``).
+        mixed_precision: the resolved ``training.mixed_precision``.
+    """
+    if device not in KERNELS:
+        return f"no varlen kernel for {device!r} (KERNELS: {', '.join(KERNELS)})"
+    precisions = KERNEL_PRECISIONS.get(device)
+    if precisions is not None and mixed_precision not in precisions:
+        wanted = " or ".join(precisions)
+        return f"the {device} kernel (flash) computes {wanted} only, not mixed_precision {mixed_precision}"
+    return None
 
 
 def packed_attention(

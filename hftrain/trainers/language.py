@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from hftrain.models.packed_attention import PackedDocuments, apply_packed_attention, varlen_refusal
+from hftrain.models.packed_attention import PackedDocuments, apply_packed_attention, kernel_refusal, varlen_refusal
 from hftrain.trainers.base import Trainer
 from hftrain.trainers.chunked_head import ChunkedHead
 from hftrain.trainers.inputs import packed_causal_mask, takes_boolean_masks
@@ -179,7 +179,8 @@ class CausalLMTrainer(TokenMeanLoss, Trainer):
             elif self.args.gradient_checkpointing == "selective":
                 refusal = "selective recomputation wraps the SDPA attention"
             else:
-                refusal = varlen_refusal(model)
+                device = self.strategy.platform.device
+                refusal = kernel_refusal(device, self.args.mixed_precision) or varlen_refusal(model)
             if refusal is not None:
                 self._log(f"packed_attention: mask, not varlen ({why}): {refusal}")
                 return "mask"
