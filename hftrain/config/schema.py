@@ -212,6 +212,12 @@ class TrainingConfig:
     """Which of ``scaled_dot_product_attention``'s CUDA kernels is tried first (the others follow, for the shapes it
     cannot run). ``auto``: flash, memory-efficient, cuDNN, math, in that order: torch ≥ 2.11 would try cuDNN first on
     sm90, which builds a plan per exact shape. Logged at startup; ignored on CPU (SDPA's own CPU kernels)."""
+    packed_attention: Literal["auto", "varlen", "mask"] = "auto"
+    """``model.task: causal_lm``: how attention keeps packed documents apart. ``varlen``: each document alone
+    (``hftrain.models.packed_attention``: torch's flash ``varlen_attn`` on CUDA, an exact reference on CPU);
+    ``mask``: SDPA over the whole block with a block-diagonal causal mask. ``auto``: ``varlen`` on CUDA, ``mask`` on a
+    CPU. A model varlen cannot take (attention dropout, soft-capping, non-SDPA or non-causal attention; fp32 on CUDA,
+    flash being 16-bit only) keeps the mask, said in one startup line with the reason."""
     gradient_checkpointing: bool | Literal["full", "selective"] = False
     """Activation recomputation (``hftrain.parallel.recompute``): ``true``/``full`` keeps only each transformer layer's
     input and recomputes the layer in the backward pass; ``selective`` recomputes only the attention core (scores,

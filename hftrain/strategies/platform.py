@@ -139,6 +139,22 @@ class Platform:
             return "bits", "auto: CPU, 64 random bits per draw instead of one bernoulli_ draw per element"
         return "torch", "auto: GPU, torch's fused dropout"
 
+    def resolve_packed_attention(self, setting: str) -> tuple[str, str]:
+        """The concrete ``training.packed_attention`` and why (``auto`` -> ``varlen`` on CUDA, ``mask`` elsewhere).
+
+        On CUDA, torch's flash varlen kernel computes each packed document alone and a dense mask would rule flash
+        out; on a CPU the exact varlen reference computes the same pairs as the dense mask, and one SDPA call per
+        document was slower than the masked call at the tests' sizes (``benchmarks/README.md``).
+
+        Args:
+            setting: ``training.packed_attention``.
+        """
+        if setting != "auto":
+            return setting, "set in the config"
+        if self.device == "cuda":
+            return "varlen", "auto: CUDA, flash varlen_attn computes each packed document alone"
+        return "mask", f"auto: {self.device}, the dense block-diagonal mask (no varlen kernel faster here)"
+
     def resolve_length_buckets(
         self, setting: int | str | None, *, longest: int, compiled: bool = False
     ) -> tuple[int | None, str]:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from hftrain.models.packed_attention import PackedDocuments, apply_packed_attention, kernel_refusal, varlen_refusal
 from hftrain.trainers.base import Trainer
 from hftrain.trainers.chunked_head import ChunkedHead
 from hftrain.trainers.inputs import packed_causal_mask, takes_boolean_masks
@@ -68,6 +69,7 @@ class CausalLMTrainer(TokenMeanLoss, Trainer):
 
         self.count_targets(train_dataset)
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        self._packed_attention = self._choose_packed_attention()
         if self.stream is not None:
             return
         blocks, size = len(self._targets), self.strategy_summary["global_batch"]
@@ -94,10 +96,14 @@ class CausalLMTrainer(TokenMeanLoss, Trainer):
         return model(**self._model_inputs(batch))
 
     def _model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """The batch without its labels and cache (:func:`_inputs`); packed documents' mask built here, on the device,
-        where the attention takes it (:attr:`_packed_masks`)."""
+        """The batch without its labels and cache (:func:`_inputs`); packed documents' bounds (``varlen``,
+        ``hftrain.models.packed_attention``) or mask (:attr:`_packed_masks`) built here, on the device, once per
+        forward."""
         inputs = _inputs(batch)
-        if self._packed_masks and inputs.get("attention_mask") is None and "position_ids" in inputs:
+        if self._packed_attention == "varlen" and "position_ids" in inputs:
+            # the documents' bounds, once per forward, on the device; every layer's attention reads them
+            inputs["packed_documents"] = PackedDocuments.of(inputs["position_ids"])
+        elif self._packed_masks and inputs.get("attention_mask") is None and "position_ids" in inputs:
             # the documents' mask built here, on the device: transformers would read the positions on the host
             inputs["attention_mask"] = packed_causal_mask(inputs["position_ids"])
         return inputs
@@ -158,7 +164,29 @@ class CausalLMTrainer(TokenMeanLoss, Trainer):
         and a context-parallel ring build their own masks)."""
         runtime = self.runtime
         whole = runtime.dp_size == runtime.num_processes
-        return whole and takes_boolean_masks(runtime.unwrap_model(self.model))
+        return self._packed_attention == "mask" and whole and takes_boolean_masks(runtime.unwrap_model(self.model))
+
+    def _choose_packed_attention(self) -> str:
+        """``training.packed_attention`` resolved for this platform and model, logged in one line: ``varlen`` switches
+        the model's attention to each document alone (``hftrain.models.packed_attention``), unless the model or the
+        layout cannot take it, which keeps ``mask`` and says why."""
+        choice, why = self.strategy.platform.resolve_packed_attention(self.args.packed_attention)
+        if choice == "varlen":
+            runtime = self.runtime
+            model = runtime.unwrap_model(self.model)
+            if runtime.dp_size != runtime.num_processes:
+                refusal = "the model is split over processes (its own attention handles the documents)"
+            elif self.args.gradient_checkpointing == "selective":
+                refusal = "selective recomputation wraps the SDPA attention"
+            else:
+                device = self.strategy.platform.device
+                refusal = kernel_refusal(device, self.args.mixed_precision) or varlen_refusal(model)
+            if refusal is not None:
+                self._log(f"packed_attention: mask, not varlen ({why}): {refusal}")
+                return "mask"
+            apply_packed_attention(model)
+        self._log(f"packed_attention: {choice} ({why})")
+        return choice
 
     def _head(self) -> torch.nn.Module | None:
         """The model's output projection (``lm_head``; vocabulary-parallel under tensor parallelism)."""
