@@ -70,6 +70,7 @@ class RouterMonitor:
         self.num_experts = getattr(hf.config, self.plan.num_experts)
         self.top_k = getattr(hf.config, self.plan.top_k)
         self.coefficient = float(getattr(hf.config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.hf = hf  # its ``context_split`` under context parallelism: the routers see that rank's positions
         routers = [getattr(block, self.plan.router) for block in moe_blocks(hf, self.plan)]
         self.counts = torch.zeros(len(routers), self.num_experts, dtype=torch.float64)  # since the last take
         self.logits: list[torch.Tensor] = []
@@ -102,10 +103,17 @@ class RouterMonitor:
         """``router_aux_loss_coef ×`` :func:`load_balancing_loss` of the last forward's router logits; its real
         (unpadded) tokens are added to the per-expert counts.
 
+        Under context parallelism (the model's ``context_split``) the routers ran on this rank's positions of every
+        sequence: the mask is cut to the same positions, and ``group`` (the examples' ranks, dp × cp) sums the
+        ``f``/``P`` sums over the sequence's shards as over the batch's, so every cp rank computes the whole ``L``.
+
         Args:
-            attention_mask: the batch's mask (padding excluded), or None.
-            group: the ranks the global batch's examples are split over (None: this rank's batch is all of it).
+            attention_mask: the batch's mask ``[b, S]`` (padding excluded), or None.
+            group: the ranks the global batch's tokens are split over (dp × cp; None: this rank's batch is all of it).
         """
+        split = getattr(self.hf, "context_split", None)
+        if split is not None and attention_mask is not None:
+            attention_mask = split.local(attention_mask)  # [b, S/cp]: the rows of this rank's router logits
         self.counts = count_routed(self.counts, list(enumerate(self.selected)), attention_mask, self.top_k)
         loss = load_balancing_loss(
             self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask, group=group
