@@ -6,7 +6,9 @@ The routers of a cp rank see its zigzag positions of every sequence only; the lo
 (``hftrain.parallel.ep_routing``), and every cp rank computes the whole ``L``. fp32, the global batch 8, 10 steps,
 ``router_aux_loss_coef`` 0.02 (tests/tiny.py), texts of 20-60 words cut at 64 tokens (padded: real tokens and
 padding on both cp ranks, the padding excluded from ``f`` and ``P`` by this rank's positions of the mask):
-- 2 processes, cp=2: Mixtral (ring), Qwen3-MoE (all-to-all), Qwen2-MoE (ring: its shared expert and dense layer);
+- 2 processes, cp=2: Mixtral (ring), Qwen3-MoE (all-to-all), Qwen2-MoE (ring: its shared expert and dense layer)
+  sequence classifiers, and a Mixtral causal LM (ring, packed blocks of 32 tokens, 6 steps, micro 8): its logits
+  are the rank's positions', the token sums added over cp, the router loss over dp × cp as the classifiers';
 - 1 process: the references (DDP, the whole global batch).
 Every step's loss on both ranks, the evaluation and the final weights equal the reference's within 1e-5; the
 router loss's share of the reference loss is far above that (checked: the reference without it differs).
@@ -18,7 +20,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.megatron_runs import assert_parity, assert_same_weights
-from tests.tiny import run_tiny_training
+from tests.tiny import counting_documents, run_tiny_training, tiny_config, tiny_tokenizer, train_job, write_jsonl
 
 DATA = {"words": (20, 60), "max_seq_length": 64, "steps": 10, "return_weights": True}
 CASES = {  # label -> (family, strategy options)
@@ -28,15 +30,49 @@ CASES = {  # label -> (family, strategy options)
 }
 
 
-def _cp2() -> dict:
+def _lm_job(root) -> dict[str, str]:
+    """A tiny Mixtral causal LM (its EOS the padding) with a word-level tokenizer, and its data."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer("gpt2")
+    config = tiny_config("mixtral", max_positions=128)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "lm")
+    tokenizer.save_pretrained(root / "lm")
     return {
-        label: run_tiny_training(kind=kind, micro=8, strategy="megatron", strategy_options=options, **DATA)
-        for label, (kind, options) in CASES.items()
+        "root": str(root),
+        "train": write_jsonl(root / "train.jsonl", counting_documents(120, seed=0)),
+        "validation": write_jsonl(root / "validation.jsonl", counting_documents(20, seed=1)),
     }
 
 
-def _references() -> dict:
+def _lm(job: dict[str, str], run: str, **fields) -> dict:
+    """The causal LM job trained as ``hftrain.job.run_training`` runs it: its losses, metrics and export."""
+    from hftrain.api import make_config
+
+    config = make_config(
+        model_name_or_path=f"{job['root']}/lm", task="causal_lm", dataset_name=None, train_file=job["train"],
+        validation_file=job["validation"], max_seq_length=32, cache_dir=f"{job['root']}/cache",
+        output_dir=f"{job['root']}/{run}", max_steps=6, per_device_train_batch_size=8, per_device_eval_batch_size=3,
+        learning_rate=3e-3, warmup_steps=1, logging_steps=1, log_with="none", mixed_precision="no", **fields,
+    )  # fmt: skip
+    return train_job(config)[1]
+
+
+def _cp2(job: dict[str, str]) -> dict:
+    runs = {
+        label: run_tiny_training(kind=kind, micro=8, strategy="megatron", strategy_options=options, **DATA)
+        for label, (kind, options) in CASES.items()
+    }
+    runs["lm"] = _lm(job, "lm-cp2", name="megatron", cp=2)
+    return runs
+
+
+def _references(job: dict[str, str]) -> dict:
     runs = {kind: run_tiny_training(kind=kind, micro=8, strategy="ddp", **DATA) for kind, _ in CASES.values()}
+    runs["lm"] = _lm(job, "lm-reference")
     # the router loss is on, and it matters at this tolerance: without it the first step's loss moves
     runs["no_aux"] = run_tiny_training(
         kind="mixtral", micro=8, strategy="ddp", config_overrides={"router_aux_loss_coef": 0.0}, **DATA
@@ -45,9 +81,10 @@ def _references() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    two = run_distributed(_cp2, nprocs=2, timeout=900)
-    (one,) = run_distributed(_references, nprocs=1, timeout=900)
+def runs(tmp_path_factory) -> dict:
+    job = _lm_job(tmp_path_factory.mktemp("moe_cp"))
+    two = run_distributed(_cp2, nprocs=2, timeout=900, job=job)
+    (one,) = run_distributed(_references, nprocs=1, timeout=900, job=job)
     return {"two": two, "one": one}
 
 
@@ -67,3 +104,19 @@ def test_moe_under_cp_matches_one_process_with_its_router_loss(runs, label):
 def test_the_router_loss_is_on_and_above_the_tolerance(runs):
     with_aux, without = runs["one"]["mixtral"]["losses"], runs["one"]["no_aux"]["losses"]
     assert abs(with_aux[0] - without[0]) > 1e-3 * abs(without[0])
+
+
+@pytest.mark.distributed
+def test_a_moe_causal_lm_under_cp_matches_one_process(runs):
+    """The causal LM's loss is the token mean (its sums over cp) plus the router loss over dp × cp."""
+    import torch
+
+    reference = runs["one"]["lm"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.05  # the loss moved
+    for rank in runs["two"]:
+        assert rank["lm"]["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+        assert rank["lm"]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5, abs=1e-6)
+    weights = runs["two"][0]["lm"]["weights"]
+    assert weights is not None and weights.keys() == reference["weights"].keys()
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
