@@ -9,7 +9,9 @@ padding on both cp ranks, the padding excluded from ``f`` and ``P`` by this rank
 - 2 processes, cp=2: Mixtral (ring), Qwen3-MoE (all-to-all), Qwen2-MoE (ring: its shared expert and dense layer)
   sequence classifiers, and a Mixtral causal LM (ring, packed blocks of 32 tokens, 6 steps, micro 8): its logits
   are the rank's positions', the token sums added over cp, the router loss over dp × cp as the classifiers';
-- 1 process: the references (DDP, the whole global batch).
+- 4 processes, pp2 × cp2: Mixtral (ring), 2 pipeline micro-batches of 4 rows: each stage adds its layer's routing
+  sums of its positions, the last reduces them over dp × cp per pipeline micro-batch;
+- 1 process: the references (DDP, the whole global batch; micro 4 × accumulation 2 for the pipeline's).
 Every step's loss on both ranks, the evaluation and the final weights equal the reference's within 1e-5; the
 router loss's share of the reference loss is far above that (checked: the reference without it differs).
 """
@@ -70,8 +72,18 @@ def _cp2(job: dict[str, str]) -> dict:
     return runs
 
 
+PIPELINE = {"cp": 2, "pp": 2, "num_microbatches": 2}
+
+
+def _pp2cp2() -> dict:
+    return {
+        "pp2cp2": run_tiny_training(kind="mixtral", micro=8, strategy="megatron", strategy_options=PIPELINE, **DATA)
+    }
+
+
 def _references(job: dict[str, str]) -> dict:
     runs = {kind: run_tiny_training(kind=kind, micro=8, strategy="ddp", **DATA) for kind, _ in CASES.values()}
+    runs["gas2"] = run_tiny_training(kind="mixtral", micro=4, gas=2, strategy="ddp", **DATA)
     runs["lm"] = _lm(job, "lm-reference")
     # the router loss is on, and it matters at this tolerance: without it the first step's loss moves
     runs["no_aux"] = run_tiny_training(
@@ -84,8 +96,9 @@ def _references(job: dict[str, str]) -> dict:
 def runs(tmp_path_factory) -> dict:
     job = _lm_job(tmp_path_factory.mktemp("moe_cp"))
     two = run_distributed(_cp2, nprocs=2, timeout=900, job=job)
+    four = run_distributed(_pp2cp2, nprocs=4, timeout=900)
     (one,) = run_distributed(_references, nprocs=1, timeout=900, job=job)
-    return {"two": two, "one": one}
+    return {"two": two, "four": four, "one": one}
 
 
 @pytest.mark.distributed
@@ -98,6 +111,15 @@ def test_moe_under_cp_matches_one_process_with_its_router_loss(runs, label):
         assert rank[label]["losses"] == runs["two"][0][label]["losses"]  # every cp rank computes the whole loss
     assert_same_weights(runs["two"][0][label]["weights"], reference["weights"], atol=1e-5)  # the main process's
     assert runs["two"][0][label]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_moe_under_pp_and_cp_matches_one_process_accumulating_the_pipeline_micro_batches(runs):
+    reference = runs["one"]["gas2"]
+    for rank in runs["four"]:  # every rank logs the last stage's loss
+        assert_parity(rank["pp2cp2"], reference)
+    assert_same_weights(runs["four"][0]["pp2cp2"]["weights"], reference["weights"], atol=1e-5)
+    assert runs["four"][0]["pp2cp2"]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
 
 
 @pytest.mark.distributed
