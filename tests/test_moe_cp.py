@@ -75,9 +75,18 @@ def _cp2(job: dict[str, str]) -> dict:
 PIPELINE = {"cp": 2, "pp": 2, "num_microbatches": 2}
 
 
-def _pp2cp2() -> dict:
+def _four(root: str) -> dict:
+    ep_cp = {"kind": "mixtral", "micro": 4, "strategy": "megatron", "strategy_options": {"ep": 2, "cp": 2}, **DATA}
+    stopped = run_tiny_training(output_dir=f"{root}/ep2cp2", stop_at_step=6, save_steps=3, **ep_cp)
+    resumed = run_tiny_training(output_dir=f"{root}/ep2cp2", resume_from_checkpoint="latest", save_steps=3, **ep_cp)
     return {
-        "pp2cp2": run_tiny_training(kind="mixtral", micro=8, strategy="megatron", strategy_options=PIPELINE, **DATA)
+        "stopped": stopped,
+        "resumed": resumed,
+        "pp2cp2": run_tiny_training(kind="mixtral", micro=8, strategy="megatron", strategy_options=PIPELINE, **DATA),
+        # dp 2 carved into ep 2 at each cp coordinate: micro 4 per replica, the global batch 8
+        "ep2cp2": run_tiny_training(
+            kind="mixtral", micro=4, strategy="megatron", strategy_options={"ep": 2, "cp": 2}, **DATA
+        ),
     }
 
 
@@ -96,7 +105,7 @@ def _references(job: dict[str, str]) -> dict:
 def runs(tmp_path_factory) -> dict:
     job = _lm_job(tmp_path_factory.mktemp("moe_cp"))
     two = run_distributed(_cp2, nprocs=2, timeout=900, job=job)
-    four = run_distributed(_pp2cp2, nprocs=4, timeout=900)
+    four = run_distributed(_four, nprocs=4, timeout=900, root=str(tmp_path_factory.mktemp("ep_cp")))
     (one,) = run_distributed(_references, nprocs=1, timeout=900, job=job)
     return {"two": two, "four": four, "one": one}
 
@@ -120,6 +129,20 @@ def test_moe_under_pp_and_cp_matches_one_process_accumulating_the_pipeline_micro
         assert_parity(rank["pp2cp2"], reference)
     assert_same_weights(runs["four"][0]["pp2cp2"]["weights"], reference["weights"], atol=1e-5)
     assert runs["four"][0]["pp2cp2"]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_ep2_by_cp2_matches_one_process(runs):
+    reference = runs["one"]["mixtral"]
+    for rank in runs["four"]:
+        assert_parity(rank["ep2cp2"], reference)
+    assert_same_weights(runs["four"][0]["ep2cp2"]["weights"], reference["weights"], atol=1e-5)
+    assert runs["four"][0]["ep2cp2"]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
+    # the experts' checkpoint boxes, held by the edp × cp ranks, written and read back: stopped at 6, resumed to 10
+    for rank in runs["four"]:
+        assert rank["stopped"]["global_step"] == 6 and rank["resumed"]["global_step"] == 10
+        assert rank["resumed"]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert_same_weights(runs["four"][0]["resumed"]["weights"], reference["weights"], atol=1e-5)
 
 
 @pytest.mark.distributed

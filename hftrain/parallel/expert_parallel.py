@@ -345,7 +345,13 @@ def _apply(model: nn.Module, groups: Any, options: Any, *, head: Any, rng_tracke
     capacity_factor = options["moe_capacity_factor"]
     if groups.ep_size == 1 and capacity_factor is None:
         return model
-    return apply_expert_parallel(model, ep_group=groups.ep_group, capacity_factor=capacity_factor)
+    model = apply_expert_parallel(model, ep_group=groups.ep_group, capacity_factor=capacity_factor)
+    if groups.cp_size > 1:  # ep × cp: each cp rank's experts saw its positions only (module docstring)
+        for module in model.modules():
+            if isinstance(module, ExpertParallelExperts):
+                for name in ("gate_up_proj", "down_proj"):
+                    place(module, name, partial=("cp",))
+    return model
 
 
 AXIS = AxisOps(

@@ -104,10 +104,11 @@ def stage_expert_parameters(model: ModelSpec, pp: int, ep: int = 1) -> float:
 
 def _not_composed(axis: str) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: the mesh axes a carved axis is not trained with, and those it is
-    (``ParallelDims.validate_trainable``'s rule: its parent, the axes that cut parameters and the pipeline's stages)."""
+    (``ParallelDims.validate_trainable``'s rule: its parent, the axes that cut parameters, the pipeline's stages and
+    the axes that split sequences)."""
     parent = SPEC[axis].carved_from
     mesh = [s for s in AXIS_SPECS if s.stride is not None]
-    allowed = [s.name for s in mesh if s.name == parent or s.cuts_parameters or s.pipelined]
+    allowed = [s.name for s in mesh if s.name == parent or s.cuts_parameters or s.pipelined or s.splits_sequence]
     return [s.name for s in mesh if s.meaning and s.name not in allowed], allowed
 
 
