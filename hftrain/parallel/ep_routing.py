@@ -4,8 +4,10 @@
 cross-entropy only; :func:`load_balancing_loss` is the family's ``load_balancing_loss_func`` (Switch Transformer's
 ``E · Σ_i f_i · P_i``, padding excluded by the attention mask), with ``f`` and ``P`` summed over the examples' data
 parallel group, so that the loss of the global batch is the unsplit model's (:class:`RouterMonitor` collects the
-router logits and the per-expert token counts). hftrain writes its own exchange because torch has no dropless MoE
-dispatch (``torch.distributed`` gives the all-to-all; torchtitan's and Megatron's dispatchers are their own code).
+router logits and the per-expert token counts). Under context parallelism a rank's routers see its positions of every
+sequence: the same sums, cut by its positions of the mask, are all-reduced over dp × cp. hftrain writes its own
+exchange because torch has no dropless MoE dispatch (``torch.distributed`` gives the all-to-all; torchtitan's and
+Megatron's dispatchers are their own code).
 
 Pipeline stages carry the loss's sums from stage to stage (:class:`StageRouting`, a ``ChunkExtra`` of
 ``hftrain.parallel.chunk``). The expert layer and its exchange are ``hftrain.parallel.expert_parallel``'s.
