@@ -165,11 +165,6 @@ CASES: dict[str, tuple[Callable[[Ctx], list[str]], str]] = {
     "groups: world size 0": (lambda c: ["groups", "--world-size", "0"], "--world-size 0: must be a positive integer"),
     "groups: negative tp": (lambda c: ["groups", "--world-size", "8", "--tp", "-2"], "--tp -2: must be a positive"),
     "groups: huge tp": (lambda c: ["groups", "--world-size", "8", "--tp", HUGE], "--tp: tp="),
-    # Layouts that training refuses (the megatron strategy's own check): they printed before.
-    "groups: ep with cp": (
-        lambda c: ["groups", "--world-size", "8", "--ep", "2", "--cp", "2"],
-        "--cp: cp=2 with ep=2 is not supported yet (expert parallelism composes with tp, pp and dp); use cp 1 or ep 1",
-    ),
     # ------------------------------------------------------------------ doctor
     "doctor: timeout nan": (lambda c: ["doctor", "--timeout", "nan"], "--timeout nan: must be a finite number"),
     "doctor: timeout inf": (lambda c: ["doctor", "--timeout", "inf"], "--timeout inf: must be a finite number"),

@@ -98,12 +98,12 @@ def test_checks_name_the_axis(sizes, axis, message):
     assert raised.value.axis == axis and message in str(raised.value)
 
 
-def test_carved_axis_composes_with_its_parent_the_cut_axes_and_the_stages():
+def test_carved_axis_composes_with_its_parent_the_cut_axes_the_stages_and_the_sequence_axes():
     ParallelDims(8, tp=2, ep=2).validate_trainable()
     ParallelDims(8, tp=2, pp=2, ep=2).validate_trainable()  # ep carved out of dp within each stage
-    with pytest.raises(AxisError, match=r"cp=2 with ep=2 is not supported yet \(expert parallelism composes "
-                       r"with tp, pp and dp\); use cp 1 or ep 1"):  # fmt: skip
-        ParallelDims(8, ep=2, cp=2).validate_trainable()
+    dims = ParallelDims(8, ep=2, cp=2).validate_trainable()  # ep carved out of dp at each cp coordinate
+    # rank = dp·2 + cp: an ep group is two consecutive dp ranks of one cp coordinate
+    assert sorted(dims.rank_groups()["ep"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 def test_parallel_groups_read_the_axes():

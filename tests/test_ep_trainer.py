@@ -206,8 +206,6 @@ BAD_INPUT = {  # label -> (model, extra arguments, launcher environment, what th
     "capacity-not-positive": (
         "mixtral", ["--parallelism.moe_capacity_factor", "0"], _launched(1), "moe_capacity_factor must be a number > 0"
     ),
-    # as hftrain groups says it (ep with pp trains: tests/test_ep_pp.py)
-    "ep-with-cp": ("mixtral", ["--parallelism.ep", "2", "--cp", "2"], _launched(4), "parallelism.cp: cp=2 with ep=2"),
 }  # fmt: skip
 
 

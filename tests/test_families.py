@@ -125,12 +125,13 @@ def test_the_registry_gives_each_family_its_axes():
     Gemma-2's soft-capping and ModernBERT's bidirectional windows through the score-modified block kernel,
     tests/test_cp_variants.py; ALBERT's shared layer gathered once after the encoder; DeBERTa's relative attention
     with cp_comm all_to_all: its cp2 column runs it, tests/test_cp_deberta.py has the layer); ep the mixtures of
-    experts."""
+    experts, which take cp too (their router loss summed over dp × cp, tests/test_moe_cp.py)."""
     expected = {
         "roberta": "tp pp cp", "xlm-roberta": "tp pp cp", "electra": "tp pp cp", "distilbert": "tp pp cp",
         "gpt_neox": "tp pp cp", "mistral": "tp pp cp", "qwen2": "tp pp cp", "qwen3": "tp pp cp", "gemma": "tp pp cp",
         "gemma2": "tp pp cp", "gemma3_text": "tp pp cp", "phi3": "tp pp cp", "olmo2": "tp pp cp",
-        "qwen3_moe": "tp pp ep", "modernbert": "tp pp cp", "deberta-v2": "tp pp cp", "albert": "tp pp cp",
+        "qwen3_moe": "tp pp cp ep",
+        "modernbert": "tp pp cp", "deberta-v2": "tp pp cp", "albert": "tp pp cp",
     }  # fmt: skip
     assert {
         kind: " ".join(a for a in ("tp", "pp", "cp", "ep") if a in _axes(kind)) for kind in FAMILY_KINDS
@@ -181,9 +182,10 @@ def _model_folder(root, kind: str, **config_changes) -> str:
     return str(path)
 
 
-REFUSALS = {  # label -> (family, arguments, world size, the one line's text)
-    "qwen3_moe-cp2": ("qwen3_moe", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split this "
-                      "Qwen3-MoE model: its router loss"),
+REFUSALS = {  # label -> (family, arguments, world size, the one line's text, config changes)
+    "gemma2-bidirectional-cp2": ("gemma2", ["--cp", "2"], "2", "parallelism.cp: context parallelism cannot split "
+                                 "this Gemma-2 model exactly: its bidirectional attention",
+                                 {"use_bidirectional_attention": True}),
 }  # fmt: skip
 
 
@@ -192,8 +194,8 @@ def test_an_axis_a_family_cannot_take_is_one_line_exit_2_nothing_written(tmp_pat
     from tests.megatron_runs import refused_as_launched_rank0
     from tests.tiny import write_csv
 
-    kind, extra, world, message = REFUSALS[label]
-    model = _model_folder(tmp_path, kind)
+    kind, extra, world, message, changes = REFUSALS[label]
+    model = _model_folder(tmp_path, kind, **changes)
     data = str(write_csv(tmp_path / "train.csv"))
     capsys.readouterr()  # the folders' save progress
     refused_as_launched_rank0(monkeypatch, capsys, tmp_path, model, data, extra, world, message)

@@ -622,20 +622,16 @@ def test_mixtral_8x7b_counted_on_the_meta_device(tmp_path):
 
 
 def test_the_plan_offers_only_expert_layouts_that_training_takes(tmp_path):
-    """Expert parallelism composes with tp, pp and dp in training, not with cp (ParallelDims.validate_trainable): the
-    plan's layouts keep ep > 1 to cp = 1, offer it with pp, and asking for --ep with --cp is one line."""
-    from hftrain.errors import ConfigError
-
+    """Expert parallelism composes with tp, pp, dp and cp in training (ParallelDims.validate_trainable; ep × cp:
+    tests/test_moe_cp.py): the plan offers ep with pp, and with a fixed --cp (cp is not searched)."""
     model = _mixtral_8x7b(tmp_path)
     hardware = Hardware(gpus_per_node=8, nodes=4)
     found = model_parallel.fixed_layouts(model, hardware)
     assert all(set(layout) == {"tp", "pp", "cp", "ep"} and layout["cp"] == 1 for layout in found)
     assert any(layout["ep"] > 1 and layout["pp"] > 1 for layout in found), found
     assert model_parallel.fixed_layouts(model, hardware, pp=2, ep=2)
-    with pytest.raises(ConfigError, match="composes expert parallelism with tp, pp and dp only; drop --cp or --ep"):
-        model_parallel.fixed_layouts(model, hardware, pp=2, cp=2, ep=2)
-    with pytest.raises(ConfigError, match="--ep 2 with --cp 2: training composes expert parallelism"):
-        model_parallel.fixed_layouts(model, hardware, cp=2, ep=2)
+    with_cp = model_parallel.fixed_layouts(model, hardware, pp=2, cp=2, ep=2)
+    assert with_cp and all(layout["cp"] == 2 and layout["ep"] == 2 for layout in with_cp), with_cp
 
 
 def test_expert_parallel_rows_halve_the_experts_and_state_the_all_to_all(tmp_path):

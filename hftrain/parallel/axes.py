@@ -237,18 +237,19 @@ class ParallelDims:
     def validate_trainable(self) -> ParallelDims:
         """Return ``self`` if it is a layout (:meth:`validate`) that hftrain's megatron runtimes train, else raise an
         ``AxisError`` naming the axis: a carved axis (expert parallelism) composes only with its parent, the axes
-        that cut parameters (tp) and the pipeline's stages (pp: ep is carved out of dp within each stage, and
-        ``expert_parallel.py`` routes the tokens of whole sequences among the ranks of one stage); context-parallel
-        parts of a sequence are not handled yet, although Megatron-LM's rank order defines that layout too. The
-        megatron strategy and ``hftrain groups`` both check this, so a layout that ``groups`` prints is one that
-        training takes.
+        that cut parameters (tp), the pipeline's stages (pp: ep is carved out of dp within each stage) and the axes
+        that split sequences (cp: an ep group is the dp ranks of one cp coordinate, which exchange the tokens of
+        their positions; an expert's gradient is partial over cp, ``expert_parallel.py``). Every mesh axis composes
+        with it today; the rule stays for the next carved axis. The megatron strategy and ``hftrain groups`` both
+        check this, so a layout that ``groups`` prints is one that training takes.
         """
         self.validate()
         for carved in (s for s in AXIS_SPECS if s.carved_from and self.size(s.name) > 1):
             allowed = [
                 s
                 for s in AXIS_SPECS
-                if s.name == carved.carved_from or (s.stride is not None and (s.cuts_parameters or s.pipelined))
+                if s.name == carved.carved_from
+                or (s.stride is not None and (s.cuts_parameters or s.pipelined or s.splits_sequence))
             ]
             for spec in AXIS_SPECS:
                 size = self.size(spec.name)

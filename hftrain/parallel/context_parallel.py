@@ -271,7 +271,8 @@ def apply_context_parallel(
     comm: str = "ring",
 ) -> torch.nn.Module:
     """Make an HF model of a family context parallelism takes (``hftrain.parallel.families``: BERT, GPT-2, GPT-NeoX,
-    the rotary decoders with sliding windows and Gemma-2's soft-capping, ModernBERT, ALBERT) run split over the
+    the rotary decoders with sliding windows and Gemma-2's soft-capping, ModernBERT, ALBERT, the mixtures of experts,
+    whose router loss the trainer reduces over dp × cp: ``hftrain.parallel.ep_routing``) run split over the
     sequence, in place. Context parallelism touches the inputs, the positions and the attention only; the model's own
     ``forward``, head, pooling and loss run unchanged on every cp rank, which takes the *same* whole batch (padded to
     a multiple of ``2·cp``):

@@ -4,8 +4,10 @@
 cross-entropy only; :func:`load_balancing_loss` is the family's ``load_balancing_loss_func`` (Switch Transformer's
 ``E · Σ_i f_i · P_i``, padding excluded by the attention mask), with ``f`` and ``P`` summed over the examples' data
 parallel group, so that the loss of the global batch is the unsplit model's (:class:`RouterMonitor` collects the
-router logits and the per-expert token counts). hftrain writes its own exchange because torch has no dropless MoE
-dispatch (``torch.distributed`` gives the all-to-all; torchtitan's and Megatron's dispatchers are their own code).
+router logits and the per-expert token counts). Under context parallelism a rank's routers see its positions of every
+sequence: the same sums, cut by its positions of the mask, are all-reduced over dp × cp. hftrain writes its own
+exchange because torch has no dropless MoE dispatch (``torch.distributed`` gives the all-to-all; torchtitan's and
+Megatron's dispatchers are their own code).
 
 Pipeline stages carry the loss's sums from stage to stage (:class:`StageRouting`, a ``ChunkExtra`` of
 ``hftrain.parallel.chunk``). The expert layer and its exchange are ``hftrain.parallel.expert_parallel``'s.
@@ -70,6 +72,7 @@ class RouterMonitor:
         self.num_experts = getattr(hf.config, self.plan.num_experts)
         self.top_k = getattr(hf.config, self.plan.top_k)
         self.coefficient = float(getattr(hf.config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.hf = hf  # its ``context_split`` under context parallelism: the routers see that rank's positions
         routers = [getattr(block, self.plan.router) for block in moe_blocks(hf, self.plan)]
         self.counts = torch.zeros(len(routers), self.num_experts, dtype=torch.float64)  # since the last take
         self.logits: list[torch.Tensor] = []
@@ -102,10 +105,17 @@ class RouterMonitor:
         """``router_aux_loss_coef ×`` :func:`load_balancing_loss` of the last forward's router logits; its real
         (unpadded) tokens are added to the per-expert counts.
 
+        Under context parallelism (the model's ``context_split``) the routers ran on this rank's positions of every
+        sequence: the mask is cut to the same positions, and ``group`` (the examples' ranks, dp × cp) sums the
+        ``f``/``P`` sums over the sequence's shards as over the batch's, so every cp rank computes the whole ``L``.
+
         Args:
-            attention_mask: the batch's mask (padding excluded), or None.
-            group: the ranks the global batch's examples are split over (None: this rank's batch is all of it).
+            attention_mask: the batch's mask ``[b, S]`` (padding excluded), or None.
+            group: the ranks the global batch's tokens are split over (dp × cp; None: this rank's batch is all of it).
         """
+        split = getattr(self.hf, "context_split", None)
+        if split is not None and attention_mask is not None:
+            attention_mask = split.local(attention_mask)  # [b, S/cp]: the rows of this rank's router logits
         self.counts = count_routed(self.counts, list(enumerate(self.selected)), attention_mask, self.top_k)
         loss = load_balancing_loss(
             self.logits, num_experts=self.num_experts, top_k=self.top_k, attention_mask=attention_mask, group=group

@@ -52,6 +52,11 @@ gradients are summed over the expert-data-parallel group (the dp ranks holding t
 and divided by ``dp`` (``placement.complete_grads``), like the dense gradients' mean over dp: a rank's expert
 gradient already sums the contributions of the tokens of its whole ep group.
 
+**With context parallelism** (ep × cp) an ep group is ``ep`` consecutive dp ranks of one cp coordinate: they hold
+the same positions of different examples and exchange those tokens. An expert's gradient on cp rank ``c`` holds its
+ep group's terms at ``c``'s positions only, so it is recorded partial over cp (``partial=("cp",)``) and completed as
+``g = (1/(dp·cp)) Σ_edp Σ_cp g_r`` (``placement.complete_grads``: the edp all-reduce, then the partial sum over cp).
+
 The router statistics, the auxiliary loss and the pipeline's router-loss sums are ``hftrain.parallel.ep_routing``'s
 (re-exported here).
 """
@@ -341,11 +346,18 @@ def _check_family(config: Any, head: str | None) -> None:
 
 
 def _apply(model: nn.Module, groups: Any, options: Any, *, head: Any, rng_tracker: Any) -> nn.Module:
-    """Split the experts over the ep group; at ep 1 too under a capacity factor (the cap applies on one rank)."""
+    """Split the experts over the ep group; at ep 1 too under a capacity factor (the cap applies on one rank); under
+    cp the experts' gradients are partial over cp (the module docstring)."""
     capacity_factor = options["moe_capacity_factor"]
     if groups.ep_size == 1 and capacity_factor is None:
         return model
-    return apply_expert_parallel(model, ep_group=groups.ep_group, capacity_factor=capacity_factor)
+    model = apply_expert_parallel(model, ep_group=groups.ep_group, capacity_factor=capacity_factor)
+    if groups.cp_size > 1:  # ep × cp: each cp rank's experts saw its positions only (module docstring)
+        for module in model.modules():
+            if isinstance(module, ExpertParallelExperts):
+                for name in ("gate_up_proj", "down_proj"):
+                    place(module, name, partial=("cp",))
+    return model
 
 
 AXIS = AxisOps(

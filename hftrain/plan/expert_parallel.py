@@ -14,9 +14,9 @@ over the divisors of both (:func:`expert_sizes`) unless ``--ep`` fixes it (:func
   GPU forward and the same again backward (T = b·s/c tokens of the GPU, k = top-k, e_b bytes per element), over
   the intra-node link when the e group's t·c·e consecutive ranks fit in a node;
 - no sequence parallelism for a MoE model (the MoE block needs the whole sequence, ``hftrain.parallel.plans``: the
-  model's own trait, ``ModelSpec.moe``); no ZeRO-1 with e > 1; training composes e > 1 with tp, dp and pp (e carved
-  out of dp within each stage; each stage adds its layers' router-loss sums), not with cp
-  (``ParallelDims.validate_trainable``): layouts with c > 1 are not listed, and refused in one line when fixed.
+  model's own trait, ``ModelSpec.moe``); no ZeRO-1 with e > 1; training composes e > 1 with tp, dp, pp (e carved
+  out of dp within each stage; each stage adds its layers' router-loss sums) and cp (e carved out of dp at each cp
+  coordinate; the experts' gradients summed over dp·c/e) (``ParallelDims.validate_trainable``).
 """
 
 from __future__ import annotations
@@ -104,10 +104,11 @@ def stage_expert_parameters(model: ModelSpec, pp: int, ep: int = 1) -> float:
 
 def _not_composed(axis: str) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: the mesh axes a carved axis is not trained with, and those it is
-    (``ParallelDims.validate_trainable``'s rule: its parent, the axes that cut parameters and the pipeline's stages)."""
+    (``ParallelDims.validate_trainable``'s rule: its parent, the axes that cut parameters, the pipeline's stages and
+    the axes that split sequences)."""
     parent = SPEC[axis].carved_from
     mesh = [s for s in AXIS_SPECS if s.stride is not None]
-    allowed = [s.name for s in mesh if s.name == parent or s.cuts_parameters or s.pipelined]
+    allowed = [s.name for s in mesh if s.name == parent or s.cuts_parameters or s.pipelined or s.splits_sequence]
     return [s.name for s in mesh if s.meaning and s.name not in allowed], allowed
 
 

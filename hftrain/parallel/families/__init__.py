@@ -34,7 +34,7 @@ model's modules when it is split (``llama.llama_architecture``).
 | Gemma-2 | yes | yes | yes (soft-capped logits: the score-modified kernel) | |
 | OLMo-2 | yes (q/k norms over every head: their sum of squares all-reduced over tp) | yes | yes | |
 | Phi-3 | yes (fused qkv and gate_up, part by part; tp divides kv heads) | yes | yes | |
-| Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | no | yes |
+| Mixtral, Qwen2-MoE, Qwen3-MoE | attention (MoE replicated, no sp) | yes (router loss summed over stages) | yes | yes |
 | ModernBERT | yes (fused Wqkv and GLU Wi, part by part) | yes | yes (bidirectional local windows) | |
 | DeBERTa-v2, DeBERTa-v3 | yes (relative embeddings' gradient summed over tp) | yes (... over pp) | yes (all_to_all) | |
 | ALBERT | yes (the shared layer group split once) | yes (the shared group: a copy per rank) | yes (gathered once) | |

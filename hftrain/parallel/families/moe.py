@@ -1,6 +1,6 @@
 """The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama's attention split over tp, the MoE blocks
-replicated over tp and their experts split over ep (the expert plan); context parallelism refused (the router loss
-needs every token)."""
+replicated over tp and their experts split over ep (the expert plan); under context parallelism the routers see this
+rank's positions and the router loss's sums are all-reduced over dp × cp (``hftrain.parallel.ep_routing``)."""
 
 from __future__ import annotations
 
@@ -25,28 +25,19 @@ def _moe_plan(*, head_norms: bool = False) -> TensorParallelPlan:
     )
 
 
-_MOE_REFUSALS = {
-    "cp": "its router loss needs every token's routing of the whole sequence, which a sequence shard does not "
-    "see; use cp 1 (tp, pp, ep and dp split it)",
-}
-
 FAMILIES: dict[str, Family] = {
     "mixtral": Family(
         "Mixtral",
         tp=_moe_plan(),
         experts=ExpertPlan(num_experts="num_local_experts"),
-        refusals=_MOE_REFUSALS,
         **DECODER,
     ),
     # its shared expert stays replicated, as the router
-    "qwen2_moe": Family(
-        "Qwen2-MoE", tp=_moe_plan(), experts=ExpertPlan(num_experts="num_experts"), refusals=_MOE_REFUSALS, **DECODER
-    ),
+    "qwen2_moe": Family("Qwen2-MoE", tp=_moe_plan(), experts=ExpertPlan(num_experts="num_experts"), **DECODER),
     "qwen3_moe": Family(
         "Qwen3-MoE",
         tp=_moe_plan(head_norms=True),
         experts=ExpertPlan(num_experts="num_experts"),
-        refusals=_MOE_REFUSALS,
         **DECODER,
     ),
 }
