@@ -22,7 +22,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.megatron_runs import assert_parity, assert_same_weights
-from tests.tiny import counting_documents, run_tiny_training, tiny_config, tiny_tokenizer, train_job, write_jsonl
+from tests.tiny import moe_lm_job, run_tiny_training, train_job
 
 DATA = {"words": (20, 60), "max_seq_length": 64, "steps": 10, "return_weights": True}
 CASES = {  # label -> (family, strategy options)
@@ -30,24 +30,6 @@ CASES = {  # label -> (family, strategy options)
     "qwen3_moe-all_to_all": ("qwen3_moe", {"cp": 2, "cp_comm": "all_to_all"}),
     "qwen2_moe-ring": ("qwen2_moe", {"cp": 2}),
 }
-
-
-def _lm_job(root) -> dict[str, str]:
-    """A tiny Mixtral causal LM (its EOS the padding) with a word-level tokenizer, and its data."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = tiny_tokenizer("gpt2")
-    config = tiny_config("mixtral", max_positions=128)
-    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "lm")
-    tokenizer.save_pretrained(root / "lm")
-    return {
-        "root": str(root),
-        "train": write_jsonl(root / "train.jsonl", counting_documents(120, seed=0)),
-        "validation": write_jsonl(root / "validation.jsonl", counting_documents(20, seed=1)),
-    }
 
 
 def _lm(job: dict[str, str], run: str, **fields) -> dict:
@@ -103,7 +85,7 @@ def _references(job: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    job = _lm_job(tmp_path_factory.mktemp("moe_cp"))
+    job = moe_lm_job(tmp_path_factory.mktemp("moe_cp"))
     two = run_distributed(_cp2, nprocs=2, timeout=900, job=job)
     four = run_distributed(_four, nprocs=4, timeout=900, root=str(tmp_path_factory.mktemp("ep_cp")))
     (one,) = run_distributed(_references, nprocs=1, timeout=900, job=job)

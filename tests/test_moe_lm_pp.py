@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tiny import counting_documents, tiny_config, tiny_tokenizer, train_job, write_jsonl
+from tests.tiny import moe_lm_job, tiny_config, train_job
 
 STEPS, STOP = 6, 4
 LAYOUT = {"pp": 2, "num_microbatches": 2}
@@ -29,20 +29,7 @@ LAYOUT = {"pp": 2, "num_microbatches": 2}
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict[str, str]:
     """A tiny Mixtral causal LM (its EOS the padding) with a word-level tokenizer, and its data."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("moe_lm_pp")
-    tokenizer = tiny_tokenizer("gpt2")
-    config = tiny_config("mixtral", max_positions=128)
-    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "lm")
-    tokenizer.save_pretrained(root / "lm")
-    return {
-        "root": str(root),
-        "train": write_jsonl(root / "train.jsonl", counting_documents(120, seed=0)),
-        "validation": write_jsonl(root / "validation.jsonl", counting_documents(20, seed=1)),
-    }
+    return moe_lm_job(tmp_path_factory.mktemp("moe_lm_pp"))
 
 
 def _config(job: dict[str, str], run: str, *, micro: int, accumulation: int, **fields):

@@ -401,6 +401,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
+def moe_lm_job(root: Path) -> dict[str, str]:
+    """A tiny Mixtral causal LM (its EOS the padding) with a word-level tokenizer in ``root / "lm"``, and its data:
+    ``root``, ``train`` and ``validation`` (JSON Lines of :func:`counting_documents`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer("gpt2")
+    config = tiny_config("mixtral", max_positions=128)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "lm")
+    tokenizer.save_pretrained(root / "lm")
+    return {
+        "root": str(root),
+        "train": write_jsonl(root / "train.jsonl", counting_documents(120, seed=0)),
+        "validation": write_jsonl(root / "validation.jsonl", counting_documents(20, seed=1)),
+    }
+
+
 def train_job(config, *, stop_at_step: int | None = None) -> tuple[Any, dict]:
     """A job config trained in this process group as ``hftrain.job.run_training`` runs it (validation, data cache,
     trainer, the verified export beside the last checkpoint into ``<output_dir>/model``): the trainer, and the run's
