@@ -21,6 +21,17 @@ class _StdoutHandler(logging.StreamHandler):
         pass
 
 
+class _RankFormatter(logging.Formatter):
+    """``[rank R] message`` when more than one process runs, read from the environment at each line (not when the
+    handler was made: a process whose launcher variables are set later, or a test that sets them, prints right)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return f"[rank {os.environ.get('RANK', '0')}] {line}"
+        return line
+
+
 def get_logger() -> logging.Logger:
     """hftrain's logger; lines are prefixed with the rank when more than one process runs."""
     logger = logging.getLogger(_LOGGER_NAME)
@@ -28,9 +39,7 @@ def get_logger() -> logging.Logger:
     # handlers added to or taken from "hftrain") must not make hftrain's lines vanish or print twice
     if not any(isinstance(handler, _StdoutHandler) for handler in logger.handlers):
         handler = _StdoutHandler()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
-        handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+        handler.setFormatter(_RankFormatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     logger.propagate = False

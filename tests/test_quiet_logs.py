@@ -68,7 +68,7 @@ def test_a_library_warning_that_matters_still_reaches_the_user(tmp_path):
     assert done.returncode == 0 and "this argument is deprecated: use that one" in done.stderr, done.stderr
 
 
-def test_a_logging_configuration_that_takes_hftrains_handler_loses_no_line_and_doubles_none(capsys):
+def test_a_logging_configuration_that_takes_hftrains_handler_loses_no_line_and_doubles_none(capsys, monkeypatch):
     """Another library's or a notebook's logging setup (its own handler on "hftrain", propagation back on, as
     ``logging.config.dictConfig`` leaves a logger it resets) does not make hftrain's lines vanish or print twice."""
     import logging
@@ -86,6 +86,12 @@ def test_a_logging_configuration_that_takes_hftrains_handler_loses_no_line_and_d
         log_main("model: one line")
         log_main("model: one line")
         assert capsys.readouterr().out.splitlines() == ["model: one line", "model: one line"]
+        # the rank prefix follows the environment of the line, not of the first call
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        get_logger().info("model: two")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        get_logger().info("model: one")
+        assert capsys.readouterr().out.splitlines() == ["[rank 0] model: two", "model: one"]
     finally:
         logger.handlers[:] = saved[0]
         logger.propagate = saved[1]

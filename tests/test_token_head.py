@@ -98,9 +98,9 @@ def test_head_kinds_and_their_refusals():
     # token classifier (its router loss is not in that pipeline loss yet)
     assert [HEADS[k].router_loss for k in HEADS] == [True, False, True]
     moe = tiny_config("mixtral")
-    assert trainable_axes(moe) == trainable_axes(moe, head="causal_lm") == {"tp", "pp", "ep"}
+    assert trainable_axes(moe) == trainable_axes(moe, head="causal_lm") == {"tp", "pp", "cp", "ep"}
     check_family(moe, head="causal_lm")
-    assert trainable_axes(moe, head="token_classification") == {"tp", "ep"}
+    assert trainable_axes(moe, head="token_classification") == {"tp", "cp", "ep"}
     with pytest.raises(ConfigError, match="not its token_classification head") as info:
         check_family(moe, head="token_classification")
     assert "\n" not in str(info.value)
