@@ -6,24 +6,53 @@ with the usual launcher environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and ret
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
+_PORT_FLOOR = 20000  # below Linux's ephemeral range (ip_local_port_range starts at 32768)
+_PORT_SLICE = 2000  # ports per pytest-xdist worker: six workers fit under 32768
+
+
+def _port_sequence() -> Iterator[int]:
+    """This test process's ports: its own slice of [20000, 32000), walked in order from a pid-chosen start."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = _PORT_FLOOR + (int(worker) % 6 if worker.isdigit() else 0) * _PORT_SLICE
+    start = os.getpid() % _PORT_SLICE
+    return (low + (start + step) % _PORT_SLICE for step in itertools.count())
+
+
+_PORTS = _port_sequence()
+
 
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on loopback that nothing listens on now, and that no other test worker or connection takes.
+
+    The port is only checked here; the ranks bind it seconds later, after spawn has imported torch. A port the
+    OS hands out (``bind(0)``) comes from the ephemeral range, which every gloo connection of the other
+    pytest-xdist worker also draws from, so in that window it could be taken: EADDRINUSE in
+    ``test_pp_zero1``'s rendezvous in a clean-clone two-worker run. Each worker therefore takes ports from its
+    own slice below the ephemeral range, and walks it, so consecutive launches never reuse a port still in
+    TIME_WAIT.
+    """
+    for _ in range(_PORT_SLICE):
+        port = next(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in this worker's slice of [{_PORT_FLOOR}, {_PORT_FLOOR + 6 * _PORT_SLICE})")
 
 
 def _worker(rank: int, fn: Callable[..., Any], kwargs: dict, nprocs: int, port: int, out_dir: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_same_exports, job_args, logged_losses
+from tests.distributed import free_port
 from tests.netns import run_on_nodes, two_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def _launcher(kind: str, strategy: str, *, node_rank: int, per_node: int, master
 def _launch(nodes, tiny_job, tmp_path, kind, strategy, per_node, *, output_dirs=None, extra=(), tag=""):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{n.address} slots={per_node}\n" for n in nodes))
-    port = random.randrange(20000, 30000)
+    port = free_port()
     outs = output_dirs or [tmp_path / "out"] * 2
     micro = ["--per_device_train_batch_size", str(MICRO[2 * per_node])]
     commands = []
@@ -215,7 +215,7 @@ def test_doctor_across_machines(nodes, tmp_path):
     """The doctor on each machine: hostfile, rendezvous over the veth, interface, versions compared."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{n.address} slots=1\n" for n in nodes))
-    port = str(random.randrange(20000, 30000))
+    port = str(free_port())
     doctor = [sys.executable, "-m", "hftrain", "doctor", "--hostfile", str(hostfile), "--master_port", port]
     doctor += ["--nproc_per_node", "1", "--timeout", "30"]
     logs = [tmp_path / "doctor0.log", tmp_path / "doctor1.log"]
@@ -250,7 +250,7 @@ def test_elastic_restart_across_machines(nodes, tiny_job, tmp_path):
 
     args = [*_job_args(tiny_job, tmp_path / "out"), "--max_steps", "16", "--save_steps", "2"]
     args += ["--resume_from_checkpoint", "auto", "--per_device_train_batch_size", str(MICRO[2])]
-    endpoint = f"{nodes[0].address}:{random.randrange(20000, 30000)}"
+    endpoint = f"{nodes[0].address}:{free_port()}"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
     torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "hftrain-test"]
     torchrun += ["--max-restarts", "3"]
