@@ -17,6 +17,7 @@ TASK = Task(
     trainer="hftrain.trainers.token_classification:TokenClassificationTrainer",
     pipeline_head="token_classification",
     per_token_loss=True,
-    # tp (+sp), pp and cp train as one process (tests/test_token_classification.py); expert parallelism is untried
+    # tp (+sp), pp and cp train as one process (tests/test_token_classification.py; a mixture of experts at cp:
+    # tests/test_cp_families_resume.py); expert parallelism is untried
     megatron_axes_not_built=("ep",),
 )
