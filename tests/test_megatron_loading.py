@@ -2,16 +2,16 @@
 result is today's whole load, bit for bit.
 
 One process: the slice reader equals ``Split.local`` of the whole tensor for every kind of split (rows by byte range,
-packed blocks, replicated key/value heads, padding, a column split, a bf16 file into fp32); a pipeline rank's own
-blocks are read and the other stages' left on ``meta``; LoRA under megatron loads its stages' part whole, said in one
-line; cp and ep are refused by the loading in one line.
+packed blocks, replicated key/value heads, padding, a split of the input dimension, a bf16 file into fp32); a pipeline
+rank's own blocks are read and the other stages' left on ``meta``; LoRA under megatron loads the whole model, said in
+one line; cp and ep are refused by the loading in one line.
 
-Two gloo processes, one launch, Llama (grouped-query) and BERT folders: tp2 and pp2 each train 3 fp32 steps with
-megatron's loading and with today's load (``from_pretrained`` of the whole model under tp, of the rank's stages
-under pp): the weights right after ``prepare``, every loss and the exported folder are equal, bit for bit; the
-startup line says how the blocks were loaded; the bytes each rank read from the file are its own stage's blocks
-(pp) and, for the split tensors, about its half (tp). Llama under tp2 is also stopped at step 2 and resumed: the
-resumed loss is the uninterrupted one.
+Two gloo processes, one launch, Llama (grouped-query), BERT and GPT-2 (``Conv1D``: transposed weights) folders: tp2
+and pp2 each train 3 fp32 steps with megatron's loading and with today's load (``from_pretrained`` of the whole model
+under tp, of the rank's stages under pp): the weights right after ``prepare``, every loss and the exported folder are
+equal, bit for bit; the startup line says how the blocks were loaded; the bytes each rank read from the file are its
+own stage's blocks (pp), and half of every tensor split along its rows, the rest whole (tp). Llama under tp2 is also
+stopped at step 2 and resumed: the resumed loss is the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_a_stage_reads_its_own_blocks_and_leaves_the_others_on_meta(tmp_path, ca
             assert torch.equal(staged.state_dict()[name], tensor), name
 
 
-def test_lora_under_megatron_loads_the_stages_part_whole_and_says_so(tmp_path, capsys):
+def test_lora_under_megatron_loads_the_whole_model_and_says_so(tmp_path, capsys):
     from hftrain.strategies.megatron.loading import MegatronLoading
 
     folder = _save(tmp_path, "llama")
@@ -237,21 +237,21 @@ def _save_layers(folder, kind: str, layers: int) -> str:
 
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory) -> list[dict]:
-    folders = {kind: _save_layers(tmp_path_factory.mktemp(kind), kind, 4) for kind in ("llama", "bert")}
+    folders = {kind: _save_layers(tmp_path_factory.mktemp(kind), kind, 4) for kind in ("llama", "bert", "gpt2")}
     return run_distributed(_runs, nprocs=2, timeout=900, folders=folders)
 
 
 def _block(name: str) -> int | None:
     """The layer index of a stored tensor's name, None outside the layers."""
     parts = name.split(".")
-    for key in ("layers", "layer"):
+    for key in ("layers", "layer", "h"):
         if key in parts and parts.index(key) + 1 < len(parts):
             return int(parts[parts.index(key) + 1])
     return None
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["llama", "bert"])
+@pytest.mark.parametrize("kind", ["llama", "bert", "gpt2"])
 @pytest.mark.parametrize("label", list(LAYOUTS))
 def test_megatron_loading_equals_todays_load(distributed, kind, label):
     for rank, runs in enumerate(distributed):
