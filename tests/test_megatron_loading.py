@@ -11,7 +11,8 @@ and pp2 each train 3 fp32 steps with megatron's loading and with today's load (`
 under tp, of the rank's stages under pp): the weights right after ``prepare``, every loss and the exported folder are
 equal, bit for bit; the startup line says how the blocks were loaded; the bytes each rank read from the file are its
 own stage's blocks (pp), and half of every tensor split along its rows, the rest whole (tp). Llama under tp2 is also
-stopped at step 2 and resumed: the resumed loss is the uninterrupted one.
+stopped at step 2 and resumed: the resumed loss is the uninterrupted one. Four processes: Llama under tp2 × pp2, the
+same comparisons.
 """
 
 from __future__ import annotations
@@ -286,3 +287,30 @@ def test_megatron_loading_equals_todays_load(distributed, kind, label):
 def test_a_run_loaded_blockwise_resumes_as_it_ran(distributed):
     for runs in distributed:
         assert runs["resumed"]["losses"][-1] == runs[("llama", "tp2", True)]["losses"][-1]
+
+
+def _tp_pp_runs(folder: str) -> dict:
+    layout = {"tp": 2, "pp": 2, "num_microbatches": 2}
+    return {todays: _train(folder, layout, todays) for todays in (False, True)}
+
+
+@pytest.mark.distributed
+def test_tp2_by_pp2_on_four_ranks_equals_todays_load(tmp_path):
+    folder = _save_layers(tmp_path, "llama", 4)
+    ranks = run_distributed(_tp_pp_runs, nprocs=4, timeout=900, folder=folder)
+    stages = []
+    for runs in ranks:
+        new, old = runs[False], runs[True]
+        assert new["prepared"].keys() == old["prepared"].keys()
+        for name, tensor in old["prepared"].items():
+            assert torch.equal(new["prepared"][name], tensor), name
+        assert new["losses"] == old["losses"]
+        for name, tensor in old["exported"].items():
+            assert torch.equal(new["exported"][name], tensor), name
+        own = {_block(name) for name in new["prepared"]} - {None}
+        read = {name: share for name, share in new["read"].items() if _block(name) is not None}
+        assert {_block(name) for name, share in read.items() if share} == own  # its stage's layers only
+        assert {share for name, share in read.items() if _block(name) in own} == {0.5, 1.0}  # split rows: half
+        stages.append(own)
+    assert stages[0] == stages[1] != stages[2] == stages[3]  # tp ranks adjacent, one stage each
+    assert any("loaded for tp=2: their" in line and "pp=2" in line for line in ranks[0][False]["lines"])
