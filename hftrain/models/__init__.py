@@ -347,7 +347,7 @@ class PretrainedBuilder:
         why = why or ("no transformer block is stored as the model holds it" if not blocks else "see above")
         if model is None:
             model, initialised, left_out = self._load(others, partial=self.lora is None)
-        whole = "its pipeline stages' part of the model" if left_out else "the whole model"
+        whole = "its pipeline stages' part of the model" if others is not None and left_out else "the whole model"
         log_main(f"model: every rank loads {whole} ({why}; peak memory: {whole} per rank)")
         return self._finish(model, initialised)
 
