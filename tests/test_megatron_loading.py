@@ -11,8 +11,9 @@ and pp2 each train 3 fp32 steps with megatron's loading and with today's load (`
 under tp, of the rank's stages under pp): the weights right after ``prepare``, every loss and the exported folder are
 equal, bit for bit; the startup line says how the blocks were loaded; the bytes each rank read from the file are its
 own stage's blocks (pp), and half of every tensor split along its rows, the rest whole (tp). Llama under tp2 is also
-stopped at step 2 and resumed: the resumed loss is the uninterrupted one. Four processes: Llama under tp2 × pp2, the
-same comparisons.
+stopped at step 2 and resumed: the resumed loss is the uninterrupted one. Phi-3 (fused q/k/v and gate/up), OLMo-2
+(width norms) and ModernBERT (packed ``Wqkv``, GLU ``Wi``) at tp2: weights after ``prepare`` and losses equal. Four
+processes: Llama under tp2 × pp2, the same comparisons.
 """
 
 from __future__ import annotations
@@ -314,3 +315,65 @@ def test_tp2_by_pp2_on_four_ranks_equals_todays_load(tmp_path):
         stages.append(own)
     assert stages[0] == stages[1] != stages[2] == stages[3]  # tp ranks adjacent, one stage each
     assert any("loaded for tp=2: their" in line and "pp=2" in line for line in ranks[0][False]["lines"])
+
+
+SPECIAL = ("phi3", "olmo2", "modernbert")  # fused q/k/v and gate/up (blocks), width norms, packed Wqkv + GLU Wi
+
+
+def _two_steps(folder: str, kind: str, todays: bool) -> tuple[dict, list[float], list[str]]:
+    """This rank's weights after ``prepare``, 2 fp32 losses at tp2 and the ``model:`` lines (the tokenizer built
+    here: ``AutoTokenizer`` would rebuild a word-level one by the family's class, pitfall 33)."""
+    from hftrain.cli import launch_info_from_environ
+    from hftrain.config import TrainingConfig
+    from hftrain.data.batching import tokenize_splits
+    from hftrain.log import get_logger
+    from hftrain.strategies import strategy_from_options
+    from hftrain.trainers import SequenceClassificationTrainer
+    from tests.tiny import _fresh_output_dir, reset_accelerate_state, tiny_splits, tiny_tokenizer
+
+    reset_accelerate_state()
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    get_logger().addHandler(handler)
+    tokenizer = tiny_tokenizer(kind)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    splits = tokenize_splits(tiny_splits(24, 4), tokenizer, max_seq_length=16)
+    args = TrainingConfig(
+        output_dir=_fresh_output_dir(), per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3,
+        logging_steps=1, log_with="none", mixed_precision="no",
+    )  # fmt: skip
+    builder = _builder(folder)
+    trainer = SequenceClassificationTrainer(
+        args,
+        strategy=strategy_from_options("megatron", {"tp": 2}, launch=launch_info_from_environ()),
+        model_init=TodaysBuilder(builder) if todays else builder,
+        tokenizer=tokenizer,
+        train_dataset=splits["train"],
+        eval_dataset=None,
+    )
+    prepared = {name: p.detach().clone() for name, p in trainer.runtime._params.items()}
+    trainer.fit()
+    get_logger().removeHandler(handler)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return prepared, losses, [x for x in lines if x.startswith("model: ")]
+
+
+def _special_runs(folders: dict[str, str]) -> dict:
+    return {(kind, todays): _two_steps(folder, kind, todays) for kind, folder in folders.items() for todays in (0, 1)}
+
+
+@pytest.mark.distributed
+def test_families_with_special_splits_equal_todays_load_at_tp2(tmp_path):
+    folders = {kind: _save_layers(tmp_path / kind, kind, 2) for kind in SPECIAL}
+    ranks = run_distributed(_special_runs, nprocs=2, timeout=900, folders=folders)
+    for runs in ranks:
+        for kind in SPECIAL:
+            (new, new_losses, _), (old, old_losses, _) = runs[(kind, 0)], runs[(kind, 1)]
+            assert new.keys() == old.keys()
+            for name, tensor in old.items():
+                assert torch.equal(new[name], tensor), (kind, name)
+            assert len(old_losses) == 2 and new_losses == old_losses, kind
+    for kind in SPECIAL:  # rank 0's line
+        lines = ranks[0][(kind, 0)][2]
+        assert any("loaded for tp=2: their" in line for line in lines), (kind, lines)
