@@ -22,7 +22,8 @@ dominate, sharding them over 2 ranks approaches 0.5.
 Models (random weights, built once under /tmp): ``big``: Llama, hidden 1,024, 24 layers, 16 heads, intermediate
 2,560, vocabulary 32,000 (322M parameters: 1.29 GB of fp32 weights, 5.2 GB with gradients and Adam moments);
 ``small``: hidden 256, 4 layers (11M); ``smollm2``: the embedded SmolLM2-135M. Layouts: ``ddp1`` and ``NAMExN``
-for NAME in ddp, fsdp1, fsdp2, zero1, zero2, zero3, zero3_offload (parameters and optimizer on the CPU).
+for NAME in ddp, fsdp1, fsdp2, zero1, zero2, zero3, zero3_offload (parameters and optimizer on the CPU), and
+megatron's ``tp`` (tp = N), ``pp`` (pp = N) and ``tp_pp`` (tp 2 × pp N/2).
 ``--ref REV`` runs each layout with REV's code too (a ``git worktree`` under /tmp, first on ``PYTHONPATH``): rows
 ``old`` (REV) and ``new`` (this working tree).
 
@@ -60,12 +61,18 @@ STRATEGIES = {
     "zero2": ["--strategy.name", "zero2"],
     "zero3": ["--strategy.name", "zero3"],
     "zero3_offload": ["--strategy.name=zero3", "--strategy.offload_params=true", "--strategy.offload_optimizer=true"],
+    # megatron over all N processes: tp = N, pp = N, or tp = 2 × pp = N / 2 ("{n}": the process count)
+    "tp": ["--strategy.name", "megatron", "--parallelism.tp", "{n}"],
+    "pp": ["--strategy.name", "megatron", "--parallelism.pp", "{n}"],
+    "tp_pp": ["--strategy.name", "megatron", "--parallelism.tp", "2", "--parallelism.pp", "{n/2}"],
 }
 STEPS, INTERVAL, GB = 3, 0.3, 1e9
 PHASES = ("model", "load", "first step", "steps", "save+export")
 MODEL_BUILT = re.compile(r"length buckets: ")  # the first line logged once the model is built (old code and new)
 BAR = re.compile(r"\|\s*(\d+)/(\d+) \[[^\]]*step")  # tqdm's '| 1/3 [00:01<00:02, 1.1step/s]'
-FIELDS = re.compile(r"\b(strategy|zero_stage|fsdp_version|sharding_strategy|offload_\w+|sharded)=(\[[^\]]*\]|[^,\s]+)")
+FIELDS = re.compile(
+    r"\b(strategy|zero_stage|fsdp_version|sharding_strategy|offload_\w+|sharded|tp|pp)=(\[[^\]]*\]|[^,\s]+)"
+)
 
 
 def _build(kind: str, folder: Path) -> None:
@@ -106,6 +113,11 @@ def parse_layout(layout: str) -> tuple[str, int]:
     if not match or match[1] not in STRATEGIES:
         raise SystemExit(f"layout '{layout}': expected ddp1 or NAMExN with NAME in {', '.join(STRATEGIES)}")
     return match[1], int(match[2])
+
+
+def _options(strategy: str, nprocs: int) -> list[str]:
+    """The layout's command-line options, its ``{n}`` (``{n/2}``) the process count (half of it)."""
+    return [arg.replace("{n}", str(nprocs)).replace("{n/2}", str(nprocs // 2)) for arg in STRATEGIES[strategy]]
 
 
 def _status(pid: int) -> tuple[int, int] | None:
@@ -277,7 +289,7 @@ def main() -> None:
                    "--model_name_or_path", folder, "--dataset_name", "null", "--train_file", str(data),
                    "--max_steps", str(STEPS), "--per_device_train_batch_size", "8", "--max_seq_length", "128",
                    "--mixed_precision", "no", "--log_with", "none", "--output_dir", str(output),
-                   *STRATEGIES[strategy]]  # fmt: skip
+                   *_options(strategy, nprocs)]  # fmt: skip
             job = run_job(cmd, code, env, args.timeout, nprocs > 1) | {"layout": layout, "label": label}
             job["summary"] = summarize(job)
             jobs.append(job)

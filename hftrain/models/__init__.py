@@ -239,13 +239,15 @@ class PretrainedBuilder:
         parameter the checkpoint lacks, LoRA adapters), the whole model is built.
 
         Args:
-            leave_out: the dotted paths of submodules to leave on ``meta``, or None for the whole model.
+            leave_out: the dotted paths of submodules to leave on ``meta``, or None for the whole model. With
+                ``loading`` too, they stay on ``meta`` (a pipeline rank's other stages) and ``loading`` is given only
+                the blocks outside them.
             loading: the strategy's way to hold the blocks (``hftrain.strategies.loading``): they are left out of
                 ``from_pretrained`` (``hftrain.models.weights.blocks_in``) and ``loading.materialize`` reads them
                 from the folder's safetensors, before any LoRA adapter is added; None: ``from_pretrained`` loads them.
         """
         if loading is not None:
-            return self._build_blocks_apart(loading)
+            return self._build_blocks_apart(loading, leave_out)
         model, initialised, _ = self._load(leave_out, partial=self.lora is None)
         return self._finish(model, initialised)
 
@@ -293,10 +295,13 @@ class PretrainedBuilder:
                 )
         return model, sorted(info["missing_keys"]), False
 
-    def _build_blocks_apart(self, loading: BlockLoading) -> PreTrainedModel | PeftModel:
+    def _build_blocks_apart(self, loading: BlockLoading, others: LeaveOut | None = None) -> PreTrainedModel | PeftModel:
         """:meth:`build` with ``loading``: the transformer blocks left out of ``from_pretrained`` and read by
         ``loading`` (before any LoRA adapter is added); the whole model, said in one line, where the folder's weights
-        are not safetensors, no block is stored as the model holds it, or ``loading`` cannot take LoRA adapters."""
+        are not safetensors, no block is stored as the model holds it, or ``loading`` cannot take LoRA adapters.
+        What ``others`` names (a pipeline rank's other stages) is left on ``meta`` in every case where
+        ``from_pretrained`` may leave it out (as :meth:`build` with ``leave_out`` alone), and is never given to
+        ``loading``."""
         from transformers import AutoConfig
 
         from hftrain.log import log_main
@@ -317,8 +322,16 @@ class PretrainedBuilder:
         blocks: list[str] = []
 
         def leave_out(model: Any) -> list[str]:
-            blocks.extend(blocks_in(model, weights))
-            return blocks
+            skipped = list(others(model)) if others is not None else []
+            inside = tuple(f"{path}." for path in skipped)  # a block in or around a skipped module is theirs
+            blocks.extend(
+                path
+                for path in blocks_in(model, weights)
+                if path not in skipped
+                and not path.startswith(inside)
+                and not any(s.startswith(f"{path}.") for s in skipped)
+            )
+            return [*skipped, *blocks]
 
         model, initialised, left_out = (None, [], False) if why else self._load(leave_out, partial=True)
         if left_out and blocks:
@@ -332,9 +345,10 @@ class PretrainedBuilder:
             log_main(f"model: {loading.describe(len(blocks))}")
             return self._finish(model, initialised)
         why = why or ("no transformer block is stored as the model holds it" if not blocks else "see above")
-        log_main(f"model: every rank loads the whole model ({why}; peak memory: the whole model per rank)")
         if model is None:
-            model, initialised, _ = self._load(None, partial=False)
+            model, initialised, left_out = self._load(others, partial=self.lora is None)
+        whole = "its pipeline stages' part of the model" if others is not None and left_out else "the whole model"
+        log_main(f"model: every rank loads {whole} ({why}; peak memory: {whole} per rank)")
         return self._finish(model, initialised)
 
     def _finish(self, model: PreTrainedModel, initialised: list[str]) -> PreTrainedModel | PeftModel:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hftrain.parallel.collectives import copy_to_tp, reduce_from_tp, reduce_scatter_to_sequence
+from hftrain.parallel.deferred import local_slice
 from hftrain.parallel.placement import Split, place, placed
 from hftrain.parallel.plans import padded_vocab_size
 
@@ -43,7 +44,8 @@ def _split_parameter(
 ) -> tuple[nn.Parameter, Split]:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     shard = Split(dim, rank, size, tuple(tensor.shape), parts, counts, padded, replicas, blocks)
-    return nn.Parameter(shard.local(tensor.detach()), requires_grad=tensor.requires_grad), shard
+    # a loader's deferred parameter (hftrain.parallel.deferred) reads only this slice from the checkpoint
+    return nn.Parameter(local_slice(tensor, shard), requires_grad=tensor.requires_grad), shard
 
 
 def _is_conv1d(module: nn.Module) -> bool:

@@ -24,6 +24,11 @@ strategy's :class:`BlockLoading` gives them their weights:
                        with the plugin's ``param_init_fn``, here: give the block host memory and read it with
                        ``pread``; FSDP then flattens and shards it before the next unit: a rank peaks at its shards
                        plus one block (and its flat copy). No collective.
+``MegatronLoading``    megatron (``hftrain.strategies.megatron.loading``): a rank's pipeline stages' blocks only (the
+                       other stages stay on ``meta``); under tp each tensor the plan splits stays on ``meta`` until
+                       ``prepare`` splits it, then reads this rank's slice only (``hftrain.parallel.deferred``: output
+                       rows by byte range, a row-parallel weight whole then sliced), the rest of each block read at
+                       once: a rank peaks at its shards plus one tensor. No collective.
 =====================  ===========================================================================================
 
 Exactness: the blocks hold the file's bytes, cast as ``from_pretrained`` casts them (``Tensor.copy_``); a block is

@@ -8,6 +8,8 @@
                    export, evaluation)
 ``pipeline.py``    ``PipelineRuntime``: stages and schedules (pp > 1), on top of ``MegatronRuntime``
 ``state.py``       checkpoint state: this rank's boxes of each logical tensor (sharded format); streamed export
+``loading.py``     ``MegatronLoading``: a pretrained model's blocks read by this rank's stages only, and under tp
+                   only its slice of each split tensor, as ``prepare`` splits it
 =================  ==============================================================================================
 
 ``hftrain.parallel`` below knows neither the Trainer, nor Accelerate; nothing outside this package imports from

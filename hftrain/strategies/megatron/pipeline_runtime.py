@@ -48,6 +48,7 @@ from hftrain.strategies.megatron.runtime import MegatronRuntime, OptimizerPlan, 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from hftrain.models.weights import BlockLoading
     from hftrain.parallel.dims import ParallelGroups
     from hftrain.strategies.megatron.plugin import MegatronPlugin
     from hftrain.strategies.runtime import Batch, RuntimeTask
@@ -176,8 +177,9 @@ class PipelineRuntime(MegatronRuntime):
         *,
         task: RuntimeTask,
         release_freed_memory: Callable[[], None] = lambda: None,
+        block_loading: Callable[[Accelerator], BlockLoading | None] | None = None,
     ) -> None:
-        super().__init__(accelerator, plugin, task=task)
+        super().__init__(accelerator, plugin, task=task, block_loading=block_loading)
         self.release_freed_memory = release_freed_memory
         self.pipeline = options
         self.num_microbatches = options.num_microbatches
@@ -187,7 +189,9 @@ class PipelineRuntime(MegatronRuntime):
     # ----------------------------------------------------------------- setup
     def build_model(self, model_init: Callable[[], Any]) -> Any:
         """The model with only this rank's stages materialized when ``model_init`` can leave modules out
-        (``hftrain.models.PretrainedBuilder``); a plain callable builds the whole model, cut in ``prepare``."""
+        (``hftrain.models.PretrainedBuilder``), their blocks loaded by the strategy's loading where it has one
+        (``MegatronLoading``: under tp, each split tensor's slice read as ``prepare`` splits it); a plain callable
+        builds the whole model, cut in ``prepare``."""
         from hftrain.parallel import other_stages_modules, stage_ranges
         from hftrain.parallel.schedules import schedule_class
 
@@ -213,7 +217,9 @@ class PipelineRuntime(MegatronRuntime):
 
         with self.plain_model_context():
             build = getattr(model_init, "build", None)
-            model = build(leave_out=leave_out) if build is not None else model_init()
+            # this rank's own blocks too, where the strategy has a way (hftrain.strategies.megatron.loading)
+            loading = self._block_loading(self.accelerator) if build is not None and self._block_loading else None
+            model = build(leave_out=leave_out, loading=loading) if build is not None else model_init()
         if self._ranges is None:  # built whole: split by the whole model's logical sizes, as a built-out one
             self._ranges = stage_ranges(
                 model,

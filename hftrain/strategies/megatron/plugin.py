@@ -126,7 +126,9 @@ class MegatronPlugin:
         docs/pitfalls.md). Splitting runs no collective on the weights (the replica check agrees on a host checksum,
         ``parallel.host``).
 
-        Every rank must hold the same full weights before (same seed or the same checkpoint). The RNG tracker
+        Every rank must hold the same full weights before (same seed or the same checkpoint), or leave them on
+        ``meta`` with a reader of the checkpoint (``hftrain.parallel.deferred``: ``MegatronLoading``), read as they
+        are split, and whole once the split is done where no split reached them. The RNG tracker
         (``hftrain.parallel.random``) is seeded here from the seed the model was built with (``torch.initial_seed``,
         what ``set_seed`` set on every rank): the model's dropout then draws Megatron's streams.
 
@@ -142,6 +144,7 @@ class MegatronPlugin:
         import torch
 
         from hftrain.parallel import parallelize_model
+        from hftrain.parallel.deferred import read_remaining
         from hftrain.parallel.random import RNGTracker
 
         groups = self.groups
@@ -152,6 +155,7 @@ class MegatronPlugin:
         model = parallelize_model(
             model, groups, rng_tracker=self.rng_tracker, recompute=self.recompute, head=head, **options
         )
+        read_remaining(model)  # what a loader left on meta that no split read (``MegatronLoading``): read whole now
         self._split = model  # its placement records tell prepare_optimizer each parameter's data replicas
         return to_device(model, device) if device is not None and move else model
 

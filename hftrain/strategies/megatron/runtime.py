@@ -15,7 +15,7 @@ clipping (``hftrain.parallel.clip_grad_norm_``, summed over pp too when there ar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.checkpoint.sharded import Snapshot
+    from hftrain.models.weights import BlockLoading
     from hftrain.strategies.megatron.plugin import MegatronPlugin
     from hftrain.strategies.runtime import RuntimeTask
 
@@ -36,10 +37,19 @@ class MegatronRuntime(AccelerateRuntime):
     Args:
         accelerator: gives the process group, accumulation, autocast and trackers.
         plugin: the set-up plugin.
+        block_loading: the strategy's way to load a pretrained model's blocks (``MegatronStrategy.block_loading``:
+            ``hftrain.strategies.megatron.loading``), or None (whole).
     """
 
-    def __init__(self, accelerator: Accelerator, plugin: MegatronPlugin, *, task: RuntimeTask) -> None:
-        super().__init__(accelerator, task=task)
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        plugin: MegatronPlugin,
+        *,
+        task: RuntimeTask,
+        block_loading: Callable[[Accelerator], BlockLoading | None] | None = None,
+    ) -> None:
+        super().__init__(accelerator, task=task, block_loading=block_loading)
         self.plugin = plugin
         self._model: torch.nn.Module | None = None  # the tensor-parallel HF model, unwrapped
         self._params: dict[str, torch.nn.Parameter] = {}  # HF name -> the parameters this rank owns

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from hftrain.config import StrategyConfig, TrainingConfig
+    from hftrain.models.weights import BlockLoading
     from hftrain.strategies.megatron.runtime import MegatronRuntime
     from hftrain.strategies.runtime import RuntimeTask
 
@@ -165,8 +166,28 @@ class MegatronStrategy(Strategy):
                 balance=self.parallelism.balance,
             )
             return PipelineRuntime(
-                accelerator, plugin, options, task=task, release_freed_memory=self.platform.release_freed_memory
+                accelerator,
+                plugin,
+                options,
+                task=task,
+                release_freed_memory=self.platform.release_freed_memory,
+                block_loading=self.block_loading,
             )
         from hftrain.strategies.megatron.runtime import MegatronRuntime
 
-        return MegatronRuntime(accelerator, plugin, task=task)
+        return MegatronRuntime(accelerator, plugin, task=task, block_loading=self.block_loading)
+
+    def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
+        """Each rank reads its pipeline stages' blocks only, and under tp only its slice of each split tensor, as
+        ``prepare`` splits it (``hftrain.strategies.megatron.loading``); None where the layout's split is not tp's
+        per block (cp, ep), said in one line: every rank then loads its stages' part (pp) or the whole model."""
+        from hftrain.strategies.megatron.loading import MegatronLoading, refusal
+
+        why = refusal(self.dims)
+        if why is not None:
+            from hftrain.log import log_main
+
+            whole = "its pipeline stages' part of the model" if self.dims.pp > 1 else "the whole model"
+            log_main(f"model: every rank loads {whole} ({why}; peak memory: {whole} per rank)")
+            return None
+        return MegatronLoading(tp=self.dims.tp, pp=self.dims.pp)
