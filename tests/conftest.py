@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import shutil
 import subprocess
@@ -13,7 +14,26 @@ from pathlib import Path
 
 import pytest
 
+from tests.file_order import longest_first, recorded, recorder_from_environment
+
 ROOT = Path(__file__).resolve().parents[1]
+_RECORDER = recorder_from_environment()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The files longest first (``tests.file_order``): the two workers' tail is the shortest files."""
+    items[:] = longest_first(items, recorded())
+
+
+def pytest_runtest_logreport(report) -> None:
+    if _RECORDER is not None:
+        _RECORDER.add(report)
+
+
+def pytest_sessionfinish(session) -> None:
+    # on the xdist controller (or a run without workers): every report has passed through it
+    if _RECORDER is not None and not hasattr(session.config, "workerinput"):
+        _RECORDER.write()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,6 +44,9 @@ def _session_tmpdir(tmp_path_factory) -> Iterator[Path]:
     the in-process runs) would otherwise stay behind in /tmp after every run: thousands of folders, gigabytes, until
     the disk is full.
     """
+    # multiprocessing's own folder (the fork server's socket, tests.distributed) is made before TMPDIR moves: it is
+    # removed by multiprocessing at exit, after this fixture has removed its root
+    multiprocessing.util.get_temp_dir()
     root = tmp_path_factory.mktemp("tmpdir")
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(root)
