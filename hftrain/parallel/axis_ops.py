@@ -38,6 +38,7 @@ NOT_BUILT = {
     "lora": "LoRA adapters",
     "zero1": "a ZeRO-1 optimizer over the dp group (strategy.shard_optimizer)",
     "compile": "compiled blocks (training.torch_compile)",
+    "block_loading": "megatron's blockwise loading (each rank reads its stages' blocks and its tp slices only)",
 }
 """The features an axis may not compose with yet (:attr:`AxisOps.not_built`'s keys), with what each is called."""
 

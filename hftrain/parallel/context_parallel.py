@@ -463,6 +463,8 @@ AXIS = AxisOps(
     not_built={
         "compile": "context parallelism's ring attention exchanges key/value blocks by point-to-point sends inside "
         "each block's attention, which dynamo cannot trace",
+        "block_loading": "the blockwise loading follows tensor parallelism's per-block split only, not the attention "
+        "context parallelism installs",
     },
 )
 """Context parallelism behind the axes' one interface."""

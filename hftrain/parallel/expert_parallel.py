@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hftrain.errors import AxisError
+from hftrain.parallel.axes import SEQUENCE_AXES
 from hftrain.parallel.axis_ops import AxisOps
 from hftrain.parallel.collectives import all_to_all_rows
 from hftrain.parallel.ep_routing import (  # noqa: F401  (re-exported: their public path)
@@ -347,16 +348,18 @@ def _check_family(config: Any, head: str | None) -> None:
 
 def _apply(model: nn.Module, groups: Any, options: Any, *, head: Any, rng_tracker: Any) -> nn.Module:
     """Split the experts over the ep group; at ep 1 too under a capacity factor (the cap applies on one rank); under
-    cp the experts' gradients are partial over cp (the module docstring)."""
+    an axis that splits the sequence (cp) the experts' gradients are partial over it (the module docstring)."""
     capacity_factor = options["moe_capacity_factor"]
     if groups.ep_size == 1 and capacity_factor is None:
         return model
     model = apply_expert_parallel(model, ep_group=groups.ep_group, capacity_factor=capacity_factor)
-    if groups.cp_size > 1:  # ep × cp: each cp rank's experts saw its positions only (module docstring)
+    # an axis that splits the sequence (cp): each of its ranks' experts saw its positions only (module docstring)
+    partial = tuple(axis for axis in SEQUENCE_AXES if groups.axes[axis].size > 1)
+    if partial:
         for module in model.modules():
             if isinstance(module, ExpertParallelExperts):
                 for name in ("gate_up_proj", "down_proj"):
-                    place(module, name, partial=("cp",))
+                    place(module, name, partial=partial)
     return model
 
 
@@ -370,6 +373,8 @@ AXIS = AxisOps(
     not_built={
         "compile": "expert parallelism's all-to-all moves a data-dependent number of tokens (a new graph for every "
         "routing)",
+        "block_loading": "the blockwise loading follows tensor parallelism's per-block split only, not the experts "
+        "expert parallelism places",
     },
 )
 """Expert parallelism behind the axes' one interface."""

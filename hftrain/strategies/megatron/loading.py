@@ -24,7 +24,8 @@ checkpoint and the export read the split model, so resume and export are unchang
 
 Where it does not apply, every rank loads its stages' part (pp) or the whole model (tp), said in the ``model:`` line:
 LoRA adapters (added after the load, they would wrap ``meta`` layers), weights that are not safetensors, and the
-layouts whose split is not only tp's per-block one (``cp > 1``, ``ep > 1``: :func:`refusal`).
+layouts whose split is not only tp's per-block one (an axis that declares so, :func:`refusal`: context and
+expert parallelism).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ SPLIT_WEIGHT = frozenset({"row", "width_norm", "width_norm_kv"})
 
 
 def refusal(dims: ParallelDims) -> str | None:
-    """Why :class:`MegatronLoading` does not apply to this layout (None: it does): context parallelism and expert
-    parallelism change the attention and the experts in ways this loading does not follow yet."""
-    for axis in ("cp", "ep"):
-        if getattr(dims, axis) > 1:
-            return f"parallelism.{axis}={getattr(dims, axis)}: megatron's blockwise loading covers tp and pp only"
+    """Why :class:`MegatronLoading` does not apply to this layout (None: it does): an axis in use that does not
+    compose with it yet, by its own declaration (``AxisOps.not_built["block_loading"]``: context and expert
+    parallelism change the attention and the experts in ways this loading does not follow)."""
+    from hftrain.parallel.axis_ops import not_built
+
+    for axis, size, why in not_built(dims, "block_loading"):
+        return f"parallelism.{axis}={size}: {why}"
     return None
 
 

@@ -180,7 +180,8 @@ class MegatronStrategy(Strategy):
     def block_loading(self, accelerator: Accelerator) -> BlockLoading | None:
         """Each rank reads its pipeline stages' blocks only, and under tp only its slice of each split tensor, as
         ``prepare`` splits it (``hftrain.strategies.megatron.loading``); None where the layout's split is not tp's
-        per block (cp, ep), said in one line: every rank then loads its stages' part (pp) or the whole model."""
+        per block (an axis's own refusal), said in one line: every rank then loads its stages' part (pp) or the whole
+        model."""
         from hftrain.strategies.megatron.loading import MegatronLoading, refusal
 
         why = refusal(self.dims)
