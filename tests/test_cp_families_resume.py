@@ -20,14 +20,13 @@ The split is real: every cp = 2 model carries its ``context_split``, and the tok
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from tests.distributed import run_distributed
 from tests.megatron_runs import assert_same_weights
-from tests.tiny import POSITIVE, WORDS, run_tiny_training
+from tests.tiny import run_tiny_training, tagged_rows
 
 # label -> (kind, megatron options at cp = 2)
 FAMILIES = {
@@ -53,18 +52,6 @@ def _export(trainer, directory: str) -> dict:
 
 
 # ----------------------------------------------------------------- the MoE token classifier (the whole job)
-def _sentences(n: int, seed: int) -> list[dict]:
-    """``n`` rows of 3..14 words; a run of 'positive' words is one POS entity (B-POS, then I-POS), the rest O."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 14))]
-        tags = [("I-POS" if i and words[i - 1] in POSITIVE else "B-POS") if w in POSITIVE else "O"
-                for i, w in enumerate(words)]  # fmt: skip
-        rows.append({"tokens": words, "tags": tags})
-    return rows
-
-
 def _token_job(root: Path) -> dict[str, str]:
     """A tiny Mixtral trunk (no head: the token head is initialised by the job) with a word-level tokenizer, and
     word-labelled JSON Lines; the same trunk without its router loss in ``mixtral-no-aux``."""
@@ -82,8 +69,8 @@ def _token_job(root: Path) -> dict[str, str]:
         tiny_tokenizer("bert").save_pretrained(root / folder)
     return {
         "root": str(root),
-        "train": write_jsonl(root / "train.jsonl", _sentences(64, seed=1)),
-        "validation": write_jsonl(root / "validation.jsonl", _sentences(13, seed=2)),
+        "train": write_jsonl(root / "train.jsonl", tagged_rows(64, seed=1, longest=14)),
+        "validation": write_jsonl(root / "validation.jsonl", tagged_rows(13, seed=2, longest=14)),
     }
 
 

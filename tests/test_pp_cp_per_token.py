@@ -16,29 +16,15 @@ runnable.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tiny import POSITIVE, WORDS, counting_documents, tiny_config, tiny_tokenizer, write_jsonl
+from tests.tiny import counting_documents, tagged_rows, tiny_config, tiny_tokenizer, write_jsonl
 
 STEPS, STOP = 6, 4
 LAYOUT = {"pp": 2, "cp": 2, "num_microbatches": 2}
 TASKS = {"causal_lm": "lm", "token_classification": "tokens"}  # task -> the job folder's model and data
-
-
-def _tagged_rows(n: int, seed: int) -> list[dict]:
-    """Sentences of 3 to 12 words; a run of 'positive' words is one POS entity (B-POS, then I-POS), the rest O."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
-        tags = [("I-POS" if i and words[i - 1] in POSITIVE else "B-POS") if w in POSITIVE else "O"
-                for i, w in enumerate(words)]  # fmt: skip
-        rows.append({"tokens": words, "tags": tags})
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +47,8 @@ def job(tmp_path_factory) -> dict[str, str]:
         "root": str(root),
         "lm_train": write_jsonl(root / "lm_train.jsonl", counting_documents(120, seed=0)),
         "lm_validation": write_jsonl(root / "lm_validation.jsonl", counting_documents(20, seed=1)),
-        "tokens_train": write_jsonl(root / "tokens_train.jsonl", _tagged_rows(64, seed=1)),
-        "tokens_validation": write_jsonl(root / "tokens_validation.jsonl", _tagged_rows(13, seed=2)),
+        "tokens_train": write_jsonl(root / "tokens_train.jsonl", tagged_rows(64, seed=1)),
+        "tokens_validation": write_jsonl(root / "tokens_validation.jsonl", tagged_rows(13, seed=2)),
     }
 
 

@@ -393,6 +393,19 @@ def counting_documents(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def tagged_rows(n: int, seed: int, *, longest: int = 12) -> list[dict]:
+    """Token-classification rows of 3 to ``longest`` words; a run of 'positive' words is one POS entity (B-POS, then
+    I-POS), the rest O."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, longest))]
+        tags = [("I-POS" if i and words[i - 1] in POSITIVE else "B-POS") if w in POSITIVE else "O"
+                for i, w in enumerate(words)]  # fmt: skip
+        rows.append({"tokens": words, "tags": tags})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     """``rows`` as JSON Lines at ``path``; the path as a string."""
     import json
