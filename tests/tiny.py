@@ -439,6 +439,7 @@ def train_job(config, *, stop_at_step: int | None = None) -> tuple[Any, dict]:
     losses, final metrics, global step, export folder and exported weights (None for a stopped run or where this
     process wrote none). The trainer is not closed: closing ends the process group, which a launch's next job still
     needs."""
+    import torch
     from safetensors.torch import load_file
 
     from hftrain.cli import launch_info_from_environ
@@ -455,6 +456,11 @@ def train_job(config, *, stop_at_step: int | None = None) -> tuple[Any, dict]:
     )
     trainer.wait_for_checkpoint()
     trainer.release_folder()
+    if torch.distributed.is_initialized():
+        # the main process released the folder's lock before any rank starts a next job in it: that job's first
+        # check (validate's run_folder_lock(...).check_free()) ran on another rank before this release, and was
+        # refused, when the ranks came out of fit at different moments
+        torch.distributed.barrier()
     weights = folder / "model.safetensors"
     return trainer, {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
