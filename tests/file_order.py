@@ -5,8 +5,8 @@ order (``--no-loadscope-reorder``; xdist's own reorder puts the files with the m
 files with a few long multi-process fixtures, the suite's most expensive, to the end, where one worker ran them
 alone while the other had nothing left). Here the files are sorted by the wall time each took in a recorded run
 (``tests/durations.json``), longest first: the greedy longest-processing-time order, whose tail is the shortest
-files. A file not in the record (a
-new one) is taken first, as if it were the longest, so it never becomes the tail unseen.
+files. A file not in the record (a new one) is taken first, as if it were the longest, so it never becomes the tail
+unseen.
 
 Record the times again after adding or changing expensive tests (one full run; the figures are per file: setup,
 call and teardown of all its tests, as the worker saw them)::

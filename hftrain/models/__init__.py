@@ -305,7 +305,7 @@ class PretrainedBuilder:
         from transformers import AutoConfig
 
         from hftrain.log import log_main
-        from hftrain.models.weights import Weights, blocks_in
+        from hftrain.models.weights import Weights, blocks_in, say_loaded_whole
 
         model_class = task_model_class(self.task, AutoConfig.from_pretrained(self.path, trust_remote_code=self.trusted))
         with reading(
@@ -347,8 +347,7 @@ class PretrainedBuilder:
         why = why or ("no transformer block is stored as the model holds it" if not blocks else "see above")
         if model is None:
             model, initialised, left_out = self._load(others, partial=self.lora is None)
-        whole = "its pipeline stages' part of the model" if others is not None and left_out else "the whole model"
-        log_main(f"model: every rank loads {whole} ({why}; peak memory: {whole} per rank)")
+        say_loaded_whole(why, stages_only=others is not None and left_out)
         return self._finish(model, initialised)
 
     def _finish(self, model: PreTrainedModel, initialised: list[str]) -> PreTrainedModel | PeftModel:

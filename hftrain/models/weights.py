@@ -176,6 +176,14 @@ class BlockLoading(Protocol):
         """One line for the log: how ``count`` blocks were loaded."""
 
 
+def say_loaded_whole(why: str, *, stages_only: bool = False) -> None:
+    """The ``model:`` startup line of a rank that loads without its strategy's blockwise loading, and why."""
+    from hftrain.log import log_main
+
+    whole = "its pipeline stages' part of the model" if stages_only else "the whole model"
+    log_main(f"model: every rank loads {whole} ({why}; peak memory: {whole} per rank)")
+
+
 def blocks_in(model: torch.nn.Module, weights: Weights) -> list[str]:
     """The dotted paths of ``model``'s transformer blocks (its ``_no_split_modules`` classes, outermost) whose every
     parameter is in ``weights`` under its name and shape, and which hold no buffer (a buffer a block computes when it

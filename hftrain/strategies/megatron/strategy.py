@@ -186,9 +186,8 @@ class MegatronStrategy(Strategy):
 
         why = refusal(self.dims)
         if why is not None:
-            from hftrain.log import log_main
+            from hftrain.models.weights import say_loaded_whole
 
-            whole = "its pipeline stages' part of the model" if self.dims.pp > 1 else "the whole model"
-            log_main(f"model: every rank loads {whole} ({why}; peak memory: {whole} per rank)")
+            say_loaded_whole(why, stages_only=self.dims.pp > 1)
             return None
         return MegatronLoading(tp=self.dims.tp, pp=self.dims.pp)
